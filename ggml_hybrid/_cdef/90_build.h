@@ -1,0 +1,10 @@
+// Defined by build.py in the extension's C source: what the module was built from.
+const char * ggml_hybrid_ggml_version(void);
+const char * ggml_hybrid_patch_hash(void);
+const char * ggml_hybrid_cdef_hash(void);
+int ggml_hybrid_has_cuda(void);
+
+// Graph accessors defined in the extension source over ggml-impl.h.
+int ggml_hybrid_graph_n_leafs(struct ggml_cgraph * g);
+struct ggml_tensor * ggml_hybrid_graph_leaf(struct ggml_cgraph * g, int i);
+bool ggml_hybrid_graph_contains(struct ggml_cgraph * g, struct ggml_tensor * t);

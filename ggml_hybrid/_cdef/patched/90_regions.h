@@ -1,0 +1,1 @@
+// region API: filled in by the region patch

@@ -1,0 +1,149 @@
+"""Backends (CPU, CUDA when built and present) and their buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._lib import cstr, ffi, lib
+from ._managed import Managed
+from .errors import AllocationError, BackendError, GgmlHybridError
+
+
+class Buffer(Managed):
+    """A backend buffer; keeps its backend (when it has one) alive."""
+
+    _kind = "buffer"
+
+    def __init__(self, ptr, backend: "Backend | None" = None, owned: bool = True):
+        if ptr == ffi.NULL:
+            raise AllocationError("backend buffer allocation failed")
+        super().__init__(ptr, lib.ggml_backend_buffer_free, owned)
+        self._backend = backend
+
+    @property
+    def size(self) -> int:
+        return int(lib.ggml_backend_buffer_get_size(self.ptr))
+
+    @property
+    def name(self) -> str:
+        return cstr(lib.ggml_backend_buffer_name(self.ptr))
+
+    @property
+    def is_host(self) -> bool:
+        return bool(lib.ggml_backend_buffer_is_host(self.ptr))
+
+    def clear(self, value: int = 0) -> None:
+        if not 0 <= value <= 255:
+            raise ValueError(f"Buffer.clear: value {value} is not a byte (0..255)")
+        lib.ggml_backend_buffer_clear(self.ptr, value)
+
+    def set_usage(self, usage: str) -> None:
+        """'weights' tells the scheduler to run ops where their weights live; 'compute' or 'any' otherwise."""
+        table = {"any": lib.GGML_BACKEND_BUFFER_USAGE_ANY, "weights": lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS,
+                 "compute": lib.GGML_BACKEND_BUFFER_USAGE_COMPUTE}
+        if usage not in table:
+            raise ValueError(f"Buffer.set_usage: usage {usage!r} is not one of {sorted(table)}")
+        lib.ggml_backend_buffer_set_usage(self.ptr, table[usage])
+
+
+class Backend(Managed):
+    """An initialised GGML backend."""
+
+    _kind = "backend"
+
+    def __init__(self, ptr, kind: str):
+        if ptr == ffi.NULL:
+            raise BackendError(f"could not initialise the {kind} backend")
+        super().__init__(ptr, lib.ggml_backend_free)
+        self.kind = kind
+        self._n_threads = None
+
+    @property
+    def name(self) -> str:
+        return cstr(lib.ggml_backend_name(self.ptr))
+
+    @property
+    def is_cpu(self) -> bool:
+        return bool(lib.ggml_backend_is_cpu(self.ptr))
+
+    @property
+    def n_threads(self) -> int | None:
+        return self._n_threads
+
+    @n_threads.setter
+    def n_threads(self, n: int) -> None:
+        if not self.is_cpu:
+            raise BackendError(f"n_threads applies to the CPU backend, not {self.name}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 512:
+            raise ValueError(f"n_threads: {n!r} is not an integer in 1..512")
+        lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
+        self._n_threads = n
+
+    def alloc_buffer(self, size: int) -> Buffer:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"alloc_buffer: size {size!r} is not a non-negative integer")
+        return Buffer(lib.ggml_backend_alloc_buffer(self.ptr, size), self)
+
+    def supports(self, tensor) -> bool:
+        """Whether this backend can compute the node ``tensor``."""
+        return bool(lib.ggml_backend_supports_op(self.ptr, tensor.ptr))
+
+    def synchronize(self) -> None:
+        lib.ggml_backend_synchronize(self.ptr)
+
+    def __repr__(self) -> str:
+        return f"<Backend {self.name if not self.closed else 'closed'}>"
+
+
+def cpu(n_threads: int | None = None) -> Backend:
+    """A CPU backend; ``n_threads`` defaults to GGML's choice."""
+    b = Backend(lib.ggml_backend_cpu_init(), "CPU")
+    if n_threads is not None:
+        b.n_threads = n_threads
+    return b
+
+
+def cuda_available() -> bool:
+    return bool(lib.ggml_hybrid_has_cuda()) and lib.ggml_hybrid_cuda_device_count() > 0
+
+
+def cuda(device: int = 0) -> Backend:
+    if not lib.ggml_hybrid_has_cuda():
+        raise BackendError("this build has no CUDA backend; rebuild with `python build.py --cuda`")
+    n = lib.ggml_hybrid_cuda_device_count()
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
+        raise BackendError(f"CUDA device {device!r} does not exist ({n} device(s) found)")
+    return Backend(lib.ggml_hybrid_cuda_init(device), f"CUDA{device}")
+
+
+def best(n_threads: int | None = None) -> Backend:
+    """The accelerator when there is one, else the CPU."""
+    return cuda(0) if cuda_available() else cpu(n_threads)
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    description: str
+    type: str
+    memory_free: int
+    memory_total: int
+
+
+_DEV_TYPES = {lib.GGML_BACKEND_DEVICE_TYPE_CPU: "cpu", lib.GGML_BACKEND_DEVICE_TYPE_GPU: "gpu",
+              lib.GGML_BACKEND_DEVICE_TYPE_IGPU: "igpu", lib.GGML_BACKEND_DEVICE_TYPE_ACCEL: "accel"}
+
+
+def devices() -> list[Device]:
+    """The devices GGML registered in this build."""
+    out = []
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        lib.ggml_backend_dev_memory(dev, free, total)
+        out.append(Device(cstr(lib.ggml_backend_dev_name(dev)), cstr(lib.ggml_backend_dev_description(dev)),
+                          _DEV_TYPES.get(lib.ggml_backend_dev_type(dev), "other"), int(free[0]), int(total[0])))
+    return out
+
+
+__all__ = ["Backend", "Buffer", "Device", "GgmlHybridError", "best", "cpu", "cuda", "cuda_available", "devices"]

@@ -1,0 +1,155 @@
+"""GGML contexts: the arena that owns tensor structs (and, optionally, their data)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._lib import ffi, lib
+from ._managed import Managed
+from .backend import Backend, Buffer
+from .dtypes import as_ggml_type
+from .errors import AllocationError, ShapeError
+from .graph import Graph, track_context
+from .ops import OpsMixin
+from .tensor import Tensor, check_indices, ne_of
+
+# ggml_new_object aligns every object; leave room for that padding per tensor
+_ALIGN_SLACK = 64
+
+
+class Context(OpsMixin, Managed):
+    """A GGML context.
+
+    ``no_alloc=True`` (the default) makes tensor structs only: allocate their
+    data in a backend buffer with :meth:`allocate`, or let a scheduler allocate
+    graph nodes. ``no_alloc=False`` also reserves ``mem_size`` bytes of data in
+    the context itself (host memory).
+    """
+
+    _kind = "context"
+
+    def __init__(self, n_tensors: int = 1024, mem_size: int = 0, no_alloc: bool = True, graph_size: int = 0):
+        for name, v in (("n_tensors", n_tensors), ("mem_size", mem_size), ("graph_size", graph_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Context: {name} must be a non-negative integer, got {v!r}")
+        overhead = n_tensors * (lib.ggml_tensor_overhead() + _ALIGN_SLACK)
+        if graph_size:
+            overhead += lib.ggml_graph_overhead_custom(graph_size, False) + _ALIGN_SLACK
+        self.mem_size = overhead + mem_size
+        params = ffi.new("struct ggml_init_params *", {"mem_size": self.mem_size, "mem_buffer": ffi.NULL,
+                                                        "no_alloc": bool(no_alloc)})
+        ptr = lib.ggml_init(params[0])
+        if ptr == ffi.NULL:
+            raise AllocationError(f"ggml_init failed for a {self.mem_size}-byte context")
+        super().__init__(ptr, lib.ggml_free)
+        self.no_alloc = bool(no_alloc)
+        self._buffers: list[Buffer] = []
+        # index tensor -> (op, exclusive upper bound) for checking data set into it
+        self._index_bounds: dict[int, tuple[str, int]] = {}
+        track_context(self)
+
+    # -- pool accounting ------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        return int(lib.ggml_used_mem(self.ptr))
+
+    def _reserve(self, op: str, n_tensors: int, data_bytes: int = 0) -> None:
+        need = n_tensors * (lib.ggml_tensor_overhead() + _ALIGN_SLACK) + data_bytes
+        if self.used + need > self.mem_size:
+            raise AllocationError(f"{op}: the context's pool is full ({self.used} of {self.mem_size} bytes used, "
+                                  f"{need} more needed); create the Context with a larger n_tensors or mem_size")
+
+    def _node(self, ptr) -> Tensor:
+        if ptr == ffi.NULL:
+            raise AllocationError("GGML returned no tensor")
+        return Tensor(ptr, self)
+
+    def _bound_indices(self, op: str, idx: Tensor, bound: int) -> None:
+        key = int(ffi.cast("uintptr_t", idx.ptr))
+        prev = idx.context._index_bounds.get(key)
+        if prev is None or bound < prev[1]:
+            idx.context._index_bounds[key] = (op, bound)
+        # data already there (a constant) is checked now
+        if idx.is_allocated and idx.is_host and idx.is_contiguous:
+            check_indices(op, idx.name, idx.view_numpy(writable=False), bound)
+
+    def _check_index_data(self, t: Tensor, arr: np.ndarray) -> None:
+        bound = self._index_bounds.get(int(ffi.cast("uintptr_t", t.ptr)))
+        if bound is not None:
+            check_indices(bound[0], t.name, arr, bound[1])
+
+    # -- tensors --------------------------------------------------------------
+
+    def new_tensor(self, dtype, shape, name: str | None = None) -> Tensor:
+        """A new tensor of GGML type ``dtype`` (GGMLType, name or numpy dtype) and numpy-order ``shape``."""
+        t = as_ggml_type(dtype)
+        ne = ne_of(shape)
+        if any(n < 0 for n in ne):
+            raise ShapeError(f"new_tensor: negative size in shape {tuple(shape)}")
+        if ne[0] % t.block_size:
+            raise ShapeError(f"new_tensor: {t.name} rows must be a multiple of {t.block_size} elements, "
+                             f"shape {tuple(shape)} has rows of {ne[0]}")
+        nbytes = t.row_size(ne[0]) * ne[1] * ne[2] * ne[3]
+        self._reserve("new_tensor", 1, 0 if self.no_alloc else nbytes)
+        arr = ffi.new("int64_t[4]", list(ne))
+        tensor = self._node(lib.ggml_new_tensor(self.ptr, t, len(tuple(shape)), arr))
+        if name is not None:
+            tensor.name = name
+        return tensor
+
+    def tensor(self, array, name: str | None = None, dtype=None) -> Tensor:
+        """A new tensor shaped like ``array``; its data is set now when the context owns data."""
+        arr = np.asarray(array)
+        t = self.new_tensor(dtype if dtype is not None else arr.dtype, arr.shape or (1,), name)
+        if not self.no_alloc:
+            t.set(arr)
+        return t
+
+    def tensors(self) -> list[Tensor]:
+        out, p = [], lib.ggml_get_first_tensor(self.ptr)
+        while p != ffi.NULL:
+            out.append(Tensor(p, self))
+            p = lib.ggml_get_next_tensor(self.ptr, p)
+        return out
+
+    def get(self, name: str) -> Tensor:
+        p = lib.ggml_get_tensor(self.ptr, name.encode())
+        if p == ffi.NULL:
+            raise KeyError(f"no tensor named {name!r} in this context")
+        return Tensor(p, self)
+
+    # -- allocation -----------------------------------------------------------
+
+    def allocate(self, backend: Backend, usage: str = "any") -> Buffer:
+        """Allocate every unallocated tensor of this context in one buffer of ``backend``.
+
+        The buffer is owned by the context (and so kept alive by its tensors);
+        it is also returned for inspection.
+        """
+        if not self.no_alloc:
+            raise AllocationError("Context.allocate: this context owns its data already (no_alloc=False)")
+        ptr = lib.ggml_backend_alloc_ctx_tensors(self.ptr, backend.ptr)
+        if ptr == ffi.NULL:
+            pending = [t for t in self.tensors() if not t.is_allocated and not t.is_view and t.nbytes]
+            if not pending:
+                raise AllocationError("Context.allocate: nothing to allocate (every tensor has memory or is empty)")
+            raise AllocationError(f"Context.allocate: {backend.name} could not allocate "
+                                  f"{sum(t.nbytes for t in pending)} bytes")
+        buf = Buffer(ptr, backend)
+        if usage != "any":
+            buf.set_usage(usage)
+        self._buffers.append(buf)
+        return buf
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        # the context is gone, so nothing can reference these buffers' memory any more
+        for b in self._buffers:
+            b.close()
+        self._buffers.clear()
+
+    def new_graph(self, size: int = 2048) -> Graph:
+        return Graph(self, size)
