@@ -15,6 +15,8 @@ reuses it. ``python build.py --help`` lists the options.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -74,6 +76,7 @@ class Options:
             "-DGGML_LLAMAFILE=ON",
             "-DGGML_BACKEND_DL=OFF",
             "-DGGML_NATIVE=ON",
+            "-DGGML_CCACHE=OFF",
             f"-DGGML_CUDA={'ON' if self.cuda else 'OFF'}",
         ]
         if self.cuda:
@@ -233,7 +236,7 @@ static int ggml_hybrid_has_cuda(void) {{ return GGML_HYBRID_HAS_CUDA; }}
             include_dirs=[str(ggml_dir / "ggml" / "include"), str(ggml_dir / "ggml" / "src")],
             extra_objects=libs,
             extra_link_args=extra_link,
-            extra_compile_args=["-O2", "-Werror=incompatible-pointer-types", "-Werror=int-conversion"],
+            extra_compile_args=["-O2", "-Wno-unused-function", "-Werror=incompatible-pointer-types", "-Werror=int-conversion"],
         )
         with tempfile.TemporaryDirectory() as tmp:
             log(f"compiling cffi module {name}")
@@ -255,9 +258,23 @@ def _cuda_link_args() -> list[str]:
     return [f"-L{cuda_home / 'lib64'}", "-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]
 
 
+@contextlib.contextmanager
+def _cache_lock():
+    """One build at a time per cache: a second one waits, then finds the first one's result."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(opts: Options, out_dir: Path = PACKAGE) -> Path:
-    ggml_dir = build_ggml(opts)
-    return build_cffi(ggml_dir, opts, out_dir)
+    with _cache_lock():
+        ggml_dir = build_ggml(opts)
+        return build_cffi(ggml_dir, opts, out_dir)
 
 
 def options_from_env() -> Options:

@@ -15,6 +15,7 @@ from .dtypes import GGMLType, as_ggml_type
 from .errors import GgmlHybridError
 from .graph import Graph
 from .quant import dequantize, quantize
+from .regions import DECLINE, Region, RegionCall
 from .sched import Scheduler
 from .tensor import Tensor
 
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 GGML_VERSION = ffi.string(lib.ggml_hybrid_ggml_version()).decode()
 
 __all__ = [
-    "Backend", "Buffer", "Context", "Device", "GGMLType", "GgmlHybridError", "Graph", "Scheduler", "Tensor",
+    "DECLINE", "Region", "RegionCall", "Backend", "Buffer", "Context", "Device", "GGMLType", "GgmlHybridError", "Graph", "Scheduler", "Tensor",
     "as_ggml_type", "cpu", "cuda", "cuda_available", "dequantize", "devices", "errors", "live_objects",
     "quantize", "GGML_VERSION", "__version__",
 ]

@@ -46,6 +46,8 @@ class Context(OpsMixin, Managed):
         self._buffers: list[Buffer] = []
         # index tensor -> (op, exclusive upper bound) for checking data set into it
         self._index_bounds: dict[int, tuple[str, int]] = {}
+        # graph inputs set since the last compute that used them (GGML reuses input memory)
+        self._fresh: set[int] = set()
         track_context(self)
 
     # -- pool accounting ------------------------------------------------------
@@ -78,6 +80,9 @@ class Context(OpsMixin, Managed):
         bound = self._index_bounds.get(int(ffi.cast("uintptr_t", t.ptr)))
         if bound is not None:
             check_indices(bound[0], t.name, arr, bound[1])
+
+    def _mark_set(self, t: Tensor) -> None:
+        self._fresh.add(int(ffi.cast("uintptr_t", t.ptr)))
 
     # -- tensors --------------------------------------------------------------
 

@@ -35,6 +35,8 @@ class Graph:
         self.size = size
         self._p = lib.ggml_new_graph_custom(ctx.ptr, size, False)
         self._checked_for: set[int] = set()  # backends whose support was verified, by sched pointer
+        self._inputs: tuple[int, list[Tensor]] | None = None
+        self.version = 0  # bumped by expand(), so a scheduler knows to split again
 
     @property
     def ptr(self):
@@ -69,6 +71,14 @@ class Graph:
         p = self.ptr
         return [Tensor(lib.ggml_hybrid_graph_leaf(p, i), self._ctx) for i in range(lib.ggml_hybrid_graph_n_leafs(p))]
 
+    @property
+    def inputs(self) -> list[Tensor]:
+        """Leafs flagged as inputs (set_input()): the scheduler allocates them, you set them."""
+        if self._inputs is None or self._inputs[0] != self.version:
+            flag = lib.GGML_TENSOR_FLAG_INPUT
+            self._inputs = (self.version, [t for t in self.leafs if t.ptr.flags & flag])
+        return self._inputs[1]
+
     def contains(self, t: Tensor) -> bool:
         return bool(lib.ggml_hybrid_graph_contains(self.ptr, t.ptr))
 
@@ -88,6 +98,7 @@ class Graph:
                                           "create a larger graph")
             lib.ggml_build_forward_expand(p, tp)
             self._checked_for.clear()
+            self.version += 1
         return self
 
     def _count_new(self, root) -> int:

@@ -7,7 +7,8 @@ from ._managed import Managed
 from .backend import Backend
 from .errors import AllocationError, BackendError, ComputeError, GgmlHybridError
 from .graph import Graph
-from .tensor import Tensor
+from .regions import Region, raise_region_status
+from .tensor import BorrowedScope, Tensor
 
 
 class Scheduler(Managed):
@@ -36,6 +37,9 @@ class Scheduler(Managed):
         self.graph_size = graph_size
         self._eval_fn = self._eval_handle = None
         self._pending_error: BaseException | None = None
+        self._regions: list[Region] = []
+        self._handle = ffi.new_handle(self)  # user_data of region executors
+        self._allocated: tuple[Graph, int] | None = None  # graph (and its version) split last
 
     @property
     def backends(self) -> list[Backend]:
@@ -76,10 +80,26 @@ class Scheduler(Managed):
                 raise AllocationError(f"leaf {t.name!r} has no memory; allocate its context in a backend buffer "
                                       "(or mark it as an input with set_input())")
 
+    def _check_inputs_set(self, graph: Graph) -> None:
+        # GGML reuses the memory of graph inputs once their last consumer ran, so an input
+        # holds garbage after a compute; stale expert or row ids would crash a kernel
+        stale = []
+        for t in graph.inputs:
+            key = int(ffi.cast("uintptr_t", t.ptr))
+            if key not in t.context._fresh:
+                stale.append(t.name or "<unnamed>")
+        if stale:
+            raise BackendError(f"graph inputs {stale} were not set since the last compute (or alloc); a compute "
+                               "consumes its inputs, so set every input before each compute")
+        for t in graph.inputs:
+            t.context._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
+
     def reserve(self, graph: Graph) -> None:
         """Size the compute buffers for the largest graph you will run."""
         self._check_graph(graph)
+        self._allocated = None
         if not lib.ggml_backend_sched_reserve(self.ptr, graph.ptr):
+            raise_region_status(self)
             raise AllocationError("Scheduler.reserve: could not allocate the compute buffers")
 
     def alloc(self, graph: Graph) -> None:
@@ -87,18 +107,90 @@ class Scheduler(Managed):
         self._check_graph(graph)
         self.reset()
         if not lib.ggml_backend_sched_alloc_graph(self.ptr, graph.ptr):
+            raise_region_status(self)
             raise AllocationError("Scheduler.alloc: could not allocate the graph")
+        self._allocated = (graph, graph.version)
+        for t in graph.inputs:  # allocation may have moved them: their data must be set anew
+            t.context._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
 
     def compute(self, graph: Graph) -> None:
-        """Compute ``graph`` (allocating it first if :meth:`alloc` was not called) and wait for it."""
-        self._check_graph(graph)
+        """Compute ``graph`` and wait for it.
+
+        The graph is split and allocated on first use (or call :meth:`alloc`
+        first to set inputs); computing it again reuses that allocation.
+        """
+        if self._allocated is None or self._allocated[0] is not graph or self._allocated[1] != graph.version:
+            self.alloc(graph)
+        self._check_inputs_set(graph)
         status = lib.ggml_backend_sched_graph_compute(self.ptr, graph.ptr)
         self._raise_pending()
         if status != lib.GGML_STATUS_SUCCESS:
+            raise_region_status(self)
             raise ComputeError(f"Scheduler.compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}")
 
     def reset(self) -> None:
         lib.ggml_backend_sched_reset(self.ptr)
+        self._allocated = None
+
+    # -- regions --------------------------------------------------------------
+
+    def add_region(self, inputs, outputs, executor, backend: Backend | None = None, name: str = "") -> Region:
+        """Register a region: every node on a path from ``inputs`` to ``outputs``.
+
+        At compute time ``executor(call)`` runs instead of those nodes; it writes
+        ``call.outputs`` in place, or returns :data:`~ggml_hybrid.regions.DECLINE`
+        to have the nodes run as usual. ``backend`` pins the region (default:
+        where the scheduler places its last output). Regions stay registered
+        across computes until :meth:`clear_regions`.
+        """
+        inputs, outputs = list(inputs), list(outputs)
+        if not inputs or not outputs:
+            raise ValueError(f"add_region: a region needs at least one input and one output "
+                             f"(got {len(inputs)} inputs, {len(outputs)} outputs)")
+        for what, ts in (("inputs", inputs), ("outputs", outputs)):
+            bad = [t for t in ts if not isinstance(t, Tensor)]
+            if bad:
+                raise TypeError(f"add_region: {what} must be Tensors, got {bad[0]!r}")
+        if not callable(executor):
+            raise TypeError(f"add_region: executor must be callable, got {executor!r}")
+        if backend is not None:
+            self._index_check(backend)
+        ins = ffi.new("struct ggml_tensor *[]", [t.ptr for t in inputs])
+        outs = ffi.new("struct ggml_tensor *[]", [t.ptr for t in outputs])
+        rid = lib.ggml_backend_sched_add_region(self.ptr, ins, len(inputs), outs, len(outputs),
+                                                backend.ptr if backend is not None else ffi.NULL,
+                                                lib._ggml_hybrid_region_exec, self._handle)
+        if rid < 0:
+            raise RegionError("add_region: the scheduler rejected the region's arguments")
+        region = Region(rid, inputs, outputs, executor, backend, name)
+        self._regions.append(region)
+        self._allocated = None  # the next compute must split the graph again
+        return region
+
+    @property
+    def regions(self) -> list[Region]:
+        return list(self._regions)
+
+    def clear_regions(self) -> None:
+        lib.ggml_backend_sched_clear_regions(self.ptr)
+        self._regions.clear()
+        self._allocated = None
+
+    def check_regions(self, graph: Graph) -> None:
+        """Validate the registered regions against ``graph`` now; raises the typed RegionError."""
+        lib.ggml_backend_sched_check_regions(self.ptr, graph.ptr)
+        raise_region_status(self)
+
+    def splits(self) -> list[dict]:
+        """The last split: backend, region id (-1: none), node ops and number of copied inputs."""
+        out = []
+        b, r, n, k = (ffi.new("int *") for _ in range(4))
+        for i in range(self.n_splits):
+            lib.ggml_backend_sched_get_split(self.ptr, i, b, r, n, k)
+            nodes = [Tensor(lib.ggml_backend_sched_get_split_node(self.ptr, i, j), BorrowedScope()) for j in range(n[0])]
+            out.append({"backend": self._backends[b[0]].name, "region": r[0], "n_inputs": k[0],
+                        "nodes": [t.name for t in nodes], "ops": [t.op for t in nodes]})
+        return out
 
     def synchronize(self) -> None:
         lib.ggml_backend_sched_synchronize(self.ptr)
@@ -131,16 +223,10 @@ def _ggml_hybrid_eval_callback(t, ask, user_data):
     if sched._pending_error is not None:
         return bool(ask)  # ask for the data, then stop on the data call
     try:
-        return bool(sched._eval_fn(Tensor(t, _Borrowed()), bool(ask)))
+        return bool(sched._eval_fn(Tensor(t, BorrowedScope()), bool(ask)))
     except BaseException as exc:  # noqa: BLE001 - re-raised from compute()
         sched._pending_error = exc
         return bool(ask)
-
-
-class _Borrowed:
-    """Stands in for a context when a tensor belongs to the scheduler (valid during the callback)."""
-
-    closed = False
 
 
 __all__ = ["Scheduler", "GgmlHybridError"]

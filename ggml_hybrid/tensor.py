@@ -173,6 +173,7 @@ class Tensor:
                                  f"shape {self.shape}")
             self._ctx._check_index_data(self, arr)
         arr = np.ascontiguousarray(arr)
+        self._ctx._mark_set(self)
         p = self.ptr
         if _buffer_of(p) == ffi.NULL:
             ffi.memmove(p.data, ffi.from_buffer(arr), arr.nbytes)  # memory of a data-owning context
@@ -211,6 +212,19 @@ class Tensor:
         shape = self.shape
         strides = tuple(self.nb[i] for i in reversed(range(len(shape))))
         return np.asarray(_ArrayView(self, shape, strides, dt.numpy_dtype.str, writable))
+
+
+class BorrowedScope:
+    """Stands in for the owning context of tensors that belong to GGML (a scheduler's
+    copies, a region call's arguments): valid until ``closed`` is set."""
+
+    closed = False
+
+    def _check_index_data(self, t, arr) -> None:
+        pass
+
+    def _mark_set(self, t) -> None:
+        pass
 
 
 def _buffer_of(p):

@@ -1,0 +1,37 @@
+"""Test configuration: hypothesis profiles, a shared CPU backend, the graph helper."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import helpers` from every test module
+
+import ggml_hybrid as gh  # noqa: E402
+from helpers import compute  # noqa: E402
+
+# ci: reproducible (derandomized) and small enough for 2 cores; dev: more examples, random seeds
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=100, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def cpu_backend():
+    backend = gh.cpu(2)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def run(cpu_backend):
+    """``run(build, consts=..., inputs=...)``: compute a graph on the CPU backend, return numpy outputs."""
+
+    def _run(build, consts=None, inputs=None, graph_size: int = 256):
+        return compute(cpu_backend, build, consts, inputs, graph_size)
+
+    return _run

@@ -1,0 +1,134 @@
+"""Shared helpers: build a graph from a small builder function, compute it, return numpy.
+
+Typical use::
+
+    out = compute(cpu, lambda c, t: c.mul_mat(t["w"], t["x"]),
+                  consts={"w": w_f32}, inputs={"x": x_f32})
+
+``consts`` go into a weights context that is allocated and filled *before*
+the builder runs (so index tensors there already hold data when an op is
+built); ``inputs`` are ``set_input()`` tensors of the graph context, filled
+after ``Scheduler.alloc`` (the data-set-after-build path). Every native object
+the helper creates is closed before it returns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import ggml_hybrid as gh
+
+EPS32 = 2.0 ** -24  # unit roundoff of float32 (round to nearest)
+EPS16 = 2.0 ** -11  # unit roundoff of float16
+EPSBF16 = 2.0 ** -8  # unit roundoff of bfloat16
+
+
+class Raw:
+    """A tensor spec whose data is not a plain numpy array of the tensor's own dtype (quantized bytes, BF16 bits)."""
+
+    def __init__(self, dtype, shape, data=None):
+        self.dtype = gh.as_ggml_type(dtype)
+        self.shape = tuple(shape)
+        self.data = data
+
+
+def quantized(x: np.ndarray, dtype) -> tuple[Raw, np.ndarray]:
+    """Quantize float rows of ``x``; returns (spec for compute(), the dequantized float64 values)."""
+    t = gh.as_ggml_type(dtype)
+    q = gh.quantize(np.asarray(x, np.float32), t)
+    deq = gh.dequantize(q, t, x.shape[-1]).astype(np.float64)
+    return Raw(t, x.shape, q), deq
+
+
+def _spec(value):
+    if isinstance(value, Raw):
+        return value.dtype, value.shape, value.data
+    arr = np.asarray(value)
+    return gh.as_ggml_type(arr.dtype), arr.shape or (1,), arr
+
+
+def compute(backend, build, consts=None, inputs=None, graph_size: int = 256):
+    """Build with ``build(ctx, tensors)`` (returning one tensor or a tuple), compute, return numpy copies."""
+    consts = dict(consts or {})
+    inputs = dict(inputs or {})
+    tensors: dict[str, gh.Tensor] = {}
+    with gh.Context(n_tensors=len(consts) + 1) as wctx, \
+            gh.Context(n_tensors=256, graph_size=graph_size) as ctx, \
+            gh.Scheduler([backend], graph_size=graph_size) as sched:
+        for name, v in consts.items():
+            dtype, shape, _ = _spec(v)
+            tensors[name] = wctx.new_tensor(dtype, shape, name)
+        if consts:
+            wctx.allocate(backend, "weights")
+            for name, v in consts.items():
+                data = _spec(v)[2]
+                if data is not None:
+                    tensors[name].set(data)
+        for name, v in inputs.items():
+            dtype, shape, _ = _spec(v)
+            tensors[name] = ctx.new_tensor(dtype, shape, name).set_input()
+        outs = build(ctx, tensors)
+        single = isinstance(outs, gh.Tensor)
+        outs = (outs,) if single else tuple(outs)
+        for o in outs:
+            o.set_output()
+        graph = ctx.new_graph(graph_size).expand(*outs)
+        sched.alloc(graph)
+        for name, v in inputs.items():
+            tensors[name].set(_spec(v)[2])
+        sched.compute(graph)
+        res = [o.numpy() for o in outs]
+    return res[0] if single else res
+
+
+def canon(shape) -> tuple[int, ...]:
+    """Drop leading size-1 dims (GGML cannot tell numpy shape (1, 3) from (3,)); keep at least one dim."""
+    shape = tuple(int(s) for s in shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def check_close(got, ref, atol, what: str = "") -> None:
+    """Assert same (canonical) shape and |got - ref| <= atol elementwise (atol may be an array)."""
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert canon(got.shape) == canon(ref.shape), f"{what}: shape {got.shape} != expected {ref.shape}"
+    got = got.reshape(ref.shape)
+    atol = np.broadcast_to(np.asarray(atol, np.float64), ref.shape)
+    err = np.abs(got - ref)
+    bad = ~(err <= atol)  # also catches NaN
+    if bad.any():
+        i = tuple(int(j) for j in np.argwhere(bad)[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {ref.size} elements out of tolerance; first at {i}: "
+                             f"got {got[i]!r}, expected {ref[i]!r}, |err| {err[i]:.3g} > atol {atol[i]:.3g}; "
+                             f"max err/atol {np.nanmax(err / np.maximum(atol, 1e-300)):.3g}")
+
+
+def tile_to(b: np.ndarray, shape) -> np.ndarray:
+    """GGML broadcasting of b onto a of ``shape``: b is repeated (tiled) along each dim it divides."""
+    b = b.reshape((1,) * (len(shape) - b.ndim) + b.shape)
+    return np.tile(b, tuple(s // bs for s, bs in zip(shape, b.shape)))
+
+
+def pad_shape(shape, nd: int) -> tuple[int, ...]:
+    return (1,) * (nd - len(shape)) + tuple(shape)
+
+
+def dot_tol(absprod_sum, k: int):
+    """Worst-case float32 rounding of a k-term dot product (any summation order): (k + 2) u sum|a_i b_i|."""
+    return (k + 2) * EPS32 * np.asarray(absprod_sum) + 1e-30
+
+
+def block_amax(x: np.ndarray, block: int) -> np.ndarray:
+    """max |x| over each block of ``block`` consecutive elements along the last axis, repeated per element."""
+    n = x.shape[-1]
+    assert n % block == 0
+    m = np.abs(x).reshape(x.shape[:-1] + (n // block, block)).max(axis=-1)
+    return np.repeat(m, block, axis=-1)
+
+
+def lcm(*xs: int) -> int:
+    return math.lcm(*xs)

@@ -1,0 +1,585 @@
+"""Every graph op of OpsMixin against a float64 numpy oracle.
+
+Tolerances are derived from the magnitudes involved, never picked to pass:
+
+* float32 arithmetic (u = 2**-24): an elementwise op rounds once, so
+  |err| <= u |ref| (a few u where GGML does a few roundings); a k-term dot
+  product or sum, in any order, is within (k + 2) u sum|a_i b_i|.
+* float16 (u16 = 2**-11): F16 results round once more, u16 |ref|; an F32
+  activation that GGML converts to F16 for an F16 weight costs u16 sum|a_i b_i|.
+* quantized weights: the oracle uses the *dequantized* weights, so the weight
+  error is out of the comparison; what is left is GGML quantizing the
+  activation b to Q8_0 (32-blocks, fp16 scale) or Q8_K (256-blocks) before the
+  integer dot product: |b_j - b~_j| <= amax_block/254 + amax_block * u16, so
+  |err| <= sum_j |w_j| amax_block(j) (1/254 + u16) plus float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import ggml_hybrid as gh
+from helpers import EPS16, EPS32, Raw, block_amax, canon, check_close, dot_tol, pad_shape, quantized, tile_to
+
+T = gh.GGMLType
+SEEDS = st.integers(0, 2**31 - 1)
+QTYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
+WTYPES = [T.F32, T.F16] + QTYPES
+F16_TINY = 2.0 ** -25  # half the smallest float16 subnormal: absolute rounding floor of F16 results
+
+
+def rng_of(seed):
+    return np.random.default_rng(seed)
+
+
+def f16_tol(ref):
+    """One rounding to float16 of a value computed in float32."""
+    return EPS16 * np.abs(ref) * (1 + 1e-3) + F16_TINY
+
+
+# --------------------------------------------------------------------------------------------------------------
+# weights (F32 / F16 / quantized): the weight tensor spec, its exact float64 values and the matmul tolerance
+# --------------------------------------------------------------------------------------------------------------
+
+def make_weight(rng, wtype: T, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    if wtype == T.F32:
+        return x, x.astype(np.float64)
+    if wtype == T.F16:
+        h = x.astype(np.float16)
+        return h, h.astype(np.float64)
+    return quantized(x, wtype)
+
+
+def matvec_tol(w64: np.ndarray, x: np.ndarray, wtype: T) -> np.ndarray:
+    """Tolerance of out[..., m, n] = sum_j w[n, j] x[m, j] for weight rows w64 [.., n, k], x [.., m, k]."""
+    absw, absx = np.abs(w64), np.abs(x.astype(np.float64))
+    k = w64.shape[-1]
+    absprod = absx @ np.swapaxes(absw, -1, -2)
+    if wtype == T.F32:
+        return dot_tol(absprod, k)
+    if wtype == T.F16:
+        # x is rounded to F16 (vec_dot_type of F16), then exact F16 products are summed in F32
+        return EPS16 * absprod * (1 + 1e-3) + dot_tol(absprod, k)
+    # the activation is quantized in blocks as long as the weight's: Q8_0 (32) for legacy, Q8_K (256) for K-quants
+    act_err = block_amax(x.astype(np.float64), wtype.block_size) * (1 / 254 + EPS16) * 1.001
+    # two extra roundings per block for the product of the block scales (d_w * d_x) into the F32 accumulator
+    return act_err @ np.swapaxes(absw, -1, -2) + 2 * dot_tol(absprod, k)
+
+
+@st.composite
+def weight_case(draw):
+    wtype = draw(st.sampled_from(WTYPES))
+    blk = wtype.block_size
+    k = blk * draw(st.integers(1, 3)) if blk > 1 else draw(st.integers(1, 48))
+    return wtype, k
+
+
+# --------------------------------------------------------------------------------------------------------------
+# matrix products and gathers
+# --------------------------------------------------------------------------------------------------------------
+
+@given(case=weight_case(), n=st.integers(1, 5), m=st.integers(1, 4), batch=st.sampled_from([0, 1, 2]),
+       rep=st.integers(1, 2), x_as_input=st.booleans(), seed=SEEDS)
+def test_mul_mat(run, case, n, m, batch, rep, x_as_input, seed):
+    wtype, k = case
+    rng = rng_of(seed)
+    # batched: a [Ba, n, k], b [Ba*rep, m, k]; GGML maps b batch i to a batch i // rep
+    a_shape = (batch, n, k) if batch else (n, k)
+    b_shape = (batch * rep, m, k) if batch else (m, k)
+    w, w64 = make_weight(rng, wtype, a_shape)
+    x = rng.standard_normal(b_shape).astype(np.float32)
+    consts, inputs = {"w": w}, {}
+    (inputs if x_as_input else consts)["x"] = x
+    got = run(lambda c, t: c.mul_mat(t["w"], t["x"]), consts=consts, inputs=inputs)
+    wr = np.repeat(w64, rep, axis=0) if batch else w64
+    ref = x.astype(np.float64) @ np.swapaxes(wr, -1, -2)
+    check_close(got, ref, matvec_tol(wr, x, wtype), f"mul_mat {wtype.name} a{a_shape} b{b_shape}")
+
+
+@given(case=weight_case(), n_expert=st.integers(1, 4), n=st.integers(1, 4), tokens=st.integers(1, 4),
+       used=st.integers(1, 3), b_shared=st.booleans(), ids_as_input=st.booleans(), seed=SEEDS)
+def test_mul_mat_id(run, case, n_expert, n, tokens, used, b_shared, ids_as_input, seed):
+    wtype, k = case
+    rng = rng_of(seed)
+    u = 1 if b_shared else used
+    experts, e64 = make_weight(rng, wtype, (n_expert, n, k))
+    x = rng.standard_normal((tokens, u, k)).astype(np.float32)
+    ids = rng.integers(0, n_expert, size=(tokens, used), dtype=np.int32)
+    consts = {"e": experts, "x": x}
+    inputs = {}
+    (inputs if ids_as_input else consts)["ids"] = ids
+    got = run(lambda c, t: c.mul_mat_id(t["e"], t["x"], t["ids"]), consts=consts, inputs=inputs)
+    ref = np.empty((tokens, used, n))
+    tol = np.empty_like(ref)
+    for ti in range(tokens):
+        for j in range(used):
+            w = e64[ids[ti, j]]
+            xv = x[ti, j % u][None, :]
+            ref[ti, j] = (xv.astype(np.float64) @ w.T)[0]
+            tol[ti, j] = matvec_tol(w, xv, wtype)[0]
+    check_close(got, ref, tol, f"mul_mat_id {wtype.name}")
+
+
+@given(wtype=st.sampled_from(WTYPES), n_rows=st.integers(1, 6), m=st.integers(1, 8), batch=st.integers(0, 2),
+       rows_as_input=st.booleans(), seed=SEEDS)
+def test_get_rows(run, wtype, n_rows, m, batch, rows_as_input, seed):
+    rng = rng_of(seed)
+    n = wtype.block_size * 2 if wtype.is_quantized else 7
+    a_shape = (batch, n_rows, n) if batch else (n_rows, n)
+    a, a64 = make_weight(rng, wtype, a_shape)
+    rows = rng.integers(0, n_rows, size=(batch, m) if batch else (m,), dtype=np.int32)
+    consts, inputs = {"a": a}, {}
+    (inputs if rows_as_input else consts)["rows"] = rows
+    got = run(lambda c, t: c.get_rows(t["a"], t["rows"]), consts=consts, inputs=inputs)
+    ref = np.stack([a64[b][rows[b]] for b in range(batch)]) if batch else a64[rows]
+    # get_rows dequantizes with the same to_float routine as gh.dequantize (and F16 -> F32 is exact): no error
+    check_close(got, ref, 0.0, f"get_rows {wtype.name}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# elementwise
+# --------------------------------------------------------------------------------------------------------------
+
+@st.composite
+def broadcast_shapes(draw, max_dims=4):
+    nd = draw(st.integers(1, max_dims))
+    a_shape = tuple(draw(st.lists(st.integers(1, 6), min_size=nd, max_size=nd)))
+    nb = draw(st.integers(1, nd))
+    b_shape = []
+    for s in a_shape[nd - nb:]:
+        divisors = [d for d in range(1, s + 1) if s % d == 0]
+        b_shape.append(draw(st.sampled_from(divisors)))
+    return a_shape, tuple(b_shape)
+
+
+BINARY = {"add": np.add, "mul": np.multiply, "div": np.divide}
+
+
+@pytest.mark.parametrize("op", sorted(BINARY))
+@given(shapes=broadcast_shapes(), types=st.sampled_from([("f32", "f32"), ("f16", "f16"), ("f16", "f32")]),
+       seed=SEEDS)
+def test_binary(run, op, shapes, types, seed):
+    a_shape, b_shape = shapes
+    rng = rng_of(seed)
+    a = rng.standard_normal(a_shape).astype(types[0])
+    if op == "div":  # keep the divisor away from 0 so that its rounding stays relative
+        b = (rng.choice([-1.0, 1.0], b_shape) * rng.uniform(0.5, 2.0, b_shape)).astype(types[1])
+    else:
+        b = rng.standard_normal(b_shape).astype(types[1])
+    got = run(lambda c, t: getattr(c, op)(t["a"], t["b"]), consts={"a": a, "b": b})
+    ref = BINARY[op](a.astype(np.float64), tile_to(b.astype(np.float64), a_shape))
+    assert got.dtype == a.dtype  # the result has a's type
+    # inputs are exact; the single op result is rounded once to a's type
+    tol = f16_tol(ref) if types[0] == "f16" else EPS32 * np.abs(ref) + 1e-38
+    check_close(got, ref, tol, f"{op} {types} a{a_shape} b{b_shape}")
+
+
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), dtype=st.sampled_from(["f32", "f16"]),
+       s=st.floats(-4, 4, allow_nan=False), seed=SEEDS)
+def test_scale(run, shape, dtype, s, seed):
+    a = rng_of(seed).standard_normal(shape).astype(dtype)
+    got = run(lambda c, t: c.scale(t["a"], s), consts={"a": a})
+    s32 = float(np.float32(s))  # GGML keeps the factor as a float32 op parameter
+    ref = a.astype(np.float64) * s32
+    tol = f16_tol(ref) if dtype == "f16" else EPS32 * np.abs(ref) + 1e-38
+    check_close(got, ref, tol, f"scale {dtype}")
+
+
+def silu64(x):
+    return x / (1 + np.exp(-x))
+
+
+def sigmoid64(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def gelu64(x):
+    """GGML's gelu is the tanh approximation, not the erf form."""
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * x * (1 + 0.044715 * x * x)))
+
+
+def gelu_table_err(x):
+    """GGML computes F32 gelu through an fp16 lookup table for |x| < 10 (GGML_GELU_FP16): x is rounded to
+    fp16 (|dx| <= u16 |x|, and |gelu'| <= 1.13) and the table value is fp16 (u16 |gelu|); beyond +-10 it
+    returns x or 0 (the tanh form differs from those by < 1e-20)."""
+    return EPS16 * (1.13 * np.abs(x) + np.abs(gelu64(x))) * (1 + 1e-3) + 1e-20
+
+
+# float32 transcendental kernels (SIMD expf within ~2 ulp, then a division and a product): 8 u |ref|
+TRANSC_F32 = 8 * EPS32
+
+UNARY = {"silu": silu64, "sigmoid": sigmoid64, "gelu": gelu64}
+
+
+@pytest.mark.parametrize("op", sorted(UNARY))
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3), dtype=st.sampled_from(["f32", "f16"]),
+       seed=SEEDS)
+def test_unary(run, op, shape, dtype, seed):
+    a = rng_of(seed).uniform(-12, 12, shape).astype(dtype)
+    got = run(lambda c, t: getattr(c, op)(t["a"]), consts={"a": a})
+    x = a.astype(np.float64)
+    ref = UNARY[op](x)
+    if dtype == "f16":
+        # computed in f32 from the exact f16 input, rounded to f16 (the gelu f16 table is the same rounding)
+        tol = f16_tol(ref) + TRANSC_F32 * np.abs(ref)
+    elif op == "gelu":
+        tol = gelu_table_err(x)  # loose on purpose: fp16 lookup table, see gelu_table_err
+    else:
+        tol = TRANSC_F32 * np.abs(ref) + 1e-38
+    check_close(got, ref, tol, f"{op} {dtype}")
+
+
+GLU_ACT = {"swiglu": silu64, "geglu": gelu64}
+
+
+@pytest.mark.parametrize("kind", sorted(GLU_ACT))
+@given(rows=st.lists(st.integers(1, 4), min_size=1, max_size=2), half=st.integers(1, 24),
+       dtype=st.sampled_from(["f32", "f16"]), form=st.sampled_from(["fused", "fused_swapped", "split"]),
+       seed=SEEDS)
+def test_glu(run, kind, rows, half, dtype, form, seed):
+    rng = rng_of(seed)
+    x = rng.uniform(-6, 6, tuple(rows) + (half,)).astype(dtype)
+    g = rng.uniform(-3, 3, tuple(rows) + (half,)).astype(dtype)
+    if form == "split":
+        got = run(lambda c, t: getattr(c, kind)(t["x"], t["g"]), consts={"x": x, "g": g})
+    else:
+        # fused: the activation applies to the first half of each row, unless swapped
+        fused = np.concatenate([g, x] if form == "fused_swapped" else [x, g], axis=-1)
+        got = run(lambda c, t: c.glu(t["a"], kind=kind, swapped=form == "fused_swapped"), consts={"a": fused})
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    act = GLU_ACT[kind](x64)
+    ref = act * g64
+    if kind == "geglu" and dtype == "f32":
+        tol = gelu_table_err(x64) * np.abs(g64) + EPS32 * np.abs(ref)  # fp16 gelu table, then one f32 product
+    else:
+        tol = TRANSC_F32 * np.abs(ref) + 1e-38
+        if kind == "geglu":
+            tol = tol + EPS16 * np.abs(act) * np.abs(g64)  # f16 kernel reads the f16 gelu table
+    if dtype == "f16":
+        tol = tol + f16_tol(ref)
+    check_close(got, ref, tol, f"{kind} {form} {dtype}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# normalisation, softmax, rope, attention
+# --------------------------------------------------------------------------------------------------------------
+
+@given(shape=st.lists(st.integers(1, 33), min_size=1, max_size=3), eps=st.sampled_from([0.0, 1e-6, 1e-5, 0.1]),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=SEEDS)
+def test_rms_norm(run, shape, eps, scale, seed):
+    a = (rng_of(seed).standard_normal(shape) * scale).astype(np.float32)
+    got = run(lambda c, t: c.rms_norm(t["a"], eps), consts={"a": a})
+    x = a.astype(np.float64)
+    ref = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    # sum of squares in double, then mean, sqrtf, 1/x and the product in f32: a handful of roundings
+    check_close(got, ref, 8 * EPS32 * np.abs(ref) + 1e-38, f"rms_norm eps={eps}")
+
+
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), rows=st.integers(1, 5), n=st.integers(1, 24),
+       mask_kind=st.sampled_from([None, "f32", "f16"]), extra_rows=st.integers(0, 2), mask_outer=st.booleans(),
+       scale=st.sampled_from([1.0, 0.125, 3.0]), seed=SEEDS)
+def test_soft_max(run, lead, rows, n, mask_kind, extra_rows, mask_outer, scale, seed):
+    rng = rng_of(seed)
+    a_shape = tuple(lead) + (rows, n)
+    a = rng.uniform(-4, 4, a_shape).astype(np.float32)
+    consts = {"a": a}
+    z = a.astype(np.float64) * np.float32(scale)
+    if mask_kind is not None:
+        # the mask may have more rows than a; its outer dims (if any) must divide a's
+        m_outer = tuple(lead[-1:]) if mask_outer and lead else ()
+        m = rng.uniform(-2, 2, m_outer + (rows + extra_rows, n))
+        m[rng.random(m.shape) < 0.3] = -np.inf
+        m[..., 0] = np.where(np.isfinite(m[..., 0]), m[..., 0], 0.0)  # keep one finite entry per row
+        mask = m.astype(mask_kind)
+        consts["mask"] = mask
+        m64 = mask.astype(np.float64)[..., :rows, :]
+        z = z + tile_to(m64, a_shape)
+    got = run(lambda c, t: c.soft_max(t["a"], t.get("mask"), scale=scale), consts=consts)
+    zmax = np.max(z, axis=-1, keepdims=True)
+    e = np.exp(z - zmax)
+    ref = e / e.sum(axis=-1, keepdims=True)
+    # relative error of each probability: rounding of z (a few u |z|) moves exp by that much, SIMD expf
+    # ~2 ulp, then the normalisation (sum in double, 1/sum, product): p (8 max|z| + 16) u
+    zabs = np.max(np.where(np.isfinite(z), np.abs(z), 0), axis=-1, keepdims=True)
+    check_close(got, ref, ref * (8 * zabs + 16) * EPS32 + 1e-38, f"soft_max mask={mask_kind}")
+
+
+def rope64(x, pos, n_dims, mode, base):
+    """x [T, H, D]; GGML: theta_i = pos * base^(-2i/n_dims); dims >= n_dims pass through."""
+    x = x.astype(np.float64)
+    out = x.copy()
+    i = np.arange(n_dims // 2)
+    theta = pos.astype(np.float64)[:, None, None] * base ** (-2.0 * i / n_dims)
+    c, s = np.cos(theta), np.sin(theta)
+    if mode == "normal":
+        lo, hi = np.s_[..., 0:n_dims:2], np.s_[..., 1:n_dims:2]  # adjacent pairs (x[2i], x[2i+1])
+    else:
+        lo, hi = np.s_[..., : n_dims // 2], np.s_[..., n_dims // 2: n_dims]  # (x[i], x[i + n_dims/2])
+    x0, x1 = x[lo], x[hi]
+    out[lo] = x0 * c - x1 * s
+    out[hi] = x0 * s + x1 * c
+    # error bound: GGML builds theta_i by i float32 products with base^(-2/n_dims) (itself rounded), so
+    # |dtheta| <= (2i + 2) u theta; cosf/sinf and the rotation add ~4 u; |d out| <= (|x0| + |x1|) that
+    tol = np.zeros_like(x)
+    pair = (np.abs(x0) + np.abs(x1)) * (theta * (2 * i + 2) * EPS32 + 4 * EPS32)
+    tol[lo] = pair
+    tol[hi] = pair
+    return out, tol
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@given(tokens=st.integers(1, 4), heads=st.integers(1, 3), half_dim=st.integers(1, 12), data=st.data(),
+       base=st.sampled_from([10000.0, 500.0, 1e6]), dtype=st.sampled_from(["f32", "f16"]),
+       pos_as_input=st.booleans(), seed=SEEDS)
+def test_rope(run, mode, tokens, heads, half_dim, data, base, dtype, pos_as_input, seed):
+    rng = rng_of(seed)
+    d = 2 * half_dim
+    n_dims = 2 * data.draw(st.integers(1, half_dim), label="n_dims/2")
+    x = rng.standard_normal((tokens, heads, d)).astype(dtype)
+    pos = rng.integers(0, 512, tokens, dtype=np.int32)
+    consts, inputs = {"x": x}, {}
+    (inputs if pos_as_input else consts)["pos"] = pos
+    got = run(lambda c, t: c.rope(t["x"], t["pos"], n_dims, mode=mode, freq_base=base), consts=consts,
+              inputs=inputs)
+    ref, tol = rope64(x, pos, n_dims, mode, base)
+    if dtype == "f16":
+        tol = tol + f16_tol(ref)
+    check_close(got, ref, tol, f"rope {mode} n_dims={n_dims}/{d} {dtype}")
+    # dims beyond n_dims are copied unchanged
+    assert np.array_equal(got.reshape(ref.shape)[..., n_dims:], x[..., n_dims:])
+
+
+@given(kv_heads=st.integers(1, 2), group=st.integers(1, 2), tokens=st.integers(1, 5), kv_len=st.integers(1, 16),
+       d=st.sampled_from([8, 16, 32, 64]), dv=st.sampled_from([None, 16]), mask_kind=st.sampled_from(
+           [None, "causal", "random"]), mask_pad=st.integers(0, 3), kv_type=st.sampled_from(["f16", "f32"]),
+       scale_mul=st.sampled_from([1.0, 4.0]), seed=SEEDS)
+def test_flash_attn(run, kv_heads, group, tokens, kv_len, d, dv, mask_kind, mask_pad, kv_type, scale_mul, seed):
+    """q [H, T, d] F32, k/v [Hkv, S, d] F16 (or F32), mask [T_pad, S] F16 -> result [T, H, dv] (permuted!).
+
+    This GGML has no GGML_KQ_MASK_PAD any more (ggml.h: mask [n_kv, n_batch, ...]); the mask only needs at least
+    T rows, so extra (padding) rows are drawn too and must be ignored.
+    """
+    rng = rng_of(seed)
+    heads = kv_heads * group
+    dv = dv or d
+    q = rng.standard_normal((heads, tokens, d)).astype(np.float32)
+    k = rng.standard_normal((kv_heads, kv_len, d)).astype(kv_type)
+    v = rng.standard_normal((kv_heads, kv_len, dv)).astype(kv_type)
+    scale = scale_mul / math.sqrt(d)
+    consts = {"q": q, "k": k, "v": v}
+    m64 = np.zeros((tokens, kv_len))
+    if mask_kind is not None:
+        m = np.zeros((tokens + mask_pad, kv_len))
+        if mask_kind == "causal":  # query t sees keys 0..(kv_len - tokens + t)
+            for t_ in range(tokens + mask_pad):
+                m[t_, max(kv_len - tokens + t_ + 1, 1):] = -np.inf
+        else:
+            m = rng.uniform(-1, 1, m.shape)
+            m[rng.random(m.shape) < 0.3] = -np.inf
+            m[:, 0] = 0.0
+        mask = m.astype(np.float16)
+        consts["mask"] = mask
+        m64 = mask.astype(np.float64)[:tokens]
+    got = run(lambda c, t: c.flash_attn(t["q"], t["k"], t["v"], t.get("mask"), scale=scale), consts=consts)
+    q64, k64, v64 = q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
+    ref = np.empty((tokens, heads, dv))
+    tol = np.empty_like(ref)
+    for h in range(heads):
+        hk = h // group  # GGML: kv head = q head / (H / Hkv)
+        s = q64[h] @ k64[hk].T * scale + m64
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        ref[:, h, :] = p @ v64[hk]
+        # scores: with F16 k, q is rounded to F16 (u16 sum|q k|) and summed in F32; a score error ds changes
+        # the softmax weights by a factor within e^(+-2 ds), so sum|dp| <= expm1(2 ds)
+        absqk = np.abs(q64[h]) @ np.abs(k64[hk]).T * scale
+        q_round = EPS16 if kv_type == "f16" else 0.0
+        ds = ((q_round + (d + 2) * EPS32) * absqk + 4 * EPS32 * np.abs(s)).max(axis=-1)
+        # V is accumulated in F16 for F16 v (F32 for F32 v), one rounding per kv step for the product and one
+        # for the rescale, each relative to the running sum <= max|v| * S: 2 (S + 1) u max|v|
+        acc_u = EPS16 if kv_type == "f16" else EPS32
+        vmax = np.abs(v64[hk]).max()
+        tol[:, h, :] = (vmax * (np.expm1(2 * ds) + 2 * (kv_len + 1) * acc_u))[:, None]
+    check_close(got, ref, tol, f"flash_attn H={heads} Hkv={kv_heads} T={tokens} S={kv_len} mask={mask_kind}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# selection and reduction
+# --------------------------------------------------------------------------------------------------------------
+
+def distinct_rows(rng, shape):
+    """Rows of pairwise distinct float32 values (no ties, so that the order is unique)."""
+    n = shape[-1]
+    rows = int(np.prod(shape[:-1]))
+    vals = np.stack([rng.permutation(n) for _ in range(rows)]).astype(np.float64)
+    vals = vals * 0.5 + rng.uniform(-0.2, 0.2, vals.shape)  # spacing >= 0.1: distinct in float32
+    return (vals - n / 4).astype(np.float32).reshape(shape)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3), seed=SEEDS)
+def test_argsort_distinct(run, descending, shape, seed):
+    a = distinct_rows(rng_of(seed), shape)
+    got = run(lambda c, t: c.argsort(t["a"], descending=descending), consts={"a": a})
+    ref = np.argsort(-a if descending else a, axis=-1)
+    assert got.dtype == np.int32
+    assert canon(got.shape) == canon(ref.shape)
+    assert np.array_equal(got.reshape(ref.shape), ref)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+@given(shape=st.lists(st.integers(1, 30), min_size=1, max_size=2), seed=SEEDS)
+def test_argsort_ties(run, descending, shape, seed):
+    """With ties the index order is not unique: check the gathered values are sorted and idx is a permutation."""
+    a = rng_of(seed).integers(-3, 3, shape).astype(np.float32)
+    got = run(lambda c, t: c.argsort(t["a"], descending=descending), consts={"a": a}).reshape(a.shape)
+    assert np.array_equal(np.sort(got, axis=-1), np.broadcast_to(np.arange(a.shape[-1]), a.shape))
+    vals = np.take_along_axis(a, got.astype(np.int64), axis=-1)
+    expect = np.sort(a, axis=-1)
+    assert np.array_equal(vals, expect[..., ::-1] if descending else expect)
+
+
+@given(rows=st.integers(1, 4), n=st.integers(1, 40), data=st.data(), seed=SEEDS)
+def test_top_k(run, rows, n, data, seed):
+    k = data.draw(st.integers(1, n), label="k")
+    a = distinct_rows(rng_of(seed), (rows, n))
+    got = run(lambda c, t: c.top_k(t["a"], k), consts={"a": a})
+    got = got.reshape(rows, k)  # the order among the k is unspecified: compare sets per row
+    ref = np.argsort(-a, axis=-1)[:, :k]
+    for r in range(rows):
+        assert set(got[r].tolist()) == set(ref[r].tolist()), f"row {r}: {sorted(got[r])} != {sorted(ref[r])}"
+
+
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=SEEDS)
+def test_sum_rows(run, shape, seed):
+    a = rng_of(seed).standard_normal(shape).astype(np.float32)
+    got = run(lambda c, t: c.sum_rows(t["a"]), consts={"a": a})
+    x = a.astype(np.float64)
+    ref = x.sum(axis=-1, keepdims=True)
+    check_close(got, ref, dot_tol(np.abs(x).sum(axis=-1, keepdims=True), shape[-1]), "sum_rows")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# layout: exact (no arithmetic), so the comparisons are exact
+# --------------------------------------------------------------------------------------------------------------
+
+@given(nd=st.integers(1, 3), dims=st.lists(st.integers(1, 5), min_size=3, max_size=3),
+       pads=st.lists(st.integers(0, 3), min_size=2, max_size=2), offset=st.integers(0, 7), slack=st.integers(0, 5),
+       via_cont=st.booleans(), seed=SEEDS)
+def test_view(run, nd, dims, pads, offset, slack, via_cont, seed):
+    shape = tuple(dims[:nd])
+    ne = tuple(reversed(shape))
+    item = 4
+    nb = [item]  # GGML byte strides, innermost first
+    nb.append(ne[0] * item + pads[0] * item)
+    nb.append((ne[1] if nd > 1 else 1) * nb[1] + pads[1] * item)
+    strides_np = tuple(reversed(nb[1:nd]))  # numpy-order outer strides
+    extent = offset * item + sum((n - 1) * s for n, s in zip(ne, nb)) + item
+    size = extent // item + slack
+    base = rng_of(seed).standard_normal(size).astype(np.float32)
+    got = run(lambda c, t: (lambda v: c.cont(v) if via_cont else v)(
+        c.view(t["a"], shape, strides_np if nd > 1 else None, offset * item)), consts={"a": base})
+    ref = np.lib.stride_tricks.as_strided(base[offset:], shape=shape, strides=tuple(reversed(nb[:nd])))
+    assert canon(got.shape) == canon(ref.shape)
+    assert np.array_equal(got.reshape(ref.shape), ref)
+
+
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data(), seed=SEEDS)
+def test_reshape(run, shape, data, seed):
+    a = rng_of(seed).standard_normal(shape).astype(np.float32)
+    n = a.size
+    # a new shape of 1..4 dims with the same number of elements
+    nd = data.draw(st.integers(1, 4), label="nd")
+    new, rest = [], n
+    for _ in range(nd - 1):
+        d = data.draw(st.sampled_from([x for x in range(1, rest + 1) if rest % x == 0]))
+        new.append(d)
+        rest //= d
+    new.append(rest)
+    got = run(lambda c, t: c.reshape(c.scale(t["a"], 1.0), new), consts={"a": a})
+    assert canon(got.shape) == canon(new)
+    assert np.array_equal(got.reshape(new), a.reshape(new))
+
+
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), extra=st.integers(0, 2), data=st.data(),
+       seed=SEEDS)
+def test_permute(run, shape, extra, data, seed):
+    """numpy.transpose semantics; axes may be longer than a.ndim (a is padded with leading 1s, up to 4-D)."""
+    nd = min(len(shape) + extra, 4)
+    axes = tuple(data.draw(st.permutations(range(nd)), label="axes"))
+    a = rng_of(seed).standard_normal(shape).astype(np.float32)
+    got = run(lambda c, t: c.cont(c.permute(t["a"], axes)), consts={"a": a})
+    ref = np.transpose(a.reshape(pad_shape(a.shape, nd)), axes)
+    assert canon(got.shape) == canon(ref.shape), f"axes {axes}: {got.shape} vs {ref.shape}"
+    assert np.array_equal(got.reshape(ref.shape), ref)
+
+
+@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=4), seed=SEEDS)
+def test_transpose(run, shape, seed):
+    a = rng_of(seed).standard_normal(shape).astype(np.float32)
+    got = run(lambda c, t: c.cont(c.transpose(t["a"])), consts={"a": a})
+    ref = np.swapaxes(a, -1, -2)
+    assert canon(got.shape) == canon(ref.shape)
+    assert np.array_equal(got.reshape(ref.shape), ref)
+
+
+@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=3), dtype=st.sampled_from(["f32", "f16", "i32"]),
+       seed=SEEDS)
+def test_cont_of_transposed_view(run, shape, dtype, seed):
+    a = (rng_of(seed).standard_normal(shape) * 100).astype(dtype)
+    seen = {}
+
+    def build(c, t):
+        tr = c.transpose(t["a"])
+        out = c.cont(tr)
+        seen["out_contiguous"] = out.is_contiguous
+        return out
+
+    got = run(build, consts={"a": a})
+    assert seen["out_contiguous"]
+    ref = np.swapaxes(a, -1, -2)
+    assert got.dtype == a.dtype
+    assert np.array_equal(got.reshape(ref.shape), ref)
+
+
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), seed=SEEDS)
+def test_cpy_f32_to_f16(run, shape, seed):
+    a = (rng_of(seed).standard_normal(shape) * 10).astype(np.float32)
+    got = run(lambda c, t: c.cpy(t["a"], t["b"]), consts={"a": a, "b": np.zeros(shape, np.float16)})
+    assert got.dtype == np.float16
+    # F32 -> F16 is one round-to-nearest-even conversion, as numpy's
+    assert np.array_equal(got.reshape(a.shape), a.astype(np.float16))
+
+
+@given(rows=st.integers(1, 3), blocks=st.integers(1, 3), scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=SEEDS)
+def test_cpy_f32_to_q8_0(run, rows, blocks, scale, seed):
+    n = 32 * blocks
+    a = (rng_of(seed).standard_normal((rows, n)) * scale).astype(np.float32)
+    dst = Raw(T.Q8_0, (rows, n), np.zeros(rows * T.Q8_0.row_size(n), np.uint8))
+    got = run(lambda c, t: c.cpy(t["a"], t["b"]), consts={"a": a, "b": dst})
+    assert got.dtype == np.uint8 and got.size == rows * T.Q8_0.row_size(n)
+    deq = gh.dequantize(got.reshape(rows, -1), T.Q8_0, n).astype(np.float64)
+    # Q8_0: d = amax/127 stored as fp16, q = round(x/d): |err| <= d/2 + 127 |d - d16| <= amax (1/254 + u16)
+    bound = block_amax(a.astype(np.float64), 32) * (1 / 254 + EPS16) * 1.001
+    check_close(deq, a, bound, "cpy F32->Q8_0")
+
+
+@given(nd=st.integers(1, 4), data=st.data(), dtype=st.sampled_from(["f32", "f16", "i32"]), seed=SEEDS)
+def test_concat(run, nd, data, dtype, seed):
+    axis = data.draw(st.integers(0, nd - 1), label="axis")
+    shape_a = data.draw(st.lists(st.integers(1, 4), min_size=nd, max_size=nd), label="shape_a")
+    shape_b = list(shape_a)
+    shape_b[axis] = data.draw(st.integers(1, 4), label="len_b")
+    rng = rng_of(seed)
+    a = (rng.standard_normal(shape_a) * 100).astype(dtype)
+    b = (rng.standard_normal(shape_b) * 100).astype(dtype)
+    got = run(lambda c, t: c.concat(t["a"], t["b"], axis), consts={"a": a, "b": b})
+    ref = np.concatenate([a, b], axis=axis)
+    assert canon(got.shape) == canon(ref.shape), f"axis {axis}: {got.shape} vs {ref.shape}"
+    assert np.array_equal(got.reshape(ref.shape), ref)
