@@ -9,6 +9,20 @@ from ._managed import Managed
 from .errors import AllocationError, BackendError, GgmlHybridError
 
 
+# addresses of the live buffers made through this package: a scheduler must not
+# re-allocate tensors that live in them
+_user_buffers: set[int] = set()
+
+
+def _free_buffer(ptr) -> None:
+    _user_buffers.discard(int(ffi.cast("uintptr_t", ptr)))
+    lib.ggml_backend_buffer_free(ptr)
+
+
+def user_buffers() -> list:
+    return [ffi.cast("ggml_backend_buffer_t", a) for a in _user_buffers]
+
+
 class Buffer(Managed):
     """A backend buffer; keeps its backend (when it has one) alive."""
 
@@ -17,7 +31,9 @@ class Buffer(Managed):
     def __init__(self, ptr, backend: "Backend | None" = None, owned: bool = True):
         if ptr == ffi.NULL:
             raise AllocationError("backend buffer allocation failed")
-        super().__init__(ptr, lib.ggml_backend_buffer_free, owned)
+        super().__init__(ptr, _free_buffer, owned)
+        if owned:
+            _user_buffers.add(int(ffi.cast("uintptr_t", ptr)))
         self._backend = backend
 
     @property

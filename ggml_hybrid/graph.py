@@ -36,7 +36,8 @@ class Graph:
         self._p = lib.ggml_new_graph_custom(ctx.ptr, size, False)
         self._checked_for: set[int] = set()  # backends whose support was verified, by sched pointer
         self._inputs: tuple[int, list[Tensor]] | None = None
-        self.version = 0  # bumped by expand(), so a scheduler knows to split again
+        self.version = 0
+        self._alloc_token = 0  # bumped whenever a scheduler (re)allocates this graph  # bumped by expand(), so a scheduler knows to split again
 
     @property
     def ptr(self):

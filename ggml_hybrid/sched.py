@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ._lib import ffi, lib
 from ._managed import Managed
-from .backend import Backend
+from .backend import Backend, user_buffers
 from .errors import AllocationError, BackendError, ComputeError, GgmlHybridError
 from .graph import Graph
 from .regions import Region, raise_region_status
@@ -39,7 +39,8 @@ class Scheduler(Managed):
         self._pending_error: BaseException | None = None
         self._regions: list[Region] = []
         self._handle = ffi.new_handle(self)  # user_data of region executors
-        self._allocated: tuple[Graph, int] | None = None  # graph (and its version) split last
+        # (graph, version, allocation token) of the graph split and allocated last
+        self._allocated: tuple | None = None
 
     @property
     def backends(self) -> list[Backend]:
@@ -94,10 +95,19 @@ class Scheduler(Managed):
         for t in graph.inputs:
             t.context._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
 
+    def _forget_allocation(self, graph: Graph) -> None:
+        # tensors a scheduler allocated point into its compute buffers, which may be freed
+        # or reused by now; GGML would read those stale pointers while splitting
+        keep = user_buffers()
+        lib.ggml_hybrid_graph_unalloc(graph.ptr, ffi.new("ggml_backend_buffer_t[]", keep) if keep else ffi.NULL,
+                                      len(keep))
+        graph._alloc_token += 1
+
     def reserve(self, graph: Graph) -> None:
         """Size the compute buffers for the largest graph you will run."""
         self._check_graph(graph)
         self._allocated = None
+        self._forget_allocation(graph)
         if not lib.ggml_backend_sched_reserve(self.ptr, graph.ptr):
             raise_region_status(self)
             raise AllocationError("Scheduler.reserve: could not allocate the compute buffers")
@@ -106,10 +116,11 @@ class Scheduler(Managed):
         """Split and allocate ``graph``; inputs can then be set before :meth:`compute`."""
         self._check_graph(graph)
         self.reset()
+        self._forget_allocation(graph)
         if not lib.ggml_backend_sched_alloc_graph(self.ptr, graph.ptr):
             raise_region_status(self)
             raise AllocationError("Scheduler.alloc: could not allocate the graph")
-        self._allocated = (graph, graph.version)
+        self._allocated = (graph, graph.version, graph._alloc_token)
         for t in graph.inputs:  # allocation may have moved them: their data must be set anew
             t.context._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
 
@@ -119,7 +130,7 @@ class Scheduler(Managed):
         The graph is split and allocated on first use (or call :meth:`alloc`
         first to set inputs); computing it again reuses that allocation.
         """
-        if self._allocated is None or self._allocated[0] is not graph or self._allocated[1] != graph.version:
+        if self._allocated != (graph, graph.version, graph._alloc_token):
             self.alloc(graph)
         self._check_inputs_set(graph)
         status = lib.ggml_backend_sched_graph_compute(self.ptr, graph.ptr)

@@ -162,7 +162,7 @@ BINARY = {"add": np.add, "mul": np.multiply, "div": np.divide}
 
 
 @pytest.mark.parametrize("op", sorted(BINARY))
-@given(shapes=broadcast_shapes(), types=st.sampled_from([("f32", "f32"), ("f16", "f16"), ("f16", "f32")]),
+@given(shapes=broadcast_shapes(), types=st.sampled_from([("float32", "float32"), ("float16", "float16"), ("float16", "float32")]),
        seed=SEEDS)
 def test_binary(run, op, shapes, types, seed):
     a_shape, b_shape = shapes
@@ -176,18 +176,18 @@ def test_binary(run, op, shapes, types, seed):
     ref = BINARY[op](a.astype(np.float64), tile_to(b.astype(np.float64), a_shape))
     assert got.dtype == a.dtype  # the result has a's type
     # inputs are exact; the single op result is rounded once to a's type
-    tol = f16_tol(ref) if types[0] == "f16" else EPS32 * np.abs(ref) + 1e-38
+    tol = f16_tol(ref) if types[0] == "float16" else EPS32 * np.abs(ref) + 1e-38
     check_close(got, ref, tol, f"{op} {types} a{a_shape} b{b_shape}")
 
 
-@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), dtype=st.sampled_from(["f32", "f16"]),
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), dtype=st.sampled_from(["float32", "float16"]),
        s=st.floats(-4, 4, allow_nan=False), seed=SEEDS)
 def test_scale(run, shape, dtype, s, seed):
     a = rng_of(seed).standard_normal(shape).astype(dtype)
     got = run(lambda c, t: c.scale(t["a"], s), consts={"a": a})
     s32 = float(np.float32(s))  # GGML keeps the factor as a float32 op parameter
     ref = a.astype(np.float64) * s32
-    tol = f16_tol(ref) if dtype == "f16" else EPS32 * np.abs(ref) + 1e-38
+    tol = f16_tol(ref) if dtype == "float16" else EPS32 * np.abs(ref) + 1e-38
     check_close(got, ref, tol, f"scale {dtype}")
 
 
@@ -218,14 +218,14 @@ UNARY = {"silu": silu64, "sigmoid": sigmoid64, "gelu": gelu64}
 
 
 @pytest.mark.parametrize("op", sorted(UNARY))
-@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3), dtype=st.sampled_from(["f32", "f16"]),
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3), dtype=st.sampled_from(["float32", "float16"]),
        seed=SEEDS)
 def test_unary(run, op, shape, dtype, seed):
     a = rng_of(seed).uniform(-12, 12, shape).astype(dtype)
     got = run(lambda c, t: getattr(c, op)(t["a"]), consts={"a": a})
     x = a.astype(np.float64)
     ref = UNARY[op](x)
-    if dtype == "f16":
+    if dtype == "float16":
         # computed in f32 from the exact f16 input, rounded to f16 (the gelu f16 table is the same rounding)
         tol = f16_tol(ref) + TRANSC_F32 * np.abs(ref)
     elif op == "gelu":
@@ -240,7 +240,7 @@ GLU_ACT = {"swiglu": silu64, "geglu": gelu64}
 
 @pytest.mark.parametrize("kind", sorted(GLU_ACT))
 @given(rows=st.lists(st.integers(1, 4), min_size=1, max_size=2), half=st.integers(1, 24),
-       dtype=st.sampled_from(["f32", "f16"]), form=st.sampled_from(["fused", "fused_swapped", "split"]),
+       dtype=st.sampled_from(["float32", "float16"]), form=st.sampled_from(["fused", "fused_swapped", "split"]),
        seed=SEEDS)
 def test_glu(run, kind, rows, half, dtype, form, seed):
     rng = rng_of(seed)
@@ -255,13 +255,13 @@ def test_glu(run, kind, rows, half, dtype, form, seed):
     x64, g64 = x.astype(np.float64), g.astype(np.float64)
     act = GLU_ACT[kind](x64)
     ref = act * g64
-    if kind == "geglu" and dtype == "f32":
+    if kind == "geglu" and dtype == "float32":
         tol = gelu_table_err(x64) * np.abs(g64) + EPS32 * np.abs(ref)  # fp16 gelu table, then one f32 product
     else:
         tol = TRANSC_F32 * np.abs(ref) + 1e-38
         if kind == "geglu":
             tol = tol + EPS16 * np.abs(act) * np.abs(g64)  # f16 kernel reads the f16 gelu table
-    if dtype == "f16":
+    if dtype == "float16":
         tol = tol + f16_tol(ref)
     check_close(got, ref, tol, f"{kind} {form} {dtype}")
 
@@ -282,7 +282,7 @@ def test_rms_norm(run, shape, eps, scale, seed):
 
 
 @given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), rows=st.integers(1, 5), n=st.integers(1, 24),
-       mask_kind=st.sampled_from([None, "f32", "f16"]), extra_rows=st.integers(0, 2), mask_outer=st.booleans(),
+       mask_kind=st.sampled_from([None, "float32", "float16"]), extra_rows=st.integers(0, 2), mask_outer=st.booleans(),
        scale=st.sampled_from([1.0, 0.125, 3.0]), seed=SEEDS)
 def test_soft_max(run, lead, rows, n, mask_kind, extra_rows, mask_outer, scale, seed):
     rng = rng_of(seed)
@@ -335,7 +335,7 @@ def rope64(x, pos, n_dims, mode, base):
 
 @pytest.mark.parametrize("mode", ["normal", "neox"])
 @given(tokens=st.integers(1, 4), heads=st.integers(1, 3), half_dim=st.integers(1, 12), data=st.data(),
-       base=st.sampled_from([10000.0, 500.0, 1e6]), dtype=st.sampled_from(["f32", "f16"]),
+       base=st.sampled_from([10000.0, 500.0, 1e6]), dtype=st.sampled_from(["float32", "float16"]),
        pos_as_input=st.booleans(), seed=SEEDS)
 def test_rope(run, mode, tokens, heads, half_dim, data, base, dtype, pos_as_input, seed):
     rng = rng_of(seed)
@@ -348,7 +348,7 @@ def test_rope(run, mode, tokens, heads, half_dim, data, base, dtype, pos_as_inpu
     got = run(lambda c, t: c.rope(t["x"], t["pos"], n_dims, mode=mode, freq_base=base), consts=consts,
               inputs=inputs)
     ref, tol = rope64(x, pos, n_dims, mode, base)
-    if dtype == "f16":
+    if dtype == "float16":
         tol = tol + f16_tol(ref)
     check_close(got, ref, tol, f"rope {mode} n_dims={n_dims}/{d} {dtype}")
     # dims beyond n_dims are copied unchanged
@@ -357,7 +357,7 @@ def test_rope(run, mode, tokens, heads, half_dim, data, base, dtype, pos_as_inpu
 
 @given(kv_heads=st.integers(1, 2), group=st.integers(1, 2), tokens=st.integers(1, 5), kv_len=st.integers(1, 16),
        d=st.sampled_from([8, 16, 32, 64]), dv=st.sampled_from([None, 16]), mask_kind=st.sampled_from(
-           [None, "causal", "random"]), mask_pad=st.integers(0, 3), kv_type=st.sampled_from(["f16", "f32"]),
+           [None, "causal", "random"]), mask_pad=st.integers(0, 3), kv_type=st.sampled_from(["float16", "float32"]),
        scale_mul=st.sampled_from([1.0, 4.0]), seed=SEEDS)
 def test_flash_attn(run, kv_heads, group, tokens, kv_len, d, dv, mask_kind, mask_pad, kv_type, scale_mul, seed):
     """q [H, T, d] F32, k/v [Hkv, S, d] F16 (or F32), mask [T_pad, S] F16 -> result [T, H, dv] (permuted!).
@@ -399,11 +399,11 @@ def test_flash_attn(run, kv_heads, group, tokens, kv_len, d, dv, mask_kind, mask
         # scores: with F16 k, q is rounded to F16 (u16 sum|q k|) and summed in F32; a score error ds changes
         # the softmax weights by a factor within e^(+-2 ds), so sum|dp| <= expm1(2 ds)
         absqk = np.abs(q64[h]) @ np.abs(k64[hk]).T * scale
-        q_round = EPS16 if kv_type == "f16" else 0.0
+        q_round = EPS16 if kv_type == "float16" else 0.0
         ds = ((q_round + (d + 2) * EPS32) * absqk + 4 * EPS32 * np.abs(s)).max(axis=-1)
         # V is accumulated in F16 for F16 v (F32 for F32 v), one rounding per kv step for the product and one
         # for the rescale, each relative to the running sum <= max|v| * S: 2 (S + 1) u max|v|
-        acc_u = EPS16 if kv_type == "f16" else EPS32
+        acc_u = EPS16 if kv_type == "float16" else EPS32
         vmax = np.abs(v64[hk]).max()
         tol[:, h, :] = (vmax * (np.expm1(2 * ds) + 2 * (kv_len + 1) * acc_u))[:, None]
     check_close(got, ref, tol, f"flash_attn H={heads} Hkv={kv_heads} T={tokens} S={kv_len} mask={mask_kind}")
@@ -529,7 +529,7 @@ def test_transpose(run, shape, seed):
     assert np.array_equal(got.reshape(ref.shape), ref)
 
 
-@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=3), dtype=st.sampled_from(["f32", "f16", "i32"]),
+@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=3), dtype=st.sampled_from(["float32", "float16", "int32"]),
        seed=SEEDS)
 def test_cont_of_transposed_view(run, shape, dtype, seed):
     a = (rng_of(seed).standard_normal(shape) * 100).astype(dtype)
@@ -570,7 +570,7 @@ def test_cpy_f32_to_q8_0(run, rows, blocks, scale, seed):
     check_close(deq, a, bound, "cpy F32->Q8_0")
 
 
-@given(nd=st.integers(1, 4), data=st.data(), dtype=st.sampled_from(["f32", "f16", "i32"]), seed=SEEDS)
+@given(nd=st.integers(1, 4), data=st.data(), dtype=st.sampled_from(["float32", "float16", "int32"]), seed=SEEDS)
 def test_concat(run, nd, data, dtype, seed):
     axis = data.draw(st.integers(0, nd - 1), label="axis")
     shape_a = data.draw(st.lists(st.integers(1, 4), min_size=nd, max_size=nd), label="shape_a")
