@@ -40,6 +40,7 @@ def _load_buildinfo():
     # loaded by path: the package itself cannot be imported before it is built
     spec = importlib.util.spec_from_file_location("_ggml_hybrid_buildinfo", PACKAGE / "_buildinfo.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 

@@ -7,6 +7,7 @@ and `pip install` do exactly the same thing.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from setuptools import build_meta as _setuptools
@@ -18,6 +19,7 @@ from setuptools.build_meta import (  # noqa: F401 - re-exported PEP 517 hooks
 def _build_native() -> None:
     spec = importlib.util.spec_from_file_location("_ggml_hybrid_build", Path(__file__).with_name("build.py"))
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     mod.build(mod.options_from_env())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ._lib import cstr, ffi, lib
@@ -62,6 +63,15 @@ class Buffer(Managed):
         lib.ggml_backend_buffer_set_usage(self.ptr, table[usage])
 
 
+class Threadpool(Managed):
+    _kind = "threadpool"
+
+    def __init__(self, ptr):
+        if ptr == ffi.NULL:
+            raise BackendError("could not create a CPU threadpool")
+        super().__init__(ptr, lib.ggml_threadpool_free)
+
+
 class Backend(Managed):
     """An initialised GGML backend."""
 
@@ -73,6 +83,7 @@ class Backend(Managed):
         super().__init__(ptr, lib.ggml_backend_free)
         self.kind = kind
         self._n_threads = None
+        self._pool: Threadpool | None = None
 
     @property
     def name(self) -> str:
@@ -93,7 +104,22 @@ class Backend(Managed):
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 512:
             raise ValueError(f"n_threads: {n!r} is not an integer in 1..512")
         lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
+        # a persistent pool: without it each graph compute (each split) starts its own threads
+        params = ffi.new("struct ggml_threadpool_params *")
+        lib.ggml_threadpool_params_init(params, n)
+        params.poll = 0  # sleep between graphs rather than spin: the machine is shared with Python work
+        pool = Threadpool(lib.ggml_threadpool_new(params))
+        lib.ggml_backend_cpu_set_threadpool(self.ptr, pool.ptr)
+        old, self._pool = self._pool, pool
+        if old is not None:
+            old.close()
         self._n_threads = n
+
+    def close(self) -> None:
+        super().close()  # the backend first: it holds the pool
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def alloc_buffer(self, size: int) -> Buffer:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -112,10 +138,9 @@ class Backend(Managed):
 
 
 def cpu(n_threads: int | None = None) -> Backend:
-    """A CPU backend; ``n_threads`` defaults to GGML's choice."""
+    """A CPU backend with its own persistent threadpool of ``n_threads`` (default: all cores)."""
     b = Backend(lib.ggml_backend_cpu_init(), "CPU")
-    if n_threads is not None:
-        b.n_threads = n_threads
+    b.n_threads = n_threads if n_threads is not None else (os.cpu_count() or 1)
     return b
 
 

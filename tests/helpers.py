@@ -23,6 +23,13 @@ import ggml_hybrid as gh
 EPS32 = 2.0 ** -24  # unit roundoff of float32 (round to nearest)
 EPS16 = 2.0 ** -11  # unit roundoff of float16
 EPSBF16 = 2.0 ** -8  # unit roundoff of bfloat16
+F16_TINY = 2.0 ** -25  # half the smallest float16 subnormal: the absolute rounding floor of anything stored as fp16
+
+
+def q8_err(amax):
+    """|x - dequant(quant(x))| for Q8_0/Q8_K blocks of max |x| = amax: d = amax/127, q = round(x/d) costs d/2;
+    Q8_0 stores d as fp16 (|d - d16| <= u16 d + F16_TINY, times |q| <= 127)."""
+    return np.asarray(amax) * (1 / 254 + EPS16) * (1 + 1e-4) + 127 * F16_TINY
 
 
 class Raw:
@@ -132,3 +139,43 @@ def block_amax(x: np.ndarray, block: int) -> np.ndarray:
 
 def lcm(*xs: int) -> int:
     return math.lcm(*xs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# running code in a child interpreter: for calls that may kill the process (a GGML_ASSERT/abort or a segfault)
+# --------------------------------------------------------------------------------------------------------------
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gh.__file__)))
+
+PRELUDE = """\
+import numpy as np
+import ggml_hybrid as gh
+from helpers import compute, Raw
+cpu = gh.cpu(2)
+"""
+
+
+def run_isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``PRELUDE + code`` in a fresh interpreter (GGML_NO_BACKTRACE: no gdb on abort)."""
+    env = dict(os.environ, GGML_NO_BACKTRACE="1")
+    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, TESTS_DIR] + [p for p in [env.get("PYTHONPATH")] if p])
+    return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=TESTS_DIR)
+
+
+def assert_typed_error_isolated(code: str, expected: str = "GgmlHybridError") -> None:
+    """``code`` must raise gh.errors.<expected> (and the interpreter must survive it)."""
+    body = textwrap.indent(textwrap.dedent(code), "    ")
+    wrapped = (f"try:\n{body}\nexcept gh.errors.{expected} as exc:\n    print('TYPED', type(exc).__name__, exc)\n"
+               f"else:\n    print('NO ERROR')\n")
+    p = run_isolated(wrapped)
+    assert p.returncode == 0 and "TYPED" in p.stdout, (
+        f"expected gh.errors.{expected}; child exit code {p.returncode} "
+        f"(negative = killed by signal {-p.returncode if p.returncode < 0 else ''}), "
+        f"stdout {p.stdout.strip()[-500:]!r}, stderr {p.stderr.strip()[-1500:]!r}")

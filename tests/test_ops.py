@@ -24,13 +24,13 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from helpers import EPS16, EPS32, Raw, block_amax, canon, check_close, dot_tol, pad_shape, quantized, tile_to
+from helpers import (EPS16, EPS32, F16_TINY, Raw, block_amax, canon, check_close, dot_tol, pad_shape, q8_err, quantized,
+                     run_isolated, tile_to)
 
 T = gh.GGMLType
 SEEDS = st.integers(0, 2**31 - 1)
 QTYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
 WTYPES = [T.F32, T.F16] + QTYPES
-F16_TINY = 2.0 ** -25  # half the smallest float16 subnormal: absolute rounding floor of F16 results
 
 
 def rng_of(seed):
@@ -67,7 +67,7 @@ def matvec_tol(w64: np.ndarray, x: np.ndarray, wtype: T) -> np.ndarray:
         # x is rounded to F16 (vec_dot_type of F16), then exact F16 products are summed in F32
         return EPS16 * absprod * (1 + 1e-3) + dot_tol(absprod, k)
     # the activation is quantized in blocks as long as the weight's: Q8_0 (32) for legacy, Q8_K (256) for K-quants
-    act_err = block_amax(x.astype(np.float64), wtype.block_size) * (1 / 254 + EPS16) * 1.001
+    act_err = q8_err(block_amax(x.astype(np.float64), wtype.block_size))
     # two extra roundings per block for the product of the block scales (d_w * d_x) into the F32 accumulator
     return act_err @ np.swapaxes(absw, -1, -2) + 2 * dot_tol(absprod, k)
 
@@ -180,7 +180,7 @@ def test_binary(run, op, shapes, types, seed):
     check_close(got, ref, tol, f"{op} {types} a{a_shape} b{b_shape}")
 
 
-@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), dtype=st.sampled_from(["float32", "float16"]),
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), dtype=st.sampled_from(["float32"]),
        s=st.floats(-4, 4, allow_nan=False), seed=SEEDS)
 def test_scale(run, shape, dtype, s, seed):
     a = rng_of(seed).standard_normal(shape).astype(dtype)
@@ -189,6 +189,25 @@ def test_scale(run, shape, dtype, s, seed):
     ref = a.astype(np.float64) * s32
     tol = f16_tol(ref) if dtype == "float16" else EPS32 * np.abs(ref) + 1e-38
     check_close(got, ref, tol, f"scale {dtype}")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: ops.scale accepts F16 but GGML's CPU scale kernel has no F16 case "
+                   "(GGML_ABORT 'fatal error' kills the process); it should raise DTypeError or compute")
+def test_scale_f16_does_not_kill_the_process():
+    p = run_isolated("""
+        a = np.array([[1.0, -2.0, 0.5]], np.float16)
+        try:
+            out = compute(cpu, lambda c, t: c.scale(t["a"], 2.0), consts={"a": a})
+            assert np.array_equal(out.reshape(a.shape), a * 2), out
+            print("OK computed")
+        except gh.errors.DTypeError:
+            print("OK rejected")
+    """)
+    assert p.returncode == 0 and "OK" in p.stdout, f"exit {p.returncode}: {p.stderr[-800:]}"
+
+
+# float32 transcendental kernels (SIMD expf within ~2 ulp, then a division and a product): 8 u |ref|
+TRANSC_F32 = 8 * EPS32
 
 
 def silu64(x):
@@ -204,15 +223,20 @@ def gelu64(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * x * (1 + 0.044715 * x * x)))
 
 
+def gelu_f32_err(x):
+    """The table entries are GGML's float32 0.5 x (1 + tanhf(..)): for x << 0, 1 + tanhf cancels, leaving
+    tanhf's absolute error (<= 1 ulp of 1, 2 u) times 0.5 |x|, so |err| <= 2 u |x| plus a few u relative."""
+    return 2 * EPS32 * np.abs(x) + TRANSC_F32 * np.abs(gelu64(x))
+
+
 def gelu_table_err(x):
     """GGML computes F32 gelu through an fp16 lookup table for |x| < 10 (GGML_GELU_FP16): x is rounded to
-    fp16 (|dx| <= u16 |x|, and |gelu'| <= 1.13) and the table value is fp16 (u16 |gelu|); beyond +-10 it
-    returns x or 0 (the tanh form differs from those by < 1e-20)."""
-    return EPS16 * (1.13 * np.abs(x) + np.abs(gelu64(x))) * (1 + 1e-3) + 1e-20
+    fp16 (|dx| <= u16 |x|, and |gelu'| <= 1.13) and the table value is the fp16 rounding (u16 |gelu|, or half an
+    fp16 subnormal step) of the float32 formula (gelu_f32_err); beyond +-10 it returns x or 0 (the tanh form
+    differs from those by < 1e-20)."""
+    return EPS16 * (1.13 * np.abs(x) + np.abs(gelu64(x))) * (1 + 1e-3) + F16_TINY + gelu_f32_err(x) + 1e-20
 
 
-# float32 transcendental kernels (SIMD expf within ~2 ulp, then a division and a product): 8 u |ref|
-TRANSC_F32 = 8 * EPS32
 
 UNARY = {"silu": silu64, "sigmoid": sigmoid64, "gelu": gelu64}
 
@@ -227,7 +251,7 @@ def test_unary(run, op, shape, dtype, seed):
     ref = UNARY[op](x)
     if dtype == "float16":
         # computed in f32 from the exact f16 input, rounded to f16 (the gelu f16 table is the same rounding)
-        tol = f16_tol(ref) + TRANSC_F32 * np.abs(ref)
+        tol = f16_tol(ref) + (gelu_f32_err(x) if op == "gelu" else TRANSC_F32 * np.abs(ref))
     elif op == "gelu":
         tol = gelu_table_err(x)  # loose on purpose: fp16 lookup table, see gelu_table_err
     else:
@@ -260,7 +284,8 @@ def test_glu(run, kind, rows, half, dtype, form, seed):
     else:
         tol = TRANSC_F32 * np.abs(ref) + 1e-38
         if kind == "geglu":
-            tol = tol + EPS16 * np.abs(act) * np.abs(g64)  # f16 kernel reads the f16 gelu table
+            # f16 kernel reads the f16 gelu table
+            tol = tol + (EPS16 * np.abs(act) + F16_TINY + gelu_f32_err(x64)) * np.abs(g64)
     if dtype == "float16":
         tol = tol + f16_tol(ref)
     check_close(got, ref, tol, f"{kind} {form} {dtype}")
@@ -565,8 +590,8 @@ def test_cpy_f32_to_q8_0(run, rows, blocks, scale, seed):
     got = run(lambda c, t: c.cpy(t["a"], t["b"]), consts={"a": a, "b": dst})
     assert got.dtype == np.uint8 and got.size == rows * T.Q8_0.row_size(n)
     deq = gh.dequantize(got.reshape(rows, -1), T.Q8_0, n).astype(np.float64)
-    # Q8_0: d = amax/127 stored as fp16, q = round(x/d): |err| <= d/2 + 127 |d - d16| <= amax (1/254 + u16)
-    bound = block_amax(a.astype(np.float64), 32) * (1 / 254 + EPS16) * 1.001
+    # Q8_0: d = amax/127 stored as fp16, q = round(x/d): |err| <= d/2 + 127 |d - d16| (see q8_err)
+    bound = q8_err(block_amax(a.astype(np.float64), 32))
     check_close(deq, a, bound, "cpy F32->Q8_0")
 
 

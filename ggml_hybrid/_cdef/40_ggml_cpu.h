@@ -10,3 +10,17 @@ int ggml_cpu_has_llamafile(void);
 
 ggml_backend_t ggml_hybrid_cuda_init(int device);
 int ggml_hybrid_cuda_device_count(void);
+
+// A persistent threadpool per CPU backend: without one, every graph compute
+// (every split) starts and joins its own threads.
+struct ggml_threadpool_params {
+    int n_threads;
+    uint32_t poll;
+    bool paused;
+    ...;
+};
+typedef struct ggml_threadpool * ggml_threadpool_t;
+void ggml_threadpool_params_init(struct ggml_threadpool_params * p, int n_threads);
+struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params);
+void ggml_threadpool_free(struct ggml_threadpool * threadpool);
+void ggml_backend_cpu_set_threadpool(ggml_backend_t backend_cpu, ggml_threadpool_t threadpool);

@@ -1,0 +1,29 @@
+"""Loads the patched module and an unpatched (upstream) build of the same pin side by side."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+UPSTREAM_DIR = ROOT / "build" / "upstream" / "ggml_hybrid"
+
+
+def load_upstream():
+    """(ffi, lib) of GGML built without our patch series; built on first use (about a minute)."""
+    path = UPSTREAM_DIR / f"_native_upstream{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if not path.exists():
+        subprocess.run([sys.executable, str(ROOT / "build.py"), "--upstream"], check=True)
+    spec = importlib.util.spec_from_file_location("ggml_hybrid._native_upstream", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.lib.ggml_cpu_init()
+    return mod.ffi, mod.lib
+
+
+def load_patched():
+    from ggml_hybrid._lib import ffi, lib
+    return ffi, lib

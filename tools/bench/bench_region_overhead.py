@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Cost of the region patch when no region is registered.
+
+The same 48-layer MoE-shaped graph runs through the scheduler of a build with the
+patch series and of one without it (same pin, same options), in one process,
+alternating A/B blocks after a warm-up. Each iteration is what an inference loop
+does per step: forget the previous allocation, split + allocate, set the input,
+compute. Prints per-arm medians and the ratio patched/unpatched, and checks that
+both arms give bit-identical outputs.
+
+    python tools/bench/bench_region_overhead.py [--rounds 20] [--block 25] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _native_variants import load_patched, load_upstream  # noqa: E402
+from moe_graph import DEFAULTS, RawMoE  # noqa: E402
+
+
+class Arm:
+    def __init__(self, name, ffi, lib, threads, shape):
+        self.name, self.ffi, self.lib = name, ffi, lib
+        self.backend = lib.ggml_backend_cpu_init()
+        lib.ggml_backend_cpu_set_n_threads(self.backend, threads)
+        self.model = RawMoE(ffi, lib, self.backend, **shape)
+        self.graph, self.x, self.out = self.model.build()
+        backends = ffi.new("ggml_backend_t[]", [self.backend])
+        self.sched = lib.ggml_backend_sched_new(backends, ffi.NULL, 1, self.model.graph_size, False, False)
+        self.keep = ffi.new("ggml_backend_buffer_t[]", [self.model.wbuf])
+        rng = np.random.default_rng(1)
+        self.xv = rng.standard_normal((shape["n_tokens"], shape["n_embd"])).astype(np.float32)
+        self.times: list[float] = []
+
+    def step(self) -> int:
+        lib, ffi = self.lib, self.ffi
+        t0 = time.perf_counter_ns()
+        lib.ggml_backend_sched_reset(self.sched)
+        lib.ggml_hybrid_graph_unalloc(self.graph, self.keep, 1)
+        assert lib.ggml_backend_sched_alloc_graph(self.sched, self.graph)
+        lib.ggml_backend_tensor_set(self.x, ffi.from_buffer(self.xv), 0, self.xv.nbytes)
+        assert lib.ggml_backend_sched_graph_compute(self.sched, self.graph) == 0
+        return time.perf_counter_ns() - t0
+
+    def output(self) -> np.ndarray:
+        out = np.empty(self.lib.ggml_nelements(self.out), np.float32)
+        self.lib.ggml_backend_tensor_get(self.out, self.ffi.from_buffer(out), 0, out.nbytes)
+        return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--block", type=int, default=25, help="iterations per arm per round")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=DEFAULTS["n_tokens"])
+    ns = ap.parse_args()
+    shape = dict(DEFAULTS, n_tokens=ns.tokens)
+    arms = [Arm("unpatched", *load_upstream(), ns.threads, shape), Arm("patched", *load_patched(), ns.threads, shape)]
+    for arm in arms:
+        for _ in range(ns.warmup):
+            arm.step()
+    identical = np.array_equal(arms[0].output(), arms[1].output())
+    round_ratios = []
+    for r in range(ns.rounds):
+        order = arms if r % 2 == 0 else arms[::-1]  # A B, then B A, ...
+        med = {}
+        for arm in order:
+            ts = [arm.step() for _ in range(ns.block)]
+            arm.times += ts
+            med[arm.name] = statistics.median(ts)
+        round_ratios.append(med["patched"] / med["unpatched"])
+    up, pa = (statistics.median(a.times) / 1e3 for a in arms)
+    n_nodes = arms[1].lib.ggml_graph_n_nodes(arms[1].graph)
+    print(f"graph: {shape['n_layer']} MoE layers, {n_nodes} nodes, {shape['n_tokens']} token(s), "
+          f"{ns.threads} thread(s); {ns.rounds} rounds x {ns.block} iterations per arm, alternating")
+    print(f"{'arm':<10} {'median us/step':>15}")
+    print(f"{'unpatched':<10} {up:>15.1f}")
+    print(f"{'patched':<10} {pa:>15.1f}")
+    q = statistics.quantiles(round_ratios, n=4)
+    print(f"ratio patched/unpatched: {pa / up:.4f} (per-round ratios: median {statistics.median(round_ratios):.4f}, "
+          f"quartiles {q[0]:.4f}..{q[2]:.4f})")
+    print(f"outputs bit-identical: {identical}")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
