@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from ._lib import cstr, ffi, lib
 from ._managed import Managed
 from .errors import AllocationError, BackendError, GgmlHybridError
@@ -53,6 +55,33 @@ class Buffer(Managed):
         if not 0 <= value <= 255:
             raise ValueError(f"Buffer.clear: value {value} is not a byte (0..255)")
         lib.ggml_backend_buffer_clear(self.ptr, value)
+
+    @classmethod
+    def from_host_memory(cls, array, usage: str = "weights") -> "Buffer":
+        """A CPU buffer over existing host memory (e.g. a memory-mapped GGUF file); keeps ``array`` alive."""
+        arr = np.asarray(array)
+        if not arr.flags.c_contiguous:
+            raise ValueError("Buffer.from_host_memory: the memory must be contiguous")
+        ptr = ffi.cast("void *", arr.ctypes.data)
+        buf = cls(lib.ggml_backend_cpu_buffer_from_ptr(ptr, arr.nbytes), None)
+        buf._memory = arr
+        buf.set_usage(usage)
+        return buf
+
+    def place(self, tensor, offset: int) -> None:
+        """Give ``tensor`` (unallocated, not a view) the memory at byte ``offset`` of this buffer."""
+        p = tensor.ptr
+        if p.buffer != ffi.NULL or p.data != ffi.NULL or p.view_src != ffi.NULL:
+            raise AllocationError(f"Buffer.place: tensor {tensor.name!r} already has memory or is a view")
+        need = int(lib.ggml_backend_buffer_get_alloc_size(self.ptr, p))
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + need > self.size:
+            raise AllocationError(f"Buffer.place: tensor {tensor.name!r} needs {need} bytes at offset {offset!r}, "
+                                  f"past the end of the {self.size}-byte buffer")
+        base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(self.ptr))
+        status = lib.ggml_backend_tensor_alloc(self.ptr, p, base + offset)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise AllocationError(f"Buffer.place: GGML could not place tensor {tensor.name!r}")
+        tensor.context._keep.append(self)  # tensor -> context -> this buffer (not closed with the context)
 
     def set_usage(self, usage: str) -> None:
         """'weights' tells the scheduler to run ops where their weights live; 'compute' or 'any' otherwise."""

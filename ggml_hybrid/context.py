@@ -43,7 +43,8 @@ class Context(OpsMixin, Managed):
             raise AllocationError(f"ggml_init failed for a {self.mem_size}-byte context")
         super().__init__(ptr, lib.ggml_free)
         self.no_alloc = bool(no_alloc)
-        self._buffers: list[Buffer] = []
+        self._buffers: list[Buffer] = []  # owned: closed with the context
+        self._keep: list = []  # shared (e.g. a mapped file's buffer): only kept alive
         # index tensor -> (op, exclusive upper bound) for checking data set into it
         self._index_bounds: dict[int, tuple[str, int]] = {}
         # graph inputs set since the last compute that used them (GGML reuses input memory)

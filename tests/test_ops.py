@@ -7,11 +7,13 @@ Tolerances are derived from the magnitudes involved, never picked to pass:
   product or sum, in any order, is within (k + 2) u sum|a_i b_i|.
 * float16 (u16 = 2**-11): F16 results round once more, u16 |ref|; an F32
   activation that GGML converts to F16 for an F16 weight costs u16 sum|a_i b_i|.
-* quantized weights: the oracle uses the *dequantized* weights, so the weight
-  error is out of the comparison; what is left is GGML quantizing the
+* quantized weights: the oracle uses the *dequantized* weights (gh.dequantize),
+  so the weight error is out of the comparison; GGML also quantizes the
   activation b to Q8_0 (32-blocks, fp16 scale) or Q8_K (256-blocks) before the
-  integer dot product: |b_j - b~_j| <= amax_block/254 + amax_block * u16, so
-  |err| <= sum_j |w_j| amax_block(j) (1/254 + u16) plus float rounding.
+  integer dot product. Bounding that by sum_j |w_j| amax_block/254 is too loose
+  to catch anything at k = 768 (see mm_oracle), so the oracle applies the same
+  activation quantization and the tolerance is float rounding relative to
+  sum|w_j b~_j|.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from helpers import (EPS16, EPS32, F16_TINY, Raw, block_amax, canon, check_close, dot_tol, pad_shape, q8_err, quantized,
-                     run_isolated, tile_to)
+from helpers import (EPS16, EPS32, F16_TINY, Raw, block_amax, canon, check_close, dot_tol, pad_shape, q8_err,
+                     quantized, run_isolated, tile_to)
 
 T = gh.GGMLType
 SEEDS = st.integers(0, 2**31 - 1)
@@ -56,20 +58,61 @@ def make_weight(rng, wtype: T, shape):
     return quantized(x, wtype)
 
 
-def matvec_tol(w64: np.ndarray, x: np.ndarray, wtype: T) -> np.ndarray:
-    """Tolerance of out[..., m, n] = sum_j w[n, j] x[m, j] for weight rows w64 [.., n, k], x [.., m, k]."""
-    absw, absx = np.abs(w64), np.abs(x.astype(np.float64))
-    k = w64.shape[-1]
-    absprod = absx @ np.swapaxes(absw, -1, -2)
+def emulate_q8_0(x: np.ndarray) -> np.ndarray:
+    """The activation as GGML's CPU quantize_row_q8_0 leaves it (x86 SIMD path): per 32-block, float32
+    d = amax/127 stored as fp16, q = rint(x * (127/amax)) (ties to even). Returns q * d16 in float64."""
+    xb = x.astype(np.float32).reshape(x.shape[:-1] + (-1, 32))
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    d16 = (amax / np.float32(127)).astype(np.float16).astype(np.float64)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint((xb * inv).astype(np.float32)).astype(np.float64)
+    return (q * d16).reshape(x.shape)
+
+
+def emulate_q8_k(x: np.ndarray) -> np.ndarray:
+    """The activation as quantize_row_q8_K_ref leaves it (the CPU uses the reference): per 256-block, with max the
+    first element of largest |x|, iscale = -127/max, q = min(127, rint(iscale x)), d = 1/iscale (float32)."""
+    xb = x.astype(np.float32).reshape(x.shape[:-1] + (-1, 256))
+    mx = np.take_along_axis(xb, np.argmax(np.abs(xb), axis=-1)[..., None], axis=-1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx != 0, np.float32(-127) / mx, np.float32(0)).astype(np.float32)
+        d = np.where(iscale != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float64)
+    q = np.minimum(127, np.rint((iscale * xb).astype(np.float32))).astype(np.float64)
+    return (q * d).reshape(x.shape)
+
+
+def mm_oracle(w64: np.ndarray, x: np.ndarray, wtype: T):
+    """Reference and tolerance of out[.., m, n] = sum_j w[.., n, j] x[.., m, j] as GGML's CPU computes it.
+
+    GGML first converts the activation x to the weight's vec_dot_type: F16 for F16 weights, Q8_0 for Q8_0/Q4_0,
+    Q8_K for K-quants. The worst-case bound for that step, sum_j |w_j| amax_block/254, is so loose at k = 768
+    that it can exceed |out| (a kernel returning zeros would pass), so the oracle applies the same conversion
+    to x (emulate_q8_0/emulate_q8_k: the same float32 operations) and the tolerance covers float rounding
+    only: the k-term dot product in float32, twice over (the per-block scale products d_w d_x), and 4 u
+    amax_block(w) |x~_j| per element for the K-quant kernels' separate scale and min sums, which cancel
+    (and one rounding flip, below).
+    """
     if wtype == T.F32:
-        return dot_tol(absprod, k)
-    if wtype == T.F16:
-        # x is rounded to F16 (vec_dot_type of F16), then exact F16 products are summed in F32
-        return EPS16 * absprod * (1 + 1e-3) + dot_tol(absprod, k)
-    # the activation is quantized in blocks as long as the weight's: Q8_0 (32) for legacy, Q8_K (256) for K-quants
-    act_err = q8_err(block_amax(x.astype(np.float64), wtype.block_size))
-    # two extra roundings per block for the product of the block scales (d_w * d_x) into the F32 accumulator
-    return act_err @ np.swapaxes(absw, -1, -2) + 2 * dot_tol(absprod, k)
+        xq = x.astype(np.float64)
+    elif wtype == T.F16:
+        xq = x.astype(np.float16).astype(np.float64)
+    elif wtype.block_size == 256:
+        xq = emulate_q8_k(x)
+    else:
+        xq = emulate_q8_0(x)
+    wt = np.swapaxes(w64, -1, -2)
+    ref = xq @ wt
+    absprod = np.abs(xq) @ np.abs(wt)
+    k = w64.shape[-1]
+    if not wtype.is_quantized:
+        return ref, dot_tol(absprod, k)
+    sub = 32 if wtype.block_size == 32 else 16  # scale sub-blocks (16 is the finest among the K-quants)
+    cancel = 4 * EPS32 * (np.abs(xq) @ np.swapaxes(block_amax(w64, sub), -1, -2))
+    # portability: another CPU's quantizer (e.g. roundf instead of rint) may put one element on the other side
+    # of a .5 tie, one quantum amax/127 of x times |w_j|
+    flip = (np.abs(x).max(axis=-1) / 127)[..., :, None] * np.abs(w64).max(axis=-1)[..., None, :]
+    return ref, 2 * dot_tol(absprod, k) + cancel + flip
 
 
 @st.composite
@@ -98,8 +141,8 @@ def test_mul_mat(run, case, n, m, batch, rep, x_as_input, seed):
     (inputs if x_as_input else consts)["x"] = x
     got = run(lambda c, t: c.mul_mat(t["w"], t["x"]), consts=consts, inputs=inputs)
     wr = np.repeat(w64, rep, axis=0) if batch else w64
-    ref = x.astype(np.float64) @ np.swapaxes(wr, -1, -2)
-    check_close(got, ref, matvec_tol(wr, x, wtype), f"mul_mat {wtype.name} a{a_shape} b{b_shape}")
+    ref, tol = mm_oracle(wr, x, wtype)
+    check_close(got, ref, tol, f"mul_mat {wtype.name} a{a_shape} b{b_shape}")
 
 
 @given(case=weight_case(), n_expert=st.integers(1, 4), n=st.integers(1, 4), tokens=st.integers(1, 4),
@@ -119,10 +162,8 @@ def test_mul_mat_id(run, case, n_expert, n, tokens, used, b_shared, ids_as_input
     tol = np.empty_like(ref)
     for ti in range(tokens):
         for j in range(used):
-            w = e64[ids[ti, j]]
-            xv = x[ti, j % u][None, :]
-            ref[ti, j] = (xv.astype(np.float64) @ w.T)[0]
-            tol[ti, j] = matvec_tol(w, xv, wtype)[0]
+            r, tl = mm_oracle(e64[ids[ti, j]], x[ti, j % u][None, :], wtype)
+            ref[ti, j], tol[ti, j] = r[0], tl[0]
     check_close(got, ref, tol, f"mul_mat_id {wtype.name}")
 
 
@@ -597,10 +638,12 @@ def test_cpy_f32_to_q8_0(run, rows, blocks, scale, seed):
 
 @given(nd=st.integers(1, 4), data=st.data(), dtype=st.sampled_from(["float32", "float16", "int32"]), seed=SEEDS)
 def test_concat(run, nd, data, dtype, seed):
+    """Every axis; the outermost dim is >= 2 in both inputs (see test_concat_leading_size_one for why)."""
     axis = data.draw(st.integers(0, nd - 1), label="axis")
-    shape_a = data.draw(st.lists(st.integers(1, 4), min_size=nd, max_size=nd), label="shape_a")
+    shape_a = [data.draw(st.integers(2, 4), label="outer")]
+    shape_a += data.draw(st.lists(st.integers(1, 4), min_size=nd - 1, max_size=nd - 1), label="inner")
     shape_b = list(shape_a)
-    shape_b[axis] = data.draw(st.integers(1, 4), label="len_b")
+    shape_b[axis] = data.draw(st.integers(2 if axis == 0 else 1, 4), label="len_b")
     rng = rng_of(seed)
     a = (rng.standard_normal(shape_a) * 100).astype(dtype)
     b = (rng.standard_normal(shape_b) * 100).astype(dtype)
@@ -608,3 +651,14 @@ def test_concat(run, nd, data, dtype, seed):
     ref = np.concatenate([a, b], axis=axis)
     assert canon(got.shape) == canon(ref.shape), f"axis {axis}: {got.shape} vs {ref.shape}"
     assert np.array_equal(got.reshape(ref.shape), ref)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: concat's numpy axis is counted from the tensor's shape with leading "
+                   "size-1 dims dropped, so concat(a, b, axis=0) of two (1, n) tensors joins along the last axis "
+                   "and returns (2n,) instead of numpy's (2, n)")
+def test_concat_leading_size_one(run):
+    a = np.arange(3, dtype=np.float32).reshape(1, 3)
+    b = np.arange(3, 6, dtype=np.float32).reshape(1, 3)
+    got = run(lambda c, t: c.concat(t["a"], t["b"], 0), consts={"a": a, "b": b})
+    assert got.shape == (2, 3)
+    assert np.array_equal(got, np.concatenate([a, b], axis=0))

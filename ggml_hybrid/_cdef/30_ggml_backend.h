@@ -71,3 +71,5 @@ enum ggml_status ggml_backend_sched_graph_compute(ggml_backend_sched_t sched, st
 void ggml_backend_sched_synchronize(ggml_backend_sched_t sched);
 void ggml_backend_sched_reset(ggml_backend_sched_t sched);
 void ggml_backend_sched_set_eval_callback(ggml_backend_sched_t sched, ggml_backend_sched_eval_callback callback, void * user_data);
+size_t ggml_backend_buffer_get_alloc_size(ggml_backend_buffer_t buffer, const struct ggml_tensor * tensor);
+enum ggml_status ggml_backend_tensor_alloc(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, void * addr);

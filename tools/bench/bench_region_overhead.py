@@ -38,16 +38,17 @@ class Arm:
         self.keep = ffi.new("ggml_backend_buffer_t[]", [self.model.wbuf])
         rng = np.random.default_rng(1)
         self.xv = rng.standard_normal((shape["n_tokens"], shape["n_embd"])).astype(np.float32)
-        self.times: list[float] = []
+        self.times: dict[str, list[float]] = {"step": [], "alloc": []}
 
-    def step(self) -> int:
+    def step(self, phase: str) -> int:
         lib, ffi = self.lib, self.ffi
         t0 = time.perf_counter_ns()
         lib.ggml_backend_sched_reset(self.sched)
         lib.ggml_hybrid_graph_unalloc(self.graph, self.keep, 1)
         assert lib.ggml_backend_sched_alloc_graph(self.sched, self.graph)
-        lib.ggml_backend_tensor_set(self.x, ffi.from_buffer(self.xv), 0, self.xv.nbytes)
-        assert lib.ggml_backend_sched_graph_compute(self.sched, self.graph) == 0
+        if phase == "step":
+            lib.ggml_backend_tensor_set(self.x, ffi.from_buffer(self.xv), 0, self.xv.nbytes)
+            assert lib.ggml_backend_sched_graph_compute(self.sched, self.graph) == 0
         return time.perf_counter_ns() - t0
 
     def output(self) -> np.ndarray:
@@ -68,27 +69,25 @@ def main() -> int:
     arms = [Arm("unpatched", *load_upstream(), ns.threads, shape), Arm("patched", *load_patched(), ns.threads, shape)]
     for arm in arms:
         for _ in range(ns.warmup):
-            arm.step()
+            arm.step("step")
     identical = np.array_equal(arms[0].output(), arms[1].output())
-    round_ratios = []
-    for r in range(ns.rounds):
-        order = arms if r % 2 == 0 else arms[::-1]  # A B, then B A, ...
-        med = {}
-        for arm in order:
-            ts = [arm.step() for _ in range(ns.block)]
-            arm.times += ts
-            med[arm.name] = statistics.median(ts)
-        round_ratios.append(med["patched"] / med["unpatched"])
-    up, pa = (statistics.median(a.times) / 1e3 for a in arms)
     n_nodes = arms[1].lib.ggml_graph_n_nodes(arms[1].graph)
     print(f"graph: {shape['n_layer']} MoE layers, {n_nodes} nodes, {shape['n_tokens']} token(s), "
           f"{ns.threads} thread(s); {ns.rounds} rounds x {ns.block} iterations per arm, alternating")
-    print(f"{'arm':<10} {'median us/step':>15}")
-    print(f"{'unpatched':<10} {up:>15.1f}")
-    print(f"{'patched':<10} {pa:>15.1f}")
-    q = statistics.quantiles(round_ratios, n=4)
-    print(f"ratio patched/unpatched: {pa / up:.4f} (per-round ratios: median {statistics.median(round_ratios):.4f}, "
-          f"quartiles {q[0]:.4f}..{q[2]:.4f})")
+    print(f"{'phase':<34} {'unpatched us':>13} {'patched us':>11} {'ratio':>7} {'round ratios q1..q3':>21}")
+    for phase, label in (("step", "split+alloc+set input+compute"), ("alloc", "split+alloc only")):
+        round_ratios = []
+        for r in range(ns.rounds):
+            order = arms if r % 2 == 0 else arms[::-1]  # A B, then B A, ...
+            med = {}
+            for arm in order:
+                ts = [arm.step(phase) for _ in range(ns.block)]
+                arm.times[phase] += ts
+                med[arm.name] = statistics.median(ts)
+            round_ratios.append(med["patched"] / med["unpatched"])
+        up, pa = (statistics.median(a.times[phase]) / 1e3 for a in arms)
+        q = statistics.quantiles(round_ratios, n=4)
+        print(f"{label:<34} {up:>13.1f} {pa:>11.1f} {pa / up:>7.4f} {q[0]:>10.4f}..{q[2]:.4f}")
     print(f"outputs bit-identical: {identical}")
     return 0 if identical else 1
 

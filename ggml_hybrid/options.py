@@ -1,0 +1,255 @@
+"""Typed, documented session options, read from ``key=value`` items or a flat config mapping.
+
+A key is bare (``n_threads=4``: every role) or role-scoped (``draft.n_threads=2``: only
+the session whose role is ``draft``). Precedence, lowest first: the base options (the
+defaults unless given), bare keys, role-scoped keys, then ``merged(**explicit)``.
+Everything is validated before anything is returned, including keys scoped to other
+roles, so a typo is reported whichever session reads the config first.
+``SessionOptions.describe()`` lists every field for docs generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+from .errors import GgmlHybridError
+
+__all__ = ["OptionError", "SessionOptions"]
+
+_ROLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_INT_RE = re.compile(r"[+-]?[0-9]+")  # int() alone also takes "1_000" and non-ASCII digits
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+_BOOL_RULE = "a boolean (true/false, 1/0, yes/no, on/off)"
+
+
+class OptionError(GgmlHybridError, ValueError):
+    """An option key, value or role that SessionOptions cannot accept; the message names them and the rule."""
+
+
+class _Bad(Exception):
+    """A converter rejected a value; ``_convert`` adds the key, the value and the rule."""
+
+
+def _typed(v: Any, *types: type) -> None:
+    # bool subclasses int, but ``n_threads: true`` in a config is a mistake, not 1
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+        raise _Bad(f"got {type(v).__name__}")
+
+
+def _share(v: Any) -> Union[float, str]:
+    if isinstance(v, str):
+        if v.strip().lower() == "auto":
+            return "auto"
+        try:
+            v = float(v)
+        except ValueError:
+            raise _Bad() from None
+    else:
+        _typed(v, int, float)
+        try:
+            v = float(v)
+        except OverflowError:  # an int beyond float range
+            raise _Bad() from None
+    if not v <= 1.0:  # also rejects nan and inf
+        raise _Bad()
+    return v + 0.0  # folds -0.0 into 0.0 so equal options print alike
+
+
+def _int(lo: int, hi: Optional[int] = None, nullable: bool = False):
+    def conv(v: Any) -> Optional[int]:
+        if nullable and (v is None or isinstance(v, str) and v.strip().lower() in ("", "none")):
+            return None
+        if isinstance(v, str):
+            if not _INT_RE.fullmatch(v.strip()):
+                raise _Bad()
+            try:
+                v = int(v)
+            except ValueError:  # past the interpreter's int-from-string digit limit
+                raise _Bad() from None
+        else:
+            _typed(v, int)
+        if v < lo or (hi is not None and v > hi):
+            raise _Bad()
+        return v
+    return conv
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, str) and v.strip().lower() in _BOOLS:
+        return _BOOLS[v.strip().lower()]
+    if isinstance(v, str):
+        raise _Bad()
+    _typed(v, bool)
+    return v
+
+
+def _choice(*choices: str):
+    def conv(v: Any) -> str:
+        _typed(v, str)
+        if v.strip().lower() not in choices:
+            raise _Bad()
+        return v.strip().lower()
+    return conv
+
+
+def _path(v: Any) -> Optional[str]:
+    if v is None or (isinstance(v, str) and v.lower() in ("", "none")):
+        return None
+    _typed(v, str)
+    return v  # not stripped: a path may legitimately end in a space
+
+
+def _opt(default: Any, type_: str, rule: str, doc: str, conv) -> Any:
+    return field(default=default, metadata={"type": type_, "rule": rule, "doc": doc, "conv": conv})
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """Options of one inference session; see ``describe()`` for each field's type, rule and meaning.
+
+    The constructor takes canonical typed values only (``n_threads=4``, not ``"4"``); text goes
+    through ``parse``, config mappings through ``from_dict``. The path ``none`` is reserved for
+    "no trace" (write ``./none`` for a file of that name).
+    """
+
+    moe_cpu_share: Union[float, str] = _opt(
+        0.0, "float | 'auto'", "a number in [0, 1] or 'auto'",
+        "Fraction of MoE expert work run on the CPU; 0 keeps the default path, 'auto' lets the scheduler choose.",
+        _share)
+    expert_cache_slots: int = _opt(
+        0, "int", "an integer >= 0", "Expert slots in the device cache per layer; 0 = no cache, experts resident.",
+        _int(0))
+    expert_eviction: str = _opt(
+        "lru", "str", "one of 'lru', 'lfu'",
+        "Expert cache victim order: least recently used ('lru') or least frequently used ('lfu').",
+        _choice("lru", "lfu"))
+    n_threads: Optional[int] = _opt(
+        None, "int | None", "an integer in 1..512 or none", "CPU threads for CPU-side work; none = all cores.",
+        _int(1, 512, nullable=True))
+    disk_experts: bool = _opt(
+        False, "bool", _BOOL_RULE, "Load expert weights from disk on demand instead of keeping them in memory.", _bool)
+    cpu_moe: bool = _opt(False, "bool", _BOOL_RULE, "Keep the MoE expert weights of all layers on the CPU.", _bool)
+    n_cpu_moe: int = _opt(
+        0, "int", "an integer >= 0", "Keep the MoE expert weights of the first N layers on the CPU.", _int(0))
+    trace_path: Optional[str] = _opt(
+        None, "str | None", "a file path or none", "File to record routing traces to; none = no tracing.", _path)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            given = getattr(self, f.name)
+            value = _convert(f.name, f.name, given)
+            # text accepted here would make ``SessionOptions(n_threads="4")`` differ from its own to_dict()
+            if isinstance(given, str) and value != given:
+                raise OptionError(f"{f.name}={given}: the constructor takes the canonical value {value!r}; "
+                                  f"use SessionOptions.parse for text")
+            object.__setattr__(self, f.name, value)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, Any, str, str]]:
+        """``(name, type, default, rule, doc)`` for every field, in declaration order."""
+        return [(f.name, f.metadata["type"], f.default, f.metadata["rule"], f.metadata["doc"]) for f in fields(cls)]
+
+    @classmethod
+    def parse(cls, items: Iterable[str], role: Optional[str] = None,
+              base: Optional[SessionOptions] = None) -> SessionOptions:
+        """Options from ``key=value`` / ``role.key=value`` strings over ``base`` (default: the defaults)."""
+        if isinstance(items, (str, bytes)):  # iterating it would report every character as an item
+            raise OptionError(f"{items!r}: pass a list of 'key=value' strings, not one string")
+        try:
+            items = list(items)
+        except TypeError:
+            raise OptionError(f"{items!r}: expected an iterable of 'key=value' strings") from None
+        pairs = []
+        for item in items:
+            if not isinstance(item, str):
+                raise OptionError(f"{item!r}: expected a 'key=value' string, got {type(item).__name__}")
+            key, sep, text = item.partition("=")
+            if not sep:
+                raise OptionError(f"{item!r}: missing '=' (expected key=value or role.key=value)")
+            pairs.append((key, text))
+        return cls._build(pairs, role, base)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], role: Optional[str] = None,
+                  base: Optional[SessionOptions] = None) -> SessionOptions:
+        """Options from a flat config mapping (keys ``key`` or ``role.key``, values typed or text)."""
+        if not isinstance(d, Mapping):
+            raise OptionError(f"expected a mapping of options, got {type(d).__name__}")
+        for key in d:
+            if not isinstance(key, str):
+                raise OptionError(f"{key!r}: option names must be strings, got {type(key).__name__}")
+        return cls._build(list(d.items()), role, base)
+
+    def merged(self, **explicit: Any) -> SessionOptions:
+        """A copy with ``explicit`` values (highest precedence), validated like ``from_dict`` values."""
+        changes = {_known(name, name, value): _convert(name, name, value) for name, value in explicit.items()}
+        return dataclasses.replace(self, **changes)
+
+    def to_items(self) -> list[str]:
+        """``key=value`` strings for the non-default fields; ``parse`` reads them back to an equal object."""
+        return [f"{f.name}={_format(getattr(self, f.name))}" for f in fields(self)
+                if getattr(self, f.name) != f.default]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field with its typed value; ``from_dict`` reads it back to an equal object."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def _build(cls, pairs: list[tuple[str, Any]], role: Optional[str], base: Optional[SessionOptions]):
+        if role is not None and not (isinstance(role, str) and _ROLE_RE.fullmatch(role)):
+            raise OptionError(f"role={role!r}: role names must match {_ROLE_RE.pattern}")
+        if base is not None and not isinstance(base, SessionOptions):
+            raise OptionError(f"base={base!r}: expected SessionOptions or None, got {type(base).__name__}")
+        scopes: dict[Optional[str], dict[str, tuple[Any, Any]]] = {}  # scope (None = bare) -> name -> (value, given)
+        for key, given in pairs:
+            label = key.strip()
+            scope, _, name = label.rpartition(".") if "." in label else (None, "", label)
+            if scope is not None and not _ROLE_RE.fullmatch(scope):
+                raise OptionError(f"{label}={_show(given)}: role {scope!r} must match {_ROLE_RE.pattern}")
+            value = _convert(label, _known(label, name, given), given)
+            seen = scopes.setdefault(scope, {})
+            if name in seen and seen[name][0] != value:
+                raise OptionError(f"{label} given twice with different values: "
+                                  f"{_show(seen[name][1])} and {_show(given)}")
+            seen[name] = (value, given)
+        values = (base or cls()).to_dict()
+        for scope in (None, role) if role is not None else (None,):
+            values.update({name: v for name, (v, _) in scopes.get(scope, {}).items()})
+        return cls(**values)
+
+
+_FIELDS = {f.name: f for f in fields(SessionOptions)}
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _known(label: str, name: str, given: Any) -> str:
+    if not name:
+        raise OptionError(f"{label}={_show(given)}: empty option name")
+    if name not in _FIELDS:
+        close = difflib.get_close_matches(name, _FIELDS, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known options: {', '.join(_FIELDS)}"
+        raise OptionError(f"{label}={_show(given)}: unknown option {name!r}; {hint}")
+    return name
+
+
+def _convert(label: str, name: str, given: Any) -> Any:
+    meta = _FIELDS[name].metadata
+    try:
+        return meta["conv"](given)
+    except _Bad as e:
+        why = f" ({e})" if e.args else ""
+        raise OptionError(f"{label}={_show(given)}: must be {meta['rule']}{why}") from None
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "none" if value is None else repr(value) if isinstance(value, float) else str(value)
