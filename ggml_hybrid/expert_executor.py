@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ._lib import ffi, lib
+from ._lib import cstr, ffi, lib
 from .backend import Backend
 from .context import Context
+from .errors import ComputeError
 from .expert_cache import SlotCache
 from .moe import ExpertWeights, expert_ffn, weighted_sum
 from .regions import RegionCall
@@ -38,7 +39,14 @@ class LayerCounters:
     bytes_loaded: int = 0
     evictions: int = 0
     rounds: int = 0
-    device_ns: int = 0     # time spent in the executor
+    device_ns: int = 0     # wall time spent in the executor
+    load_ns: int = 0       # of which: copying missed experts into slots
+    compute_ns: int = 0    # of which: GGML computing the experts and the weighted sum
+
+    @property
+    def orchestration_ns(self) -> int:
+        """Executor time that is neither loading nor computing: the Python side."""
+        return self.device_ns - self.load_ns - self.compute_ns
 
     def add(self, other: "LayerCounters") -> None:
         for k, v in asdict(other).items():
@@ -49,7 +57,11 @@ class LayerCounters:
 
 
 class _Bucket:
-    """Preallocated graphs for one token count: expert FFN over the slots, and the weighted sum."""
+    """Preallocated graphs for one token count: expert FFN over the slots, and the weighted sum.
+
+    The hot path uses raw pointers and preallocated host arrays: the graphs are
+    checked once here, and each call then costs a handful of C calls.
+    """
 
     def __init__(self, slots: ExpertWeights, device: Backend, n_tokens: int, n_used: int, n_embd: int, glu: str):
         self.ctx = c = Context(n_tensors=32, graph_size=64)
@@ -62,6 +74,37 @@ class _Bucket:
         self.out = weighted_sum(c, self.experts_in, self.w)
         self.g_sum = c.new_graph(32).expand(self.out)
         self.buffer = c.allocate(device, "compute")
+        for g in (self.g_experts, self.g_sum):
+            g.check_supported([device], id(device))
+        self.slot_ids = np.empty((n_tokens, n_used), np.int32)
+        self.down_host = np.empty((n_tokens, n_used, n_embd), np.float32)
+        self.merged = np.empty((n_tokens, n_used, n_embd), np.float32)
+        p = lambda t: t.ptr  # noqa: E731
+        self.p_x, self.p_ids, self.p_down, self.p_experts, self.p_w, self.p_out = map(
+            p, (self.x, self.ids, self.down, self.experts_in, self.w, self.out))
+        self.pg_experts, self.pg_sum = self.g_experts.ptr, self.g_sum.ptr
+        self.b_slot_ids, self.b_down, self.b_merged = (ffi.from_buffer(a) for a in
+                                                       (self.slot_ids, self.down_host, self.merged))
+
+
+def _compute(backend_ptr, graph_ptr) -> None:
+    status = lib.ggml_backend_graph_compute(backend_ptr, graph_ptr)
+    if status != lib.GGML_STATUS_SUCCESS:
+        raise ComputeError(f"expert cache graph failed: {cstr(lib.ggml_status_to_string(status))}")
+
+
+def _read_rows(t, n_rows: int, n_cols: int, dtype) -> np.ndarray:
+    """A [rows, cols] tensor that may be a strided view (top-k ids are one), read from any backend."""
+    p = t.ptr
+    nb1 = p.nb[1]
+    raw = np.empty(int(lib.ggml_nbytes(p)), np.uint8)
+    lib.ggml_backend_tensor_get(p, ffi.from_buffer(raw), 0, raw.nbytes)
+    item = np.dtype(dtype).itemsize
+    if nb1 == n_cols * item:
+        return raw.view(dtype).reshape(n_rows, n_cols)
+    padded = np.empty(n_rows * nb1, np.uint8)
+    padded[:raw.nbytes] = raw
+    return padded.view(dtype).reshape(n_rows, nb1 // item)[:, :n_cols]
 
 
 class ExpertCacheExecutor:
@@ -83,6 +126,11 @@ class ExpertCacheExecutor:
         self.buffer.clear(0)
         self.slots = ExpertWeights(**self.slot_tensors)
         self.expert_nbytes = {k: t.nb[2] for k, t in self.slot_tensors.items()}
+        # per kind: (slot tensor, first byte of the expert tensor in the mapping, bytes per expert)
+        self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}
+        self._copies = [(self.slot_tensors[k].ptr, ffi.cast("char *", self._raw[k].ctypes.data), self.expert_nbytes[k])
+                        for k in names]
+        self._slot_of = np.empty(self.n_expert, np.int32)
         self.counters = LayerCounters()
         self._buckets: dict[int, _Bucket] = {}
 
@@ -100,49 +148,56 @@ class ExpertCacheExecutor:
 
     def _load(self, expert: int, slot: int) -> int:
         n = 0
-        for kind, t in self.slot_tensors.items():
-            data = self.store.expert_bytes(self.names[kind], expert)
-            nbytes = self.expert_nbytes[kind]
-            lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(data), slot * nbytes, nbytes)
+        for slots, src, nbytes in self._copies:
+            lib.ggml_backend_tensor_set(slots, src + expert * nbytes, slot * nbytes, nbytes)
             n += nbytes
         return n
 
     def __call__(self, call: RegionCall):
         t0 = time.perf_counter_ns()
         x3, ids_t, w_t = call.inputs
-        ids = ids_t.numpy()
-        n_tokens = ids.shape[0] if ids.ndim == 2 else 1
-        ids = ids.reshape(n_tokens, self.n_used)
-        experts, rows = np.unique(ids, return_counts=True)
-        rounds = self.cache.plan(experts.tolist(), rows.tolist())
+        n_tokens = x3.ptr.ne[2]
+        ids = _read_rows(ids_t, n_tokens, self.n_used, np.int32)
+        counts = np.bincount(ids.ravel(), minlength=self.n_expert)
+        experts = np.flatnonzero(counts)
+        rounds = self.cache.plan(experts.tolist(), counts[experts].tolist())
         b = self._bucket(n_tokens)
-        xv = x3.numpy().reshape(n_tokens, 1, self.n_embd)
+        dev = self.device.ptr
         c = self.counters
-        merged = None
+        # inputs move device to device; only the ids come to the host, to plan
+        lib.ggml_backend_tensor_copy(x3.ptr, b.p_x)
+        lib.ggml_backend_tensor_copy(w_t.ptr, b.p_w)
         for rnd in rounds:
+            t1 = time.perf_counter_ns()
             for expert, slot in rnd.loads:
                 c.bytes_loaded += self._load(expert, slot)
-            slot_of = np.full(self.n_expert, self.scratch, np.int32)
+            t2 = time.perf_counter_ns()
+            slot_of = self._slot_of
+            slot_of.fill(self.scratch)
             for expert, slot in rnd.hits + rnd.loads:
                 slot_of[expert] = slot
-            b.ids.set(slot_of[ids])
-            b.x.set(xv)
-            b.g_experts.compute(self.device)
-            down = b.down.numpy()
+            np.take(slot_of, ids, out=b.slot_ids)
+            lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
+            t3 = time.perf_counter_ns()
+            _compute(dev, b.pg_experts)
+            t4 = time.perf_counter_ns()
             if len(rounds) == 1:
-                merged = down
+                lib.ggml_backend_tensor_copy(b.p_down, b.p_experts)
             else:
-                if merged is None:
-                    merged = np.empty_like(down)
-                mask = slot_of[ids] != self.scratch
-                merged[mask] = down[mask]
+                lib.ggml_backend_tensor_get(b.p_down, b.b_down, 0, b.down_host.nbytes)
+                mask = b.slot_ids != self.scratch
+                b.merged[mask] = b.down_host[mask]
+            c.load_ns += t2 - t1
+            c.compute_ns += t4 - t3
             c.hits += len(rnd.hits)
             c.misses += len(rnd.loads)
             c.evictions += len(rnd.evicted)
-        b.experts_in.set(merged)
-        b.w.set(w_t.numpy().reshape(n_tokens, self.n_used, 1))
-        b.g_sum.compute(self.device)
-        call.write_output(0, b.out.numpy().reshape(call.outputs[0].shape))
+        if len(rounds) > 1:
+            lib.ggml_backend_tensor_set(b.p_experts, b.b_merged, 0, b.merged.nbytes)
+        t5 = time.perf_counter_ns()
+        _compute(dev, b.pg_sum)
+        c.compute_ns += time.perf_counter_ns() - t5
+        lib.ggml_backend_tensor_copy(b.p_out, call.outputs[0].ptr)
         c.calls += 1
         c.routed += ids.size
         c.distinct += len(experts)

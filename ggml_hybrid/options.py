@@ -55,7 +55,7 @@ def _share(v: Any) -> Union[float, str]:
             v = float(v)
         except OverflowError:  # an int beyond float range
             raise _Bad() from None
-    if not v <= 1.0:  # also rejects nan and inf
+    if not 0.0 <= v <= 1.0:  # also rejects nan and inf
         raise _Bad()
     return v + 0.0  # folds -0.0 into 0.0 so equal options print alike
 

@@ -15,6 +15,10 @@ the helper creates is closed before it returns.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 
@@ -144,11 +148,6 @@ def lcm(*xs: int) -> int:
 # --------------------------------------------------------------------------------------------------------------
 # running code in a child interpreter: for calls that may kill the process (a GGML_ASSERT/abort or a segfault)
 # --------------------------------------------------------------------------------------------------------------
-
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gh.__file__)))

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
@@ -203,7 +203,8 @@ BINARY = {"add": np.add, "mul": np.multiply, "div": np.divide}
 
 
 @pytest.mark.parametrize("op", sorted(BINARY))
-@given(shapes=broadcast_shapes(), types=st.sampled_from([("float32", "float32"), ("float16", "float16"), ("float16", "float32")]),
+@given(shapes=broadcast_shapes(),
+       types=st.sampled_from([("float32", "float32"), ("float16", "float16"), ("float16", "float32")]),
        seed=SEEDS)
 def test_binary(run, op, shapes, types, seed):
     a_shape, b_shape = shapes
@@ -595,7 +596,8 @@ def test_transpose(run, shape, seed):
     assert np.array_equal(got.reshape(ref.shape), ref)
 
 
-@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=3), dtype=st.sampled_from(["float32", "float16", "int32"]),
+@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=3),
+       dtype=st.sampled_from(["float32", "float16", "int32"]),
        seed=SEEDS)
 def test_cont_of_transposed_view(run, shape, dtype, seed):
     a = (rng_of(seed).standard_normal(shape) * 100).astype(dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given
@@ -31,6 +32,8 @@ def test_parse_every_field():
                               "n_threads=8", "disk_experts=yes", "cpu_moe=On", "n_cpu_moe=3",
                               "trace_path=/tmp/t=1.jsonl"])
     assert o == SessionOptions(0.25, 16, "lfu", 8, True, True, 3, "/tmp/t=1.jsonl")
+    assert o.to_items() == ["moe_cpu_share=0.25", "expert_cache_slots=16", "expert_eviction=lfu", "n_threads=8",
+                            "disk_experts=true", "cpu_moe=true", "n_cpu_moe=3", "trace_path=/tmp/t=1.jsonl"]
 
 
 @pytest.mark.parametrize("text,value", [
@@ -50,6 +53,14 @@ def test_bool_words(text, value):
 def test_parse_values(item, field_, value):
     got = getattr(SessionOptions.parse([item]), field_)
     assert got == value and type(got) is type(value)
+
+
+@pytest.mark.parametrize("make", [lambda: SessionOptions.parse(["moe_cpu_share=-0.0"]),
+                                  lambda: SessionOptions.from_dict({"moe_cpu_share": -0.0}),
+                                  lambda: SessionOptions(moe_cpu_share=-0.0)])
+def test_negative_zero_share_is_folded(make):
+    assert math.copysign(1.0, make().moe_cpu_share) == 1.0
+    assert make().to_dict() == DEFAULT.to_dict() and repr(make()) == repr(DEFAULT)
 
 
 def test_from_dict_typed_and_text_values():
