@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ._lib import ffi, lib
 from ._managed import Managed
 from .backend import Backend, Buffer
 from .dtypes import as_ggml_type
-from .errors import AllocationError, ShapeError
-from .graph import Graph, track_context
+from .errors import AllocationError, IndexRangeError, ShapeError
+from .graph import Graph, all_contexts as _all_contexts, track_context
 from .ops import OpsMixin
 from .tensor import Tensor, check_indices, ne_of
+
+def _owner_of(view: Tensor):
+    """The context of a view's base tensor: the view's own context when that is where the base lives."""
+    base = view.ptr.view_src
+    for ctx in _all_contexts():
+        if not ctx.closed and ctx._holds(base):
+            return ctx
+    return view.context
+
 
 # ggml_new_object aligns every object; leave room for that padding per tensor
 _ALIGN_SLACK = 64
@@ -42,9 +53,11 @@ class Context(OpsMixin, Managed):
         if ptr == ffi.NULL:
             raise AllocationError(f"ggml_init failed for a {self.mem_size}-byte context")
         super().__init__(ptr, lib.ggml_free)
+        self._pool_base = lib.ggml_get_mem_buffer(ptr)
         self.no_alloc = bool(no_alloc)
         self._buffers: list[Buffer] = []  # owned: closed with the context
         self._keep: list = []  # shared (e.g. a mapped file's buffer): only kept alive
+        self._views: weakref.WeakSet = weakref.WeakSet()  # live numpy views into this context's memory
         # index tensor -> (op, exclusive upper bound) for checking data set into it
         self._index_bounds: dict[int, tuple[str, int]] = {}
         # graph inputs set since the last compute that used them (GGML reuses input memory)
@@ -69,18 +82,38 @@ class Context(OpsMixin, Managed):
         return Tensor(ptr, self)
 
     def _bound_indices(self, op: str, idx: Tensor, bound: int) -> None:
-        key = int(ffi.cast("uintptr_t", idx.ptr))
-        prev = idx.context._index_bounds.get(key)
+        p = idx.ptr
+        # data is set into the base tensor, so the bound is recorded there (GGML keeps view_src
+        # pointing at the base, never at an intermediate view)
+        base = p.view_src if p.view_src != ffi.NULL else p
+        if base.op in (lib.GGML_OP_ARGSORT, lib.GGML_OP_TOP_K):
+            # indices computed in the graph: their range is the row length they were sorted from
+            reach = base.src[0].ne[0]
+            if reach > bound:
+                raise IndexRangeError(f"{op}: index tensor {idx.name!r} comes from {ffi.string(lib.ggml_op_desc(base)).decode()} "
+                                      f"over rows of {reach}, but selects from only {bound} rows")
+            return
+        owner = idx.context if base == p else _owner_of(idx)
+        key = int(ffi.cast("uintptr_t", base))
+        prev = owner._index_bounds.get(key)
         if prev is None or bound < prev[1]:
-            idx.context._index_bounds[key] = (op, bound)
+            owner._index_bounds[key] = (op, bound)
         # data already there (a constant) is checked now
-        if idx.is_allocated and idx.is_host and idx.is_contiguous:
-            check_indices(op, idx.name, idx.view_numpy(writable=False), bound)
+        if base.data != ffi.NULL and idx.is_host:
+            check_indices(op, idx.name, Tensor(base, owner).view_numpy(writable=False), bound)
 
     def _check_index_data(self, t: Tensor, arr: np.ndarray) -> None:
         bound = self._index_bounds.get(int(ffi.cast("uintptr_t", t.ptr)))
         if bound is not None:
             check_indices(bound[0], t.name, arr, bound[1])
+
+    def _has_index_bound(self, t: Tensor) -> bool:
+        return int(ffi.cast("uintptr_t", t.ptr)) in self._index_bounds
+
+    def _holds(self, p) -> bool:
+        """Whether tensor struct ``p`` lives in this context's memory pool."""
+        base = int(ffi.cast("uintptr_t", self._pool_base))
+        return base <= int(ffi.cast("uintptr_t", p)) < base + self.mem_size
 
     def _mark_set(self, t: Tensor) -> None:
         self._fresh.add(int(ffi.cast("uintptr_t", t.ptr)))
@@ -148,10 +181,33 @@ class Context(OpsMixin, Managed):
         self._buffers.append(buf)
         return buf
 
+    def _track_view(self, view) -> None:
+        self._views.add(view)
+
     def close(self) -> None:
+        """Close the context; memory that numpy views still point into is freed with the last view."""
         if self.closed:
             return
-        super().close()
+        views = list(self._views)
+        release = self._release_memory
+        if not views:
+            self._ptr = None
+            release()
+            return
+        self._ptr = None  # closed for the API now; the memory waits for the views
+        remaining = [len(views)]
+
+        def one_gone():
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                release()
+
+        for v in views:
+            weakref.finalize(v, one_gone)
+
+    def _release_memory(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
         # the context is gone, so nothing can reference these buffers' memory any more
         for b in self._buffers:
             b.close()

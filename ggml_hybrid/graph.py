@@ -15,6 +15,10 @@ def track_context(ctx) -> None:
     _contexts.add(ctx)
 
 
+def all_contexts() -> list:
+    return list(_contexts)
+
+
 def _tensor_upper_bound() -> int:
     """More than the number of tensors alive in every context (each takes at least one overhead)."""
     overhead = lib.ggml_tensor_overhead()

@@ -18,6 +18,9 @@ from .tensor import Tensor, ne_of
 
 F32, F16, BF16, I32 = GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32
 FLOATS = frozenset({F32, F16, BF16})
+# weight types the CPU matmul kernels take (Q8_1 and Q8_K only exist as activation formats)
+MATMUL_WEIGHTS = frozenset(t for t in GGMLType if t not in {I32, GGMLType.I8, GGMLType.I16, GGMLType.I64,
+                                                           GGMLType.F64, GGMLType.Q8_1, GGMLType.Q8_K})
 # (a, b) type pairs the CPU binary kernels implement (add, mul, div)
 BINARY_TYPES = frozenset({(F32, F32), (F16, F16), (BF16, BF16), (F16, F32), (BF16, F32)})
 GLU_OPS = {"reglu": lib.GGML_GLU_OP_REGLU, "geglu": lib.GGML_GLU_OP_GEGLU, "swiglu": lib.GGML_GLU_OP_SWIGLU,
@@ -53,6 +56,17 @@ def _int(op: str, name: str, value, lo: int | None = None, hi: int | None = None
     return value
 
 
+def _rows_contiguous(op: str, *tensors: Tensor) -> None:
+    """CPU kernels read each row as one run of elements (GGML_ASSERT(nb0 == type size))."""
+    for t in tensors:
+        _need(t.nb[0] == t.dtype.type_size, op, "rows must be contiguous (use cont() first)", t)
+
+
+def _padded_1d(t: Tensor) -> bool:
+    ne, nb = t.ne, t.nb
+    return nb[0] == t.dtype.type_size and nb[2] == nb[1] * ne[1] and nb[3] == nb[2] * ne[2]
+
+
 def _can_repeat(b: Tensor, a: Tensor) -> bool:
     """GGML broadcasting: every dim of b divides the same dim of a."""
     return all(bn > 0 and an % bn == 0 for an, bn in zip(a.ne, b.ne)) if b.nelements else a.nelements == 0
@@ -82,7 +96,8 @@ class OpsMixin:
               "the batch dims of b must be multiples of those of a", a, b)
         _need(not lib.ggml_is_transposed(a.ptr), op, "a must not be transposed", a)
         _types(op, b, {F32} | ({F16} if a.dtype == F16 else set()), "b")
-        _types(op, a, set(GGMLType) - {I32, GGMLType.I8, GGMLType.I16, GGMLType.I64, GGMLType.F64}, "a")
+        _types(op, a, MATMUL_WEIGHTS, "a")
+        _rows_contiguous(op, a, b)
         _need(a.ne[0] % a.dtype.block_size == 0, op, f"k must be a multiple of the {a.dtype.name} block size", a)
         return self._node(lib.ggml_mul_mat(self.ptr, a.ptr, b.ptr))
 
@@ -92,6 +107,8 @@ class OpsMixin:
         self._own(op, experts, b, ids)
         _types(op, ids, {I32}, "ids")
         _types(op, b, {F32}, "b")
+        _types(op, experts, MATMUL_WEIGHTS, "experts")
+        _rows_contiguous(op, experts, b)
         _need(experts.ne[3] == 1, op, "experts must be 3-D [n_expert, n, k]", experts)
         _need(b.ne[3] == 1, op, "b must be 3-D [tokens, used or 1, k]", b)
         _need(ids.ne[2] == 1 and ids.ne[3] == 1, op, "ids must be 2-D [tokens, used]", ids)
@@ -109,7 +126,7 @@ class OpsMixin:
         _types(op, rows, {I32}, "rows")
         _need(a.ne[2] == rows.ne[1] and a.ne[3] == rows.ne[2] and rows.ne[3] == 1, op,
               "rows must be [a.dims[-3], m] batched like a", a, rows)
-        _types(op, a, set(GGMLType) - {GGMLType.I8, GGMLType.I16, GGMLType.I64, GGMLType.F64, GGMLType.Q8_K}, "a")
+        _types(op, a, MATMUL_WEIGHTS | {I32}, "a")
         self._bound_indices(op, rows, a.ne[1])
         return self._node(lib.ggml_get_rows(self.ptr, a.ptr, rows.ptr))
 
@@ -121,6 +138,7 @@ class OpsMixin:
             raise DTypeError(f"{op}: type pair ({a.dtype.name}, {b.dtype.name}) is not supported; "
                              f"supported: {sorted((x.name, y.name) for x, y in BINARY_TYPES)}")
         _need(_can_repeat(b, a), op, "b must broadcast to a (each dim of b divides a's)", a, b)
+        _rows_contiguous(op, a, b)
         return self._node(fn(self.ptr, a.ptr, b.ptr))
 
     def add(self, a: Tensor, b: Tensor) -> Tensor:
@@ -134,12 +152,14 @@ class OpsMixin:
 
     def scale(self, a: Tensor, s: float) -> Tensor:
         self._own("scale", a)
-        _types("scale", a, {F32, F16})
+        _types("scale", a, {F32})  # the CPU kernel has no F16 case
+        _need(_padded_1d(a), "scale", "a must be contiguous in its rows and outer dims (use cont() first)", a)
         return self._node(lib.ggml_scale(self.ptr, a.ptr, _finite("scale", "s", s)))
 
     def _unary(self, op: str, fn, a: Tensor) -> Tensor:
         self._own(op, a)
         _types(op, a, {F32, F16})
+        _need(bool(lib.ggml_is_contiguous_1(a.ptr)), op, "a must be contiguous (use cont() first)", a)
         return self._node(fn(self.ptr, a.ptr))
 
     def silu(self, a: Tensor) -> Tensor:
@@ -162,7 +182,8 @@ class OpsMixin:
         if b is None:
             _need(a.ne[0] % 2 == 0, op, "a fused gate/up row must have even length", a)
             return self._node(lib.ggml_glu(self.ptr, a.ptr, GLU_OPS[kind], bool(swapped)))
-        _need(a.ne == b.ne and a.dtype == b.dtype, op, "gate and up must have the same shape and type", a, b)
+        _need(a.dtype == b.dtype, op, "gate and up must have the same type", a, b, exc=DTypeError)
+        _need(a.ne == b.ne, op, "gate and up must have the same shape", a, b)
         _need(bool(lib.ggml_is_contiguous_rows(b.ptr)), op, "b must have contiguous rows", b)
         if swapped:
             a, b = b, a
@@ -179,6 +200,7 @@ class OpsMixin:
     def rms_norm(self, a: Tensor, eps: float = 1e-6) -> Tensor:
         self._own("rms_norm", a)
         _types("rms_norm", a, {F32})
+        _rows_contiguous("rms_norm", a)
         eps = _finite("rms_norm", "eps", eps)
         if eps < 0:
             raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
@@ -214,6 +236,7 @@ class OpsMixin:
             raise ValueError(f"{op}: mode {mode!r} is not one of {sorted(modes)}")
         self._own(op, a, pos, *([freq_factors] if freq_factors is not None else []))
         _types(op, a, {F32, F16})
+        _rows_contiguous(op, a)
         _types(op, pos, {I32}, "pos")
         _need(pos.ne[1] == 1 and pos.ne[2] == 1 and pos.ne[3] == 1, op, "pos must be a vector", pos)
         _need(a.ne[2] == pos.ne[0], op, "pos must hold one position per token (a's outermost-but-one dim)", a, pos)
@@ -274,6 +297,7 @@ class OpsMixin:
     def sum_rows(self, a: Tensor) -> Tensor:
         self._own("sum_rows", a)
         _types("sum_rows", a, {F32})
+        _rows_contiguous("sum_rows", a)
         return self._node(lib.ggml_sum_rows(self.ptr, a.ptr))
 
     # -- layout ---------------------------------------------------------------
@@ -355,20 +379,27 @@ class OpsMixin:
         _types(op, a, FLOATS | {I32}, "a")
         if b.dtype.is_quantized:
             _types(op, a, {F32}, "a (quantizing copy)")
+            _need(a.is_contiguous, op, "a quantizing copy needs a contiguous source (use cont() first)", a)
             _need(b.ne[0] % b.dtype.block_size == 0, op, "b's rows must be whole quantization blocks", b)
         else:
             _types(op, b, FLOATS | ({I32} if a.dtype == I32 else set()), "b")
         return self._node(lib.ggml_cpy(self.ptr, a.ptr, b.ptr))
 
-    def concat(self, a: Tensor, b: Tensor, axis: int = 0) -> Tensor:
-        """numpy.concatenate along a numpy-order axis (of the 4-D padded shape's last len(shape) dims)."""
+    def concat(self, a: Tensor, b: Tensor, axis: int = 0, ndim: int | None = None) -> Tensor:
+        """numpy.concatenate along a numpy-order axis.
+
+        GGML does not record leading size-1 dims, so a (1, n) tensor has shape (n,)
+        here. A negative axis counts from the innermost dim and is unambiguous; a
+        non-negative one counts within ``ndim`` dims (default: the larger of the two
+        shapes' lengths), so pass ``ndim=2`` to join two (1, n) tensors into (2, n).
+        """
         op = "concat"
         self._own(op, a, b)
-        nd = max(a.ndim, b.ndim)
+        nd = max(a.ndim, b.ndim) if ndim is None else _int(op, "ndim", ndim, max(a.ndim, b.ndim), 4)
         axis = _int(op, "axis", axis, -nd, nd - 1) % nd
         dim = nd - 1 - axis
         _types(op, a, FLOATS | {I32})
-        _need(a.dtype == b.dtype, op, "a and b must have the same type", a, b)
+        _need(a.dtype == b.dtype, op, "a and b must have the same type", a, b, exc=DTypeError)
         _need(all(a.ne[d] == b.ne[d] for d in range(4) if d != dim), op,
               f"a and b must agree on every dim but axis {axis}", a, b)
         return self._node(lib.ggml_concat(self.ptr, a.ptr, b.ptr, dim))

@@ -42,6 +42,11 @@ def quantize(x, dtype, imatrix=None) -> np.ndarray:
         raise DTypeError(f"quantize: {t.name} needs an importance matrix (imatrix=...)")
     if not np.isfinite(x).all():
         raise ValueError("quantize: input holds NaN or infinity")
+    if t not in (GGMLType.F32, GGMLType.BF16) and x.size and np.abs(x).max() > _FP16_MAX:
+        # F16 values, and the fp16 block scales and minima of the quantized types, overflow past this
+        raise ValueError(f"quantize: {t.name} cannot represent values beyond +-{_FP16_MAX} "
+                         f"(got {float(np.abs(x).max()):g}): its {'elements' if t == GGMLType.F16 else 'block scales'} "
+                         "are fp16")
     src = np.ascontiguousarray(x)
     row_bytes = t.row_size(n_per_row)
     out = np.empty(x.shape[:-1] + (row_bytes,), dtype=np.uint8)
@@ -65,12 +70,17 @@ def dequantize(data, dtype, n_per_row: int) -> np.ndarray:
     if data.ndim < 1 or data.shape[-1] != row_bytes:
         raise ShapeError(f"dequantize: {t.name} rows of {n_per_row} take {row_bytes} bytes, "
                          f"data has shape {data.shape}")
+    if t == GGMLType.F32:
+        return data.view(np.float32).reshape(data.shape[:-1] + (int(n_per_row),)).copy()
     traits = lib.ggml_get_type_traits(t)
     if traits.to_float == ffi.NULL:
         raise DTypeError(f"dequantize: GGML has no conversion from {t.name} to float")
     out = np.empty(data.shape[:-1] + (int(n_per_row),), dtype=np.float32)
     traits.to_float(ffi.from_buffer(data), ffi.from_buffer("float[]", out), out.size)
     return out
+
+
+_FP16_MAX = 65504.0
 
 
 def _quantizable() -> frozenset:

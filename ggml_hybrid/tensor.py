@@ -42,7 +42,8 @@ class Tensor:
     @property
     def ptr(self):
         if self._ctx.closed:
-            raise ClosedError(f"tensor {cstr(self._p.name)!r} belongs to a closed context")
+            # the struct (and its name) went with the context's memory: do not read it
+            raise ClosedError("this tensor belongs to a closed context")
         return self._p
 
     @property
@@ -200,8 +201,11 @@ class Tensor:
         return out
 
     def view_numpy(self, writable: bool = True) -> np.ndarray:
-        """A zero-copy numpy view of host data; the array keeps this tensor alive."""
+        """A zero-copy numpy view of host data; the array keeps this tensor's memory alive,
+        even across ``close()`` of its context. Views of index tensors (row or expert ids)
+        are read-only: writes must go through :meth:`set`, which checks the range."""
         self._require_data("Tensor.view_numpy")
+        writable = writable and not self._ctx._has_index_bound(self)
         if not self.is_host:
             raise BackendError(f"Tensor.view_numpy: tensor {self.name!r} lives in device memory; use numpy()")
         dt = self.dtype
@@ -223,6 +227,12 @@ class BorrowedScope:
     def _check_index_data(self, t, arr) -> None:
         pass
 
+    def _has_index_bound(self, t) -> bool:
+        return False
+
+    def _track_view(self, view) -> None:
+        pass
+
     def _mark_set(self, t) -> None:
         pass
 
@@ -235,10 +245,11 @@ def _buffer_of(p):
 class _ArrayView:
     """Exposes tensor memory through ``__array_interface__``; numpy keeps it as ``.base``."""
 
-    __slots__ = ("tensor", "__array_interface__")
+    __slots__ = ("tensor", "__array_interface__", "__weakref__")
 
     def __init__(self, tensor: Tensor, shape, strides, typestr, writable):
         self.tensor = tensor
+        tensor._ctx._track_view(self)
         addr = int(ffi.cast("uintptr_t", tensor.ptr.data))
         self.__array_interface__ = {"version": 3, "shape": tuple(shape), "strides": tuple(strides),
                                     "typestr": typestr, "data": (addr, not writable)}

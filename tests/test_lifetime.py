@@ -188,10 +188,6 @@ def test_scheduler_keeps_its_backends_alive():
     assert live() == before
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Context.close() frees the context's buffers even while a numpy array "
-                   "from Tensor.view_numpy() still points into them: the array then reads freed memory (garbage for "
-                   "small buffers, a segfault for large, unmapped ones). close() should refuse, or defer the free "
-                   "until the views are gone")
 def test_explicit_close_with_a_live_numpy_view():
     p = run_isolated("""
         n = 1 << 20  # 4 MiB: a buffer the allocator returns to the OS when freed

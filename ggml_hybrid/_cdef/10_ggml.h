@@ -27,7 +27,7 @@ enum ggml_type {
     ...
 };
 
-enum ggml_op { GGML_OP_NONE, GGML_OP_VIEW, GGML_OP_COUNT, ... };
+enum ggml_op { GGML_OP_NONE, GGML_OP_VIEW, GGML_OP_ARGSORT, GGML_OP_TOP_K, GGML_OP_COUNT, ... };
 
 enum ggml_sort_order { GGML_SORT_ORDER_ASC, GGML_SORT_ORDER_DESC, ... };
 
@@ -82,6 +82,7 @@ const char * ggml_status_to_string(enum ggml_status status);
 struct ggml_context * ggml_init(struct ggml_init_params params);
 void ggml_free(struct ggml_context * ctx);
 size_t ggml_used_mem(const struct ggml_context * ctx);
+void * ggml_get_mem_buffer(const struct ggml_context * ctx);
 size_t ggml_tensor_overhead(void);
 size_t ggml_graph_overhead(void);
 size_t ggml_graph_overhead_custom(size_t size, bool grads);
@@ -97,6 +98,7 @@ int64_t ggml_nelements(const struct ggml_tensor * tensor);
 size_t ggml_nbytes(const struct ggml_tensor * tensor);
 bool ggml_is_contiguous(const struct ggml_tensor * tensor);
 bool ggml_is_contiguous_rows(const struct ggml_tensor * tensor);
+bool ggml_is_contiguous_1(const struct ggml_tensor * tensor);
 bool ggml_is_transposed(const struct ggml_tensor * tensor);
 bool ggml_is_permuted(const struct ggml_tensor * tensor);
 bool ggml_can_repeat(const struct ggml_tensor * t0, const struct ggml_tensor * t1);
