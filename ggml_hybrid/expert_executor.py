@@ -23,7 +23,9 @@ from ._lib import cstr, ffi, lib
 from .backend import Backend
 from .context import Context
 from .errors import ComputeError
+from .cpu_worker import CPUWorker
 from .expert_cache import SlotCache
+from .placement import CostModel, place
 from .moe import ExpertWeights, expert_ffn, weighted_sum
 from .regions import RegionCall
 from .store import GGUFStore
@@ -42,6 +44,17 @@ class LayerCounters:
     device_ns: int = 0     # wall time spent in the executor
     load_ns: int = 0       # of which: copying missed experts into slots
     compute_ns: int = 0    # of which: GGML computing the experts and the weighted sum
+    cpu_misses: int = 0    # misses computed by the CPU worker (not loaded)
+    cpu_rows: int = 0      # (token, expert) rows the CPU computed
+    cpu_ns: int = 0        # CPU worker compute time
+    overlap_ns: int = 0    # time the CPU worker and the device path ran together
+    share_calls: int = 0   # calls that had misses to place
+    share_sum: float = 0.0  # sum over those calls of the share of misses sent to the CPU
+
+    @property
+    def share_applied(self) -> float:
+        """Mean share of misses the CPU took, over calls with misses."""
+        return self.share_sum / self.share_calls if self.share_calls else 0.0
 
     @property
     def orchestration_ns(self) -> int:
@@ -49,11 +62,11 @@ class LayerCounters:
         return self.device_ns - self.load_ns - self.compute_ns
 
     def add(self, other: "LayerCounters") -> None:
-        for k, v in asdict(other).items():
+        for k, v in asdict(other).items():  # fields only, not the derived values
             setattr(self, k, getattr(self, k) + v)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "share_applied": self.share_applied, "orchestration_ns": self.orchestration_ns}
 
 
 class _Bucket:
@@ -111,9 +124,16 @@ class ExpertCacheExecutor:
     """Region executor for one layer: resident hits, misses loaded into device slots."""
 
     def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
-                 policy: str, n_used: int, glu: str = "swiglu"):
+                 policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
+                 share: float | str = 0.0, host_experts: ExpertWeights | None = None,
+                 simulated_bus_bytes_per_s: float | None = None):
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.n_used, self.glu = n_used, glu
+        # the CPU share: a fixed fraction of the misses, or "auto" (an online cost model)
+        self.worker, self.share, self.host_experts = worker, share, host_experts
+        self.model = CostModel() if share == "auto" else None
+        # benchmarks on a machine without a bus: each load also waits bytes / bandwidth
+        self.simulated_bus = simulated_bus_bytes_per_s
         infos = {k: store.info(n) for k, n in names.items()}
         self.n_expert = infos["down"].shape[0]
         self.n_embd = infos["down"].shape[1]
@@ -131,6 +151,7 @@ class ExpertCacheExecutor:
         self._copies = [(self.slot_tensors[k].ptr, ffi.cast("char *", self._raw[k].ctypes.data), self.expert_nbytes[k])
                         for k in names]
         self._slot_of = np.empty(self.n_expert, np.int32)
+        self.expert_bytes = sum(self.expert_nbytes.values())
         self.counters = LayerCounters()
         self._buckets: dict[int, _Bucket] = {}
 
@@ -151,7 +172,18 @@ class ExpertCacheExecutor:
         for slots, src, nbytes in self._copies:
             lib.ggml_backend_tensor_set(slots, src + expert * nbytes, slot * nbytes, nbytes)
             n += nbytes
+        if self.simulated_bus:
+            time.sleep(n / self.simulated_bus)  # releases the GIL, like a DMA the CPU need not wait for
         return n
+
+    def _placement(self, experts: np.ndarray, rows: np.ndarray):
+        """Which misses the CPU computes; None when every expert goes through the cache."""
+        if self.worker is None or self.share == 0.0:
+            return None
+        resident = self.cache.resident()
+        if self.model is not None:
+            return self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes)
+        return place(experts.tolist(), rows.tolist(), resident, self.share)
 
     def __call__(self, call: RegionCall):
         t0 = time.perf_counter_ns()
@@ -160,13 +192,34 @@ class ExpertCacheExecutor:
         ids = _read_rows(ids_t, n_tokens, self.n_used, np.int32)
         counts = np.bincount(ids.ravel(), minlength=self.n_expert)
         experts = np.flatnonzero(counts)
-        rounds = self.cache.plan(experts.tolist(), counts[experts].tolist())
+        placement = self._placement(experts, counts[experts])
         b = self._bucket(n_tokens)
-        dev = self.device.ptr
         c = self.counters
+        job = None
+        if placement is not None and placement.cpu_misses:
+            # the CPU starts first and works while the device computes hits and loads
+            on_cpu = np.zeros(self.n_expert, bool)
+            on_cpu[list(placement.cpu_misses)] = True
+            cpu_rows = on_cpu[ids]
+            xv = x3.numpy().reshape(n_tokens, self.n_embd)
+            tok = np.nonzero(cpu_rows)[0]
+            job = self.worker.submit(self.layer, self.host_experts, xv[tok], ids[cpu_rows], self.glu)
+            device_experts = np.array(sorted(placement.device_hits + placement.device_misses), np.int64)
+            c.cpu_misses += len(placement.cpu_misses)
+            c.cpu_rows += int(cpu_rows.sum())
+        else:
+            cpu_rows = None
+            device_experts = experts
+        if placement is not None and (placement.device_misses or placement.cpu_misses):
+            c.share_calls += 1
+            c.share_sum += placement.share
+        rounds = self.cache.plan(device_experts.tolist(), counts[device_experts].tolist())
+        dev = self.device.ptr
         # inputs move device to device; only the ids come to the host, to plan
         lib.ggml_backend_tensor_copy(x3.ptr, b.p_x)
         lib.ggml_backend_tensor_copy(w_t.ptr, b.p_w)
+        on_host = job is not None or len(rounds) > 1
+        d0 = time.perf_counter_ns()
         for rnd in rounds:
             t1 = time.perf_counter_ns()
             for expert, slot in rnd.loads:
@@ -181,7 +234,7 @@ class ExpertCacheExecutor:
             t3 = time.perf_counter_ns()
             _compute(dev, b.pg_experts)
             t4 = time.perf_counter_ns()
-            if len(rounds) == 1:
+            if not on_host:
                 lib.ggml_backend_tensor_copy(b.p_down, b.p_experts)
             else:
                 lib.ggml_backend_tensor_get(b.p_down, b.b_down, 0, b.down_host.nbytes)
@@ -192,7 +245,20 @@ class ExpertCacheExecutor:
             c.hits += len(rnd.hits)
             c.misses += len(rnd.loads)
             c.evictions += len(rnd.evicted)
-        if len(rounds) > 1:
+            if self.model is not None:
+                loaded = len(rnd.loads) * self.expert_bytes
+                if loaded:
+                    self.model.observe_load(loaded, (t2 - t1) / 1e9)
+                self.model.observe_device(int(np.count_nonzero(b.slot_ids != self.scratch)), (t4 - t3) / 1e9)
+        d1 = time.perf_counter_ns()
+        if job is not None:
+            rows_out, c0, c1 = job.result()  # re-raises a failure of the worker here
+            b.merged[cpu_rows] = rows_out
+            c.cpu_ns += c1 - c0
+            c.overlap_ns += max(0, min(d1, c1) - max(d0, c0)) if rounds else 0
+            if self.model is not None:
+                self.model.observe_cpu(len(placement.cpu_misses) * self.expert_bytes, len(rows_out), (c1 - c0) / 1e9)
+        if on_host:
             lib.ggml_backend_tensor_set(b.p_experts, b.b_merged, 0, b.merged.nbytes)
         t5 = time.perf_counter_ns()
         _compute(dev, b.pg_sum)

@@ -25,6 +25,7 @@ import numpy as np
 from .backend import Backend, cpu, cuda, cuda_available
 from .context import Context
 from .errors import ShapeError
+from .cpu_worker import CPUWorker
 from .expert_executor import ExpertCacheExecutor, LayerCounters
 from .moe import ExpertWeights, build_moe_ffn
 from .options import OptionError, SessionOptions
@@ -51,7 +52,8 @@ class SessionCounters:
 
 
 class MoEStackSession:
-    def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None):
+    def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None,
+                 simulated_bus_bytes_per_s: float | None = None):
         self.options = opts = options or SessionOptions()
         self.store = store = GGUFStore(path)
         arch = store.arch
@@ -67,10 +69,13 @@ class MoEStackSession:
                               f"{self.n_expert} experts per layer")
         if opts.n_cpu_moe > self.n_layer:
             raise OptionError(f"n_cpu_moe={opts.n_cpu_moe}: the model has only {self.n_layer} layers")
-        if float(opts.moe_cpu_share if opts.moe_cpu_share != "auto" else 1.0) != 0.0:
-            raise OptionError(f"moe_cpu_share={opts.moe_cpu_share}: hybrid CPU execution is not available yet "
-                              "(use 0)")
+        if opts.moe_cpu_share != 0.0 and not opts.disk_experts:
+            raise OptionError(f"moe_cpu_share={opts.moe_cpu_share}: a CPU share of cache misses needs "
+                              "disk_experts=true (with resident or CPU-placed experts there are no misses)")
         n_threads = opts.n_threads or os.cpu_count() or 1
+        self.simulated_bus = simulated_bus_bytes_per_s
+        # the session's own CPU worker, started on first use
+        self.worker = CPUWorker(n_threads) if opts.moe_cpu_share != 0.0 else None
         self._own_device = device is None
         # without an accelerator a CPU backend instance plays the device, with its own buffers
         self.device = device or (cuda(0) if cuda_available() else cpu(n_threads))
@@ -115,9 +120,10 @@ class MoEStackSession:
                 for t in tensors.values():
                     store.place(t)
             self.experts.append(ExpertWeights(**tensors))
-            self.executors.append(ExpertCacheExecutor(store, i, names, self.device, self.options.expert_cache_slots,
-                                                      self.options.expert_eviction, self.n_used)
-                                  if self.mode_of(i) == "disk" else None)
+            self.executors.append(ExpertCacheExecutor(
+                store, i, names, self.device, self.options.expert_cache_slots, self.options.expert_eviction,
+                self.n_used, worker=self.worker, share=self.options.moe_cpu_share, host_experts=self.experts[i],
+                simulated_bus_bytes_per_s=self.simulated_bus) if self.mode_of(i) == "disk" else None)
 
     # -- graphs ---------------------------------------------------------------
 
@@ -169,6 +175,8 @@ class MoEStackSession:
         return SessionCounters([e.counters if e is not None else LayerCounters() for e in self.executors])
 
     def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()  # first: a job in flight may still read the mapped experts
         for e in self.executors:
             if e is not None:
                 e.close()

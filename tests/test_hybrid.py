@@ -1,0 +1,172 @@
+"""Hybrid execution: a share of cache misses on the persistent CPU worker, bit-identical to the default path."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import ggml_hybrid as gh
+from ggml_hybrid.cpu_worker import CPUWorker
+from ggml_hybrid.moe import ExpertWeights
+from ggml_hybrid.moe_session import MoEStackSession
+from ggml_hybrid.options import OptionError, SessionOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from gen_moe_gguf import write_moe_stack  # noqa: E402
+
+
+def _x(n_tokens, n_embd, seed):
+    return np.random.default_rng(seed).standard_normal((n_tokens, n_embd)).astype(np.float32)
+
+
+def _session(path, items):
+    return MoEStackSession(path, SessionOptions.parse(list(items)))
+
+
+@st.composite
+def cases(draw):
+    t = draw(st.sampled_from(["f32", "q8_0", "q4_K", "q6_K"]))
+    unit = gh.as_ggml_type(t).block_size if t.startswith("q") else 32
+    n_expert = draw(st.integers(2, 32))
+    return dict(expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(6, n_expert))), n_embd=unit,
+                n_ff=unit, n_tokens=draw(st.integers(1, 24)), slots=draw(st.integers(1, n_expert)),
+                share=draw(st.sampled_from(["0", "0.25", "0.5", "0.75", "1", "auto"])),
+                threads=draw(st.sampled_from([1, 2])), seed=draw(st.integers(0, 999)))
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_hybrid_output_is_bit_identical(tmp_path, case):
+    path = write_moe_stack(tmp_path / f"h{case['seed']}.gguf", n_layer=2, n_embd=case["n_embd"], n_ff=case["n_ff"],
+                           n_expert=case["n_expert"], n_used=case["n_used"], expert_type=case["expert_type"],
+                           seed=case["seed"])
+    xs = [_x(case["n_tokens"], case["n_embd"], case["seed"] + i) for i in range(3)]
+    with _session(path, [f"n_threads={case['threads']}"]) as s:
+        refs = [s.forward(x) for x in xs]
+    with _session(path, ["disk_experts=1", f"expert_cache_slots={case['slots']}", f"moe_cpu_share={case['share']}",
+                         f"n_threads={case['threads']}"]) as s:
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        total = s.counters.total
+    assert total.hits + total.misses + total.cpu_misses == total.distinct
+    if case["share"] == "0":
+        assert total.cpu_misses == 0
+    if case["share"] == "1":
+        assert total.misses == 0  # every miss went to the CPU, nothing was loaded
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_moe_stack(tmp_path_factory.mktemp("hyb") / "m.gguf", n_layer=3, n_embd=256, n_ff=256,
+                           n_expert=16, n_used=4, expert_type="q4_K", seed=3)
+
+
+def test_counters_show_cpu_work_only_with_a_share(model):
+    x = _x(6, 256, 0)
+    with _session(model, ["disk_experts=1", "expert_cache_slots=4"]) as s:
+        s.forward(x)
+        zero = s.counters.total
+    with _session(model, ["disk_experts=1", "expert_cache_slots=4", "moe_cpu_share=0.5"]) as s:
+        s.forward(x)
+        half = s.counters.total
+    assert zero.cpu_misses == zero.cpu_rows == 0 and zero.share_applied == 0.0
+    assert half.cpu_misses > 0 and half.cpu_rows >= half.cpu_misses and half.cpu_ns > 0
+    assert 0.3 <= half.share_applied <= 0.7
+    assert half.misses < zero.misses  # CPU misses are not loaded into the cache
+
+
+def test_steady_decode_allocates_nothing_in_the_worker(model):
+    with _session(model, ["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=1"]) as s:
+        for i in range(6):
+            s.forward(_x(1, 256, i))  # warm-up: every row bucket of every layer
+        warm = s.worker.allocations
+        assert warm > 0
+        for i in range(20):
+            s.forward(_x(1, 256, 100 + i))
+        assert s.worker.allocations == warm
+
+
+def test_worker_fault_surfaces_and_session_stays_usable(model):
+    x = _x(3, 256, 5)
+    with _session(model, []) as ref_s:
+        ref = ref_s.forward(x)
+    with _session(model, ["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=1"]) as s:
+        s.worker.fault = RuntimeError("injected worker fault")
+        with pytest.raises(RuntimeError, match="injected worker fault"):
+            s.forward(x)
+        np.testing.assert_array_equal(s.forward(x), ref)  # the next call is correct
+    assert not s.worker.running
+
+
+def test_share_needs_disk_experts(model):
+    with pytest.raises(OptionError, match="needs disk_experts"):
+        _session(model, ["moe_cpu_share=0.5"])
+
+
+def _worker_threads():
+    return [t for t in threading.enumerate() if t.name == "ggml-hybrid-cpu-worker"]
+
+
+class WorkerLifecycle(RuleBasedStateMachine):
+    """start on first use, compute, fail, close, close again, use after close."""
+
+    def __init__(self):
+        super().__init__()
+        self.before = len(_worker_threads())
+        self.w = CPUWorker(1)
+        self.ctx = gh.Context(n_tensors=8)
+        self.experts = ExpertWeights(**{k: self.ctx.new_tensor("f32", (4, 32, 32), k)
+                                               for k in ("gate", "up", "down")})
+        self.backend = gh.cpu(1)
+        self.ctx.allocate(self.backend)
+        rng = np.random.default_rng(0)
+        for t in (self.experts.gate, self.experts.up, self.experts.down):
+            t.set(rng.standard_normal(t.shape).astype(np.float32))
+        self.closed = False
+
+    @precondition(lambda self: not self.closed)
+    @rule(n=st.integers(1, 9))
+    def compute(self, n):
+        x = np.ones((n, 32), np.float32)
+        rows, t0, t1 = self.w.submit(0, self.experts, x, np.arange(n, dtype=np.int32) % 4).result(timeout=30)
+        assert rows.shape == (n, 32) and np.isfinite(rows).all() and t1 >= t0
+        assert self.w.running
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def fail(self):
+        self.w.fault = ValueError("boom")
+        with pytest.raises(ValueError, match="boom"):
+            self.w.submit(0, self.experts, np.ones((1, 32), np.float32), np.zeros(1, np.int32)).result(timeout=30)
+
+    @rule()
+    def close(self):
+        self.w.close()
+        self.closed = True
+
+    @precondition(lambda self: self.closed)
+    @rule()
+    def use_after_close(self):
+        with pytest.raises(gh.errors.ClosedError):
+            self.w.submit(0, self.experts, np.ones((1, 32), np.float32), np.zeros(1, np.int32))
+
+    @invariant()
+    def no_thread_after_close(self):
+        if self.closed:
+            assert not self.w.running and len(_worker_threads()) == self.before
+
+    def teardown(self):
+        self.w.close()
+        self.ctx.close()
+        self.backend.close()
+
+
+WorkerLifecycle.TestCase.settings = settings(max_examples=15, stateful_step_count=8, deadline=None)
+TestWorkerLifecycle = WorkerLifecycle.TestCase
