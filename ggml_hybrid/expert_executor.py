@@ -2,14 +2,17 @@
 
 Each layer owns ``n_slots`` expert slots on the device (plus one zeroed scratch
 slot) for each expert tensor (gate, up, down or the fused gate_up). A call reads
-the routed expert ids, asks the :class:`~ggml_hybrid.expert_cache.SlotCache` for a
-plan (hits first, then misses loaded into slots, in rounds when the call needs
-more experts than there are slots), and computes each round with ``mul_mat_id``
-over the slot tensors with the ids remapped to slots. Rows whose expert is not
-in the round point at the scratch slot and are discarded. Every expert therefore
-sees exactly the rows, in the same order, as in the resident ``mul_mat_id``,
-which is what makes the result bit-identical on the CPU. The weighted sum over
-the selected experts is then built with the same ops as the resident graph.
+the routed expert ids and places them: with ``moe_cpu_share`` > 0 a share of the
+misses goes to the session's CPU worker (started first, so it overlaps the device
+work); the rest asks the :class:`~ggml_hybrid.expert_cache.SlotCache` for a plan
+(hits first, then misses loaded into slots, in rounds when the call needs more
+experts than there are slots). A single round with no CPU rows runs ``mul_mat_id``
+over the slot tensors with the ids remapped to slots (rows of other experts point at
+the scratch slot); otherwise each round computes only its own rows, compacted (see
+:mod:`ggml_hybrid.row_graphs`), and the rows merge on the host. Either way every
+expert sees exactly the rows, in the same order, as in the resident ``mul_mat_id``,
+which makes the result bit-identical on the CPU. The weighted sum over the selected
+experts is then built with the same ops as the resident graph.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .errors import ComputeError
 from .cpu_worker import CPUWorker
 from .expert_cache import SlotCache
 from .placement import CostModel, place
+from .row_graphs import RowGraphs
 from .moe import ExpertWeights, expert_ffn, weighted_sum
 from .regions import RegionCall
 from .store import GGUFStore
@@ -90,14 +94,12 @@ class _Bucket:
         for g in (self.g_experts, self.g_sum):
             g.check_supported([device], id(device))
         self.slot_ids = np.empty((n_tokens, n_used), np.int32)
-        self.down_host = np.empty((n_tokens, n_used, n_embd), np.float32)
         self.merged = np.empty((n_tokens, n_used, n_embd), np.float32)
         p = lambda t: t.ptr  # noqa: E731
         self.p_x, self.p_ids, self.p_down, self.p_experts, self.p_w, self.p_out = map(
             p, (self.x, self.ids, self.down, self.experts_in, self.w, self.out))
         self.pg_experts, self.pg_sum = self.g_experts.ptr, self.g_sum.ptr
-        self.b_slot_ids, self.b_down, self.b_merged = (ffi.from_buffer(a) for a in
-                                                       (self.slot_ids, self.down_host, self.merged))
+        self.b_slot_ids, self.b_merged = ffi.from_buffer(self.slot_ids), ffi.from_buffer(self.merged)
 
 
 def _compute(backend_ptr, graph_ptr) -> None:
@@ -152,6 +154,7 @@ class ExpertCacheExecutor:
                         for k in names]
         self._slot_of = np.empty(self.n_expert, np.int32)
         self.expert_bytes = sum(self.expert_nbytes.values())
+        self._slot_rows = RowGraphs(self.slots, device, self.n_embd, glu)  # compacted rounds
         self.counters = LayerCounters()
         self._buckets: dict[int, _Bucket] = {}
 
@@ -202,7 +205,7 @@ class ExpertCacheExecutor:
             on_cpu[list(placement.cpu_misses)] = True
             cpu_rows = on_cpu[ids]
             xv = x3.numpy().reshape(n_tokens, self.n_embd)
-            tok = np.nonzero(cpu_rows)[0]
+            tok = np.nonzero(cpu_rows)[0]  # row-major (token, expert) order, as mul_mat_id groups rows
             job = self.worker.submit(self.layer, self.host_experts, xv[tok], ids[cpu_rows], self.glu)
             device_experts = np.array(sorted(placement.device_hits + placement.device_misses), np.int64)
             c.cpu_misses += len(placement.cpu_misses)
@@ -218,7 +221,11 @@ class ExpertCacheExecutor:
         # inputs move device to device; only the ids come to the host, to plan
         lib.ggml_backend_tensor_copy(x3.ptr, b.p_x)
         lib.ggml_backend_tensor_copy(w_t.ptr, b.p_w)
+        # one round and no CPU rows: the full graph over the slots, nothing leaves the device; otherwise
+        # each round computes only its own rows (compacted) and the rows merge on the host
         on_host = job is not None or len(rounds) > 1
+        if on_host and job is None:
+            xv = x3.numpy().reshape(n_tokens, self.n_embd)
         d0 = time.perf_counter_ns()
         for rnd in rounds:
             t1 = time.perf_counter_ns()
@@ -230,16 +237,19 @@ class ExpertCacheExecutor:
             for expert, slot in rnd.hits + rnd.loads:
                 slot_of[expert] = slot
             np.take(slot_of, ids, out=b.slot_ids)
-            lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
-            t3 = time.perf_counter_ns()
-            _compute(dev, b.pg_experts)
-            t4 = time.perf_counter_ns()
             if not on_host:
+                lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
+                t3 = time.perf_counter_ns()
+                _compute(dev, b.pg_experts)
+                t4 = time.perf_counter_ns()
                 lib.ggml_backend_tensor_copy(b.p_down, b.p_experts)
+                n_rows = ids.size
             else:
-                lib.ggml_backend_tensor_get(b.p_down, b.b_down, 0, b.down_host.nbytes)
-                mask = b.slot_ids != self.scratch
-                b.merged[mask] = b.down_host[mask]
+                sel = b.slot_ids != self.scratch
+                t3 = time.perf_counter_ns()
+                b.merged[sel] = self._slot_rows.compute(xv[np.nonzero(sel)[0]], b.slot_ids[sel], self.scratch)
+                t4 = time.perf_counter_ns()
+                n_rows = int(np.count_nonzero(sel))
             c.load_ns += t2 - t1
             c.compute_ns += t4 - t3
             c.hits += len(rnd.hits)
@@ -249,7 +259,7 @@ class ExpertCacheExecutor:
                 loaded = len(rnd.loads) * self.expert_bytes
                 if loaded:
                     self.model.observe_load(loaded, (t2 - t1) / 1e9)
-                self.model.observe_device(int(np.count_nonzero(b.slot_ids != self.scratch)), (t4 - t3) / 1e9)
+                self.model.observe_device(n_rows, (t4 - t3) / 1e9)
         d1 = time.perf_counter_ns()
         if job is not None:
             rows_out, c0, c1 = job.result()  # re-raises a failure of the worker here
@@ -271,6 +281,7 @@ class ExpertCacheExecutor:
         c.device_ns += time.perf_counter_ns() - t0
 
     def close(self) -> None:
+        self._slot_rows.close()
         for b in self._buckets.values():
             b.ctx.close()
         self._buckets.clear()

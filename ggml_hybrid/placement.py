@@ -74,7 +74,7 @@ of them are used and the zero start introduces no bias.
   values a0, b0) and adds a tiny ridge term pulling toward the prior,
   ``RIDGE * (M11*(u-1)^2 + M22*(v-1)^2)`` where M11 and M22 are the diagonal of
   the scaled normal matrix (the EMAs of ``(a0*bytes)^2`` and ``(b0*rows)^2``) and
-  ``RIDGE = 1e-6`` (when all jobs had zero bytes or zero rows, so that M11 or
+  ``RIDGE = 1e-1`` (when all jobs had zero bytes or zero rows, so that M11 or
   M22 is 0, both weights are ``RIDGE * (M11 + M22)`` and the unobserved
   coefficient stays at its prior). Reason: at decode every CPU job computes one row per expert,
   so bytes and rows are exactly proportional and only their combination is
@@ -267,7 +267,7 @@ def n_cpu_for_share(share: float, n_misses: int) -> int:
 def _split(ids: list[int], counts: list[int], res: set[int]):
     """Hits sorted by id; misses as (rows, id), fewest rows first, ties by lower id."""
     hits = sorted(e for e in ids if e in res)
-    misses = sorted(((r, e) for e, r in zip(ids, counts) if e not in res), key=lambda t: (-t[0], t[1]))
+    misses = sorted((r, e) for e, r in zip(ids, counts) if e not in res)
     return hits, misses
 
 
@@ -316,7 +316,7 @@ class CostModel:
     ``prior`` overrides entries of :data:`DEFAULT_PRIOR` (positive finite floats).
     """
 
-    RIDGE = 1e-6
+    RIDGE = 1e-1
 
     def __init__(self, alpha: float = 0.25, hysteresis: float = 0.05, prior: dict | None = None):
         self.alpha = _real(alpha, "CostModel: alpha", 0.0, 1.0, "a finite number in (0, 1]")

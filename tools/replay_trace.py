@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Replay MoE routing traces through expert caches, or write synthetic traces.
+
+Replay a trace (``replay`` may be left out when the trace path is not ``replay`` or ``synth``)::
+
+    python tools/replay_trace.py [replay] TRACE --slots 8 [--slots 16 ...]
+        [--policy lru --policy lfu --policy belady]   (default: all three)
+        [--share 0 --share 0.5 --share auto]          (default: 0)
+        [--bus-gbps 25] [--cpu-gbps 20] [--device-us-per-row 2] [--cpu-us-per-row 30]
+        [--expert-bytes 2654208] [--json]
+
+prints one row per (policy, slots, share): hit rate, loads (misses loaded over the bus), misses run
+on the CPU, bytes moved and the modeled time per token (see ``ggml_hybrid.traces``). GB/s are
+10^9 bytes per second. The default expert size is one Q4_K expert of 3 x 2048 x 768 weights; the
+default costs are illustrative, set them for the machine being modeled. ``--json`` prints
+``{"trace": ..., "cost": ..., "results": [...]}`` with per-layer breakdowns instead of the table.
+
+Write a synthetic trace (see ``ggml_hybrid.traces.synthetic_trace``)::
+
+    python tools/replay_trace.py synth OUT --layers 16 --experts 64 --used 8 --calls 500
+        [--tokens 1] [--hot-fraction 0.2] [--hot-traffic 0.8] [--reuse 0.5] [--seed 0]
+
+A user error (bad option, unreadable or corrupted trace, impossible slot count) prints one line
+on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+try:
+    from ggml_hybrid.traces import (POLICIES, LinkCost, TraceError, parse_share, read_trace, replay,
+                                    synthetic_trace)
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from ggml_hybrid.traces import (POLICIES, LinkCost, TraceError, parse_share, read_trace, replay,
+                                    synthetic_trace)
+
+PROG = "replay_trace"
+Q4K_EXPERT_BYTES = 3 * 2048 * 768 * 144 // 256  # Q4_K stores 256 weights in 144 bytes
+
+
+class _OneLineGroup(click.Group):
+    """A group whose user errors are one line on stderr with exit status 2, and whose default command is replay."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["replay", *args]
+        return super().parse_args(ctx, args)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except (click.ClickException, TraceError, OSError) as e:
+            msg = e.format_message() if isinstance(e, click.ClickException) else str(e)
+            click.echo(f"{PROG}: error: {' '.join(msg.split())}", err=True)
+            sys.exit(2)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+class _Share(click.ParamType):
+    name = "SHARE"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_share(value)
+        except TraceError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@click.group(cls=_OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """Replay MoE routing traces through expert caches, or write synthetic traces."""
+
+
+@cli.command("replay")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--slots", "slots", type=click.IntRange(min=1), multiple=True, required=True,
+              help="expert slots per layer (repeat for several)")
+@click.option("--policy", "policies", type=click.Choice(POLICIES, case_sensitive=False), multiple=True,
+              help="eviction policy (repeat; default: all)")
+@click.option("--share", "shares", type=_Share(), multiple=True,
+              help="moe_cpu_share: a number in [0, 1] or 'auto' (repeat; default 0)")
+@click.option("--bus-gbps", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True,
+              help="host->device bus bandwidth, GB/s")
+@click.option("--cpu-gbps", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="CPU expert-weight read bandwidth, GB/s")
+@click.option("--device-us-per-row", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="device compute per (token, expert) row, microseconds")
+@click.option("--cpu-us-per-row", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="CPU compute per (token, expert) row, microseconds")
+@click.option("--expert-bytes", type=click.IntRange(min=1), default=Q4K_EXPERT_BYTES, show_default=True,
+              help="bytes of one expert (gate, up and down)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def replay_cmd(trace, slots, policies, shares, bus_gbps, cpu_gbps, device_us_per_row, cpu_us_per_row,
+               expert_bytes, as_json):
+    """Replay TRACE for every combination of --slots, --policy and --share."""
+    tr = read_trace(trace, warn=False)
+    if tr.truncated:
+        click.echo(f"{PROG}: note: {trace}: dropped an incomplete final record ({tr.truncated_bytes} bytes)",
+                   err=True)
+    cost = LinkCost(bus_bytes_per_s=bus_gbps * 1e9, cpu_bytes_per_s=cpu_gbps * 1e9,
+                    device_s_per_row=device_us_per_row * 1e-6, cpu_s_per_row=cpu_us_per_row * 1e-6,
+                    expert_bytes=expert_bytes)
+    for n in slots:
+        if n > tr.n_expert:
+            raise TraceError(f"--slots {n} exceeds the trace's n_expert={tr.n_expert}")
+    policies = [p.lower() for p in policies] or list(POLICIES)
+    shares = list(shares) or [0.0]
+    results = [replay(tr, n, p, share=s, cost=cost) for p in policies for n in slots for s in shares]
+    if as_json:
+        doc = {"trace": {"path": trace, "n_layer": tr.n_layer, "n_expert": tr.n_expert, "n_used": tr.n_used,
+                         "calls": tr.n_calls, "tokens": tr.tokens, "truncated": tr.truncated},
+               "cost": cost.to_dict(),
+               "results": [{**r.to_dict(), "modeled_us_per_token": r.modeled_s_per_token * 1e6} for r in results]}
+        click.echo(json.dumps(doc, indent=1))
+        return
+    click.echo(f"trace {trace}: {tr.n_layer} layers, {tr.n_expert} experts, top-{tr.n_used}, "
+               f"{tr.n_calls} calls, {tr.tokens:g} tokens")
+    click.echo(f"cost: bus {bus_gbps:g} GB/s, cpu {cpu_gbps:g} GB/s, device {device_us_per_row:g} us/row, "
+               f"cpu {cpu_us_per_row:g} us/row, expert {_human(expert_bytes)}")
+    head = (f"{'policy':<7} {'slots':>5} {'share':>5} {'hit rate':>8} {'loads':>8} {'cpu':>7} "
+            f"{'bytes moved':>12} {'us/token':>10}")
+    click.echo(head)
+    click.echo("-" * len(head))
+    for r in results:
+        share = r.share if r.share == "auto" else f"{r.share:g}"
+        click.echo(f"{r.policy:<7} {r.n_slots:>5} {share:>5} {r.hit_rate:>8.3f} {r.misses:>8} {r.cpu:>7} "
+                   f"{_human(r.bytes_moved):>12} {r.modeled_s_per_token * 1e6:>10.1f}")
+
+
+@cli.command("synth")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--layers", type=int, default=16, show_default=True, help="MoE layers")
+@click.option("--experts", type=int, default=64, show_default=True, help="experts per layer")
+@click.option("--used", type=int, default=8, show_default=True, help="experts per token (top-k)")
+@click.option("--calls", type=int, default=500, show_default=True, help="layer calls (cycling through the layers)")
+@click.option("--tokens", type=int, default=1, show_default=True, help="tokens per call")
+@click.option("--hot-fraction", type=float, default=0.2, show_default=True, help="share of experts that are hot")
+@click.option("--hot-traffic", type=float, default=0.8, show_default=True, help="share of traffic to hot experts")
+@click.option("--reuse", type=float, default=0.5, show_default=True,
+              help="probability of keeping each expert of the previous call of the layer")
+@click.option("--seed", type=int, default=0, show_default=True)
+def synth_cmd(out, layers, experts, used, calls, tokens, hot_fraction, hot_traffic, reuse, seed):
+    """Write a synthetic routing trace to OUT."""
+    tr = synthetic_trace(layers, experts, used, calls, tokens_per_call=tokens, hot_fraction=hot_fraction,
+                         hot_traffic=hot_traffic, reuse=reuse, seed=seed)
+    tr.write(out)
+    click.echo(f"wrote {out}: {tr.n_calls} calls, {layers} layers, {experts} experts, top-{used}, "
+               f"{tokens} tokens/call, {os.path.getsize(out)} bytes")
+
+
+if __name__ == "__main__":
+    cli(prog_name=PROG)
