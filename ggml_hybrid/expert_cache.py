@@ -35,7 +35,7 @@ longer pending, so any of them may be evicted; a round after the first loads
 computed, so a call never fails, whatever the number of distinct experts. A
 round holds no hits after round 1. A call with no hits does not have an empty
 round 1: its round 1 holds loads only. A call with no misses has one round, and
-an empty call has none.
+an empty call has none (it still counts in ``calls`` and takes a tick).
 
 Slot choice. Within a round the k-th miss of the round goes to the k-th slot of
 this order: first the empty slots, by increasing slot id; then the *evictable*

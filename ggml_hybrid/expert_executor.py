@@ -128,7 +128,7 @@ class ExpertCacheExecutor:
     def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
                  policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None,
-                 simulated_bus_bytes_per_s: float | None = None):
+                 simulated_bus_bytes_per_s: float | None = None, trace=None):
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.n_used, self.glu = n_used, glu
         # the CPU share: a fixed fraction of the misses, or "auto" (an online cost model)
@@ -136,6 +136,7 @@ class ExpertCacheExecutor:
         self.model = CostModel() if share == "auto" else None
         # benchmarks on a machine without a bus: each load also waits bytes / bandwidth
         self.simulated_bus = simulated_bus_bytes_per_s
+        self.trace = trace  # a TraceWriter shared by the session's layers, or None
         infos = {k: store.info(n) for k, n in names.items()}
         self.n_expert = infos["down"].shape[0]
         self.n_embd = infos["down"].shape[1]
@@ -193,6 +194,8 @@ class ExpertCacheExecutor:
         x3, ids_t, w_t = call.inputs
         n_tokens = x3.ptr.ne[2]
         ids = _read_rows(ids_t, n_tokens, self.n_used, np.int32)
+        if self.trace is not None:
+            self.trace.record(self.layer, ids)
         counts = np.bincount(ids.ravel(), minlength=self.n_expert)
         experts = np.flatnonzero(counts)
         placement = self._placement(experts, counts[experts])

@@ -31,6 +31,7 @@ from .moe import ExpertWeights, build_moe_ffn
 from .options import OptionError, SessionOptions
 from .sched import Scheduler
 from .store import GGUFStore, ModelFileError, load_into
+from .traces import TraceWriter
 
 
 @dataclass
@@ -76,6 +77,11 @@ class MoEStackSession:
         self.simulated_bus = simulated_bus_bytes_per_s
         # the session's own CPU worker, started on first use
         self.worker = CPUWorker(n_threads) if opts.moe_cpu_share != 0.0 else None
+        if opts.trace_path is not None and not opts.disk_experts:
+            raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
+                              "(disk_experts=true)")
+        self.trace = (TraceWriter(opts.trace_path, self.n_layer, self.n_expert, self.n_used)
+                      if opts.trace_path is not None else None)
         self._own_device = device is None
         # without an accelerator a CPU backend instance plays the device, with its own buffers
         self.device = device or (cuda(0) if cuda_available() else cpu(n_threads))
@@ -123,7 +129,7 @@ class MoEStackSession:
             self.executors.append(ExpertCacheExecutor(
                 store, i, names, self.device, self.options.expert_cache_slots, self.options.expert_eviction,
                 self.n_used, worker=self.worker, share=self.options.moe_cpu_share, host_experts=self.experts[i],
-                simulated_bus_bytes_per_s=self.simulated_bus) if self.mode_of(i) == "disk" else None)
+                simulated_bus_bytes_per_s=self.simulated_bus, trace=self.trace) if self.mode_of(i) == "disk" else None)
 
     # -- graphs ---------------------------------------------------------------
 
@@ -177,6 +183,8 @@ class MoEStackSession:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()  # first: a job in flight may still read the mapped experts
+        if self.trace is not None:
+            self.trace.close()
         for e in self.executors:
             if e is not None:
                 e.close()

@@ -74,7 +74,7 @@ of them are used and the zero start introduces no bias.
   values a0, b0) and adds a tiny ridge term pulling toward the prior,
   ``RIDGE * (M11*(u-1)^2 + M22*(v-1)^2)`` where M11 and M22 are the diagonal of
   the scaled normal matrix (the EMAs of ``(a0*bytes)^2`` and ``(b0*rows)^2``) and
-  ``RIDGE = 1e-1`` (when all jobs had zero bytes or zero rows, so that M11 or
+  ``RIDGE = 1e-6`` (when all jobs had zero bytes or zero rows, so that M11 or
   M22 is 0, both weights are ``RIDGE * (M11 + M22)`` and the unobserved
   coefficient stays at its prior). Reason: at decode every CPU job computes one row per expert,
   so bytes and rows are exactly proportional and only their combination is
@@ -316,7 +316,7 @@ class CostModel:
     ``prior`` overrides entries of :data:`DEFAULT_PRIOR` (positive finite floats).
     """
 
-    RIDGE = 1e-1
+    RIDGE = 1e-6
 
     def __init__(self, alpha: float = 0.25, hysteresis: float = 0.05, prior: dict | None = None):
         self.alpha = _real(alpha, "CostModel: alpha", 0.0, 1.0, "a finite number in (0, 1]")

@@ -50,9 +50,14 @@ under the same rules as SlotCache:
   soonest are loaded in the last round and stay resident. This matters only when a call's
   distinct experts exceed ``n_slots``.
 
-With calls whose distinct experts fit in ``n_slots``, this is Belady's rule over "set" requests,
-which is optimal: no policy obeying the rules loads fewer experts (the tests check this against
-an exhaustive search on small traces).
+With calls whose distinct experts fit in ``n_slots`` (always the case for decode when
+``n_used <= n_slots``), this is Belady's rule over "set" requests, which is optimal: no policy
+obeying the rules loads fewer experts (the tests check this against an exhaustive search on small
+traces), so its hits bound LRU's and LFU's from above. When a call's distinct experts exceed
+``n_slots`` it is a heuristic, not a bound: such a call cannot keep all of its experts, and one
+of its hits may have to give way to its later loads, which farthest-next-use does not foresee.
+For example, with 1 slot and calls {0 (1 row), 1 (2 rows)}, {0, 1}, {1}, LRU and LFU get 2 hits
+and this rule 1 (the tests pin this case).
 
 CPU share and modeled time
 --------------------------

@@ -71,6 +71,15 @@ def test_lfu_ties_by_recency_then_slot():
     assert c.plan([0]) == [R(loads=[(0, 2)], evicted=[2])]  # tie on uses: least recent is 2 (tick 2)
 
 
+def test_hits_are_protected_even_when_lfu_prefers_them():
+    c = SlotCache(3, 2, "lfu")
+    c.plan([0])
+    c.plan([0])
+    assert c.plan([0, 1]) == [R(hits=[(0, 0)], loads=[(1, 1)])]  # 0: 3 uses, 1: 1 use
+    # 1 is a hit (2 uses after this call) and stays; 0 (3 uses) is the only evictable resident
+    assert c.plan([2, 1]) == [R(hits=[(1, 1)], loads=[(2, 0)], evicted=[0])]
+
+
 def test_rounds_follow_row_order_and_use_updated_state():
     c = SlotCache(4, 1, "lru")
     # decreasing rows, ties by expert id: 1 (5), 2 (5), 3 (2), 0 (1)

@@ -170,3 +170,21 @@ class WorkerLifecycle(RuleBasedStateMachine):
 
 WorkerLifecycle.TestCase.settings = settings(max_examples=15, stateful_step_count=8, deadline=None)
 TestWorkerLifecycle = WorkerLifecycle.TestCase
+
+
+def test_session_records_a_routing_trace(model, tmp_path):
+    from ggml_hybrid.traces import read_trace, replay
+
+    path = tmp_path / "run.trace"
+    xs = [_x(n, 256, 20 + n) for n in (1, 4, 1)]
+    with _session(model, ["disk_experts=1", "expert_cache_slots=4", f"trace_path={path}"]) as s:
+        for x in xs:
+            s.forward(x)
+        live = s.counters.total
+    trace = read_trace(path)
+    assert (trace.n_layer, trace.n_expert, trace.n_used) == (3, 16, 4)
+    assert [layer for layer, _ in trace.calls] == [0, 1, 2] * 3
+    assert [ids.shape for _, ids in trace.calls] == [(n, 4) for n in (1, 4, 1) for _ in range(3)]
+    # replaying the trace through the same cache policy reproduces the live counters
+    result = replay(trace, 4, "lru")
+    assert (result.hits, result.misses) == (live.hits, live.misses)

@@ -289,6 +289,17 @@ def test_choose_is_the_brute_force_optimum_without_hysteresis(call, B, mults, n_
     assert makespan(model, p, experts, rows, B) == min(spans)
 
 
+def test_choose_breaks_ties_toward_fewer_cpu_misses():
+    # per-row costs negligible and equal per-byte costs: one miss costs the same on either side
+    tie = {"cpu_per_byte": 4e-11, "load_per_byte": 4e-11, "cpu_per_row_per_byte": 1e-300,
+           "device_per_row_per_byte": 1e-300}
+    model = CostModel(prior=tie)
+    p = model.choose([3, 5], [2, 1], {5}, MB)
+    on_cpu = Placement(device_hits=(5,), device_misses=(), cpu_misses=(3,), share=1.0)
+    assert makespan(model, p, [3, 5], [2, 1], MB) == makespan(model, on_cpu, [3, 5], [2, 1], MB)
+    assert p == Placement(device_hits=(5,), device_misses=(3,), cpu_misses=(), share=0.0)
+
+
 def test_modeled_times_formula():
     B = 10 * MB
     model = CostModel()

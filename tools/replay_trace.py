@@ -117,7 +117,7 @@ def replay_cmd(trace, slots, policies, shares, bus_gbps, cpu_gbps, device_us_per
         click.echo(f"{PROG}: note: {trace}: dropped an incomplete final record ({tr.truncated_bytes} bytes)",
                    err=True)
     cost = LinkCost(bus_bytes_per_s=bus_gbps * 1e9, cpu_bytes_per_s=cpu_gbps * 1e9,
-                    device_s_per_row=device_us_per_row * 1e-6, cpu_s_per_row=cpu_us_per_row * 1e-6,
+                    device_s_per_row=device_us_per_row / 1e6, cpu_s_per_row=cpu_us_per_row / 1e6,
                     expert_bytes=expert_bytes)
     for n in slots:
         if n > tr.n_expert:
