@@ -493,21 +493,14 @@ class LinkCost:
 
 
 def parse_share(value) -> Union[float, str]:
-    """``value`` as a moe_cpu_share: a number in [0, 1] (or its text) or ``"auto"``."""
-    v = value
-    if isinstance(v, str):
-        if v.strip().lower() == "auto":
-            return "auto"
-        try:
-            v = float(v)
-        except ValueError:
-            raise TraceError(f"share {value!r} must be a number in [0, 1] or 'auto'") from None
-    elif isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise TraceError(f"share {value!r} must be a number in [0, 1] or 'auto'")
-    v = float(v)
-    if not 0.0 <= v <= 1.0:
-        raise TraceError(f"share {value!r} must be a number in [0, 1] or 'auto'")
-    return v + 0.0
+    """``value`` as a moe_cpu_share: a number in [0, 1] (or its text) or ``"auto"`` (the session option's rule)."""
+    from .options import OptionError, SessionOptions
+
+    v = float(value) if isinstance(value, (np.integer, np.floating)) else value
+    try:
+        return SessionOptions.from_dict({"moe_cpu_share": v}).moe_cpu_share
+    except OptionError:
+        raise TraceError(f"share {value!r} must be a number in [0, 1] or 'auto'") from None
 
 
 def _times(hit_rows: int, miss_rows_asc: tuple, n_cpu: int, cost: LinkCost) -> float:
