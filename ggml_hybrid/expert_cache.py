@@ -220,16 +220,20 @@ class SlotCache:
         self._recency[expert] = self._tick
         self._uses[expert] = self._uses.get(expert, 0) + 1
 
-    def plan(self, experts: Sequence[int], rows: Sequence[int] | None = None) -> list[Round]:
+    def plan(self, experts: Sequence[int], rows: Sequence[int] | None = None, *, checked: bool = True) -> list[Round]:
         """Plan one layer call over the distinct ``experts`` (``rows[i]`` rows for ``experts[i]``).
 
         Returns the rounds of the call and updates residency, recency, use counts and
         counters as if the plan were executed. Raises :class:`IndexRangeError` for an
         expert id outside ``[0, n_experts)`` and :class:`ExpertCacheError` (a ValueError)
         for duplicates, mismatched or non-positive row counts and non-int values; the
-        cache is left untouched when the call is rejected.
+        cache is left untouched when the call is rejected. ``checked=False`` skips that
+        validation for callers whose input is valid by construction (a hot path).
         """
-        ids, counts = self._check_call(experts, rows)
+        if checked:
+            ids, counts = self._check_call(experts, rows)
+        else:  # the caller guarantees distinct in-range ints and positive row counts (the executor's bincount)
+            ids, counts = experts, rows if rows is not None else [1] * len(experts)
         self._tick += 1
         c = self.counters
         c.calls += 1

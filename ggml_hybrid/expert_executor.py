@@ -219,7 +219,8 @@ class ExpertCacheExecutor:
         if placement is not None and (placement.device_misses or placement.cpu_misses):
             c.share_calls += 1
             c.share_sum += placement.share
-        rounds = self.cache.plan(device_experts.tolist(), counts[device_experts].tolist())
+        # experts come from a bincount: distinct, in range, with positive row counts
+        rounds = self.cache.plan(device_experts.tolist(), counts[device_experts].tolist(), checked=False)
         dev = self.device.ptr
         # inputs move device to device; only the ids come to the host, to plan
         lib.ggml_backend_tensor_copy(x3.ptr, b.p_x)

@@ -335,3 +335,14 @@ def test_slot_of_validates():
         c.slot_of(4)
     with pytest.raises(ExpertCacheError, match="must be an int"):
         c.slot_of("0")
+
+
+@given(st.integers(1, 16), st.data())
+def test_unchecked_plan_equals_checked_plan(n_slots, data):
+    """The executor's fast path (checked=False) plans exactly as the validated path does."""
+    a, b = SlotCache(32, n_slots, "lru"), SlotCache(32, n_slots, "lru")
+    for _ in range(6):
+        experts = data.draw(st.lists(st.integers(0, 31), min_size=1, max_size=12, unique=True))
+        rows = data.draw(st.lists(st.integers(1, 9), min_size=len(experts), max_size=len(experts)))
+        assert a.plan(experts, rows) == b.plan(experts, rows, checked=False)
+    assert a.counters == b.counters and a.resident() == b.resident()
