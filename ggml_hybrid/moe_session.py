@@ -171,7 +171,7 @@ class MoEStackSession:
         if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != self.n_embd or x.shape[0] < 1:
             raise ShapeError(f"forward: x must be float32 [tokens >= 1, {self.n_embd}], got {x.dtype} {x.shape}")
         c, g, xin, out, _ = self._use_graph(x.shape[0])
-        self.sched.alloc(g)
+        self.sched.prepare(g)  # split and allocate only when this graph is not the allocated one
         xin.set(x.reshape(xin.shape))
         self.sched.compute(g)
         return out.numpy().reshape(x.shape)

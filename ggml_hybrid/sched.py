@@ -124,6 +124,17 @@ class Scheduler(Managed):
         for t in graph.inputs:  # allocation may have moved them: their data must be set anew
             t.context._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
 
+    def prepare(self, graph: Graph) -> bool:
+        """Allocate ``graph`` unless it is still allocated here; returns whether it was (re)allocated.
+
+        Inputs are set after this and before :meth:`compute`; a graph computed again and
+        again skips the split and allocation.
+        """
+        if self._allocated == (graph, graph.version, graph._alloc_token):
+            return False
+        self.alloc(graph)
+        return True
+
     def compute(self, graph: Graph) -> None:
         """Compute ``graph`` and wait for it.
 

@@ -424,3 +424,19 @@ def test_region_survives_reset_and_realloc(cpu):
             s.reset()
             np.testing.assert_array_equal(net.run(s, xv, zv), ref)
         assert region.calls == 3
+
+
+def test_prepare_allocates_only_when_needed(cpu):
+    net = Net(cpu, 2, 8, [], ["silu"], [])
+    with gh.Scheduler([cpu], graph_size=1024) as s:
+        assert s.prepare(net.g) is True
+        assert s.prepare(net.g) is False  # still allocated: no split, no allocation
+        s.add_region([net.pre], [net.y], lambda call: call.compute_own_nodes())
+        assert s.prepare(net.g) is True  # regions changed the split
+        xv, zv = _data(2, 8, 0)
+        net.x.set(xv)
+        net.z.set(zv)
+        s.compute(net.g)
+        with gh.Scheduler([cpu], graph_size=1024) as other:
+            assert other.prepare(net.g) is True
+        assert s.prepare(net.g) is True  # another scheduler allocated the graph in between
