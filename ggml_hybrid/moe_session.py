@@ -52,17 +52,42 @@ class SessionCounters:
         return json.dumps(self.to_dict())
 
 
+def _hparams(store: GGUFStore):
+    """Hyperparameters from the metadata, checked against the tensors before anything is allocated."""
+    arch = store.arch
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{store.path!r}: general.architecture is {arch!r}, not a name")
+    hp = {}
+    for key in ("block_count", "embedding_length", "expert_count", "expert_used_count"):
+        v = store.meta(f"{arch}.{key}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelFileError(f"{store.path!r}: {arch}.{key} = {v!r} must be a positive integer")
+        hp[key] = v
+    n_layer, n_embd, n_expert, n_used = (hp[k] for k in ("block_count", "embedding_length", "expert_count",
+                                                            "expert_used_count"))
+    if n_used > n_expert:
+        raise ModelFileError(f"{store.path!r}: {n_used} experts used per token but only {n_expert} exist")
+    if f"blk.{n_layer - 1}.ffn_gate_inp.weight" not in store or f"blk.{n_layer}.ffn_gate_inp.weight" in store:
+        raise ModelFileError(f"{store.path!r}: {arch}.block_count = {n_layer} does not match the blk.N tensors")
+    if "blk.0.ffn_gate_inp.weight" not in store:
+        raise ModelFileError(f"{store.path!r} is not a MoE model: it has no routed experts (blk.0.ffn_gate_inp)")
+    for i in range(n_layer):
+        for name, want in ((f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd)), (f"blk.{i}.ffn_norm.weight", (n_embd,))):
+            shape = store.info(name).shape
+            if shape != want:
+                raise ModelFileError(f"{store.path!r}: {name} has shape {shape}, expected {want} from the metadata")
+    eps = store.meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+        raise ModelFileError(f"{store.path!r}: rms epsilon {eps!r} must be a number in [0, 1)")
+    return n_layer, n_embd, n_expert, n_used, float(eps)
+
+
 class MoEStackSession:
     def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None,
                  simulated_bus_bytes_per_s: float | None = None):
         self.options = opts = options or SessionOptions()
         self.store = store = GGUFStore(path)
-        arch = store.arch
-        hp = {k: store.meta(f"{arch}.{k}") for k in ("block_count", "embedding_length", "expert_count",
-                                                       "expert_used_count")}
-        self.n_layer, self.n_embd = int(hp["block_count"]), int(hp["embedding_length"])
-        self.n_expert, self.n_used = int(hp["expert_count"]), int(hp["expert_used_count"])
-        self.eps = float(store.meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6))
+        self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = _hparams(store)
         if opts.disk_experts and opts.expert_cache_slots < 1:
             raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts needs at least 1 slot")
         if opts.expert_cache_slots > self.n_expert:
@@ -110,6 +135,17 @@ class MoEStackSession:
         dense = [f"blk.{i}.{n}.weight" for i in range(self.n_layer) for n in ("ffn_norm", "ffn_gate_inp")]
         for name in dense + [n for i in range(self.n_layer) for n in self._expert_names(i).values()]:
             store.info(name)  # every required tensor exists, before anything is allocated
+        for i in range(self.n_layer):
+            names = self._expert_names(i)
+            shapes = {k: store.info(n).shape for k, n in names.items()}
+            down = shapes["down"]
+            n_ff = down[2] if len(down) == 3 else -1
+            want = {"down": (self.n_expert, self.n_embd, n_ff), "gate": (self.n_expert, n_ff, self.n_embd),
+                    "up": (self.n_expert, n_ff, self.n_embd), "gate_up": (self.n_expert, 2 * n_ff, self.n_embd)}
+            for kind, shape in shapes.items():
+                if shape != want[kind]:
+                    raise ModelFileError(f"{store.path!r}: {names[kind]} has shape {shape}, expected {want[kind]} "
+                                         f"for {self.n_expert} experts of width {self.n_embd}")
         self.dense_ctx, self.dense = load_into(store, dense, self.device)
         resident = [n for i in range(self.n_layer) if self.mode_of(i) == "resident"
                     for n in self._expert_names(i).values()]

@@ -71,7 +71,10 @@ class GGUFStore:
             if default is not None:
                 return default
             raise ModelFileError(f"{self.path!r} lacks the metadata key {key!r}")
-        return f.contents()
+        try:
+            return f.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as exc:
+            raise ModelFileError(f"{self.path!r}: metadata {key!r} cannot be read ({exc})") from None
 
     # -- tensors --------------------------------------------------------------
 

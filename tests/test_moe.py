@@ -160,3 +160,34 @@ def test_forward_rejects_bad_input(model):
             s.forward(np.zeros((2, 128), np.float32))
         with pytest.raises(gh.errors.ShapeError):
             s.forward(np.zeros((2, 256), np.float64))
+
+
+@pytest.fixture(scope="module")
+def small_model_bytes(tmp_path_factory):
+    path = write_moe_stack(tmp_path_factory.mktemp("fuzz") / "s.gguf", n_layer=2, n_embd=32, n_ff=32, n_expert=4,
+                           n_used=2, expert_type="q8_0", seed=1)
+    return Path(path).read_bytes()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_corrupted_gguf_is_a_clear_error_or_still_runs(tmp_path, small_model_bytes, data):
+    """Mutated headers, counts, offsets and sizes, or a cut file: a ModelFileError/OptionError, never a crash."""
+    raw = bytearray(small_model_bytes)
+    kind = data.draw(st.sampled_from(["flip", "cut", "int"]))
+    if kind == "cut":
+        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+    elif kind == "flip":
+        for _ in range(data.draw(st.integers(1, 8))):
+            pos = data.draw(st.integers(0, min(len(raw), 2048) - 1))  # the header and metadata region
+            raw[pos] = data.draw(st.integers(0, 255))
+    else:  # overwrite one little-endian 8-byte field with an extreme value
+        pos = data.draw(st.integers(0, min(len(raw), 2048) - 8))
+        raw[pos:pos + 8] = data.draw(st.sampled_from([0, 1, 2**31, 2**63 - 1, 2**64 - 1])).to_bytes(8, "little")
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(bytes(raw))
+    try:
+        with MoEStackSession(path, SessionOptions.parse(["n_threads=1"])) as s:
+            s.forward(_x(2, s.n_embd, 0))
+    except (ModelFileError, OptionError):
+        pass
