@@ -210,19 +210,28 @@ static bool ggml_hybrid_graph_contains(struct ggml_cgraph * g, struct ggml_tenso
     return ggml_hash_contains(&g->visited_hash_set, t);
 }}
 /* forget the memory a scheduler gave the graph's tensors (it may be freed by now), keeping
-   tensors in the buffers listed: only pointer values are compared, nothing is dereferenced */
-static void ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * keep, int n_keep) {{
+   tensors in the buffers listed: only pointer values are compared. Only tensor structs inside
+   the live context pools listed ([start, end) pairs) are touched: a tensor of a freed context
+   is never read or written. */
+static int ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * keep, int n_keep,
+                                     const uintptr_t * pools, int n_pools) {{
+    int dangling = 0; /* tensors outside every live pool: their context was freed */
     for (int pass = 0; pass < 2; pass++) {{
         const int n = pass == 0 ? g->n_nodes : g->n_leafs;
         struct ggml_tensor ** ts = pass == 0 ? g->nodes : g->leafs;
         for (int i = 0; i < n; i++) {{
             struct ggml_tensor * t = ts[i];
-            if (t->buffer == NULL) continue;
+            const uintptr_t a = (uintptr_t) t;
+            bool live = false;
+            for (int k = 0; k < n_pools && !live; k++) live = a >= pools[2*k] && a < pools[2*k + 1];
+            dangling += !live;
+            if (!live || t->buffer == NULL) continue;
             bool user = false;
             for (int k = 0; k < n_keep && !user; k++) user = t->buffer == keep[k];
             if (!user) {{ t->buffer = NULL; t->data = NULL; }}
         }}
     }}
+    return dangling;
 }}
 #define GGML_HYBRID_HAS_CUDA {1 if opts.cuda else 0}
 static const char * ggml_hybrid_ggml_version(void) {{ return "{pin['ggml_version']}"; }}

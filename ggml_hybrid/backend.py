@@ -23,7 +23,7 @@ def _free_buffer(ptr) -> None:
 
 
 def user_buffers() -> list:
-    return [ffi.cast("ggml_backend_buffer_t", a) for a in _user_buffers]
+    return [ffi.cast("ggml_backend_buffer_t", a) for a in list(_user_buffers)]
 
 
 class Buffer(Managed):

@@ -19,6 +19,16 @@ def all_contexts() -> list:
     return list(_contexts)
 
 
+def live_pools() -> list[int]:
+    """[start, end) address pairs of every open context's memory pool (where its tensor structs live)."""
+    out = []
+    for c in list(_contexts):
+        if not c.closed:
+            base = int(ffi.cast("uintptr_t", c._pool_base))
+            out += [base, base + c.mem_size]
+    return out
+
+
 def _tensor_upper_bound() -> int:
     """More than the number of tensors alive in every context (each takes at least one overhead)."""
     overhead = lib.ggml_tensor_overhead()

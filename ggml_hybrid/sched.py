@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import weakref
+
 from ._lib import ffi, lib
 from ._managed import Managed
 from .backend import Backend, user_buffers
-from .errors import AllocationError, BackendError, ComputeError, GgmlHybridError
-from .graph import Graph
+from .errors import AllocationError, BackendError, ClosedError, ComputeError, GgmlHybridError
+from .graph import Graph, live_pools
 from .regions import Region, raise_region_status
 from .tensor import BorrowedScope, Tensor
+
+
+def _unalloc(graph: Graph) -> int:
+    """Forget the memory a scheduler gave ``graph``'s tensors, keeping user buffers' tensors.
+
+    Returns how many of the graph's tensors belong to no open context (freed with theirs).
+    """
+    if graph.context.closed:
+        return 0  # its tensors are gone with their context: nothing to touch
+    keep = user_buffers()
+    pools = live_pools()
+    dangling = lib.ggml_hybrid_graph_unalloc(graph.ptr, ffi.new("ggml_backend_buffer_t[]", keep) if keep else ffi.NULL,
+                                             len(keep), ffi.new("uintptr_t[]", pools), len(pools) // 2)
+    graph._alloc_token += 1
+    return dangling
 
 
 class Scheduler(Managed):
@@ -38,6 +55,7 @@ class Scheduler(Managed):
         self._eval_fn = self._eval_handle = None
         self._pending_error: BaseException | None = None
         self._regions: list[Region] = []
+        self._graphs: weakref.WeakSet = weakref.WeakSet()  # graphs whose nodes live in our compute buffers
         self._handle = ffi.new_handle(self)  # user_data of region executors
         # (graph, version, allocation token) of the graph split and allocated last
         self._allocated: tuple | None = None
@@ -98,25 +116,30 @@ class Scheduler(Managed):
     def _forget_allocation(self, graph: Graph) -> None:
         # tensors a scheduler allocated point into its compute buffers, which may be freed
         # or reused by now; GGML would read those stale pointers while splitting
-        keep = user_buffers()
-        lib.ggml_hybrid_graph_unalloc(graph.ptr, ffi.new("ggml_backend_buffer_t[]", keep) if keep else ffi.NULL,
-                                      len(keep))
-        graph._alloc_token += 1
+        if _unalloc(graph):
+            raise ClosedError("the graph uses tensors of a closed context (e.g. weights whose context was closed); "
+                              "GGML would read freed memory")
+        # the graphs this scheduler allocated before share (and may outgrow) the same buffers:
+        # their tensors lose their memory now rather than point into reused or freed memory
+        for other in list(self._graphs):
+            if other is not graph:
+                _unalloc(other)
+        self._graphs.add(graph)
 
     def reserve(self, graph: Graph) -> None:
         """Size the compute buffers for the largest graph you will run."""
-        self._check_graph(graph)
         self._allocated = None
-        self._forget_allocation(graph)
+        self._forget_allocation(graph)  # first: it refuses graphs with tensors of closed contexts
+        self._check_graph(graph)
         if not lib.ggml_backend_sched_reserve(self.ptr, graph.ptr):
             raise_region_status(self)
             raise AllocationError("Scheduler.reserve: could not allocate the compute buffers")
 
     def alloc(self, graph: Graph) -> None:
         """Split and allocate ``graph``; inputs can then be set before :meth:`compute`."""
-        self._check_graph(graph)
         self.reset()
-        self._forget_allocation(graph)
+        self._forget_allocation(graph)  # first: it refuses graphs with tensors of closed contexts
+        self._check_graph(graph)
         if not lib.ggml_backend_sched_alloc_graph(self.ptr, graph.ptr):
             raise_region_status(self)
             raise AllocationError("Scheduler.alloc: could not allocate the graph")
@@ -153,6 +176,15 @@ class Scheduler(Managed):
     def reset(self) -> None:
         lib.ggml_backend_sched_reset(self.ptr)
         self._allocated = None
+
+    def close(self) -> None:
+        """Free the scheduler; the graphs it allocated lose their node memory (no dangling pointers)."""
+        if self.closed:
+            return
+        for g in list(self._graphs):
+            _unalloc(g)
+        self._graphs.clear()
+        super().close()
 
     # -- regions --------------------------------------------------------------
 

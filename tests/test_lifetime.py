@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ggml_hybrid as gh
+from ggml_hybrid import errors as E
 from helpers import run_isolated
 
 F32 = np.float32
@@ -205,3 +206,40 @@ def test_explicit_close_with_a_live_numpy_view():
     """)
     assert p.returncode == 0 and ("view intact" in p.stdout or "close refused" in p.stdout), (
         p.returncode, p.stdout[-300:], p.stderr[-300:])
+
+
+def test_scheduler_memory_never_dangles(cpu_backend):
+    """Nodes a scheduler allocated lose their memory when it closes or allocates another graph."""
+    w = gh.Context(n_tensors=4)
+    W = w.new_tensor("f32", (4, 4), "W")
+    w.allocate(cpu_backend)
+    W.set(np.eye(4, dtype=np.float32))
+
+    def graph():
+        c = gh.Context(n_tensors=8, graph_size=16)
+        x = c.new_tensor("f32", (2, 4), "x").set_input()
+        y = c.mul_mat(W, x)
+        return c, x, y, c.new_graph(16).expand(y)
+
+    c1, x1, y1, g1 = graph()
+    c2, x2, y2, g2 = graph()
+    s = gh.Scheduler([cpu_backend], graph_size=64)
+    s.alloc(g1)
+    x1.set(np.ones((2, 4), np.float32))
+    s.compute(g1)
+    assert y1.is_allocated
+    s.alloc(g2)  # shares (and may regrow) the compute buffers
+    assert not y1.is_allocated and not x1.is_allocated
+    with pytest.raises(E.BackendError, match="no memory"):
+        y1.numpy()
+    s.close()
+    assert not y2.is_allocated
+    with pytest.raises(E.BackendError, match="no memory"):
+        x2.set(np.ones((2, 4), np.float32))
+    # a graph whose weights' context was closed is refused before GGML reads freed memory
+    w.close()
+    with gh.Scheduler([cpu_backend], graph_size=64) as s2:
+        with pytest.raises(E.ClosedError, match="closed context"):
+            s2.alloc(g1)
+    c1.close()
+    c2.close()

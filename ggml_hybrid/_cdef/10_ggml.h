@@ -83,6 +83,7 @@ struct ggml_context * ggml_init(struct ggml_init_params params);
 void ggml_free(struct ggml_context * ctx);
 size_t ggml_used_mem(const struct ggml_context * ctx);
 void * ggml_get_mem_buffer(const struct ggml_context * ctx);
+size_t ggml_get_mem_size(const struct ggml_context * ctx);
 size_t ggml_tensor_overhead(void);
 size_t ggml_graph_overhead(void);
 size_t ggml_graph_overhead_custom(size_t size, bool grads);

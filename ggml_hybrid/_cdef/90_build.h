@@ -8,4 +8,5 @@ int ggml_hybrid_has_cuda(void);
 int ggml_hybrid_graph_n_leafs(struct ggml_cgraph * g);
 struct ggml_tensor * ggml_hybrid_graph_leaf(struct ggml_cgraph * g, int i);
 bool ggml_hybrid_graph_contains(struct ggml_cgraph * g, struct ggml_tensor * t);
-void ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * keep, int n_keep);
+int ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * keep, int n_keep,
+        const uintptr_t * pools, int n_pools);

@@ -36,6 +36,8 @@ class Arm:
         backends = ffi.new("ggml_backend_t[]", [self.backend])
         self.sched = lib.ggml_backend_sched_new(backends, ffi.NULL, 1, self.model.graph_size, False, False)
         self.keep = ffi.new("ggml_backend_buffer_t[]", [self.model.wbuf])
+        base = int(ffi.cast("uintptr_t", lib.ggml_get_mem_buffer(self.model.ctx)))
+        self.pools = ffi.new("uintptr_t[]", [base, base + lib.ggml_get_mem_size(self.model.ctx)])
         rng = np.random.default_rng(1)
         self.xv = rng.standard_normal((shape["n_tokens"], shape["n_embd"])).astype(np.float32)
         self.times: dict[str, list[float]] = {"step": [], "alloc": []}
@@ -44,7 +46,7 @@ class Arm:
         lib, ffi = self.lib, self.ffi
         t0 = time.perf_counter_ns()
         lib.ggml_backend_sched_reset(self.sched)
-        lib.ggml_hybrid_graph_unalloc(self.graph, self.keep, 1)
+        lib.ggml_hybrid_graph_unalloc(self.graph, self.keep, 1, self.pools, 1)
         assert lib.ggml_backend_sched_alloc_graph(self.sched, self.graph)
         if phase == "step":
             lib.ggml_backend_tensor_set(self.x, ffi.from_buffer(self.xv), 0, self.xv.nbytes)
