@@ -16,6 +16,11 @@ from setuptools.build_meta import (  # noqa: F401 - re-exported PEP 517 hooks
     prepare_metadata_for_build_editable, prepare_metadata_for_build_wheel)
 
 
+__all__ = ["build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
+           "get_requires_for_build_sdist", "get_requires_for_build_wheel", "prepare_metadata_for_build_editable",
+           "prepare_metadata_for_build_wheel"]
+
+
 def _build_native() -> None:
     spec = importlib.util.spec_from_file_location("_ggml_hybrid_build", Path(__file__).with_name("build.py"))
     mod = importlib.util.module_from_spec(spec)

@@ -114,6 +114,7 @@ class MoEStackSession:
         self.sched = Scheduler([self.device, self.host], graph_size=64 * self.n_layer + 64)
         self._load_weights()
         self._graphs: dict[int, tuple] = {}
+        self._active: int | None = None  # token count whose graph's regions are registered
 
     # -- weights --------------------------------------------------------------
 
@@ -192,7 +193,7 @@ class MoEStackSession:
     def _use_graph(self, n_tokens: int):
         """Register this graph's regions with the scheduler when switching graphs."""
         entry = self._graph(n_tokens)
-        if getattr(self, "_active", None) != n_tokens:
+        if self._active != n_tokens:
             self.sched.clear_regions()
             for i, r in enumerate(entry[4]):
                 if self.executors[i] is not None:

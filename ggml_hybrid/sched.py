@@ -7,7 +7,7 @@ import weakref
 from ._lib import ffi, lib
 from ._managed import Managed
 from .backend import Backend, user_buffers
-from .errors import AllocationError, BackendError, ClosedError, ComputeError, GgmlHybridError
+from .errors import AllocationError, BackendError, ClosedError, ComputeError, GgmlHybridError, RegionError
 from .graph import Graph, live_pools
 from .regions import Region, raise_region_status
 from .tensor import BorrowedScope, Tensor

@@ -543,8 +543,16 @@ class CallRecord:
     time_s: float | None
 
 
+class _HitRate:
+    """``hits / distinct`` for the replay counters (0.0 when nothing was requested)."""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.distinct if self.distinct else 0.0
+
+
 @dataclass(frozen=True)
-class LayerStats:
+class LayerStats(_HitRate):
     """Replay counters of one layer. ``misses`` are loads; ``cpu`` counts misses run on the CPU."""
 
     layer: int
@@ -557,16 +565,12 @@ class LayerStats:
     bytes_moved: int
     time_s: float | None
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.distinct if self.distinct else 0.0
-
     def to_dict(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
 
 @dataclass(frozen=True)
-class ReplayResult:
+class ReplayResult(_HitRate):
     """Totals of a replay. ``distinct == hits + misses + cpu`` (requested experts over all calls);
     ``misses`` are loads over the bus, ``bytes_moved = misses * expert_bytes``, ``hit_rate = hits /
     distinct``. ``modeled_s_per_token`` is None when the replay had no cost."""
@@ -589,10 +593,6 @@ class ReplayResult:
     modeled_s_per_token: float | None
     layers: tuple
     call_log: tuple = field(repr=False, default=())
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.distinct if self.distinct else 0.0
 
     @property
     def tokens(self) -> float:

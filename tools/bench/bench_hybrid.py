@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import ggml_hybrid as gh
-from ggml_hybrid import ffi, lib
+from ggml_hybrid import lib
 from ggml_hybrid.cpu_worker import CPUWorker
 from ggml_hybrid.moe import ExpertWeights, expert_ffn
 from ggml_hybrid.moe_session import MoEStackSession
