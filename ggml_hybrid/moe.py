@@ -96,7 +96,8 @@ def build_moe_ffn(ctx, graph, cur: Tensor, router: Tensor, experts: ExpertWeight
     n_embd, T = cur.ne[0], cur.ne[1]
     logits = ctx.mul_mat(router, cur)                                     # [T, E]
     probs = ctx.soft_max(logits) if gating == "softmax" else ctx.sigmoid(logits)
-    ids = ctx.top_k(probs, n_used)                                        # [T, k]
+    # llama.cpp's selection: a descending argsort, so ids (and the weighted sum) come largest first
+    ids = ctx.cont(ctx.argsort_top_k(probs, n_used))                      # [T, k]
     weights = ctx.get_rows(ctx.reshape(probs, (T, n_expert, 1)), ids)    # [T, k, 1]
     if norm_weights:
         w2 = ctx.reshape(weights, (T, n_used))

@@ -25,13 +25,12 @@ import numpy as np
 from .backend import Backend, cpu, cuda, cuda_available
 from .context import Context
 from .errors import ShapeError
-from .cpu_worker import CPUWorker
-from .expert_executor import ExpertCacheExecutor, LayerCounters
-from .moe import ExpertWeights, build_moe_ffn
-from .options import OptionError, SessionOptions
+from .expert_executor import LayerCounters
+from .experts import ExpertLayers, check_expert_shapes, check_moe_options
+from .moe import build_moe_ffn
+from .options import SessionOptions
 from .sched import Scheduler
 from .store import GGUFStore, ModelFileError, load_into
-from .traces import TraceWriter
 
 
 @dataclass
@@ -88,85 +87,27 @@ class MoEStackSession:
         self.options = opts = options or SessionOptions()
         self.store = store = GGUFStore(path)
         self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = _hparams(store)
-        if opts.disk_experts and opts.expert_cache_slots < 1:
-            raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts needs at least 1 slot")
-        if opts.expert_cache_slots > self.n_expert:
-            raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the model has only "
-                              f"{self.n_expert} experts per layer")
-        if opts.n_cpu_moe > self.n_layer:
-            raise OptionError(f"n_cpu_moe={opts.n_cpu_moe}: the model has only {self.n_layer} layers")
-        if opts.moe_cpu_share != 0.0 and not opts.disk_experts:
-            raise OptionError(f"moe_cpu_share={opts.moe_cpu_share}: a CPU share of cache misses needs "
-                              "disk_experts=true (with resident or CPU-placed experts there are no misses)")
+        check_moe_options(opts, self.n_layer, self.n_expert)
         n_threads = opts.n_threads or os.cpu_count() or 1
-        self.simulated_bus = simulated_bus_bytes_per_s
-        # the session's own CPU worker, started on first use
-        self.worker = CPUWorker(n_threads) if opts.moe_cpu_share != 0.0 else None
-        if opts.trace_path is not None and not opts.disk_experts:
-            raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
-                              "(disk_experts=true)")
-        self.trace = (TraceWriter(opts.trace_path, self.n_layer, self.n_expert, self.n_used)
-                      if opts.trace_path is not None else None)
         self._own_device = device is None
         # without an accelerator a CPU backend instance plays the device, with its own buffers
         self.device = device or (cuda(0) if cuda_available() else cpu(n_threads))
         self.host = cpu(n_threads)
         self.sched = Scheduler([self.device, self.host], graph_size=64 * self.n_layer + 64)
-        self._load_weights()
+        dense = [f"blk.{i}.{n}.weight" for i in range(self.n_layer) for n in ("ffn_norm", "ffn_gate_inp")]
+        for name in dense:
+            store.info(name)  # every required tensor exists, before anything is allocated
+        check_expert_shapes(store, self.n_layer, self.n_expert, self.n_embd)
+        self.dense_ctx, self.dense = load_into(store, dense, self.device)
+        self.layers = ExpertLayers(store, self.n_layer, self.n_used, opts, self.device, n_threads,
+                                   simulated_bus_bytes_per_s)
+        self.experts, self.executors = self.layers.weights, self.layers.executors
+        self.worker, self.trace = self.layers.worker, self.layers.trace
         self._graphs: dict[int, tuple] = {}
         self._active: int | None = None  # token count whose graph's regions are registered
 
-    # -- weights --------------------------------------------------------------
-
-    def _expert_names(self, i: int) -> dict[str, str]:
-        fused = f"blk.{i}.ffn_gate_up_exps.weight" in self.store
-        kinds = ("gate_up", "down") if fused else ("gate", "up", "down")
-        return {k: f"blk.{i}.ffn_{k}_exps.weight" for k in kinds}
-
     def mode_of(self, i: int) -> str:
-        o = self.options
-        if o.disk_experts:
-            return "disk"
-        if o.cpu_moe or i < o.n_cpu_moe:
-            return "cpu"
-        return "resident"
-
-    def _load_weights(self) -> None:
-        store = self.store
-        dense = [f"blk.{i}.{n}.weight" for i in range(self.n_layer) for n in ("ffn_norm", "ffn_gate_inp")]
-        for name in dense + [n for i in range(self.n_layer) for n in self._expert_names(i).values()]:
-            store.info(name)  # every required tensor exists, before anything is allocated
-        for i in range(self.n_layer):
-            names = self._expert_names(i)
-            shapes = {k: store.info(n).shape for k, n in names.items()}
-            down = shapes["down"]
-            n_ff = down[2] if len(down) == 3 else -1
-            want = {"down": (self.n_expert, self.n_embd, n_ff), "gate": (self.n_expert, n_ff, self.n_embd),
-                    "up": (self.n_expert, n_ff, self.n_embd), "gate_up": (self.n_expert, 2 * n_ff, self.n_embd)}
-            for kind, shape in shapes.items():
-                if shape != want[kind]:
-                    raise ModelFileError(f"{store.path!r}: {names[kind]} has shape {shape}, expected {want[kind]} "
-                                         f"for {self.n_expert} experts of width {self.n_embd}")
-        self.dense_ctx, self.dense = load_into(store, dense, self.device)
-        resident = [n for i in range(self.n_layer) if self.mode_of(i) == "resident"
-                    for n in self._expert_names(i).values()]
-        self.expert_ctx, experts = load_into(store, resident, self.device)
-        self.mapped_ctx = Context(n_tensors=4 * self.n_layer)
-        self.experts: list[ExpertWeights] = []
-        self.executors: list[ExpertCacheExecutor | None] = []
-        for i in range(self.n_layer):
-            names = self._expert_names(i)
-            if self.mode_of(i) == "resident":
-                tensors = {k: experts[n] for k, n in names.items()}
-            else:
-                tensors = {k: store.new_tensor(self.mapped_ctx, n) for k, n in names.items()}
-                for t in tensors.values():
-                    store.place(t)
-            self.experts.append(ExpertWeights(**tensors))
-            self.executors.append(ExpertCacheExecutor(
-                store, i, names, self.device, self.options.expert_cache_slots, self.options.expert_eviction,
-                self.n_used, worker=self.worker, share=self.options.moe_cpu_share, host_experts=self.experts[i],
-                simulated_bus_bytes_per_s=self.simulated_bus, trace=self.trace) if self.mode_of(i) == "disk" else None)
+        return self.layers.mode_of(i)
 
     # -- graphs ---------------------------------------------------------------
 
@@ -195,10 +136,7 @@ class MoEStackSession:
         entry = self._graph(n_tokens)
         if self._active != n_tokens:
             self.sched.clear_regions()
-            for i, r in enumerate(entry[4]):
-                if self.executors[i] is not None:
-                    self.sched.add_region(r.inputs, [r.out], self.executors[i], backend=self.device,
-                                          name=f"blk.{i}.experts")
+            self.layers.register(self.sched, entry[4])
             self._active = n_tokens
         return entry
 
@@ -215,22 +153,15 @@ class MoEStackSession:
 
     @property
     def counters(self) -> SessionCounters:
-        return SessionCounters([e.counters if e is not None else LayerCounters() for e in self.executors])
+        return SessionCounters(self.layers.counters)
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()  # first: a job in flight may still read the mapped experts
-        if self.trace is not None:
-            self.trace.close()
-        for e in self.executors:
-            if e is not None:
-                e.close()
+        self.layers.close()
         for c, *_ in self._graphs.values():
             c.close()
         self._graphs.clear()
         self.sched.close()
-        for ctx in (self.dense_ctx, self.expert_ctx, self.mapped_ctx):
-            ctx.close()
+        self.dense_ctx.close()
         self.store.close()
         self.host.close()
         if self._own_device:

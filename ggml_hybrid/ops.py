@@ -101,6 +101,12 @@ class OpsMixin:
         _need(a.ne[0] % a.dtype.block_size == 0, op, f"k must be a multiple of the {a.dtype.name} block size", a)
         return self._node(lib.ggml_mul_mat(self.ptr, a.ptr, b.ptr))
 
+    def mul_mat_f32(self, a: Tensor, b: Tensor) -> Tensor:
+        """:meth:`mul_mat` asking for F32 accumulation (GPU backends otherwise may use F16)."""
+        out = self.mul_mat(a, b)
+        lib.ggml_mul_mat_set_prec(out.ptr, lib.GGML_PREC_F32)
+        return out
+
     def mul_mat_id(self, experts: Tensor, b: Tensor, ids: Tensor) -> Tensor:
         """Per-token expert matmul: experts [E, n, k], b [T, u, k], ids [T, used] -> [T, used, n]."""
         op = "mul_mat_id"
@@ -287,6 +293,12 @@ class OpsMixin:
         order = lib.GGML_SORT_ORDER_DESC if descending else lib.GGML_SORT_ORDER_ASC
         return self._node(lib.ggml_argsort(self.ptr, a.ptr, order))
 
+    def argsort_top_k(self, a: Tensor, k: int) -> Tensor:
+        """Indices (I32) of the k largest entries of each row, largest first (a view of a descending argsort)."""
+        _int("argsort_top_k", "k", k, 1, a.ne[0])
+        order = self.argsort(a, descending=True)
+        return self.view(order, order.shape[:-1] + (k,), tuple(order.nb[i] for i in range(order.ndim - 1, 0, -1)))
+
     def top_k(self, a: Tensor, k: int) -> Tensor:
         """Indices (I32) of the k largest entries of each row; their order among themselves is unspecified."""
         self._own("top_k", a)
@@ -384,6 +396,28 @@ class OpsMixin:
         else:
             _types(op, b, FLOATS | ({I32} if a.dtype == I32 else set()), "b")
         return self._node(lib.ggml_cpy(self.ptr, a.ptr, b.ptr))
+
+    def set_rows(self, a: Tensor, b: Tensor, rows: Tensor) -> Tensor:
+        """Write row i of b into row rows[i] of a (converting to a's type); returns a view of a to expand.
+
+        a [.., R, n], b [.., m, n] (F32 or F16), rows [.., m] (I32 or I64). Nothing orders this
+        write before other readers of a: expand it into the graph before building them.
+        """
+        op = "set_rows"
+        self._own(op, a, b, rows)
+        _types(op, b, {F32, F16}, "b")
+        _types(op, rows, {I32, GGMLType.I64}, "rows")
+        _need(a.ne[0] == b.ne[0] and a.ne[2] == b.ne[2] and a.ne[3] == b.ne[3], op,
+              "a and b must agree on every dim but the row count", a, b)
+        _need(b.ne[1] == rows.ne[0] and rows.ne[3] == 1 and rows.ne[1] and b.ne[2] % rows.ne[1] == 0
+              and rows.ne[2] and b.ne[3] % rows.ne[2] == 0, op, "rows must hold one index per row of b", b, rows)
+        _rows_contiguous(op, a, b)
+        if a.dtype.is_quantized:
+            _need(a.ne[0] % a.dtype.block_size == 0, op, "a's rows must be whole quantization blocks", a)
+        else:
+            _types(op, a, FLOATS, "a")
+        self._bound_indices(op, rows, a.ne[1])
+        return self._node(lib.ggml_set_rows(self.ptr, a.ptr, b.ptr, rows.ptr))
 
     def concat(self, a: Tensor, b: Tensor, axis: int = 0, ndim: int | None = None) -> Tensor:
         """numpy.concatenate along a numpy-order axis.

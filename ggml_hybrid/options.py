@@ -136,6 +136,21 @@ class SessionOptions:
     cpu_moe: bool = _opt(False, "bool", _BOOL_RULE, "Keep the MoE expert weights of all layers on the CPU.", _bool)
     n_cpu_moe: int = _opt(
         0, "int", "an integer >= 0", "Keep the MoE expert weights of the first N layers on the CPU.", _int(0))
+    n_ctx: int = _opt(
+        0, "int", "an integer >= 0", "Context size (KV cache cells); 0 = the model's training context, at most 4096.",
+        _int(0))
+    batch_size: int = _opt(
+        2048, "int", "an integer >= 1", "Logical batch: most tokens handed to one eval step (llama.cpp -b).", _int(1))
+    ubatch_size: int = _opt(
+        512, "int", "an integer >= 1", "Physical batch: most tokens in one graph computation (llama.cpp -ub).",
+        _int(1))
+    cache_type_k: str = _opt(
+        "f16", "str", "one of 'f32', 'f16', 'q8_0'", "KV cache type of K (llama.cpp -ctk).",
+        _choice("f32", "f16", "q8_0"))
+    cache_type_v: str = _opt(
+        "f16", "str", "one of 'f32', 'f16', 'q8_0'", "KV cache type of V (llama.cpp -ctv); q8_0 needs flash_attn.",
+        _choice("f32", "f16", "q8_0"))
+    flash_attn: bool = _opt(False, "bool", _BOOL_RULE, "Fused flash attention (llama.cpp -fa on).", _bool)
     trace_path: Optional[str] = _opt(
         None, "str | None", "a file path or none", "File to record routing traces to; none = no tracing.", _path)
 

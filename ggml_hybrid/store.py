@@ -81,6 +81,10 @@ class GGUFStore:
     def __contains__(self, name: str) -> bool:
         return name in self._info
 
+    def tensors(self) -> list[TensorInfo]:
+        """Every tensor's info, in file order."""
+        return list(self._info.values())
+
     def info(self, name: str) -> TensorInfo:
         try:
             return self._info[name]
@@ -120,12 +124,17 @@ class GGUFStore:
         self._mapped = None
 
 
-def load_into(store: GGUFStore, names, backend: Backend, usage: str = "weights", n_extra: int = 0):
-    """A context with the named tensors, allocated on ``backend`` and filled from the file."""
+def load_into(store: GGUFStore, names, backend: Backend, usage: str = "weights", n_extra: int = 0, on_tensor=None):
+    """A context with the named tensors, allocated on ``backend`` and filled from the file.
+
+    ``on_tensor(name)`` is called after each tensor is loaded (progress reporting).
+    """
     ctx = Context(n_tensors=len(names) + n_extra)
     tensors = {n: store.new_tensor(ctx, n) for n in names}
     if tensors:
         ctx.allocate(backend, usage)
         for t in tensors.values():
             store.load(t)
+            if on_tensor is not None:
+                on_tensor(t.name)
     return ctx, tensors

@@ -119,6 +119,7 @@ void ggml_set_output(struct ggml_tensor * tensor);
 struct ggml_tensor * ggml_get_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 bool ggml_prec_set_acc(struct ggml_tensor * a, enum ggml_prec prec);
+void ggml_mul_mat_set_prec(struct ggml_tensor * a, enum ggml_prec prec);
 struct ggml_tensor * ggml_mul_mat_id(struct ggml_context * ctx, struct ggml_tensor * as, struct ggml_tensor * b, struct ggml_tensor * ids);
 struct ggml_tensor * ggml_add(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_mul(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
@@ -154,6 +155,7 @@ struct ggml_tensor * ggml_permute(struct ggml_context * ctx, struct ggml_tensor 
 struct ggml_tensor * ggml_transpose(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_cont(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_cpy(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, struct ggml_tensor * c);
 struct ggml_tensor * ggml_concat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, int dim);
 
 // graphs
