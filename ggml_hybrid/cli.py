@@ -115,6 +115,11 @@ def run(model, prompt, tokens, n_predict, moe_cpu_share, expert_cache_slots, thr
 
     if (prompt is None) == (tokens is None):
         raise click.UsageError("give exactly one of --prompt and --tokens")
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")  # bytes that are not UTF-8 on the command line arrive as lone surrogates
+        except UnicodeEncodeError:
+            raise click.BadParameter("the prompt is not valid UTF-8 text", param_hint="--prompt") from None
     path, role, base = _resolve_model(model, config)
     opts = _options(session_options, role, base, {"moe_cpu_share": moe_cpu_share,
                                                   "expert_cache_slots": expert_cache_slots, "n_threads": threads})
@@ -151,7 +156,8 @@ def run(model, prompt, tokens, n_predict, moe_cpu_share, expert_cache_slots, thr
             if not as_json:
                 click.echo(piece, nl=False)
         if logits_out is not None:
-            np.save(logits_out, st.all_logits())
+            with open(logits_out, "wb") as f:  # np.save would add ".npy" to a file name without it
+                np.save(f, st.all_logits())
         report = run_report(m, st, "".join(pieces))
     if as_json:
         click.echo(json.dumps(report))

@@ -134,8 +134,9 @@ class MoEModel:
         feed["tokens"] = tokens
         if "out_ids" in g.inputs:
             feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)
+        # every input was built here from checked tokens and the cache's own positions
         for name, t in g.inputs.items():
-            t.set(feed[name])
+            t._set_trusted(feed[name])
         self.sched.compute(g.graph)
         self.kv.n_past += n
         return g.logits.numpy().reshape(n_out, self.hp.n_vocab)

@@ -182,6 +182,19 @@ class Tensor:
             lib.ggml_backend_tensor_set(p, ffi.from_buffer(arr), 0, arr.nbytes)
         return self
 
+    def _set_trusted(self, arr: np.ndarray) -> None:
+        """:meth:`set` without its checks, for graph inputs the library built itself.
+
+        The caller guarantees a C-contiguous array of the tensor's dtype, shape and
+        index range, and that the tensor is allocated in a backend buffer.
+        """
+        p = self.ptr
+        if p.buffer == ffi.NULL:  # GGML would abort
+            self._require_data("Tensor._set_trusted")
+            raise BackendError(f"Tensor._set_trusted: tensor {self.name!r} is not in a backend buffer")
+        self._ctx._mark_set(self)
+        lib.ggml_backend_tensor_set(p, ffi.from_buffer(arr), 0, arr.nbytes)
+
     def numpy(self) -> np.ndarray:
         """A copy of the data as numpy (uint8 raw bytes for quantized types)."""
         self._require_data("Tensor.numpy")

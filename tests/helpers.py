@@ -178,3 +178,49 @@ def assert_typed_error_isolated(code: str, expected: str = "GgmlHybridError") ->
         f"expected gh.errors.{expected}; child exit code {p.returncode} "
         f"(negative = killed by signal {-p.returncode if p.returncode < 0 else ''}), "
         f"stdout {p.stdout.strip()[-500:]!r}, stderr {p.stderr.strip()[-1500:]!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GGUF files edited through the gguf package: for model files that the synthetic writer refuses to produce
+# --------------------------------------------------------------------------------------------------------------
+
+def rewrite_gguf(src, dst, arch=None, set_keys=None, drop_keys=(), tensors=None, drop_tensors=()) -> str:
+    """Copy the GGUF ``src`` to ``dst`` with changes; returns ``dst``.
+
+    ``arch`` renames the architecture (and the ``<arch>.`` keys); ``set_keys`` maps a key to
+    ``(value, GGUFValueType[, sub_type])``; ``tensors`` maps a name to new float data (replacing or adding a
+    tensor, F32/F16 only); ``drop_keys`` / ``drop_tensors`` leave keys / tensors out. Tensors that are kept
+    are copied byte for byte (quantized ones with their raw type).
+    """
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    old_arch = r.fields["general.architecture"].contents()
+    arch = arch or old_arch
+    w = gguf.GGUFWriter(str(dst), arch)
+    set_keys = dict(set_keys or {})
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys or key in set_keys:
+            continue
+        new_key = arch + key[len(old_arch):] if key.startswith(old_arch + ".") else key
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(new_key, f.contents(), f.types[0], sub)
+    for key, (value, vtype, *sub) in set_keys.items():
+        w.add_key_value(key, value, vtype, sub[0] if sub else None)
+    tensors = dict(tensors or {})
+    for t in r.tensors:
+        if t.name in drop_tensors:
+            continue
+        if t.name in tensors:
+            w.add_tensor(t.name, np.asarray(tensors.pop(t.name)))
+        elif t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(t.name, np.array(t.data))
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    for name, data in tensors.items():
+        w.add_tensor(name, np.asarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(dst)
