@@ -233,6 +233,28 @@ static int ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer
     }}
     return dangling;
 }}
+/* CPU backend instances that stand in for separate devices: each gets its own copy of the CPU
+   device and buffer type (same functions, distinct identity), so that the scheduler treats their
+   buffers as different memories, as it does for two GPUs, instead of moving every node onto the
+   first instance (it merges backends whose buffer types are the same object). */
+#include "ggml-backend-impl.h"
+#define GGML_HYBRID_MAX_INSTANCES 16
+static struct ggml_backend_device ggml_hybrid_inst_dev[GGML_HYBRID_MAX_INSTANCES];
+static struct ggml_backend_buffer_type ggml_hybrid_inst_buft[GGML_HYBRID_MAX_INSTANCES];
+static ggml_backend_buffer_type_t ggml_hybrid_inst_get_buft(ggml_backend_dev_t dev) {{
+    return &ggml_hybrid_inst_buft[dev - ggml_hybrid_inst_dev];
+}}
+static ggml_backend_t ggml_hybrid_cpu_instance(int index) {{
+    if (index < 0 || index >= GGML_HYBRID_MAX_INSTANCES) return NULL;
+    ggml_backend_t b = ggml_backend_cpu_init();
+    if (b == NULL) return NULL;
+    ggml_hybrid_inst_dev[index] = *b->device;
+    ggml_hybrid_inst_dev[index].iface.get_buffer_type = ggml_hybrid_inst_get_buft;
+    ggml_hybrid_inst_buft[index] = *ggml_backend_cpu_buffer_type();
+    ggml_hybrid_inst_buft[index].device = &ggml_hybrid_inst_dev[index];
+    b->device = &ggml_hybrid_inst_dev[index];
+    return b;
+}}
 #define GGML_HYBRID_HAS_CUDA {1 if opts.cuda else 0}
 static const char * ggml_hybrid_ggml_version(void) {{ return "{pin['ggml_version']}"; }}
 static const char * ggml_hybrid_patch_hash(void) {{ return "{patch_hash}"; }}

@@ -173,6 +173,19 @@ def cpu(n_threads: int | None = None) -> Backend:
     return b
 
 
+def cpu_instance(index: int, n_threads: int | None = None) -> Backend:
+    """A CPU backend that the scheduler treats as a separate device (its own buffer type), 0 <= index < 16.
+
+    Several of them play several devices on a machine without GPUs: nodes pinned to each stay
+    there, as they would on two GPUs.
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 16:
+        raise ValueError(f"cpu_instance: index {index!r} must be an integer in 0..15")
+    b = Backend(lib.ggml_hybrid_cpu_instance(index), "CPU")
+    b.n_threads = n_threads if n_threads is not None else (os.cpu_count() or 1)
+    return b
+
+
 def cuda_available() -> bool:
     return bool(lib.ggml_hybrid_has_cuda()) and lib.ggml_hybrid_cuda_device_count() > 0
 
@@ -216,4 +229,5 @@ def devices() -> list[Device]:
     return out
 
 
-__all__ = ["Backend", "Buffer", "Device", "GgmlHybridError", "best", "cpu", "cuda", "cuda_available", "devices"]
+__all__ = ["Backend", "Buffer", "Device", "GgmlHybridError", "best", "cpu", "cpu_instance", "cuda", "cuda_available",
+           "devices"]

@@ -115,6 +115,12 @@ class Context(OpsMixin, Managed):
         base = int(ffi.cast("uintptr_t", self._pool_base))
         return base <= int(ffi.cast("uintptr_t", p)) < base + self.mem_size
 
+    def offset_of(self, t: Tensor) -> int:
+        """Where tensor ``t``'s struct sits in this context's pool: creation order, comparable with ``used``."""
+        if not self._holds(t.ptr):
+            raise ValueError(f"offset_of: tensor {t.name!r} was not created in this context")
+        return int(ffi.cast("uintptr_t", t.ptr)) - int(ffi.cast("uintptr_t", self._pool_base))
+
     def _mark_set(self, t: Tensor) -> None:
         self._fresh.add(int(ffi.cast("uintptr_t", t.ptr)))
 

@@ -59,42 +59,69 @@ def check_expert_shapes(store: GGUFStore, n_layer: int, n_expert: int, n_embd: i
 
 
 class ExpertLayers:
-    """The routed experts of ``n_layer`` layers, placed and (for disk layers) cached per ``options``."""
+    """The routed experts of ``n_layer`` layers, placed and (for disk layers) cached per ``options``.
+
+    ``placement`` gives each layer's mode (resident, cpu or disk) and a function from tensor
+    name to the backend holding it (resident tensors) or serving its cache (disk layers); without
+    it every layer follows ``options`` with ``device`` (the FFN-stack session's single device).
+    """
 
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
-                 n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None):
+                 n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
+                 placement: tuple[list[str], object] | None = None, load: bool = True):
         self.store, self.options, self.device = store, options, device
         opts = options
         self.n_layer = n_layer
         self.names = [expert_names(store, i) for i in range(n_layer)]
         n_expert = store.info(self.names[0]["down"]).shape[0]
+        if placement is None:
+            self.modes = [self._mode_from_options(i) for i in range(n_layer)]
+            backend_of = lambda name: device  # noqa: E731
+        else:
+            self.modes, backend_of = list(placement[0]), placement[1]
         # the session's own CPU worker, started on first use
         self.worker = CPUWorker(n_threads) if opts.moe_cpu_share != 0.0 else None
         self.trace = (TraceWriter(opts.trace_path, n_layer, n_expert, n_used)
                       if opts.trace_path is not None else None)
-        resident = [n for i in range(n_layer) if self.mode_of(i) == "resident" for n in self.names[i].values()]
-        self.resident_ctx, loaded = load_into(store, resident, device, on_tensor=on_tensor)
+        by_backend: dict[int, tuple[Backend, list[str]]] = {}
+        for i in range(n_layer):
+            if self.modes[i] != "resident":
+                continue
+            for n in self.names[i].values():
+                b = backend_of(n)
+                if b is not None:
+                    by_backend.setdefault(id(b), (b, []))[1].append(n)
+        self.resident_ctxs: list[tuple[Backend, Context]] = []
+        loaded = {}
+        for b, names in by_backend.values():
+            ctx, tensors = load_into(store, names, b, on_tensor=on_tensor, load=load)
+            self.resident_ctxs.append((b, ctx))
+            loaded.update(tensors)
         self.mapped_ctx = Context(n_tensors=4 * n_layer)
         self.weights: list[ExpertWeights] = []
         self.executors: list[ExpertCacheExecutor | None] = []
+        self.layer_backends: list[Backend | None] = []
         for i in range(n_layer):
             names = self.names[i]
-            if self.mode_of(i) == "resident":
-                tensors = {k: loaded[n] for k, n in names.items()}
-            else:
-                tensors = {k: store.new_tensor(self.mapped_ctx, n) for k, n in names.items()}
-                for t in tensors.values():
-                    store.place(t)
+            tensors = {}
+            for k, n in names.items():
+                if n in loaded:
+                    tensors[k] = loaded[n]
+                else:  # used in place from the mapped file (cpu layers, disk layers' CPU share)
+                    tensors[k] = store.new_tensor(self.mapped_ctx, n)
+                    store.place(tensors[k])
                     if on_tensor is not None:
-                        on_tensor(t.name)
+                        on_tensor(n)
             self.weights.append(ExpertWeights(**tensors))
+            cache_on = backend_of(names["down"]) if self.modes[i] == "disk" else None
+            self.layer_backends.append(cache_on)
             self.executors.append(ExpertCacheExecutor(
-                store, i, names, device, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
                 worker=self.worker, share=opts.moe_cpu_share, host_experts=self.weights[i],
                 simulated_bus_bytes_per_s=simulated_bus_bytes_per_s, trace=self.trace)
-                if self.mode_of(i) == "disk" else None)
+                if self.modes[i] == "disk" else None)
 
-    def mode_of(self, i: int) -> str:
+    def _mode_from_options(self, i: int) -> str:
         o = self.options
         if o.disk_experts:
             return "disk"
@@ -102,22 +129,28 @@ class ExpertLayers:
             return "cpu"
         return "resident"
 
+    def mode_of(self, i: int) -> str:
+        return self.modes[i]
+
     def register(self, sched, regions, prefix: str = "blk") -> None:
         """Hand the disk layers' regions of one graph to their executors (after ``sched.clear_regions()``)."""
         for i, r in enumerate(regions):
             if self.executors[i] is not None:
-                sched.add_region(r.inputs, [r.out], self.executors[i], backend=self.device,
+                sched.add_region(r.inputs, [r.out], self.executors[i], backend=self.layer_backends[i],
                                  name=f"{prefix}.{i}.experts")
 
     @property
     def counters(self) -> list[LayerCounters]:
         return [e.counters if e is not None else LayerCounters() for e in self.executors]
 
-    @property
-    def device_bytes(self) -> int:
-        """Device memory of resident experts plus cache slots."""
-        total = sum(t.nbytes for t in self.resident_ctx.tensors())
-        return total + sum(e.slot_bytes for e in self.executors if e is not None)
+    def device_bytes(self, backend: Backend | None = None) -> int:
+        """Memory of resident experts plus cache slots (on ``backend`` only, if given)."""
+        total = sum(t.nbytes for b, ctx in self.resident_ctxs if backend is None or b is backend
+                    for t in ctx.tensors())
+        for e, b in zip(self.executors, self.layer_backends):
+            if e is not None and (backend is None or b is backend):
+                total += e.slot_bytes
+        return total
 
     def close(self) -> None:
         if self.worker is not None:
@@ -127,7 +160,8 @@ class ExpertLayers:
         for e in self.executors:
             if e is not None:
                 e.close()
-        self.resident_ctx.close()
+        for _, ctx in self.resident_ctxs:
+            ctx.close()
         self.mapped_ctx.close()
 
 

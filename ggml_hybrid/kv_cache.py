@@ -26,20 +26,36 @@ class ContextFullError(GgmlHybridError, ValueError):
 
 
 class KVCache:
-    def __init__(self, n_layer: int, n_ctx: int, n_embd_kv: int, type_k: str, type_v: str, backend: Backend,
-                 v_trans: bool):
+    def __init__(self, n_layer: int, n_ctx: int, n_embd_kv: int, type_k: str, type_v: str, backends,
+                 v_trans: bool, clear: bool = True):
+        """``backends``: one Backend for every layer, or a list giving each layer's.
+
+        ``clear=False`` leaves the memory untouched (planning: nothing is ever computed).
+        """
         self.n_layer, self.n_ctx, self.n_embd_kv, self.v_trans = n_layer, n_ctx, n_embd_kv, v_trans
         self.type_k, self.type_v = as_ggml_type(type_k), as_ggml_type(type_v)
-        self.ctx = Context(n_tensors=2 * n_layer)
-        self.k = [self.ctx.new_tensor(self.type_k, (n_ctx, n_embd_kv), f"cache_k_l{i}") for i in range(n_layer)]
-        self.v = [self.ctx.new_tensor(self.type_v, (n_ctx, n_embd_kv), f"cache_v_l{i}") for i in range(n_layer)]
-        self.buffer = self.ctx.allocate(backend, "any")
-        self.buffer.clear(0)  # masked cells are multiplied by 0: they must not hold NaN
+        per_layer = list(backends) if isinstance(backends, (list, tuple)) else [backends] * n_layer
+        self.k, self.v = [None] * n_layer, [None] * n_layer
+        self.parts: list[tuple[Backend, Context, object]] = []  # one context and buffer per backend
+        for b in {id(b): b for b in per_layer}.values():
+            layers = [i for i in range(n_layer) if per_layer[i] is b]
+            ctx = Context(n_tensors=2 * len(layers))
+            for i in layers:
+                self.k[i] = ctx.new_tensor(self.type_k, (n_ctx, n_embd_kv), f"cache_k_l{i}")
+                self.v[i] = ctx.new_tensor(self.type_v, (n_ctx, n_embd_kv), f"cache_v_l{i}")
+            buf = ctx.allocate(b, "any")
+            if clear:
+                buf.clear(0)  # masked cells are multiplied by 0: they must not hold NaN
+            self.parts.append((b, ctx, buf))
         self.n_past = 0
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.size
+    @staticmethod
+    def layer_bytes(n_ctx: int, n_embd_kv: int, type_k: str, type_v: str) -> int:
+        """Bytes of one layer's K and V (without buffer alignment padding)."""
+        return n_ctx * (as_ggml_type(type_k).row_size(n_embd_kv) + as_ggml_type(type_v).row_size(n_embd_kv))
+
+    def nbytes(self, backend: Backend | None = None) -> int:
+        return sum(buf.size for b, _, buf in self.parts if backend is None or b is backend)
 
     def n_kv_for(self, n_tokens: int) -> int:
         """Cells a graph over the next ``n_tokens`` tokens must see."""
@@ -61,11 +77,13 @@ class KVCache:
         return out
 
     def clear(self) -> None:
-        self.buffer.clear(0)
+        for _, _, buf in self.parts:
+            buf.clear(0)
         self.n_past = 0
 
     def close(self) -> None:
-        self.ctx.close()
+        for _, ctx, _ in self.parts:
+            ctx.close()
 
 
 __all__ = ["KVCache", "ContextFullError", "KV_PAD"]

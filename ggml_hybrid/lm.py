@@ -18,7 +18,12 @@ import time
 
 import numpy as np
 
-from .backend import Backend, cpu, cuda, cuda_available
+from ._lib import ffi
+from .backend import Backend, cpu, cpu_instance
+from .context import Context
+from .devices import open_devices
+from .layout import CPU, plan_layout
+from .tensor import Tensor
 from .errors import ShapeError
 from .experts import ExpertLayers, check_moe_options
 from .hparams import HParams, read_hparams, tensor_shapes
@@ -49,8 +54,14 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
 
 class MoEModel:
     def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None,
-                 progress=None):
-        """Load ``path``; ``progress(done, total)`` is called as tensors are loaded."""
+                 progress=None, dry_run_devices: list[str] | None = None):
+        """Load ``path``; ``progress(done, total)`` is called as tensors are loaded.
+
+        ``dry_run_devices`` (planning): allocate everything as a load would, on CPU backend
+        instances standing in for the named devices, but read no tensor data; such a model
+        must not be evaluated.
+        """
+        self.dry_run = dry_run_devices is not None
         t0 = time.perf_counter()
         self.options = opts = options if options is not None else SessionOptions()
         if not isinstance(opts, SessionOptions):
@@ -64,13 +75,26 @@ class MoEModel:
             store.close()
             raise
         n_threads = opts.n_threads or os.cpu_count() or 1
-        self._own_device = device is None
-        # without an accelerator a CPU backend instance plays the device, with its own buffers
-        self.device = device or (cuda(0) if cuda_available() else cpu(n_threads))
+        self._own_devices = device is None
+        # without accelerators, CPU backend instances play the devices (DEV0, ...), with their own buffers
+        if self.dry_run:
+            self.devices = {name: cpu_instance(i, 1) for i, name in enumerate(dry_run_devices)}
+        elif device is not None:
+            self.devices = {"CUDA0" if not device.is_cpu else "DEV0": device}
+        else:
+            self.devices = open_devices(opts, n_threads)
         self.host = cpu(n_threads)
-        self.sched = Scheduler([self.device, self.host], graph_size=2 * graph_size(hp))
-        dense = [n for n in tensor_shapes(hp) if not n.endswith(_EXPERT_SUFFIXES)]
-        total = len(dense) + 3 * hp.n_layer
+        self.device = next(iter(self.devices.values()))
+        required = list(tensor_shapes(hp))
+        try:
+            self.layout = plan_layout(required, hp.n_layer, opts, list(self.devices), hp.tied_output)
+        except Exception:
+            self._close_backends()
+            store.close()
+            raise
+        self.sched = Scheduler(list(self.devices.values()) + [self.host], graph_size=2 * graph_size(hp))
+        dense = [n for n in required if not n.endswith(_EXPERT_SUFFIXES)]
+        total = len(dense) + 3 * hp.n_layer + (1 if hp.tied_output else 0)
         done = [0]
 
         def tick(_name):
@@ -78,14 +102,55 @@ class MoEModel:
             if progress is not None:
                 progress(done[0], total)
 
-        self.dense_ctx, self.weights = load_into(store, dense, self.device, on_tensor=tick)
-        self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick)
+        self._load_dense(dense, tick)
+        lay = self.layout
+        self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick,
+                                    placement=(lay.expert_mode, lambda n: self.devices.get(lay.tensors[n])),
+                                    load=not self.dry_run)
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
-        self.kv = KVCache(hp.n_layer, n_ctx, hp.n_embd_kv, opts.cache_type_k, opts.cache_type_v, self.device,
-                          v_trans=not opts.flash_attn)
+        self.kv = KVCache(hp.n_layer, n_ctx, hp.n_embd_kv, opts.cache_type_k, opts.cache_type_v,
+                          [self.backend(d) for d in lay.kv_device], v_trans=not opts.flash_attn,
+                          clear=not self.dry_run)
         self._graphs: dict[tuple, DecoderGraph] = {}
         self._active: tuple | None = None  # key of the graph whose regions are registered
+        # like llama.cpp: size the compute buffers for the largest ubatch once, at load
+        self.sched.reserve(self._graph(min(opts.ubatch_size, n_ctx), n_ctx, min(opts.ubatch_size, n_ctx)).graph)
         self.load_seconds = time.perf_counter() - t0
+
+    def backend(self, name: str) -> Backend:
+        """The backend of a device name of this session (``CPU``: the host backend)."""
+        return self.host if name == CPU else self.devices[name]
+
+    def _load_dense(self, dense: list[str], tick) -> None:
+        """Dense weights into each device's buffer; CPU ones used in place from the mapped file."""
+        by_dev: dict[str, list[str]] = {}
+        for n in dense:
+            by_dev.setdefault(self.layout.tensors[n], []).append(n)
+        self.weights: dict[str, Tensor] = {}
+        self.weight_ctxs: list[tuple[str, Context]] = []
+        for dev, names in by_dev.items():
+            if dev == CPU:
+                ctx = Context(n_tensors=len(names))
+                for n in names:
+                    self.weights[n] = t = self.store.new_tensor(ctx, n)
+                    self.store.place(t)
+                    tick(n)
+            else:
+                ctx, tensors = load_into(self.store, names, self.devices[dev], on_tensor=tick, load=not self.dry_run)
+                self.weights.update(tensors)
+            self.weight_ctxs.append((dev, ctx))
+        out_dev = self.layout.tensors.get("output.weight(tied)")
+        if out_dev is not None and out_dev != CPU:
+            # a tied head gets its own copy on the output device, as llama.cpp duplicates it
+            info = self.store.info("token_embd.weight")
+            ctx = Context(n_tensors=1)
+            t = ctx.new_tensor(info.dtype, info.shape, "output.weight")
+            ctx.allocate(self.devices[out_dev], "weights")
+            if not self.dry_run:
+                self.store.load(t, source="token_embd.weight")
+            self.weights["output.weight"] = t
+            self.weight_ctxs.append((out_dev, ctx))
+            tick("output.weight")
 
     # -- state ----------------------------------------------------------------
 
@@ -109,11 +174,46 @@ class MoEModel:
         if entry is None:
             entry = self._graphs[key] = build_decoder(self.hp, self.weights, self.experts.weights, self.kv,
                                                       n_tokens, n_kv, n_out, self.options.flash_attn)
+            self.sched.set_pins(entry.graph, self._pins(entry))
         if self._active != key:
             self.sched.clear_regions()
             self.experts.register(self.sched, entry.regions)
             self._active = key
         return entry
+
+    def _pins(self, entry: DecoderGraph) -> list:
+        """Each node's backend: where its weight lives, else its layer's device (attention: its KV's)."""
+        addr = lambda t: int(ffi.cast("uintptr_t", t.ptr))  # noqa: E731
+        lay, home = self.layout, {}
+        for name, t in self.weights.items():
+            home[addr(t)] = self.backend(lay.tensors.get(name) or lay.tensors["output.weight(tied)"])
+        for i, ew in enumerate(self.experts.weights):
+            for t in ew.kinds.values():
+                if lay.expert_mode[i] == "disk":  # the region runs on its cache's device
+                    home[addr(t)] = self.backend(lay.layer_device[i])
+                else:
+                    home[addr(t)] = self.backend(lay.tensors[t.name])
+        pins = []
+        for node in entry.graph.nodes:
+            b = None
+            for src in node.src:
+                p = src.ptr
+                base = p.view_src if p.view_src != ffi.NULL else p
+                b = home.get(int(ffi.cast("uintptr_t", base)))
+                if b is not None:
+                    break
+            if b is None:
+                kind, il = entry.owner(node)
+                if kind == "attn":
+                    b = self.backend(lay.kv_device[il])
+                elif kind == "layer":
+                    b = self.backend(lay.layer_device[il])
+                elif kind == "output":
+                    b = self.backend(lay.output_device)
+                else:
+                    b = self.host
+            pins.append((node, b))
+        return pins
 
     def _check_tokens(self, tokens) -> np.ndarray:
         arr = np.asarray(tokens)
@@ -145,6 +245,8 @@ class MoEModel:
         """Append ``tokens`` to the sequence; the logits of the last (``"last"``) or every (``"all"``) one."""
         if logits not in ("last", "all"):
             raise ValueError(f"eval: logits={logits!r} must be 'last' or 'all'")
+        if self.dry_run:
+            raise RuntimeError("eval: this model was opened for planning (dry run) and holds no weights")
         arr = self._check_tokens(tokens)
         self.kv.n_kv_for(len(arr))  # the whole call fits, or nothing is evaluated
         ub = self.options.ubatch_size
@@ -168,10 +270,31 @@ class MoEModel:
     def counters(self) -> SessionCounters:
         return SessionCounters(self.experts.counters)
 
-    def device_memory(self) -> dict[str, int]:
-        """Bytes on the device by purpose (what a GPU would hold)."""
-        return {"weights": sum(t.nbytes for t in self.dense_ctx.tensors()), "experts": self.experts.device_bytes,
-                "kv_cache": self.kv.nbytes, "compute": self.sched.buffer_size(self.device)}
+    def device_memory(self, device: str | None = None) -> dict[str, int]:
+        """Bytes held on the devices (one device, if named) by purpose: what GPUs would hold."""
+        names = [device] if device is not None else list(self.devices)
+        out = {"weights": 0, "experts": 0, "kv_cache": 0, "compute": 0}
+        for name in names:
+            b = self.devices[name]
+            out["weights"] += sum(t.nbytes for dev, ctx in self.weight_ctxs if dev == name for t in ctx.tensors())
+            out["experts"] += self.experts.device_bytes(b)
+            out["kv_cache"] += self.kv.nbytes(b)
+            out["compute"] += self.sched.buffer_size(b)
+        return out
+
+    def placement_report(self) -> dict:
+        """Where each tensor class ended up: bytes per device (``CPU`` in RAM, ``mapped`` on the file)."""
+        infos = {n: self.store.info(n).nbytes for n in self.layout.tensors if n in self.store}
+        if "output.weight(tied)" in self.layout.tensors:
+            infos["output.weight(tied)"] = self.store.info("token_embd.weight").nbytes
+        classes = self.layout.classes(infos)
+        # dense tensors placed on the CPU are used in place from the mapped file too
+        if CPU in classes:
+            mapped = classes.setdefault("mapped", {})
+            for cls, n in classes.pop(CPU).items():
+                mapped[cls] = mapped.get(cls, 0) + n
+        return {"tensors": classes, "layers": list(self.layout.layer_device), "kv": list(self.layout.kv_device),
+                "experts": list(self.layout.expert_mode), "output": self.layout.output_device}
 
     # -- lifetime -------------------------------------------------------------
 
@@ -184,12 +307,17 @@ class MoEModel:
         self._graphs.clear()
         self.sched.close()
         self.kv.close()
-        self.dense_ctx.close()
+        for _, ctx in self.weight_ctxs:
+            ctx.close()
         self.store.close()
-        self.host.close()
-        if self._own_device:
-            self.device.close()
+        self._close_backends()
         self.sched = None
+
+    def _close_backends(self) -> None:
+        self.host.close()
+        if self._own_devices:
+            for b in self.devices.values():
+                b.close()
 
     def __enter__(self):
         return self

@@ -30,6 +30,18 @@ class DecoderGraph:
     inputs: dict[str, Tensor]
     logits: Tensor
     regions: list[MoERegion] = field(default_factory=list)
+    # (first tensor-struct offset in ctx's pool, kind, layer): which part of the model built a node
+    segments: list[tuple[int, str, int]] = field(default_factory=list)
+
+    def owner(self, t: Tensor) -> tuple[str, int]:
+        """("embd" | "layer" | "attn" | "output", layer) of a node of this graph."""
+        off = self.ctx.offset_of(t)
+        kind, il = "embd", -1
+        for start, k, i in self.segments:
+            if start > off:
+                break
+            kind, il = k, i
+        return kind, il
 
     def close(self) -> None:
         self.ctx.close()
@@ -44,7 +56,7 @@ def _norm(c: Context, x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 def _attention(c: Context, g: Graph, hp: HParams, w: dict, kv: KVCache, il: int, cur: Tensor,
-               inp: dict[str, Tensor], n_kv: int, flash: bool) -> Tensor:
+               inp: dict[str, Tensor], n_kv: int, flash: bool, mark) -> Tensor:
     T, hd, p = cur.ne[1], hp.head_dim, f"blk.{il}."
     q, k, v = (c.mul_mat(w[p + f"attn_{n}.weight"], cur) for n in "qkv")
     if hp.qkv_bias:
@@ -61,6 +73,7 @@ def _attention(c: Context, g: Graph, hp: HParams, w: dict, kv: KVCache, il: int,
     k = c.rope(k, inp["pos"], **rope)
 
     # store this ubatch's K and V; the reads below come later in the graph
+    mark("attn", il)  # from here to the output projection: where the KV cache lives
     kc, vc, E = kv.k[il], kv.v[il], hp.n_embd_kv
     g.expand(c.set_rows(kc, c.reshape(k, (T, E)), inp["k_idxs"]))
     if kv.v_trans:
@@ -88,6 +101,7 @@ def _attention(c: Context, g: Graph, hp: HParams, w: dict, kv: KVCache, il: int,
         vt = c.view(vc, (hd, hp.n_head_kv, n_kv), (kv.n_ctx * el, kv.n_ctx * hd * el))
         kqv = c.mul_mat(c.permute(vt, (1, 0, 2)), kq)             # [H, T, hd]
         out = c.reshape(c.cont(c.permute(kqv, (1, 0, 2))), (T, hp.n_embd_q))
+    mark("layer", il)
     return c.mul_mat(w[p + "attn_output.weight"], out)
 
 
@@ -115,13 +129,20 @@ def build_decoder(hp: HParams, w: dict, experts: list, kv: KVCache, n_tokens: in
         inp["out_ids"] = c.new_tensor("i32", (n_out,), "inp_out_ids")
     for t in inp.values():
         t.set_input()
+    segments = []
+
+    def mark(kind: str, il: int) -> None:
+        segments.append((c.used, kind, il))
+
+    mark("embd", -1)
     cur = c.get_rows(w["token_embd.weight"], inp["tokens"])
     regions = []
     for il in range(hp.n_layer):
         p = f"blk.{il}."
+        mark("layer", il)
         residual = cur
         cur = _attention(c, g, hp, w, kv, il, _norm(c, cur, w[p + "attn_norm.weight"], hp.rms_eps), inp, n_kv,
-                         flash)
+                         flash, mark)
         if il == hp.n_layer - 1 and "out_ids" in inp:
             cur = c.get_rows(cur, inp["out_ids"])
             residual = c.get_rows(residual, inp["out_ids"])
@@ -135,12 +156,13 @@ def build_decoder(hp: HParams, w: dict, experts: list, kv: KVCache, n_tokens: in
         if hp.shared_expert:
             moe_out = c.add(moe_out, _shared_expert(c, w, il, cur))
         cur = c.add(moe_out, ffn_inp)
+    mark("output", -1)
     cur = _norm(c, cur, w["output_norm.weight"], hp.rms_eps)
-    logits = c.mul_mat(w["token_embd.weight" if hp.tied_output else "output.weight"], cur)
+    logits = c.mul_mat(w.get("output.weight", w["token_embd.weight"]), cur)
     logits.name = "result_output"
     logits.set_output()
     g.expand(logits)
-    return DecoderGraph(c, g, inp, logits, regions)
+    return DecoderGraph(c, g, inp, logits, regions, segments)
 
 
 __all__ = ["DecoderGraph", "build_decoder", "graph_size"]

@@ -104,6 +104,43 @@ def _path(v: Any) -> Optional[str]:
     return v  # not stripped: a path may legitimately end in a space
 
 
+def _text(v: Any) -> Optional[str]:
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none")):
+        return None
+    _typed(v, str)
+    return v.strip()
+
+
+def _overrides(v: Any) -> Optional[str]:
+    v = _text(v)
+    if v is None:
+        return None
+    for item in (x.strip() for x in v.split(",")):
+        if not item:
+            continue
+        pattern, sep, dev = item.rpartition("=")
+        if not sep or not pattern or not dev.strip():
+            raise _Bad(f"item {item!r} is not REGEX=DEVICE")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise _Bad(f"{pattern!r} is not a valid regular expression: {exc}") from None
+    return v
+
+
+def _proportions(v: Any) -> Optional[str]:
+    v = _text(v)
+    if v is None:
+        return None
+    try:
+        parts = [float(x) for x in v.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise _Bad() from None
+    if not parts or any(not p >= 0 for p in parts) or sum(parts) <= 0:
+        raise _Bad()
+    return v
+
+
 def _opt(default: Any, type_: str, rule: str, doc: str, conv) -> Any:
     return field(default=default, metadata={"type": type_, "rule": rule, "doc": doc, "conv": conv})
 
@@ -136,6 +173,8 @@ class SessionOptions:
     cpu_moe: bool = _opt(False, "bool", _BOOL_RULE, "Keep the MoE expert weights of all layers on the CPU.", _bool)
     n_cpu_moe: int = _opt(
         0, "int", "an integer >= 0", "Keep the MoE expert weights of the first N layers on the CPU.", _int(0))
+    trace_path: Optional[str] = _opt(
+        None, "str | None", "a file path or none", "File to record routing traces to; none = no tracing.", _path)
     n_ctx: int = _opt(
         0, "int", "an integer >= 0", "Context size (KV cache cells); 0 = the model's training context, at most 4096.",
         _int(0))
@@ -151,8 +190,24 @@ class SessionOptions:
         "f16", "str", "one of 'f32', 'f16', 'q8_0'", "KV cache type of V (llama.cpp -ctv); q8_0 needs flash_attn.",
         _choice("f32", "f16", "q8_0"))
     flash_attn: bool = _opt(False, "bool", _BOOL_RULE, "Fused flash attention (llama.cpp -fa on).", _bool)
-    trace_path: Optional[str] = _opt(
-        None, "str | None", "a file path or none", "File to record routing traces to; none = no tracing.", _path)
+    n_gpu_layers: int = _opt(
+        -1, "int", "an integer >= -1", "Repeating layers offloaded to the devices, the last ones first; -1 = all "
+        "(and the output) (llama.cpp -ngl).", _int(-1))
+    override_tensor: Optional[str] = _opt(
+        None, "str | None", "REGEX=DEVICE items separated by commas, or none",
+        "Tensor placement by regular expression over GGUF names, searched, first match wins (llama.cpp -ot).",
+        _overrides)
+    split_mode: str = _opt(
+        "layer", "str", "one of 'layer', 'none'", "How layers are spread over several devices (llama.cpp -sm).",
+        _choice("layer", "none"))
+    tensor_split: Optional[str] = _opt(
+        None, "str | None", "comma-separated proportions or none",
+        "Share of the offloaded layers per device, e.g. 3,1 (llama.cpp -ts); none = equal.", _proportions)
+    no_kv_offload: bool = _opt(
+        False, "bool", _BOOL_RULE, "KV cache in host memory and attention on the CPU (llama.cpp -nkvo).", _bool)
+    virtual_devices: int = _opt(
+        1, "int", "an integer in 1..16",
+        "Without a GPU: how many CPU backend instances play the devices (DEV0, DEV1, ...).", _int(1, 16))
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -59,6 +59,8 @@ class Scheduler(Managed):
         self._handle = ffi.new_handle(self)  # user_data of region executors
         # (graph, version, allocation token) of the graph split and allocated last
         self._allocated: tuple | None = None
+        # graph -> [(tensor, backend)]: assignments re-applied whenever GGML's are reset
+        self._pins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def backends(self) -> list[Backend]:
@@ -126,11 +128,28 @@ class Scheduler(Managed):
                 _unalloc(other)
         self._graphs.add(graph)
 
+    def set_pins(self, graph: Graph, pins) -> None:
+        """Run each ``(node, backend)`` of ``graph`` on that backend, in every later alloc and reserve.
+
+        GGML forgets tensor assignments on each reset; these are applied again after it.
+        Needed where backends share a buffer type (CPU instances playing devices), in which
+        case GGML would put every node on the first of them.
+        """
+        pins = [(t, self._index_check(b)) for t, b in pins]
+        self._pins[graph] = pins
+        self._allocated = None
+
+    def _apply_pins(self, graph: Graph) -> None:
+        for t, b in self._pins.get(graph, ()):
+            lib.ggml_backend_sched_set_tensor_backend(self.ptr, t.ptr, b.ptr)
+
     def reserve(self, graph: Graph) -> None:
         """Size the compute buffers for the largest graph you will run."""
         self._allocated = None
         self._forget_allocation(graph)  # first: it refuses graphs with tensors of closed contexts
         self._check_graph(graph)
+        lib.ggml_backend_sched_reset(self.ptr)
+        self._apply_pins(graph)
         if not lib.ggml_backend_sched_reserve(self.ptr, graph.ptr):
             raise_region_status(self)
             raise AllocationError("Scheduler.reserve: could not allocate the compute buffers")
@@ -140,6 +159,7 @@ class Scheduler(Managed):
         self.reset()
         self._forget_allocation(graph)  # first: it refuses graphs with tensors of closed contexts
         self._check_graph(graph)
+        self._apply_pins(graph)
         if not lib.ggml_backend_sched_alloc_graph(self.ptr, graph.ptr):
             raise_region_status(self)
             raise AllocationError("Scheduler.alloc: could not allocate the graph")

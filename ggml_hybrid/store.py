@@ -113,10 +113,12 @@ class GGUFStore:
         """The bytes of one expert of a [n_expert, rows, cols] tensor (a view of the mapping)."""
         return self.raw(name)[expert]
 
-    def load(self, tensor: Tensor) -> None:
-        """Copy the tensor's data from the file into its (allocated) memory, on any backend."""
-        tensor.set(np.ascontiguousarray(self.raw(tensor.name)).reshape(-1) if tensor.dtype.is_quantized
-                   else np.ascontiguousarray(self._data[tensor.name]).reshape(tensor.shape))
+    def load(self, tensor: Tensor, source: str | None = None) -> None:
+        """Copy the data of file tensor ``source`` (default: the tensor's name) into its memory, on any backend."""
+        name = source or tensor.name
+        self.info(name)
+        tensor.set(np.ascontiguousarray(self.raw(name)).reshape(-1) if tensor.dtype.is_quantized
+                   else np.ascontiguousarray(self._data[name]).reshape(tensor.shape))
 
     def close(self) -> None:
         if self._mapped is not None:
@@ -124,17 +126,20 @@ class GGUFStore:
         self._mapped = None
 
 
-def load_into(store: GGUFStore, names, backend: Backend, usage: str = "weights", n_extra: int = 0, on_tensor=None):
+def load_into(store: GGUFStore, names, backend: Backend, usage: str = "weights", n_extra: int = 0, on_tensor=None,
+              load: bool = True):
     """A context with the named tensors, allocated on ``backend`` and filled from the file.
 
-    ``on_tensor(name)`` is called after each tensor is loaded (progress reporting).
+    ``on_tensor(name)`` is called after each tensor is loaded (progress reporting). With
+    ``load=False`` the memory is allocated but no tensor data is read (planning).
     """
     ctx = Context(n_tensors=len(names) + n_extra)
     tensors = {n: store.new_tensor(ctx, n) for n in names}
     if tensors:
         ctx.allocate(backend, usage)
         for t in tensors.values():
-            store.load(t)
+            if load:
+                store.load(t)
             if on_tensor is not None:
                 on_tensor(t.name)
     return ctx, tensors

@@ -21,7 +21,10 @@ DEFAULT = SessionOptions()
 def test_defaults():
     assert DEFAULT.to_dict() == {
         "moe_cpu_share": 0.0, "expert_cache_slots": 0, "expert_eviction": "lru", "n_threads": None,
-        "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "trace_path": None}
+        "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "trace_path": None,
+        "n_ctx": 0, "batch_size": 2048, "ubatch_size": 512, "cache_type_k": "f16", "cache_type_v": "f16",
+        "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
+        "tensor_split": None, "no_kv_offload": False, "virtual_devices": 1}
     assert DEFAULT.to_items() == []
     assert SessionOptions.parse([]) == DEFAULT
     assert SessionOptions.from_dict({}) == DEFAULT
@@ -242,7 +245,7 @@ def test_nothing_partially_applied():
 
 def test_describe_covers_every_field():
     rows = SessionOptions.describe()
-    assert [r[0] for r in rows] == NAMES and len(NAMES) == 8
+    assert [r[0] for r in rows] == NAMES and len(NAMES) == 20
     for name, type_, default, rule, doc in rows:
         assert default == getattr(DEFAULT, name)
         assert type_ and rule and doc.strip() and "\n" not in doc
@@ -262,6 +265,12 @@ options = st.builds(
     cpu_moe=st.booleans(),
     n_cpu_moe=st.integers(0, 1000),
     trace_path=st.none() | paths,
+    n_ctx=st.integers(0, 10 ** 6), batch_size=st.integers(1, 8192), ubatch_size=st.integers(1, 8192),
+    cache_type_k=st.sampled_from(["f32", "f16", "q8_0"]), cache_type_v=st.sampled_from(["f32", "f16", "q8_0"]),
+    flash_attn=st.booleans(), n_gpu_layers=st.integers(-1, 200),
+    override_tensor=st.none() | st.sampled_from(["exps=CPU", r"blk\.[0-3]\.ffn=DEV1,attn=DEV0", "(q|k)_norm=CPU"]),
+    split_mode=st.sampled_from(["layer", "none"]), tensor_split=st.none() | st.sampled_from(["1,1", "3,1", "0.5,0,2"]),
+    no_kv_offload=st.booleans(), virtual_devices=st.integers(1, 16),
 )
 
 
