@@ -59,6 +59,44 @@ def _progress(enabled: bool):
     return cb, finish
 
 
+# llama.cpp's placement flags, each shorthand for a session option
+_PLACEMENT_FLAGS = [
+    (("-ot", "--override-tensor", "override_tensor"), dict(multiple=True, metavar="REGEX=DEVICE[,...]",
+                                                           help="Tensor placement by regex (searched, first match wins).")),
+    (("-ngl", "--n-gpu-layers", "n_gpu_layers"), dict(type=click.IntRange(-1), help="Layers on the devices; -1 = all.")),
+    (("--cpu-moe", "cpu_moe"), dict(is_flag=True, default=None, help="All routed expert weights on the CPU.")),
+    (("--n-cpu-moe", "n_cpu_moe"), dict(type=click.IntRange(0), help="Routed expert weights of the first N layers on the CPU.")),
+    (("-nkvo", "--no-kv-offload", "no_kv_offload"), dict(is_flag=True, default=None,
+                                                          help="KV cache in host memory, attention on the CPU.")),
+    (("-ctk", "--cache-type-k", "cache_type_k"), dict(type=click.Choice(["f32", "f16", "q8_0"]))),
+    (("-ctv", "--cache-type-v", "cache_type_v"), dict(type=click.Choice(["f32", "f16", "q8_0"]))),
+    (("-c", "--ctx-size", "n_ctx"), dict(type=click.IntRange(0), help="Context size (0 = model's, at most 4096).")),
+    (("-b", "--batch-size", "batch_size"), dict(type=click.IntRange(1))),
+    (("-ub", "--ubatch-size", "ubatch_size"), dict(type=click.IntRange(1))),
+    (("-fa", "--flash-attn", "flash_attn"), dict(is_flag=True, default=None)),
+    (("-sm", "--split-mode", "split_mode"), dict(type=click.Choice(["layer", "none"]))),
+    (("-ts", "--tensor-split", "tensor_split"), dict(help="Proportions of layers per device, e.g. 3,1.")),
+]
+
+
+def _placement_flags(fn):
+    for decls, kw in reversed(_PLACEMENT_FLAGS):
+        fn = click.option(*decls, **kw)(fn)
+    return fn
+
+
+def _placement_items(values: dict) -> dict:
+    out = {}
+    for key, v in values.items():
+        if key == "override_tensor":
+            out[key] = ",".join(v) if v else None
+        elif isinstance(v, bool):
+            out[key] = "true" if v else None
+        else:
+            out[key] = v
+    return out
+
+
 def _options(items, role, base, explicit: dict) -> SessionOptions:
     shorthand = [f"{k}={v}" for k, v in explicit.items() if v is not None]
     return SessionOptions.parse(list(items) + shorthand, role=role, base=base)
@@ -97,6 +135,7 @@ def main():
 @click.option("--session-option", "-o", "session_options", multiple=True, metavar="[ROLE.]KEY=VALUE",
               help="A session option; repeatable. See `ggml-hybrid options`.")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML file with models and their session options.")
+@_placement_flags
 @click.option("--seed", type=click.IntRange(0), help="Sampling seed (with --temp > 0).")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy.")
 @click.option("--top-k", default=40, show_default=True, type=click.IntRange(0))
@@ -106,7 +145,7 @@ def main():
 @click.option("--logits-out", type=click.Path(dir_okay=False, writable=True),
               help="Write every evaluated position's logits, float32 [positions, vocab], to this .npy file.")
 def run(model, prompt, tokens, n_predict, moe_cpu_share, expert_cache_slots, threads, session_options, config, seed,
-        temp, top_k, top_p, ignore_eos, as_json, logits_out):
+        temp, top_k, top_p, ignore_eos, as_json, logits_out, **placement):
     """Generate text from MODEL (a GGUF file, or a model name or role in --config)."""
     from .generate import GenerationStats, generate
     from .lm import MoEModel
@@ -122,7 +161,8 @@ def run(model, prompt, tokens, n_predict, moe_cpu_share, expert_cache_slots, thr
             raise click.BadParameter("the prompt is not valid UTF-8 text", param_hint="--prompt") from None
     path, role, base = _resolve_model(model, config)
     opts = _options(session_options, role, base, {"moe_cpu_share": moe_cpu_share,
-                                                  "expert_cache_slots": expert_cache_slots, "n_threads": threads})
+                                                  "expert_cache_slots": expert_cache_slots, "n_threads": threads,
+                                                  **_placement_items(placement)})
     sampler = Sampler(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
     ids = None
     if tokens is not None:
@@ -209,6 +249,53 @@ def demo(n_predict, threads, as_json):
     click.echo(json.dumps(r) if as_json else format_demo(r))
     if not r["all_identical"]:
         sys.exit(1)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--vram", help="Device memory, one size per device: 24G or 80G,80G (plans for CUDA0, CUDA1, ...).")
+@click.option("--ram", help="Host memory for the warnings, e.g. 64G.")
+@click.option("--ctx", type=click.IntRange(1), help="Context size (n_ctx) per sequence.")
+@click.option("--parallel", default=1, show_default=True, type=click.IntRange(1), help="Parallel sequences.")
+@click.option("--session-option", "-o", "session_options", multiple=True, metavar="[ROLE.]KEY=VALUE")
+@click.option("--config", type=click.Path(dir_okay=False))
+@_placement_flags
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "k8s"]), default="text", show_default=True)
+def plan(model, vram, ram, ctx, parallel, session_options, config, fmt, **placement):
+    """What MODEL needs per device and in host memory under the given options, from metadata alone."""
+    from .planner import format_k8s, format_text, parse_size
+    from .planner import plan as make_plan
+
+    path, role, base = _resolve_model(model, config)
+    explicit = _placement_items(placement)
+    if ctx is not None:
+        explicit["n_ctx"] = ctx
+    opts = _options(session_options, role, base, explicit)
+    sizes = [parse_size(x) for x in vram.split(",")] if vram else None
+    p = make_plan(path, opts, vram=sizes, ram=parse_size(ram) if ram else None, parallel=parallel)
+    if fmt == "json":
+        click.echo(json.dumps(p))
+    elif fmt == "k8s":
+        click.echo(format_k8s(p))
+    else:
+        click.echo(format_text(p))
+
+
+@main.command()
+@click.option("--virtual-devices", type=click.IntRange(1, 16), help="Without a GPU: CPU instances playing devices.")
+@click.option("--json", "as_json", is_flag=True)
+def devices(virtual_devices, as_json):
+    """The device names that placement options accept (CUDA0, ... or DEV0, ... and CPU)."""
+    from .devices import describe_devices
+
+    opts = SessionOptions(virtual_devices=virtual_devices) if virtual_devices else SessionOptions()
+    rows = describe_devices(opts)
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    for r in rows:
+        mem = f", {r['memory_total'] / 2**30:.1f} GiB" if r["memory_total"] else ""
+        click.echo(f"{r['name']:<6} {r['kind']:<13} {r['description']}{mem}")
 
 
 @main.command()

@@ -160,6 +160,11 @@ class ExpertCacheExecutor:
         self._buckets: dict[int, _Bucket] = {}
 
     @property
+    def compute_bytes(self) -> int:
+        """Device compute memory of the executor's own graphs made so far (they grow with new batch shapes)."""
+        return sum(b.buffer.size for b in self._buckets.values()) + self._slot_rows.buffer_bytes
+
+    @property
     def slot_bytes(self) -> int:
         """Device bytes of the slots, scratch included."""
         return sum(t.nbytes for t in self.slot_tensors.values())

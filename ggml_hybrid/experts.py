@@ -139,6 +139,11 @@ class ExpertLayers:
                 sched.add_region(r.inputs, [r.out], self.executors[i], backend=self.layer_backends[i],
                                  name=f"{prefix}.{i}.experts")
 
+    def compute_bytes(self, backend: Backend | None = None) -> int:
+        """Compute memory of the cache executors' own graphs (on ``backend`` only, if given)."""
+        return sum(e.compute_bytes for e, b in zip(self.executors, self.layer_backends)
+                   if e is not None and (backend is None or b is backend))
+
     @property
     def counters(self) -> list[LayerCounters]:
         return [e.counters if e is not None else LayerCounters() for e in self.executors]

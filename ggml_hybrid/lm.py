@@ -279,7 +279,7 @@ class MoEModel:
             out["weights"] += sum(t.nbytes for dev, ctx in self.weight_ctxs if dev == name for t in ctx.tensors())
             out["experts"] += self.experts.device_bytes(b)
             out["kv_cache"] += self.kv.nbytes(b)
-            out["compute"] += self.sched.buffer_size(b)
+            out["compute"] += self.sched.buffer_size(b) + self.experts.compute_bytes(b)
         return out
 
     def placement_report(self) -> dict:

@@ -7,7 +7,8 @@ from .lm import MoEModel
 
 RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
                    "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "counters",
-                   "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes", "options")
+                   "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes", "placement",
+                   "options")
 
 
 def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
@@ -20,7 +21,8 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
         "decode_seconds": st.decode_seconds, "prompt_tps": st.prompt_tps, "decode_tps": st.decode_tps,
         "counters": total.to_dict(), "share_applied": total.share_applied,
         "hybrid_offload_active": hybrid_offload_active(model), "device_memory": mem,
-        "peak_device_bytes": sum(mem.values()), "options": model.options.to_dict(),
+        "peak_device_bytes": sum(mem.values()), "placement": model.placement_report(),
+        "options": model.options.to_dict(),
     }
 
 
@@ -40,6 +42,8 @@ def format_stats(r: dict) -> str:
         f"share applied {r['share_applied']:.2f} | hybrid_offload_active: {str(r['hybrid_offload_active']).lower()}",
         f"peak device memory {mib(r['peak_device_bytes'])} (weights {mib(mem['weights'])}, experts "
         f"{mib(mem['experts'])}, kv {mib(mem['kv_cache'])}, compute {mib(mem['compute'])})",
+        "placement: " + "; ".join(f"{dev}: " + ", ".join(f"{cls} {mib(n)}" for cls, n in classes.items())
+                                  for dev, classes in r["placement"]["tensors"].items()),
     ]
     return "\n".join(lines)
 

@@ -87,6 +87,11 @@ class RowGraphs:
         lib.ggml_backend_tensor_get(g.pdown, g.bdown, 0, g.down_host.nbytes)
         return g.down_host[:n]
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Compute memory of the row graphs made so far."""
+        return sum(g.buffer.size for g in self._graphs.values())
+
     def close(self) -> None:
         for g in self._graphs.values():
             g.ctx.close()

@@ -1,0 +1,318 @@
+"""llama.cpp-style placement options, several devices (CPU instances playing them), and the planner."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ggml_hybrid.cli import main
+from ggml_hybrid.hparams import tensor_shapes
+from ggml_hybrid.layout import CPU, plan_layout
+from ggml_hybrid.lm import MoEModel
+from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.planner import k8s_resources, parse_size, plan
+from ggml_hybrid.store import GGUFStore
+from ggml_hybrid.hparams import read_hparams
+from ggml_hybrid.synthetic import write_model
+
+PROMPT = "Placement never changes a single bit of the logits."
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("place")
+    return write_model(d / "m.gguf", n_layer=4, n_expert=8, n_used=2, weight_type="q8_0", seed=21)
+
+
+@pytest.fixture(scope="module")
+def names(model):
+    store = GGUFStore(model)
+    try:
+        hp = read_hparams(store)
+        return list(tensor_shapes(hp)), hp
+    finally:
+        store.close()
+
+
+def layout(names, **kw):
+    tensor_names, hp = names
+    devices = kw.pop("devices", ["DEV0"])
+    return plan_layout(tensor_names, hp.n_layer, SessionOptions(**kw), devices, hp.tied_output)
+
+
+# -- layout rules ----------------------------------------------------------
+
+
+def test_defaults_put_everything_but_the_embeddings_on_the_device(names):
+    lay = layout(names)
+    assert lay.tensors["token_embd.weight"] == CPU  # llama.cpp's input layer
+    assert all(d == "DEV0" for n, d in lay.tensors.items() if n != "token_embd.weight")
+    assert lay.layer_device == ("DEV0",) * 4 and lay.kv_device == ("DEV0",) * 4
+    assert lay.expert_mode == ("resident",) * 4 and lay.output_device == "DEV0"
+
+
+def test_override_is_searched_not_anchored_and_exps_cpu_moves_every_routed_expert(names):
+    lay = layout(names, override_tensor="exps=CPU")
+    for n, d in lay.tensors.items():
+        assert d == (CPU if "_exps." in n or n == "token_embd.weight" else "DEV0"), n
+    assert lay.expert_mode == ("cpu",) * 4
+
+
+def test_override_first_match_wins(names):
+    lay = layout(names, devices=["DEV0", "DEV1"], override_tensor=r"blk\.1\.ffn_up=DEV1,ffn_up=CPU,blk\.1=DEV0")
+    assert lay.tensors["blk.1.ffn_up_exps.weight"] == "DEV1"
+    assert lay.tensors["blk.0.ffn_up_exps.weight"] == CPU
+    assert lay.tensors["blk.1.attn_q.weight"] == "DEV0"
+    # an anchored pattern only matches from the start of the name
+    lay = layout(names, override_tensor=r"^ffn_up=CPU")
+    assert all(d != CPU for n, d in lay.tensors.items() if n != "token_embd.weight")
+
+
+def test_cpu_moe_and_n_cpu_moe_move_expert_weights_only(names):
+    lay = layout(names, n_cpu_moe=2)
+    for i in range(4):
+        for kind in ("gate", "up", "down"):
+            assert lay.tensors[f"blk.{i}.ffn_{kind}_exps.weight"] == (CPU if i < 2 else "DEV0")
+        assert lay.tensors[f"blk.{i}.ffn_gate_inp.weight"] == "DEV0"  # the router stays with its layer
+    assert lay.expert_mode == ("cpu", "cpu", "resident", "resident")
+    assert layout(names, cpu_moe=True).expert_mode == ("cpu",) * 4
+    # a bias of the experts is not an expert weight: it stays with the layer
+    tensor_names, hp = names
+    lay = plan_layout(tensor_names + ["blk.0.ffn_up_exps.bias"], hp.n_layer, SessionOptions(cpu_moe=True), ["DEV0"],
+                      hp.tied_output)
+    assert lay.tensors["blk.0.ffn_up_exps.bias"] == "DEV0"
+
+
+@pytest.mark.parametrize("ngl, layers, output", [
+    (-1, ("DEV0",) * 4, "DEV0"), (5, ("DEV0",) * 4, "DEV0"), (4, ("DEV0",) * 4, CPU),
+    (2, (CPU, CPU, "DEV0", "DEV0"), CPU), (0, (CPU,) * 4, CPU)])
+def test_n_gpu_layers_offloads_the_last_layers(names, ngl, layers, output):
+    lay = layout(names, n_gpu_layers=ngl)
+    assert lay.layer_device == layers and lay.output_device == output
+    assert lay.tensors["output.weight"] == output and lay.tensors["blk.0.attn_q.weight"] == layers[0]
+
+
+def test_tensor_split_and_split_mode(names):
+    assert layout(names, devices=["DEV0", "DEV1"]).layer_device == ("DEV0", "DEV0", "DEV1", "DEV1")
+    assert layout(names, devices=["DEV0", "DEV1"], tensor_split="3,1").layer_device == ("DEV0",) * 3 + ("DEV1",)
+    assert layout(names, devices=["DEV0", "DEV1", "DEV2"], tensor_split="1,0,1").layer_device == \
+        ("DEV0", "DEV0", "DEV2", "DEV2")
+    assert layout(names, devices=["DEV0", "DEV1"], split_mode="none").layer_device == ("DEV0",) * 4
+
+
+def test_no_kv_offload_keeps_the_cache_on_the_cpu(names):
+    lay = layout(names, devices=["DEV0", "DEV1"], no_kv_offload=True)
+    assert lay.kv_device == (CPU,) * 4 and lay.layer_device == ("DEV0", "DEV0", "DEV1", "DEV1")
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(override_tensor="exps=GPU7"), "device 'GPU7'"),
+    (dict(n_gpu_layers=6), "n_gpu_layers=6"),
+    (dict(devices=["DEV0", "DEV1"], tensor_split="1,1,1"), "tensor_split=1,1,1"),
+    (dict(devices=["DEV0", "DEV1"], tensor_split="1,1", split_mode="none"), "split_mode=layer"),
+    (dict(n_cpu_moe=5), "n_cpu_moe=5"),
+    (dict(disk_experts=True, expert_cache_slots=2, override_tensor="ffn_down_exps=CPU"), "split over"),
+    (dict(devices=[], n_gpu_layers=1), "no device"),
+])
+def test_impossible_layouts_are_refused(names, kw, msg):
+    with pytest.raises(OptionError, match=msg):
+        layout(names, **kw)
+
+
+@pytest.mark.parametrize("item, msg", [("override_tensor=exps", "REGEX=DEVICE"), ("override_tensor=(=CPU", "regular"),
+                                       ("tensor_split=a,b", "proportions"), ("n_gpu_layers=-2", ">= -1"),
+                                       ("split_mode=row", "'layer'"), ("virtual_devices=17", "1..16")])
+def test_bad_option_values(item, msg):
+    with pytest.raises(OptionError, match=msg):
+        SessionOptions.parse([item])
+
+
+def test_refused_before_anything_is_loaded(model):
+    import ggml_hybrid as gh
+
+    before = gh.live_objects()
+    with pytest.raises(OptionError, match="GPU7"):
+        MoEModel(model, SessionOptions(override_tensor="exps=GPU7"))
+    assert gh.live_objects() == before
+
+
+# -- running: every combination is bit-identical ---------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    with MoEModel(model, SessionOptions(n_threads=1)) as m:
+        tokens = m.tokenizer.encode(PROMPT)
+        return tokens, m.eval(tokens, "all")
+
+
+combos = st.fixed_dictionaries({}, optional={
+    "virtual_devices": st.integers(1, 3),
+    "n_gpu_layers": st.sampled_from([-1, 0, 1, 3, 4, 5]),
+    "override_tensor": st.sampled_from(["exps=CPU", r"blk\.0\.attn=CPU", "ffn_down_exps=CPU", r"blk\.3=DEV0"]),
+    "cpu_moe": st.booleans(), "n_cpu_moe": st.integers(0, 4), "no_kv_offload": st.booleans(),
+    "tensor_split": st.sampled_from(["1,1,1", "3,1,1", "0,1,1"]), "split_mode": st.sampled_from(["layer", "none"]),
+    "disk": st.booleans(), "share": st.sampled_from([0.0, 0.5, "auto"]), "ubatch_size": st.sampled_from([4, 512]),
+})
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(combo=combos)
+def test_every_valid_combination_is_bit_identical(model, reference, combo):
+    tokens, ref = reference
+    combo = dict(combo)
+    disk, share = combo.pop("disk", False), combo.pop("share", 0.0)
+    n_dev = combo.get("virtual_devices", 1)
+    if "tensor_split" in combo:
+        combo["tensor_split"] = ",".join(combo["tensor_split"].split(",")[:n_dev])
+        if n_dev == 1 or combo.get("split_mode") == "none":
+            combo.pop("tensor_split")
+    if disk:
+        combo.update(disk_experts=True, expert_cache_slots=3, moe_cpu_share=share)
+    try:
+        opts = SessionOptions(n_threads=1, **combo)
+        m = MoEModel(model, opts)
+    except OptionError as exc:
+        # only the combinations the rules exclude
+        assert any(w in str(exc) for w in ("DEV0", "tensor_split", "split over", "no device", "n_gpu_layers")), exc
+        return
+    with m:
+        got = np.concatenate([m.eval(tokens[:5], "all"), m.eval(tokens[5:], "all")])
+        rep = m.placement_report()
+        lay = m.layout
+    assert np.array_equal(got, ref)
+    # the report says where the tensors went
+    placed = {d for d in rep["tensors"]}
+    assert placed <= set(m.devices) | {"mapped"}
+    assert rep["layers"] == list(lay.layer_device) and rep["experts"] == list(lay.expert_mode)
+
+
+def test_multi_device_really_splits_the_graph(model, reference):
+    tokens, ref = reference
+    with MoEModel(model, SessionOptions(n_threads=1, virtual_devices=2, disk_experts=True, expert_cache_slots=2,
+                                        moe_cpu_share=0.5)) as m:
+        got = m.eval(tokens, "all")
+        assert m.sched.n_splits >= 3  # embeddings on the CPU, layers 0-1 on DEV0, layers 2-3 on DEV1
+        ex = m.experts
+        assert [b is m.devices["DEV0"] for b in ex.layer_backends] == [True, True, False, False]
+        assert all(e.counters.misses + e.counters.cpu_misses > 0 for e in ex.executors)
+        assert m.counters.total.cpu_misses > 0
+    assert np.array_equal(got, ref)
+
+
+# -- the planner ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("items", [
+    [], ["virtual_devices=2"], ["virtual_devices=2", "tensor_split=3,1", "no_kv_offload=true"],
+    ["n_gpu_layers=2", "override_tensor=ffn_down_exps=CPU"], ["cpu_moe=true", "n_ctx=256", "ubatch_size=32"],
+    ["virtual_devices=2", "disk_experts=1", "expert_cache_slots=3", "cache_type_k=q8_0", "flash_attn=1",
+     "cache_type_v=q8_0"],
+])
+def test_planner_equals_what_a_load_allocates(model, items):
+    opts = SessionOptions.parse(items + ["n_threads=1"])
+    p = plan(model, opts)
+    with MoEModel(model, opts) as m:
+        for name in m.devices:
+            real = m.device_memory(name)
+            planned = p["devices"][name]
+            for key in ("weights", "experts", "kv_cache", "compute"):
+                assert planned[key] == real[key], (name, key)
+        assert p["host"]["kv_cache"] == m.kv.nbytes(m.host)
+        assert p["host"]["compute"] == m.sched.buffer_size(m.host)
+        assert p["host"]["mapped"] == m.placement_report()["tensors"].get("mapped", {})
+        assert p["layout"]["layers"] == list(m.layout.layer_device)
+
+
+def test_planner_kv_scales_with_context_and_parallel_sequences(model):
+    a = plan(model, SessionOptions(n_ctx=512))
+    b = plan(model, SessionOptions(n_ctx=1024), parallel=3)
+    assert b["kv"]["per_sequence"] == 2 * a["kv"]["per_sequence"]
+    assert b["kv"]["total"] == 3 * b["kv"]["per_sequence"]
+    # 4 layers x (K + V) x n_ctx x n_embd_kv x 2 bytes (f16)
+    assert a["kv"]["per_sequence"] == 4 * 2 * 512 * 2 * 32 * 2
+    q = plan(model, SessionOptions(n_ctx=512, cache_type_k="q8_0"))
+    assert q["kv"]["per_sequence"] < a["kv"]["per_sequence"]
+
+
+def test_planner_recommends_for_a_model_that_does_not_fit(model):
+    p0 = plan(model, SessionOptions(n_ctx=256, ubatch_size=32))
+    dev = p0["devices"]["DEV0"]
+    vram = dev["total"] - dev["experts"] + dev["experts"] // 2  # room for about half of the experts
+    p = plan(model, SessionOptions(n_ctx=256, ubatch_size=32), vram=[vram])
+    assert p["devices"]["CUDA0"]["fits"] is False
+    opts = [r["options"] for r in p["recommendations"]]
+    assert any(o.startswith("disk_experts=true expert_cache_slots=") for o in opts)
+    assert any(o.startswith("n_cpu_moe=") for o in opts)
+    # each recommendation, applied, fits
+    for o in opts:
+        q = plan(model, SessionOptions.parse(o.split() + ["n_ctx=256", "ubatch_size=32"]), vram=[vram])
+        assert q["devices"]["CUDA0"]["fits"], o
+
+
+def test_planner_warnings(model):
+    p = plan(model, SessionOptions(disk_experts=True, expert_cache_slots=1), ram=1024)
+    text = " ".join(p["warnings"])
+    assert "smaller than the 2 experts used per token" in text
+    assert "exceed --ram" in text
+    base = plan(model, SessionOptions(n_ctx=4096, ubatch_size=16))
+    d = base["devices"]["DEV0"]
+    vram = d["total"] - d["experts"] - d["kv_cache"] // 2  # without any expert, the KV cache still does not fit
+    p = plan(model, SessionOptions(n_ctx=4096, ubatch_size=16), vram=[vram])
+    assert any("only fits with no_kv_offload=true" in w for w in p["warnings"])
+    assert p["recommendations"][0]["options"].startswith("no_kv_offload=true")
+
+
+def test_k8s_format_parses_with_the_expected_fields(model):
+    r = CliRunner().invoke(main, ["plan", model, "--vram", "24G,24G", "-t" if False else "--format", "k8s"])
+    assert r.exit_code == 0, r.output
+    doc = yaml.safe_load(r.output)
+    res = doc["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == 2 and res["requests"]["nvidia.com/gpu"] == 2
+    p = plan(model, SessionOptions(), vram=[24 * 2 ** 30] * 2)
+    assert res == k8s_resources(p)["resources"]
+    mem = int(res["requests"]["memory"].removesuffix("Gi")) * 2 ** 30
+    assert mem >= p["host"]["mapped_total"] + p["host"]["resident_total"]
+    assert int(res["requests"]["cpu"]) == p["threads"]
+
+
+def test_plan_cli_formats(model):
+    run = CliRunner().invoke
+    t = run(main, ["plan", model, "-o", "virtual_devices=2"])
+    assert t.exit_code == 0 and "DEV1" in t.output and "KV cache" in t.output
+    j = run(main, ["plan", model, "--format", "json", "-c", "512", "--parallel", "2"])
+    d = json.loads(j.output)
+    assert d["kv"]["n_ctx"] == 512 and d["kv"]["parallel"] == 2 and d["moe"] is True
+    bad = run(main, ["plan", model, "--vram", "lots"])
+    assert bad.exit_code == 2 and "size 'lots'" in bad.stderr
+
+
+def test_parse_size():
+    assert parse_size("24G") == 24 * 2 ** 30 and parse_size("1.5GiB") == 3 * 2 ** 29
+    assert parse_size("800M") == 800 * 2 ** 20 and parse_size("123") == 123
+    for bad in ("", "G", "-1G", "12X", "inf"):
+        with pytest.raises(OptionError):
+            parse_size(bad)
+
+
+def test_devices_command_lists_names():
+    r = CliRunner().invoke(main, ["devices", "--virtual-devices", "3", "--json"])
+    names = [d["name"] for d in json.loads(r.output)]
+    assert names == ["DEV0", "DEV1", "DEV2", "CPU"]
+
+
+def test_run_reports_placement_and_accepts_llama_flags(model):
+    r = CliRunner().invoke(main, ["run", model, "-p", "Hi", "-n", "2", "-t", "1", "-ngl", "2", "-ot", "ffn_down_exps=CPU",
+                                  "-nkvo", "-ctk", "q8_0", "-c", "256", "-ub", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    pl = d["placement"]
+    assert pl["layers"] == ["CPU", "CPU", "DEV0", "DEV0"] and pl["kv"] == ["CPU"] * 4
+    assert pl["tensors"]["mapped"]["routed_experts"] > 0 and pl["tensors"]["DEV0"]["routed_experts"] > 0
+    assert d["options"]["cache_type_k"] == "q8_0" and d["options"]["n_gpu_layers"] == 2
