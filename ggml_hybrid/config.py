@@ -6,7 +6,7 @@
     [models.qwen3.session_options]
     disk_experts = true
     expert_cache_slots = 32
-    "main.moe_cpu_share" = "auto"      # role-scoped: applies when the model runs as "main"
+    main.moe_cpu_share = "auto"        # role-scoped: applies when the model runs as "main"
 
 A model is picked by name or by role; a relative path is relative to the file.
 """
@@ -67,6 +67,14 @@ def load_config(path) -> dict[str, ModelEntry]:
         raw = m.get("session_options", {})
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: 'session_options' must be a table")
+        # TOML reads an unquoted `main.moe_cpu_share = 0.5` as a table `main`: a role scope
+        flat = {}
+        for key, value in raw.items():
+            if isinstance(value, dict):
+                flat.update({f"{key}.{sub}": v for sub, v in value.items()})
+            else:
+                flat[key] = value
+        raw = flat
         try:
             opts = SessionOptions.from_dict(raw, role=role)
         except ValueError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dtypes import GGMLType
 from .store import GGUFStore, ModelFileError
 
 # architecture -> (rope mode, per-head q/k norm, q/k/v biases, shared expert, normalise expert weights)
@@ -109,7 +110,8 @@ def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
         raise ModelFileError(f"{store.path!r}: dense models are not supported yet")
     n_used = _int(store, f"{arch}.expert_used_count")
     if n_used > n_expert:
-        raise ModelFileError(f"{store.path!r}: {n_used} experts used per token but only {n_expert} exist")
+        raise ModelFileError(f"{store.path!r}: {arch}.expert_used_count = {n_used} exceeds {arch}.expert_count = "
+                             f"{n_expert} (experts used per token must exist)")
     if arch == "llama":  # Mixtral-style files size the experts by feed_forward_length
         n_ff_exp = _int(store, f"{arch}.feed_forward_length")
     else:
@@ -162,12 +164,22 @@ def tensor_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(store: GGUFStore, hp: HParams) -> None:
+    from .ops import MATMUL_WEIGHTS
+
     for name, want in tensor_shapes(hp).items():
         if name not in store:
             raise ModelFileError(f"{store.path!r}: {hp.arch} needs tensor {name!r}, which the file lacks")
-        got = store.info(name).shape
-        if got != want:
-            raise ModelFileError(f"{store.path!r}: {name} has shape {got}, expected {want} from the metadata")
+        info = store.info(name)
+        if info.shape != want:
+            raise ModelFileError(f"{store.path!r}: {name} has shape {info.shape}, expected {want} from the metadata")
+        # norms, biases and the shared-expert gate are added or multiplied in F32, as llama.cpp stores them;
+        # matrices go through mul_mat / get_rows, which take the float and quantized weight types
+        vector = len(want) == 1
+        if vector and info.dtype != GGMLType.F32:
+            raise ModelFileError(f"{store.path!r}: {name} is {info.dtype.name}; vectors (norms, biases) must be F32")
+        if not vector and info.dtype not in MATMUL_WEIGHTS:
+            raise ModelFileError(f"{store.path!r}: {name} is {info.dtype.name}, not a weight type GGML can multiply "
+                                 "(a float or quantized type)")
     if f"blk.{hp.n_layer}.attn_norm.weight" in store:
         raise ModelFileError(f"{store.path!r}: {hp.arch}.block_count = {hp.n_layer} but blk.{hp.n_layer} exists")
 

@@ -32,7 +32,7 @@ from .lm_graph import DecoderGraph, build_decoder, graph_size
 from .moe_session import SessionCounters
 from .options import OptionError, SessionOptions
 from .sched import Scheduler
-from .store import GGUFStore, load_into
+from .store import GGUFStore, ModelFileError, load_into
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
@@ -71,6 +71,9 @@ class MoEModel:
             self.hp = hp = read_hparams(store)
             check_options(opts, hp)
             self.tokenizer = Tokenizer.from_gguf(store)
+            if self.tokenizer.n_vocab != hp.n_vocab:
+                raise ModelFileError(f"{store.path!r}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
+                                     f"token_embd.weight has {hp.n_vocab} rows; they must agree")
         except Exception:
             store.close()
             raise

@@ -24,6 +24,7 @@ _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{
 PRE_TOKENIZERS = {"qwen2": (_QWEN2, False), "llama-bpe": (_LLAMA3, True)}  # name -> (regex, ignore_merges)
 
 TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
 
 
 class Tokenizer:
@@ -46,6 +47,17 @@ class Tokenizer:
         self.tokens, self.pre, self.types = list(tokens), pre, types
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.control = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
+        # control and user-defined tokens are plain text (llama.cpp decodes them as written)
+        self._raw = self.control | {i for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED}
+        self._bytes_of = _byte_decoder()
+        for i, tok in enumerate(tokens):
+            if not isinstance(tok, str):
+                raise ModelFileError(f"{source}: token {i} is not a string")
+        alphabet = set(self._bytes_of)
+        if not set("".join(t for i, t in enumerate(tokens) if i not in self._raw)) <= alphabet:
+            bad = next(i for i, t in enumerate(tokens) if i not in self._raw and not set(t) <= alphabet)
+            raise ModelFileError(f"{source}: token {bad} ({tokens[bad]!r}) has characters outside byte-level BPE's "
+                                 "256-character alphabet (and is not a control or user-defined token)")
         vocab = {}
         for i, tok in enumerate(tokens):
             if i in self.control:
@@ -68,7 +80,6 @@ class Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         hf.decoder = decoders.ByteLevel()
         self._hf = hf
-        self._bytes_of = _byte_decoder()
 
     @classmethod
     def from_gguf(cls, store: GGUFStore) -> "Tokenizer":
@@ -101,7 +112,7 @@ class Tokenizer:
     def token_bytes(self, tid: int) -> bytes:
         """The bytes a token stands for (control tokens: their text)."""
         tok = self.tokens[tid]
-        if tid in self.control:
+        if tid in self._raw:
             return tok.encode()
         return bytes(self._bytes_of[ch] for ch in tok)
 

@@ -54,6 +54,7 @@ def run_json(*args) -> dict:
     r = ok("run", *args, "--json")
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1, f"--json must print exactly one line, got {r.stdout!r}"
+    assert r.stderr == "", "--json: no stats block, and no progress bar when stderr is not a terminal"
     d = json.loads(lines[0])
     assert isinstance(d, dict)
     return d
@@ -95,7 +96,8 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli_models")
     paths = {"m": write_model(d / "m.gguf", SPEC),
              "q2": write_model(d / "q2.gguf", arch="qwen2moe", head_dim=16),
-             "q8": write_model(d / "q8.gguf", weight_type="q8_0", seed=3)}
+             "q8": write_model(d / "q8.gguf", weight_type="q8_0", seed=3),
+             "llama": write_model(d / "llama.gguf", arch="llama", seed=4)}
     junk = d / "junk.gguf"
     junk.write_bytes(b"definitely not a GGUF file\n" * 64)
     paths["junk"] = str(junk)
@@ -178,6 +180,14 @@ def test_run_tokens_matches_the_reference(models, tokenizer):
     assert r.stdout == tokenizer.decode(toks) + "\n"
     (p,), (g,), (s,), *_ = parse_stats(r.stderr)
     assert (int(p), int(g), s) == (len(PROMPT_IDS), len(toks), stop)
+
+
+@pytest.mark.parametrize("name,arch", [("q2", "qwen2moe"), ("llama", "llama")])
+def test_run_other_architectures_match_the_reference(models, name, arch):
+    d = run_json(models[name], "--tokens", ",".join(map(str, PROMPT_IDS)), "-n", 5, "-t", 1, *HYBRID,
+                 "--moe-cpu-share", "0.5")
+    toks, _, stop = reference(models[name], PROMPT_IDS, 5)
+    assert d["architecture"] == arch and d["tokens"] == toks and d["stop_reason"] == stop
 
 
 def test_run_stats_block_reports_the_hybrid_counters(models):
@@ -331,6 +341,9 @@ def test_moe_cpu_share_shorthand_conflicting_with_session_option(models):
     base = (models["m"], "--tokens", "1,2", "-n", 2, "-t", 1, *HYBRID)
     user_error("run", *base, "--moe-cpu-share", "0.5", "-o", "moe_cpu_share=0.25", expect=["moe_cpu_share"])
     user_error("run", *base, "--moe-cpu-share", "auto", "-o", "moe_cpu_share=0", expect=["moe_cpu_share"])
+    user_error("run", *base, "--expert-cache-slots", 3, expect=["expert_cache_slots"])  # HYBRID gives 2
+    user_error("run", *base, "-o", "n_threads=2", expect=["n_threads"])  # -t 1 in base
+    assert run_json(*base, "--expert-cache-slots", 2, "-o", "n_threads=1")["options"]["expert_cache_slots"] == 2
     for x, y in (("0.5", "0.5"), ("0.5", "0.50"), ("auto", "AUTO")):
         d = run_json(*base, "--moe-cpu-share", x, "-o", f"moe_cpu_share={y}")
         assert d["options"]["moe_cpu_share"] == (0.5 if x == "0.5" else "auto")
@@ -403,6 +416,10 @@ def test_command_line_overrides_the_config(config):
     assert d["hybrid_offload_active"] is False
     d = run_json("small", "--config", config, "--tokens", "1,2", "-n", 3, "-t", 1, "--moe-cpu-share", "auto")
     assert d["options"]["moe_cpu_share"] == "auto"
+    # role-scoped keys on the command line: the model's role (main) applies, another role's is ignored
+    d = run_json("small", "--config", config, "--tokens", "1,2", "-n", 2, "-t", 1, "-o", "main.expert_cache_slots=3",
+                 "-o", "draft.expert_cache_slots=1")
+    assert d["options"]["expert_cache_slots"] == 3
 
 
 def test_config_with_a_plain_model_path(models, config):
@@ -454,7 +471,7 @@ def _bytes_by_class(path) -> dict:
 
 
 @pytest.mark.parametrize("name,arch,shared_ff", [("m", "qwen3moe", 0), ("q2", "qwen2moe", 64),
-                                                  ("q8", "qwen3moe", 0)])
+                                                  ("q8", "qwen3moe", 0), ("llama", "llama", 0)])
 def test_inspect_json(models, name, arch, shared_ff):
     d = json.loads(ok("inspect", models[name], "--json").stdout)
     assert d["architecture"] == arch and d["moe"] is True
@@ -531,6 +548,14 @@ def test_bench_text_table(models):
     assert "ratio B/A: decode" in text
     rows = [ln for ln in text.splitlines() if ln.startswith(("A ", "B "))]
     assert len(rows) == 2 and rows[0].rstrip().endswith("n_threads=1") and "disk_experts=true" in rows[1]
+
+
+def test_bench_with_config(config):
+    d = json.loads(ok("bench", "main", "--config", config, "--b", "moe_cpu_share=0 expert_cache_slots=8", "--runs", 1,
+                      "-n", 2, "--json").stdout)
+    # the config's options (role main) are both sides' base; --b overrides two of them
+    assert sorted(d["sides"]["A"]["options"]) == ["disk_experts=true", "expert_cache_slots=2", "moe_cpu_share=0.5"]
+    assert sorted(d["sides"]["B"]["options"]) == ["disk_experts=true", "expert_cache_slots=8"]
 
 
 def test_bench_errors(models):
@@ -651,3 +676,13 @@ def test_error_logits_out_in_a_missing_folder(models, tmp_path):
 def test_context_stop(models):
     d = run_json(models["m"], "--tokens", "1,2", "-o", "n_ctx=4", "-n", 5, "--ignore-eos", "-t", 1)
     assert d["stop_reason"] == "context" and d["generated_tokens"] == 3  # positions 2, 3 evaluated, then full
+
+
+def test_config_unquoted_role_key_is_a_role_scope(models, tmp_path):
+    from ggml_hybrid.config import load_config
+
+    p = tmp_path / "nested.toml"
+    p.write_text(f'[models.a]\npath = "{models["m"]}"\nrole = "main"\n[models.a.session_options]\n'
+                 'disk_experts = true\nexpert_cache_slots = 2\nmain.moe_cpu_share = 0.25\ndraft.n_threads = 3\n')
+    entry = load_config(p)["a"]
+    assert entry.options.moe_cpu_share == 0.25 and entry.options.n_threads is None

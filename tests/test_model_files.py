@@ -24,7 +24,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.errors import DTypeError
 from ggml_hybrid.hparams import NotMoEError, read_hparams
 from ggml_hybrid.lm import MoEModel
 from ggml_hybrid.options import SessionOptions
@@ -87,9 +86,6 @@ def test_more_experts_used_than_exist(base_models):
     _hparams_error(path, ["9", "8"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: hparams.read_hparams's n_used > n_expert message does not name the keys "
-                          "expert_used_count / expert_count")
 def test_more_experts_used_than_exist_names_the_key(base_models):
     path = rewrite_gguf(base_models["q3"], base_models["dir"] / "used_key.gguf",
                         set_keys={"qwen3moe.expert_used_count": (9, U32)})
@@ -149,16 +145,15 @@ def test_dense_model_is_not_moe(base_models):
     assert isinstance(err, NotMoEError)
 
 
-@pytest.mark.xfail(strict=True, raises=DTypeError,
-                   reason="bug: hparams.check_tensors checks shapes but not types; a tensor type the graph cannot use "
-                          "surfaces as DTypeError from the op, not a ModelFileError")
 @pytest.mark.parametrize("tensor,data", [("token_embd.weight", np.zeros((384, 64), np.int8)),
                                          ("blk.0.attn_norm.weight", np.ones(64, np.float16))])
 def test_tensor_type_the_graph_cannot_use(base_models, tensor, data):
     path = rewrite_gguf(base_models["q3"], base_models["dir"] / "dtype.gguf", tensors={tensor: data})
-    with pytest.raises(ModelFileError, match=tensor):
-        with MoEModel(path, SessionOptions(n_threads=1)) as m:
-            m.eval([1, 2])
+    (rec,) = run_batch([(path, f"{tensor} stored as {data.dtype}")])  # in a child: GGML might abort on it
+    check_clear(rec, tensor)  # a clear error now already; inspect (header only) may well accept the file
+    m = rec["model"]
+    assert m is not None and rec["run"]["exit"] == 2
+    assert m["model_file_error"] and tensor in m["msg"], f"{m['type']}: {m['msg']}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,9 +168,6 @@ def _cli_user_error(*args):
     return lines[0]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: MoEModel accepts token_embd with more rows than tokenizer.ggml.tokens; a sampled id "
-                          "past the token list raises IndexError in Tokenizer.token_bytes")
 def test_token_list_shorter_than_the_embedding(base_models):
     emb = np.random.default_rng(0).standard_normal((512, 64)).astype(np.float32)
     path = rewrite_gguf(base_models["q3"], base_models["dir"] / "bigvocab.gguf",
@@ -184,9 +176,6 @@ def test_token_list_shorter_than_the_embedding(base_models):
     _cli_user_error("run", path, "--tokens", "1,2", "-n", 16, "--temp", 1, "--top-k", 0, "--seed", 1, "-t", 1)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: Tokenizer accepts token strings with characters outside GPT-2's byte alphabet; "
-                          "decoding such a token raises KeyError in token_bytes")
 def test_token_string_outside_the_byte_alphabet(base_models):
     r = gguf.GGUFReader(base_models["q3"])
     tokens = list(r.fields["tokenizer.ggml.tokens"].contents())
@@ -216,7 +205,7 @@ from ggml_hybrid.options import SessionOptions
 def cli(args):
     r = CliRunner().invoke(main, args)
     exc = r.exception
-    return {"exit": r.exit_code, "stderr": r.stderr[-600:],
+    return {"exit": r.exit_code, "stderr": r.stderr,
             "exc": None if exc is None or isinstance(exc, SystemExit) else repr(exc)[:300]}
 
 for path in json.load(sys.stdin):

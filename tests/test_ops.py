@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
@@ -662,3 +662,65 @@ def test_concat_leading_size_one(run):
     assert np.array_equal(joined.ravel(), np.concatenate([a, b], axis=-1).ravel())
     assert got.shape == (2, 3)
     assert np.array_equal(got, np.concatenate([a, b], axis=0))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# KV cache writes and llama.cpp's expert selection
+# --------------------------------------------------------------------------------------------------------------
+
+@settings(max_examples=20, deadline=None)
+@given(n_rows=st.integers(2, 12), n=st.sampled_from([4, 32, 64]), seed=st.integers(0, 2 ** 16),
+       dst=st.sampled_from(["f32", "f16"]), idx=st.sampled_from(["i32", "i64"]))
+def test_set_rows_writes_rows_at_indices(cpu_backend, n_rows, n, seed, dst, idx):
+    rng = rng_of(seed)
+    m = int(rng.integers(1, n_rows + 1))
+    rows = rng.permutation(n_rows)[:m].astype(np.int64 if idx == "i64" else np.int32)
+    src = rng.standard_normal((m, n)).astype(np.float32)
+    base = rng.standard_normal((n_rows, n)).astype(np.float32)
+    with gh.Context(n_tensors=2) as wctx, gh.Context(n_tensors=16, graph_size=16) as ctx, \
+            gh.Scheduler([cpu_backend], graph_size=16) as sched:
+        a = wctx.new_tensor(dst, (n_rows, n), "cache")
+        wctx.allocate(cpu_backend)
+        a.set(base.astype(np.float16) if dst == "f16" else base)
+        b = ctx.new_tensor("f32", (m, n), "b").set_input()
+        r = ctx.new_tensor(idx, (m,), "rows").set_input()
+        g = ctx.new_graph(16).expand(ctx.set_rows(a, b, r))
+        sched.alloc(g)
+        b.set(src)
+        r.set(rows)
+        sched.compute(g)
+        got = a.numpy().astype(np.float64)
+    ref = base.astype(np.float16 if dst == "f16" else np.float32).astype(np.float64)
+    ref[rows] = src.astype(np.float16 if dst == "f16" else np.float32)
+    assert np.array_equal(got, ref)
+
+
+def test_set_rows_checks_before_ggml(cpu_backend):
+    with gh.Context(n_tensors=8, graph_size=8) as ctx:
+        a = ctx.new_tensor("f16", (4, 8), "a")
+        with pytest.raises(gh.errors.ShapeError, match="one index per row"):
+            ctx.set_rows(a, ctx.new_tensor("f32", (3, 8)), ctx.new_tensor("i64", (2,)))
+        with pytest.raises(gh.errors.ShapeError, match="every dim but the row count"):
+            ctx.set_rows(a, ctx.new_tensor("f32", (2, 7)), ctx.new_tensor("i64", (2,)))
+        with pytest.raises(gh.errors.DTypeError, match="rows"):
+            ctx.set_rows(a, ctx.new_tensor("f32", (2, 8)), ctx.new_tensor("f32", (2,)))
+    # an index outside the destination is refused when the data is set, before GGML reads it
+    with gh.Context(n_tensors=2) as wctx, gh.Context(n_tensors=8, graph_size=8) as ctx, \
+            gh.Scheduler([cpu_backend], graph_size=8) as sched:
+        a = wctx.new_tensor("f32", (4, 8), "a")
+        wctx.allocate(cpu_backend)
+        r = ctx.new_tensor("i64", (2,), "rows").set_input()
+        b = ctx.new_tensor("f32", (2, 8), "b").set_input()
+        g = ctx.new_graph(8).expand(ctx.set_rows(a, b, r))
+        sched.alloc(g)
+        with pytest.raises(gh.errors.IndexRangeError, match="outside 0..3"):
+            r.set(np.array([1, 4], np.int64))
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(2, 40), k=st.integers(1, 8), rows=st.integers(1, 5), seed=st.integers(0, 2 ** 16))
+def test_argsort_top_k_is_largest_first(run, n, k, rows, seed):
+    k = min(k, n)
+    x = rng_of(seed).permutation(rows * n).reshape(rows, n).astype(np.float32)  # distinct values
+    got = run(lambda c, t: c.cont(c.argsort_top_k(t["x"], k)), inputs={"x": x})
+    assert np.array_equal(got.reshape(rows, k), np.argsort(-x, axis=1)[:, :k])
