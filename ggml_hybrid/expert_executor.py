@@ -128,7 +128,8 @@ class ExpertCacheExecutor:
     def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
                  policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None,
-                 simulated_bus_bytes_per_s: float | None = None, trace=None):
+                 simulated_bus_bytes_per_s: float | None = None, trace=None, clear: bool = True):
+        """``clear=False`` (planning only: nothing will run) leaves the slot memory untouched."""
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.n_used, self.glu = n_used, glu
         # the CPU share: a fixed fraction of the misses, or "auto" (an online cost model)
@@ -146,7 +147,8 @@ class ExpertCacheExecutor:
         self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
                              for k, info in infos.items()}
         self.buffer = self.ctx.allocate(device, "weights")
-        self.buffer.clear(0)
+        if clear:
+            self.buffer.clear(0)
         self.slots = ExpertWeights(**self.slot_tensors)
         self.expert_nbytes = {k: t.nb[2] for k, t in self.slot_tensors.items()}
         # per kind: (slot tensor, first byte of the expert tensor in the mapping, bytes per expert)

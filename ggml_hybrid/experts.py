@@ -118,7 +118,7 @@ class ExpertLayers:
             self.executors.append(ExpertCacheExecutor(
                 store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
                 worker=self.worker, share=opts.moe_cpu_share, host_experts=self.weights[i],
-                simulated_bus_bytes_per_s=simulated_bus_bytes_per_s, trace=self.trace)
+                simulated_bus_bytes_per_s=simulated_bus_bytes_per_s, trace=self.trace, clear=load)
                 if self.modes[i] == "disk" else None)
 
     def _mode_from_options(self, i: int) -> str:
