@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .options import OptionError, SessionOptions
+from .options import OptionError, SessionOptions, override_items
 
 CPU = "CPU"
 _EXPERT_WEIGHT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
@@ -34,23 +34,10 @@ _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 def parse_overrides(text: str | None) -> list[tuple[str, re.Pattern, str]]:
     """``"re1=DEV,re2=DEV"`` -> [(pattern text, compiled, device)]; bad items raise OptionError."""
-    out = []
-    if not text:
-        return out
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        pattern, sep, dev = item.rpartition("=")
-        if not sep or not pattern or not dev.strip():
-            raise OptionError(f"override_tensor={text}: item {item!r} must be REGEX=DEVICE")
-        try:
-            rx = re.compile(pattern)
-        except re.error as exc:
-            raise OptionError(f"override_tensor={text}: {pattern!r} is not a valid regular expression ({exc})") \
-                from None
-        out.append((pattern, rx, dev.strip()))
-    return out
+    try:
+        return override_items(text)
+    except Exception as exc:  # the options module's internal rejection
+        raise OptionError(f"override_tensor={text}: {exc}") from None
 
 
 def parse_split(text: str | None, n_devices: int) -> list[float]:

@@ -111,20 +111,25 @@ def _text(v: Any) -> Optional[str]:
     return v.strip()
 
 
-def _overrides(v: Any) -> Optional[str]:
-    v = _text(v)
-    if v is None:
-        return None
-    for item in (x.strip() for x in v.split(",")):
+def override_items(text: Optional[str]) -> list[tuple[str, "re.Pattern", str]]:
+    """``"re1=DEV,re2=DEV"`` -> [(pattern, compiled, device)], in order (llama.cpp's -ot syntax)."""
+    out = []
+    for item in (x.strip() for x in (text or "").split(",")):
         if not item:
             continue
         pattern, sep, dev = item.rpartition("=")
         if not sep or not pattern or not dev.strip():
             raise _Bad(f"item {item!r} is not REGEX=DEVICE")
         try:
-            re.compile(pattern)
+            out.append((pattern, re.compile(pattern), dev.strip()))
         except re.error as exc:
             raise _Bad(f"{pattern!r} is not a valid regular expression: {exc}") from None
+    return out
+
+
+def _overrides(v: Any) -> Optional[str]:
+    v = _text(v)
+    override_items(v)
     return v
 
 
