@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import sys
 import weakref
 
 import numpy as np
@@ -14,6 +16,9 @@ from .errors import AllocationError, IndexRangeError, ShapeError
 from .graph import Graph, all_contexts as _all_contexts, track_context
 from .ops import OpsMixin
 from .tensor import Tensor, check_indices, ne_of
+
+# Python < 3.13 does not export it; without it Linux counts the mapping against the commit limit
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 def _owner_of(view: Tensor):
     """The context of a view's base tensor: the view's own context when that is where the base lives."""
@@ -166,14 +171,19 @@ class Context(OpsMixin, Managed):
 
     # -- allocation -----------------------------------------------------------
 
-    def allocate(self, backend: Backend, usage: str = "any") -> Buffer:
+    def allocate(self, backend: Backend, usage: str = "any", virtual: bool = False) -> Buffer:
         """Allocate every unallocated tensor of this context in one buffer of ``backend``.
 
         The buffer is owned by the context (and so kept alive by its tensors);
-        it is also returned for inspection.
+        it is also returned for inspection. ``virtual=True`` (planning) gives a buffer
+        of the same size and layout over reserved, never-committed host memory, so
+        that sizes can be measured for more memory than the machine has; its
+        tensors must not be read or computed.
         """
         if not self.no_alloc:
             raise AllocationError("Context.allocate: this context owns its data already (no_alloc=False)")
+        if virtual:
+            return self._allocate_virtual(backend, usage)
         ptr = lib.ggml_backend_alloc_ctx_tensors(self.ptr, backend.ptr)
         if ptr == ffi.NULL:
             pending = [t for t in self.tensors() if not t.is_allocated and not t.is_view and t.nbytes]
@@ -184,6 +194,29 @@ class Context(OpsMixin, Managed):
         buf = Buffer(ptr, backend)
         if usage != "any":
             buf.set_usage(usage)
+        self._buffers.append(buf)
+        return buf
+
+    def _allocate_virtual(self, backend: Backend, usage: str) -> Buffer:
+        buft = lib.ggml_backend_get_default_buffer_type(backend.ptr)
+        size = int(lib.ggml_backend_alloc_ctx_tensors_from_buft_size(self.ptr, buft))
+        if size == 0:
+            raise AllocationError("Context.allocate: nothing to allocate (every tensor has memory or is empty)")
+        align = int(lib.ggml_backend_buft_get_alignment(buft))
+        # address space only: no page is committed unless written, and nothing here writes
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        mem = mmap.mmap(-1, size, flags=flags)
+        buf = Buffer.from_host_memory(np.frombuffer(mem, np.uint8), usage if usage != "any" else "weights")
+        if usage == "any":
+            buf.set_usage("any")
+        offset = 0
+        for t in self.tensors():
+            p = t.ptr
+            if p.data != ffi.NULL or p.view_src != ffi.NULL:
+                continue
+            buf.place(t, offset)
+            need = int(lib.ggml_backend_buft_get_alloc_size(buft, p))
+            offset += -(-need // align) * align
         self._buffers.append(buf)
         return buf
 

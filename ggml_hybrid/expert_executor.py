@@ -129,7 +129,7 @@ class ExpertCacheExecutor:
                  policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None,
                  simulated_bus_bytes_per_s: float | None = None, trace=None, clear: bool = True):
-        """``clear=False`` (planning only: nothing will run) leaves the slot memory untouched."""
+        """``clear=False`` (planning only: nothing will run) only reserves the slot memory."""
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.n_used, self.glu = n_used, glu
         # the CPU share: a fixed fraction of the misses, or "auto" (an online cost model)
@@ -146,7 +146,7 @@ class ExpertCacheExecutor:
         self.ctx = Context(n_tensors=len(names))
         self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
                              for k, info in infos.items()}
-        self.buffer = self.ctx.allocate(device, "weights")
+        self.buffer = self.ctx.allocate(device, "weights", virtual=not clear)
         if clear:
             self.buffer.clear(0)
         self.slots = ExpertWeights(**self.slot_tensors)

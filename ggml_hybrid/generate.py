@@ -22,8 +22,9 @@ class GenerationStats:
     generated_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
+    decode_steps: int = 0                             # tokens evaluated after the prompt
     tokens: list[int] = field(default_factory=list)  # generated ids
-    stop_reason: str = ""                             # "eos", "length" or "context"
+    stop_reason: str = ""                             # "eos" (any end-of-generation token), "length" or "context"
     logits: list[np.ndarray] = field(default_factory=list)
 
     @property
@@ -32,9 +33,8 @@ class GenerationStats:
 
     @property
     def decode_tps(self) -> float:
-        # the first generated token comes from the prompt's logits; each later one costs a decode step
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds else 0.0
+        # the first generated token comes from the prompt's logits; each token evaluated after it is a step
+        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
 
     def all_logits(self) -> np.ndarray:
         return np.concatenate(self.logits, axis=0).astype(np.float32) if self.logits else np.zeros((0, 0), np.float32)
@@ -58,12 +58,12 @@ def generate(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | 
     if keep_logits:
         st.logits.append(logits)
     text = model.tokenizer.stream()
-    eos = model.tokenizer.eos_id
+    eog = model.tokenizer.eog_ids
     st.stop_reason = "length"
     t0 = time.perf_counter()
     for i in range(n_predict):
         tok = sampler(logits[-1])
-        if stop_at_eos and tok == eos:
+        if stop_at_eos and tok in eog:
             st.stop_reason = "eos"
             break
         st.tokens.append(tok)
@@ -77,6 +77,7 @@ def generate(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | 
             st.stop_reason = "context"
             break
         logits = model.eval([tok], "last")
+        st.decode_steps += 1
         if keep_logits:
             st.logits.append(logits)
     st.decode_seconds = time.perf_counter() - t0

@@ -30,7 +30,7 @@ class KVCache:
                  v_trans: bool, clear: bool = True):
         """``backends``: one Backend for every layer, or a list giving each layer's.
 
-        ``clear=False`` leaves the memory untouched (planning: nothing is ever computed).
+        ``clear=False`` (planning: nothing is ever computed) only reserves the memory.
         """
         self.n_layer, self.n_ctx, self.n_embd_kv, self.v_trans = n_layer, n_ctx, n_embd_kv, v_trans
         self.type_k, self.type_v = as_ggml_type(type_k), as_ggml_type(type_v)
@@ -43,7 +43,7 @@ class KVCache:
             for i in layers:
                 self.k[i] = ctx.new_tensor(self.type_k, (n_ctx, n_embd_kv), f"cache_k_l{i}")
                 self.v[i] = ctx.new_tensor(self.type_v, (n_ctx, n_embd_kv), f"cache_v_l{i}")
-            buf = ctx.allocate(b, "any")
+            buf = ctx.allocate(b, "any", virtual=not clear)
             if clear:
                 buf.clear(0)  # masked cells are multiplied by 0: they must not hold NaN
             self.parts.append((b, ctx, buf))

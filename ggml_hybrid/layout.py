@@ -2,13 +2,13 @@
 
 The rules, in llama.cpp's order and with its meanings:
 
-1. ``n_gpu_layers`` (``-ngl``, -1 = all): the last N repeating layers are offloaded; the output
-   norm and head are offloaded when N exceeds the layer count (or is -1). The token embeddings
-   always stay on the CPU (llama.cpp's input layer); a tied output head gets its own copy on the
-   output device.
-2. Offloaded layers go to the accelerators: ``split_mode=layer`` splits them into contiguous
-   ranges in ``tensor_split`` proportions (default: equal); ``split_mode=none`` puts them all on
-   the first.
+1. ``n_gpu_layers`` (``-ngl``, -1 = all): the output layer counts as layer ``n_layer`` and the
+   last N of the ``n_layer + 1`` are offloaded (so ``-ngl 1`` offloads the output head only, and a
+   large N means everything). The token embeddings always stay on the CPU (llama.cpp's input
+   layer); a tied output head gets its own copy on the output device.
+2. Offloaded layers go to the accelerators: ``split_mode=layer`` splits them (output included)
+   into contiguous ranges in ``tensor_split`` proportions (default: equal); ``split_mode=none``
+   puts them all on the first.
 3. ``override_tensor`` (``-ot REGEX=DEVICE,...``): the first pattern that *searches* (not
    matches) a tensor name decides its device; then ``cpu_moe`` / ``n_cpu_moe`` add
    ``blk.N.ffn_*_exps.weight`` -> CPU (expert weights only, as llama.cpp defines them).
@@ -22,6 +22,7 @@ planner, which is what makes the planner's numbers the loader's.
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ def parse_split(text: str | None, n_devices: int) -> list[float]:
         parts = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
     except ValueError:
         raise OptionError(f"tensor_split={text}: must be comma-separated proportions, e.g. 3,1") from None
-    if len(parts) != n_devices or any(p < 0 or p != p for p in parts) or sum(parts) <= 0:
+    if len(parts) != n_devices or any(not (0 <= p < float("inf")) for p in parts) or sum(parts) <= 0:
         raise OptionError(f"tensor_split={text}: needs {n_devices} non-negative proportion(s) (one per device: "
                           f"{n_devices}) with a positive sum")
     return parts
@@ -84,12 +85,12 @@ def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], t
     ngl = opts.n_gpu_layers
     if ngl < -1:
         raise OptionError(f"n_gpu_layers={ngl}: must be -1 (all) or >= 0")
-    if ngl > n_layer + 1:
-        raise OptionError(f"n_gpu_layers={ngl}: the model has only {n_layer} layers (+1 for the output)")
-    n_off = n_layer if ngl == -1 else min(ngl, n_layer)
-    if n_off and not devices:
-        raise OptionError(f"n_gpu_layers={ngl}: there is no device to offload to")
-    first_off = n_layer - n_off
+    # llama.cpp's rule: the output layer counts as layer n_layer; -ngl N offloads the last N of the
+    # n_layer + 1, so the output goes first and -ngl 99 simply means everything
+    ngl = n_layer + 1 if ngl == -1 else min(ngl, n_layer + 1)
+    if ngl and not devices:
+        raise OptionError(f"n_gpu_layers={opts.n_gpu_layers}: there is no device to offload to")
+    i_gpu_start = max(n_layer + 1 - ngl, 0)
     if opts.split_mode == "none" or len(devices) <= 1:
         split = [1.0] + [0.0] * (len(devices) - 1)
         if opts.tensor_split and len(devices) > 1:
@@ -101,17 +102,16 @@ def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], t
     for p in split:
         acc += p
         bounds.append(acc / total)
-    layer_device = []
-    for i in range(n_layer):
-        if i < first_off:
-            layer_device.append(CPU)
-            continue
-        frac = (i - first_off) / n_off
-        d = next(k for k, b in enumerate(bounds) if frac < b or k == len(bounds) - 1)
-        layer_device.append(devices[d])
-    output_device = devices[0] if devices and (ngl == -1 or ngl > n_layer) else CPU
-    if output_device != CPU and layer_device and layer_device[-1] != CPU:
-        output_device = layer_device[-1]
+
+    def device_of(il: int) -> str:
+        if il < i_gpu_start:
+            return CPU
+        frac = (il - i_gpu_start) / ngl
+        # std::upper_bound over the cumulative split points, as llama.cpp picks the device
+        return devices[min(bisect.bisect_right(bounds, frac), len(devices) - 1)]
+
+    layer_device = [device_of(i) for i in range(n_layer)]
+    output_device = device_of(n_layer)
     rules = parse_overrides(opts.override_tensor)
     for pattern, _, dev in rules:
         if dev not in known:

@@ -24,7 +24,7 @@ from .context import Context
 from .devices import open_devices
 from .layout import CPU, plan_layout
 from .tensor import Tensor
-from .errors import ShapeError
+from .errors import ClosedError, ShapeError
 from .experts import ExpertLayers, check_moe_options
 from .hparams import HParams, read_hparams, tensor_shapes
 from .kv_cache import KVCache
@@ -36,6 +36,7 @@ from .store import GGUFStore, ModelFileError, load_into
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
+MAX_GRAPHS = 8  # decoder graphs kept per model (one per ubatch shape), least recently used dropped first
 _EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
@@ -79,9 +80,24 @@ class MoEModel:
             raise
         n_threads = opts.n_threads or os.cpu_count() or 1
         self._own_devices = device is None
+        # everything close() releases, so that a load failing half way releases what it made
+        self.devices, self.host, self.sched, self.experts, self.kv = {}, None, None, None, None
+        self.weight_ctxs: list[tuple[str, Context]] = []
+        self._graphs: dict[tuple, DecoderGraph] = {}
+        self._active: tuple | None = None  # key of the graph whose regions are registered
+        try:
+            self._load(opts, hp, n_threads, device, dry_run_devices, progress)
+        except BaseException:
+            self.close()
+            raise
+        self.load_seconds = time.perf_counter() - t0
+
+    def _load(self, opts: SessionOptions, hp: HParams, n_threads: int, device, dry_run_devices, progress) -> None:
+        store = self.store
         # without accelerators, CPU backend instances play the devices (DEV0, ...), with their own buffers
         if self.dry_run:
-            self.devices = {name: cpu_instance(i, 1) for i, name in enumerate(dry_run_devices)}
+            for i, name in enumerate(dry_run_devices):
+                self.devices[name] = cpu_instance(i, 1)
         elif device is not None:
             self.devices = {"CUDA0" if not device.is_cpu else "DEV0": device}
         else:
@@ -89,12 +105,7 @@ class MoEModel:
         self.host = cpu(n_threads)
         self.device = next(iter(self.devices.values()))
         required = list(tensor_shapes(hp))
-        try:
-            self.layout = plan_layout(required, hp.n_layer, opts, list(self.devices), hp.tied_output)
-        except Exception:
-            self._close_backends()
-            store.close()
-            raise
+        self.layout = plan_layout(required, hp.n_layer, opts, list(self.devices), hp.tied_output)
         self.sched = Scheduler(list(self.devices.values()) + [self.host], graph_size=2 * graph_size(hp))
         dense = [n for n in required if not n.endswith(_EXPERT_SUFFIXES)]
         total = len(dense) + 3 * hp.n_layer + (1 if hp.tied_output else 0)
@@ -114,11 +125,8 @@ class MoEModel:
         self.kv = KVCache(hp.n_layer, n_ctx, hp.n_embd_kv, opts.cache_type_k, opts.cache_type_v,
                           [self.backend(d) for d in lay.kv_device], v_trans=not opts.flash_attn,
                           clear=not self.dry_run)
-        self._graphs: dict[tuple, DecoderGraph] = {}
-        self._active: tuple | None = None  # key of the graph whose regions are registered
         # like llama.cpp: size the compute buffers for the largest ubatch once, at load
         self.sched.reserve(self._graph(min(opts.ubatch_size, n_ctx), n_ctx, min(opts.ubatch_size, n_ctx)).graph)
-        self.load_seconds = time.perf_counter() - t0
 
     def backend(self, name: str) -> Backend:
         """The backend of a device name of this session (``CPU``: the host backend)."""
@@ -130,7 +138,6 @@ class MoEModel:
         for n in dense:
             by_dev.setdefault(self.layout.tensors[n], []).append(n)
         self.weights: dict[str, Tensor] = {}
-        self.weight_ctxs: list[tuple[str, Context]] = []
         for dev, names in by_dev.items():
             if dev == CPU:
                 ctx = Context(n_tensors=len(names))
@@ -148,7 +155,7 @@ class MoEModel:
             info = self.store.info("token_embd.weight")
             ctx = Context(n_tensors=1)
             t = ctx.new_tensor(info.dtype, info.shape, "output.weight")
-            ctx.allocate(self.devices[out_dev], "weights")
+            ctx.allocate(self.devices[out_dev], "weights", virtual=self.dry_run)
             if not self.dry_run:
                 self.store.load(t, source="token_embd.weight")
             self.weights["output.weight"] = t
@@ -173,8 +180,16 @@ class MoEModel:
 
     def _graph(self, n_tokens: int, n_kv: int, n_out: int) -> DecoderGraph:
         key = (n_tokens, n_kv, n_out)
-        entry = self._graphs.get(key)
-        if entry is None:
+        entry = self._graphs.pop(key, None)
+        if entry is not None:
+            self._graphs[key] = entry  # most recently used last
+        else:
+            while len(self._graphs) >= MAX_GRAPHS:  # prompts of many lengths: keep memory bounded
+                old_key = next(iter(self._graphs))
+                self._graphs.pop(old_key).close()
+                if self._active == old_key:
+                    self.sched.clear_regions()
+                    self._active = None
             entry = self._graphs[key] = build_decoder(self.hp, self.weights, self.experts.weights, self.kv,
                                                       n_tokens, n_kv, n_out, self.options.flash_attn)
             self.sched.set_pins(entry.graph, self._pins(entry))
@@ -193,7 +208,7 @@ class MoEModel:
         for i, ew in enumerate(self.experts.weights):
             for t in ew.kinds.values():
                 if lay.expert_mode[i] == "disk":  # the region runs on its cache's device
-                    home[addr(t)] = self.backend(lay.layer_device[i])
+                    home[addr(t)] = self.experts.layer_backends[i]
                 else:
                     home[addr(t)] = self.backend(lay.tensors[t.name])
         pins = []
@@ -215,7 +230,9 @@ class MoEModel:
                     b = self.backend(lay.output_device)
                 else:
                     b = self.host
-            pins.append((node, b))
+            # an op the chosen backend cannot run is left to the scheduler, which falls back (to the CPU)
+            if b.supports(node):
+                pins.append((node, b))
         return pins
 
     def _check_tokens(self, tokens) -> np.ndarray:
@@ -250,6 +267,8 @@ class MoEModel:
             raise ValueError(f"eval: logits={logits!r} must be 'last' or 'all'")
         if self.dry_run:
             raise RuntimeError("eval: this model was opened for planning (dry run) and holds no weights")
+        if getattr(self, "_closed", False):
+            raise ClosedError("eval: the model is closed")
         arr = self._check_tokens(tokens)
         self.kv.n_kv_for(len(arr))  # the whole call fits, or nothing is evaluated
         ub = self.options.ubatch_size
@@ -302,22 +321,24 @@ class MoEModel:
     # -- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
-        if self.sched is None:
+        """Release everything; safe twice, and on a model whose load failed half way."""
+        if getattr(self, "_closed", False):
             return
-        self.experts.close()
+        self._closed = True
+        if self.experts is not None:
+            self.experts.close()  # first: its CPU worker may still read the mapped experts
         for g in self._graphs.values():
             g.close()
         self._graphs.clear()
-        self.sched.close()
-        self.kv.close()
+        if self.sched is not None:
+            self.sched.close()
+        if self.kv is not None:
+            self.kv.close()
         for _, ctx in self.weight_ctxs:
             ctx.close()
         self.store.close()
-        self._close_backends()
-        self.sched = None
-
-    def _close_backends(self) -> None:
-        self.host.close()
+        if self.host is not None:
+            self.host.close()
         if self._own_devices:
             for b in self.devices.values():
                 b.close()

@@ -20,6 +20,7 @@ from .kv_cache import KVCache
 from .moe import MoERegion, build_moe_ffn
 from .tensor import Tensor
 
+# nodes and leafs per layer besides the weighted sum, which takes two per expert used (llama.cpp's adds)
 NODES_PER_LAYER = 96
 
 
@@ -48,7 +49,7 @@ class DecoderGraph:
 
 
 def graph_size(hp: HParams) -> int:
-    return NODES_PER_LAYER * hp.n_layer + 64
+    return (NODES_PER_LAYER + 2 * hp.n_used) * hp.n_layer + 64
 
 
 def _norm(c: Context, x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -117,7 +118,7 @@ def build_decoder(hp: HParams, w: dict, experts: list, kv: KVCache, n_tokens: in
                   flash: bool) -> DecoderGraph:
     """Logits [n_out, n_vocab] of the last ``n_out`` tokens of an ubatch of ``n_tokens``."""
     size = graph_size(hp)
-    c = Context(n_tensors=size, graph_size=size)
+    c = Context(n_tensors=2 * size, graph_size=size)  # views are tensors too
     g = c.new_graph(size)
     inp = {"tokens": c.new_tensor("i32", (n_tokens,), "inp_tokens"),
            "pos": c.new_tensor("i32", (n_tokens,), "inp_pos"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .store import GGUFStore
+from .store import GGUFStore, ModelFileError
 
 CLASSES = ("dense", "routed_experts", "shared_experts", "embeddings", "output")
 
@@ -25,7 +25,17 @@ def describe(path) -> dict:
     store = GGUFStore(path)
     try:
         arch = store.meta("general.architecture", "")
-        meta = lambda key, d=None: store.meta(f"{arch}.{key}", d)  # noqa: E731
+        if not isinstance(arch, str):
+            raise ModelFileError(f"{store.path!r}: general.architecture = {arch!r} is not a name")
+
+        def meta(key, d=0):
+            v = store.meta(f"{arch}.{key}", d)
+            if isinstance(v, list) and v and all(x == v[0] for x in v):
+                v = v[0]  # a per-layer array with one value
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ModelFileError(f"{store.path!r}: {arch}.{key} = {v!r} must be a non-negative integer")
+            return v
+
         n_expert = meta("expert_count", 0)
         by_class = dict.fromkeys(CLASSES, 0)
         types: dict[str, Counter] = {c: Counter() for c in CLASSES}
@@ -35,7 +45,7 @@ def describe(path) -> dict:
             types[c][info.dtype.name] += 1
         is_moe = bool(n_expert) and "blk.0.ffn_gate_inp.weight" in store
         out = {
-            "path": store.path, "architecture": arch, "name": store.meta("general.name", ""),
+            "path": store.path, "architecture": arch, "name": str(store.meta("general.name", "")),
             "moe": is_moe, "n_layer": meta("block_count", 0), "n_embd": meta("embedding_length", 0),
             "n_head": meta("attention.head_count", 0), "n_head_kv": meta("attention.head_count_kv", 0),
             "n_ctx_train": meta("context_length", 0),

@@ -141,7 +141,7 @@ def _proportions(v: Any) -> Optional[str]:
         parts = [float(x) for x in v.replace("/", ",").split(",") if x.strip()]
     except ValueError:
         raise _Bad() from None
-    if not parts or any(not p >= 0 for p in parts) or sum(parts) <= 0:
+    if not parts or any(not 0 <= p < float("inf") for p in parts) or sum(parts) <= 0:
         raise _Bad()
     return v
 

@@ -140,6 +140,10 @@ def _verify(path, opts: SessionOptions, vram, ram, parallel, rec: dict, tries: i
 
 def _warnings(p: dict, opts: SessionOptions, hp) -> list[str]:
     w = []
+    h = p["host"]
+    if h["ram"] is not None and h["resident_total"] > h["ram"]:
+        w.append(f"host buffers ({human(h['resident_total'])}: KV cache and compute on the CPU) exceed --ram "
+                 f"{human(h['ram'])}")
     mapped_experts = p["host"]["mapped"].get("routed_experts", 0)
     if p["host"]["ram"] is not None and mapped_experts and mapped_experts + p["host"]["resident_total"] > \
             p["host"]["ram"]:
@@ -249,7 +253,8 @@ def _plan_dense(info: dict, store: GGUFStore, opts, vram, ram, parallel) -> dict
     return {"model": info["path"], "architecture": arch, "moe": False, "options": opts.to_items(), "devices": {},
             "host": {"ram": ram}, "kv": {"n_ctx": n_ctx, "per_layer": kv_layer // parallel, "parallel": parallel,
                                          "total": kv_layer * n_layer},
-            "layer_bytes": layer_bytes, "other_bytes": other, "warnings": warnings, "recommendations": recs,
+            "layer_bytes": layer_bytes, "other_bytes": other, "file_bytes": info["total_bytes"],
+            "warnings": warnings, "recommendations": recs,
             "threads": opts.n_threads or os.cpu_count() or 1}
 
 
@@ -289,10 +294,17 @@ def format_text(p: dict) -> str:
 
 
 def k8s_resources(p: dict, overhead: int = GiB) -> dict:
-    """A pod ``resources`` stanza: GPUs, host memory (experts + KV + buffers + overhead), CPU threads."""
+    """A pod ``resources`` stanza: GPUs, host memory (experts + KV + buffers + overhead), CPU threads.
+
+    Devices played by CPU instances (no GPU planned) live in host memory and are counted there.
+    """
     gpus = sum(1 for d, v in p["devices"].items() if d.startswith("CUDA") and v["total"] > 0)
     host = p.get("host", {})
-    memory = host.get("mapped_total", 0) + host.get("resident_total", 0) + overhead
+    if p["moe"]:
+        memory = host.get("mapped_total", 0) + host.get("resident_total", 0) + overhead
+        memory += sum(v["total"] for d, v in p["devices"].items() if not d.startswith("CUDA"))
+    else:  # a dense plan: the whole file mapped plus the KV cache
+        memory = p["file_bytes"] + p["kv"]["total"] + overhead
     mem_gi = -(-memory // GiB)
     res = {"requests": {"memory": f"{mem_gi}Gi", "cpu": str(p["threads"])},
            "limits": {"memory": f"{mem_gi}Gi"}}

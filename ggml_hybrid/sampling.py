@@ -1,7 +1,8 @@
 """Next-token choice from logits: greedy, or seeded temperature / top-k / top-p sampling.
 
-The order is llama.cpp's common sampler chain: top-k, then top-p over the
-survivors (softmax at temperature), then a draw. A ``Sampler`` owns its
+The order is llama.cpp's common sampler chain (without its penalties, min-p and
+the other optional stages): top-k, then top-p on the softmax of the raw logits,
+then temperature applied to the survivors, then a draw. A ``Sampler`` owns its
 ``numpy.random.Generator``, so the same seed gives the same tokens.
 """
 
@@ -44,12 +45,15 @@ class Sampler:
         order = np.argsort(-logits, kind="stable")
         if self.top_k:
             order = order[:self.top_k]
-        z = logits[order] / self.temperature
+        z = logits[order]
+        if self.top_p < 1:
+            p1 = np.exp(z - z.max())
+            p1 /= p1.sum()
+            keep = int(np.searchsorted(np.cumsum(p1), self.top_p) + 1)  # smallest prefix reaching top_p
+            order, z = order[:keep], z[:keep]
+        z = z / self.temperature
         p = np.exp(z - z.max())
         p /= p.sum()
-        if self.top_p < 1:
-            keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)  # smallest prefix reaching top_p
-            order, p = order[:keep], p[:keep] / p[:keep].sum()
         return int(order[self._rng.choice(len(order), p=p)])
 
 

@@ -131,12 +131,13 @@ def load_into(store: GGUFStore, names, backend: Backend, usage: str = "weights",
     """A context with the named tensors, allocated on ``backend`` and filled from the file.
 
     ``on_tensor(name)`` is called after each tensor is loaded (progress reporting). With
-    ``load=False`` the memory is allocated but no tensor data is read (planning).
+    ``load=False`` (planning) the memory is only reserved (``Context.allocate(virtual=True)``)
+    and no tensor data is read.
     """
     ctx = Context(n_tensors=len(names) + n_extra)
     tensors = {n: store.new_tensor(ctx, n) for n in names}
     if tensors:
-        ctx.allocate(backend, usage)
+        ctx.allocate(backend, usage, virtual=not load)
         for t in tensors.values():
             if load:
                 store.load(t)

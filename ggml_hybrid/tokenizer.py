@@ -24,6 +24,9 @@ _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{
 PRE_TOKENIZERS = {"qwen2": (_QWEN2, False), "llama-bpe": (_LLAMA3, True)}  # name -> (regex, ignore_merges)
 
 TOKEN_TYPE_CONTROL = 3
+# control tokens that end a turn, which llama.cpp also stops at (llama-vocab.cpp's end-of-generation list)
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+              "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"}
 TOKEN_TYPE_USER_DEFINED = 4
 
 
@@ -31,8 +34,9 @@ class Tokenizer:
     """Text to token ids and back, as llama.cpp does for the same GGUF vocabulary."""
 
     def __init__(self, tokens: list[str], merges: list[str], pre: str, token_types: list[int] | None = None,
-                 bos_id: int | None = None, eos_id: int | None = None, add_bos: bool = False, source: str = "vocab"):
-        from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+                 bos_id: int | None = None, eos_id: int | None = None, add_bos: bool = False, source: str = "vocab",
+                 eot_id: int | None = None, eom_id: int | None = None):
+        from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
         if pre not in PRE_TOKENIZERS:
             raise ModelFileError(f"{source}: tokenizer.ggml.pre = {pre!r} is not supported; "
@@ -41,7 +45,7 @@ class Tokenizer:
         types = list(token_types) if token_types is not None else [1] * n
         if len(types) != n:
             raise ModelFileError(f"{source}: {len(types)} token types for {n} tokens")
-        for name, tid in (("bos", bos_id), ("eos", eos_id)):
+        for name, tid in (("bos", bos_id), ("eos", eos_id), ("eot", eot_id), ("eom", eom_id)):
             if tid is not None and not 0 <= tid < n:
                 raise ModelFileError(f"{source}: {name} token id {tid} is outside the vocabulary of {n}")
         self.tokens, self.pre, self.types = list(tokens), pre, types
@@ -79,7 +83,15 @@ class Tokenizer:
             pre_tokenizers.Split(Regex(regex), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         hf.decoder = decoders.ByteLevel()
+        # user-defined tokens (Qwen3's <think>, <tool_call>, ...) are matched in plain text before BPE,
+        # as llama.cpp does even without special-token parsing
+        user = [tokens[i] for i in sorted(self._raw - self.control) if tokens[i]]
+        if user:
+            hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         self._hf = hf
+        # end-of-generation: EOS, EOT and EOM ids, and the control tokens llama.cpp treats as such
+        self.eog_ids = {t for t in (eos_id, eot_id, eom_id) if t is not None}
+        self.eog_ids |= {i for i in self.control if tokens[i] in _EOG_TEXTS}
 
     @classmethod
     def from_gguf(cls, store: GGUFStore) -> "Tokenizer":
@@ -90,12 +102,23 @@ class Tokenizer:
 
         def opt_int(key):
             v = store.meta(key, -1)
-            return v if isinstance(v, int) and v >= 0 else None
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
-        return cls(store.meta("tokenizer.ggml.tokens"), store.meta("tokenizer.ggml.merges"),
-                   store.meta("tokenizer.ggml.pre", "default"), store.meta("tokenizer.ggml.token_type", []) or None,
-                   opt_int("tokenizer.ggml.bos_token_id"), opt_int("tokenizer.ggml.eos_token_id"),
-                   bool(store.meta("tokenizer.ggml.add_bos_token", False)), store.path)
+        def str_list(key, default=None):
+            v = store.meta(key, default)
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise ModelFileError(f"{store.path!r}: {key} must be a list of strings, got {type(v).__name__}")
+            return v
+
+        types = store.meta("tokenizer.ggml.token_type", [])
+        if not isinstance(types, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in types):
+            raise ModelFileError(f"{store.path!r}: tokenizer.ggml.token_type must be a list of integers")
+        pre = store.meta("tokenizer.ggml.pre", "default")
+        # llama.cpp adds BOS by default for the Llama-3 pre-tokenizer when the file does not say
+        add_bos = store.meta("tokenizer.ggml.add_bos_token", pre == "llama-bpe")
+        return cls(str_list("tokenizer.ggml.tokens"), str_list("tokenizer.ggml.merges", []), pre, types or None,
+                   opt_int("tokenizer.ggml.bos_token_id"), opt_int("tokenizer.ggml.eos_token_id"), bool(add_bos),
+                   store.path, opt_int("tokenizer.ggml.eot_token_id"), opt_int("tokenizer.ggml.eom_token_id"))
 
     @property
     def n_vocab(self) -> int:

@@ -279,6 +279,16 @@ def test_top_k_one_is_greedy():
     assert all(s(logits) == int(np.argmax(logits)) for _ in range(20))
 
 
+def test_top_p_is_cut_before_temperature():
+    # llama.cpp's chain: top-p on the raw softmax ({0, 1} reach 0.8 here), temperature afterwards
+    logits = np.array([2.0, 1.0, 0.0])
+    s = Sampler(temperature=0.5, top_k=0, top_p=0.8, seed=0)
+    draws = [s(logits) for _ in range(2000)]
+    assert set(draws) == {0, 1}
+    p1 = 1 / (1 + np.exp(2.0))  # token 1 after the cut, at temperature 0.5
+    assert abs(draws.count(1) / 2000 - p1) < 0.03
+
+
 def test_top_p_keeps_the_smallest_prefix():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     s = Sampler(temperature=1.0, top_k=0, top_p=0.7, seed=1)
@@ -291,3 +301,65 @@ def test_console_script_runs_demo():
     r = subprocess.run(["ggml-hybrid", "demo", "-n", "4", "-t", "1", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["all_identical"] is True
+
+
+def test_user_defined_tokens_are_matched_in_text():
+    from ggml_hybrid.synthetic import train_vocab
+    from ggml_hybrid.tokenizer import Tokenizer
+
+    tokens, types, merges = train_vocab("qwen2", 384)
+    tokens = tokens + ["<think>"]
+    types = types + [4]
+    tok = Tokenizer(tokens, merges, "qwen2", types)
+    ids = tok.encode("a<think>b")
+    assert ids.count(len(tokens) - 1) == 1 and tok.decode(ids) == "a<think>b"
+    # a control token is never produced from text
+    im_end = tokens.index("<|im_end|>")
+    assert im_end not in tok.encode("x<|im_end|>y")
+    assert im_end in tok.eog_ids and tok.eos_id is None
+
+
+def test_generation_stops_at_any_end_of_generation_token(small):
+    with MoEModel(small["qwen3moe"], SessionOptions(n_threads=1)) as m:
+        im_end = m.tokenizer.tokens.index("<|im_end|>")
+        assert im_end in m.tokenizer.eog_ids and im_end != m.tokenizer.eos_id
+        st = GenerationStats()
+        calls = []
+
+        def sampler(logits):
+            calls.append(1)
+            return 5 if len(calls) < 3 else im_end
+
+        text = "".join(generate(m, m.tokenizer.encode(PROMPT), 10, sampler, st))
+    assert st.stop_reason == "eos" and st.tokens == [5, 5] and st.decode_steps == 2
+    assert text == m.tokenizer.decode([5, 5])
+
+
+def test_a_failed_load_releases_everything(small, tmp_path):
+    import gc
+
+    import ggml_hybrid as gh
+
+    gc.collect()
+    before = gh.live_objects()
+    gc.disable()
+    try:
+        with pytest.raises(OSError):
+            MoEModel(small["qwen3moe"], SessionOptions(disk_experts=True, expert_cache_slots=2,
+                                                       trace_path=str(tmp_path / "missing" / "t.bin")))
+        assert gh.live_objects() == before  # without waiting for the garbage collector
+    finally:
+        gc.enable()
+
+
+def test_graph_cache_is_bounded(small):
+    from ggml_hybrid.lm import MAX_GRAPHS
+
+    with MoEModel(small["qwen3moe"], SessionOptions(n_threads=1)) as m:
+        ref = m.eval(list(range(1, 4)), "all")
+        for n in range(1, MAX_GRAPHS + 6):
+            m.reset()
+            m.eval(list(range(1, n + 1)))
+        assert len(m._graphs) <= MAX_GRAPHS
+        m.reset()
+        assert np.array_equal(m.eval(list(range(1, 4)), "all"), ref)  # rebuilt after eviction, same result

@@ -89,9 +89,11 @@ def test_cpu_moe_and_n_cpu_moe_move_expert_weights_only(names):
     assert lay.tensors["blk.0.ffn_up_exps.bias"] == "DEV0"
 
 
+# llama.cpp (llama-model.cpp): the output is layer n_layer; -ngl N offloads the last N of the n_layer + 1
 @pytest.mark.parametrize("ngl, layers, output", [
-    (-1, ("DEV0",) * 4, "DEV0"), (5, ("DEV0",) * 4, "DEV0"), (4, ("DEV0",) * 4, CPU),
-    (2, (CPU, CPU, "DEV0", "DEV0"), CPU), (0, (CPU,) * 4, CPU)])
+    (-1, ("DEV0",) * 4, "DEV0"), (5, ("DEV0",) * 4, "DEV0"), (99, ("DEV0",) * 4, "DEV0"),
+    (4, (CPU, "DEV0", "DEV0", "DEV0"), "DEV0"), (2, (CPU, CPU, CPU, "DEV0"), "DEV0"), (1, (CPU,) * 4, "DEV0"),
+    (0, (CPU,) * 4, CPU)])
 def test_n_gpu_layers_offloads_the_last_layers(names, ngl, layers, output):
     lay = layout(names, n_gpu_layers=ngl)
     assert lay.layer_device == layers and lay.output_device == output
@@ -99,21 +101,26 @@ def test_n_gpu_layers_offloads_the_last_layers(names, ngl, layers, output):
 
 
 def test_tensor_split_and_split_mode(names):
-    assert layout(names, devices=["DEV0", "DEV1"]).layer_device == ("DEV0", "DEV0", "DEV1", "DEV1")
-    assert layout(names, devices=["DEV0", "DEV1"], tensor_split="3,1").layer_device == ("DEV0",) * 3 + ("DEV1",)
+    # 5 offloaded layers (4 + the output) at fractions 0, .2, .4, .6, .8 of the cumulative split points
+    lay = layout(names, devices=["DEV0", "DEV1"])
+    assert lay.layer_device == ("DEV0", "DEV0", "DEV0", "DEV1") and lay.output_device == "DEV1"
+    lay = layout(names, devices=["DEV0", "DEV1"], tensor_split="3,1")
+    assert lay.layer_device == ("DEV0",) * 4 and lay.output_device == "DEV1"
+    lay = layout(names, devices=["DEV0", "DEV1"], tensor_split="1,3")
+    assert lay.layer_device == ("DEV0", "DEV0", "DEV1", "DEV1")
     assert layout(names, devices=["DEV0", "DEV1", "DEV2"], tensor_split="1,0,1").layer_device == \
-        ("DEV0", "DEV0", "DEV2", "DEV2")
+        ("DEV0", "DEV0", "DEV0", "DEV2")
     assert layout(names, devices=["DEV0", "DEV1"], split_mode="none").layer_device == ("DEV0",) * 4
 
 
 def test_no_kv_offload_keeps_the_cache_on_the_cpu(names):
     lay = layout(names, devices=["DEV0", "DEV1"], no_kv_offload=True)
-    assert lay.kv_device == (CPU,) * 4 and lay.layer_device == ("DEV0", "DEV0", "DEV1", "DEV1")
+    assert lay.kv_device == (CPU,) * 4 and lay.layer_device == ("DEV0", "DEV0", "DEV0", "DEV1")
 
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(override_tensor="exps=GPU7"), "device 'GPU7'"),
-    (dict(n_gpu_layers=6), "n_gpu_layers=6"),
+    (dict(n_gpu_layers=-2), "n_gpu_layers=-2"),
     (dict(devices=["DEV0", "DEV1"], tensor_split="1,1,1"), "tensor_split=1,1,1"),
     (dict(devices=["DEV0", "DEV1"], tensor_split="1,1", split_mode="none"), "split_mode=layer"),
     (dict(n_cpu_moe=5), "n_cpu_moe=5"),
@@ -126,7 +133,8 @@ def test_impossible_layouts_are_refused(names, kw, msg):
 
 
 @pytest.mark.parametrize("item, msg", [("override_tensor=exps", "REGEX=DEVICE"), ("override_tensor=(=CPU", "regular"),
-                                       ("tensor_split=a,b", "proportions"), ("n_gpu_layers=-2", ">= -1"),
+                                       ("tensor_split=a,b", "proportions"), ("tensor_split=inf,1", "proportions"),
+                                       ("n_gpu_layers=-2", ">= -1"),
                                        ("split_mode=row", "'layer'"), ("virtual_devices=17", "1..16")])
 def test_bad_option_values(item, msg):
     with pytest.raises(OptionError, match=msg):
@@ -198,9 +206,9 @@ def test_multi_device_really_splits_the_graph(model, reference):
     with MoEModel(model, SessionOptions(n_threads=1, virtual_devices=2, disk_experts=True, expert_cache_slots=2,
                                         moe_cpu_share=0.5)) as m:
         got = m.eval(tokens, "all")
-        assert m.sched.n_splits >= 3  # embeddings on the CPU, layers 0-1 on DEV0, layers 2-3 on DEV1
+        assert m.sched.n_splits >= 3  # embeddings on the CPU, layers 0-2 on DEV0, layer 3 on DEV1
         ex = m.experts
-        assert [b is m.devices["DEV0"] for b in ex.layer_backends] == [True, True, False, False]
+        assert [b is m.devices["DEV0"] for b in ex.layer_backends] == [True, True, True, False]
         assert all(e.counters.misses + e.counters.cpu_misses > 0 for e in ex.executors)
         assert m.counters.total.cpu_misses > 0
     assert np.array_equal(got, ref)
@@ -313,6 +321,19 @@ def test_run_reports_placement_and_accepts_llama_flags(model):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     pl = d["placement"]
-    assert pl["layers"] == ["CPU", "CPU", "DEV0", "DEV0"] and pl["kv"] == ["CPU"] * 4
+    assert pl["layers"] == ["CPU", "CPU", "CPU", "DEV0"] and pl["kv"] == ["CPU"] * 4 and pl["output"] == "DEV0"
     assert pl["tensors"]["mapped"]["routed_experts"] > 0 and pl["tensors"]["DEV0"]["routed_experts"] > 0
     assert d["options"]["cache_type_k"] == "q8_0" and d["options"]["n_gpu_layers"] == 2
+
+
+def test_k8s_counts_cpu_instance_devices_as_host_memory(model):
+    p = plan(model, SessionOptions(virtual_devices=2))
+    res = k8s_resources(p)["resources"]
+    assert "nvidia.com/gpu" not in res["limits"]
+    need = p["host"]["mapped_total"] + p["host"]["resident_total"] + sum(v["total"] for v in p["devices"].values())
+    assert int(res["requests"]["memory"].removesuffix("Gi")) * 2 ** 30 >= need + 2 ** 30
+
+
+def test_host_buffers_over_ram_warn(model):
+    p = plan(model, SessionOptions(no_kv_offload=True), ram=1024)
+    assert any("host buffers" in w and "exceed --ram" in w for w in p["warnings"])

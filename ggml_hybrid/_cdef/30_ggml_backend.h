@@ -16,6 +16,7 @@ enum ggml_backend_dev_type {
 const char * ggml_backend_buft_name(ggml_backend_buffer_type_t buft);
 bool ggml_backend_buft_is_host(ggml_backend_buffer_type_t buft);
 size_t ggml_backend_buft_get_alignment(ggml_backend_buffer_type_t buft);
+size_t ggml_backend_buft_get_alloc_size(ggml_backend_buffer_type_t buft, const struct ggml_tensor * tensor);
 ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size);
 
 const char * ggml_backend_buffer_name(ggml_backend_buffer_t buffer);
