@@ -11,10 +11,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from .generate import GenerationStats, generate
+from .generate import complete
 from .lm import MoEModel
 from .options import SessionOptions
-from .sampling import Sampler
 
 
 @dataclass
@@ -27,13 +26,6 @@ class Side:
     second: list[float] = field(default_factory=list)  # ... and second
 
 
-def _run(model: MoEModel, prompt: list[int], n_predict: int) -> GenerationStats:
-    st = GenerationStats()
-    for _ in generate(model, prompt, n_predict, Sampler(), st, stop_at_eos=False):
-        pass
-    return st
-
-
 def ab_bench(path, a: SessionOptions, b: SessionOptions, runs: int = 4, n_predict: int = 16,
              prompt: str = "The quick brown fox jumps over the lazy dog.", progress=None) -> dict:
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
@@ -43,10 +35,10 @@ def ab_bench(path, a: SessionOptions, b: SessionOptions, runs: int = 4, n_predic
         models = {"A": ma, "B": mb}
         tokens = ma.tokenizer.encode(prompt)
         for m in models.values():
-            _run(m, tokens, n_predict)  # warm-up: graphs built, caches and pages warm
+            complete(m, tokens, n_predict, stop_at_eos=False)  # warm-up: graphs built, caches and pages warm
         for i in range(runs):
             for pos, key in enumerate("ABBA"):
-                st = _run(models[key], tokens, n_predict)
+                _, st = complete(models[key], tokens, n_predict, stop_at_eos=False)
                 s = sides[key]
                 s.prompt_tps.append(st.prompt_tps)
                 s.decode_tps.append(st.decode_tps)

@@ -12,7 +12,7 @@ import tempfile
 
 import numpy as np
 
-from .generate import GenerationStats, generate
+from .generate import complete
 from .lm import MoEModel
 from .options import SessionOptions
 from .report import hybrid_offload_active
@@ -40,9 +40,7 @@ def run_demo(n_predict: int = 24, n_threads: int | None = None, echo=print) -> d
         rows, texts, logits = [], [], []
         for label, opts in configurations(DEMO_SPEC.n_expert, n_threads):
             with MoEModel(path, opts) as m:
-                st = GenerationStats()
-                text = "".join(generate(m, m.tokenizer.encode(PROMPT), n_predict, stats=st, keep_logits=True,
-                                        stop_at_eos=False))
+                text, st = complete(m, m.tokenizer.encode(PROMPT), n_predict, keep_logits=True, stop_at_eos=False)
                 c = m.counters.total
                 rows.append({"config": label, "load_s": m.load_seconds,
                              "seconds": st.prompt_seconds + st.decode_seconds, "prompt_tps": st.prompt_tps,

@@ -86,4 +86,12 @@ def generate(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | 
         yield rest
 
 
-__all__ = ["GenerationStats", "generate"]
+def complete(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | None = None,
+             keep_logits: bool = False, stop_at_eos: bool = True) -> tuple[str, GenerationStats]:
+    """:func:`generate` run to the end: the whole text and its stats."""
+    st = GenerationStats()
+    text = "".join(generate(model, prompt_tokens, n_predict, sampler, st, keep_logits, stop_at_eos))
+    return text, st
+
+
+__all__ = ["GenerationStats", "complete", "generate"]

@@ -9,6 +9,7 @@ its inputs change from one ubatch to the next.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -36,13 +37,12 @@ class DecoderGraph:
 
     def owner(self, t: Tensor) -> tuple[str, int]:
         """("embd" | "layer" | "attn" | "output", layer) of a node of this graph."""
-        off = self.ctx.offset_of(t)
-        kind, il = "embd", -1
-        for start, k, i in self.segments:
-            if start > off:
-                break
-            kind, il = k, i
-        return kind, il
+        # segments are in creation order: the last one starting at or before t's struct is its part
+        k = bisect.bisect_right(self._starts, self.ctx.offset_of(t)) - 1
+        return self.segments[k][1:] if k >= 0 else ("embd", -1)
+
+    def __post_init__(self):
+        self._starts = [start for start, _, _ in self.segments]
 
     def close(self) -> None:
         self.ctx.close()

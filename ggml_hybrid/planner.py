@@ -41,15 +41,12 @@ def _measure(path, opts: SessionOptions, devices: list[str]) -> dict:
         host_kv = m.kv.nbytes(m.host)
         host_compute = m.sched.buffer_size(m.host)
         report = m.placement_report()
-        hp = m.hp
-        slots_bytes = {d: sum(e.slot_bytes for e, b in zip(m.experts.executors, m.experts.layer_backends)
-                              if e is not None and b is m.devices[d]) for d in devices}
         return {"devices": per_dev, "host_kv": host_kv, "host_compute": host_compute, "placement": report,
-                "hp": hp, "n_ctx": m.n_ctx, "slots": slots_bytes}
+                "hp": m.hp, "n_ctx": m.n_ctx}
 
 
 def plan(path, opts: SessionOptions | None = None, vram: list[int] | None = None, ram: int | None = None,
-         parallel: int = 1, advise: bool = True) -> dict:
+         parallel: int = 1) -> dict:
     """The plan for ``path``: bytes per device and host, KV for ``parallel`` sequences, advice, warnings."""
     opts = opts or SessionOptions()
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
@@ -63,6 +60,16 @@ def plan(path, opts: SessionOptions | None = None, vram: list[int] | None = None
             return _plan_dense(info, store, opts, vram, ram, parallel)
     finally:
         store.close()
+    p = _plan_moe(path, info, opts, vram, ram, parallel)
+    recs = _recommend(p, opts, p["hp"], list(p["devices"])) if vram and not all(
+        d["fits"] for d in p["devices"].values()) else []
+    p["recommendations"] = [r for r in (_verify(path, info, opts, vram, ram, parallel, r) for r in recs) if r]
+    del p["hp"]
+    return p
+
+
+def _plan_moe(path, info: dict, opts: SessionOptions, vram, ram, parallel: int) -> dict:
+    """One dry run and the figures from it (``info``: the file's description, read once per plan)."""
     from .devices import device_names
 
     devices = [f"CUDA{i}" for i in range(len(vram))] if vram else device_names(opts)
@@ -95,9 +102,7 @@ def plan(path, opts: SessionOptions | None = None, vram: list[int] | None = None
         "threads": opts.n_threads or os.cpu_count() or 1,
     }
     plan_["warnings"] = _warnings(plan_, opts, hp)
-    recs = _recommend(plan_, opts, hp, devices) if advise and vram and not all(
-        d["fits"] for d in out_devices.values()) else []
-    plan_["recommendations"] = [r for r in (_verify(path, opts, vram, ram, parallel, r) for r in recs) if r]
+    plan_["hp"] = hp
     return plan_
 
 
@@ -105,7 +110,7 @@ def _overflow(p: dict) -> int:
     return max(v["total"] - v["vram"] for v in p["devices"].values())
 
 
-def _verify(path, opts: SessionOptions, vram, ram, parallel, rec: dict, tries: int = 4) -> dict | None:
+def _verify(path, info: dict, opts: SessionOptions, vram, ram, parallel, rec: dict, tries: int = 4) -> dict | None:
     """Plan again with the recommendation applied; shrink the cache or move more layers until it fits.
 
     The arithmetic ignores how the options change the compute buffers; the dry run does not.
@@ -113,7 +118,7 @@ def _verify(path, opts: SessionOptions, vram, ram, parallel, rec: dict, tries: i
     """
     items = rec["options"].split()
     for _ in range(tries):
-        p = plan(path, SessionOptions.parse(items, base=opts), vram, ram, parallel, advise=False)
+        p = _plan_moe(path, info, SessionOptions.parse(items, base=opts), vram, ram, parallel)
         over = _overflow(p)
         if over <= 0:
             return {"options": " ".join(items), "buys": rec["explain"](p, dict(x.split("=", 1) for x in items)),

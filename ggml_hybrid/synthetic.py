@@ -12,7 +12,7 @@ the same spec always gives the same file.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -57,7 +57,6 @@ class ModelSpec:
     rms_eps: float = 1e-6
     tie_embeddings: bool = False  # no output.weight: logits from token_embd (qwen3moe, llama)
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def check(self) -> None:
         if self.arch not in ARCHS:

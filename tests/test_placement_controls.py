@@ -278,7 +278,7 @@ def test_planner_warnings(model):
 
 
 def test_k8s_format_parses_with_the_expected_fields(model):
-    r = CliRunner().invoke(main, ["plan", model, "--vram", "24G,24G", "-t" if False else "--format", "k8s"])
+    r = CliRunner().invoke(main, ["plan", model, "--vram", "24G,24G", "--format", "k8s"])
     assert r.exit_code == 0, r.output
     doc = yaml.safe_load(r.output)
     res = doc["resources"]

@@ -25,10 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ggml_hybrid.generate import GenerationStats, generate
+from ggml_hybrid.generate import complete
 from ggml_hybrid.lm import MoEModel
 from ggml_hybrid.options import SessionOptions
-from ggml_hybrid.sampling import Sampler
 from ggml_hybrid.synthetic import ModelSpec, write_model
 
 SPEC = ModelSpec(arch="qwen3moe", n_layer=8, n_embd=1024, n_head=8, n_head_kv=2, head_dim=128, n_ff_exp=512,
@@ -65,9 +64,7 @@ class LlamaWorker:
 
 
 def run_ours(model: MoEModel, tokens, n):
-    st = GenerationStats()
-    for _ in generate(model, tokens, n, Sampler(), st, stop_at_eos=False):
-        pass
+    _, st = complete(model, tokens, n, stop_at_eos=False)
     return st.prompt_seconds, st.decode_seconds, st.tokens
 
 
