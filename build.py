@@ -32,13 +32,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENDOR = ROOT / "vendor"
 PACKAGE = ROOT / "ggml_hybrid"
+NATIVE = PACKAGE / "_native"
 # Bump when the way GGML is configured or linked changes, to invalidate caches.
 BUILD_SCHEME = "3"
 
 
 def _load_buildinfo():
     # loaded by path: the package itself cannot be imported before it is built
-    spec = importlib.util.spec_from_file_location("_ggml_hybrid_buildinfo", PACKAGE / "_buildinfo.py")
+    spec = importlib.util.spec_from_file_location("_ggml_hybrid_buildinfo", NATIVE / "buildinfo.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -188,87 +189,26 @@ def cdef_source(patched: bool) -> str:
 
 
 def module_name(opts: Options) -> str:
-    return "_native" if opts.patched else "_native_upstream"
+    return info.MODULE if opts.patched else info.UPSTREAM_MODULE
 
 
 def build_cffi(ggml_dir: Path, opts: Options, out_dir: Path) -> Path:
-    """Compile the cffi extension; cached next to the GGML build it links."""
+    """Compile the cffi extension (our C in ``_native/src`` plus GGML); cached next to the GGML build it links."""
     import cffi
 
     pin = info.load_pin()
     name = module_name(opts)
     patch_hash = info.patch_series_hash() if opts.patched else "unpatched"
+    source_hash = info.source_hash(opts.patched)
     cdef = cdef_source(opts.patched)
-    includes = ["ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"] + (["ggml-cuda.h"] if opts.cuda else [])
-    preamble = "\n".join(f'#include "{h}"' for h in includes) + f"""
-#include <stdbool.h>
-#include "ggml-impl.h"
-/* graph internals that ggml.h does not expose but overflow checks need */
-static int ggml_hybrid_graph_n_leafs(struct ggml_cgraph * g) {{ return g->n_leafs; }}
-static struct ggml_tensor * ggml_hybrid_graph_leaf(struct ggml_cgraph * g, int i) {{ return g->leafs[i]; }}
-static bool ggml_hybrid_graph_contains(struct ggml_cgraph * g, struct ggml_tensor * t) {{
-    return ggml_hash_contains(&g->visited_hash_set, t);
-}}
-/* forget the memory a scheduler gave the graph's tensors (it may be freed by now), keeping
-   tensors in the buffers listed: only pointer values are compared. Only tensor structs inside
-   the live context pools listed ([start, end) pairs) are touched: a tensor of a freed context
-   is never read or written. */
-static int ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * keep, int n_keep,
-                                     const uintptr_t * pools, int n_pools) {{
-    int dangling = 0; /* tensors outside every live pool: their context was freed */
-    for (int pass = 0; pass < 2; pass++) {{
-        const int n = pass == 0 ? g->n_nodes : g->n_leafs;
-        struct ggml_tensor ** ts = pass == 0 ? g->nodes : g->leafs;
-        for (int i = 0; i < n; i++) {{
-            struct ggml_tensor * t = ts[i];
-            const uintptr_t a = (uintptr_t) t;
-            bool live = false;
-            for (int k = 0; k < n_pools && !live; k++) live = a >= pools[2*k] && a < pools[2*k + 1];
-            dangling += !live;
-            if (!live || t->buffer == NULL) continue;
-            bool user = false;
-            for (int k = 0; k < n_keep && !user; k++) user = t->buffer == keep[k];
-            if (!user) {{ t->buffer = NULL; t->data = NULL; }}
-        }}
-    }}
-    return dangling;
-}}
-/* CPU backend instances that stand in for separate devices: each gets its own copy of the CPU
-   device and buffer type (same functions, distinct identity), so that the scheduler treats their
-   buffers as different memories, as it does for two GPUs, instead of moving every node onto the
-   first instance (it merges backends whose buffer types are the same object). */
-#include "ggml-backend-impl.h"
-#define GGML_HYBRID_MAX_INSTANCES 16
-static struct ggml_backend_device ggml_hybrid_inst_dev[GGML_HYBRID_MAX_INSTANCES];
-static struct ggml_backend_buffer_type ggml_hybrid_inst_buft[GGML_HYBRID_MAX_INSTANCES];
-static ggml_backend_buffer_type_t ggml_hybrid_inst_get_buft(ggml_backend_dev_t dev) {{
-    return &ggml_hybrid_inst_buft[dev - ggml_hybrid_inst_dev];
-}}
-static ggml_backend_t ggml_hybrid_cpu_instance(int index) {{
-    if (index < 0 || index >= GGML_HYBRID_MAX_INSTANCES) return NULL;
-    ggml_backend_t b = ggml_backend_cpu_init();
-    if (b == NULL) return NULL;
-    ggml_hybrid_inst_dev[index] = *b->device;
-    ggml_hybrid_inst_dev[index].iface.get_buffer_type = ggml_hybrid_inst_get_buft;
-    ggml_hybrid_inst_buft[index] = *ggml_backend_cpu_buffer_type();
-    ggml_hybrid_inst_buft[index].device = &ggml_hybrid_inst_dev[index];
-    b->device = &ggml_hybrid_inst_dev[index];
-    return b;
-}}
-#define GGML_HYBRID_HAS_CUDA {1 if opts.cuda else 0}
-static const char * ggml_hybrid_ggml_version(void) {{ return "{pin['ggml_version']}"; }}
-static const char * ggml_hybrid_patch_hash(void) {{ return "{patch_hash}"; }}
-static const char * ggml_hybrid_cdef_hash(void) {{ return "{info.cdef_hash(opts.patched)}"; }}
-static int ggml_hybrid_has_cuda(void) {{ return GGML_HYBRID_HAS_CUDA; }}
-"""
+    includes = ["ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h", "hybrid.h"]
+    preamble = "\n".join(f'#include "{h}"' for h in includes) + "\n"
+    macros = [("GGML_HYBRID_GGML_VERSION", f'"{pin["ggml_version"]}"'), ("GGML_HYBRID_PATCH_HASH", f'"{patch_hash}"'),
+              ("GGML_HYBRID_SOURCE_HASH", f'"{source_hash}"')]
     if opts.cuda:
-        preamble += "static ggml_backend_t ggml_hybrid_cuda_init(int dev) { return ggml_backend_cuda_init(dev); }\n"
-        preamble += "static int ggml_hybrid_cuda_device_count(void) { return ggml_backend_cuda_get_device_count(); }\n"
-    else:
-        preamble += "static ggml_backend_t ggml_hybrid_cuda_init(int dev) { (void) dev; return NULL; }\n"
-        preamble += "static int ggml_hybrid_cuda_device_count(void) { return 0; }\n"
+        macros.append(("GGML_HYBRID_CUDA", "1"))
     ext = sysconfig.get_config_var("EXT_SUFFIX")
-    key = hashlib.sha256((cdef + preamble + ggml_dir.name + ext).encode()).hexdigest()[:16]
+    key = hashlib.sha256((cdef + preamble + repr(macros) + ggml_dir.name + ext).encode()).hexdigest()[:16]
     cached = ggml_dir / "cffi" / key / f"{name}{ext}"
     if not cached.exists():
         ffi = cffi.FFI()
@@ -278,12 +218,15 @@ static int ggml_hybrid_has_cuda(void) {{ return GGML_HYBRID_HAS_CUDA; }}
         if opts.cuda:
             extra_link += _cuda_link_args()
         ffi.set_source(
-            f"ggml_hybrid.{name}",
+            f"ggml_hybrid._native.{name}",
             preamble,
-            include_dirs=[str(ggml_dir / "ggml" / "include"), str(ggml_dir / "ggml" / "src")],
+            sources=[str(p) for p in info.c_sources() if p.suffix == ".c"],
+            include_dirs=[str(info.SRC_DIR), str(ggml_dir / "ggml" / "include"), str(ggml_dir / "ggml" / "src")],
+            define_macros=macros,
             extra_objects=libs,
             extra_link_args=extra_link,
-            extra_compile_args=["-O2", "-Wno-unused-function", "-Werror=incompatible-pointer-types", "-Werror=int-conversion"],
+            extra_compile_args=["-O2", "-Wall", "-Wno-unused-function", "-Werror=incompatible-pointer-types",
+                                "-Werror=int-conversion", "-Werror=implicit-function-declaration"],
         )
         with tempfile.TemporaryDirectory() as tmp:
             log(f"compiling cffi module {name}")
@@ -318,7 +261,7 @@ def _cache_lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build(opts: Options, out_dir: Path = PACKAGE) -> Path:
+def build(opts: Options, out_dir: Path = NATIVE) -> Path:
     with _cache_lock():
         ggml_dir = build_ggml(opts)
         return build_cffi(ggml_dir, opts, out_dir)
@@ -343,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     env = options_from_env()
     opts = Options(cuda=ns.cuda or env.cuda, cuda_arch=ns.cuda_arch or env.cuda_arch, patched=not ns.upstream)
-    out = ns.out or (ROOT / "build" / "upstream" / "ggml_hybrid" if ns.upstream else PACKAGE)
+    out = ns.out or (ROOT / "build" / "upstream" / "ggml_hybrid" / "_native" if ns.upstream else NATIVE)
     build(opts, out)
     return 0
 

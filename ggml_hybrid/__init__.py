@@ -1,29 +1,46 @@
 """ggml-hybrid: run Mixture-of-Experts models larger than GPU memory over a patched GGML scheduler.
 
-The native layer is GGML (pinned in ``vendor/``, patched, built by ``build.py``)
-reached through cffi; this package wraps it in owned Python objects.
+The layers, bottom up (docs/architecture.md has the map):
+
+- ``ggml_hybrid._native``: the cffi module (pinned GGML, the patch series, our C);
+- ``ggml_hybrid.ggml``: owned Python objects over GGML: backends, contexts, tensors, ops, graphs,
+  the scheduler and its regions;
+- ``ggml_hybrid.moe``: the routed-expert FFN, the device expert cache (slot cache, executor), the
+  CPU share of misses, the CPU worker, FFN-only stack sessions and routing traces;
+- ``ggml_hybrid.model``: GGUF files, hyperparameters, the KV cache, the decoder graph, ``MoEModel``,
+  tokenizer, sampling and generation;
+- ``ggml_hybrid.deploy``: tensor layout over devices, the devices, the memory planner;
+- ``ggml_hybrid.cli``: the ``ggml-hybrid`` command.
+
+Everything a user needs is importable from here.
 """
 
 from __future__ import annotations
 
 from . import errors
-from ._lib import ffi, lib
-from ._managed import live_objects
-from .backend import Backend, Buffer, Device, cpu, cuda, cuda_available, devices
-from .context import Context
-from .dtypes import GGMLType, as_ggml_type
+from ._native import GGML_VERSION, ffi, lib
+from ._native.managed import live_objects
 from .errors import GgmlHybridError
-from .graph import Graph
-from .quant import dequantize, quantize
-from .regions import DECLINE, Region, RegionCall
-from .sched import Scheduler
-from .tensor import Tensor
+from .ggml.backend import Backend, Buffer, Device, cpu, cuda, cuda_available, devices
+from .ggml.context import Context
+from .ggml.dtypes import GGMLType, as_ggml_type
+from .ggml.graph import Graph
+from .ggml.quant import dequantize, quantize
+from .ggml.regions import DECLINE, Region, RegionCall
+from .ggml.sched import Scheduler
+from .ggml.tensor import Tensor
+from .model.generate import GenerationStats, complete, generate
+from .model.moe_model import MoEModel
+from .model.sampling import Sampler
+from .model.tokenizer import Tokenizer
+from .moe.stack_session import MoEStackSession
+from .options import SessionOptions
 
 __version__ = "0.1.0"
-GGML_VERSION = ffi.string(lib.ggml_hybrid_ggml_version()).decode()
 
 __all__ = [
-    "DECLINE", "Region", "RegionCall", "Backend", "Buffer", "Context", "Device", "GGMLType", "GgmlHybridError", "Graph", "Scheduler", "Tensor",
-    "as_ggml_type", "cpu", "cuda", "cuda_available", "dequantize", "devices", "errors", "live_objects",
-    "quantize", "GGML_VERSION", "__version__",
+    "DECLINE", "GGML_VERSION", "Backend", "Buffer", "Context", "Device", "GGMLType", "GenerationStats",
+    "GgmlHybridError", "Graph", "MoEModel", "MoEStackSession", "Region", "RegionCall", "Sampler", "Scheduler",
+    "SessionOptions", "Tensor", "Tokenizer", "__version__", "as_ggml_type", "complete", "cpu", "cuda",
+    "cuda_available", "dequantize", "devices", "errors", "ffi", "generate", "lib", "live_objects", "quantize",
 ]

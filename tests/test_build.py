@@ -46,7 +46,7 @@ def test_copied_package_imports(tmp_path):
 def test_stale_build_refuses_to_import(tmp_path, what):
     root = _copy_package(tmp_path, with_vendor=True)
     if what == "cdef":
-        target = root / "ggml_hybrid" / "_cdef" / "10_ggml.h"
+        target = root / "ggml_hybrid" / "_native" / "cdef" / "10_ggml.h"
         target.write_text(target.read_text() + "\nint ggml_hybrid_new_declaration(void);\n")
     elif what == "patch":
         target = sorted((root / "vendor" / "patches").glob("*.patch"))[0]

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ggml_hybrid.errors import GgmlHybridError, IndexRangeError
-from ggml_hybrid.expert_cache import CacheCounters, ExpertCacheError, Round, SlotCache
+from ggml_hybrid.moe.slot_cache import CacheCounters, ExpertCacheError, Round, SlotCache
 
 
 def R(hits=(), loads=(), evicted=()):

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import ggml_hybrid as gh
-from ggml_hybrid.cpu_worker import CPUWorker
-from ggml_hybrid.moe import ExpertWeights
-from ggml_hybrid.moe_session import MoEStackSession
+from ggml_hybrid.moe.cpu_worker import CPUWorker
+from ggml_hybrid.moe.ffn import ExpertWeights
+from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -173,7 +173,7 @@ TestWorkerLifecycle = WorkerLifecycle.TestCase
 
 
 def test_session_records_a_routing_trace(model, tmp_path):
-    from ggml_hybrid.traces import read_trace, replay
+    from ggml_hybrid.moe.traces import read_trace, replay
 
     path = tmp_path / "run.trace"
     xs = [_x(n, 256, 20 + n) for n in (1, 4, 1)]

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggml_hybrid.generate import GenerationStats, generate
-from ggml_hybrid.kv_cache import ContextFullError
-from ggml_hybrid.lm import MoEModel
+from ggml_hybrid.model.generate import GenerationStats, generate
+from ggml_hybrid.model.kv_cache import ContextFullError
+from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.options import OptionError, SessionOptions
-from ggml_hybrid.sampling import Sampler
-from ggml_hybrid.synthetic import ModelSpec, write_model
+from ggml_hybrid.model.sampling import Sampler
+from ggml_hybrid.model.synthetic import ModelSpec, write_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = sorted(glob.glob(os.path.join(HERE, "fixtures", "llama_ref", "*.npz")))
@@ -304,8 +304,8 @@ def test_console_script_runs_demo():
 
 
 def test_user_defined_tokens_are_matched_in_text():
-    from ggml_hybrid.synthetic import train_vocab
-    from ggml_hybrid.tokenizer import Tokenizer
+    from ggml_hybrid.model.synthetic import train_vocab
+    from ggml_hybrid.model.tokenizer import Tokenizer
 
     tokens, types, merges = train_vocab("qwen2", 384)
     tokens = tokens + ["<think>"]
@@ -353,7 +353,7 @@ def test_a_failed_load_releases_everything(small, tmp_path):
 
 
 def test_graph_cache_is_bounded(small):
-    from ggml_hybrid.lm import MAX_GRAPHS
+    from ggml_hybrid.model.moe_model import MAX_GRAPHS
 
     with MoEModel(small["qwen3moe"], SessionOptions(n_threads=1)) as m:
         ref = m.eval(list(range(1, 4)), "all")

@@ -24,11 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.hparams import NotMoEError, read_hparams
-from ggml_hybrid.lm import MoEModel
+from ggml_hybrid.model.hparams import NotMoEError, read_hparams
+from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.options import SessionOptions
-from ggml_hybrid.store import GGUFStore, ModelFileError
-from ggml_hybrid.synthetic import ModelSpec, write_model
+from ggml_hybrid.model.gguf_store import GGUFStore, ModelFileError
+from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from helpers import PACKAGE_ROOT, TESTS_DIR, rewrite_gguf
 
 U32 = gguf.GGUFValueType.UINT32
@@ -198,8 +198,8 @@ CHILD = r"""
 import json, sys, traceback
 from click.testing import CliRunner
 from ggml_hybrid.cli import main
-from ggml_hybrid.generate import generate
-from ggml_hybrid.lm import MoEModel
+from ggml_hybrid.model.generate import generate
+from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.options import SessionOptions
 
 def cli(args):

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from ggml_hybrid.moe_session import MoEStackSession
+from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
-from ggml_hybrid.store import ModelFileError
+from ggml_hybrid.model.gguf_store import ModelFileError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from gen_moe_gguf import write_moe_stack  # noqa: E402

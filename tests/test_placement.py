@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.errors import GgmlHybridError
-from ggml_hybrid.placement import DEFAULT_PRIOR, CostModel, Placement, PlacementError, n_cpu_for_share, place
+from ggml_hybrid.moe.cpu_share import DEFAULT_PRIOR, CostModel, Placement, PlacementError, n_cpu_for_share, place
 
 MB = 1 << 20
 

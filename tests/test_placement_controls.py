@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.hparams import tensor_shapes
-from ggml_hybrid.layout import CPU, plan_layout
-from ggml_hybrid.lm import MoEModel
+from ggml_hybrid.model.hparams import tensor_shapes
+from ggml_hybrid.deploy.layout import CPU, plan_layout
+from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.options import OptionError, SessionOptions
-from ggml_hybrid.planner import k8s_resources, parse_size, plan
-from ggml_hybrid.store import GGUFStore
-from ggml_hybrid.hparams import read_hparams
-from ggml_hybrid.synthetic import write_model
+from ggml_hybrid.deploy.planner import k8s_resources, parse_size, plan
+from ggml_hybrid.model.gguf_store import GGUFStore
+from ggml_hybrid.model.hparams import read_hparams
+from ggml_hybrid.model.synthetic import write_model
 
 PROMPT = "Placement never changes a single bit of the logits."
 

@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.errors import GgmlHybridError
-from ggml_hybrid.expert_cache import SlotCache
-from ggml_hybrid.traces import (HEADER_SIZE, MAGIC, LinkCost, ReplayResult, Trace, TraceError,
+from ggml_hybrid.moe.slot_cache import SlotCache
+from ggml_hybrid.moe.traces import (HEADER_SIZE, MAGIC, LinkCost, ReplayResult, Trace, TraceError,
                                 TraceTruncatedWarning, TraceWriter, modeled_time_per_token, read_trace, replay,
                                 synthetic_trace)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ggml_hybrid.moe_session import MoEStackSession
+from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -10,12 +10,12 @@ Replay a trace (``replay`` may be left out when the trace path is not ``replay``
         [--expert-bytes 2654208] [--json]
 
 prints one row per (policy, slots, share): hit rate, loads (misses loaded over the bus), misses run
-on the CPU, bytes moved and the modeled time per token (see ``ggml_hybrid.traces``). GB/s are
+on the CPU, bytes moved and the modeled time per token (see ``ggml_hybrid.moe.traces``). GB/s are
 10^9 bytes per second. The default expert size is one Q4_K expert of 3 x 2048 x 768 weights; the
 default costs are illustrative, set them for the machine being modeled. ``--json`` prints
 ``{"trace": ..., "cost": ..., "results": [...]}`` with per-layer breakdowns instead of the table.
 
-Write a synthetic trace (see ``ggml_hybrid.traces.synthetic_trace``)::
+Write a synthetic trace (see ``ggml_hybrid.moe.traces.synthetic_trace``)::
 
     python tools/replay_trace.py synth OUT --layers 16 --experts 64 --used 8 --calls 500
         [--tokens 1] [--hot-fraction 0.2] [--hot-traffic 0.8] [--reuse 0.5] [--seed 0]
@@ -33,11 +33,11 @@ import sys
 import click
 
 try:
-    from ggml_hybrid.traces import (POLICIES, LinkCost, TraceError, parse_share, read_trace, replay,
+    from ggml_hybrid.moe.traces import (POLICIES, LinkCost, TraceError, parse_share, read_trace, replay,
                                     synthetic_trace)
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ggml_hybrid.traces import (POLICIES, LinkCost, TraceError, parse_share, read_trace, replay,
+    from ggml_hybrid.moe.traces import (POLICIES, LinkCost, TraceError, parse_share, read_trace, replay,
                                     synthetic_trace)
 
 PROG = "replay_trace"

@@ -25,5 +25,5 @@ def load_upstream():
 
 
 def load_patched():
-    from ggml_hybrid._lib import ffi, lib
+    from ggml_hybrid._native import ffi, lib
     return ffi, lib

@@ -6,7 +6,7 @@ A chat-like trace alternates a 64-token prompt (prefill) with 32 decode steps, o
 reuse 0.5). Prefill wants its many-row misses on the device, decode wants its one-row misses split
 with the CPU: a fixed share must pick one compromise for both, auto chooses per call. The trace is
 replayed through the real LRU cache at 8/16/32 slots with the link cost model of
-``ggml_hybrid.traces`` (PCIe-4-like bus, DDR host; see --help for the figures), for shares
+``ggml_hybrid.moe.traces`` (PCIe-4-like bus, DDR host; see --help for the figures), for shares
 0, 0.25, 0.5, 0.75, 1 and auto. This is a model of the time, not a GPU measurement.
 
     python tools/bench/bench_auto_share.py [--rounds 12]
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ggml_hybrid.traces import LinkCost, Trace, replay, synthetic_trace
+from ggml_hybrid.moe.traces import LinkCost, Trace, replay, synthetic_trace
 
 SHARES = [0.0, 0.25, 0.5, 0.75, 1.0, "auto"]
 

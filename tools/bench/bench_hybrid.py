@@ -26,11 +26,11 @@ import numpy as np
 
 import ggml_hybrid as gh
 from ggml_hybrid import lib
-from ggml_hybrid.cpu_worker import CPUWorker
-from ggml_hybrid.moe import ExpertWeights, expert_ffn
-from ggml_hybrid.moe_session import MoEStackSession
+from ggml_hybrid.moe.cpu_worker import CPUWorker
+from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
+from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
-from ggml_hybrid.store import GGUFStore
+from ggml_hybrid.model.gguf_store import GGUFStore
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))

@@ -1,0 +1,67 @@
+"""Fingerprints of what the native module is built from.
+
+Pure Python and free of imports from the package, so that ``build.py`` can load
+it by path before the package exists, and the package can check at import that
+the compiled module matches the sources next to it: the cdef headers, our C
+sources, the pinned GGML version and the patch series.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+NATIVE_DIR = Path(__file__).resolve().parent
+CDEF_DIR = NATIVE_DIR / "cdef"
+# Declarations of functions that only exist once our patch series is applied.
+CDEF_PATCHED_DIR = CDEF_DIR / "patched"
+# ggml-hybrid's own C, compiled into the module next to GGML.
+SRC_DIR = NATIVE_DIR / "src"
+# Present in a source checkout (editable install), absent from a wheel.
+REPO_DIR = NATIVE_DIR.parent.parent
+VENDOR_DIR = REPO_DIR / "vendor"
+# The compiled cffi module: ggml_hybrid._native.<MODULE>
+MODULE = "_ggml"
+UPSTREAM_MODULE = "_ggml_upstream"
+
+
+def _digest(parts: list[tuple[str, bytes]]) -> str:
+    h = hashlib.sha256()
+    for name, data in parts:
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def patch_files(vendor_dir: Path = VENDOR_DIR) -> list[Path]:
+    """The patch series in the order it is applied (numbered file names)."""
+    return sorted((vendor_dir / "patches").glob("*.patch"))
+
+
+def patch_series_hash(vendor_dir: Path = VENDOR_DIR) -> str:
+    return _digest([(p.name, p.read_bytes()) for p in patch_files(vendor_dir)])
+
+
+def cdef_files(patched: bool = True) -> list[Path]:
+    """cdef headers in the fixed order they are concatenated in."""
+    files = sorted(CDEF_DIR.glob("*.h"))
+    if patched:
+        files += sorted(CDEF_PATCHED_DIR.glob("*.h"))
+    return files
+
+
+def c_sources() -> list[Path]:
+    """Our C files (``.c`` compiled, ``.h`` included), in name order."""
+    return sorted(p for p in SRC_DIR.iterdir() if p.suffix in (".c", ".h"))
+
+
+def source_hash(patched: bool = True) -> str:
+    """What the module's interface and our C depend on: the cdef headers and the C sources."""
+    files = cdef_files(patched) + c_sources()
+    return _digest([(p.relative_to(NATIVE_DIR).as_posix(), p.read_bytes()) for p in files])
+
+
+def load_pin(vendor_dir: Path = VENDOR_DIR) -> dict:
+    return json.loads((vendor_dir / "pin.json").read_text())

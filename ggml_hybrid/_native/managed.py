@@ -1,0 +1,68 @@
+"""Ownership of native objects: explicit close, context managers, a finalizer as backstop."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+
+from ..errors import ClosedError
+
+_live: collections.Counter = collections.Counter()
+_live_lock = threading.Lock()
+
+
+def live_objects() -> dict[str, int]:
+    """Native objects not yet freed, by kind (tests use it to find leaks)."""
+    with _live_lock:
+        return {k: v for k, v in _live.items() if v}
+
+
+def _release(kind: str, free, ptr) -> None:
+    free(ptr)
+    with _live_lock:
+        _live[kind] -= 1
+
+
+class Managed:
+    """An owned native pointer.
+
+    ``close()`` frees it and is safe to call twice; using the object afterwards
+    raises :class:`ClosedError`. Subclasses keep strong references to the
+    objects their pointer depends on (a tensor to its context, a buffer to its
+    backend), so freeing order is always child before parent.
+    """
+
+    _kind = "object"
+
+    def __init__(self, ptr, free, owned: bool = True):
+        self._ptr = ptr
+        self._finalizer = None
+        if owned:
+            with _live_lock:
+                _live[self._kind] += 1
+            # the finalizer must not reference self, or self would never be collected
+            self._finalizer = weakref.finalize(self, _release, self._kind, free, ptr)
+
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise ClosedError(f"{type(self).__name__} was used after close()")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def close(self) -> None:
+        if self._ptr is None:
+            return
+        self._ptr = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,32 @@
+/* ggml-hybrid's own C, compiled into the cffi module next to GGML: small accessors the public GGML
+   headers do not offer, CPU backend instances that play devices, and the build fingerprint. */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+/* GGML_SCHED_MAX_BACKENDS of ggml-backend.cpp (private there): a scheduler asserts on more. */
+#define GGML_HYBRID_SCHED_MAX_BACKENDS 16
+/* CPU instances playing devices: every backend of a scheduler but its host CPU. */
+#define GGML_HYBRID_MAX_INSTANCES (GGML_HYBRID_SCHED_MAX_BACKENDS - 1)
+
+/* what the module was built from (compiled in as macros by build.py) */
+const char * ggml_hybrid_ggml_version(void);
+const char * ggml_hybrid_patch_hash(void);
+const char * ggml_hybrid_source_hash(void);
+int ggml_hybrid_has_cuda(void);
+
+/* graph internals that ggml.h does not expose but overflow checks need */
+int ggml_hybrid_graph_n_leafs(struct ggml_cgraph * g);
+struct ggml_tensor * ggml_hybrid_graph_leaf(struct ggml_cgraph * g, int i);
+bool ggml_hybrid_graph_contains(struct ggml_cgraph * g, struct ggml_tensor * t);
+int ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * keep, int n_keep,
+                              const uintptr_t * pools, int n_pools);
+
+ggml_backend_t ggml_hybrid_cpu_instance(int index);
+
+ggml_backend_t ggml_hybrid_cuda_init(int device);
+int ggml_hybrid_cuda_device_count(void);

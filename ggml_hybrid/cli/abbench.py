@@ -1,0 +1,70 @@
+"""Same-process A/B timing of two session configurations on one model (the ``bench`` command).
+
+Both sessions are loaded, each is warmed up once, then blocks of A, B, B, A runs
+alternate so that drift on a shared machine hits both sides alike. A run is a
+prompt plus ``n_predict`` greedy tokens (EOS ignored); prompt and decode tok/s
+are kept per run, by side and by whether the side ran first or second in its pair.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from ..model.generate import complete
+from ..model.moe_model import MoEModel
+from ..options import SessionOptions
+
+
+@dataclass
+class Side:
+    label: str
+    options: SessionOptions
+    prompt_tps: list[float] = field(default_factory=list)
+    decode_tps: list[float] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)   # decode tok/s when this side ran first in its pair
+    second: list[float] = field(default_factory=list)  # ... and second
+
+
+def ab_bench(path, a: SessionOptions, b: SessionOptions, runs: int = 4, n_predict: int = 16,
+             prompt: str = "The quick brown fox jumps over the lazy dog.", progress=None) -> dict:
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs={runs!r} must be an integer >= 1 (blocks of A, B, B, A)")
+    sides = {"A": Side("A", a), "B": Side("B", b)}
+    with MoEModel(path, a) as ma, MoEModel(path, b) as mb:
+        models = {"A": ma, "B": mb}
+        tokens = ma.tokenizer.encode(prompt)
+        for m in models.values():
+            complete(m, tokens, n_predict, stop_at_eos=False)  # warm-up: graphs built, caches and pages warm
+        for i in range(runs):
+            for pos, key in enumerate("ABBA"):
+                _, st = complete(models[key], tokens, n_predict, stop_at_eos=False)
+                s = sides[key]
+                s.prompt_tps.append(st.prompt_tps)
+                s.decode_tps.append(st.decode_tps)
+                (s.first if pos in (0, 2) else s.second).append(st.decode_tps)
+            if progress is not None:
+                progress(i + 1, runs)
+    mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
+    out = {"model": str(path), "runs": runs, "n_predict": n_predict, "prompt_tokens": len(tokens), "sides": {}}
+    for key, s in sides.items():
+        out["sides"][key] = {"options": s.options.to_items(), "prompt_tps": mean(s.prompt_tps),
+                             "decode_tps": mean(s.decode_tps), "decode_tps_median": statistics.median(s.decode_tps),
+                             "decode_tps_first": mean(s.first), "decode_tps_second": mean(s.second)}
+    A, B = out["sides"]["A"], out["sides"]["B"]
+    out["ratio_decode_b_over_a"] = B["decode_tps"] / A["decode_tps"] if A["decode_tps"] else 0.0
+    out["ratio_prompt_b_over_a"] = B["prompt_tps"] / A["prompt_tps"] if A["prompt_tps"] else 0.0
+    return out
+
+
+def format_table(r: dict) -> str:
+    lines = [f"{r['model']}: {r['runs']} blocks of A,B,B,A; prompt {r['prompt_tokens']} tok, decode {r['n_predict']} tok",
+             f"{'side':<5}{'prompt tok/s':>14}{'decode tok/s':>14}{'first in pair':>15}{'second in pair':>16}  options"]
+    for key, s in r["sides"].items():
+        lines.append(f"{key:<5}{s['prompt_tps']:>14.1f}{s['decode_tps']:>14.1f}{s['decode_tps_first']:>15.1f}"
+                     f"{s['decode_tps_second']:>16.1f}  {' '.join(s['options']) or '(defaults)'}")
+    lines.append(f"ratio B/A: decode {r['ratio_decode_b_over_a']:.3f}, prompt {r['ratio_prompt_b_over_a']:.3f}")
+    return "\n".join(lines)
+
+
+__all__ = ["ab_bench", "format_table"]

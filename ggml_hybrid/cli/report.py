@@ -1,0 +1,51 @@
+"""The numbers a run reports, as one dict (the ``--json`` schema) and as a short text block."""
+
+from __future__ import annotations
+
+from ..model.generate import GenerationStats
+from ..model.moe_model import MoEModel
+
+RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
+                   "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "counters",
+                   "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes", "placement",
+                   "options")
+
+
+def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
+    total = model.counters.total
+    mem = model.device_memory()
+    return {
+        "model": model.store.path, "architecture": model.hp.arch, "text": text, "tokens": list(st.tokens),
+        "prompt_tokens": st.prompt_tokens, "generated_tokens": st.generated_tokens, "stop_reason": st.stop_reason,
+        "load_seconds": model.load_seconds, "prompt_seconds": st.prompt_seconds,
+        "decode_seconds": st.decode_seconds, "prompt_tps": st.prompt_tps, "decode_tps": st.decode_tps,
+        "counters": total.to_dict(), "share_applied": total.share_applied,
+        "hybrid_offload_active": hybrid_offload_active(model), "device_memory": mem,
+        "peak_device_bytes": sum(mem.values()), "placement": model.placement_report(),
+        "options": model.options.to_dict(),
+    }
+
+
+def hybrid_offload_active(model: MoEModel) -> bool:
+    """Whether the CPU actually ran part of the routed-expert work (not only whether it was allowed to)."""
+    return model.options.moe_cpu_share != 0.0 and model.counters.total.cpu_misses > 0
+
+
+def format_stats(r: dict) -> str:
+    c = r["counters"]
+    mem = r["device_memory"]
+    mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+    lines = [
+        f"load {r['load_seconds']:.2f} s | prompt {r['prompt_tokens']} tok, {r['prompt_tps']:.1f} tok/s | "
+        f"decode {r['generated_tokens']} tok, {r['decode_tps']:.1f} tok/s | stop: {r['stop_reason']}",
+        f"experts: hits {c['hits']}, misses {c['misses']}, cpu misses {c['cpu_misses']}, "
+        f"share applied {r['share_applied']:.2f} | hybrid_offload_active: {str(r['hybrid_offload_active']).lower()}",
+        f"peak device memory {mib(r['peak_device_bytes'])} (weights {mib(mem['weights'])}, experts "
+        f"{mib(mem['experts'])}, kv {mib(mem['kv_cache'])}, compute {mib(mem['compute'])})",
+        "placement: " + "; ".join(f"{dev}: " + ", ".join(f"{cls} {mib(n)}" for cls, n in classes.items())
+                                  for dev, classes in r["placement"]["tensors"].items()),
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["RUN_SCHEMA_KEYS", "format_stats", "hybrid_offload_active", "run_report"]

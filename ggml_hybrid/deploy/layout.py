@@ -1,0 +1,161 @@
+"""Where every tensor of a model goes, from llama.cpp-style placement options; computed from metadata alone.
+
+The rules, in llama.cpp's order and with its meanings:
+
+1. ``n_gpu_layers`` (``-ngl``, -1 = all): the output layer counts as layer ``n_layer`` and the
+   last N of the ``n_layer + 1`` are offloaded (so ``-ngl 1`` offloads the output head only, and a
+   large N means everything). The token embeddings always stay on the CPU (llama.cpp's input
+   layer); a tied output head gets its own copy on the output device.
+2. Offloaded layers go to the accelerators: ``split_mode=layer`` splits them (output included)
+   into contiguous ranges in ``tensor_split`` proportions (default: equal); ``split_mode=none``
+   puts them all on the first.
+3. ``override_tensor`` (``-ot REGEX=DEVICE,...``): the first pattern that *searches* (not
+   matches) a tensor name decides its device; then ``cpu_moe`` / ``n_cpu_moe`` add
+   ``blk.N.ffn_*_exps.weight`` -> CPU (expert weights only, as llama.cpp defines them).
+4. ``no_kv_offload`` (``-nkvo``): every layer's KV cache and attention stay on the CPU.
+
+The routed experts of a layer are *resident* where their tensors are, *cpu* when those are on the
+CPU (used in place from the memory-mapped file), or *disk* (``disk_experts``: streamed into an
+expert cache on the layer's device). :func:`plan_layout` is used both by the loader and by the
+planner, which is what makes the planner's numbers the loader's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+
+from ..options import OptionError, SessionOptions, override_items
+
+CPU = "CPU"
+_EXPERT_WEIGHT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def parse_overrides(text: str | None) -> list[tuple[str, re.Pattern, str]]:
+    """``"re1=DEV,re2=DEV"`` -> [(pattern text, compiled, device)]; bad items raise OptionError."""
+    try:
+        return override_items(text)
+    except Exception as exc:  # the options module's internal rejection
+        raise OptionError(f"override_tensor={text}: {exc}") from None
+
+
+def parse_split(text: str | None, n_devices: int) -> list[float]:
+    if not text:
+        return [1.0] * n_devices
+    try:
+        parts = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise OptionError(f"tensor_split={text}: must be comma-separated proportions, e.g. 3,1") from None
+    if len(parts) != n_devices or any(not (0 <= p < float("inf")) for p in parts) or sum(parts) <= 0:
+        raise OptionError(f"tensor_split={text}: needs {n_devices} non-negative proportion(s) (one per device: "
+                          f"{n_devices}) with a positive sum")
+    return parts
+
+
+@dataclass(frozen=True)
+class Layout:
+    devices: tuple[str, ...]       # accelerator names, in order
+    tensors: dict                  # tensor name -> device name (or CPU)
+    layer_device: tuple[str, ...]  # where each layer's own compute runs
+    kv_device: tuple[str, ...]     # where each layer's KV cache lives
+    expert_mode: tuple[str, ...]   # per layer: resident | cpu | disk
+    output_device: str
+
+    def classes(self, infos) -> dict[str, dict[str, int]]:
+        """Bytes per device (or ``mapped``) per tensor class, from ``{name: nbytes}`` (with the tied copy)."""
+        from .model_info import tensor_class
+
+        out: dict[str, dict[str, int]] = {}
+        for name, nbytes in infos.items():
+            dev = self.tensors[name]
+            cls = tensor_class(name)
+            if cls == "routed_experts" and self.expert_mode[int(_LAYER.match(name).group(1))] != "resident":
+                dev = "mapped"  # on the memory-mapped file, not in a device or RAM buffer
+            d = out.setdefault(dev, {})
+            d[cls] = d.get(cls, 0) + nbytes
+        return out
+
+
+def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], tied_output: bool) -> Layout:
+    """Place every tensor in ``names`` (GGUF names) on one of ``devices`` or the CPU."""
+    devices = list(devices)
+    known = set(devices) | {CPU}
+    ngl = opts.n_gpu_layers
+    if ngl < -1:
+        raise OptionError(f"n_gpu_layers={ngl}: must be -1 (all) or >= 0")
+    # llama.cpp's rule: the output layer counts as layer n_layer; -ngl N offloads the last N of the
+    # n_layer + 1, so the output goes first and -ngl 99 simply means everything
+    ngl = n_layer + 1 if ngl == -1 else min(ngl, n_layer + 1)
+    if ngl and not devices:
+        raise OptionError(f"n_gpu_layers={opts.n_gpu_layers}: there is no device to offload to")
+    i_gpu_start = max(n_layer + 1 - ngl, 0)
+    if opts.split_mode == "none" or len(devices) <= 1:
+        split = [1.0] + [0.0] * (len(devices) - 1)
+        if opts.tensor_split and len(devices) > 1:
+            raise OptionError(f"tensor_split={opts.tensor_split}: needs split_mode=layer")
+    else:
+        split = parse_split(opts.tensor_split, len(devices))
+    total = sum(split)
+    bounds, acc = [], 0.0
+    for p in split:
+        acc += p
+        bounds.append(acc / total)
+
+    def device_of(il: int) -> str:
+        if il < i_gpu_start:
+            return CPU
+        frac = (il - i_gpu_start) / ngl
+        # std::upper_bound over the cumulative split points, as llama.cpp picks the device
+        return devices[min(bisect.bisect_right(bounds, frac), len(devices) - 1)]
+
+    layer_device = [device_of(i) for i in range(n_layer)]
+    output_device = device_of(n_layer)
+    rules = parse_overrides(opts.override_tensor)
+    for pattern, _, dev in rules:
+        if dev not in known:
+            raise OptionError(f"override_tensor: device {dev!r} (for {pattern!r}) is not one of "
+                              f"{', '.join(sorted(known))}; see `ggml-hybrid devices`")
+    cpu_moe = opts.cpu_moe
+    if opts.n_cpu_moe > n_layer:
+        raise OptionError(f"n_cpu_moe={opts.n_cpu_moe}: the model has only {n_layer} layers")
+    tensors = {}
+    for name in names:
+        m = _LAYER.match(name)
+        if name.startswith("token_embd."):
+            dev = CPU
+        elif name.startswith("output"):
+            dev = output_device
+        elif m:
+            dev = layer_device[int(m.group(1))]
+        else:
+            dev = CPU
+        for _, rx, target in rules:
+            if rx.search(name):
+                dev = target
+                break
+        else:
+            e = _EXPERT_WEIGHT.match(name)
+            if e and (cpu_moe or int(e.group(1)) < opts.n_cpu_moe):
+                dev = CPU
+        tensors[name] = dev
+    if tied_output:
+        tensors["output.weight(tied)"] = output_device
+    modes = []
+    for i in range(n_layer):
+        devs = {d for n, d in tensors.items() if _EXPERT_WEIGHT.match(n) and n.startswith(f"blk.{i}.")}
+        if devs == {CPU}:
+            modes.append("cpu")
+        elif opts.disk_experts:
+            if len(devs) != 1:
+                raise OptionError(f"disk_experts: the expert tensors of layer {i} are split over {sorted(devs)}; "
+                                  "the expert cache needs them on one device")
+            modes.append("disk")
+        else:
+            modes.append("resident")
+    kv = tuple(CPU if opts.no_kv_offload else d for d in layer_device)
+    return Layout(tuple(devices), tensors, tuple(layer_device), kv, tuple(modes), output_device)
+
+
+__all__ = ["CPU", "Layout", "parse_overrides", "parse_split", "plan_layout"]

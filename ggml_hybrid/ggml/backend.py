@@ -1,0 +1,233 @@
+"""Backends (CPU, CUDA when built and present) and their buffers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._native import cstr, ffi, lib
+from .._native.managed import Managed
+from ..errors import AllocationError, BackendError, GgmlHybridError
+
+
+# addresses of the live buffers made through this package: a scheduler must not
+# re-allocate tensors that live in them
+_user_buffers: set[int] = set()
+
+
+def _free_buffer(ptr) -> None:
+    _user_buffers.discard(int(ffi.cast("uintptr_t", ptr)))
+    lib.ggml_backend_buffer_free(ptr)
+
+
+def user_buffers() -> list:
+    return [ffi.cast("ggml_backend_buffer_t", a) for a in list(_user_buffers)]
+
+
+class Buffer(Managed):
+    """A backend buffer; keeps its backend (when it has one) alive."""
+
+    _kind = "buffer"
+
+    def __init__(self, ptr, backend: "Backend | None" = None, owned: bool = True):
+        if ptr == ffi.NULL:
+            raise AllocationError("backend buffer allocation failed")
+        super().__init__(ptr, _free_buffer, owned)
+        if owned:
+            _user_buffers.add(int(ffi.cast("uintptr_t", ptr)))
+        self._backend = backend
+
+    @property
+    def size(self) -> int:
+        return int(lib.ggml_backend_buffer_get_size(self.ptr))
+
+    @property
+    def name(self) -> str:
+        return cstr(lib.ggml_backend_buffer_name(self.ptr))
+
+    @property
+    def is_host(self) -> bool:
+        return bool(lib.ggml_backend_buffer_is_host(self.ptr))
+
+    def clear(self, value: int = 0) -> None:
+        if not 0 <= value <= 255:
+            raise ValueError(f"Buffer.clear: value {value} is not a byte (0..255)")
+        lib.ggml_backend_buffer_clear(self.ptr, value)
+
+    @classmethod
+    def from_host_memory(cls, array, usage: str = "weights") -> "Buffer":
+        """A CPU buffer over existing host memory (e.g. a memory-mapped GGUF file); keeps ``array`` alive."""
+        arr = np.asarray(array)
+        if not arr.flags.c_contiguous:
+            raise ValueError("Buffer.from_host_memory: the memory must be contiguous")
+        ptr = ffi.cast("void *", arr.ctypes.data)
+        buf = cls(lib.ggml_backend_cpu_buffer_from_ptr(ptr, arr.nbytes), None)
+        buf._memory = arr
+        buf.set_usage(usage)
+        return buf
+
+    def place(self, tensor, offset: int) -> None:
+        """Give ``tensor`` (unallocated, not a view) the memory at byte ``offset`` of this buffer."""
+        p = tensor.ptr
+        if p.buffer != ffi.NULL or p.data != ffi.NULL or p.view_src != ffi.NULL:
+            raise AllocationError(f"Buffer.place: tensor {tensor.name!r} already has memory or is a view")
+        need = int(lib.ggml_backend_buffer_get_alloc_size(self.ptr, p))
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + need > self.size:
+            raise AllocationError(f"Buffer.place: tensor {tensor.name!r} needs {need} bytes at offset {offset!r}, "
+                                  f"past the end of the {self.size}-byte buffer")
+        base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(self.ptr))
+        status = lib.ggml_backend_tensor_alloc(self.ptr, p, base + offset)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise AllocationError(f"Buffer.place: GGML could not place tensor {tensor.name!r}")
+        tensor.context._keep.append(self)  # tensor -> context -> this buffer (not closed with the context)
+
+    def set_usage(self, usage: str) -> None:
+        """'weights' tells the scheduler to run ops where their weights live; 'compute' or 'any' otherwise."""
+        table = {"any": lib.GGML_BACKEND_BUFFER_USAGE_ANY, "weights": lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS,
+                 "compute": lib.GGML_BACKEND_BUFFER_USAGE_COMPUTE}
+        if usage not in table:
+            raise ValueError(f"Buffer.set_usage: usage {usage!r} is not one of {sorted(table)}")
+        lib.ggml_backend_buffer_set_usage(self.ptr, table[usage])
+
+
+class Threadpool(Managed):
+    _kind = "threadpool"
+
+    def __init__(self, ptr):
+        if ptr == ffi.NULL:
+            raise BackendError("could not create a CPU threadpool")
+        super().__init__(ptr, lib.ggml_threadpool_free)
+
+
+class Backend(Managed):
+    """An initialised GGML backend."""
+
+    _kind = "backend"
+
+    def __init__(self, ptr, kind: str):
+        if ptr == ffi.NULL:
+            raise BackendError(f"could not initialise the {kind} backend")
+        super().__init__(ptr, lib.ggml_backend_free)
+        self.kind = kind
+        self._n_threads = None
+        self._pool: Threadpool | None = None
+
+    @property
+    def name(self) -> str:
+        return cstr(lib.ggml_backend_name(self.ptr))
+
+    @property
+    def is_cpu(self) -> bool:
+        return bool(lib.ggml_backend_is_cpu(self.ptr))
+
+    @property
+    def n_threads(self) -> int | None:
+        return self._n_threads
+
+    @n_threads.setter
+    def n_threads(self, n: int) -> None:
+        if not self.is_cpu:
+            raise BackendError(f"n_threads applies to the CPU backend, not {self.name}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 512:
+            raise ValueError(f"n_threads: {n!r} is not an integer in 1..512")
+        lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
+        # a persistent pool: without it each graph compute (each split) starts its own threads
+        params = ffi.new("struct ggml_threadpool_params *")
+        lib.ggml_threadpool_params_init(params, n)
+        params.poll = 0  # sleep between graphs rather than spin: the machine is shared with Python work
+        pool = Threadpool(lib.ggml_threadpool_new(params))
+        lib.ggml_backend_cpu_set_threadpool(self.ptr, pool.ptr)
+        old, self._pool = self._pool, pool
+        if old is not None:
+            old.close()
+        self._n_threads = n
+
+    def close(self) -> None:
+        super().close()  # the backend first: it holds the pool
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def alloc_buffer(self, size: int) -> Buffer:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"alloc_buffer: size {size!r} is not a non-negative integer")
+        return Buffer(lib.ggml_backend_alloc_buffer(self.ptr, size), self)
+
+    def supports(self, tensor) -> bool:
+        """Whether this backend can compute the node ``tensor``."""
+        return bool(lib.ggml_backend_supports_op(self.ptr, tensor.ptr))
+
+    def synchronize(self) -> None:
+        lib.ggml_backend_synchronize(self.ptr)
+
+    def __repr__(self) -> str:
+        return f"<Backend {self.name if not self.closed else 'closed'}>"
+
+
+def cpu(n_threads: int | None = None) -> Backend:
+    """A CPU backend with its own persistent threadpool of ``n_threads`` (default: all cores)."""
+    b = Backend(lib.ggml_backend_cpu_init(), "CPU")
+    b.n_threads = n_threads if n_threads is not None else (os.cpu_count() or 1)
+    return b
+
+
+def cpu_instance(index: int, n_threads: int | None = None) -> Backend:
+    """A CPU backend that the scheduler treats as a separate device (its own buffer type), 0 <= index < 16.
+
+    Several of them play several devices on a machine without GPUs: nodes pinned to each stay
+    there, as they would on two GPUs.
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 16:
+        raise ValueError(f"cpu_instance: index {index!r} must be an integer in 0..15")
+    b = Backend(lib.ggml_hybrid_cpu_instance(index), "CPU")
+    b.n_threads = n_threads if n_threads is not None else (os.cpu_count() or 1)
+    return b
+
+
+def cuda_available() -> bool:
+    return bool(lib.ggml_hybrid_has_cuda()) and lib.ggml_hybrid_cuda_device_count() > 0
+
+
+def cuda(device: int = 0) -> Backend:
+    if not lib.ggml_hybrid_has_cuda():
+        raise BackendError("this build has no CUDA backend; rebuild with `python build.py --cuda`")
+    n = lib.ggml_hybrid_cuda_device_count()
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
+        raise BackendError(f"CUDA device {device!r} does not exist ({n} device(s) found)")
+    return Backend(lib.ggml_hybrid_cuda_init(device), f"CUDA{device}")
+
+
+def best(n_threads: int | None = None) -> Backend:
+    """The accelerator when there is one, else the CPU."""
+    return cuda(0) if cuda_available() else cpu(n_threads)
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    description: str
+    type: str
+    memory_free: int
+    memory_total: int
+
+
+_DEV_TYPES = {lib.GGML_BACKEND_DEVICE_TYPE_CPU: "cpu", lib.GGML_BACKEND_DEVICE_TYPE_GPU: "gpu",
+              lib.GGML_BACKEND_DEVICE_TYPE_IGPU: "igpu", lib.GGML_BACKEND_DEVICE_TYPE_ACCEL: "accel"}
+
+
+def devices() -> list[Device]:
+    """The devices GGML registered in this build."""
+    out = []
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        lib.ggml_backend_dev_memory(dev, free, total)
+        out.append(Device(cstr(lib.ggml_backend_dev_name(dev)), cstr(lib.ggml_backend_dev_description(dev)),
+                          _DEV_TYPES.get(lib.ggml_backend_dev_type(dev), "other"), int(free[0]), int(total[0])))
+    return out
+
+
+__all__ = ["Backend", "Buffer", "Device", "GgmlHybridError", "best", "cpu", "cpu_instance", "cuda", "cuda_available",
+           "devices"]

@@ -1,0 +1,153 @@
+"""Computation graphs."""
+
+from __future__ import annotations
+
+import weakref
+
+from .._native import ffi, lib
+from ..errors import AllocationError, BackendError, ComputeError
+from .tensor import Tensor, _buffer_of
+
+_contexts: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def track_context(ctx) -> None:
+    _contexts.add(ctx)
+
+
+def all_contexts() -> list:
+    return list(_contexts)
+
+
+def live_pools() -> list[int]:
+    """[start, end) address pairs of every open context's memory pool (where its tensor structs live)."""
+    out = []
+    for c in list(_contexts):
+        if not c.closed:
+            base = int(ffi.cast("uintptr_t", c._pool_base))
+            out += [base, base + c.mem_size]
+    return out
+
+
+def _tensor_upper_bound() -> int:
+    """More than the number of tensors alive in every context (each takes at least one overhead)."""
+    overhead = lib.ggml_tensor_overhead()
+    return sum(c.used // overhead + 1 for c in list(_contexts) if not c.closed)
+
+
+class Graph:
+    """A GGML compute graph living in a context (which it keeps alive)."""
+
+    def __init__(self, ctx, size: int = 2048):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"Graph: size must be a positive integer, got {size!r}")
+        need = lib.ggml_graph_overhead_custom(size, False) + 64
+        if ctx.used + need > ctx.mem_size:
+            raise AllocationError(f"Graph: a {size}-node graph needs {need} bytes but the context has "
+                                  f"{ctx.mem_size - ctx.used} left; create the Context with graph_size={size}")
+        self._ctx = ctx
+        self.size = size
+        self._p = lib.ggml_new_graph_custom(ctx.ptr, size, False)
+        self._checked_for: set[int] = set()  # backends whose support was verified, by sched pointer
+        self._inputs: tuple[int, list[Tensor]] | None = None
+        self.version = 0
+        self._alloc_token = 0  # bumped whenever a scheduler (re)allocates this graph  # bumped by expand(), so a scheduler knows to split again
+
+    @property
+    def ptr(self):
+        self._ctx.ptr  # raises once the context is closed
+        return self._p
+
+    @property
+    def context(self):
+        return self._ctx
+
+    @property
+    def n_nodes(self) -> int:
+        return int(lib.ggml_graph_n_nodes(self.ptr))
+
+    @property
+    def n_leafs(self) -> int:
+        return int(lib.ggml_hybrid_graph_n_leafs(self.ptr))
+
+    def node(self, i: int) -> Tensor:
+        n = self.n_nodes
+        if not -n <= i < n:
+            raise IndexError(f"graph node {i} out of range (graph has {n} nodes)")
+        return Tensor(lib.ggml_graph_node(self.ptr, i), self._ctx)
+
+    @property
+    def nodes(self) -> list[Tensor]:
+        p = self.ptr
+        return [Tensor(lib.ggml_graph_node(p, i), self._ctx) for i in range(lib.ggml_graph_n_nodes(p))]
+
+    @property
+    def leafs(self) -> list[Tensor]:
+        p = self.ptr
+        return [Tensor(lib.ggml_hybrid_graph_leaf(p, i), self._ctx) for i in range(lib.ggml_hybrid_graph_n_leafs(p))]
+
+    @property
+    def inputs(self) -> list[Tensor]:
+        """Leafs flagged as inputs (set_input()): the scheduler allocates them, you set them."""
+        if self._inputs is None or self._inputs[0] != self.version:
+            flag = lib.GGML_TENSOR_FLAG_INPUT
+            self._inputs = (self.version, [t for t in self.leafs if t.ptr.flags & flag])
+        return self._inputs[1]
+
+    def contains(self, t: Tensor) -> bool:
+        return bool(lib.ggml_hybrid_graph_contains(self.ptr, t.ptr))
+
+    def expand(self, *tensors: Tensor) -> "Graph":
+        """Add the tensors and everything they depend on (ggml_build_forward_expand)."""
+        p = self.ptr
+        for t in tensors:
+            tp = t.ptr
+            # GGML aborts when a graph overflows; count what the expansion would add first,
+            # unless even every live tensor would fit
+            used = lib.ggml_graph_n_nodes(p) + lib.ggml_hybrid_graph_n_leafs(p)
+            if used + _tensor_upper_bound() > self.size:
+                new = self._count_new(tp)
+                if used + new > self.size:
+                    raise AllocationError(f"Graph.expand: adding {t.name or 'the tensor'!r} needs {new} more "
+                                          f"nodes/leafs but the graph holds {used} of {self.size}; "
+                                          "create a larger graph")
+            lib.ggml_build_forward_expand(p, tp)
+            self._checked_for.clear()
+            self.version += 1
+        return self
+
+    def _count_new(self, root) -> int:
+        seen, stack = set(), [root]
+        while stack:
+            t = stack.pop()
+            key = int(ffi.cast("uintptr_t", t))
+            if key in seen or lib.ggml_hybrid_graph_contains(self._p, t):
+                continue
+            seen.add(key)
+            stack.extend(t.src[i] for i in range(lib.GGML_MAX_SRC) if t.src[i] != ffi.NULL)
+        return len(seen)
+
+    def check_supported(self, backends, key: int) -> None:
+        """Raise unless every node can run on at least one of ``backends`` (GGML would abort)."""
+        if key in self._checked_for:
+            return
+        for node in self.nodes:
+            p = node.ptr
+            if p.op == lib.GGML_OP_NONE or p.view_src != ffi.NULL and p.op == lib.GGML_OP_VIEW:
+                continue
+            if not any(lib.ggml_backend_supports_op(b.ptr, p) for b in backends):
+                raise BackendError(f"no backend among {[b.name for b in backends]} supports node "
+                                   f"{node.name!r} (op {node.op}, {node.dtype.name}, shape {node.shape})")
+        self._checked_for.add(key)
+
+    def compute(self, backend) -> None:
+        """Compute on one backend; every tensor must already have memory (e.g. a data-owning context)."""
+        self.check_supported([backend], id(backend))
+        for t in self.nodes + self.leafs:
+            if t.ptr.data == ffi.NULL and _buffer_of(t.ptr) == ffi.NULL:
+                raise BackendError(f"Graph.compute: tensor {t.name!r} has no memory; use a Scheduler to "
+                                   "allocate graph nodes, or a Context(no_alloc=False)")
+        status = lib.ggml_backend_graph_compute(backend.ptr, self.ptr)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise ComputeError(f"graph compute on {backend.name} failed: "
+                               f"{ffi.string(lib.ggml_status_to_string(status)).decode()}")

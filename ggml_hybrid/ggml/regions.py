@@ -1,0 +1,116 @@
+"""Graph regions: parts of a graph that the patched scheduler hands to a Python executor.
+
+A region is every node on a path from its inputs to its outputs. The graph is
+split and allocated as usual; at compute time the scheduler makes the inputs
+ready on the region's backend and calls the executor instead of running the
+region's nodes. See docs/regions.md for the rules and guarantees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .._native import cstr, ffi, lib
+from ..errors import (ComputeError, RegionError, RegionNotContiguousError, RegionNotInGraphError, RegionOpenError,
+                     RegionOverlapError, RegionUnsupportedError)
+from .tensor import BorrowedScope, Tensor
+
+
+class _Decline:
+    def __repr__(self) -> str:
+        return "DECLINE"
+
+
+#: Returned by an executor to have the region's own nodes run as usual.
+DECLINE = _Decline()
+
+_STATUS_ERRORS = {
+    lib.GGML_SCHED_REGION_ERR_OPEN: RegionOpenError,
+    lib.GGML_SCHED_REGION_ERR_OVERLAP: RegionOverlapError,
+    lib.GGML_SCHED_REGION_ERR_NOT_IN_GRAPH: RegionNotInGraphError,
+    lib.GGML_SCHED_REGION_ERR_CONTIGUITY: RegionNotContiguousError,
+    lib.GGML_SCHED_REGION_ERR_UNSUPPORTED: RegionUnsupportedError,
+    lib.GGML_SCHED_REGION_ERR_EMPTY: RegionError,
+    lib.GGML_SCHED_REGION_ERR_EXECUTOR: ComputeError,
+}
+
+
+@dataclass(eq=False)
+class Region:
+    """A registered region. ``executor(call: RegionCall)`` returns DECLINE or anything else for done."""
+
+    id: int
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    executor: Callable[["RegionCall"], object]
+    backend: object | None  # Backend or None
+    name: str = ""
+    calls: int = field(default=0)
+    declined: int = field(default=0)
+
+
+class RegionCall:
+    """What an executor receives for one compute of its region."""
+
+    def __init__(self, sched, region: Region, backend, inputs: list[Tensor], outputs: list[Tensor]):
+        self.sched = sched
+        self.region = region
+        #: the backend the region runs on (its inputs were made ready there)
+        self.backend = backend
+        #: the effective inputs: the scheduler's copies on ``backend`` where it made them
+        self.inputs = inputs
+        #: the outputs, to be written in place
+        self.outputs = outputs
+
+    def input_arrays(self) -> list[np.ndarray]:
+        """Read-only numpy views of host inputs (copies for device inputs)."""
+        return [t.view_numpy(writable=False) if t.is_host else t.numpy() for t in self.inputs]
+
+    def write_output(self, i: int, array) -> None:
+        """Write output ``i`` (any backend) from a numpy array of its shape and dtype."""
+        self.outputs[i].set(np.asarray(array))
+
+    def compute_own_nodes(self) -> None:
+        """Run the region's own nodes on its backend, exactly what declining would run."""
+        status = lib.ggml_backend_sched_compute_region_nodes(self.sched.ptr, self.region.id)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise ComputeError(f"region {self.region.id}: computing its own nodes failed "
+                               f"({cstr(lib.ggml_status_to_string(status))})")
+
+
+def raise_region_status(sched) -> None:
+    """Raise the typed error for the scheduler's last region failure, if any."""
+    rid, msg = ffi.new("int *"), ffi.new("const char **")
+    status = lib.ggml_backend_sched_get_region_status(sched.ptr, rid, msg)
+    if status == lib.GGML_SCHED_REGION_OK:
+        return
+    exc = _STATUS_ERRORS.get(status, RegionError)
+    text = cstr(msg[0])
+    region = sched._regions[rid[0]] if 0 <= rid[0] < len(sched._regions) else None
+    if region is not None and region.name:
+        text = f"{text} [region name {region.name!r}]"
+    raise exc(text)
+
+
+@ffi.def_extern()
+def _ggml_hybrid_region_exec(region_id, backend, inputs, n_inputs, outputs, n_outputs, user_data):
+    sched = ffi.from_handle(user_data)
+    scope = BorrowedScope()  # the tensors are valid during the call only
+    try:
+        region = sched._regions[region_id]
+        be = next((b for b in sched._backends if b.ptr == backend), None)
+        call = RegionCall(sched, region, be, [Tensor(inputs[i], scope) for i in range(n_inputs)],
+                          [Tensor(outputs[i], scope) for i in range(n_outputs)])
+        region.calls += 1
+        if region.executor(call) is DECLINE:
+            region.declined += 1
+            return lib.GGML_SCHED_REGION_DECLINE
+        return lib.GGML_SCHED_REGION_DONE
+    except BaseException as exc:  # noqa: BLE001 - re-raised from Scheduler.compute()
+        sched._pending_error = exc
+        return -1
+    finally:
+        scope.closed = True

@@ -1,0 +1,306 @@
+"""A thin owner of ``ggml_backend_sched``: multi-backend allocation and compute."""
+
+from __future__ import annotations
+
+import weakref
+
+from .._native import ffi, lib
+from .._native.managed import Managed
+from .backend import Backend, user_buffers
+from ..errors import AllocationError, BackendError, ClosedError, ComputeError, GgmlHybridError, RegionError
+from .graph import Graph, live_pools
+from .regions import Region, raise_region_status
+from .tensor import BorrowedScope, Tensor
+
+
+def _unalloc(graph: Graph) -> int:
+    """Forget the memory a scheduler gave ``graph``'s tensors, keeping user buffers' tensors.
+
+    Returns how many of the graph's tensors belong to no open context (freed with theirs).
+    """
+    if graph.context.closed:
+        return 0  # its tensors are gone with their context: nothing to touch
+    keep = user_buffers()
+    pools = live_pools()
+    dangling = lib.ggml_hybrid_graph_unalloc(graph.ptr, ffi.new("ggml_backend_buffer_t[]", keep) if keep else ffi.NULL,
+                                             len(keep), ffi.new("uintptr_t[]", pools), len(pools) // 2)
+    graph._alloc_token += 1
+    return dangling
+
+
+class Scheduler(Managed):
+    """Schedules graphs over ``backends`` (highest priority first; the last must be a CPU backend).
+
+    ``graph_size`` bounds the nodes plus leafs of any graph given to it.
+    """
+
+    _kind = "scheduler"
+
+    def __init__(self, backends: list[Backend], graph_size: int = 2048, parallel: bool = False,
+                 op_offload: bool = False):
+        backends = list(backends)
+        if not backends:
+            raise BackendError("Scheduler: needs at least one backend")
+        if not backends[-1].is_cpu:
+            raise BackendError(f"Scheduler: the last backend must be the CPU, got {backends[-1].name}")
+        if len({id(b) for b in backends}) != len(backends):
+            raise BackendError("Scheduler: the same backend object is listed twice")
+        if isinstance(graph_size, bool) or not isinstance(graph_size, int) or graph_size < 1:
+            raise ValueError(f"Scheduler: graph_size must be a positive integer, got {graph_size!r}")
+        arr = ffi.new("ggml_backend_t[]", [b.ptr for b in backends])
+        ptr = lib.ggml_backend_sched_new(arr, ffi.NULL, len(backends), graph_size, bool(parallel), bool(op_offload))
+        super().__init__(ptr, lib.ggml_backend_sched_free)
+        self._backends = backends  # kept alive for as long as the scheduler
+        self.graph_size = graph_size
+        self._eval_fn = self._eval_handle = None
+        self._pending_error: BaseException | None = None
+        self._regions: list[Region] = []
+        self._graphs: weakref.WeakSet = weakref.WeakSet()  # graphs whose nodes live in our compute buffers
+        self._handle = ffi.new_handle(self)  # user_data of region executors
+        # (graph, version, allocation token) of the graph split and allocated last
+        self._allocated: tuple | None = None
+        # graph -> [(tensor, backend)]: assignments re-applied whenever GGML's are reset
+        self._pins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def backends(self) -> list[Backend]:
+        return list(self._backends)
+
+    @property
+    def n_splits(self) -> int:
+        return int(lib.ggml_backend_sched_get_n_splits(self.ptr))
+
+    @property
+    def n_copies(self) -> int:
+        return int(lib.ggml_backend_sched_get_n_copies(self.ptr))
+
+    def buffer_size(self, backend: Backend) -> int:
+        return int(lib.ggml_backend_sched_get_buffer_size(self.ptr, self._index_check(backend).ptr))
+
+    def _index_check(self, backend: Backend) -> Backend:
+        if not any(backend is b for b in self._backends):
+            raise BackendError(f"backend {backend.name} is not one of this scheduler's "
+                               f"{[b.name for b in self._backends]}")
+        return backend
+
+    def set_tensor_backend(self, tensor: Tensor, backend: Backend) -> None:
+        lib.ggml_backend_sched_set_tensor_backend(self.ptr, tensor.ptr, self._index_check(backend).ptr)
+
+    def tensor_backend(self, tensor: Tensor) -> Backend | None:
+        p = lib.ggml_backend_sched_get_tensor_backend(self.ptr, tensor.ptr)
+        return next((b for b in self._backends if b.ptr == p), None)
+
+    def _check_graph(self, graph: Graph) -> None:
+        total = graph.n_nodes + graph.n_leafs
+        if total > self.graph_size:
+            raise AllocationError(f"graph has {total} nodes+leafs but the scheduler was made for "
+                                  f"graph_size={self.graph_size}")
+        graph.check_supported(self._backends, id(self))
+        for t in graph.leafs:
+            if t.ptr.data == ffi.NULL and t.ptr.view_src == ffi.NULL and t.ptr.flags & lib.GGML_TENSOR_FLAG_INPUT == 0:
+                raise AllocationError(f"leaf {t.name!r} has no memory; allocate its context in a backend buffer "
+                                      "(or mark it as an input with set_input())")
+
+    def _check_inputs_set(self, graph: Graph) -> None:
+        # GGML reuses the memory of graph inputs once their last consumer ran, so an input
+        # holds garbage after a compute; stale expert or row ids would crash a kernel
+        stale = []
+        for t in graph.inputs:
+            key = int(ffi.cast("uintptr_t", t.ptr))
+            if key not in t.context._fresh:
+                stale.append(t.name or "<unnamed>")
+        if stale:
+            raise BackendError(f"graph inputs {stale} were not set since the last compute (or alloc); a compute "
+                               "consumes its inputs, so set every input before each compute")
+        for t in graph.inputs:
+            t.context._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
+
+    def _forget_allocation(self, graph: Graph) -> None:
+        # tensors a scheduler allocated point into its compute buffers, which may be freed
+        # or reused by now; GGML would read those stale pointers while splitting
+        if _unalloc(graph):
+            raise ClosedError("the graph uses tensors of a closed context (e.g. weights whose context was closed); "
+                              "GGML would read freed memory")
+        # the graphs this scheduler allocated before share (and may outgrow) the same buffers:
+        # their tensors lose their memory now rather than point into reused or freed memory
+        for other in list(self._graphs):
+            if other is not graph:
+                _unalloc(other)
+        self._graphs.add(graph)
+
+    def set_pins(self, graph: Graph, pins) -> None:
+        """Run each ``(node, backend)`` of ``graph`` on that backend, in every later alloc and reserve.
+
+        GGML forgets tensor assignments on each reset; these are applied again after it.
+        Needed where backends share a buffer type (CPU instances playing devices), in which
+        case GGML would put every node on the first of them.
+        """
+        pins = [(t, self._index_check(b)) for t, b in pins]
+        self._pins[graph] = pins
+        self._allocated = None
+
+    def _apply_pins(self, graph: Graph) -> None:
+        for t, b in self._pins.get(graph, ()):
+            lib.ggml_backend_sched_set_tensor_backend(self.ptr, t.ptr, b.ptr)
+
+    def reserve(self, graph: Graph) -> None:
+        """Size the compute buffers for the largest graph you will run."""
+        self._allocated = None
+        self._forget_allocation(graph)  # first: it refuses graphs with tensors of closed contexts
+        self._check_graph(graph)
+        lib.ggml_backend_sched_reset(self.ptr)
+        self._apply_pins(graph)
+        if not lib.ggml_backend_sched_reserve(self.ptr, graph.ptr):
+            raise_region_status(self)
+            raise AllocationError("Scheduler.reserve: could not allocate the compute buffers")
+
+    def alloc(self, graph: Graph) -> None:
+        """Split and allocate ``graph``; inputs can then be set before :meth:`compute`."""
+        self.reset()
+        self._forget_allocation(graph)  # first: it refuses graphs with tensors of closed contexts
+        self._check_graph(graph)
+        self._apply_pins(graph)
+        if not lib.ggml_backend_sched_alloc_graph(self.ptr, graph.ptr):
+            raise_region_status(self)
+            raise AllocationError("Scheduler.alloc: could not allocate the graph")
+        self._allocated = (graph, graph.version, graph._alloc_token)
+        for t in graph.inputs:  # allocation may have moved them: their data must be set anew
+            t.context._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
+
+    def prepare(self, graph: Graph) -> bool:
+        """Allocate ``graph`` unless it is still allocated here; returns whether it was (re)allocated.
+
+        Inputs are set after this and before :meth:`compute`; a graph computed again and
+        again skips the split and allocation.
+        """
+        if self._allocated == (graph, graph.version, graph._alloc_token):
+            return False
+        self.alloc(graph)
+        return True
+
+    def compute(self, graph: Graph) -> None:
+        """Compute ``graph`` and wait for it.
+
+        The graph is split and allocated on first use (or call :meth:`alloc`
+        first to set inputs); computing it again reuses that allocation.
+        """
+        if self._allocated != (graph, graph.version, graph._alloc_token):
+            self.alloc(graph)
+        self._check_inputs_set(graph)
+        status = lib.ggml_backend_sched_graph_compute(self.ptr, graph.ptr)
+        self._raise_pending()
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise_region_status(self)
+            raise ComputeError(f"Scheduler.compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}")
+
+    def reset(self) -> None:
+        lib.ggml_backend_sched_reset(self.ptr)
+        self._allocated = None
+
+    def close(self) -> None:
+        """Free the scheduler; the graphs it allocated lose their node memory (no dangling pointers)."""
+        if self.closed:
+            return
+        for g in list(self._graphs):
+            _unalloc(g)
+        self._graphs.clear()
+        super().close()
+
+    # -- regions --------------------------------------------------------------
+
+    def add_region(self, inputs, outputs, executor, backend: Backend | None = None, name: str = "") -> Region:
+        """Register a region: every node on a path from ``inputs`` to ``outputs``.
+
+        At compute time ``executor(call)`` runs instead of those nodes; it writes
+        ``call.outputs`` in place, or returns :data:`~ggml_hybrid.regions.DECLINE`
+        to have the nodes run as usual. ``backend`` pins the region (default:
+        where the scheduler places its last output). Regions stay registered
+        across computes until :meth:`clear_regions`.
+        """
+        inputs, outputs = list(inputs), list(outputs)
+        if not inputs or not outputs:
+            raise ValueError(f"add_region: a region needs at least one input and one output "
+                             f"(got {len(inputs)} inputs, {len(outputs)} outputs)")
+        for what, ts in (("inputs", inputs), ("outputs", outputs)):
+            bad = [t for t in ts if not isinstance(t, Tensor)]
+            if bad:
+                raise TypeError(f"add_region: {what} must be Tensors, got {bad[0]!r}")
+        if not callable(executor):
+            raise TypeError(f"add_region: executor must be callable, got {executor!r}")
+        if backend is not None:
+            self._index_check(backend)
+        ins = ffi.new("struct ggml_tensor *[]", [t.ptr for t in inputs])
+        outs = ffi.new("struct ggml_tensor *[]", [t.ptr for t in outputs])
+        rid = lib.ggml_backend_sched_add_region(self.ptr, ins, len(inputs), outs, len(outputs),
+                                                backend.ptr if backend is not None else ffi.NULL,
+                                                lib._ggml_hybrid_region_exec, self._handle)
+        if rid < 0:
+            raise RegionError("add_region: the scheduler rejected the region's arguments")
+        region = Region(rid, inputs, outputs, executor, backend, name)
+        self._regions.append(region)
+        self._allocated = None  # the next compute must split the graph again
+        return region
+
+    @property
+    def regions(self) -> list[Region]:
+        return list(self._regions)
+
+    def clear_regions(self) -> None:
+        lib.ggml_backend_sched_clear_regions(self.ptr)
+        self._regions.clear()
+        self._allocated = None
+
+    def check_regions(self, graph: Graph) -> None:
+        """Validate the registered regions against ``graph`` now; raises the typed RegionError."""
+        lib.ggml_backend_sched_check_regions(self.ptr, graph.ptr)
+        raise_region_status(self)
+
+    def splits(self) -> list[dict]:
+        """The last split: backend, region id (-1: none), node ops and number of copied inputs."""
+        out = []
+        b, r, n, k = (ffi.new("int *") for _ in range(4))
+        for i in range(self.n_splits):
+            lib.ggml_backend_sched_get_split(self.ptr, i, b, r, n, k)
+            nodes = [Tensor(lib.ggml_backend_sched_get_split_node(self.ptr, i, j), BorrowedScope()) for j in range(n[0])]
+            out.append({"backend": self._backends[b[0]].name, "region": r[0], "n_inputs": k[0],
+                        "nodes": [t.name for t in nodes], "ops": [t.op for t in nodes]})
+        return out
+
+    def synchronize(self) -> None:
+        lib.ggml_backend_sched_synchronize(self.ptr)
+
+    def set_eval_callback(self, fn) -> None:
+        """``fn(tensor, ask) -> bool`` is called around nodes (GGML's eval callback); None removes it.
+
+        With ``ask=True`` return whether you want to see the node's data; with
+        ``ask=False`` the data is ready, return False to stop the computation.
+        An exception raised by ``fn`` stops the computation and is re-raised
+        from :meth:`compute`.
+        """
+        if fn is None:
+            lib.ggml_backend_sched_set_eval_callback(self.ptr, ffi.NULL, ffi.NULL)
+            self._eval_fn = self._eval_handle = None
+            return
+        self._eval_fn = fn
+        self._eval_handle = ffi.new_handle(self)
+        lib.ggml_backend_sched_set_eval_callback(self.ptr, lib._ggml_hybrid_eval_callback, self._eval_handle)
+
+    def _raise_pending(self) -> None:
+        err, self._pending_error = self._pending_error, None
+        if err is not None:
+            raise err
+
+
+@ffi.def_extern()
+def _ggml_hybrid_eval_callback(t, ask, user_data):
+    sched = ffi.from_handle(user_data)
+    if sched._pending_error is not None:
+        return bool(ask)  # ask for the data, then stop on the data call
+    try:
+        return bool(sched._eval_fn(Tensor(t, BorrowedScope()), bool(ask)))
+    except BaseException as exc:  # noqa: BLE001 - re-raised from compute()
+        sched._pending_error = exc
+        return bool(ask)
+
+
+__all__ = ["Scheduler", "GgmlHybridError"]

@@ -1,0 +1,275 @@
+"""A borrowed view of a ``struct ggml_tensor`` that keeps its context alive."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._native import cstr, ffi, lib
+from .dtypes import GGMLType
+from ..errors import BackendError, ClosedError, DTypeError, IndexRangeError, ShapeError
+
+
+def ne_of(shape) -> tuple[int, int, int, int]:
+    """numpy-order shape -> GGML ne (innermost first), padded to 4 dims."""
+    shape = tuple(int(s) for s in shape)
+    if not 1 <= len(shape) <= 4:
+        raise ShapeError(f"GGML tensors have 1 to 4 dimensions, got shape {shape}")
+    return tuple(reversed(shape)) + (1,) * (4 - len(shape))
+
+
+def shape_of(ne) -> tuple[int, ...]:
+    """GGML ne -> numpy-order shape, dropping trailing size-1 dims beyond the first."""
+    n = 4
+    while n > 1 and ne[n - 1] == 1:
+        n -= 1
+    return tuple(int(ne[i]) for i in reversed(range(n)))
+
+
+class Tensor:
+    """A tensor of a :class:`~ggml_hybrid.context.Context`.
+
+    The context owns the memory of the tensor struct; this object only keeps the
+    context alive. Shapes are given in numpy order (outermost first); ``ne`` is
+    GGML's order (innermost first).
+    """
+
+    __slots__ = ("_p", "_ctx", "__weakref__")
+
+    def __init__(self, ptr, ctx):
+        self._p = ptr
+        self._ctx = ctx
+
+    @property
+    def ptr(self):
+        if self._ctx.closed:
+            # the struct (and its name) went with the context's memory: do not read it
+            raise ClosedError("this tensor belongs to a closed context")
+        return self._p
+
+    @property
+    def context(self):
+        return self._ctx
+
+    @property
+    def ne(self) -> tuple[int, int, int, int]:
+        p = self.ptr
+        return (p.ne[0], p.ne[1], p.ne[2], p.ne[3])
+
+    @property
+    def nb(self) -> tuple[int, int, int, int]:
+        p = self.ptr
+        return (p.nb[0], p.nb[1], p.nb[2], p.nb[3])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return shape_of(self.ne)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> GGMLType:
+        return GGMLType(self.ptr.type)
+
+    @property
+    def name(self) -> str:
+        return cstr(self.ptr.name)
+
+    @name.setter
+    def name(self, value: str) -> None:
+        raw = value.encode()
+        if len(raw) >= lib.GGML_MAX_NAME:
+            raise ValueError(f"tensor name {value!r} is longer than GGML's limit of {lib.GGML_MAX_NAME - 1} bytes")
+        lib.ggml_set_name(self.ptr, raw)
+
+    @property
+    def op(self) -> str:
+        return cstr(lib.ggml_op_desc(self.ptr))
+
+    @property
+    def nbytes(self) -> int:
+        return int(lib.ggml_nbytes(self.ptr))
+
+    @property
+    def nelements(self) -> int:
+        return int(lib.ggml_nelements(self.ptr))
+
+    @property
+    def is_contiguous(self) -> bool:
+        return bool(lib.ggml_is_contiguous(self.ptr))
+
+    @property
+    def is_view(self) -> bool:
+        return self.ptr.view_src != ffi.NULL
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.ptr.data != ffi.NULL
+
+    @property
+    def is_host(self) -> bool:
+        """Whether the data is addressable from the CPU (False when unallocated)."""
+        p = self.ptr
+        buf = _buffer_of(p)
+        if buf == ffi.NULL:
+            return p.data != ffi.NULL  # context-allocated memory
+        return bool(lib.ggml_backend_buffer_is_host(buf))
+
+    @property
+    def src(self) -> list["Tensor"]:
+        p = self.ptr
+        return [Tensor(p.src[i], self._ctx) for i in range(lib.GGML_MAX_SRC) if p.src[i] != ffi.NULL]
+
+    def set_input(self) -> "Tensor":
+        lib.ggml_set_input(self.ptr)
+        return self
+
+    def set_output(self) -> "Tensor":
+        lib.ggml_set_output(self.ptr)
+        return self
+
+    def same(self, other: "Tensor") -> bool:
+        return self._p == other._p
+
+    def __eq__(self, other):
+        return isinstance(other, Tensor) and self._p == other._p
+
+    def __hash__(self):
+        return hash(int(ffi.cast("uintptr_t", self._p)))
+
+    def __repr__(self) -> str:
+        if self._ctx.closed:
+            return "<Tensor (closed context)>"
+        return f"<Tensor {self.name!r} {self.dtype.name} shape={self.shape} op={self.op}>"
+
+    # -- data -----------------------------------------------------------------
+
+    def _require_data(self, what: str) -> None:
+        if not self.is_allocated:
+            raise BackendError(f"{what}: tensor {self.name!r} has no memory yet "
+                               "(allocate its context in a backend buffer, or compute the graph first)")
+
+    def set(self, array) -> "Tensor":
+        """Copy a numpy array into the tensor (any backend).
+
+        Plain types take an array of the matching dtype and shape; quantized
+        types take the raw bytes as a uint8 array of exactly ``nbytes``.
+        """
+        self._require_data("Tensor.set")
+        if not self.is_contiguous:
+            raise ShapeError(f"Tensor.set: tensor {self.name!r} is not contiguous; set its base tensor instead")
+        arr = np.asarray(array)
+        dt = self.dtype
+        if dt.is_quantized:
+            if arr.dtype != np.uint8 or arr.nbytes != self.nbytes:
+                raise DTypeError(f"Tensor.set: {dt.name} tensor {self.name!r} takes {self.nbytes} raw bytes as uint8, "
+                                 f"got {arr.dtype} with {arr.nbytes} bytes (use quantize() to make them)")
+        else:
+            if arr.dtype != dt.numpy_dtype:
+                raise DTypeError(f"Tensor.set: {dt.name} tensor {self.name!r} takes dtype {dt.numpy_dtype}, "
+                                 f"got {arr.dtype}")
+            if ne_of(arr.shape if arr.ndim else (1,)) != self.ne:
+                raise ShapeError(f"Tensor.set: array shape {arr.shape} does not match tensor {self.name!r} "
+                                 f"shape {self.shape}")
+            self._ctx._check_index_data(self, arr)
+        arr = np.ascontiguousarray(arr)
+        self._ctx._mark_set(self)
+        p = self.ptr
+        if _buffer_of(p) == ffi.NULL:
+            ffi.memmove(p.data, ffi.from_buffer(arr), arr.nbytes)  # memory of a data-owning context
+        else:
+            lib.ggml_backend_tensor_set(p, ffi.from_buffer(arr), 0, arr.nbytes)
+        return self
+
+    def _set_trusted(self, arr: np.ndarray) -> None:
+        """:meth:`set` without its checks, for graph inputs the library built itself.
+
+        The caller guarantees a C-contiguous array of the tensor's dtype, shape and
+        index range, and that the tensor is allocated in a backend buffer.
+        """
+        p = self.ptr
+        if p.buffer == ffi.NULL:  # GGML would abort
+            self._require_data("Tensor._set_trusted")
+            raise BackendError(f"Tensor._set_trusted: tensor {self.name!r} is not in a backend buffer")
+        self._ctx._mark_set(self)
+        lib.ggml_backend_tensor_set(p, ffi.from_buffer(arr), 0, arr.nbytes)
+
+    def numpy(self) -> np.ndarray:
+        """A copy of the data as numpy (uint8 raw bytes for quantized types)."""
+        self._require_data("Tensor.numpy")
+        dt = self.dtype
+        if not self.is_contiguous:
+            if not self.is_host:
+                raise ShapeError(f"Tensor.numpy: tensor {self.name!r} is a non-contiguous view on a device; "
+                                 "make it contiguous with cont() in the graph")
+            return self.view_numpy().copy()
+        out = np.empty(self.nbytes if dt.is_quantized else self.shape,
+                       dtype=np.uint8 if dt.is_quantized else dt.numpy_dtype)
+        p = self.ptr
+        if _buffer_of(p) == ffi.NULL:
+            ffi.memmove(ffi.from_buffer(out), p.data, out.nbytes)
+        else:
+            lib.ggml_backend_tensor_get(p, ffi.from_buffer(out), 0, out.nbytes)
+        return out
+
+    def view_numpy(self, writable: bool = True) -> np.ndarray:
+        """A zero-copy numpy view of host data; the array keeps this tensor's memory alive,
+        even across ``close()`` of its context. Views of index tensors (row or expert ids)
+        are read-only: writes must go through :meth:`set`, which checks the range."""
+        self._require_data("Tensor.view_numpy")
+        writable = writable and not self._ctx._has_index_bound(self)
+        if not self.is_host:
+            raise BackendError(f"Tensor.view_numpy: tensor {self.name!r} lives in device memory; use numpy()")
+        dt = self.dtype
+        if dt.is_quantized:
+            if not self.is_contiguous:
+                raise ShapeError(f"Tensor.view_numpy: quantized tensor {self.name!r} is not contiguous")
+            return np.asarray(_ArrayView(self, (self.nbytes,), (1,), "|u1", writable))
+        shape = self.shape
+        strides = tuple(self.nb[i] for i in reversed(range(len(shape))))
+        return np.asarray(_ArrayView(self, shape, strides, dt.numpy_dtype.str, writable))
+
+
+class BorrowedScope:
+    """Stands in for the owning context of tensors that belong to GGML (a scheduler's
+    copies, a region call's arguments): valid until ``closed`` is set."""
+
+    closed = False
+
+    def _check_index_data(self, t, arr) -> None:
+        pass
+
+    def _has_index_bound(self, t) -> bool:
+        return False
+
+    def _track_view(self, view) -> None:
+        pass
+
+    def _mark_set(self, t) -> None:
+        pass
+
+
+def _buffer_of(p):
+    # GGML's own rule: a view's memory belongs to the buffer of its source
+    return p.view_src.buffer if p.view_src != ffi.NULL else p.buffer
+
+
+class _ArrayView:
+    """Exposes tensor memory through ``__array_interface__``; numpy keeps it as ``.base``."""
+
+    __slots__ = ("tensor", "__array_interface__", "__weakref__")
+
+    def __init__(self, tensor: Tensor, shape, strides, typestr, writable):
+        self.tensor = tensor
+        tensor._ctx._track_view(self)
+        addr = int(ffi.cast("uintptr_t", tensor.ptr.data))
+        self.__array_interface__ = {"version": 3, "shape": tuple(shape), "strides": tuple(strides),
+                                    "typestr": typestr, "data": (addr, not writable)}
+
+
+def check_indices(op: str, name: str, arr: np.ndarray, bound: int) -> None:
+    if arr.size and (arr.min() < 0 or arr.max() >= bound):
+        bad = arr[(arr < 0) | (arr >= bound)].ravel()[0]
+        raise IndexRangeError(f"{op}: index tensor {name!r} holds {int(bad)}, outside 0..{bound - 1} "
+                              f"(the number of rows it selects from)")

@@ -1,0 +1,97 @@
+"""Generation: prompt processing, then one token at a time until EOS or ``n_predict``, streamed.
+
+``generate`` yields text pieces as they become complete UTF-8 and fills a
+:class:`GenerationStats` with timings and (optionally) every evaluated
+position's logits, which is what the CLI prints and writes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .moe_model import MoEModel
+from .sampling import Sampler
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0                             # tokens evaluated after the prompt
+    tokens: list[int] = field(default_factory=list)  # generated ids
+    stop_reason: str = ""                             # "eos" (any end-of-generation token), "length" or "context"
+    logits: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first generated token comes from the prompt's logits; each token evaluated after it is a step
+        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    def all_logits(self) -> np.ndarray:
+        return np.concatenate(self.logits, axis=0).astype(np.float32) if self.logits else np.zeros((0, 0), np.float32)
+
+
+def generate(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | None = None,
+             stats: GenerationStats | None = None, keep_logits: bool = False, stop_at_eos: bool = True):
+    """Yield the generated text piece by piece; ``stats`` (if given) is filled as it goes."""
+    if isinstance(n_predict, bool) or not isinstance(n_predict, int) or n_predict < 0:
+        raise ValueError(f"n_predict={n_predict!r} must be an integer >= 0")
+    sampler = sampler or Sampler()
+    st = stats if stats is not None else GenerationStats()
+    prompt = list(prompt_tokens)
+    if not prompt:
+        raise ValueError("generate: the prompt has no tokens")
+    model.reset()
+    st.prompt_tokens = len(prompt)
+    t0 = time.perf_counter()
+    logits = model.eval(prompt, "all" if keep_logits else "last")
+    st.prompt_seconds = time.perf_counter() - t0
+    if keep_logits:
+        st.logits.append(logits)
+    text = model.tokenizer.stream()
+    eog = model.tokenizer.eog_ids
+    st.stop_reason = "length"
+    t0 = time.perf_counter()
+    for i in range(n_predict):
+        tok = sampler(logits[-1])
+        if stop_at_eos and tok in eog:
+            st.stop_reason = "eos"
+            break
+        st.tokens.append(tok)
+        st.generated_tokens += 1
+        piece = text.push(tok)
+        if piece:
+            yield piece
+        if i == n_predict - 1:
+            break
+        if model.n_past >= model.n_ctx:
+            st.stop_reason = "context"
+            break
+        logits = model.eval([tok], "last")
+        st.decode_steps += 1
+        if keep_logits:
+            st.logits.append(logits)
+    st.decode_seconds = time.perf_counter() - t0
+    rest = text.flush()
+    if rest:
+        yield rest
+
+
+def complete(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | None = None,
+             keep_logits: bool = False, stop_at_eos: bool = True) -> tuple[str, GenerationStats]:
+    """:func:`generate` run to the end: the whole text and its stats."""
+    st = GenerationStats()
+    text = "".join(generate(model, prompt_tokens, n_predict, sampler, st, keep_logits, stop_at_eos))
+    return text, st
+
+
+__all__ = ["GenerationStats", "complete", "generate"]

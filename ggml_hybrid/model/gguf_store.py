@@ -1,0 +1,146 @@
+"""A GGUF file read through the ``gguf`` package: metadata, and tensors memory-mapped, never read whole.
+
+Tensors can be *placed* on the mapped file (a CPU buffer over the mapping, as
+llama.cpp's mmap does: zero copy, pages read from disk on first touch), *loaded*
+into a backend buffer, or read one expert at a time for an expert cache.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ggml.backend import Backend, Buffer
+from ..ggml.context import Context
+from ..ggml.dtypes import GGMLType
+from ..errors import GgmlHybridError
+from ..ggml.tensor import Tensor
+
+
+class ModelFileError(GgmlHybridError, ValueError):
+    """A model file that is missing, not GGUF, truncated, or lacks what is required."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: GGMLType
+    shape: tuple[int, ...]  # numpy order
+    offset: int             # absolute byte offset in the file
+    nbytes: int
+
+
+class GGUFStore:
+    def __init__(self, path):
+        import gguf
+
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise ModelFileError(f"model file {self.path!r} does not exist")
+        try:
+            self._reader = gguf.GGUFReader(self.path, "r")
+        except Exception as exc:  # the gguf package raises several types for a bad file
+            raise ModelFileError(f"{self.path!r} is not a readable GGUF file: {exc}") from exc
+        self._info: dict[str, TensorInfo] = {}
+        size = len(self._reader.data)
+        for t in self._reader.tensors:
+            info = TensorInfo(t.name, GGMLType(int(t.tensor_type)), tuple(int(n) for n in reversed(t.shape)),
+                              int(t.data_offset), int(t.n_bytes))
+            if info.offset + info.nbytes > size:
+                raise ModelFileError(f"{self.path!r}: tensor {t.name!r} ends at byte {info.offset + info.nbytes}, "
+                                     f"past the end of the {size}-byte file (truncated?)")
+            self._info[t.name] = info
+        self._data = {t.name: t.data for t in self._reader.tensors}
+        self._mapped: Buffer | None = None
+
+    # -- metadata -------------------------------------------------------------
+
+    @property
+    def arch(self) -> str:
+        return self.meta("general.architecture")
+
+    def has(self, key: str) -> bool:
+        return key in self._reader.fields
+
+    def meta(self, key: str, default=None):
+        """A metadata value (int, float, str or list); ``default`` when given and the key is absent."""
+        f = self._reader.fields.get(key)
+        if f is None:
+            if default is not None:
+                return default
+            raise ModelFileError(f"{self.path!r} lacks the metadata key {key!r}")
+        try:
+            return f.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as exc:
+            raise ModelFileError(f"{self.path!r}: metadata {key!r} cannot be read ({exc})") from None
+
+    # -- tensors --------------------------------------------------------------
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._info
+
+    def tensors(self) -> list[TensorInfo]:
+        """Every tensor's info, in file order."""
+        return list(self._info.values())
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._info[name]
+        except KeyError:
+            raise ModelFileError(f"{self.path!r} has no tensor {name!r}") from None
+
+    def new_tensor(self, ctx: Context, name: str) -> Tensor:
+        info = self.info(name)
+        return ctx.new_tensor(info.dtype, info.shape, name)
+
+    def mapped_buffer(self) -> Buffer:
+        """One CPU buffer over the whole mapped file (weights usage)."""
+        if self._mapped is None or self._mapped.closed:
+            self._mapped = Buffer.from_host_memory(self._reader.data, "weights")
+        return self._mapped
+
+    def place(self, tensor: Tensor) -> None:
+        """Point ``tensor`` at its data inside the mapped file: no copy."""
+        self.mapped_buffer().place(tensor, self.info(tensor.name).offset)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes (a read-only view of the mapping), shaped [..., row bytes]."""
+        return self._data[name].view(np.uint8).reshape(self._data[name].shape[:-1] + (-1,))
+
+    def expert_bytes(self, name: str, expert: int) -> np.ndarray:
+        """The bytes of one expert of a [n_expert, rows, cols] tensor (a view of the mapping)."""
+        return self.raw(name)[expert]
+
+    def load(self, tensor: Tensor, source: str | None = None) -> None:
+        """Copy the data of file tensor ``source`` (default: the tensor's name) into its memory, on any backend."""
+        name = source or tensor.name
+        self.info(name)
+        tensor.set(np.ascontiguousarray(self.raw(name)).reshape(-1) if tensor.dtype.is_quantized
+                   else np.ascontiguousarray(self._data[name]).reshape(tensor.shape))
+
+    def close(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
+        self._mapped = None
+
+
+def load_into(store: GGUFStore, names, backend: Backend, usage: str = "weights", n_extra: int = 0, on_tensor=None,
+              load: bool = True):
+    """A context with the named tensors, allocated on ``backend`` and filled from the file.
+
+    ``on_tensor(name)`` is called after each tensor is loaded (progress reporting). With
+    ``load=False`` (planning) the memory is only reserved (``Context.allocate(virtual=True)``)
+    and no tensor data is read.
+    """
+    ctx = Context(n_tensors=len(names) + n_extra)
+    tensors = {n: store.new_tensor(ctx, n) for n in names}
+    if tensors:
+        ctx.allocate(backend, usage, virtual=not load)
+        for t in tensors.values():
+            if load:
+                store.load(t)
+            if on_tensor is not None:
+                on_tensor(t.name)
+    return ctx, tensors

@@ -1,0 +1,353 @@
+"""A MoE language model loaded from GGUF: weights placed per the session options, a KV cache, logits.
+
+    with MoEModel("model.gguf", SessionOptions.parse(["moe_cpu_share=0.5", "disk_experts=1",
+                                                      "expert_cache_slots=16"])) as m:
+        logits = m.eval(m.tokenizer.encode("Hello"))   # [1, n_vocab]: the last position
+
+Dense weights (attention, norms, routers, shared experts, embeddings, output)
+go to the device; routed experts are placed by :class:`ExpertLayers` (resident,
+``cpu_moe``/``n_cpu_moe``, or disk-backed with the expert cache and the hybrid
+CPU share). One sequence: ``eval`` appends tokens to the KV cache, ``reset``
+starts over.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .._native import ffi
+from ..ggml.backend import Backend, cpu, cpu_instance
+from ..ggml.context import Context
+from ..deploy.devices import open_devices
+from ..deploy.layout import CPU, plan_layout
+from ..ggml.tensor import Tensor
+from ..errors import ClosedError, ShapeError
+from ..moe.expert_layers import ExpertLayers, check_moe_options
+from .hparams import HParams, read_hparams, tensor_shapes
+from .kv_cache import KVCache
+from .decoder import DecoderGraph, build_decoder, graph_size
+from ..moe.stack_session import SessionCounters
+from ..options import OptionError, SessionOptions
+from ..ggml.sched import Scheduler
+from .gguf_store import GGUFStore, ModelFileError, load_into
+from .tokenizer import Tokenizer
+
+DEFAULT_MAX_CTX = 4096
+MAX_GRAPHS = 8  # decoder graphs kept per model (one per ubatch shape), least recently used dropped first
+_EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def check_options(opts: SessionOptions, hp: HParams) -> None:
+    check_moe_options(opts, hp.n_layer, hp.n_expert)
+    if opts.ubatch_size > opts.batch_size:
+        raise OptionError(f"ubatch_size={opts.ubatch_size}: must not exceed batch_size={opts.batch_size}")
+    if opts.n_ctx > hp.n_ctx_train:
+        raise OptionError(f"n_ctx={opts.n_ctx}: the model was trained for at most {hp.n_ctx_train} tokens")
+    if opts.cache_type_v == "q8_0" and not opts.flash_attn:
+        raise OptionError("cache_type_v=q8_0: a quantized V cache needs flash_attn=true (as in llama.cpp)")
+    for key in ("cache_type_k", "cache_type_v"):
+        if getattr(opts, key) == "q8_0" and hp.head_dim % 32:
+            raise OptionError(f"{key}=q8_0: the head size {hp.head_dim} is not a multiple of 32")
+
+
+class MoEModel:
+    def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None,
+                 progress=None, dry_run_devices: list[str] | None = None):
+        """Load ``path``; ``progress(done, total)`` is called as tensors are loaded.
+
+        ``dry_run_devices`` (planning): allocate everything as a load would, on CPU backend
+        instances standing in for the named devices, but read no tensor data; such a model
+        must not be evaluated.
+        """
+        self.dry_run = dry_run_devices is not None
+        t0 = time.perf_counter()
+        self.options = opts = options if options is not None else SessionOptions()
+        if not isinstance(opts, SessionOptions):
+            raise OptionError(f"options must be SessionOptions, got {type(opts).__name__}")
+        self.store = store = GGUFStore(path)
+        try:
+            self.hp = hp = read_hparams(store)
+            check_options(opts, hp)
+            self.tokenizer = Tokenizer.from_gguf(store)
+            if self.tokenizer.n_vocab != hp.n_vocab:
+                raise ModelFileError(f"{store.path!r}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
+                                     f"token_embd.weight has {hp.n_vocab} rows; they must agree")
+        except Exception:
+            store.close()
+            raise
+        n_threads = opts.n_threads or os.cpu_count() or 1
+        self._own_devices = device is None
+        # everything close() releases, so that a load failing half way releases what it made
+        self.devices, self.host, self.sched, self.experts, self.kv = {}, None, None, None, None
+        self.weight_ctxs: list[tuple[str, Context]] = []
+        self._graphs: dict[tuple, DecoderGraph] = {}
+        self._active: tuple | None = None  # key of the graph whose regions are registered
+        try:
+            self._load(opts, hp, n_threads, device, dry_run_devices, progress)
+        except BaseException:
+            self.close()
+            raise
+        self.load_seconds = time.perf_counter() - t0
+
+    def _load(self, opts: SessionOptions, hp: HParams, n_threads: int, device, dry_run_devices, progress) -> None:
+        store = self.store
+        # without accelerators, CPU backend instances play the devices (DEV0, ...), with their own buffers
+        if self.dry_run:
+            for i, name in enumerate(dry_run_devices):
+                self.devices[name] = cpu_instance(i, 1)
+        elif device is not None:
+            self.devices = {"CUDA0" if not device.is_cpu else "DEV0": device}
+        else:
+            self.devices = open_devices(opts, n_threads)
+        self.host = cpu(n_threads)
+        self.device = next(iter(self.devices.values()))
+        required = list(tensor_shapes(hp))
+        self.layout = plan_layout(required, hp.n_layer, opts, list(self.devices), hp.tied_output)
+        self.sched = Scheduler(list(self.devices.values()) + [self.host], graph_size=2 * graph_size(hp))
+        dense = [n for n in required if not n.endswith(_EXPERT_SUFFIXES)]
+        total = len(dense) + 3 * hp.n_layer + (1 if hp.tied_output else 0)
+        done = [0]
+
+        def tick(_name):
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], total)
+
+        self._load_dense(dense, tick)
+        lay = self.layout
+        self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick,
+                                    placement=(lay.expert_mode, lambda n: self.devices.get(lay.tensors[n])),
+                                    load=not self.dry_run)
+        n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
+        self.kv = KVCache(hp.n_layer, n_ctx, hp.n_embd_kv, opts.cache_type_k, opts.cache_type_v,
+                          [self.backend(d) for d in lay.kv_device], v_trans=not opts.flash_attn,
+                          clear=not self.dry_run)
+        # like llama.cpp: size the compute buffers for the largest ubatch once, at load
+        self.sched.reserve(self._graph(min(opts.ubatch_size, n_ctx), n_ctx, min(opts.ubatch_size, n_ctx)).graph)
+
+    def backend(self, name: str) -> Backend:
+        """The backend of a device name of this session (``CPU``: the host backend)."""
+        return self.host if name == CPU else self.devices[name]
+
+    def _load_dense(self, dense: list[str], tick) -> None:
+        """Dense weights into each device's buffer; CPU ones used in place from the mapped file."""
+        by_dev: dict[str, list[str]] = {}
+        for n in dense:
+            by_dev.setdefault(self.layout.tensors[n], []).append(n)
+        self.weights: dict[str, Tensor] = {}
+        for dev, names in by_dev.items():
+            if dev == CPU:
+                ctx = Context(n_tensors=len(names))
+                for n in names:
+                    self.weights[n] = t = self.store.new_tensor(ctx, n)
+                    self.store.place(t)
+                    tick(n)
+            else:
+                ctx, tensors = load_into(self.store, names, self.devices[dev], on_tensor=tick, load=not self.dry_run)
+                self.weights.update(tensors)
+            self.weight_ctxs.append((dev, ctx))
+        out_dev = self.layout.tensors.get("output.weight(tied)")
+        if out_dev is not None and out_dev != CPU:
+            # a tied head gets its own copy on the output device, as llama.cpp duplicates it
+            info = self.store.info("token_embd.weight")
+            ctx = Context(n_tensors=1)
+            t = ctx.new_tensor(info.dtype, info.shape, "output.weight")
+            ctx.allocate(self.devices[out_dev], "weights", virtual=self.dry_run)
+            if not self.dry_run:
+                self.store.load(t, source="token_embd.weight")
+            self.weights["output.weight"] = t
+            self.weight_ctxs.append((out_dev, ctx))
+            tick("output.weight")
+
+    # -- state ----------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        return self.kv.n_ctx
+
+    @property
+    def n_past(self) -> int:
+        return self.kv.n_past
+
+    def reset(self) -> None:
+        """Forget the sequence: the next eval starts at position 0."""
+        self.kv.clear()
+
+    # -- evaluation -----------------------------------------------------------
+
+    def _graph(self, n_tokens: int, n_kv: int, n_out: int) -> DecoderGraph:
+        key = (n_tokens, n_kv, n_out)
+        entry = self._graphs.pop(key, None)
+        if entry is not None:
+            self._graphs[key] = entry  # most recently used last
+        else:
+            while len(self._graphs) >= MAX_GRAPHS:  # prompts of many lengths: keep memory bounded
+                old_key = next(iter(self._graphs))
+                self._graphs.pop(old_key).close()
+                if self._active == old_key:
+                    self.sched.clear_regions()
+                    self._active = None
+            entry = self._graphs[key] = build_decoder(self.hp, self.weights, self.experts.weights, self.kv,
+                                                      n_tokens, n_kv, n_out, self.options.flash_attn)
+            self.sched.set_pins(entry.graph, self._pins(entry))
+        if self._active != key:
+            self.sched.clear_regions()
+            self.experts.register(self.sched, entry.regions)
+            self._active = key
+        return entry
+
+    def _pins(self, entry: DecoderGraph) -> list:
+        """Each node's backend: where its weight lives, else its layer's device (attention: its KV's)."""
+        addr = lambda t: int(ffi.cast("uintptr_t", t.ptr))  # noqa: E731
+        lay, home = self.layout, {}
+        for name, t in self.weights.items():
+            home[addr(t)] = self.backend(lay.tensors.get(name) or lay.tensors["output.weight(tied)"])
+        for i, ew in enumerate(self.experts.weights):
+            for t in ew.kinds.values():
+                if lay.expert_mode[i] == "disk":  # the region runs on its cache's device
+                    home[addr(t)] = self.experts.layer_backends[i]
+                else:
+                    home[addr(t)] = self.backend(lay.tensors[t.name])
+        pins = []
+        for node in entry.graph.nodes:
+            b = None
+            for src in node.src:
+                p = src.ptr
+                base = p.view_src if p.view_src != ffi.NULL else p
+                b = home.get(int(ffi.cast("uintptr_t", base)))
+                if b is not None:
+                    break
+            if b is None:
+                kind, il = entry.owner(node)
+                if kind == "attn":
+                    b = self.backend(lay.kv_device[il])
+                elif kind == "layer":
+                    b = self.backend(lay.layer_device[il])
+                elif kind == "output":
+                    b = self.backend(lay.output_device)
+                else:
+                    b = self.host
+            # an op the chosen backend cannot run is left to the scheduler, which falls back (to the CPU)
+            if b.supports(node):
+                pins.append((node, b))
+        return pins
+
+    def _check_tokens(self, tokens) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ShapeError(f"eval: tokens must be a non-empty 1-D sequence of integers, got {arr.dtype} "
+                             f"{arr.shape}")
+        bad = (arr < 0) | (arr >= self.hp.n_vocab)
+        if bad.any():
+            raise ValueError(f"eval: token id {int(arr[bad][0])} is outside the vocabulary 0..{self.hp.n_vocab - 1}")
+        return arr.astype(np.int32)
+
+    def _ubatch(self, tokens: np.ndarray, n_out: int) -> np.ndarray:
+        n = len(tokens)
+        n_kv = self.kv.n_kv_for(n)
+        g = self._graph(n, n_kv, n_out)
+        self.sched.prepare(g.graph)
+        feed = self.kv.inputs(n, n_kv, np.float16 if self.options.flash_attn else np.float32)
+        feed["tokens"] = tokens
+        if "out_ids" in g.inputs:
+            feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)
+        # every input was built here from checked tokens and the cache's own positions
+        for name, t in g.inputs.items():
+            t._set_trusted(feed[name])
+        self.sched.compute(g.graph)
+        self.kv.n_past += n
+        return g.logits.numpy().reshape(n_out, self.hp.n_vocab)
+
+    def eval(self, tokens, logits: str = "last") -> np.ndarray:
+        """Append ``tokens`` to the sequence; the logits of the last (``"last"``) or every (``"all"``) one."""
+        if logits not in ("last", "all"):
+            raise ValueError(f"eval: logits={logits!r} must be 'last' or 'all'")
+        if self.dry_run:
+            raise RuntimeError("eval: this model was opened for planning (dry run) and holds no weights")
+        if getattr(self, "_closed", False):
+            raise ClosedError("eval: the model is closed")
+        arr = self._check_tokens(tokens)
+        self.kv.n_kv_for(len(arr))  # the whole call fits, or nothing is evaluated
+        ub = self.options.ubatch_size
+        out = []
+        for b0 in range(0, len(arr), self.options.batch_size):
+            batch = arr[b0:b0 + self.options.batch_size]
+            for u0 in range(0, len(batch), ub):
+                part = batch[u0:u0 + ub]
+                last = b0 + u0 + len(part) == len(arr)
+                if logits == "all":
+                    out.append(self._ubatch(part, len(part)))
+                elif last:
+                    out.append(self._ubatch(part, 1))
+                else:
+                    self._ubatch(part, 1)  # the logits of a prompt's inner positions are not needed
+        return np.concatenate(out, axis=0)
+
+    # -- reporting ------------------------------------------------------------
+
+    @property
+    def counters(self) -> SessionCounters:
+        return SessionCounters(self.experts.counters)
+
+    def device_memory(self, device: str | None = None) -> dict[str, int]:
+        """Bytes held on the devices (one device, if named) by purpose: what GPUs would hold."""
+        names = [device] if device is not None else list(self.devices)
+        out = {"weights": 0, "experts": 0, "kv_cache": 0, "compute": 0}
+        for name in names:
+            b = self.devices[name]
+            out["weights"] += sum(t.nbytes for dev, ctx in self.weight_ctxs if dev == name for t in ctx.tensors())
+            out["experts"] += self.experts.device_bytes(b)
+            out["kv_cache"] += self.kv.nbytes(b)
+            out["compute"] += self.sched.buffer_size(b) + self.experts.compute_bytes(b)
+        return out
+
+    def placement_report(self) -> dict:
+        """Where each tensor class ended up: bytes per device (``CPU`` in RAM, ``mapped`` on the file)."""
+        infos = {n: self.store.info(n).nbytes for n in self.layout.tensors if n in self.store}
+        if "output.weight(tied)" in self.layout.tensors:
+            infos["output.weight(tied)"] = self.store.info("token_embd.weight").nbytes
+        classes = self.layout.classes(infos)
+        # dense tensors placed on the CPU are used in place from the mapped file too
+        if CPU in classes:
+            mapped = classes.setdefault("mapped", {})
+            for cls, n in classes.pop(CPU).items():
+                mapped[cls] = mapped.get(cls, 0) + n
+        return {"tensors": classes, "layers": list(self.layout.layer_device), "kv": list(self.layout.kv_device),
+                "experts": list(self.layout.expert_mode), "output": self.layout.output_device}
+
+    # -- lifetime -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release everything; safe twice, and on a model whose load failed half way."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.experts is not None:
+            self.experts.close()  # first: its CPU worker may still read the mapped experts
+        for g in self._graphs.values():
+            g.close()
+        self._graphs.clear()
+        if self.sched is not None:
+            self.sched.close()
+        if self.kv is not None:
+            self.kv.close()
+        for _, ctx in self.weight_ctxs:
+            ctx.close()
+        self.store.close()
+        if self.host is not None:
+            self.host.close()
+        if self._own_devices:
+            for b in self.devices.values():
+                b.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["MoEModel", "check_options"]

@@ -1,0 +1,484 @@
+"""Split the cache misses of one MoE layer call between the CPU and the device.
+
+A layer call requests DISTINCT experts, each with a number of (token, expert)
+*rows*. An expert resident in the device expert cache is a *hit*; every other
+requested expert is a *miss*. With ``moe_cpu_share = s`` a share of the misses is
+computed on the CPU straight from the host copy of the weights (never loaded into
+the cache), while the device computes the hits and loads and computes the
+remaining misses. Everything here is pure Python and deterministic: results
+depend only on the *set* of requested experts, their row counts, the residency
+and (for :class:`CostModel`) the history of observations and choices, never on
+the order in which experts are listed.
+
+Fixed share (:func:`place`)
+---------------------------
+Hits. Hits always stay on the device, whatever the share.
+
+Rounding. For ``n`` misses the CPU takes ``n_cpu = n_cpu_for_share(s, n)``
+misses: the share is read as the decimal number that ``repr(float(s))`` writes
+(the shortest decimal that round-trips the float, so ``0.3`` means exactly 3/10,
+not the binary value 0.29999999999999998889...), and
+``n_cpu = floor(s * n + 1/2)`` (round half up) is evaluated exactly in rational
+arithmetic (:class:`fractions.Fraction`), then clipped to ``[0, n]``. So
+``s = 0`` gives 0, ``s = 1`` gives ``n``; ``0.3`` of 5 misses gives 2 (1.5 rounds
+up; the binary value of the float 0.3 would give 1) and ``0.29`` of 50 misses
+gives 15 (floating-point ``floor(0.29 * 50 + 0.5)`` gives 14).
+
+Selection. The CPU takes the misses with the FEWEST rows first, ties by lower
+expert id; the device loads and computes the others. Reason: a miss costs the
+device a transfer of the expert's whole weight bytes over the bus whatever its
+row count, then a compute that is nearly free per row; the CPU reads the same
+bytes from host RAM (faster than PCIe) and its compute grows with the rows. So
+the CPU is most useful for the experts with few rows (all of them at decode,
+where both sides are bound by moving the bytes) and the device for the experts
+with many rows (compute-bound, where the device's arithmetic wins by orders of
+magnitude).
+
+Result. :class:`Placement` lists ``device_hits``, ``device_misses`` and
+``cpu_misses`` as sorted tuples of expert ids; the three are disjoint and
+together are exactly the requested experts. ``share`` is the share actually
+applied, ``len(cpu_misses) / n_misses`` (0.0 when there are no misses).
+
+Validation. ``experts`` are distinct non-negative ints; ``rows`` are positive
+ints, one per expert; ``resident`` is an iterable of non-negative ints (it may
+name experts that are not requested, e.g. ``SlotCache.resident()``); ``share`` is
+a finite real number in [0, 1]. Bools are rejected wherever an int or a number is
+expected. A violation raises :class:`PlacementError` (a ``ValueError``) naming
+the argument, the value and the rule.
+
+Automatic share (:class:`CostModel`)
+------------------------------------
+One model per layer learns, from timings of past calls, four coefficients:
+
+* ``cpu_per_byte`` (a) and ``cpu_per_row`` (b): a CPU job that reads ``bytes``
+  weight bytes and computes ``rows`` rows takes ``a*bytes + b*rows`` seconds;
+* ``load_per_byte`` (L): loading ``bytes`` into device slots takes ``L*bytes``;
+* ``device_per_row`` (d): computing ``rows`` expert rows on the device takes
+  ``d*rows``.
+
+Fitting. Every observation is folded into exponential moving averages with
+weight ``alpha`` (new = (1-alpha)*old + alpha*x; the k-th most recent
+observation weighs ``alpha*(1-alpha)**k``), all starting at zero, so only ratios
+of them are used and the zero start introduces no bias.
+
+* ``L = EMA(load seconds) / EMA(load bytes)`` and
+  ``d = EMA(device seconds) / EMA(device rows)``: a ratio of averages, i.e. the
+  weighted least-squares slope through the origin with variance proportional to
+  size, robust to small noisy jobs.
+* (a, b) cannot be read off one scalar per job, so the model keeps the
+  exponentially weighted normal equations of ``t = a*bytes + b*rows`` (EMAs of
+  bytes^2, bytes*rows, rows^2, bytes*t, rows*t) and solves them at
+  :meth:`CostModel.estimate` time: an exponentially forgetting least-squares fit,
+  which is a running least squares without the bookkeeping of a ring buffer. The
+  fit is done in units of the prior (``a = a0*u``, ``b = b0*v`` with the prior
+  values a0, b0) and adds a tiny ridge term pulling toward the prior,
+  ``RIDGE * (M11*(u-1)^2 + M22*(v-1)^2)`` where M11 and M22 are the diagonal of
+  the scaled normal matrix (the EMAs of ``(a0*bytes)^2`` and ``(b0*rows)^2``) and
+  ``RIDGE = 1e-6`` (when all jobs had zero bytes or zero rows, so that M11 or
+  M22 is 0, both weights are ``RIDGE * (M11 + M22)`` and the unobserved
+  coefficient stays at its prior). Reason: at decode every CPU job computes one row per expert,
+  so bytes and rows are exactly proportional and only their combination is
+  identified; the ridge then returns (to within about RIDGE) the point of that
+  line nearest to the prior, which predicts every such job, instead of a singular
+  system. On data that identifies both coefficients the pull is about
+  ``RIDGE / (1 - rho^2)`` of the gap to the prior (rho: the weighted correlation
+  of bytes and rows), i.e. negligible; nearly collinear noisy data may split the
+  time between a and b noisily, but the jobs that look like the data are still
+  predicted well, and those are the jobs being placed.
+  Negative coefficients are excluded: the non-negative optimum of the (convex)
+  ridge objective is the interior solution when both are >= 0, otherwise the
+  better of the two boundary solutions (u = 0 or v = 0, the other clipped at 0).
+
+A coefficient with no informative observation yet (no job, or only zero-byte /
+zero-row jobs) takes its prior value. Fixed per-job overheads are not modeled;
+they are absorbed into the fitted coefficients.
+
+Priors (a "sane start", representative of a PCIe 4.0 x16 GPU and a DDR4/DDR5
+desktop host; the ``prior`` dict overrides any of them). A row's compute is a
+matrix-vector product over all of the expert's weights (2 FLOP per weight, about
+1.8 weights per byte at ~4.5-bit quantization, so ~3.6 FLOP per weight byte), so
+the per-row priors are given per row AND per expert weight byte and are
+multiplied by ``expert_bytes`` when used:
+
+* ``cpu_per_byte = 1/30e9`` s: dual-channel DDR4-3200 streams 51 GB/s peak,
+  DDR5-5600 90 GB/s; ggml's quantized CPU kernels read weights at roughly a third
+  to a half of that, ~30 GB/s.
+* ``load_per_byte = 1/20e9`` s: PCIe 4.0 x16 is 32 GB/s raw, ~25 GB/s with
+  pinned buffers; staging expert weights from pageable host memory lands near
+  20 GB/s. (Slower than the CPU's own read, as the selection rule assumes.)
+* ``cpu_per_row_per_byte = 1e-11`` s: ~3.6 FLOP per byte at ~360 GFLOP/s, a
+  multi-core AVX2/AVX-512 host running quantized dot products.
+* ``device_per_row_per_byte = 1e-13`` s: 100 times faster than the CPU
+  (~36 TFLOP/s effective for batched quantized matmul).
+
+With these, decode (1 row per expert) puts about half of the misses on the CPU
+(a CPU miss costs ``(3.3e-11 + 1e-11)*B`` against the device's ``5e-11*B``),
+while prefill with ~64 rows per expert leaves all but the smallest misses to the
+device (a CPU miss then costs ``6.7e-10*B``).
+
+Modeled time of a placement (``B = expert_bytes``, every expert of a layer has
+the same size; ``rows_e`` the rows of expert e)::
+
+    cpu_seconds    = a*B*n_cpu + b*sum(rows_e for e in cpu_misses)
+    device_seconds = L*B*n_device_misses + d*sum(rows_e for e in device_hits + device_misses)
+    makespan       = max(cpu_seconds, device_seconds)   # CPU jobs and the device run in parallel
+
+Choice. :meth:`CostModel.choose` orders the misses as :func:`place` does (fewest
+rows first, ties by lower id), evaluates the makespan of every
+``n_cpu = 0..n_misses`` (the CPU taking the first ``n_cpu`` of that order) and
+takes the minimum, ties by the smallest ``n_cpu``.
+
+Hysteresis. The model remembers a share ``S`` (None before the first call with
+misses). On a call with ``n`` misses it computes ``k_prev =
+n_cpu_for_share(S, n)`` and keeps ``k_prev`` unless the best candidate's
+makespan is better by more than ``hysteresis`` relative, i.e. unless
+``makespan(best) < (1 - hysteresis) * makespan(k_prev)``; only when it switches
+(or on the first call) does ``S`` become ``best / n``. ``S`` is therefore not
+re-derived from each call's rounded share, so it does not drift across calls
+with different miss counts. A call without misses changes nothing. With
+``hysteresis = 0`` every choice has the minimal modeled makespan.
+
+Cost. :func:`place` is O(E log E) for E requested experts; :meth:`CostModel.choose`
+adds O(E) for the sweep over ``n_cpu``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from ..errors import GgmlHybridError
+
+__all__ = ["CostModel", "DEFAULT_PRIOR", "Placement", "PlacementError", "n_cpu_for_share", "place"]
+
+
+class PlacementError(GgmlHybridError, ValueError):
+    """An argument of the CPU/device placement or its cost model that the rules reject."""
+
+
+DEFAULT_PRIOR: dict[str, float] = {
+    "cpu_per_byte": 1.0 / 30e9,
+    "cpu_per_row_per_byte": 1e-11,
+    "load_per_byte": 1.0 / 20e9,
+    "device_per_row_per_byte": 1e-13,
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the experts of one layer call are computed; see the module docstring.
+
+    ``device_hits``: sorted ids resident in the cache (computed on the device);
+    ``device_misses``: sorted ids loaded into slots and computed on the device;
+    ``cpu_misses``: sorted ids computed on the CPU (never loaded into the cache);
+    ``share``: the share applied, ``len(cpu_misses) / n_misses`` (0.0 without misses).
+    """
+
+    device_hits: tuple[int, ...]
+    device_misses: tuple[int, ...]
+    cpu_misses: tuple[int, ...]
+    share: float
+
+    @property
+    def n_misses(self) -> int:
+        return len(self.device_misses) + len(self.cpu_misses)
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def _int(value, what: str, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise PlacementError(f"{what} must be an int >= {minimum}, got the bool {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise PlacementError(
+            f"{what} must be an int >= {minimum}, got {value!r} of type {type(value).__name__}") from None
+    if v < minimum:
+        raise PlacementError(f"{what} must be an int >= {minimum}, got {v}")
+    return v
+
+
+def _real(value, what: str, lo: float, hi: float | None, rule: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PlacementError(f"{what} must be {rule}, got {value!r} of type {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
+        raise PlacementError(f"{what} must be {rule}, got {value!r}")
+    return v
+
+
+def _share(share, what: str) -> float:
+    return _real(share, what, 0.0, 1.0, "a finite number in [0, 1]")
+
+
+def _sequence(value, what: str, rule: str):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not hasattr(value, "__len__"):
+        raise PlacementError(f"{what} must be {rule}, got {type(value).__name__}")
+    return value
+
+
+def _check_call(where: str, experts, rows, resident) -> tuple[list[int], list[int], set[int]]:
+    _sequence(experts, f"{where}: experts", "a sequence of distinct int expert ids >= 0")
+    ids: list[int] = []
+    seen: dict[int, int] = {}
+    for i, value in enumerate(experts):
+        e = _int(value, f"{where}: experts[{i}]", 0)
+        if e in seen:
+            raise PlacementError(f"{where}: expert {e} is listed twice (experts[{seen[e]}] and experts[{i}]); "
+                                 "a call lists distinct experts")
+        seen[e] = i
+        ids.append(e)
+    _sequence(rows, f"{where}: rows", "a sequence of int row counts >= 1, one per expert")
+    if len(rows) != len(ids):
+        raise PlacementError(
+            f"{where}: rows has {len(rows)} entries but experts has {len(ids)}; one row count per expert")
+    counts = [_int(r, f"{where}: rows[{i}] (expert {ids[i]})", 1) for i, r in enumerate(rows)]
+    if isinstance(resident, (str, bytes)) or not isinstance(resident, Iterable):
+        raise PlacementError(f"{where}: resident must be an iterable of int expert ids >= 0, "
+                             f"got {type(resident).__name__}")
+    res = {_int(e, f"{where}: resident expert", 0) for e in resident}
+    return ids, counts, res
+
+
+# -- fixed share -----------------------------------------------------------------------------------
+
+
+def n_cpu_for_share(share: float, n_misses: int) -> int:
+    """The number of misses the CPU takes for ``share`` of ``n_misses``.
+
+    Rule: round half up, ``floor(share * n_misses + 1/2)``, clipped to ``[0, n_misses]``,
+    evaluated exactly with :class:`fractions.Fraction` on the decimal number that
+    ``repr(float(share))`` writes (0.3 is exactly 3/10), so no floating-point error
+    can move a result across a rounding boundary: ``share = 0`` gives 0, ``share = 1``
+    gives ``n_misses``, ``n_cpu_for_share(0.3, 5) == 2``, ``n_cpu_for_share(0.29, 50) == 15``.
+    """
+    s = _share(share, "n_cpu_for_share: share")
+    n = _int(n_misses, "n_cpu_for_share: n_misses", 0)
+    k = math.floor(Fraction(repr(s)) * n + Fraction(1, 2))
+    return min(max(k, 0), n)
+
+
+def _split(ids: list[int], counts: list[int], res: set[int]):
+    """Hits sorted by id; misses as (rows, id), fewest rows first, ties by lower id."""
+    hits = sorted(e for e in ids if e in res)
+    misses = sorted((r, e) for e, r in zip(ids, counts) if e not in res)
+    return hits, misses
+
+
+def _placement(hits: list[int], misses: list[tuple[int, int]], n_cpu: int) -> Placement:
+    n = len(misses)
+    return Placement(device_hits=tuple(hits),
+                     device_misses=tuple(sorted(e for _, e in misses[n_cpu:])),
+                     cpu_misses=tuple(sorted(e for _, e in misses[:n_cpu])),
+                     share=(n_cpu / n) if n else 0.0)
+
+
+def place(experts: Sequence[int], rows: Sequence[int], resident: Iterable[int], share: float) -> Placement:
+    """Place one layer call with a fixed CPU ``share`` of the misses.
+
+    ``experts[i]`` has ``rows[i]`` rows; ``resident`` holds the ids in the device cache.
+    Hits stay on the device; the CPU takes ``n_cpu_for_share(share, n_misses)`` misses,
+    those with the FEWEST rows first (ties: lower expert id). A miss costs the device a
+    transfer of the expert's whole weight bytes over the bus whatever its row count,
+    while the CPU reads the same bytes from host RAM (faster than PCIe) and its compute
+    grows with the rows; so the CPU is most useful for the experts with few rows (all of
+    them at decode) and the device for the experts with many rows (compute-bound).
+    Raises :class:`PlacementError` for invalid arguments; see the module docstring.
+    """
+    ids, counts, res = _check_call("place", experts, rows, resident)
+    s = _share(share, "place: share")
+    hits, misses = _split(ids, counts, res)
+    return _placement(hits, misses, n_cpu_for_share(s, len(misses)))
+
+
+# -- automatic share -------------------------------------------------------------------------------
+
+
+def _times(c: dict, expert_bytes: int, n_cpu: int, cpu_rows: int, n_dev: int, dev_rows: int) -> tuple[float, float]:
+    """(cpu_seconds, device_seconds); the single formula shared by ``choose`` and ``modeled_times``."""
+    cpu = c["cpu_per_byte"] * expert_bytes * n_cpu + c["cpu_per_row"] * cpu_rows
+    dev = c["load_per_byte"] * expert_bytes * n_dev + c["device_per_row"] * dev_rows
+    return cpu, dev
+
+
+class CostModel:
+    """Online cost model for ``moe_cpu_share='auto'`` (one per layer).
+
+    See the module docstring for the model, the fit, the priors and the hysteresis.
+    ``alpha`` in (0, 1] is the EMA weight of a new observation, ``hysteresis`` in
+    [0, 1) the relative gain a new choice needs over the remembered share, and
+    ``prior`` overrides entries of :data:`DEFAULT_PRIOR` (positive finite floats).
+    """
+
+    RIDGE = 1e-6
+
+    def __init__(self, alpha: float = 0.25, hysteresis: float = 0.05, prior: dict | None = None):
+        self.alpha = _real(alpha, "CostModel: alpha", 0.0, 1.0, "a finite number in (0, 1]")
+        if self.alpha == 0.0:
+            raise PlacementError(f"CostModel: alpha must be a finite number in (0, 1], got {alpha!r}")
+        self.hysteresis = _real(hysteresis, "CostModel: hysteresis", 0.0, None, "a finite number in [0, 1)")
+        if self.hysteresis >= 1.0:
+            raise PlacementError(f"CostModel: hysteresis must be a finite number in [0, 1), got {hysteresis!r}")
+        self.prior = dict(DEFAULT_PRIOR)
+        if prior is not None:
+            if not isinstance(prior, Mapping):
+                raise PlacementError(f"CostModel: prior must be a dict with keys among {sorted(DEFAULT_PRIOR)}, "
+                                     f"got {type(prior).__name__}")
+            for key, value in prior.items():
+                if key not in DEFAULT_PRIOR:
+                    raise PlacementError(f"CostModel: prior key {key!r} is unknown; keys are {sorted(DEFAULT_PRIOR)}")
+                v = _real(value, f"CostModel: prior[{key!r}]", 0.0, None, "a finite number > 0")
+                if v == 0.0:
+                    raise PlacementError(f"CostModel: prior[{key!r}] must be a finite number > 0, got {value!r}")
+                self.prior[key] = v
+        # EMAs: CPU normal equations, load and device-compute ratios
+        self._cpu = [0.0] * 5  # bytes^2, bytes*rows, rows^2, bytes*t, rows*t
+        self._load = [0.0, 0.0]  # seconds, bytes
+        self._dev = [0.0, 0.0]  # seconds, rows
+        self._n = {"cpu": 0, "load": 0, "device": 0}
+        self._share: float | None = None
+
+    def __repr__(self) -> str:
+        return (f"CostModel(alpha={self.alpha}, hysteresis={self.hysteresis}, share={self._share}, "
+                f"observations={self._n})")
+
+    @property
+    def share(self) -> float | None:
+        """The remembered share of the hysteresis (None before the first call with misses)."""
+        return self._share
+
+    # -- observations --------------------------------------------------------------------------
+
+    def _ema(self, stats: list[float], values: Sequence[float]) -> None:
+        keep = 1.0 - self.alpha
+        for i, v in enumerate(values):
+            stats[i] = keep * stats[i] + self.alpha * v
+
+    def observe_cpu(self, bytes_read: int, rows: int, seconds: float) -> None:
+        """One CPU job: ``bytes_read`` weight bytes read and ``rows`` rows computed in ``seconds``."""
+        x = float(_int(bytes_read, "CostModel.observe_cpu: bytes_read", 0))
+        r = float(_int(rows, "CostModel.observe_cpu: rows", 0))
+        t = _real(seconds, "CostModel.observe_cpu: seconds", 0.0, None, "a finite number >= 0")
+        self._ema(self._cpu, (x * x, x * r, r * r, x * t, r * t))
+        self._n["cpu"] += 1
+
+    def observe_load(self, bytes_loaded: int, seconds: float) -> None:
+        """Device loads: ``bytes_loaded`` weight bytes moved into slots in ``seconds``."""
+        x = float(_int(bytes_loaded, "CostModel.observe_load: bytes_loaded", 0))
+        t = _real(seconds, "CostModel.observe_load: seconds", 0.0, None, "a finite number >= 0")
+        self._ema(self._load, (t, x))
+        self._n["load"] += 1
+
+    def observe_device(self, rows: int, seconds: float) -> None:
+        """Device expert compute: ``rows`` (token, expert) rows in ``seconds``."""
+        r = float(_int(rows, "CostModel.observe_device: rows", 0))
+        t = _real(seconds, "CostModel.observe_device: seconds", 0.0, None, "a finite number >= 0")
+        self._ema(self._dev, (t, r))
+        self._n["device"] += 1
+
+    # -- estimates -----------------------------------------------------------------------------
+
+    def _fit_cpu(self, a0: float, b0: float) -> tuple[float, float]:
+        sbb, sbr, srr, sbt, srt = self._cpu
+        # normal equations in prior units: features a0*bytes and b0*rows
+        m11, m12, m22 = a0 * a0 * sbb, a0 * b0 * sbr, b0 * b0 * srr
+        r1, r2 = a0 * sbt, b0 * srt
+        if not m11 + m22 > 0.0:
+            return a0, b0
+        lam1, lam2 = self.RIDGE * m11, self.RIDGE * m22
+        if lam1 == 0.0 or lam2 == 0.0:  # only zero-byte or only zero-row jobs: one coefficient is unidentified
+            lam1 = lam2 = self.RIDGE * (m11 + m22)
+        m11 += lam1
+        m22 += lam2
+        r1 += lam1
+        r2 += lam2
+
+        def objective(u: float, v: float) -> float:  # 1/2 z'Mz - r'z
+            return 0.5 * (m11 * u * u + 2.0 * m12 * u * v + m22 * v * v) - r1 * u - r2 * v
+
+        det = m11 * m22 - m12 * m12
+        u = (m22 * r1 - m12 * r2) / det
+        v = (m11 * r2 - m12 * r1) / det
+        if u < 0.0 or v < 0.0:
+            cand = [(0.0, max(0.0, r2 / m22)), (max(0.0, r1 / m11), 0.0)]
+            u, v = min(cand, key=lambda z: objective(*z))
+        return a0 * u, b0 * v
+
+    def estimate(self, expert_bytes: int) -> dict:
+        """Current coefficients for experts of ``expert_bytes`` bytes (used by the per-row priors).
+
+        Returns ``cpu_per_byte``, ``cpu_per_row``, ``load_per_byte``, ``device_per_row`` (seconds)
+        and ``cpu_observations``, ``load_observations``, ``device_observations`` (counts).
+        """
+        B = _int(expert_bytes, "CostModel.estimate: expert_bytes", 1)
+        p = self.prior
+        a, b = self._fit_cpu(p["cpu_per_byte"], p["cpu_per_row_per_byte"] * B)
+        lt, lx = self._load
+        dt, dr = self._dev
+        return {
+            "cpu_per_byte": a,
+            "cpu_per_row": b,
+            "load_per_byte": lt / lx if lx > 0.0 else p["load_per_byte"],
+            "device_per_row": dt / dr if dr > 0.0 else p["device_per_row_per_byte"] * B,
+            "cpu_observations": self._n["cpu"],
+            "load_observations": self._n["load"],
+            "device_observations": self._n["device"],
+        }
+
+    def modeled_times(self, placement: Placement, rows: Mapping[int, int], expert_bytes: int) -> tuple[float, float]:
+        """``(cpu_seconds, device_seconds)`` of ``placement`` under the current estimates.
+
+        ``rows[e]`` is the row count of every expert ``e`` of the placement.
+        """
+        if not isinstance(placement, Placement):
+            raise PlacementError(f"CostModel.modeled_times: placement must be a Placement, "
+                                 f"got {type(placement).__name__}")
+        if not isinstance(rows, Mapping):
+            raise PlacementError(f"CostModel.modeled_times: rows must be a dict expert -> row count, "
+                                 f"got {type(rows).__name__}")
+
+        def total(ids: tuple[int, ...]) -> int:
+            s = 0
+            for e in ids:
+                if e not in rows:
+                    raise PlacementError(f"CostModel.modeled_times: rows has no entry for expert {e} "
+                                         "of the placement; every placed expert needs a row count")
+                s += _int(rows[e], f"CostModel.modeled_times: rows[{e}]", 1)
+            return s
+
+        c = self.estimate(expert_bytes)
+        return _times(c, expert_bytes, len(placement.cpu_misses), total(placement.cpu_misses),
+                      len(placement.device_misses), total(placement.device_hits) + total(placement.device_misses))
+
+    def choose(self, experts: Sequence[int], rows: Sequence[int], resident: Iterable[int],
+               expert_bytes: int) -> Placement:
+        """The placement of minimal modeled makespan, with hysteresis; see the module docstring."""
+        ids, counts, res = _check_call("CostModel.choose", experts, rows, resident)
+        B = _int(expert_bytes, "CostModel.choose: expert_bytes", 1)
+        hits, misses = _split(ids, counts, res)
+        n = len(misses)
+        if n == 0:
+            return _placement(hits, misses, 0)
+        c = self.estimate(B)
+        hit_rows = sum(r for e, r in zip(ids, counts) if e in res)
+        miss_rows = sum(r for r, _ in misses)
+        spans = []
+        cpu_rows = 0
+        for k in range(n + 1):
+            if k:
+                cpu_rows += misses[k - 1][0]
+            spans.append(max(_times(c, B, k, cpu_rows, n - k, hit_rows + miss_rows - cpu_rows)))
+        best = min(range(n + 1), key=lambda k: (spans[k], k))
+        k_prev = None if self._share is None else n_cpu_for_share(self._share, n)
+        if k_prev is None or (best != k_prev and spans[best] < (1.0 - self.hysteresis) * spans[k_prev]):
+            k = best
+            self._share = best / n
+        else:
+            k = k_prev
+        return _placement(hits, misses, k)

@@ -1,0 +1,116 @@
+"""A persistent CPU worker that computes MoE experts from host (memory-mapped) weights.
+
+One thread, started on first use and stopped by :meth:`CPUWorker.close` (also at
+interpreter exit and when the owner is collected), with its own GGML CPU backend and
+threadpool. GGML runs with the GIL released (cffi drops it around C calls), so the
+worker's experts really compute while the device path runs in the calling thread.
+
+Jobs compute the rows of a set of experts with ``mul_mat_id`` over the *full* host
+expert tensors, compacted (see :mod:`ggml_hybrid.row_graphs`), bit-identical to the
+default path. Graphs, contexts and buffers are made per (layer, row bucket) on first use
+and reused: after warm-up a steady loop allocates nothing (``allocations`` counts them).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import queue
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from ..ggml.backend import cpu
+from ..errors import ClosedError
+from .ffn import ExpertWeights
+from .row_graphs import RowGraphs
+
+_STOP = object()
+
+
+def _run(jobs: "queue.Queue") -> None:
+    while True:
+        item = jobs.get()
+        if item is _STOP:
+            return
+        fn, future = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
+
+
+def _stop(jobs: "queue.Queue", thread: threading.Thread) -> None:
+    jobs.put(_STOP)
+    if thread.is_alive() and thread is not threading.current_thread():
+        thread.join()
+
+
+class CPUWorker:
+    def __init__(self, n_threads: int):
+        self.n_threads = n_threads
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._finalizer = None
+        self._backend = None
+        self._graphs: dict[int, RowGraphs] = {}  # by layer
+        self._closed = False
+        self.fault: BaseException | None = None  # tests inject a failure into the next job
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _start(self) -> None:
+        self._backend = cpu(self.n_threads)
+        self._thread = threading.Thread(target=_run, args=(self._jobs,), name="ggml-hybrid-cpu-worker", daemon=True)
+        self._thread.start()
+        # stops the thread at interpreter exit, or when the worker is dropped without close()
+        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
+
+    def submit(self, layer: int, experts: ExpertWeights, x: np.ndarray, expert_of_row: np.ndarray,
+               glu: str = "swiglu") -> cf.Future:
+        """Compute ``expert_ffn`` rows: row i uses token row ``x[i]`` and expert ``expert_of_row[i]``.
+
+        Returns a future of (rows [n, n_embd] float32, started_ns, finished_ns).
+        """
+        if self._closed:
+            raise ClosedError("the CPU worker of this session is closed")
+        if self._thread is None:
+            self._start()
+        future: cf.Future = cf.Future()
+        self._jobs.put((lambda: self._compute(layer, experts, x, expert_of_row, glu), future))
+        return future
+
+    def _compute(self, layer, experts, x, expert_of_row, glu):
+        t0 = time.perf_counter_ns()
+        if self.fault is not None:
+            fault, self.fault = self.fault, None
+            raise fault
+        graphs = self._graphs.get(layer)
+        if graphs is None:
+            graphs = self._graphs[layer] = RowGraphs(experts, self._backend, x.shape[1], glu)
+        rows = graphs.compute(x, expert_of_row).copy()
+        return rows, t0, time.perf_counter_ns()
+
+    @property
+    def allocations(self) -> int:
+        """Graphs (each a context and a buffer) made so far; constant once warm."""
+        return sum(g.allocations for g in self._graphs.values())
+
+    def close(self) -> None:
+        """Stop the thread (waiting for the job in flight) and free the backend; safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()
+        for g in self._graphs.values():
+            g.close()
+        self._graphs.clear()
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None

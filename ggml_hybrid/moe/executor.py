@@ -1,0 +1,299 @@
+"""The device expert cache as a region executor: one MoE layer's routed experts.
+
+Each layer owns ``n_slots`` expert slots on the device (plus one zeroed scratch
+slot) for each expert tensor (gate, up, down or the fused gate_up). A call reads
+the routed expert ids and places them: with ``moe_cpu_share`` > 0 a share of the
+misses goes to the session's CPU worker (started first, so it overlaps the device
+work); the rest asks the :class:`~ggml_hybrid.expert_cache.SlotCache` for a plan
+(hits first, then misses loaded into slots, in rounds when the call needs more
+experts than there are slots). A single round with no CPU rows runs ``mul_mat_id``
+over the slot tensors with the ids remapped to slots (rows of other experts point at
+the scratch slot); otherwise each round computes only its own rows, compacted (see
+:mod:`ggml_hybrid.row_graphs`), and the rows merge on the host. Either way every
+expert sees exactly the rows, in the same order, as in the resident ``mul_mat_id``,
+which makes the result bit-identical on the CPU. The weighted sum over the selected
+experts is then built with the same ops as the resident graph.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .._native import cstr, ffi, lib
+from ..ggml.backend import Backend
+from ..ggml.context import Context
+from ..errors import ComputeError
+from .cpu_worker import CPUWorker
+from .slot_cache import SlotCache
+from .cpu_share import CostModel, place
+from .row_graphs import RowGraphs
+from .ffn import ExpertWeights, expert_ffn, weighted_sum
+from ..ggml.regions import RegionCall
+from ..model.gguf_store import GGUFStore
+
+
+@dataclass
+class LayerCounters:
+    calls: int = 0
+    routed: int = 0        # (token, expert) pairs
+    distinct: int = 0      # distinct experts, summed over calls
+    hits: int = 0
+    misses: int = 0        # experts loaded into slots
+    bytes_loaded: int = 0
+    evictions: int = 0
+    rounds: int = 0
+    device_ns: int = 0     # wall time spent in the executor
+    load_ns: int = 0       # of which: copying missed experts into slots
+    compute_ns: int = 0    # of which: GGML computing the experts and the weighted sum
+    cpu_misses: int = 0    # misses computed by the CPU worker (not loaded)
+    cpu_rows: int = 0      # (token, expert) rows the CPU computed
+    cpu_ns: int = 0        # CPU worker compute time
+    overlap_ns: int = 0    # time the CPU worker and the device path ran together
+    share_calls: int = 0   # calls that had misses to place
+    share_sum: float = 0.0  # sum over those calls of the share of misses sent to the CPU
+
+    @property
+    def share_applied(self) -> float:
+        """Mean share of misses the CPU took, over calls with misses."""
+        return self.share_sum / self.share_calls if self.share_calls else 0.0
+
+    @property
+    def orchestration_ns(self) -> int:
+        """Executor time that is neither loading nor computing: the Python side."""
+        return self.device_ns - self.load_ns - self.compute_ns
+
+    def add(self, other: "LayerCounters") -> None:
+        for k, v in asdict(other).items():  # fields only, not the derived values
+            setattr(self, k, getattr(self, k) + v)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "share_applied": self.share_applied, "orchestration_ns": self.orchestration_ns}
+
+
+class _Bucket:
+    """Preallocated graphs for one token count: expert FFN over the slots, and the weighted sum.
+
+    The hot path uses raw pointers and preallocated host arrays: the graphs are
+    checked once here, and each call then costs a handful of C calls.
+    """
+
+    def __init__(self, slots: ExpertWeights, device: Backend, n_tokens: int, n_used: int, n_embd: int, glu: str):
+        self.ctx = c = Context(n_tensors=32, graph_size=64)
+        self.x = c.new_tensor("f32", (n_tokens, 1, n_embd), "x")
+        self.ids = c.new_tensor("i32", (n_tokens, n_used), "slot_ids")
+        self.down = expert_ffn(c, slots, self.x, self.ids, glu)
+        self.g_experts = c.new_graph(32).expand(self.down)
+        self.experts_in = c.new_tensor("f32", (n_tokens, n_used, n_embd), "experts")
+        self.w = c.new_tensor("f32", (n_tokens, n_used, 1), "weights")
+        self.out = weighted_sum(c, self.experts_in, self.w)
+        self.g_sum = c.new_graph(32).expand(self.out)
+        self.buffer = c.allocate(device, "compute")
+        for g in (self.g_experts, self.g_sum):
+            g.check_supported([device], id(device))
+        self.slot_ids = np.empty((n_tokens, n_used), np.int32)
+        self.merged = np.empty((n_tokens, n_used, n_embd), np.float32)
+        p = lambda t: t.ptr  # noqa: E731
+        self.p_x, self.p_ids, self.p_down, self.p_experts, self.p_w, self.p_out = map(
+            p, (self.x, self.ids, self.down, self.experts_in, self.w, self.out))
+        self.pg_experts, self.pg_sum = self.g_experts.ptr, self.g_sum.ptr
+        self.b_slot_ids, self.b_merged = ffi.from_buffer(self.slot_ids), ffi.from_buffer(self.merged)
+
+
+def _compute(backend_ptr, graph_ptr) -> None:
+    status = lib.ggml_backend_graph_compute(backend_ptr, graph_ptr)
+    if status != lib.GGML_STATUS_SUCCESS:
+        raise ComputeError(f"expert cache graph failed: {cstr(lib.ggml_status_to_string(status))}")
+
+
+def _read_rows(t, n_rows: int, n_cols: int, dtype) -> np.ndarray:
+    """A [rows, cols] tensor that may be a strided view (top-k ids are one), read from any backend."""
+    p = t.ptr
+    nb1 = p.nb[1]
+    raw = np.empty(int(lib.ggml_nbytes(p)), np.uint8)
+    lib.ggml_backend_tensor_get(p, ffi.from_buffer(raw), 0, raw.nbytes)
+    item = np.dtype(dtype).itemsize
+    if nb1 == n_cols * item:
+        return raw.view(dtype).reshape(n_rows, n_cols)
+    padded = np.empty(n_rows * nb1, np.uint8)
+    padded[:raw.nbytes] = raw
+    return padded.view(dtype).reshape(n_rows, nb1 // item)[:, :n_cols]
+
+
+class ExpertCacheExecutor:
+    """Region executor for one layer: resident hits, misses loaded into device slots."""
+
+    def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
+                 policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
+                 share: float | str = 0.0, host_experts: ExpertWeights | None = None,
+                 simulated_bus_bytes_per_s: float | None = None, trace=None, clear: bool = True):
+        """``clear=False`` (planning only: nothing will run) only reserves the slot memory."""
+        self.store, self.layer, self.names, self.device = store, layer, names, device
+        self.n_used, self.glu = n_used, glu
+        # the CPU share: a fixed fraction of the misses, or "auto" (an online cost model)
+        self.worker, self.share, self.host_experts = worker, share, host_experts
+        self.model = CostModel() if share == "auto" else None
+        # benchmarks on a machine without a bus: each load also waits bytes / bandwidth
+        self.simulated_bus = simulated_bus_bytes_per_s
+        self.trace = trace  # a TraceWriter shared by the session's layers, or None
+        infos = {k: store.info(n) for k, n in names.items()}
+        self.n_expert = infos["down"].shape[0]
+        self.n_embd = infos["down"].shape[1]
+        self.cache = SlotCache(self.n_expert, n_slots, policy)
+        self.scratch = n_slots  # the extra, zeroed slot that absorbs rows outside a round
+        self.ctx = Context(n_tensors=len(names))
+        self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
+                             for k, info in infos.items()}
+        self.buffer = self.ctx.allocate(device, "weights", virtual=not clear)
+        if clear:
+            self.buffer.clear(0)
+        self.slots = ExpertWeights(**self.slot_tensors)
+        self.expert_nbytes = {k: t.nb[2] for k, t in self.slot_tensors.items()}
+        # per kind: (slot tensor, first byte of the expert tensor in the mapping, bytes per expert)
+        self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}
+        self._copies = [(self.slot_tensors[k].ptr, ffi.cast("char *", self._raw[k].ctypes.data), self.expert_nbytes[k])
+                        for k in names]
+        self._slot_of = np.empty(self.n_expert, np.int32)
+        self.expert_bytes = sum(self.expert_nbytes.values())
+        self._slot_rows = RowGraphs(self.slots, device, self.n_embd, glu)  # compacted rounds
+        self.counters = LayerCounters()
+        self._buckets: dict[int, _Bucket] = {}
+
+    @property
+    def compute_bytes(self) -> int:
+        """Device compute memory of the executor's own graphs made so far (they grow with new batch shapes)."""
+        return sum(b.buffer.size for b in self._buckets.values()) + self._slot_rows.buffer_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of the slots, scratch included."""
+        return sum(t.nbytes for t in self.slot_tensors.values())
+
+    def _bucket(self, n_tokens: int) -> _Bucket:
+        b = self._buckets.get(n_tokens)
+        if b is None:
+            b = self._buckets[n_tokens] = _Bucket(self.slots, self.device, n_tokens, self.n_used, self.n_embd,
+                                                  self.glu)
+        return b
+
+    def _load(self, expert: int, slot: int) -> int:
+        n = 0
+        for slots, src, nbytes in self._copies:
+            lib.ggml_backend_tensor_set(slots, src + expert * nbytes, slot * nbytes, nbytes)
+            n += nbytes
+        if self.simulated_bus:
+            time.sleep(n / self.simulated_bus)  # releases the GIL, like a DMA the CPU need not wait for
+        return n
+
+    def _placement(self, experts: np.ndarray, rows: np.ndarray):
+        """Which misses the CPU computes; None when every expert goes through the cache."""
+        if self.worker is None or self.share == 0.0:
+            return None
+        resident = self.cache.resident()
+        if self.model is not None:
+            return self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes)
+        return place(experts.tolist(), rows.tolist(), resident, self.share)
+
+    def __call__(self, call: RegionCall):
+        t0 = time.perf_counter_ns()
+        x3, ids_t, w_t = call.inputs
+        n_tokens = x3.ptr.ne[2]
+        ids = _read_rows(ids_t, n_tokens, self.n_used, np.int32)
+        if self.trace is not None:
+            self.trace.record(self.layer, ids)
+        counts = np.bincount(ids.ravel(), minlength=self.n_expert)
+        experts = np.flatnonzero(counts)
+        placement = self._placement(experts, counts[experts])
+        b = self._bucket(n_tokens)
+        c = self.counters
+        job = None
+        if placement is not None and placement.cpu_misses:
+            # the CPU starts first and works while the device computes hits and loads
+            on_cpu = np.zeros(self.n_expert, bool)
+            on_cpu[list(placement.cpu_misses)] = True
+            cpu_rows = on_cpu[ids]
+            xv = x3.numpy().reshape(n_tokens, self.n_embd)
+            tok = np.nonzero(cpu_rows)[0]  # row-major (token, expert) order, as mul_mat_id groups rows
+            job = self.worker.submit(self.layer, self.host_experts, xv[tok], ids[cpu_rows], self.glu)
+            device_experts = np.array(sorted(placement.device_hits + placement.device_misses), np.int64)
+            c.cpu_misses += len(placement.cpu_misses)
+            c.cpu_rows += int(cpu_rows.sum())
+        else:
+            cpu_rows = None
+            device_experts = experts
+        if placement is not None and (placement.device_misses or placement.cpu_misses):
+            c.share_calls += 1
+            c.share_sum += placement.share
+        # experts come from a bincount: distinct, in range, with positive row counts
+        rounds = self.cache.plan(device_experts.tolist(), counts[device_experts].tolist(), checked=False)
+        dev = self.device.ptr
+        # inputs move device to device; only the ids come to the host, to plan
+        lib.ggml_backend_tensor_copy(x3.ptr, b.p_x)
+        lib.ggml_backend_tensor_copy(w_t.ptr, b.p_w)
+        # one round and no CPU rows: the full graph over the slots, nothing leaves the device; otherwise
+        # each round computes only its own rows (compacted) and the rows merge on the host
+        on_host = job is not None or len(rounds) > 1
+        if on_host and job is None:
+            xv = x3.numpy().reshape(n_tokens, self.n_embd)
+        d0 = time.perf_counter_ns()
+        for rnd in rounds:
+            t1 = time.perf_counter_ns()
+            for expert, slot in rnd.loads:
+                c.bytes_loaded += self._load(expert, slot)
+            t2 = time.perf_counter_ns()
+            slot_of = self._slot_of
+            slot_of.fill(self.scratch)
+            for expert, slot in rnd.hits + rnd.loads:
+                slot_of[expert] = slot
+            np.take(slot_of, ids, out=b.slot_ids)
+            if not on_host:
+                lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
+                t3 = time.perf_counter_ns()
+                _compute(dev, b.pg_experts)
+                t4 = time.perf_counter_ns()
+                lib.ggml_backend_tensor_copy(b.p_down, b.p_experts)
+                n_rows = ids.size
+            else:
+                sel = b.slot_ids != self.scratch
+                t3 = time.perf_counter_ns()
+                b.merged[sel] = self._slot_rows.compute(xv[np.nonzero(sel)[0]], b.slot_ids[sel], self.scratch)
+                t4 = time.perf_counter_ns()
+                n_rows = int(np.count_nonzero(sel))
+            c.load_ns += t2 - t1
+            c.compute_ns += t4 - t3
+            c.hits += len(rnd.hits)
+            c.misses += len(rnd.loads)
+            c.evictions += len(rnd.evicted)
+            if self.model is not None:
+                loaded = len(rnd.loads) * self.expert_bytes
+                if loaded:
+                    self.model.observe_load(loaded, (t2 - t1) / 1e9)
+                self.model.observe_device(n_rows, (t4 - t3) / 1e9)
+        d1 = time.perf_counter_ns()
+        if job is not None:
+            rows_out, c0, c1 = job.result()  # re-raises a failure of the worker here
+            b.merged[cpu_rows] = rows_out
+            c.cpu_ns += c1 - c0
+            c.overlap_ns += max(0, min(d1, c1) - max(d0, c0)) if rounds else 0
+            if self.model is not None:
+                self.model.observe_cpu(len(placement.cpu_misses) * self.expert_bytes, len(rows_out), (c1 - c0) / 1e9)
+        if on_host:
+            lib.ggml_backend_tensor_set(b.p_experts, b.b_merged, 0, b.merged.nbytes)
+        t5 = time.perf_counter_ns()
+        _compute(dev, b.pg_sum)
+        c.compute_ns += time.perf_counter_ns() - t5
+        lib.ggml_backend_tensor_copy(b.p_out, call.outputs[0].ptr)
+        c.calls += 1
+        c.routed += ids.size
+        c.distinct += len(experts)
+        c.rounds += len(rounds)
+        c.device_ns += time.perf_counter_ns() - t0
+
+    def close(self) -> None:
+        self._slot_rows.close()
+        for b in self._buckets.values():
+            b.ctx.close()
+        self._buckets.clear()
+        self.ctx.close()

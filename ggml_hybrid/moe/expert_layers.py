@@ -1,0 +1,173 @@
+"""Where each layer's routed experts live, per the session options, and who runs them.
+
+- *resident* (default): the expert tensors are loaded into device memory; the plain graph;
+- ``cpu_moe`` / ``n_cpu_moe=N``: the expert tensors of all / the first N layers stay on the
+  memory-mapped file, a host buffer, so the scheduler runs their ``mul_mat_id`` where they live
+  (llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe``), without a region;
+- ``disk_experts``: the expert tensors stay on the mapped file and each layer's routed experts
+  are a region run by an :class:`ExpertCacheExecutor` with ``expert_cache_slots`` device slots
+  (and, with ``moe_cpu_share``, a CPU worker for a share of the misses).
+"""
+
+from __future__ import annotations
+
+from ..ggml.backend import Backend
+from ..ggml.context import Context
+from .cpu_worker import CPUWorker
+from .executor import ExpertCacheExecutor, LayerCounters
+from .ffn import ExpertWeights
+from ..options import OptionError, SessionOptions
+from ..model.gguf_store import GGUFStore, ModelFileError, load_into
+from .traces import TraceWriter
+
+
+def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int) -> None:
+    """Reject option combinations that cannot work for this model, before anything is loaded."""
+    if opts.disk_experts and opts.expert_cache_slots < 1:
+        raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts needs at least 1 slot")
+    if opts.expert_cache_slots > n_expert:
+        raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the model has only "
+                          f"{n_expert} experts per layer")
+    if opts.n_cpu_moe > n_layer:
+        raise OptionError(f"n_cpu_moe={opts.n_cpu_moe}: the model has only {n_layer} layers")
+    if opts.moe_cpu_share != 0.0 and not opts.disk_experts:
+        raise OptionError(f"moe_cpu_share={opts.moe_cpu_share}: a CPU share of cache misses needs "
+                          "disk_experts=true (with resident or CPU-placed experts there are no misses)")
+    if opts.trace_path is not None and not opts.disk_experts:
+        raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
+                          "(disk_experts=true)")
+
+
+def expert_names(store: GGUFStore, i: int) -> dict[str, str]:
+    fused = f"blk.{i}.ffn_gate_up_exps.weight" in store
+    kinds = ("gate_up", "down") if fused else ("gate", "up", "down")
+    return {k: f"blk.{i}.ffn_{k}_exps.weight" for k in kinds}
+
+
+def check_expert_shapes(store: GGUFStore, n_layer: int, n_expert: int, n_embd: int) -> None:
+    for i in range(n_layer):
+        names = expert_names(store, i)
+        shapes = {k: store.info(n).shape for k, n in names.items()}
+        down = shapes["down"]
+        n_ff = down[2] if len(down) == 3 else -1
+        want = {"down": (n_expert, n_embd, n_ff), "gate": (n_expert, n_ff, n_embd),
+                "up": (n_expert, n_ff, n_embd), "gate_up": (n_expert, 2 * n_ff, n_embd)}
+        for kind, shape in shapes.items():
+            if shape != want[kind]:
+                raise ModelFileError(f"{store.path!r}: {names[kind]} has shape {shape}, expected {want[kind]} "
+                                     f"for {n_expert} experts of width {n_embd}")
+
+
+class ExpertLayers:
+    """The routed experts of ``n_layer`` layers, placed and (for disk layers) cached per ``options``.
+
+    ``placement`` gives each layer's mode (resident, cpu or disk) and a function from tensor
+    name to the backend holding it (resident tensors) or serving its cache (disk layers); without
+    it every layer follows ``options`` with ``device`` (the FFN-stack session's single device).
+    """
+
+    def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
+                 n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
+                 placement: tuple[list[str], object] | None = None, load: bool = True):
+        self.store, self.options, self.device = store, options, device
+        opts = options
+        self.n_layer = n_layer
+        self.names = [expert_names(store, i) for i in range(n_layer)]
+        n_expert = store.info(self.names[0]["down"]).shape[0]
+        if placement is None:
+            self.modes = [self._mode_from_options(i) for i in range(n_layer)]
+            backend_of = lambda name: device  # noqa: E731
+        else:
+            self.modes, backend_of = list(placement[0]), placement[1]
+        # the session's own CPU worker, started on first use
+        self.worker = CPUWorker(n_threads) if opts.moe_cpu_share != 0.0 else None
+        self.trace = (TraceWriter(opts.trace_path, n_layer, n_expert, n_used)
+                      if opts.trace_path is not None else None)
+        by_backend: dict[int, tuple[Backend, list[str]]] = {}
+        for i in range(n_layer):
+            if self.modes[i] != "resident":
+                continue
+            for n in self.names[i].values():
+                b = backend_of(n)
+                if b is not None:
+                    by_backend.setdefault(id(b), (b, []))[1].append(n)
+        self.resident_ctxs: list[tuple[Backend, Context]] = []
+        loaded = {}
+        for b, names in by_backend.values():
+            ctx, tensors = load_into(store, names, b, on_tensor=on_tensor, load=load)
+            self.resident_ctxs.append((b, ctx))
+            loaded.update(tensors)
+        self.mapped_ctx = Context(n_tensors=4 * n_layer)
+        self.weights: list[ExpertWeights] = []
+        self.executors: list[ExpertCacheExecutor | None] = []
+        self.layer_backends: list[Backend | None] = []
+        for i in range(n_layer):
+            names = self.names[i]
+            tensors = {}
+            for k, n in names.items():
+                if n in loaded:
+                    tensors[k] = loaded[n]
+                else:  # used in place from the mapped file (cpu layers, disk layers' CPU share)
+                    tensors[k] = store.new_tensor(self.mapped_ctx, n)
+                    store.place(tensors[k])
+                    if on_tensor is not None:
+                        on_tensor(n)
+            self.weights.append(ExpertWeights(**tensors))
+            cache_on = backend_of(names["down"]) if self.modes[i] == "disk" else None
+            self.layer_backends.append(cache_on)
+            self.executors.append(ExpertCacheExecutor(
+                store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                worker=self.worker, share=opts.moe_cpu_share, host_experts=self.weights[i],
+                simulated_bus_bytes_per_s=simulated_bus_bytes_per_s, trace=self.trace, clear=load)
+                if self.modes[i] == "disk" else None)
+
+    def _mode_from_options(self, i: int) -> str:
+        o = self.options
+        if o.disk_experts:
+            return "disk"
+        if o.cpu_moe or i < o.n_cpu_moe:
+            return "cpu"
+        return "resident"
+
+    def mode_of(self, i: int) -> str:
+        return self.modes[i]
+
+    def register(self, sched, regions, prefix: str = "blk") -> None:
+        """Hand the disk layers' regions of one graph to their executors (after ``sched.clear_regions()``)."""
+        for i, r in enumerate(regions):
+            if self.executors[i] is not None:
+                sched.add_region(r.inputs, [r.out], self.executors[i], backend=self.layer_backends[i],
+                                 name=f"{prefix}.{i}.experts")
+
+    def compute_bytes(self, backend: Backend | None = None) -> int:
+        """Compute memory of the cache executors' own graphs (on ``backend`` only, if given)."""
+        return sum(e.compute_bytes for e, b in zip(self.executors, self.layer_backends)
+                   if e is not None and (backend is None or b is backend))
+
+    @property
+    def counters(self) -> list[LayerCounters]:
+        return [e.counters if e is not None else LayerCounters() for e in self.executors]
+
+    def device_bytes(self, backend: Backend | None = None) -> int:
+        """Memory of resident experts plus cache slots (on ``backend`` only, if given)."""
+        total = sum(t.nbytes for b, ctx in self.resident_ctxs if backend is None or b is backend
+                    for t in ctx.tensors())
+        for e, b in zip(self.executors, self.layer_backends):
+            if e is not None and (backend is None or b is backend):
+                total += e.slot_bytes
+        return total
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()  # first: a job in flight may still read the mapped experts
+        if self.trace is not None:
+            self.trace.close()
+        for e in self.executors:
+            if e is not None:
+                e.close()
+        for _, ctx in self.resident_ctxs:
+            ctx.close()
+        self.mapped_ctx.close()
+
+
+__all__ = ["ExpertLayers", "check_expert_shapes", "check_moe_options", "expert_names"]

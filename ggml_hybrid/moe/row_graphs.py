@@ -1,0 +1,98 @@
+"""Compacted expert rows: ``expert_ffn`` over a list of (token row, expert) pairs.
+
+Both the CPU worker (host experts) and the device cache's later rounds (slot tensors)
+compute only the rows they own this way, instead of every row of the call. Row i of a
+graph uses token row ``x[i]`` and expert ``ids[i]``; each expert sees exactly its rows,
+in call order, so GGML's CPU ``mul_mat_id`` picks the same kernel for it as in the
+resident graph (it chooses a tiled path per expert from that expert's row count) and
+the rows are bit-identical. Graphs are made per row bucket on first use and reused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._native import cstr, ffi, lib
+from ..ggml.context import Context
+from ..errors import ComputeError
+from .ffn import ExpertWeights, expert_ffn
+
+# exact-size graphs up to here (decode never pads); above, power-of-two buckets
+_EXACT_ROWS = 32
+
+
+class _RowGraph:
+    """expert_ffn over host experts for ``n_rows`` compacted rows (one expert per row)."""
+
+    def __init__(self, experts: ExpertWeights, backend, n_rows: int, n_embd: int, glu: str):
+        self.ctx = c = Context(n_tensors=16, graph_size=32)
+        self.x = c.new_tensor("f32", (n_rows, 1, n_embd), "cpu.x")
+        self.ids = c.new_tensor("i32", (n_rows, 1), "cpu.ids")
+        self.down = expert_ffn(c, experts, self.x, self.ids, glu)
+        self.graph = c.new_graph(32).expand(self.down)
+        self.buffer = c.allocate(backend, "compute")
+        self.graph.check_supported([backend], id(backend))
+        self.x_host = np.zeros((n_rows, n_embd), np.float32)
+        self.ids_host = np.zeros(n_rows, np.int32)
+        self.down_host = np.empty((n_rows, n_embd), np.float32)
+        self.px, self.pids, self.pdown, self.pg = self.x.ptr, self.ids.ptr, self.down.ptr, self.graph.ptr
+        self.bx, self.bids, self.bdown = (ffi.from_buffer(a) for a in (self.x_host, self.ids_host, self.down_host))
+
+
+def bucket_rows(n: int, ids: np.ndarray, n_expert: int, pad_id: int | None = None) -> tuple[int, int]:
+    """Graph row count for n rows, and the expert id its padding rows use.
+
+    Padding must never add rows to an expert the graph computes, so padding rows go to
+    ``pad_id`` (e.g. a scratch slot) or to an expert absent from ``ids``; when there is
+    none, the graph has exactly n rows.
+    """
+    if n <= _EXACT_ROWS:
+        return n, 0
+    bucket = 1 << (n - 1).bit_length()
+    if bucket == n:
+        return n, 0
+    if pad_id is not None:
+        return bucket, pad_id
+    used = np.zeros(n_expert, bool)
+    used[ids] = True
+    free = np.flatnonzero(~used)
+    return (bucket, int(free[0])) if len(free) else (n, 0)
+
+
+class RowGraphs:
+    """The row graphs of one set of experts on one backend, by row count."""
+
+    def __init__(self, experts: ExpertWeights, backend, n_embd: int, glu: str):
+        self.experts, self.backend, self.n_embd, self.glu = experts, backend, n_embd, glu
+        self._graphs: dict[int, _RowGraph] = {}
+        self.allocations = 0  # graphs made; constant once every bucket was seen
+
+    def compute(self, x: np.ndarray, ids: np.ndarray, pad_id: int | None = None) -> np.ndarray:
+        """Rows [n, n_embd] of expert_ffn for x [n, n_embd] and ids [n] (a view, valid until the next call)."""
+        n = len(ids)
+        bucket, pad = bucket_rows(n, ids, self.experts.n_expert, pad_id)
+        g = self._graphs.get(bucket)
+        if g is None:
+            g = self._graphs[bucket] = _RowGraph(self.experts, self.backend, bucket, self.n_embd, self.glu)
+            self.allocations += 1
+        g.x_host[:n] = x
+        g.x_host[n:] = 0.0
+        g.ids_host[:n] = ids
+        g.ids_host[n:] = pad
+        lib.ggml_backend_tensor_set(g.px, g.bx, 0, g.x_host.nbytes)
+        lib.ggml_backend_tensor_set(g.pids, g.bids, 0, g.ids_host.nbytes)
+        status = lib.ggml_backend_graph_compute(self.backend.ptr, g.pg)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise ComputeError(f"expert row graph failed: {cstr(lib.ggml_status_to_string(status))}")
+        lib.ggml_backend_tensor_get(g.pdown, g.bdown, 0, g.down_host.nbytes)
+        return g.down_host[:n]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Compute memory of the row graphs made so far."""
+        return sum(g.buffer.size for g in self._graphs.values())
+
+    def close(self) -> None:
+        for g in self._graphs.values():
+            g.ctx.close()
+        self._graphs.clear()

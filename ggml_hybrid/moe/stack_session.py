@@ -1,0 +1,177 @@
+"""A session over a stack of MoE FFN layers from a GGUF file, in every placement mode.
+
+Each layer is ``cur + moe(rms_norm(cur) * ffn_norm)``. The mode comes from the
+session options:
+
+- *resident* (default): every expert tensor is loaded into device memory; the plain graph;
+- ``cpu_moe`` / ``n_cpu_moe=N``: the expert tensors of all / the first N layers stay on the
+  memory-mapped file, a host buffer, so the scheduler runs their ``mul_mat_id`` where they live
+  (llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe``), without a region;
+- ``disk_experts``: the expert tensors stay on the mapped file and each layer's routed experts
+  are a region run by an :class:`ExpertCacheExecutor` with ``expert_cache_slots`` device slots.
+
+A session owns its backends, scheduler, caches, buffers and counters: two sessions
+never share state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ggml.backend import Backend, cpu, cuda, cuda_available
+from ..ggml.context import Context
+from ..errors import ShapeError
+from .executor import LayerCounters
+from .expert_layers import ExpertLayers, check_expert_shapes, check_moe_options
+from .ffn import build_moe_ffn
+from ..options import SessionOptions
+from ..ggml.sched import Scheduler
+from ..model.gguf_store import GGUFStore, ModelFileError, load_into
+
+
+@dataclass
+class SessionCounters:
+    layers: list[LayerCounters] = field(default_factory=list)
+
+    @property
+    def total(self) -> LayerCounters:
+        t = LayerCounters()
+        for c in self.layers:
+            t.add(c)
+        return t
+
+    def to_dict(self) -> dict:
+        return {"total": self.total.to_dict(), "layers": [c.to_dict() for c in self.layers]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def _hparams(store: GGUFStore):
+    """Hyperparameters from the metadata, checked against the tensors before anything is allocated."""
+    arch = store.arch
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{store.path!r}: general.architecture is {arch!r}, not a name")
+    hp = {}
+    for key in ("block_count", "embedding_length", "expert_count", "expert_used_count"):
+        v = store.meta(f"{arch}.{key}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelFileError(f"{store.path!r}: {arch}.{key} = {v!r} must be a positive integer")
+        hp[key] = v
+    n_layer, n_embd, n_expert, n_used = (hp[k] for k in ("block_count", "embedding_length", "expert_count",
+                                                            "expert_used_count"))
+    if n_used > n_expert:
+        raise ModelFileError(f"{store.path!r}: {n_used} experts used per token but only {n_expert} exist")
+    if f"blk.{n_layer - 1}.ffn_gate_inp.weight" not in store or f"blk.{n_layer}.ffn_gate_inp.weight" in store:
+        raise ModelFileError(f"{store.path!r}: {arch}.block_count = {n_layer} does not match the blk.N tensors")
+    if "blk.0.ffn_gate_inp.weight" not in store:
+        raise ModelFileError(f"{store.path!r} is not a MoE model: it has no routed experts (blk.0.ffn_gate_inp)")
+    for i in range(n_layer):
+        for name, want in ((f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd)), (f"blk.{i}.ffn_norm.weight", (n_embd,))):
+            shape = store.info(name).shape
+            if shape != want:
+                raise ModelFileError(f"{store.path!r}: {name} has shape {shape}, expected {want} from the metadata")
+    eps = store.meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+        raise ModelFileError(f"{store.path!r}: rms epsilon {eps!r} must be a number in [0, 1)")
+    return n_layer, n_embd, n_expert, n_used, float(eps)
+
+
+class MoEStackSession:
+    def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None,
+                 simulated_bus_bytes_per_s: float | None = None):
+        self.options = opts = options or SessionOptions()
+        self.store = store = GGUFStore(path)
+        self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = _hparams(store)
+        check_moe_options(opts, self.n_layer, self.n_expert)
+        n_threads = opts.n_threads or os.cpu_count() or 1
+        self._own_device = device is None
+        # without an accelerator a CPU backend instance plays the device, with its own buffers
+        self.device = device or (cuda(0) if cuda_available() else cpu(n_threads))
+        self.host = cpu(n_threads)
+        self.sched = Scheduler([self.device, self.host], graph_size=64 * self.n_layer + 64)
+        dense = [f"blk.{i}.{n}.weight" for i in range(self.n_layer) for n in ("ffn_norm", "ffn_gate_inp")]
+        for name in dense:
+            store.info(name)  # every required tensor exists, before anything is allocated
+        check_expert_shapes(store, self.n_layer, self.n_expert, self.n_embd)
+        self.dense_ctx, self.dense = load_into(store, dense, self.device)
+        self.layers = ExpertLayers(store, self.n_layer, self.n_used, opts, self.device, n_threads,
+                                   simulated_bus_bytes_per_s)
+        self.experts, self.executors = self.layers.weights, self.layers.executors
+        self.worker, self.trace = self.layers.worker, self.layers.trace
+        self._graphs: dict[int, tuple] = {}
+        self._active: int | None = None  # token count whose graph's regions are registered
+
+    def mode_of(self, i: int) -> str:
+        return self.layers.mode_of(i)
+
+    # -- graphs ---------------------------------------------------------------
+
+    def _graph(self, n_tokens: int):
+        """The graph for a token count, built once and reused."""
+        if n_tokens in self._graphs:
+            return self._graphs[n_tokens]
+        size = 64 * self.n_layer + 64
+        c = Context(n_tensors=size, graph_size=size)
+        g = c.new_graph(size)
+        x = c.new_tensor("f32", (n_tokens, self.n_embd), "x").set_input()
+        cur, regions = x, []
+        for i in range(self.n_layer):
+            h = c.mul(c.rms_norm(cur, self.eps), self.dense[f"blk.{i}.ffn_norm.weight"])
+            r = build_moe_ffn(c, g, h, self.dense[f"blk.{i}.ffn_gate_inp.weight"], self.experts[i], self.n_used,
+                              name=f"blk.{i}.moe")
+            regions.append(r)
+            cur = c.add(r.out, cur)
+        cur.set_output()
+        g.expand(cur)
+        self._graphs[n_tokens] = entry = (c, g, x, cur, regions)
+        return entry
+
+    def _use_graph(self, n_tokens: int):
+        """Register this graph's regions with the scheduler when switching graphs."""
+        entry = self._graph(n_tokens)
+        if self._active != n_tokens:
+            self.sched.clear_regions()
+            self.layers.register(self.sched, entry[4])
+            self._active = n_tokens
+        return entry
+
+    def forward(self, x) -> np.ndarray:
+        """Run the stack on ``x`` [tokens, n_embd] (float32); returns the output of the same shape."""
+        x = np.asarray(x)
+        if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != self.n_embd or x.shape[0] < 1:
+            raise ShapeError(f"forward: x must be float32 [tokens >= 1, {self.n_embd}], got {x.dtype} {x.shape}")
+        c, g, xin, out, _ = self._use_graph(x.shape[0])
+        self.sched.prepare(g)  # split and allocate only when this graph is not the allocated one
+        xin.set(x.reshape(xin.shape))
+        self.sched.compute(g)
+        return out.numpy().reshape(x.shape)
+
+    @property
+    def counters(self) -> SessionCounters:
+        return SessionCounters(self.layers.counters)
+
+    def close(self) -> None:
+        self.layers.close()
+        for c, *_ in self._graphs.values():
+            c.close()
+        self._graphs.clear()
+        self.sched.close()
+        self.dense_ctx.close()
+        self.store.close()
+        self.host.close()
+        if self._own_device:
+            self.device.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["MoEStackSession", "SessionCounters", "ModelFileError"]
