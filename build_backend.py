@@ -11,10 +11,13 @@ import sys
 from pathlib import Path
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import (  # noqa: F401 - re-exported PEP 517 hooks
-    get_requires_for_build_editable, get_requires_for_build_sdist, get_requires_for_build_wheel,
-    prepare_metadata_for_build_editable, prepare_metadata_for_build_wheel)
-
+from setuptools.build_meta import (
+    get_requires_for_build_editable,
+    get_requires_for_build_sdist,
+    get_requires_for_build_wheel,
+    prepare_metadata_for_build_editable,
+    prepare_metadata_for_build_wheel,
+)
 
 __all__ = ["build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
            "get_requires_for_build_sdist", "get_requires_for_build_wheel", "prepare_metadata_for_build_editable",

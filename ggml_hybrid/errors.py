@@ -1,7 +1,9 @@
-"""One exception hierarchy for everything ggml-hybrid raises on purpose.
+"""Every exception ggml-hybrid raises on purpose, in one hierarchy.
 
 Each error names the operation, the offending values and the rule, so that a
-wrong call reads like a diagnosis rather than a crash report.
+wrong call reads like a diagnosis rather than a crash report. Each class also
+derives from the built-in exception a Python user would expect (``ValueError``,
+``TypeError``, ``MemoryError``, ...), so ``except ValueError`` keeps working.
 """
 
 from __future__ import annotations
@@ -10,6 +12,18 @@ from __future__ import annotations
 class GgmlHybridError(Exception):
     """Base class of every error raised by ggml-hybrid."""
 
+
+# -- arguments -------------------------------------------------------------------------------------
+
+class ArgumentError(GgmlHybridError, ValueError):
+    """An argument value outside the rule of the function it was given to."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong type (a bool where an int is expected, a str where a list is)."""
+
+
+# -- the native layer ------------------------------------------------------------------------------
 
 class StaleBuildError(GgmlHybridError, ImportError):
     """The compiled native module does not match the sources it sits next to."""
@@ -28,7 +42,7 @@ class DTypeError(GgmlHybridError, TypeError):
 
 
 class IndexRangeError(GgmlHybridError, IndexError):
-    """An index (row id, expert id) outside the range of the tensor it selects from."""
+    """An index (row id, expert id, graph node) outside the range of what it selects from."""
 
 
 class BackendError(GgmlHybridError, RuntimeError):
@@ -65,3 +79,47 @@ class RegionNotContiguousError(RegionError):
 
 class RegionUnsupportedError(RegionError):
     """The scheduler configuration cannot run regions (e.g. pipeline copies)."""
+
+
+# -- MoE -------------------------------------------------------------------------------------------
+
+class SlotCacheError(GgmlHybridError, ValueError):
+    """A slot-cache configuration or call that the rules reject (bad slot count, policy, duplicate expert, row count)."""
+
+
+class SlotCacheTypeError(SlotCacheError, TypeError):
+    """An argument of the slot cache that is not of the required type (for instance an expert id that is not an int)."""
+
+
+class CpuShareError(GgmlHybridError, ValueError):
+    """An argument of the CPU share of misses or of its cost model that the rules reject."""
+
+
+class TraceError(GgmlHybridError, ValueError):
+    """A routing trace, trace record, trace file or replay request that the rules reject."""
+
+
+class TraceTruncatedWarning(UserWarning):
+    """A trace file ends in an incomplete record, which the reader dropped."""
+
+
+# -- models and sessions ---------------------------------------------------------------------------
+
+class OptionError(GgmlHybridError, ValueError):
+    """An option key, value or role that SessionOptions cannot accept; the message names them and the rule."""
+
+
+class ModelFileError(GgmlHybridError, ValueError):
+    """A model file that is missing, not GGUF, truncated, or lacks what is required."""
+
+
+class NotMoEError(ModelFileError):
+    """A model file without routed experts where a MoE model is required."""
+
+
+class ContextFullError(GgmlHybridError, ValueError):
+    """More tokens than the KV cache has cells."""
+
+
+class ConfigError(GgmlHybridError, ValueError):
+    """A configuration file that is missing, not TOML, or has a bad entry."""

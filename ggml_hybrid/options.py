@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
-from .errors import GgmlHybridError
+from .errors import OptionError
 
 __all__ = ["OptionError", "SessionOptions"]
 
@@ -26,9 +26,6 @@ _INT_RE = re.compile(r"[+-]?[0-9]+")  # int() alone also takes "1_000" and non-A
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _BOOL_RULE = "a boolean (true/false, 1/0, yes/no, on/off)"
 
-
-class OptionError(GgmlHybridError, ValueError):
-    """An option key, value or role that SessionOptions cannot accept; the message names them and the rule."""
 
 
 class _Bad(Exception):
@@ -111,7 +108,7 @@ def _text(v: Any) -> Optional[str]:
     return v.strip()
 
 
-def override_items(text: Optional[str]) -> list[tuple[str, "re.Pattern", str]]:
+def override_items(text: Optional[str]) -> list[tuple[str, re.Pattern, str]]:
     """``"re1=DEV,re2=DEV"`` -> [(pattern, compiled, device)], in order (llama.cpp's -ot syntax)."""
     out = []
     for item in (x.strip() for x in (text or "").split(",")):
@@ -133,16 +130,21 @@ def _overrides(v: Any) -> Optional[str]:
     return v
 
 
-def _proportions(v: Any) -> Optional[str]:
-    v = _text(v)
-    if v is None:
-        return None
+def tensor_split_parts(text: str) -> list[float]:
+    """``"3,1"`` (or ``"3/1"``) -> [3.0, 1.0]: non-negative finite proportions with a positive sum."""
     try:
-        parts = [float(x) for x in v.replace("/", ",").split(",") if x.strip()]
+        parts = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
     except ValueError:
         raise _Bad() from None
     if not parts or any(not 0 <= p < float("inf") for p in parts) or sum(parts) <= 0:
         raise _Bad()
+    return parts
+
+
+def _proportions(v: Any) -> Optional[str]:
+    v = _text(v)
+    if v is not None:
+        tensor_split_parts(v)
     return v
 
 
@@ -200,7 +202,7 @@ class SessionOptions:
         "(and the output) (llama.cpp -ngl).", _int(-1))
     override_tensor: Optional[str] = _opt(
         None, "str | None", "REGEX=DEVICE items separated by commas, or none",
-        "Tensor placement by regular expression over GGUF names, searched, first match wins (llama.cpp -ot).",
+        "Tensor layout by regular expression over GGUF names, searched, first match wins (llama.cpp -ot).",
         _overrides)
     split_mode: str = _opt(
         "layer", "str", "one of 'layer', 'none'", "How layers are spread over several devices (llama.cpp -sm).",

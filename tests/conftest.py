@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import helpers` from every test module
 
-import ggml_hybrid as gh  # noqa: E402
-from helpers import compute  # noqa: E402
+from helpers import compute
+
+import ggml_hybrid as gh
 
 # ci: reproducible (derandomized) and small enough for 2 cores; dev: more examples, random seeds
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30,

@@ -17,16 +17,17 @@ import gguf
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers import rewrite_gguf
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.options import SessionOptions
 from ggml_hybrid.cli.report import RUN_SCHEMA_KEYS
-from ggml_hybrid.model.sampling import Sampler
 from ggml_hybrid.model.gguf_store import GGUFStore
+from ggml_hybrid.model.moe_model import MoEModel
+from ggml_hybrid.model.sampling import Sampler
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.model.tokenizer import Tokenizer
-from helpers import rewrite_gguf
+from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.units import format_bytes
 
 SPEC = ModelSpec()  # qwen3moe, 2 layers, embd 64, 8 experts, top-2, F32, vocab 384
 HYBRID = ["-o", "disk_experts=1", "-o", "expert_cache_slots=2"]
@@ -150,7 +151,7 @@ def plain_run(models, tmp_path_factory):
 STATS = [re.compile(p) for p in (
     r"prompt (\d+) tok, [\d.]+ tok/s", r"decode (\d+) tok, [\d.]+ tok/s", r"stop: (\w+)",
     r"hits (\d+), misses (\d+), cpu misses (\d+)", r"share applied ([\d.]+)",
-    r"hybrid_offload_active: (true|false)", r"peak device memory ([\d.]+) MiB")]
+    r"hybrid_offload_active: (true|false)", r"peak device memory ([\d.,]+) [KMG]?i?B")]
 
 
 def parse_stats(stderr: str) -> list[str]:
@@ -505,7 +506,7 @@ def test_inspect_text(models):
     assert set(lines) == {"dense", "routed_experts", "shared_experts", "embeddings", "output"}
     by = _bytes_by_class(models["q2"])
     for c, ln in lines.items():
-        assert f"{by[c] / 2**20:,.2f} MiB" in ln
+        assert format_bytes(by[c]) in ln
     assert "shared_experts" not in ok("inspect", models["m"]).stdout
 
 

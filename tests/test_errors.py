@@ -13,9 +13,9 @@ import signal
 
 import numpy as np
 import pytest
+from helpers import Raw, assert_typed_error_isolated, run_isolated
 
 import ggml_hybrid as gh
-from helpers import Raw, assert_typed_error_isolated, run_isolated
 
 E = gh.errors
 F32 = np.float32

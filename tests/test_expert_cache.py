@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ggml_hybrid.errors import GgmlHybridError, IndexRangeError
-from ggml_hybrid.moe.slot_cache import CacheCounters, ExpertCacheError, Round, SlotCache
+from ggml_hybrid.moe.slot_cache import CacheCounters, Round, SlotCache, SlotCacheError
 
 
 def R(hits=(), loads=(), evicted=()):
@@ -297,24 +297,24 @@ TestCacheMachine = CacheMachine.TestCase
     ((4, 2), {"policy": None}, "policy must be one of"),
 ])
 def test_bad_construction(args, kwargs, match):
-    with pytest.raises(ExpertCacheError, match=match) as info:
+    with pytest.raises(SlotCacheError, match=match) as info:
         SlotCache(*args, **kwargs)
     assert isinstance(info.value, (GgmlHybridError, ValueError))
 
 
 @pytest.mark.parametrize("experts, rows, exc, match", [
-    ([1, 2, 1], None, ExpertCacheError, r"expert 1 is listed twice \(experts\[0\] and experts\[2\]\)"),
+    ([1, 2, 1], None, SlotCacheError, r"expert 1 is listed twice \(experts\[0\] and experts\[2\]\)"),
     ([0, 4], None, IndexRangeError, r"experts\[1\]: expert id 4 is out of range \[0, 4\)"),
     ([-1], None, IndexRangeError, r"expert id -1 is out of range"),
-    ([0, 1.0], None, ExpertCacheError, r"experts\[1\]: expert id must be an int, got 1.0"),
-    ([None], None, ExpertCacheError, "must be an int"),
-    ([False], None, ExpertCacheError, "got the bool False"),
-    ("01", None, ExpertCacheError, "experts must be a sequence"),
-    (5, None, ExpertCacheError, "experts must be a sequence"),
-    ([0, 1], [1], ExpertCacheError, "rows has 1 entries but experts has 2"),
-    ([0, 1], [1, 0], ExpertCacheError, r"rows\[1\] = 0 for expert 1"),
-    ([0, 1], [1, 2.5], ExpertCacheError, r"rows\[1\] must be an int"),
-    ([0, 1], 3, ExpertCacheError, "rows must be None or a sequence"),
+    ([0, 1.0], None, SlotCacheError, r"experts\[1\]: expert id must be an int, got 1.0"),
+    ([None], None, SlotCacheError, "must be an int"),
+    ([False], None, SlotCacheError, "got the bool False"),
+    ("01", None, SlotCacheError, "experts must be a sequence"),
+    (5, None, SlotCacheError, "experts must be a sequence"),
+    ([0, 1], [1], SlotCacheError, "rows has 1 entries but experts has 2"),
+    ([0, 1], [1, 0], SlotCacheError, r"rows\[1\] = 0 for expert 1"),
+    ([0, 1], [1, 2.5], SlotCacheError, r"rows\[1\] must be an int"),
+    ([0, 1], 3, SlotCacheError, "rows must be None or a sequence"),
 ])
 def test_bad_call(experts, rows, exc, match):
     c = SlotCache(4, 2)
@@ -333,7 +333,7 @@ def test_slot_of_validates():
     c = SlotCache(4, 2)
     with pytest.raises(IndexRangeError, match="expert id 4 is out of range"):
         c.slot_of(4)
-    with pytest.raises(ExpertCacheError, match="must be an int"):
+    with pytest.raises(SlotCacheError, match="must be an int"):
         c.slot_of("0")
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,13 +11,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import ggml_hybrid as gh
+from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.cpu_worker import CPUWorker
 from ggml_hybrid.moe.ffn import ExpertWeights
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from gen_moe_gguf import write_moe_stack  # noqa: E402
 
 
 def _x(n_tokens, n_embd, seed):
@@ -93,12 +89,23 @@ def test_steady_decode_allocates_nothing_in_the_worker(model):
         assert s.worker.allocations == warm
 
 
+def _fail_next_job(worker, exc):
+    """A test double: the worker's next job raises ``exc``, later jobs run as usual."""
+    real = worker._compute
+
+    def compute(*args):
+        worker._compute = real
+        raise exc
+
+    worker._compute = compute
+
+
 def test_worker_fault_surfaces_and_session_stays_usable(model):
     x = _x(3, 256, 5)
     with _session(model, []) as ref_s:
         ref = ref_s.forward(x)
     with _session(model, ["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=1"]) as s:
-        s.worker.fault = RuntimeError("injected worker fault")
+        _fail_next_job(s.worker, RuntimeError("injected worker fault"))
         with pytest.raises(RuntimeError, match="injected worker fault"):
             s.forward(x)
         np.testing.assert_array_equal(s.forward(x), ref)  # the next call is correct
@@ -142,7 +149,7 @@ class WorkerLifecycle(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule()
     def fail(self):
-        self.w.fault = ValueError("boom")
+        _fail_next_job(self.w, ValueError("boom"))
         with pytest.raises(ValueError, match="boom"):
             self.w.submit(0, self.experts, np.ones((1, 32), np.float32), np.zeros(1, np.int32)).result(timeout=30)
 
@@ -188,3 +195,41 @@ def test_session_records_a_routing_trace(model, tmp_path):
     # replaying the trace through the same cache policy reproduces the live counters
     result = replay(trace, 4, "lru")
     assert (result.hits, result.misses) == (live.hits, live.misses)
+
+
+@pytest.mark.parametrize("share", ["0", "0.29", "0.5", "1", "auto"])
+def test_replayed_counters_equal_live_counters(model, tmp_path, share):
+    """The replay calls the runtime's CPU-share rule, so a trace replays to the live counters, layer by layer.
+
+    ``auto`` learns from timings at run time, which no replay can repeat; here every layer's cost model
+    is fixed to the replay's costs (``CostModel.fixed``), so both make the same choices.
+    """
+    from ggml_hybrid.moe.cpu_share import CostModel
+    from ggml_hybrid.moe.traces import LinkCost, read_trace, replay
+
+    path = tmp_path / "run.trace"
+    slots = 5
+    with _session(model, ["disk_experts=1", f"expert_cache_slots={slots}", f"moe_cpu_share={share}",
+                          f"trace_path={path}", "n_threads=1"]) as s:
+        bytes_per_expert = s.executors[0].expert_bytes
+        # the CPU reads weights at twice the bus speed but computes rows 100x slower: few-row misses go to the CPU
+        cost = LinkCost(bus_bytes_per_s=1e9, cpu_bytes_per_s=2e9, device_s_per_row=1e-7, cpu_s_per_row=1e-5,
+                        expert_bytes=bytes_per_expert)
+        if share == "auto":
+            for ex in s.executors:
+                ex.model = CostModel.fixed(cost.coefficients())
+        for i, n in enumerate((1, 7, 1, 1, 12, 2, 1, 30, 1)):
+            s.forward(_x(n, 256, 300 + i))
+        live = s.counters.layers
+    result = replay(read_trace(path), slots, "lru", share=share, cost=cost)
+    got = [(st.distinct, st.hits, st.misses, st.cpu, st.evictions, st.rounds) for st in result.layers]
+    want = [(c.distinct, c.hits, c.misses, c.cpu_misses, c.evictions, c.rounds) for c in live]
+    assert got == want
+    total_cpu = sum(c.cpu_misses for c in live)
+    total_misses = total_cpu + sum(c.misses for c in live)
+    if share == "0":
+        assert total_cpu == 0
+    elif share == "1":
+        assert total_cpu == total_misses
+    else:  # a real split: the rounding and the choice of experts are exercised
+        assert 0 < total_cpu < total_misses

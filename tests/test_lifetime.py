@@ -6,10 +6,10 @@ import gc
 
 import numpy as np
 import pytest
+from helpers import run_isolated
 
 import ggml_hybrid as gh
 from ggml_hybrid import errors as E
-from helpers import run_isolated
 
 F32 = np.float32
 

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from ggml_hybrid.model.generate import GenerationStats, generate
 from ggml_hybrid.model.kv_cache import ContextFullError
 from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.options import OptionError, SessionOptions
 from ggml_hybrid.model.sampling import Sampler
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
+from ggml_hybrid.options import OptionError, SessionOptions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = sorted(glob.glob(os.path.join(HERE, "fixtures", "llama_ref", "*.npz")))

@@ -20,16 +20,16 @@ import gguf
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers import PACKAGE_ROOT, TESTS_DIR, rewrite_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
+from ggml_hybrid.model.gguf_store import GGUFStore, ModelFileError
 from ggml_hybrid.model.hparams import NotMoEError, read_hparams
 from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.options import SessionOptions
-from ggml_hybrid.model.gguf_store import GGUFStore, ModelFileError
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
-from helpers import PACKAGE_ROOT, TESTS_DIR, rewrite_gguf
+from ggml_hybrid.options import SessionOptions
 
 U32 = gguf.GGUFValueType.UINT32
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
@@ -12,12 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
+from ggml_hybrid.model.gguf_store import ModelFileError
+from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
-from ggml_hybrid.model.gguf_store import ModelFileError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from gen_moe_gguf import write_moe_stack  # noqa: E402
 
 TYPES = ["f32", "f16", "q8_0", "q4_K", "q6_K"]
 
@@ -130,7 +127,7 @@ def test_sessions_are_isolated(model):
 
 
 def _no_time(d):
-    strip = lambda c: {k: v for k, v in c.items() if not k.endswith("_ns")}  # noqa: E731
+    strip = lambda c: {k: v for k, v in c.items() if not k.endswith("_ns")}
     return {"total": strip(d["total"]), "layers": [strip(c) for c in d["layers"]]}
 
 

@@ -22,12 +22,25 @@ import math
 
 import numpy as np
 import pytest
+from helpers import (
+    EPS16,
+    EPS32,
+    F16_TINY,
+    Raw,
+    block_amax,
+    canon,
+    check_close,
+    dot_tol,
+    pad_shape,
+    q8_err,
+    quantized,
+    run_isolated,
+    tile_to,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from helpers import (EPS16, EPS32, F16_TINY, Raw, block_amax, canon, check_close, dot_tol, pad_shape, q8_err,
-                     quantized, run_isolated, tile_to)
 
 T = gh.GGMLType
 SEEDS = st.integers(0, 2**31 - 1)

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import EPS16, EPSBF16, F16_TINY, q8_err
 from hypothesis import given
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from helpers import EPS16, EPSBF16, F16_TINY, q8_err
 
 T = gh.GGMLType
 SEEDS = st.integers(0, 2**31 - 1)

@@ -21,9 +21,20 @@ from hypothesis import strategies as st
 
 from ggml_hybrid.errors import GgmlHybridError
 from ggml_hybrid.moe.slot_cache import SlotCache
-from ggml_hybrid.moe.traces import (HEADER_SIZE, MAGIC, LinkCost, ReplayResult, Trace, TraceError,
-                                TraceTruncatedWarning, TraceWriter, modeled_time_per_token, read_trace, replay,
-                                synthetic_trace)
+from ggml_hybrid.moe.traces import (
+    HEADER_SIZE,
+    MAGIC,
+    LinkCost,
+    ReplayResult,
+    Trace,
+    TraceError,
+    TraceTruncatedWarning,
+    TraceWriter,
+    modeled_time_per_token,
+    read_trace,
+    replay,
+    synthetic_trace,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,7 +203,7 @@ def test_missing_file(tmp_path):
 @pytest.mark.parametrize("layer, ids, fault", [
     (-1, ids_of([0, 1]), "layer -1 is out of range [0, 3)"),
     (3, ids_of([0, 1]), "layer 3 is out of range [0, 3)"),
-    (True, ids_of([0, 1]), "layer must be an int, got True"),
+    (True, ids_of([0, 1]), "layer must be an int, got the bool True"),
     (1.0, ids_of([0, 1]), "layer must be an int, got 1.0"),
     (0, [[0, 1]], "ids must be a numpy array of shape (T, 2), got list"),
     (0, np.array([[0.0, 1.0]]), "ids must have an integer dtype (int32 preferred), got float64"),
@@ -433,18 +444,22 @@ def test_share_hand_computed():
                max(cpu 2 + 0.1, device 2 + 0.03) = 2.1; call 2: 1 is a miss, n_cpu = floor(0.5 + 0.5) = 1:
                cpu 2.1                                                         -> 4.2/5 = 0.84 s
     share 1:   call 1 cpu 4 + 0.4 = 4.4; call 2 cpu 2.1                          -> 6.5/5 = 1.3 s
-    auto:      call 1 n_cpu 0: 4.04, 1: 2.1, 2: 4.4 -> 1 (2.1); call 2: 1 is a miss again,
-               device 2.01 < cpu 2.1 -> device                                  -> 4.11/5 = 0.822 s
+    auto:      call 1 n_cpu 0: 4.04, 1: 2.1, 2: 4.4 -> 1 (2.1), the remembered share becomes 1/1;
+               call 2: 1 is a miss again, device 2.01 < cpu 2.1, but not by the 5% hysteresis, so the
+               CPU keeps it (share 1 of 1 miss): as share 0.5                  -> 4.2/5 = 0.84 s
+    auto without hysteresis: call 2 goes to the device                       -> 4.11/5 = 0.822 s
     The coupled auto replay is slower than share 0: its CPU expert was not cached.
     """
     tr = Trace(1, 2, 1, [(0, ids_of([0], [0], [0], [1])), (0, ids_of([1]))])
-    expected = {0.0: (0.81, 1, 2, 0), 0.5: (0.84, 0, 1, 2), 1.0: (1.3, 0, 0, 3), "auto": (0.822, 0, 2, 1)}
+    expected = {0.0: (0.81, 1, 2, 0), 0.5: (0.84, 0, 1, 2), 1.0: (1.3, 0, 0, 3), "auto": (0.84, 0, 1, 2)}
     for share, (t, hits, loads, cpu) in expected.items():
         r = replay(tr, 2, "lru", share=share, cost=HAND_COST)
         assert r.modeled_s_per_token == pytest.approx(t)
         assert (r.hits, r.misses, r.cpu, r.distinct, r.bytes_moved) == (hits, loads, cpu, 3, 100 * loads)
         assert modeled_time_per_token(tr, share, HAND_COST, n_slots=2) == pytest.approx(t)
-    assert [c.n_cpu for c in replay(tr, 2, "lru", share="auto", cost=HAND_COST).call_log] == [1, 0]
+    assert [c.n_cpu for c in replay(tr, 2, "lru", share="auto", cost=HAND_COST).call_log] == [1, 1]
+    eager = replay(tr, 2, "lru", share="auto", cost=HAND_COST, hysteresis=0.0)
+    assert eager.modeled_s_per_token == pytest.approx(0.822) and [c.n_cpu for c in eager.call_log] == [1, 0]
     # on share 0's fixed hits and misses, auto puts expert 1 on the CPU in call 1 and call 2 still hits
     r0 = replay(tr, 2, "lru", cost=HAND_COST)
     assert modeled_time_per_token(r0, "auto") == pytest.approx((2.1 + 0.01) / 5)
@@ -497,9 +512,9 @@ def test_replay_rejects_bad_requests():
                           (dict(cost=HAND_COST, expert_bytes=7), "expert_bytes=7 differs from cost.expert_bytes=100")]:
         with pytest.raises(TraceError, match=re.escape(fault)):
             replay(tr, **(dict(n_slots=2) | kwargs))
-    with pytest.raises(TraceError, match="expert_bytes=0 must be an int >= 1"):
+    with pytest.raises(TraceError, match="expert_bytes must be an int >= 1, got 0"):
         LinkCost(1.0, 1.0, 0.0, 0.0, 0)
-    with pytest.raises(TraceError, match="bus_bytes_per_s=0.0 must be a finite number > 0"):
+    with pytest.raises(TraceError, match="bus_bytes_per_s must be a finite number > 0, got 0.0"):
         LinkCost(0.0, 1.0, 0.0, 0.0, 1)
     with pytest.raises(TraceError, match="has no cost"):
         modeled_time_per_token(replay(tr, 2))

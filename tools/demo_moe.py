@@ -16,11 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_moe_gguf import write_moe_stack  # noqa: E402
 
 SHAPE = dict(n_layer=4, n_embd=256, n_ff=256, n_expert=16, n_used=4, expert_type="q4_K")
 MODES = [("resident", []), ("cache, share 0", ["moe_cpu_share=0"]), ("cache, share 0.5", ["moe_cpu_share=0.5"]),

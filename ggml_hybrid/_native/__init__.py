@@ -7,8 +7,8 @@ build must fail loudly, not run old code.
 
 from __future__ import annotations
 
-from . import buildinfo
 from ..errors import StaleBuildError
+from . import buildinfo
 
 _REBUILD = "rebuild it with `python build.py` (or `pip install -e .`) from the repository root"
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import GgmlHybridError
 from ..options import OptionError, SessionOptions
+from ..units import format_bytes
 
 
 class _Group(click.Group):
@@ -59,10 +60,10 @@ def _progress(enabled: bool):
     return cb, finish
 
 
-# llama.cpp's placement flags, each shorthand for a session option
-_PLACEMENT_FLAGS = [
+# llama.cpp's layout flags, each shorthand for a session option
+_LAYOUT_FLAGS = [
     (("-ot", "--override-tensor", "override_tensor"), dict(multiple=True, metavar="REGEX=DEVICE[,...]",
-                                                           help="Tensor placement by regex (searched, first match wins).")),
+                                                           help="Tensor layout by regex (searched, first match wins).")),
     (("-ngl", "--n-gpu-layers", "n_gpu_layers"), dict(type=click.IntRange(-1), help="Layers on the devices; -1 = all.")),
     (("--cpu-moe", "cpu_moe"), dict(is_flag=True, default=None, help="All routed expert weights on the CPU.")),
     (("--n-cpu-moe", "n_cpu_moe"), dict(type=click.IntRange(0), help="Routed expert weights of the first N layers on the CPU.")),
@@ -79,13 +80,13 @@ _PLACEMENT_FLAGS = [
 ]
 
 
-def _placement_flags(fn):
-    for decls, kw in reversed(_PLACEMENT_FLAGS):
+def _layout_flags(fn):
+    for decls, kw in reversed(_LAYOUT_FLAGS):
         fn = click.option(*decls, **kw)(fn)
     return fn
 
 
-def _placement_items(values: dict) -> dict:
+def _layout_items(values: dict) -> dict:
     out = {}
     for key, v in values.items():
         if key == "override_tensor":
@@ -135,7 +136,7 @@ def main():
 @click.option("--session-option", "-o", "session_options", multiple=True, metavar="[ROLE.]KEY=VALUE",
               help="A session option; repeatable. See `ggml-hybrid options`.")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML file with models and their session options.")
-@_placement_flags
+@_layout_flags
 @click.option("--seed", type=click.IntRange(0), help="Sampling seed (with --temp > 0).")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy.")
 @click.option("--top-k", default=40, show_default=True, type=click.IntRange(0))
@@ -145,12 +146,12 @@ def main():
 @click.option("--logits-out", type=click.Path(dir_okay=False, writable=True),
               help="Write every evaluated position's logits, float32 [positions, vocab], to this .npy file.")
 def run(model, prompt, tokens, n_predict, moe_cpu_share, expert_cache_slots, threads, session_options, config, seed,
-        temp, top_k, top_p, ignore_eos, as_json, logits_out, **placement):
+        temp, top_k, top_p, ignore_eos, as_json, logits_out, **layout):
     """Generate text from MODEL (a GGUF file, or a model name or role in --config)."""
     from ..model.generate import GenerationStats, generate
     from ..model.moe_model import MoEModel
-    from .report import format_stats, run_report
     from ..model.sampling import Sampler
+    from .report import format_stats, run_report
 
     if (prompt is None) == (tokens is None):
         raise click.UsageError("give exactly one of --prompt and --tokens")
@@ -162,7 +163,7 @@ def run(model, prompt, tokens, n_predict, moe_cpu_share, expert_cache_slots, thr
     path, role, base = _resolve_model(model, config)
     opts = _options(session_options, role, base, {"moe_cpu_share": moe_cpu_share,
                                                   "expert_cache_slots": expert_cache_slots, "n_threads": threads,
-                                                  **_placement_items(placement)})
+                                                  **_layout_items(layout)})
     sampler = Sampler(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
     ids = None
     if tokens is not None:
@@ -230,7 +231,7 @@ def bench(model, a_opts, b_opts, runs, n_predict, config, as_json):
     from .abbench import ab_bench, format_table
 
     path, role, base = _resolve_model(model, config)
-    split = lambda s: [x for x in s.replace(",", " ").split() if x]  # noqa: E731
+    split = lambda s: [x for x in s.replace(",", " ").split() if x]
     a = SessionOptions.parse(split(a_opts), role=role, base=base)
     b = SessionOptions.parse(split(b_opts), role=role, base=base)
     r = ab_bench(path, a, b, runs=runs, n_predict=n_predict)
@@ -259,15 +260,16 @@ def demo(n_predict, threads, as_json):
 @click.option("--parallel", default=1, show_default=True, type=click.IntRange(1), help="Parallel sequences.")
 @click.option("--session-option", "-o", "session_options", multiple=True, metavar="[ROLE.]KEY=VALUE")
 @click.option("--config", type=click.Path(dir_okay=False))
-@_placement_flags
+@_layout_flags
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "k8s"]), default="text", show_default=True)
-def plan(model, vram, ram, ctx, parallel, session_options, config, fmt, **placement):
+def plan(model, vram, ram, ctx, parallel, session_options, config, fmt, **layout):
     """What MODEL needs per device and in host memory under the given options, from metadata alone."""
-    from ..deploy.planner import format_k8s, format_text, parse_size
+    from ..deploy.planner import format_k8s, format_text
     from ..deploy.planner import plan as make_plan
+    from ..units import parse_size
 
     path, role, base = _resolve_model(model, config)
-    explicit = _placement_items(placement)
+    explicit = _layout_items(layout)
     if ctx is not None:
         explicit["n_ctx"] = ctx
     opts = _options(session_options, role, base, explicit)
@@ -285,7 +287,7 @@ def plan(model, vram, ram, ctx, parallel, session_options, config, fmt, **placem
 @click.option("--virtual-devices", type=click.IntRange(1, 16), help="Without a GPU: CPU instances playing devices.")
 @click.option("--json", "as_json", is_flag=True)
 def devices(virtual_devices, as_json):
-    """The device names that placement options accept (CUDA0, ... or DEV0, ... and CPU)."""
+    """The device names that layout options accept (CUDA0, ... or DEV0, ... and CPU)."""
     from ..deploy.devices import describe_devices
 
     opts = SessionOptions(virtual_devices=virtual_devices) if virtual_devices else SessionOptions()
@@ -294,7 +296,7 @@ def devices(virtual_devices, as_json):
         click.echo(json.dumps(rows))
         return
     for r in rows:
-        mem = f", {r['memory_total'] / 2**30:.1f} GiB" if r["memory_total"] else ""
+        mem = f", {format_bytes(r['memory_total'])}" if r["memory_total"] else ""
         click.echo(f"{r['name']:<6} {r['kind']:<13} {r['description']}{mem}")
 
 

@@ -45,7 +45,7 @@ def ab_bench(path, a: SessionOptions, b: SessionOptions, runs: int = 4, n_predic
                 (s.first if pos in (0, 2) else s.second).append(st.decode_tps)
             if progress is not None:
                 progress(i + 1, runs)
-    mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
+    mean = lambda xs: statistics.fmean(xs) if xs else 0.0
     out = {"model": str(path), "runs": runs, "n_predict": n_predict, "prompt_tokens": len(tokens), "sides": {}}
     for key, s in sides.items():
         out["sides"][key] = {"options": s.options.to_items(), "prompt_tps": mean(s.prompt_tps),

@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from ..errors import GgmlHybridError
+from ..errors import ConfigError
 from ..options import SessionOptions
 
 if sys.version_info >= (3, 11):
@@ -25,9 +25,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-
-class ConfigError(GgmlHybridError, ValueError):
-    """A configuration file that is missing, not TOML, or has a bad entry."""
 
 
 @dataclass(frozen=True)

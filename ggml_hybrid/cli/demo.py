@@ -14,9 +14,10 @@ import numpy as np
 
 from ..model.generate import complete
 from ..model.moe_model import MoEModel
-from ..options import SessionOptions
-from .report import hybrid_offload_active
 from ..model.synthetic import ModelSpec, write_model
+from ..options import SessionOptions
+from ..units import format_bytes
+from .report import hybrid_offload_active
 
 DEMO_SPEC = ModelSpec(arch="qwen3moe", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=128,
                       n_expert=32, n_used=4, weight_type="q8_0", seed=7)
@@ -36,7 +37,7 @@ def run_demo(n_predict: int = 24, n_threads: int | None = None, echo=print) -> d
     with tempfile.TemporaryDirectory(prefix="ggml-hybrid-demo-") as tmp:
         path = write_model(os.path.join(tmp, "demo-qwen3moe.gguf"), DEMO_SPEC)
         echo(f"generated {os.path.basename(path)}: {DEMO_SPEC.n_layer} layers, {DEMO_SPEC.n_expert} experts "
-             f"(top-{DEMO_SPEC.n_used}), {DEMO_SPEC.weight_type}, {os.path.getsize(path) / 2**20:.1f} MiB")
+             f"(top-{DEMO_SPEC.n_used}), {DEMO_SPEC.weight_type}, {format_bytes(os.path.getsize(path))}")
         rows, texts, logits = [], [], []
         for label, opts in configurations(DEMO_SPEC.n_expert, n_threads):
             with MoEModel(path, opts) as m:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from ..model.generate import GenerationStats
 from ..model.moe_model import MoEModel
+from ..units import format_bytes
 
 RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
                    "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "counters",
-                   "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes", "placement",
+                   "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes", "layout",
                    "options")
 
 
@@ -21,7 +22,7 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
         "decode_seconds": st.decode_seconds, "prompt_tps": st.prompt_tps, "decode_tps": st.decode_tps,
         "counters": total.to_dict(), "share_applied": total.share_applied,
         "hybrid_offload_active": hybrid_offload_active(model), "device_memory": mem,
-        "peak_device_bytes": sum(mem.values()), "placement": model.placement_report(),
+        "peak_device_bytes": sum(mem.values()), "layout": model.layout_report(),
         "options": model.options.to_dict(),
     }
 
@@ -34,16 +35,15 @@ def hybrid_offload_active(model: MoEModel) -> bool:
 def format_stats(r: dict) -> str:
     c = r["counters"]
     mem = r["device_memory"]
-    mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
     lines = [
         f"load {r['load_seconds']:.2f} s | prompt {r['prompt_tokens']} tok, {r['prompt_tps']:.1f} tok/s | "
         f"decode {r['generated_tokens']} tok, {r['decode_tps']:.1f} tok/s | stop: {r['stop_reason']}",
         f"experts: hits {c['hits']}, misses {c['misses']}, cpu misses {c['cpu_misses']}, "
         f"share applied {r['share_applied']:.2f} | hybrid_offload_active: {str(r['hybrid_offload_active']).lower()}",
-        f"peak device memory {mib(r['peak_device_bytes'])} (weights {mib(mem['weights'])}, experts "
-        f"{mib(mem['experts'])}, kv {mib(mem['kv_cache'])}, compute {mib(mem['compute'])})",
-        "placement: " + "; ".join(f"{dev}: " + ", ".join(f"{cls} {mib(n)}" for cls, n in classes.items())
-                                  for dev, classes in r["placement"]["tensors"].items()),
+        f"peak device memory {format_bytes(r['peak_device_bytes'])} (weights {format_bytes(mem['weights'])}, experts "
+        f"{format_bytes(mem['experts'])}, kv {format_bytes(mem['kv_cache'])}, compute {format_bytes(mem['compute'])})",
+        "layout: " + "; ".join(f"{dev}: " + ", ".join(f"{cls} {format_bytes(n)}" for cls, n in classes.items())
+                                  for dev, classes in r["layout"]["tensors"].items()),
     ]
     return "\n".join(lines)
 

@@ -2,15 +2,15 @@
 
 Names follow llama.cpp: ``CUDA0``, ``CUDA1``, ... and ``CPU`` for host memory. On a machine
 without a GPU, ``virtual_devices`` CPU backend instances play the devices as ``DEV0``, ``DEV1``,
-...: each has its own buffers, threadpool and expert cache, so multi-device placement runs (and
+...: each has its own buffers, threadpool and expert cache, so multi-device layouts run (and
 is tested) anywhere.
 """
 
 from __future__ import annotations
 
 from ..ggml.backend import Backend, cpu_instance, cuda, cuda_available
-from .layout import CPU
 from ..options import SessionOptions
+from .layout import CPU
 
 
 def device_names(opts: SessionOptions | None = None) -> list[str]:

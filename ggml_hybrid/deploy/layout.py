@@ -1,4 +1,4 @@
-"""Where every tensor of a model goes, from llama.cpp-style placement options; computed from metadata alone.
+"""Where every tensor of a model goes, from llama.cpp-style layout options; computed from metadata alone.
 
 The rules, in llama.cpp's order and with its meanings:
 
@@ -26,7 +26,7 @@ import bisect
 import re
 from dataclasses import dataclass
 
-from ..options import OptionError, SessionOptions, override_items
+from ..options import OptionError, SessionOptions, override_items, tensor_split_parts
 
 CPU = "CPU"
 _EXPERT_WEIGHT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
@@ -42,15 +42,12 @@ def parse_overrides(text: str | None) -> list[tuple[str, re.Pattern, str]]:
 
 
 def parse_split(text: str | None, n_devices: int) -> list[float]:
+    """The ``tensor_split`` proportions for ``n_devices`` devices (equal when not given)."""
     if not text:
         return [1.0] * n_devices
-    try:
-        parts = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
-    except ValueError:
-        raise OptionError(f"tensor_split={text}: must be comma-separated proportions, e.g. 3,1") from None
-    if len(parts) != n_devices or any(not (0 <= p < float("inf")) for p in parts) or sum(parts) <= 0:
-        raise OptionError(f"tensor_split={text}: needs {n_devices} non-negative proportion(s) (one per device: "
-                          f"{n_devices}) with a positive sum")
+    parts = tensor_split_parts(text)  # the option's own rule: validated when the option was set
+    if len(parts) != n_devices:
+        raise OptionError(f"tensor_split={text}: needs {n_devices} proportion(s), one per device, got {len(parts)}")
     return parts
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..model.gguf_store import GGUFStore, ModelFileError
+from ..model.gguf_store import GGUFStore
+from ..model.hparams import architecture, meta_int
+from ..units import format_bytes
 
 CLASSES = ("dense", "routed_experts", "shared_experts", "embeddings", "output")
 
@@ -24,17 +26,10 @@ def tensor_class(name: str) -> str:
 def describe(path) -> dict:
     store = GGUFStore(path)
     try:
-        arch = store.meta("general.architecture", "")
-        if not isinstance(arch, str):
-            raise ModelFileError(f"{store.path!r}: general.architecture = {arch!r} is not a name")
+        arch = architecture(store)
 
         def meta(key, d=0):
-            v = store.meta(f"{arch}.{key}", d)
-            if isinstance(v, list) and v and all(x == v[0] for x in v):
-                v = v[0]  # a per-layer array with one value
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ModelFileError(f"{store.path!r}: {arch}.{key} = {v!r} must be a non-negative integer")
-            return v
+            return meta_int(store, f"{arch}.{key}", d, lo=0, per_layer="max")
 
         n_expert = meta("expert_count", 0)
         by_class = dict.fromkeys(CLASSES, 0)
@@ -69,7 +64,6 @@ def describe(path) -> dict:
 
 
 def format_text(d: dict) -> str:
-    mib = lambda n: f"{n / 2**20:,.2f} MiB"  # noqa: E731
     lines = [f"{d['path']}", f"  architecture  {d['architecture']}" + (f" ({d['name']})" if d["name"] else ""),
              f"  layers {d['n_layer']}, embd {d['n_embd']}, heads {d['n_head']}/{d['n_head_kv']} kv, "
              f"vocab {d['n_vocab']}, trained context {d['n_ctx_train']}"]
@@ -77,14 +71,14 @@ def format_text(d: dict) -> str:
         e = d["experts"]
         lines.append(f"  MoE: {e['count']} experts, {e['used']} used per token, expert ff {e['ff']}"
                      + (f", shared expert ff {e['shared_ff']}" if e["shared_ff"] else "")
-                     + f"; {mib(e['bytes_per_expert'])} per expert, {mib(e['bytes_per_layer'])} per layer")
+                     + f"; {format_bytes(e['bytes_per_expert'])} per expert, {format_bytes(e['bytes_per_layer'])} per layer")
     else:
         lines.append("  not a MoE model (no routed experts)")
-    lines.append(f"  {d['tensors']} tensors, {mib(d['total_bytes'])}:")
+    lines.append(f"  {d['tensors']} tensors, {format_bytes(d['total_bytes'])}:")
     for c in CLASSES:
         if d["bytes"][c]:
             types = ", ".join(f"{t} x{n}" for t, n in d["types"][c].items())
-            lines.append(f"    {c:<15} {mib(d['bytes'][c]):>14}   {types}")
+            lines.append(f"    {c:<15} {format_bytes(d['bytes'][c]):>14}   {types}")
     return "\n".join(lines)
 
 

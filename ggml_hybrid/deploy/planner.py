@@ -12,27 +12,12 @@ from __future__ import annotations
 
 import os
 
+from ..model.gguf_store import GGUFStore
 from ..model.hparams import NotMoEError, read_hparams
 from ..model.moe_model import MoEModel
-from .model_info import describe
 from ..options import OptionError, SessionOptions
-from ..model.gguf_store import GGUFStore
-
-GiB = 2 ** 30
-
-
-def parse_size(text: str) -> int:
-    """'24G', '24GiB', '1.5T', '800M', '123456' (bytes) -> bytes (binary units)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}.get(t[-1:], 1)
-    num = t[:-1] if t[-1:] in "KMGT" and t else t
-    try:
-        v = float(num)
-    except ValueError:
-        raise OptionError(f"size {text!r}: expected a number with an optional K/M/G/T suffix, e.g. 24G") from None
-    if not v >= 0 or v == float("inf"):
-        raise OptionError(f"size {text!r}: must be a finite size >= 0")
-    return int(v * mult)
+from ..units import GiB, format_bytes
+from .model_info import describe
 
 
 def _measure(path, opts: SessionOptions, devices: list[str]) -> dict:
@@ -40,8 +25,8 @@ def _measure(path, opts: SessionOptions, devices: list[str]) -> dict:
         per_dev = {d: m.device_memory(d) for d in devices}
         host_kv = m.kv.nbytes(m.host)
         host_compute = m.sched.buffer_size(m.host)
-        report = m.placement_report()
-        return {"devices": per_dev, "host_kv": host_kv, "host_compute": host_compute, "placement": report,
+        report = m.layout_report()
+        return {"devices": per_dev, "host_kv": host_kv, "host_compute": host_compute, "layout": report,
                 "hp": m.hp, "n_ctx": m.n_ctx}
 
 
@@ -84,7 +69,7 @@ def _plan_moe(path, info: dict, opts: SessionOptions, vram, ram, parallel: int) 
         m["vram"] = vram[i] if vram else None
         m["fits"] = None if not vram else m["total"] <= vram[i]
         out_devices[d] = m
-    tensors = meas["placement"]["tensors"]
+    tensors = meas["layout"]["tensors"]
     mapped = tensors.get("mapped", {})
     host_resident = meas["host_kv"] * parallel + meas["host_compute"]
     plan_ = {
@@ -95,7 +80,7 @@ def _plan_moe(path, info: dict, opts: SessionOptions, vram, ram, parallel: int) 
                  "fits": None if ram is None else host_resident <= ram},
         "kv": {"n_ctx": n_ctx, "type_k": opts.cache_type_k, "type_v": opts.cache_type_v,
                "per_sequence": kv_seq, "parallel": parallel, "total": kv_seq * parallel},
-        "layout": {k: meas["placement"][k] for k in ("layers", "kv", "experts", "output")},
+        "layout": {k: meas["layout"][k] for k in ("layers", "kv", "experts", "output")},
         "experts": {"count": hp.n_expert, "used": hp.n_used,
                     "bytes_per_expert": info["experts"]["bytes_per_expert"],
                     "bytes_per_layer": info["experts"]["bytes_per_layer"]},
@@ -147,13 +132,13 @@ def _warnings(p: dict, opts: SessionOptions, hp) -> list[str]:
     w = []
     h = p["host"]
     if h["ram"] is not None and h["resident_total"] > h["ram"]:
-        w.append(f"host buffers ({human(h['resident_total'])}: KV cache and compute on the CPU) exceed --ram "
-                 f"{human(h['ram'])}")
+        w.append(f"host buffers ({format_bytes(h['resident_total'])}: KV cache and compute on the CPU) exceed --ram "
+                 f"{format_bytes(h['ram'])}")
     mapped_experts = p["host"]["mapped"].get("routed_experts", 0)
     if p["host"]["ram"] is not None and mapped_experts and mapped_experts + p["host"]["resident_total"] > \
             p["host"]["ram"]:
-        w.append(f"experts used from host memory ({human(mapped_experts)}, memory-mapped) plus host buffers exceed "
-                 f"--ram {human(p['host']['ram'])}: they will be re-read from disk as pages are evicted")
+        w.append(f"experts used from host memory ({format_bytes(mapped_experts)}, memory-mapped) plus host buffers exceed "
+                 f"--ram {format_bytes(p['host']['ram'])}: they will be re-read from disk as pages are evicted")
     if opts.disk_experts and opts.expert_cache_slots < hp.n_used:
         w.append(f"expert_cache_slots={opts.expert_cache_slots} is smaller than the {hp.n_used} experts used per "
                  "token: every token needs several load rounds; use more slots or moe_cpu_share")
@@ -162,7 +147,7 @@ def _warnings(p: dict, opts: SessionOptions, hp) -> list[str]:
     base = {k: d["total"] - d["experts"] for k, d in devs.items()}
     if any(d["vram"] is not None and base[k] > d["vram"] for k, d in devs.items()) and not opts.no_kv_offload:
         if all(base[k] - d["kv_cache"] <= d["vram"] for k, d in devs.items()):
-            w.append(f"the context (n_ctx={p['kv']['n_ctx']}, {human(p['kv']['total'])} of KV cache) only fits "
+            w.append(f"the context (n_ctx={p['kv']['n_ctx']}, {format_bytes(p['kv']['total'])} of KV cache) only fits "
                      "with no_kv_offload=true (KV cache in host memory, attention on the CPU)")
     return w
 
@@ -188,14 +173,14 @@ def _recommend(p: dict, opts: SessionOptions, hp, devices: list[str]) -> list[di
         slots = int(o["expert_cache_slots"])
         cache_bytes = sum(v["experts"] for v in q["devices"].values())
         text = (f"keeps {slots} of {hp.n_expert} experts per layer ({slots / hp.n_expert:.0%}) in device caches of "
-                f"{human(cache_bytes)} in all; misses stream from the memory-mapped file")
+                f"{format_bytes(cache_bytes)} in all; misses stream from the memory-mapped file")
         if o.get("moe_cpu_share") == "auto":
             text += "; the CPU runs the share of the misses that finishes each layer soonest (measured costs)"
         return text + "." + nkvo
 
     def cpu_layers(q, o):
         n = int(o["n_cpu_moe"])
-        return (f"the routed experts of the first {n} layers ({human(n * p['experts']['bytes_per_layer'])}) stay in "
+        return (f"the routed experts of the first {n} layers ({format_bytes(n * p['experts']['bytes_per_layer'])}) stay in "
                 f"host memory (memory-mapped) and run on the CPU, as llama.cpp's --n-cpu-moe {n}." + nkvo)
 
     if all(free[d] > 0 for d in devs):
@@ -212,7 +197,7 @@ def _recommend(p: dict, opts: SessionOptions, hp, devices: list[str]) -> list[di
     total_kv = sum(kv.values())
     if total_kv and not opts.no_kv_offload and not prefix:
         recs.append({"options": "no_kv_offload=true", "explain": lambda q, o: (
-            f"moves the KV cache ({human(total_kv)}) to host memory; attention runs on the CPU.")})
+            f"moves the KV cache ({format_bytes(total_kv)}) to host memory; attention runs on the CPU.")})
     return recs
 
 
@@ -263,15 +248,8 @@ def _plan_dense(info: dict, store: GGUFStore, opts, vram, ram, parallel) -> dict
             "threads": opts.n_threads or os.cpu_count() or 1}
 
 
-def human(n: int) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 def format_text(p: dict) -> str:
-    g = human
+    g = format_bytes
     lines = [f"{p['model']}: {p['architecture']}{' (MoE)' if p['moe'] else ' (dense)'}; options: "
              f"{' '.join(p['options']) or '(defaults)'}"]
     for d, v in p["devices"].items():
@@ -329,4 +307,4 @@ def format_k8s(p: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_k8s", "format_text", "k8s_resources", "parse_size", "plan"]
+__all__ = ["format_k8s", "format_text", "k8s_resources", "plan"]

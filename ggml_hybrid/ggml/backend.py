@@ -9,8 +9,16 @@ import numpy as np
 
 from .._native import cstr, ffi, lib
 from .._native.managed import Managed
-from ..errors import AllocationError, BackendError, GgmlHybridError
+from ..checks import check_choice, check_int
+from ..errors import AllocationError, ArgumentError, BackendError
 
+# More CPU threads than this only queue on the cores (and each costs a stack and a spin).
+THREADS_PER_CORE = 4
+
+
+def max_threads() -> int:
+    """The most CPU threads a backend accepts: THREADS_PER_CORE times the cores of this machine."""
+    return THREADS_PER_CORE * (os.cpu_count() or 1)
 
 # addresses of the live buffers made through this package: a scheduler must not
 # re-allocate tensors that live in them
@@ -31,7 +39,7 @@ class Buffer(Managed):
 
     _kind = "buffer"
 
-    def __init__(self, ptr, backend: "Backend | None" = None, owned: bool = True):
+    def __init__(self, ptr, backend: Backend | None = None, owned: bool = True):
         if ptr == ffi.NULL:
             raise AllocationError("backend buffer allocation failed")
         super().__init__(ptr, _free_buffer, owned)
@@ -52,16 +60,15 @@ class Buffer(Managed):
         return bool(lib.ggml_backend_buffer_is_host(self.ptr))
 
     def clear(self, value: int = 0) -> None:
-        if not 0 <= value <= 255:
-            raise ValueError(f"Buffer.clear: value {value} is not a byte (0..255)")
+        check_int(value, "Buffer.clear: value", 0, 255)
         lib.ggml_backend_buffer_clear(self.ptr, value)
 
     @classmethod
-    def from_host_memory(cls, array, usage: str = "weights") -> "Buffer":
+    def from_host_memory(cls, array, usage: str = "weights") -> Buffer:
         """A CPU buffer over existing host memory (e.g. a memory-mapped GGUF file); keeps ``array`` alive."""
         arr = np.asarray(array)
         if not arr.flags.c_contiguous:
-            raise ValueError("Buffer.from_host_memory: the memory must be contiguous")
+            raise ArgumentError("Buffer.from_host_memory: the memory must be C-contiguous")
         ptr = ffi.cast("void *", arr.ctypes.data)
         buf = cls(lib.ggml_backend_cpu_buffer_from_ptr(ptr, arr.nbytes), None)
         buf._memory = arr
@@ -87,8 +94,7 @@ class Buffer(Managed):
         """'weights' tells the scheduler to run ops where their weights live; 'compute' or 'any' otherwise."""
         table = {"any": lib.GGML_BACKEND_BUFFER_USAGE_ANY, "weights": lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS,
                  "compute": lib.GGML_BACKEND_BUFFER_USAGE_COMPUTE}
-        if usage not in table:
-            raise ValueError(f"Buffer.set_usage: usage {usage!r} is not one of {sorted(table)}")
+        check_choice(usage, "Buffer.set_usage: usage", sorted(table))
         lib.ggml_backend_buffer_set_usage(self.ptr, table[usage])
 
 
@@ -130,8 +136,7 @@ class Backend(Managed):
     def n_threads(self, n: int) -> None:
         if not self.is_cpu:
             raise BackendError(f"n_threads applies to the CPU backend, not {self.name}")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 512:
-            raise ValueError(f"n_threads: {n!r} is not an integer in 1..512")
+        check_int(n, "n_threads", 1, max_threads())
         lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
         # a persistent pool: without it each graph compute (each split) starts its own threads
         params = ffi.new("struct ggml_threadpool_params *")
@@ -151,8 +156,7 @@ class Backend(Managed):
             self._pool = None
 
     def alloc_buffer(self, size: int) -> Buffer:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"alloc_buffer: size {size!r} is not a non-negative integer")
+        check_int(size, "alloc_buffer: size", 0)
         return Buffer(lib.ggml_backend_alloc_buffer(self.ptr, size), self)
 
     def supports(self, tensor) -> bool:
@@ -179,8 +183,7 @@ def cpu_instance(index: int, n_threads: int | None = None) -> Backend:
     Several of them play several devices on a machine without GPUs: nodes pinned to each stay
     there, as they would on two GPUs.
     """
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 16:
-        raise ValueError(f"cpu_instance: index {index!r} must be an integer in 0..15")
+    check_int(index, "cpu_instance: index", 0, lib.GGML_HYBRID_MAX_INSTANCES - 1)
     b = Backend(lib.ggml_hybrid_cpu_instance(index), "CPU")
     b.n_threads = n_threads if n_threads is not None else (os.cpu_count() or 1)
     return b
@@ -197,11 +200,6 @@ def cuda(device: int = 0) -> Backend:
     if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
         raise BackendError(f"CUDA device {device!r} does not exist ({n} device(s) found)")
     return Backend(lib.ggml_hybrid_cuda_init(device), f"CUDA{device}")
-
-
-def best(n_threads: int | None = None) -> Backend:
-    """The accelerator when there is one, else the CPU."""
-    return cuda(0) if cuda_available() else cpu(n_threads)
 
 
 @dataclass(frozen=True)
@@ -229,5 +227,5 @@ def devices() -> list[Device]:
     return out
 
 
-__all__ = ["Backend", "Buffer", "Device", "GgmlHybridError", "best", "cpu", "cpu_instance", "cuda", "cuda_available",
+__all__ = ["Backend", "Buffer", "Device", "cpu", "cpu_instance", "cuda", "cuda_available",
            "devices"]

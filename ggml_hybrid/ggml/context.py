@@ -10,10 +10,12 @@ import numpy as np
 
 from .._native import ffi, lib
 from .._native.managed import Managed
+from ..checks import check_int
+from ..errors import AllocationError, ArgumentError, IndexRangeError, ShapeError
 from .backend import Backend, Buffer
 from .dtypes import as_ggml_type
-from ..errors import AllocationError, IndexRangeError, ShapeError
-from .graph import Graph, all_contexts as _all_contexts, track_context
+from .graph import Graph, track_context
+from .graph import all_contexts as _all_contexts
 from .ops import OpsMixin
 from .tensor import Tensor, check_indices, ne_of
 
@@ -46,8 +48,7 @@ class Context(OpsMixin, Managed):
 
     def __init__(self, n_tensors: int = 1024, mem_size: int = 0, no_alloc: bool = True, graph_size: int = 0):
         for name, v in (("n_tensors", n_tensors), ("mem_size", mem_size), ("graph_size", graph_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"Context: {name} must be a non-negative integer, got {v!r}")
+            check_int(v, f"Context: {name}", 0)
         overhead = n_tensors * (lib.ggml_tensor_overhead() + _ALIGN_SLACK)
         if graph_size:
             overhead += lib.ggml_graph_overhead_custom(graph_size, False) + _ALIGN_SLACK
@@ -123,7 +124,7 @@ class Context(OpsMixin, Managed):
     def offset_of(self, t: Tensor) -> int:
         """Where tensor ``t``'s struct sits in this context's pool: creation order, comparable with ``used``."""
         if not self._holds(t.ptr):
-            raise ValueError(f"offset_of: tensor {t.name!r} was not created in this context")
+            raise ArgumentError(f"offset_of: tensor {t.name!r} was not created in this context")
         return int(ffi.cast("uintptr_t", t.ptr)) - int(ffi.cast("uintptr_t", self._pool_base))
 
     def _mark_set(self, t: Tensor) -> None:

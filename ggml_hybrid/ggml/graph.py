@@ -5,10 +5,12 @@ from __future__ import annotations
 import weakref
 
 from .._native import ffi, lib
-from ..errors import AllocationError, BackendError, ComputeError
+from .._native.status import check_status
+from ..checks import check_int
+from ..errors import AllocationError, BackendError, IndexRangeError
 from .tensor import Tensor, _buffer_of
 
-_contexts: "weakref.WeakSet" = weakref.WeakSet()
+_contexts: weakref.WeakSet = weakref.WeakSet()
 
 
 def track_context(ctx) -> None:
@@ -39,8 +41,7 @@ class Graph:
     """A GGML compute graph living in a context (which it keeps alive)."""
 
     def __init__(self, ctx, size: int = 2048):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"Graph: size must be a positive integer, got {size!r}")
+        check_int(size, "Graph: size", 1)
         need = lib.ggml_graph_overhead_custom(size, False) + 64
         if ctx.used + need > ctx.mem_size:
             raise AllocationError(f"Graph: a {size}-node graph needs {need} bytes but the context has "
@@ -73,7 +74,7 @@ class Graph:
     def node(self, i: int) -> Tensor:
         n = self.n_nodes
         if not -n <= i < n:
-            raise IndexError(f"graph node {i} out of range (graph has {n} nodes)")
+            raise IndexRangeError(f"graph node {i} out of range (graph has {n} nodes)")
         return Tensor(lib.ggml_graph_node(self.ptr, i), self._ctx)
 
     @property
@@ -97,7 +98,7 @@ class Graph:
     def contains(self, t: Tensor) -> bool:
         return bool(lib.ggml_hybrid_graph_contains(self.ptr, t.ptr))
 
-    def expand(self, *tensors: Tensor) -> "Graph":
+    def expand(self, *tensors: Tensor) -> Graph:
         """Add the tensors and everything they depend on (ggml_build_forward_expand)."""
         p = self.ptr
         for t in tensors:
@@ -148,6 +149,4 @@ class Graph:
                 raise BackendError(f"Graph.compute: tensor {t.name!r} has no memory; use a Scheduler to "
                                    "allocate graph nodes, or a Context(no_alloc=False)")
         status = lib.ggml_backend_graph_compute(backend.ptr, self.ptr)
-        if status != lib.GGML_STATUS_SUCCESS:
-            raise ComputeError(f"graph compute on {backend.name} failed: "
-                               f"{ffi.string(lib.ggml_status_to_string(status)).decode()}")
+        check_status(status, f"graph compute on {backend.name}")

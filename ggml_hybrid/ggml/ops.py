@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 
 from .._native import ffi, lib
-from .dtypes import GGMLType
+from ..checks import check_choice, check_int, check_real
 from ..errors import DTypeError, ShapeError
+from .dtypes import GGMLType
 from .tensor import Tensor, ne_of
 
 F32, F16, BF16, I32 = GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32
@@ -43,17 +44,11 @@ def _types(op: str, t: Tensor, allowed, role: str = "input") -> None:
 
 
 def _finite(op: str, name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{op}: {name} must be a finite number, got {value!r}")
-    return float(value)
+    return check_real(value, f"{op}: {name}")
 
 
 def _int(op: str, name: str, value, lo: int | None = None, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{op}: {name} must be an integer, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{op}: {name}={value} is outside {lo}..{hi}")
-    return value
+    return check_int(value, f"{op}: {name}", lo, hi)
 
 
 def _rows_contiguous(op: str, *tensors: Tensor) -> None:
@@ -180,8 +175,7 @@ class OpsMixin:
     def glu(self, a: Tensor, b: Tensor | None = None, kind: str = "swiglu", swapped: bool = False) -> Tensor:
         """Gated unit: act(a) * b, or with b omitted, the halves of a's rows (first half gated)."""
         op = kind
-        if kind not in GLU_OPS:
-            raise ValueError(f"glu: kind {kind!r} is not one of {sorted(GLU_OPS)}")
+        check_choice(kind, "glu: kind", sorted(GLU_OPS))
         self._own(op, a, *([b] if b is not None else []))
         _types(op, a, {F32, F16})
         _need(bool(lib.ggml_is_contiguous_rows(a.ptr)), op, "a must have contiguous rows", a)
@@ -207,9 +201,7 @@ class OpsMixin:
         self._own("rms_norm", a)
         _types("rms_norm", a, {F32})
         _rows_contiguous("rms_norm", a)
-        eps = _finite("rms_norm", "eps", eps)
-        if eps < 0:
-            raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
+        eps = check_real(eps, "rms_norm: eps", 0.0)
         return self._node(lib.ggml_rms_norm(self.ptr, a.ptr, eps))
 
     def soft_max(self, a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0) -> Tensor:
@@ -238,8 +230,7 @@ class OpsMixin:
         """Rotary embedding of a [T, heads, head_dim] at positions pos [T] (llama.cpp's rope_ext)."""
         op = "rope_ext"
         modes = {"normal": lib.GGML_ROPE_TYPE_NORMAL, "neox": lib.GGML_ROPE_TYPE_NEOX}
-        if mode not in modes:
-            raise ValueError(f"{op}: mode {mode!r} is not one of {sorted(modes)}")
+        check_choice(mode, f"{op}: mode", sorted(modes))
         self._own(op, a, pos, *([freq_factors] if freq_factors is not None else []))
         _types(op, a, {F32, F16})
         _rows_contiguous(op, a)

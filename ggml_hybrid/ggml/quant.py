@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._native import ffi, lib
+from ..errors import ArgumentError, BackendError, DTypeError, ShapeError
 from .dtypes import GGMLType, as_ggml_type
-from ..errors import DTypeError, ShapeError
 
 
 def _rows(op: str, x: np.ndarray, t: GGMLType) -> np.ndarray:
@@ -41,10 +41,10 @@ def quantize(x, dtype, imatrix=None) -> np.ndarray:
     elif lib.ggml_quantize_requires_imatrix(t):
         raise DTypeError(f"quantize: {t.name} needs an importance matrix (imatrix=...)")
     if not np.isfinite(x).all():
-        raise ValueError("quantize: input holds NaN or infinity")
+        raise ArgumentError("quantize: input holds NaN or infinity")
     if t not in (GGMLType.F32, GGMLType.BF16) and x.size and np.abs(x).max() > _FP16_MAX:
         # F16 values, and the fp16 block scales and minima of the quantized types, overflow past this
-        raise ValueError(f"quantize: {t.name} cannot represent values beyond +-{_FP16_MAX} "
+        raise ArgumentError(f"quantize: {t.name} cannot represent values beyond +-{_FP16_MAX} "
                          f"(got {float(np.abs(x).max()):g}): its {'elements' if t == GGMLType.F16 else 'block scales'} "
                          "are fp16")
     src = np.ascontiguousarray(x)
@@ -52,7 +52,8 @@ def quantize(x, dtype, imatrix=None) -> np.ndarray:
     out = np.empty(x.shape[:-1] + (row_bytes,), dtype=np.uint8)
     written = lib.ggml_quantize_chunk(t, ffi.from_buffer("float[]", src), ffi.from_buffer(out), 0, nrows,
                                       n_per_row, im)
-    assert written == out.nbytes
+    if written != out.nbytes:  # GGML wrote another size than its own row_size promised
+        raise BackendError(f"quantize: GGML wrote {written} bytes for {out.nbytes}")
     return out
 
 

@@ -8,14 +8,22 @@ region's nodes. See docs/regions.md for the rules and guarantees.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from .._native import cstr, ffi, lib
-from ..errors import (ComputeError, RegionError, RegionNotContiguousError, RegionNotInGraphError, RegionOpenError,
-                     RegionOverlapError, RegionUnsupportedError)
+from .._native.status import check_status
+from ..errors import (
+    ComputeError,
+    RegionError,
+    RegionNotContiguousError,
+    RegionNotInGraphError,
+    RegionOpenError,
+    RegionOverlapError,
+    RegionUnsupportedError,
+)
 from .tensor import BorrowedScope, Tensor
 
 
@@ -45,7 +53,7 @@ class Region:
     id: int
     inputs: list[Tensor]
     outputs: list[Tensor]
-    executor: Callable[["RegionCall"], object]
+    executor: Callable[[RegionCall], object]
     backend: object | None  # Backend or None
     name: str = ""
     calls: int = field(default=0)
@@ -76,9 +84,7 @@ class RegionCall:
     def compute_own_nodes(self) -> None:
         """Run the region's own nodes on its backend, exactly what declining would run."""
         status = lib.ggml_backend_sched_compute_region_nodes(self.sched.ptr, self.region.id)
-        if status != lib.GGML_STATUS_SUCCESS:
-            raise ComputeError(f"region {self.region.id}: computing its own nodes failed "
-                               f"({cstr(lib.ggml_status_to_string(status))})")
+        check_status(status, f"region {self.region.id}: computing its own nodes")
 
 
 def raise_region_status(sched) -> None:
@@ -109,7 +115,7 @@ def _ggml_hybrid_region_exec(region_id, backend, inputs, n_inputs, outputs, n_ou
             region.declined += 1
             return lib.GGML_SCHED_REGION_DECLINE
         return lib.GGML_SCHED_REGION_DONE
-    except BaseException as exc:  # noqa: BLE001 - re-raised from Scheduler.compute()
+    except BaseException as exc:
         sched._pending_error = exc
         return -1
     finally:

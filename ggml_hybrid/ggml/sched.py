@@ -6,8 +6,10 @@ import weakref
 
 from .._native import ffi, lib
 from .._native.managed import Managed
+from .._native.status import check_status
+from ..checks import check_int
+from ..errors import AllocationError, ArgumentTypeError, BackendError, ClosedError, GgmlHybridError, RegionError
 from .backend import Backend, user_buffers
-from ..errors import AllocationError, BackendError, ClosedError, ComputeError, GgmlHybridError, RegionError
 from .graph import Graph, live_pools
 from .regions import Region, raise_region_status
 from .tensor import BorrowedScope, Tensor
@@ -45,8 +47,7 @@ class Scheduler(Managed):
             raise BackendError(f"Scheduler: the last backend must be the CPU, got {backends[-1].name}")
         if len({id(b) for b in backends}) != len(backends):
             raise BackendError("Scheduler: the same backend object is listed twice")
-        if isinstance(graph_size, bool) or not isinstance(graph_size, int) or graph_size < 1:
-            raise ValueError(f"Scheduler: graph_size must be a positive integer, got {graph_size!r}")
+        check_int(graph_size, "Scheduler: graph_size", 1)
         arr = ffi.new("ggml_backend_t[]", [b.ptr for b in backends])
         ptr = lib.ggml_backend_sched_new(arr, ffi.NULL, len(backends), graph_size, bool(parallel), bool(op_offload))
         super().__init__(ptr, lib.ggml_backend_sched_free)
@@ -191,7 +192,7 @@ class Scheduler(Managed):
         self._raise_pending()
         if status != lib.GGML_STATUS_SUCCESS:
             raise_region_status(self)
-            raise ComputeError(f"Scheduler.compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}")
+            check_status(status, "Scheduler.compute")
 
     def reset(self) -> None:
         lib.ggml_backend_sched_reset(self.ptr)
@@ -219,14 +220,14 @@ class Scheduler(Managed):
         """
         inputs, outputs = list(inputs), list(outputs)
         if not inputs or not outputs:
-            raise ValueError(f"add_region: a region needs at least one input and one output "
+            raise RegionError(f"add_region: a region needs at least one input and one output "
                              f"(got {len(inputs)} inputs, {len(outputs)} outputs)")
         for what, ts in (("inputs", inputs), ("outputs", outputs)):
             bad = [t for t in ts if not isinstance(t, Tensor)]
             if bad:
-                raise TypeError(f"add_region: {what} must be Tensors, got {bad[0]!r}")
+                raise ArgumentTypeError(f"add_region: {what} must be Tensors, got {bad[0]!r}")
         if not callable(executor):
-            raise TypeError(f"add_region: executor must be callable, got {executor!r}")
+            raise ArgumentTypeError(f"add_region: executor must be callable, got {executor!r}")
         if backend is not None:
             self._index_check(backend)
         ins = ffi.new("struct ggml_tensor *[]", [t.ptr for t in inputs])
@@ -298,7 +299,7 @@ def _ggml_hybrid_eval_callback(t, ask, user_data):
         return bool(ask)  # ask for the data, then stop on the data call
     try:
         return bool(sched._eval_fn(Tensor(t, BorrowedScope()), bool(ask)))
-    except BaseException as exc:  # noqa: BLE001 - re-raised from compute()
+    except BaseException as exc:
         sched._pending_error = exc
         return bool(ask)
 

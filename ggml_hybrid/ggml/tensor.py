@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._native import cstr, ffi, lib
+from ..errors import ArgumentError, BackendError, ClosedError, DTypeError, IndexRangeError, ShapeError
 from .dtypes import GGMLType
-from ..errors import BackendError, ClosedError, DTypeError, IndexRangeError, ShapeError
 
 
 def ne_of(shape) -> tuple[int, int, int, int]:
@@ -80,7 +80,7 @@ class Tensor:
     def name(self, value: str) -> None:
         raw = value.encode()
         if len(raw) >= lib.GGML_MAX_NAME:
-            raise ValueError(f"tensor name {value!r} is longer than GGML's limit of {lib.GGML_MAX_NAME - 1} bytes")
+            raise ArgumentError(f"tensor name {value!r} is longer than GGML's limit of {lib.GGML_MAX_NAME - 1} bytes")
         lib.ggml_set_name(self.ptr, raw)
 
     @property
@@ -117,20 +117,17 @@ class Tensor:
         return bool(lib.ggml_backend_buffer_is_host(buf))
 
     @property
-    def src(self) -> list["Tensor"]:
+    def src(self) -> list[Tensor]:
         p = self.ptr
         return [Tensor(p.src[i], self._ctx) for i in range(lib.GGML_MAX_SRC) if p.src[i] != ffi.NULL]
 
-    def set_input(self) -> "Tensor":
+    def set_input(self) -> Tensor:
         lib.ggml_set_input(self.ptr)
         return self
 
-    def set_output(self) -> "Tensor":
+    def set_output(self) -> Tensor:
         lib.ggml_set_output(self.ptr)
         return self
-
-    def same(self, other: "Tensor") -> bool:
-        return self._p == other._p
 
     def __eq__(self, other):
         return isinstance(other, Tensor) and self._p == other._p
@@ -150,7 +147,7 @@ class Tensor:
             raise BackendError(f"{what}: tensor {self.name!r} has no memory yet "
                                "(allocate its context in a backend buffer, or compute the graph first)")
 
-    def set(self, array) -> "Tensor":
+    def set(self, array) -> Tensor:
         """Copy a numpy array into the tensor (any backend).
 
         Plain types take an array of the matching dtype and shape; quantized

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from .._native import lib
 from ..ggml.context import Context
 from ..ggml.graph import Graph
+from ..ggml.tensor import Tensor
+from ..moe.ffn import MoERegion, build_moe_ffn
 from .hparams import HParams
 from .kv_cache import KVCache
-from ..moe.ffn import MoERegion, build_moe_ffn
-from ..ggml.tensor import Tensor
 
 # nodes and leafs per layer besides the weighted sum, which takes two per expert used (llama.cpp's adds)
 NODES_PER_LAYER = 96

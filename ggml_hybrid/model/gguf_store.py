@@ -12,15 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ModelFileError
 from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Context
 from ..ggml.dtypes import GGMLType
-from ..errors import GgmlHybridError
 from ..ggml.tensor import Tensor
-
-
-class ModelFileError(GgmlHybridError, ValueError):
-    """A model file that is missing, not GGUF, truncated, or lacks what is required."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +104,6 @@ class GGUFStore:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes (a read-only view of the mapping), shaped [..., row bytes]."""
         return self._data[name].view(np.uint8).reshape(self._data[name].shape[:-1] + (-1,))
-
-    def expert_bytes(self, name: str, expert: int) -> np.ndarray:
-        """The bytes of one expert of a [n_expert, rows, cols] tensor (a view of the mapping)."""
-        return self.raw(name)[expert]
 
     def load(self, tensor: Tensor, source: str | None = None) -> None:
         """Copy the data of file tensor ``source`` (default: the tensor's name) into its memory, on any backend."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ModelFileError, NotMoEError
 from ..ggml.dtypes import GGMLType
-from .gguf_store import GGUFStore, ModelFileError
+from .gguf_store import GGUFStore
 
 # architecture -> (rope mode, per-head q/k norm, q/k/v biases, shared expert, normalise expert weights)
 ARCHITECTURES = {
@@ -19,9 +20,6 @@ ARCHITECTURES = {
     "llama": ("normal", False, False, False, True),
 }
 
-
-class NotMoEError(ModelFileError):
-    """A model file without routed experts where a MoE model is required."""
 
 
 @dataclass(frozen=True)
@@ -59,40 +57,90 @@ class HParams:
         return self.n_head_kv * self.head_dim
 
 
-def _int(store: GGUFStore, key: str, default=None, lo: int = 1) -> int:
+def meta_int(store: GGUFStore, key: str, default=None, lo: int = 1, per_layer: str = "uniform") -> int:
+    """Integer metadata ``key`` (``default`` when absent; absent without default is an error), >= ``lo``.
+
+    Per-layer arrays are read as one value: ``per_layer="uniform"`` requires every layer to agree
+    (what the graphs support), ``"max"`` takes the largest (for reports).
+    """
     v = store.meta(key, default)
-    if isinstance(v, list):  # per-layer arrays: only uniform values are supported
-        if not v or any(x != v[0] for x in v):
+    if isinstance(v, list):
+        if not v or (per_layer == "uniform" and any(x != v[0] for x in v)):
             raise ModelFileError(f"{store.path!r}: {key} = {v!r}: per-layer values that differ are not supported")
-        v = v[0]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise ModelFileError(f"{store.path!r}: {key} = {v!r} must hold integers")
+        v = v[0] if per_layer == "uniform" else max(v)
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be an integer >= {lo}")
     return v
 
 
-def _float(store: GGUFStore, key: str, default: float, lo: float, hi: float) -> float:
+def meta_float(store: GGUFStore, key: str, default: float, lo: float, hi: float) -> float:
+    """Real metadata ``key`` in ``[lo, hi]`` (``default`` when absent)."""
     v = store.meta(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be a number in [{lo}, {hi}]")
     return float(v)
 
 
-def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
+@dataclass(frozen=True)
+class StackHParams:
+    """What a stack of MoE FFN layers (:class:`~ggml_hybrid.moe.stack_session.MoEStackSession`) needs."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_expert: int
+    n_used: int
+    rms_eps: float
+
+
+def architecture(store: GGUFStore) -> str:
+    """``general.architecture``, which must be a name."""
     arch = store.meta("general.architecture", "")
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{store.path!r}: general.architecture = {arch!r} is not a name")
+    return arch
+
+
+def read_stack_hparams(store: GGUFStore) -> StackHParams:
+    """Hyperparameters of an FFN-only MoE stack, checked against its tensors before anything is allocated."""
+    arch = architecture(store)
+    n_layer = meta_int(store, f"{arch}.block_count")
+    n_embd = meta_int(store, f"{arch}.embedding_length")
+    n_expert = meta_int(store, f"{arch}.expert_count")
+    n_used = meta_int(store, f"{arch}.expert_used_count")
+    if n_used > n_expert:
+        raise ModelFileError(f"{store.path!r}: {n_used} experts used per token but only {n_expert} exist")
+    if "blk.0.ffn_gate_inp.weight" not in store:
+        raise NotMoEError(f"{store.path!r} is not a MoE model: it has no routed experts (blk.0.ffn_gate_inp)")
+    if f"blk.{n_layer - 1}.ffn_gate_inp.weight" not in store or f"blk.{n_layer}.ffn_gate_inp.weight" in store:
+        raise ModelFileError(f"{store.path!r}: {arch}.block_count = {n_layer} does not match the blk.N tensors")
+    for i in range(n_layer):
+        for name, want in ((f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd)), (f"blk.{i}.ffn_norm.weight", (n_embd,))):
+            shape = store.info(name).shape
+            if shape != want:
+                raise ModelFileError(f"{store.path!r}: {name} has shape {shape}, expected {want} from the metadata")
+    eps = meta_float(store, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, 0.0, 0.5)
+    return StackHParams(arch, n_layer, n_embd, n_expert, n_used, eps)
+
+
+def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
+    arch = architecture(store)
     if arch not in ARCHITECTURES:
         raise ModelFileError(f"{store.path!r}: architecture {arch!r} is not supported; supported: "
                              f"{', '.join(sorted(ARCHITECTURES))}")
     rope_mode, qk_norm, qkv_bias, shared, norm_w = ARCHITECTURES[arch]
-    n_layer = _int(store, f"{arch}.block_count")
-    n_embd = _int(store, f"{arch}.embedding_length")
-    n_head = _int(store, f"{arch}.attention.head_count")
-    n_head_kv = _int(store, f"{arch}.attention.head_count_kv", n_head)
+    n_layer = meta_int(store, f"{arch}.block_count")
+    n_embd = meta_int(store, f"{arch}.embedding_length")
+    n_head = meta_int(store, f"{arch}.attention.head_count")
+    n_head_kv = meta_int(store, f"{arch}.attention.head_count_kv", n_head)
     if n_head % n_head_kv:
         raise ModelFileError(f"{store.path!r}: {n_head} attention heads are not a multiple of {n_head_kv} KV heads")
-    head_dim = _int(store, f"{arch}.attention.key_length", n_embd // n_head)
-    if _int(store, f"{arch}.attention.value_length", head_dim) != head_dim:
+    head_dim = meta_int(store, f"{arch}.attention.key_length", n_embd // n_head)
+    if meta_int(store, f"{arch}.attention.value_length", head_dim) != head_dim:
         raise ModelFileError(f"{store.path!r}: key and value head sizes differ, which is not supported")
-    n_rot = _int(store, f"{arch}.rope.dimension_count", head_dim)
+    n_rot = meta_int(store, f"{arch}.rope.dimension_count", head_dim)
     if n_rot != head_dim:
         raise ModelFileError(f"{store.path!r}: partial rotary embedding ({n_rot} of {head_dim}) is not supported")
     scaling = store.meta(f"{arch}.rope.scaling.type", "none")
@@ -101,36 +149,36 @@ def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
     if "token_embd.weight" not in store:
         raise ModelFileError(f"{store.path!r} has no tensor 'token_embd.weight'")
     n_vocab = store.info("token_embd.weight").shape[0]
-    n_expert = _int(store, f"{arch}.expert_count", 0, lo=0)
+    n_expert = meta_int(store, f"{arch}.expert_count", 0, lo=0)
     has_router = "blk.0.ffn_gate_inp.weight" in store
     if n_expert == 0 or not has_router:
         if require_moe:
             raise NotMoEError(f"{store.path!r} is a dense {arch} model ({arch}.expert_count = {n_expert}, "
                               f"router tensor {'present' if has_router else 'absent'}); a MoE model is required")
         raise ModelFileError(f"{store.path!r}: dense models are not supported yet")
-    n_used = _int(store, f"{arch}.expert_used_count")
+    n_used = meta_int(store, f"{arch}.expert_used_count")
     if n_used > n_expert:
         raise ModelFileError(f"{store.path!r}: {arch}.expert_used_count = {n_used} exceeds {arch}.expert_count = "
                              f"{n_expert} (experts used per token must exist)")
     if arch == "llama":  # Mixtral-style files size the experts by feed_forward_length
-        n_ff_exp = _int(store, f"{arch}.feed_forward_length")
+        n_ff_exp = meta_int(store, f"{arch}.feed_forward_length")
     else:
-        ff_default = _int(store, f"{arch}.feed_forward_length", 1) // n_used if store.has(
+        ff_default = meta_int(store, f"{arch}.feed_forward_length", 1) // n_used if store.has(
             f"{arch}.feed_forward_length") else None
-        n_ff_exp = _int(store, f"{arch}.expert_feed_forward_length", ff_default)
+        n_ff_exp = meta_int(store, f"{arch}.expert_feed_forward_length", ff_default)
     if arch == "qwen2moe" and n_head * head_dim != n_embd:
         raise ModelFileError(f"{store.path!r}: qwen2moe needs head_count*key_length = embedding_length, got "
                              f"{n_head}*{head_dim} != {n_embd}")
-    n_ff_shexp = _int(store, f"{arch}.expert_shared_feed_forward_length", n_ff_exp) if shared else 0
+    n_ff_shexp = meta_int(store, f"{arch}.expert_shared_feed_forward_length", n_ff_exp) if shared else 0
     hp = HParams(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
-        n_rot=n_rot, n_vocab=n_vocab, n_ctx_train=_int(store, f"{arch}.context_length", 4096),
+        n_rot=n_rot, n_vocab=n_vocab, n_ctx_train=meta_int(store, f"{arch}.context_length", 4096),
         n_expert=n_expert, n_used=n_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp, rope_mode=rope_mode,
-        rope_freq_base=_float(store, f"{arch}.rope.freq_base", 10000.0, 1e-3, 1e12),
-        rope_freq_scale=1.0 / _float(store, f"{arch}.rope.scaling.factor", 1.0, 1e-6, 1e6),
-        rms_eps=_float(store, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, 0.0, 0.5),
+        rope_freq_base=meta_float(store, f"{arch}.rope.freq_base", 10000.0, 1e-3, 1e12),
+        rope_freq_scale=1.0 / meta_float(store, f"{arch}.rope.scaling.factor", 1.0, 1e-6, 1e6),
+        rms_eps=meta_float(store, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, 0.0, 0.5),
         qk_norm=qk_norm, qkv_bias=qkv_bias, shared_expert=shared, norm_expert_weights=norm_w,
-        expert_weights_scale=_float(store, f"{arch}.expert_weights_scale", 1.0, 0.0, 1e6) or 1.0,
+        expert_weights_scale=meta_float(store, f"{arch}.expert_weights_scale", 1.0, 0.0, 1e6) or 1.0,
         tied_output="output.weight" not in store)
     check_tensors(store, hp)
     return hp
@@ -184,4 +232,5 @@ def check_tensors(store: GGUFStore, hp: HParams) -> None:
         raise ModelFileError(f"{store.path!r}: {hp.arch}.block_count = {hp.n_layer} but blk.{hp.n_layer} exists")
 
 
-__all__ = ["ARCHITECTURES", "HParams", "NotMoEError", "check_tensors", "read_hparams", "tensor_shapes"]
+__all__ = ["ARCHITECTURES", "HParams", "StackHParams", "architecture", "check_tensors", "meta_float", "meta_int",
+           "read_hparams", "read_stack_hparams", "tensor_shapes"]

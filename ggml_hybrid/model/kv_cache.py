@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ContextFullError
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.dtypes import as_ggml_type
-from ..errors import GgmlHybridError
 
 KV_PAD = 256
 
-
-class ContextFullError(GgmlHybridError, ValueError):
-    """More tokens than the KV cache has cells."""
 
 
 class KVCache:

@@ -19,20 +19,20 @@ import time
 import numpy as np
 
 from .._native import ffi
-from ..ggml.backend import Backend, cpu, cpu_instance
-from ..ggml.context import Context
 from ..deploy.devices import open_devices
 from ..deploy.layout import CPU, plan_layout
-from ..ggml.tensor import Tensor
 from ..errors import ClosedError, ShapeError
+from ..ggml.backend import Backend, cpu, cpu_instance
+from ..ggml.context import Context
+from ..ggml.sched import Scheduler
+from ..ggml.tensor import Tensor
 from ..moe.expert_layers import ExpertLayers, check_moe_options
-from .hparams import HParams, read_hparams, tensor_shapes
-from .kv_cache import KVCache
-from .decoder import DecoderGraph, build_decoder, graph_size
 from ..moe.stack_session import SessionCounters
 from ..options import OptionError, SessionOptions
-from ..ggml.sched import Scheduler
+from .decoder import DecoderGraph, build_decoder, graph_size
 from .gguf_store import GGUFStore, ModelFileError, load_into
+from .hparams import HParams, read_hparams, tensor_shapes
+from .kv_cache import KVCache
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
@@ -119,7 +119,7 @@ class MoEModel:
         self._load_dense(dense, tick)
         lay = self.layout
         self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick,
-                                    placement=(lay.expert_mode, lambda n: self.devices.get(lay.tensors[n])),
+                                    modes=lay.expert_mode, backend_of=lambda n: self.devices.get(lay.tensors[n]),
                                     load=not self.dry_run)
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
         self.kv = KVCache(hp.n_layer, n_ctx, hp.n_embd_kv, opts.cache_type_k, opts.cache_type_v,
@@ -201,7 +201,7 @@ class MoEModel:
 
     def _pins(self, entry: DecoderGraph) -> list:
         """Each node's backend: where its weight lives, else its layer's device (attention: its KV's)."""
-        addr = lambda t: int(ffi.cast("uintptr_t", t.ptr))  # noqa: E731
+        addr = lambda t: int(ffi.cast("uintptr_t", t.ptr))
         lay, home = self.layout, {}
         for name, t in self.weights.items():
             home[addr(t)] = self.backend(lay.tensors.get(name) or lay.tensors["output.weight(tied)"])
@@ -304,7 +304,7 @@ class MoEModel:
             out["compute"] += self.sched.buffer_size(b) + self.experts.compute_bytes(b)
         return out
 
-    def placement_report(self) -> dict:
+    def layout_report(self) -> dict:
         """Where each tensor class ended up: bytes per device (``CPU`` in RAM, ``mapped`` on the file)."""
         infos = {n: self.store.info(n).nbytes for n in self.layout.tensors if n in self.store}
         if "output.weight(tied)" in self.layout.tensors:

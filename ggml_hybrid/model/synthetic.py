@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..errors import ArgumentError
 from ..ggml.dtypes import GGMLType, as_ggml_type
 from ..ggml.quant import quantize
 
@@ -60,23 +61,23 @@ class ModelSpec:
 
     def check(self) -> None:
         if self.arch not in ARCHS:
-            raise ValueError(f"arch={self.arch!r} is not one of {ARCHS}")
+            raise ArgumentError(f"arch={self.arch!r} is not one of {ARCHS}")
         t = as_ggml_type(self.weight_type)
         for name in ("n_embd", "n_ff_exp") + (("n_ff_shexp",) if self.arch == "qwen2moe" else ()):
             if getattr(self, name) % t.block_size:
-                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of the {t.name} block size "
+                raise ArgumentError(f"{name}={getattr(self, name)} must be a multiple of the {t.name} block size "
                                  f"{t.block_size}")
         if (self.n_head * self.head_dim) % t.block_size:
-            raise ValueError(f"n_head*head_dim={self.n_head * self.head_dim} must be a multiple of the {t.name} "
+            raise ArgumentError(f"n_head*head_dim={self.n_head * self.head_dim} must be a multiple of the {t.name} "
                              f"block size {t.block_size}")
         if self.n_head % self.n_head_kv:
-            raise ValueError(f"n_head={self.n_head} must be a multiple of n_head_kv={self.n_head_kv}")
+            raise ArgumentError(f"n_head={self.n_head} must be a multiple of n_head_kv={self.n_head_kv}")
         if not 1 <= self.n_used <= self.n_expert:
-            raise ValueError(f"n_used={self.n_used} must be in 1..n_expert={self.n_expert}")
+            raise ArgumentError(f"n_used={self.n_used} must be in 1..n_expert={self.n_expert}")
         if self.arch == "qwen2moe" and self.n_head * self.head_dim != self.n_embd:
-            raise ValueError("qwen2moe: n_head*head_dim must equal n_embd")
+            raise ArgumentError("qwen2moe: n_head*head_dim must equal n_embd")
         if self.vocab_size < 300:
-            raise ValueError(f"vocab_size={self.vocab_size} must be >= 300 (256 bytes, specials, merges)")
+            raise ArgumentError(f"vocab_size={self.vocab_size} must be >= 300 (256 bytes, specials, merges)")
 
 
 def train_vocab(pre: str, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -204,4 +205,45 @@ def write_model(path, spec: ModelSpec | None = None, **overrides) -> str:
     return str(path)
 
 
-__all__ = ["ARCHS", "ModelSpec", "train_vocab", "write_model"]
+def write_moe_stack(path, n_layer=4, n_embd=256, n_ff=256, n_expert=16, n_used=4, expert_type="q8_0",
+                    fused=False, seed=0) -> str:
+    """Write a stack of MoE FFN layers as llama.cpp names them for qwen3moe (what MoEStackSession runs):
+    ``blk.N.ffn_norm.weight``, ``blk.N.ffn_gate_inp.weight`` and the routed experts
+    ``blk.N.ffn_{gate,up,down}_exps.weight`` (or the fused ``ffn_gate_up_exps``), random weights
+    quantized by GGML; returns the path."""
+    import gguf
+
+    t = as_ggml_type(expert_type)
+    for name, n in (("n_embd", n_embd), ("n_ff", n_ff)):
+        if n % t.block_size:
+            raise ArgumentError(f"{name}={n} must be a multiple of the {t.name} block size {t.block_size}")
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(n_layer)
+    w.add_embedding_length(n_embd)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_used)
+    w.add_expert_feed_forward_length(n_ff)
+    w.add_layer_norm_rms_eps(1e-6)
+
+    def experts(rows, cols):
+        # scaled so that activations stay O(1) through the stack
+        data = (rng.standard_normal((n_expert, rows, cols)) / np.sqrt(cols)).astype(np.float32)
+        return _encode(data, t)
+
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight",
+                     (rng.standard_normal((n_expert, n_embd)) / np.sqrt(n_embd)).astype(np.float32))
+        kinds = [("gate_up", 2 * n_ff, n_embd)] if fused else [("gate", n_ff, n_embd), ("up", n_ff, n_embd)]
+        for kind, rows, cols in kinds + [("down", n_embd, n_ff)]:
+            data, raw = experts(rows, cols)
+            w.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+__all__ = ["ARCHS", "ModelSpec", "train_vocab", "write_model", "write_moe_stack"]

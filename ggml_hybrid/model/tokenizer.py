@@ -36,7 +36,8 @@ class Tokenizer:
     def __init__(self, tokens: list[str], merges: list[str], pre: str, token_types: list[int] | None = None,
                  bos_id: int | None = None, eos_id: int | None = None, add_bos: bool = False, source: str = "vocab",
                  eot_id: int | None = None, eom_id: int | None = None):
-        from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
 
         if pre not in PRE_TOKENIZERS:
             raise ModelFileError(f"{source}: tokenizer.ggml.pre = {pre!r} is not supported; "
@@ -94,7 +95,7 @@ class Tokenizer:
         self.eog_ids |= {i for i in self.control if tokens[i] in _EOG_TEXTS}
 
     @classmethod
-    def from_gguf(cls, store: GGUFStore) -> "Tokenizer":
+    def from_gguf(cls, store: GGUFStore) -> Tokenizer:
         model = store.meta("tokenizer.ggml.model", "")
         if model != "gpt2":
             raise ModelFileError(f"{store.path!r}: tokenizer.ggml.model = {model!r}; only byte-level BPE "
@@ -142,7 +143,7 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
 
-    def stream(self) -> "TextStream":
+    def stream(self) -> TextStream:
         return TextStream(self)
 
 

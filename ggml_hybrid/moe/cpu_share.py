@@ -10,7 +10,7 @@ depend only on the *set* of requested experts, their row counts, the residency
 and (for :class:`CostModel`) the history of observations and choices, never on
 the order in which experts are listed.
 
-Fixed share (:func:`place`)
+Fixed share (:func:`split_misses`)
 ---------------------------
 Hits. Hits always stay on the device, whatever the share.
 
@@ -34,7 +34,7 @@ where both sides are bound by moving the bytes) and the device for the experts
 with many rows (compute-bound, where the device's arithmetic wins by orders of
 magnitude).
 
-Result. :class:`Placement` lists ``device_hits``, ``device_misses`` and
+Result. :class:`MissSplit` lists ``device_hits``, ``device_misses`` and
 ``cpu_misses`` as sorted tuples of expert ids; the three are disjoint and
 together are exactly the requested experts. ``share`` is the share actually
 applied, ``len(cpu_misses) / n_misses`` (0.0 when there are no misses).
@@ -43,7 +43,7 @@ Validation. ``experts`` are distinct non-negative ints; ``rows`` are positive
 ints, one per expert; ``resident`` is an iterable of non-negative ints (it may
 name experts that are not requested, e.g. ``SlotCache.resident()``); ``share`` is
 a finite real number in [0, 1]. Bools are rejected wherever an int or a number is
-expected. A violation raises :class:`PlacementError` (a ``ValueError``) naming
+expected. A violation raises :class:`CpuShareError` (a ``ValueError``) naming
 the argument, the value and the rule.
 
 Automatic share (:class:`CostModel`)
@@ -116,14 +116,14 @@ With these, decode (1 row per expert) puts about half of the misses on the CPU
 while prefill with ~64 rows per expert leaves all but the smallest misses to the
 device (a CPU miss then costs ``6.7e-10*B``).
 
-Modeled time of a placement (``B = expert_bytes``, every expert of a layer has
+Modeled time of a split (``B = expert_bytes``, every expert of a layer has
 the same size; ``rows_e`` the rows of expert e)::
 
     cpu_seconds    = a*B*n_cpu + b*sum(rows_e for e in cpu_misses)
     device_seconds = L*B*n_device_misses + d*sum(rows_e for e in device_hits + device_misses)
     makespan       = max(cpu_seconds, device_seconds)   # CPU jobs and the device run in parallel
 
-Choice. :meth:`CostModel.choose` orders the misses as :func:`place` does (fewest
+Choice. :meth:`CostModel.choose` orders the misses as :func:`split_misses` does (fewest
 rows first, ties by lower id), evaluates the makespan of every
 ``n_cpu = 0..n_misses`` (the CPU taking the first ``n_cpu`` of that order) and
 takes the minimum, ties by the smallest ``n_cpu``.
@@ -138,26 +138,23 @@ re-derived from each call's rounded share, so it does not drift across calls
 with different miss counts. A call without misses changes nothing. With
 ``hysteresis = 0`` every choice has the minimal modeled makespan.
 
-Cost. :func:`place` is O(E log E) for E requested experts; :meth:`CostModel.choose`
+Cost. :func:`split_misses` is O(E log E) for E requested experts; :meth:`CostModel.choose`
 adds O(E) for the sweep over ``n_cpu``.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ..errors import GgmlHybridError
+from ..checks import check_int, check_real
+from ..errors import CpuShareError
 
-__all__ = ["CostModel", "DEFAULT_PRIOR", "Placement", "PlacementError", "n_cpu_for_share", "place"]
+__all__ = ["COEFFICIENTS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit", "makespans", "n_cpu_for_share",
+           "split_misses"]
 
-
-class PlacementError(GgmlHybridError, ValueError):
-    """An argument of the CPU/device placement or its cost model that the rules reject."""
 
 
 DEFAULT_PRIOR: dict[str, float] = {
@@ -169,7 +166,7 @@ DEFAULT_PRIOR: dict[str, float] = {
 
 
 @dataclass(frozen=True)
-class Placement:
+class MissSplit:
     """Where the experts of one layer call are computed; see the module docstring.
 
     ``device_hits``: sorted ids resident in the cache (computed on the device);
@@ -192,34 +189,21 @@ class Placement:
 
 
 def _int(value, what: str, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise PlacementError(f"{what} must be an int >= {minimum}, got the bool {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise PlacementError(
-            f"{what} must be an int >= {minimum}, got {value!r} of type {type(value).__name__}") from None
-    if v < minimum:
-        raise PlacementError(f"{what} must be an int >= {minimum}, got {v}")
-    return v
+    return check_int(value, what, minimum, error=CpuShareError)
 
 
-def _real(value, what: str, lo: float, hi: float | None, rule: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise PlacementError(f"{what} must be {rule}, got {value!r} of type {type(value).__name__}")
-    v = float(value)
-    if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
-        raise PlacementError(f"{what} must be {rule}, got {value!r}")
-    return v
+def _real(value, what: str, lo: float | None = 0.0, hi: float | None = None, *, lo_open: bool = False,
+          hi_open: bool = False) -> float:
+    return check_real(value, what, lo, hi, lo_open=lo_open, hi_open=hi_open, error=CpuShareError)
 
 
 def _share(share, what: str) -> float:
-    return _real(share, what, 0.0, 1.0, "a finite number in [0, 1]")
+    return _real(share, what, 0.0, 1.0)
 
 
 def _sequence(value, what: str, rule: str):
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not hasattr(value, "__len__"):
-        raise PlacementError(f"{what} must be {rule}, got {type(value).__name__}")
+        raise CpuShareError(f"{what} must be {rule}, got {type(value).__name__}")
     return value
 
 
@@ -230,17 +214,17 @@ def _check_call(where: str, experts, rows, resident) -> tuple[list[int], list[in
     for i, value in enumerate(experts):
         e = _int(value, f"{where}: experts[{i}]", 0)
         if e in seen:
-            raise PlacementError(f"{where}: expert {e} is listed twice (experts[{seen[e]}] and experts[{i}]); "
+            raise CpuShareError(f"{where}: expert {e} is listed twice (experts[{seen[e]}] and experts[{i}]); "
                                  "a call lists distinct experts")
         seen[e] = i
         ids.append(e)
     _sequence(rows, f"{where}: rows", "a sequence of int row counts >= 1, one per expert")
     if len(rows) != len(ids):
-        raise PlacementError(
+        raise CpuShareError(
             f"{where}: rows has {len(rows)} entries but experts has {len(ids)}; one row count per expert")
     counts = [_int(r, f"{where}: rows[{i}] (expert {ids[i]})", 1) for i, r in enumerate(rows)]
     if isinstance(resident, (str, bytes)) or not isinstance(resident, Iterable):
-        raise PlacementError(f"{where}: resident must be an iterable of int expert ids >= 0, "
+        raise CpuShareError(f"{where}: resident must be an iterable of int expert ids >= 0, "
                              f"got {type(resident).__name__}")
     res = {_int(e, f"{where}: resident expert", 0) for e in resident}
     return ids, counts, res
@@ -271,16 +255,16 @@ def _split(ids: list[int], counts: list[int], res: set[int]):
     return hits, misses
 
 
-def _placement(hits: list[int], misses: list[tuple[int, int]], n_cpu: int) -> Placement:
+def _miss_split(hits: list[int], misses: list[tuple[int, int]], n_cpu: int) -> MissSplit:
     n = len(misses)
-    return Placement(device_hits=tuple(hits),
+    return MissSplit(device_hits=tuple(hits),
                      device_misses=tuple(sorted(e for _, e in misses[n_cpu:])),
                      cpu_misses=tuple(sorted(e for _, e in misses[:n_cpu])),
                      share=(n_cpu / n) if n else 0.0)
 
 
-def place(experts: Sequence[int], rows: Sequence[int], resident: Iterable[int], share: float) -> Placement:
-    """Place one layer call with a fixed CPU ``share`` of the misses.
+def split_misses(experts: Sequence[int], rows: Sequence[int], resident: Iterable[int], share: float) -> MissSplit:
+    """Split the misses of one layer call with a fixed CPU ``share`` of the misses.
 
     ``experts[i]`` has ``rows[i]`` rows; ``resident`` holds the ids in the device cache.
     Hits stay on the device; the CPU takes ``n_cpu_for_share(share, n_misses)`` misses,
@@ -289,12 +273,12 @@ def place(experts: Sequence[int], rows: Sequence[int], resident: Iterable[int], 
     while the CPU reads the same bytes from host RAM (faster than PCIe) and its compute
     grows with the rows; so the CPU is most useful for the experts with few rows (all of
     them at decode) and the device for the experts with many rows (compute-bound).
-    Raises :class:`PlacementError` for invalid arguments; see the module docstring.
+    Raises :class:`CpuShareError` for invalid arguments; see the module docstring.
     """
-    ids, counts, res = _check_call("place", experts, rows, resident)
-    s = _share(share, "place: share")
+    ids, counts, res = _check_call("split_misses", experts, rows, resident)
+    s = _share(share, "split_misses: share")
     hits, misses = _split(ids, counts, res)
-    return _placement(hits, misses, n_cpu_for_share(s, len(misses)))
+    return _miss_split(hits, misses, n_cpu_for_share(s, len(misses)))
 
 
 # -- automatic share -------------------------------------------------------------------------------
@@ -305,6 +289,25 @@ def _times(c: dict, expert_bytes: int, n_cpu: int, cpu_rows: int, n_dev: int, de
     cpu = c["cpu_per_byte"] * expert_bytes * n_cpu + c["cpu_per_row"] * cpu_rows
     dev = c["load_per_byte"] * expert_bytes * n_dev + c["device_per_row"] * dev_rows
     return cpu, dev
+
+
+def makespans(c: Mapping[str, float], expert_bytes: int, hit_rows: int, miss_rows: Sequence[int]) -> list[float]:
+    """Modeled makespan of every ``n_cpu = 0..len(miss_rows)``, the CPU taking the first ``n_cpu`` misses.
+
+    ``miss_rows`` lists the misses' row counts in the order the CPU takes them (fewest rows first);
+    ``c`` holds the coefficients of :meth:`CostModel.estimate`.
+    """
+    n = len(miss_rows)
+    total = hit_rows + sum(miss_rows)
+    spans, cpu_rows = [], 0
+    for k in range(n + 1):
+        if k:
+            cpu_rows += miss_rows[k - 1]
+        spans.append(max(_times(c, expert_bytes, k, cpu_rows, n - k, total - cpu_rows)))
+    return spans
+
+
+COEFFICIENTS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row")
 
 
 class CostModel:
@@ -319,30 +322,38 @@ class CostModel:
     RIDGE = 1e-6
 
     def __init__(self, alpha: float = 0.25, hysteresis: float = 0.05, prior: dict | None = None):
-        self.alpha = _real(alpha, "CostModel: alpha", 0.0, 1.0, "a finite number in (0, 1]")
-        if self.alpha == 0.0:
-            raise PlacementError(f"CostModel: alpha must be a finite number in (0, 1], got {alpha!r}")
-        self.hysteresis = _real(hysteresis, "CostModel: hysteresis", 0.0, None, "a finite number in [0, 1)")
-        if self.hysteresis >= 1.0:
-            raise PlacementError(f"CostModel: hysteresis must be a finite number in [0, 1), got {hysteresis!r}")
+        self.alpha = _real(alpha, "CostModel: alpha", 0.0, 1.0, lo_open=True)
+        self.hysteresis = _real(hysteresis, "CostModel: hysteresis", 0.0, 1.0, hi_open=True)
         self.prior = dict(DEFAULT_PRIOR)
         if prior is not None:
             if not isinstance(prior, Mapping):
-                raise PlacementError(f"CostModel: prior must be a dict with keys among {sorted(DEFAULT_PRIOR)}, "
+                raise CpuShareError(f"CostModel: prior must be a dict with keys among {sorted(DEFAULT_PRIOR)}, "
                                      f"got {type(prior).__name__}")
             for key, value in prior.items():
                 if key not in DEFAULT_PRIOR:
-                    raise PlacementError(f"CostModel: prior key {key!r} is unknown; keys are {sorted(DEFAULT_PRIOR)}")
-                v = _real(value, f"CostModel: prior[{key!r}]", 0.0, None, "a finite number > 0")
-                if v == 0.0:
-                    raise PlacementError(f"CostModel: prior[{key!r}] must be a finite number > 0, got {value!r}")
-                self.prior[key] = v
+                    raise CpuShareError(f"CostModel: prior key {key!r} is unknown; keys are {sorted(DEFAULT_PRIOR)}")
+                self.prior[key] = _real(value, f"CostModel: prior[{key!r}]", 0.0, lo_open=True)
         # EMAs: CPU normal equations, load and device-compute ratios
         self._cpu = [0.0] * 5  # bytes^2, bytes*rows, rows^2, bytes*t, rows*t
         self._load = [0.0, 0.0]  # seconds, bytes
         self._dev = [0.0, 0.0]  # seconds, rows
         self._n = {"cpu": 0, "load": 0, "device": 0}
         self._share: float | None = None
+        self._fixed: dict[str, float] | None = None
+
+    @classmethod
+    def fixed(cls, coefficients: Mapping[str, float], hysteresis: float = 0.05) -> CostModel:
+        """A model whose estimates are ``coefficients`` (seconds: ``cpu_per_byte``, ``cpu_per_row``,
+        ``load_per_byte``, ``device_per_row``) and never change: observations are ignored.
+
+        Replays use it, and so can a session that should make the same choices run after run.
+        """
+        if not isinstance(coefficients, Mapping) or set(coefficients) != set(COEFFICIENTS):
+            raise CpuShareError(f"CostModel.fixed: coefficients must be a dict with exactly the keys "
+                                f"{', '.join(COEFFICIENTS)}, got {coefficients!r}")
+        model = cls(hysteresis=hysteresis)
+        model._fixed = {k: _real(v, f"CostModel.fixed: coefficients[{k!r}]") for k, v in coefficients.items()}
+        return model
 
     def __repr__(self) -> str:
         return (f"CostModel(alpha={self.alpha}, hysteresis={self.hysteresis}, share={self._share}, "
@@ -362,23 +373,29 @@ class CostModel:
 
     def observe_cpu(self, bytes_read: int, rows: int, seconds: float) -> None:
         """One CPU job: ``bytes_read`` weight bytes read and ``rows`` rows computed in ``seconds``."""
+        if self._fixed is not None:
+            return
         x = float(_int(bytes_read, "CostModel.observe_cpu: bytes_read", 0))
         r = float(_int(rows, "CostModel.observe_cpu: rows", 0))
-        t = _real(seconds, "CostModel.observe_cpu: seconds", 0.0, None, "a finite number >= 0")
+        t = _real(seconds, "CostModel.observe_cpu: seconds")
         self._ema(self._cpu, (x * x, x * r, r * r, x * t, r * t))
         self._n["cpu"] += 1
 
     def observe_load(self, bytes_loaded: int, seconds: float) -> None:
         """Device loads: ``bytes_loaded`` weight bytes moved into slots in ``seconds``."""
+        if self._fixed is not None:
+            return
         x = float(_int(bytes_loaded, "CostModel.observe_load: bytes_loaded", 0))
-        t = _real(seconds, "CostModel.observe_load: seconds", 0.0, None, "a finite number >= 0")
+        t = _real(seconds, "CostModel.observe_load: seconds")
         self._ema(self._load, (t, x))
         self._n["load"] += 1
 
     def observe_device(self, rows: int, seconds: float) -> None:
         """Device expert compute: ``rows`` (token, expert) rows in ``seconds``."""
+        if self._fixed is not None:
+            return
         r = float(_int(rows, "CostModel.observe_device: rows", 0))
-        t = _real(seconds, "CostModel.observe_device: seconds", 0.0, None, "a finite number >= 0")
+        t = _real(seconds, "CostModel.observe_device: seconds")
         self._ema(self._dev, (t, r))
         self._n["device"] += 1
 
@@ -417,6 +434,8 @@ class CostModel:
         and ``cpu_observations``, ``load_observations``, ``device_observations`` (counts).
         """
         B = _int(expert_bytes, "CostModel.estimate: expert_bytes", 1)
+        if self._fixed is not None:
+            return {**self._fixed, "cpu_observations": 0, "load_observations": 0, "device_observations": 0}
         p = self.prior
         a, b = self._fit_cpu(p["cpu_per_byte"], p["cpu_per_row_per_byte"] * B)
         lt, lx = self._load
@@ -431,49 +450,43 @@ class CostModel:
             "device_observations": self._n["device"],
         }
 
-    def modeled_times(self, placement: Placement, rows: Mapping[int, int], expert_bytes: int) -> tuple[float, float]:
-        """``(cpu_seconds, device_seconds)`` of ``placement`` under the current estimates.
+    def modeled_times(self, split: MissSplit, rows: Mapping[int, int], expert_bytes: int) -> tuple[float, float]:
+        """``(cpu_seconds, device_seconds)`` of ``split`` under the current estimates.
 
-        ``rows[e]`` is the row count of every expert ``e`` of the placement.
+        ``rows[e]`` is the row count of every expert ``e`` of the split.
         """
-        if not isinstance(placement, Placement):
-            raise PlacementError(f"CostModel.modeled_times: placement must be a Placement, "
-                                 f"got {type(placement).__name__}")
+        if not isinstance(split, MissSplit):
+            raise CpuShareError(f"CostModel.modeled_times: split must be a MissSplit, "
+                                 f"got {type(split).__name__}")
         if not isinstance(rows, Mapping):
-            raise PlacementError(f"CostModel.modeled_times: rows must be a dict expert -> row count, "
+            raise CpuShareError(f"CostModel.modeled_times: rows must be a dict expert -> row count, "
                                  f"got {type(rows).__name__}")
 
         def total(ids: tuple[int, ...]) -> int:
             s = 0
             for e in ids:
                 if e not in rows:
-                    raise PlacementError(f"CostModel.modeled_times: rows has no entry for expert {e} "
-                                         "of the placement; every placed expert needs a row count")
+                    raise CpuShareError(f"CostModel.modeled_times: rows has no entry for expert {e} "
+                                         "of the split; every split expert needs a row count")
                 s += _int(rows[e], f"CostModel.modeled_times: rows[{e}]", 1)
             return s
 
         c = self.estimate(expert_bytes)
-        return _times(c, expert_bytes, len(placement.cpu_misses), total(placement.cpu_misses),
-                      len(placement.device_misses), total(placement.device_hits) + total(placement.device_misses))
+        return _times(c, expert_bytes, len(split.cpu_misses), total(split.cpu_misses),
+                      len(split.device_misses), total(split.device_hits) + total(split.device_misses))
 
     def choose(self, experts: Sequence[int], rows: Sequence[int], resident: Iterable[int],
-               expert_bytes: int) -> Placement:
-        """The placement of minimal modeled makespan, with hysteresis; see the module docstring."""
+               expert_bytes: int) -> MissSplit:
+        """The split of minimal modeled makespan, with hysteresis; see the module docstring."""
         ids, counts, res = _check_call("CostModel.choose", experts, rows, resident)
         B = _int(expert_bytes, "CostModel.choose: expert_bytes", 1)
         hits, misses = _split(ids, counts, res)
         n = len(misses)
         if n == 0:
-            return _placement(hits, misses, 0)
+            return _miss_split(hits, misses, 0)
         c = self.estimate(B)
         hit_rows = sum(r for e, r in zip(ids, counts) if e in res)
-        miss_rows = sum(r for r, _ in misses)
-        spans = []
-        cpu_rows = 0
-        for k in range(n + 1):
-            if k:
-                cpu_rows += misses[k - 1][0]
-            spans.append(max(_times(c, B, k, cpu_rows, n - k, hit_rows + miss_rows - cpu_rows)))
+        spans = makespans(c, B, hit_rows, [r for r, _ in misses])
         best = min(range(n + 1), key=lambda k: (spans[k], k))
         k_prev = None if self._share is None else n_cpu_for_share(self._share, n)
         if k_prev is None or (best != k_prev and spans[best] < (1.0 - self.hysteresis) * spans[k_prev]):
@@ -481,4 +494,4 @@ class CostModel:
             self._share = best / n
         else:
             k = k_prev
-        return _placement(hits, misses, k)
+        return _miss_split(hits, misses, k)

@@ -21,15 +21,15 @@ import weakref
 
 import numpy as np
 
-from ..ggml.backend import cpu
 from ..errors import ClosedError
+from ..ggml.backend import cpu
 from .ffn import ExpertWeights
 from .row_graphs import RowGraphs
 
 _STOP = object()
 
 
-def _run(jobs: "queue.Queue") -> None:
+def _run(jobs: queue.Queue) -> None:
     while True:
         item = jobs.get()
         if item is _STOP:
@@ -39,11 +39,11 @@ def _run(jobs: "queue.Queue") -> None:
             continue
         try:
             future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+        except BaseException as exc:
             future.set_exception(exc)
 
 
-def _stop(jobs: "queue.Queue", thread: threading.Thread) -> None:
+def _stop(jobs: queue.Queue, thread: threading.Thread) -> None:
     jobs.put(_STOP)
     if thread.is_alive() and thread is not threading.current_thread():
         thread.join()
@@ -58,7 +58,6 @@ class CPUWorker:
         self._backend = None
         self._graphs: dict[int, RowGraphs] = {}  # by layer
         self._closed = False
-        self.fault: BaseException | None = None  # tests inject a failure into the next job
 
     @property
     def running(self) -> bool:
@@ -87,9 +86,6 @@ class CPUWorker:
 
     def _compute(self, layer, experts, x, expert_of_row, glu):
         t0 = time.perf_counter_ns()
-        if self.fault is not None:
-            fault, self.fault = self.fault, None
-            raise fault
         graphs = self._graphs.get(layer)
         if graphs is None:
             graphs = self._graphs[layer] = RowGraphs(experts, self._backend, x.shape[1], glu)

@@ -22,17 +22,17 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .._native import cstr, ffi, lib
+from .._native import ffi, lib
+from .._native.status import check_status
 from ..ggml.backend import Backend
 from ..ggml.context import Context
-from ..errors import ComputeError
-from .cpu_worker import CPUWorker
-from .slot_cache import SlotCache
-from .cpu_share import CostModel, place
-from .row_graphs import RowGraphs
-from .ffn import ExpertWeights, expert_ffn, weighted_sum
 from ..ggml.regions import RegionCall
 from ..model.gguf_store import GGUFStore
+from .cpu_share import CostModel, split_misses
+from .cpu_worker import CPUWorker
+from .ffn import ExpertWeights, expert_ffn, weighted_sum
+from .row_graphs import RowGraphs
+from .slot_cache import SlotCache
 
 
 @dataclass
@@ -65,7 +65,7 @@ class LayerCounters:
         """Executor time that is neither loading nor computing: the Python side."""
         return self.device_ns - self.load_ns - self.compute_ns
 
-    def add(self, other: "LayerCounters") -> None:
+    def add(self, other: LayerCounters) -> None:
         for k, v in asdict(other).items():  # fields only, not the derived values
             setattr(self, k, getattr(self, k) + v)
 
@@ -95,7 +95,7 @@ class _Bucket:
             g.check_supported([device], id(device))
         self.slot_ids = np.empty((n_tokens, n_used), np.int32)
         self.merged = np.empty((n_tokens, n_used, n_embd), np.float32)
-        p = lambda t: t.ptr  # noqa: E731
+        p = lambda t: t.ptr
         self.p_x, self.p_ids, self.p_down, self.p_experts, self.p_w, self.p_out = map(
             p, (self.x, self.ids, self.down, self.experts_in, self.w, self.out))
         self.pg_experts, self.pg_sum = self.g_experts.ptr, self.g_sum.ptr
@@ -104,8 +104,7 @@ class _Bucket:
 
 def _compute(backend_ptr, graph_ptr) -> None:
     status = lib.ggml_backend_graph_compute(backend_ptr, graph_ptr)
-    if status != lib.GGML_STATUS_SUCCESS:
-        raise ComputeError(f"expert cache graph failed: {cstr(lib.ggml_status_to_string(status))}")
+    check_status(status, "expert cache graph")
 
 
 def _read_rows(t, n_rows: int, n_cols: int, dtype) -> np.ndarray:
@@ -187,14 +186,14 @@ class ExpertCacheExecutor:
             time.sleep(n / self.simulated_bus)  # releases the GIL, like a DMA the CPU need not wait for
         return n
 
-    def _placement(self, experts: np.ndarray, rows: np.ndarray):
+    def _cpu_split(self, experts: np.ndarray, rows: np.ndarray):
         """Which misses the CPU computes; None when every expert goes through the cache."""
         if self.worker is None or self.share == 0.0:
             return None
         resident = self.cache.resident()
         if self.model is not None:
             return self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes)
-        return place(experts.tolist(), rows.tolist(), resident, self.share)
+        return split_misses(experts.tolist(), rows.tolist(), resident, self.share)
 
     def __call__(self, call: RegionCall):
         t0 = time.perf_counter_ns()
@@ -205,27 +204,27 @@ class ExpertCacheExecutor:
             self.trace.record(self.layer, ids)
         counts = np.bincount(ids.ravel(), minlength=self.n_expert)
         experts = np.flatnonzero(counts)
-        placement = self._placement(experts, counts[experts])
+        split = self._cpu_split(experts, counts[experts])
         b = self._bucket(n_tokens)
         c = self.counters
         job = None
-        if placement is not None and placement.cpu_misses:
+        if split is not None and split.cpu_misses:
             # the CPU starts first and works while the device computes hits and loads
             on_cpu = np.zeros(self.n_expert, bool)
-            on_cpu[list(placement.cpu_misses)] = True
+            on_cpu[list(split.cpu_misses)] = True
             cpu_rows = on_cpu[ids]
             xv = x3.numpy().reshape(n_tokens, self.n_embd)
             tok = np.nonzero(cpu_rows)[0]  # row-major (token, expert) order, as mul_mat_id groups rows
             job = self.worker.submit(self.layer, self.host_experts, xv[tok], ids[cpu_rows], self.glu)
-            device_experts = np.array(sorted(placement.device_hits + placement.device_misses), np.int64)
-            c.cpu_misses += len(placement.cpu_misses)
+            device_experts = np.array(sorted(split.device_hits + split.device_misses), np.int64)
+            c.cpu_misses += len(split.cpu_misses)
             c.cpu_rows += int(cpu_rows.sum())
         else:
             cpu_rows = None
             device_experts = experts
-        if placement is not None and (placement.device_misses or placement.cpu_misses):
+        if split is not None and (split.device_misses or split.cpu_misses):
             c.share_calls += 1
-            c.share_sum += placement.share
+            c.share_sum += split.share
         # experts come from a bincount: distinct, in range, with positive row counts
         rounds = self.cache.plan(device_experts.tolist(), counts[device_experts].tolist(), checked=False)
         dev = self.device.ptr
@@ -278,7 +277,7 @@ class ExpertCacheExecutor:
             c.cpu_ns += c1 - c0
             c.overlap_ns += max(0, min(d1, c1) - max(d0, c0)) if rounds else 0
             if self.model is not None:
-                self.model.observe_cpu(len(placement.cpu_misses) * self.expert_bytes, len(rows_out), (c1 - c0) / 1e9)
+                self.model.observe_cpu(len(split.cpu_misses) * self.expert_bytes, len(rows_out), (c1 - c0) / 1e9)
         if on_host:
             lib.ggml_backend_tensor_set(b.p_experts, b.b_merged, 0, b.merged.nbytes)
         t5 = time.perf_counter_ns()

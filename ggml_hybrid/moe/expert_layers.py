@@ -11,13 +11,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..ggml.backend import Backend
 from ..ggml.context import Context
+from ..model.gguf_store import GGUFStore, ModelFileError, load_into
+from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
 from .ffn import ExpertWeights
-from ..options import OptionError, SessionOptions
-from ..model.gguf_store import GGUFStore, ModelFileError, load_into
 from .traces import TraceWriter
 
 
@@ -61,24 +63,23 @@ def check_expert_shapes(store: GGUFStore, n_layer: int, n_expert: int, n_embd: i
 class ExpertLayers:
     """The routed experts of ``n_layer`` layers, placed and (for disk layers) cached per ``options``.
 
-    ``placement`` gives each layer's mode (resident, cpu or disk) and a function from tensor
+    ``modes`` gives each layer's expert mode (resident, cpu or disk) and ``backend_of`` maps a tensor
     name to the backend holding it (resident tensors) or serving its cache (disk layers); without
-    it every layer follows ``options`` with ``device`` (the FFN-stack session's single device).
+    them every layer follows ``options`` with ``device`` (the FFN-stack session's single device).
     """
 
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
                  n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
-                 placement: tuple[list[str], object] | None = None, load: bool = True):
+                 modes: list[str] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
+                 load: bool = True):
         self.store, self.options, self.device = store, options, device
         opts = options
         self.n_layer = n_layer
         self.names = [expert_names(store, i) for i in range(n_layer)]
         n_expert = store.info(self.names[0]["down"]).shape[0]
-        if placement is None:
-            self.modes = [self._mode_from_options(i) for i in range(n_layer)]
-            backend_of = lambda name: device  # noqa: E731
-        else:
-            self.modes, backend_of = list(placement[0]), placement[1]
+        self.modes = list(modes) if modes is not None else [self._mode_from_options(i) for i in range(n_layer)]
+        if backend_of is None:
+            backend_of = lambda name: device
         # the session's own CPU worker, started on first use
         self.worker = CPUWorker(n_threads) if opts.moe_cpu_share != 0.0 else None
         self.trace = (TraceWriter(opts.trace_path, n_layer, n_expert, n_used)
@@ -128,9 +129,6 @@ class ExpertLayers:
         if o.cpu_moe or i < o.n_cpu_moe:
             return "cpu"
         return "resident"
-
-    def mode_of(self, i: int) -> str:
-        return self.modes[i]
 
     def register(self, sched, regions, prefix: str = "blk") -> None:
         """Hand the disk layers' regions of one graph to their executors (after ``sched.clear_regions()``)."""

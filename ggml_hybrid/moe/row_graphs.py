@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._native import cstr, ffi, lib
+from .._native import ffi, lib
+from .._native.status import check_status
 from ..ggml.context import Context
-from ..errors import ComputeError
 from .ffn import ExpertWeights, expert_ffn
 
 # exact-size graphs up to here (decode never pads); above, power-of-two buckets
@@ -82,8 +82,7 @@ class RowGraphs:
         lib.ggml_backend_tensor_set(g.px, g.bx, 0, g.x_host.nbytes)
         lib.ggml_backend_tensor_set(g.pids, g.bids, 0, g.ids_host.nbytes)
         status = lib.ggml_backend_graph_compute(self.backend.ptr, g.pg)
-        if status != lib.GGML_STATUS_SUCCESS:
-            raise ComputeError(f"expert row graph failed: {cstr(lib.ggml_status_to_string(status))}")
+        check_status(status, "expert row graph")
         lib.ggml_backend_tensor_get(g.pdown, g.bdown, 0, g.down_host.nbytes)
         return g.down_host[:n]
 

@@ -65,23 +65,17 @@ Cost. One call costs O(len(experts) log len(experts) + rounds * n_slots log n_sl
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from ..errors import GgmlHybridError, IndexRangeError
+from ..checks import check_int
+from ..errors import IndexRangeError, SlotCacheError, SlotCacheTypeError
 
-__all__ = ["CacheCounters", "ExpertCacheError", "ExpertCacheTypeError", "POLICIES", "Round", "SlotCache"]
+__all__ = ["CacheCounters", "SlotCacheError", "SlotCacheTypeError", "POLICIES", "Round", "SlotCache"]
 
 POLICIES = ("lru", "lfu")
 
 
-class ExpertCacheError(GgmlHybridError, ValueError):
-    """A slot-cache configuration or call that the rules reject (bad slot count, policy, duplicate expert, row count)."""
-
-
-class ExpertCacheTypeError(ExpertCacheError, TypeError):
-    """An argument of the slot cache that is not of the required type (for instance an expert id that is not an int)."""
 
 
 @dataclass(frozen=True)
@@ -114,13 +108,7 @@ class CacheCounters:
 
 
 def _as_int(value, what: str) -> int:
-    """``value`` as a plain int; bools and non-integers are rejected."""
-    if isinstance(value, bool):
-        raise ExpertCacheTypeError(f"{what} must be an int, got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ExpertCacheTypeError(f"{what} must be an int, got {value!r} of type {type(value).__name__}") from None
+    return check_int(value, what, error=SlotCacheError, type_error=SlotCacheTypeError)
 
 
 class SlotCache:
@@ -133,14 +121,14 @@ class SlotCache:
         n_experts = _as_int(n_experts, "SlotCache: n_experts")
         n_slots = _as_int(n_slots, "SlotCache: n_slots")
         if n_experts < 1:
-            raise ExpertCacheError(f"SlotCache: n_experts must be >= 1, got {n_experts}")
+            raise SlotCacheError(f"SlotCache: n_experts must be >= 1, got {n_experts}")
         if n_slots < 1:
-            raise ExpertCacheError(f"SlotCache: n_slots must be >= 1, got {n_slots}")
+            raise SlotCacheError(f"SlotCache: n_slots must be >= 1, got {n_slots}")
         if n_slots > n_experts:
-            raise ExpertCacheError(
+            raise SlotCacheError(
                 f"SlotCache: n_slots={n_slots} exceeds n_experts={n_experts}; a layer never needs more slots than experts")
         if not isinstance(policy, str) or policy not in POLICIES:
-            raise ExpertCacheError(f"SlotCache: policy must be one of {POLICIES}, got {policy!r}")
+            raise SlotCacheError(f"SlotCache: policy must be one of {POLICIES}, got {policy!r}")
         self.n_experts = n_experts
         self.n_slots = n_slots
         self.policy = policy
@@ -179,14 +167,14 @@ class SlotCache:
 
     def _check_call(self, experts, rows) -> tuple[list[int], list[int]]:
         if isinstance(experts, (str, bytes)) or not hasattr(experts, "__len__") or not hasattr(experts, "__iter__"):
-            raise ExpertCacheTypeError(
+            raise SlotCacheTypeError(
                 f"SlotCache.plan: experts must be a sequence of int expert ids, got {type(experts).__name__}")
         ids: list[int] = []
         seen: dict[int, int] = {}
         for i, value in enumerate(experts):
             e = self._check_expert(value, f"SlotCache.plan: experts[{i}]")
             if e in seen:
-                raise ExpertCacheError(
+                raise SlotCacheError(
                     f"SlotCache.plan: expert {e} is listed twice (experts[{seen[e]}] and experts[{i}]); "
                     "a call lists distinct experts")
             seen[e] = i
@@ -194,16 +182,16 @@ class SlotCache:
         if rows is None:
             return ids, [1] * len(ids)
         if isinstance(rows, (str, bytes)) or not hasattr(rows, "__len__") or not hasattr(rows, "__iter__"):
-            raise ExpertCacheTypeError(
+            raise SlotCacheTypeError(
                 f"SlotCache.plan: rows must be None or a sequence of ints, got {type(rows).__name__}")
         if len(rows) != len(ids):
-            raise ExpertCacheError(
+            raise SlotCacheError(
                 f"SlotCache.plan: rows has {len(rows)} entries but experts has {len(ids)}; one row count per expert")
         counts = []
         for i, value in enumerate(rows):
             r = _as_int(value, f"SlotCache.plan: rows[{i}]")
             if r < 1:
-                raise ExpertCacheError(
+                raise SlotCacheError(
                     f"SlotCache.plan: rows[{i}] = {r} for expert {ids[i]}; a requested expert has at least 1 row")
             counts.append(r)
         return ids, counts
@@ -225,7 +213,7 @@ class SlotCache:
 
         Returns the rounds of the call and updates residency, recency, use counts and
         counters as if the plan were executed. Raises :class:`IndexRangeError` for an
-        expert id outside ``[0, n_experts)`` and :class:`ExpertCacheError` (a ValueError)
+        expert id outside ``[0, n_experts)`` and :class:`SlotCacheError` (a ValueError)
         for duplicates, mismatched or non-positive row counts and non-int values; the
         cache is left untouched when the call is rejected. ``checked=False`` skips that
         validation for callers whose input is valid by construction (a hot path).

@@ -1,4 +1,4 @@
-"""A session over a stack of MoE FFN layers from a GGUF file, in every placement mode.
+"""A session over a stack of MoE FFN layers from a GGUF file, in every expert mode.
 
 Each layer is ``cur + moe(rms_norm(cur) * ffn_norm)``. The mode comes from the
 session options:
@@ -22,15 +22,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import ShapeError
 from ..ggml.backend import Backend, cpu, cuda, cuda_available
 from ..ggml.context import Context
-from ..errors import ShapeError
+from ..ggml.sched import Scheduler
+from ..model.gguf_store import GGUFStore, load_into
+from ..model.hparams import read_stack_hparams
+from ..options import SessionOptions
 from .executor import LayerCounters
 from .expert_layers import ExpertLayers, check_expert_shapes, check_moe_options
 from .ffn import build_moe_ffn
-from ..options import SessionOptions
-from ..ggml.sched import Scheduler
-from ..model.gguf_store import GGUFStore, ModelFileError, load_into
 
 
 @dataclass
@@ -51,42 +52,14 @@ class SessionCounters:
         return json.dumps(self.to_dict())
 
 
-def _hparams(store: GGUFStore):
-    """Hyperparameters from the metadata, checked against the tensors before anything is allocated."""
-    arch = store.arch
-    if not isinstance(arch, str):
-        raise ModelFileError(f"{store.path!r}: general.architecture is {arch!r}, not a name")
-    hp = {}
-    for key in ("block_count", "embedding_length", "expert_count", "expert_used_count"):
-        v = store.meta(f"{arch}.{key}")
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ModelFileError(f"{store.path!r}: {arch}.{key} = {v!r} must be a positive integer")
-        hp[key] = v
-    n_layer, n_embd, n_expert, n_used = (hp[k] for k in ("block_count", "embedding_length", "expert_count",
-                                                            "expert_used_count"))
-    if n_used > n_expert:
-        raise ModelFileError(f"{store.path!r}: {n_used} experts used per token but only {n_expert} exist")
-    if f"blk.{n_layer - 1}.ffn_gate_inp.weight" not in store or f"blk.{n_layer}.ffn_gate_inp.weight" in store:
-        raise ModelFileError(f"{store.path!r}: {arch}.block_count = {n_layer} does not match the blk.N tensors")
-    if "blk.0.ffn_gate_inp.weight" not in store:
-        raise ModelFileError(f"{store.path!r} is not a MoE model: it has no routed experts (blk.0.ffn_gate_inp)")
-    for i in range(n_layer):
-        for name, want in ((f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd)), (f"blk.{i}.ffn_norm.weight", (n_embd,))):
-            shape = store.info(name).shape
-            if shape != want:
-                raise ModelFileError(f"{store.path!r}: {name} has shape {shape}, expected {want} from the metadata")
-    eps = store.meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-        raise ModelFileError(f"{store.path!r}: rms epsilon {eps!r} must be a number in [0, 1)")
-    return n_layer, n_embd, n_expert, n_used, float(eps)
-
-
 class MoEStackSession:
     def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None,
                  simulated_bus_bytes_per_s: float | None = None):
         self.options = opts = options or SessionOptions()
         self.store = store = GGUFStore(path)
-        self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = _hparams(store)
+        hp = read_stack_hparams(store)
+        self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = (hp.n_layer, hp.n_embd, hp.n_expert,
+                                                                            hp.n_used, hp.rms_eps)
         check_moe_options(opts, self.n_layer, self.n_expert)
         n_threads = opts.n_threads or os.cpu_count() or 1
         self._own_device = device is None
@@ -105,9 +78,6 @@ class MoEStackSession:
         self.worker, self.trace = self.layers.worker, self.layers.trace
         self._graphs: dict[int, tuple] = {}
         self._active: int | None = None  # token count whose graph's regions are registered
-
-    def mode_of(self, i: int) -> str:
-        return self.layers.mode_of(i)
 
     # -- graphs ---------------------------------------------------------------
 
@@ -174,4 +144,4 @@ class MoEStackSession:
         self.close()
 
 
-__all__ = ["MoEStackSession", "SessionCounters", "ModelFileError"]
+__all__ = ["MoEStackSession", "SessionCounters"]

@@ -21,11 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gen_moe_gguf import write_moe_stack  # noqa: E402
 
 SHAPE = dict(n_layer=16, n_embd=256, n_ff=256, n_expert=64, n_used=8, expert_type="q4_K")
 

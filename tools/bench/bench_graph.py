@@ -24,7 +24,7 @@ import ggml_hybrid as gh
 from ggml_hybrid import ffi, lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_graph import DEFAULTS  # noqa: E402
+from moe_graph import DEFAULTS
 
 
 def build_moe(weights, n_layer, n_embd, n_expert, n_used, n_tokens, **_):

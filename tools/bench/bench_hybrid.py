@@ -26,17 +26,16 @@ import numpy as np
 
 import ggml_hybrid as gh
 from ggml_hybrid import lib
+from ggml_hybrid.model.gguf_store import GGUFStore
+from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.cpu_worker import CPUWorker
 from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
-from ggml_hybrid.model.gguf_store import GGUFStore
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_expert_cache import model_path  # noqa: E402
-from gen_moe_gguf import write_moe_stack  # noqa: E402
 
 BIG = dict(n_layer=1, n_embd=2048, n_ff=768, n_expert=32, n_used=8, expert_type="q4_K")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _native_variants import load_patched, load_upstream  # noqa: E402
-from moe_graph import DEFAULTS, RawMoE  # noqa: E402
+from _native_variants import load_patched, load_upstream
+from moe_graph import DEFAULTS, RawMoE
 
 
 class Arm:

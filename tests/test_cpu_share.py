@@ -1,4 +1,4 @@
-"""CPU/device placement of MoE cache misses: fixed-share rules, the online cost model, validation."""
+"""The CPU share of MoE cache misses: fixed-share rules, the online cost model, validation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.errors import GgmlHybridError
-from ggml_hybrid.moe.cpu_share import DEFAULT_PRIOR, CostModel, Placement, PlacementError, n_cpu_for_share, place
+from ggml_hybrid.moe.cpu_share import DEFAULT_PRIOR, CostModel, CpuShareError, MissSplit, n_cpu_for_share, split_misses
 
 MB = 1 << 20
 
@@ -47,10 +47,10 @@ def misses_in_cpu_order(experts, rows, resident):
     return [e for r, e in sorted((r, e) for e, r in zip(experts, rows) if e not in resident)]
 
 
-def placement_with(experts, rows, resident, k):
+def split_with(experts, rows, resident, k):
     """Independent construction: the CPU takes the first k misses in (rows, id) order."""
     order = misses_in_cpu_order(experts, rows, resident)
-    return Placement(device_hits=tuple(sorted(e for e in experts if e in resident)),
+    return MissSplit(device_hits=tuple(sorted(e for e in experts if e in resident)),
                      device_misses=tuple(sorted(order[k:])), cpu_misses=tuple(sorted(order[:k])),
                      share=k / len(order) if order else 0.0)
 
@@ -81,8 +81,8 @@ def prior_truth(B, ma=1.0, mb=1.0, mL=1.0, md=1.0):
                  p["device_per_row_per_byte"] * B * md)
 
 
-def makespan(model, placement, experts, rows, B):
-    return max(model.modeled_times(placement, dict(zip(experts, rows)), B))
+def makespan(model, split, experts, rows, B):
+    return max(model.modeled_times(split, dict(zip(experts, rows)), B))
 
 
 # -- rounding --------------------------------------------------------------------------------------
@@ -117,10 +117,10 @@ def test_n_cpu_for_share_bounds_and_monotone(s1, s2, n):
 
 
 @given(calls(), decimal_shares())
-def test_place_partition_count_and_selection(call, share):
+def test_split_misses_partition_count_and_selection(call, share):
     experts, rows, resident = call
     s, exact = share
-    p = place(experts, rows, resident, s)
+    p = split_misses(experts, rows, resident, s)
     parts = [p.device_hits, p.device_misses, p.cpu_misses]
     for part in parts:
         assert list(part) == sorted(set(part))
@@ -135,43 +135,43 @@ def test_place_partition_count_and_selection(call, share):
     r = dict(zip(experts, rows))
     if p.cpu_misses and p.device_misses:
         assert max((r[e], e) for e in p.cpu_misses) < min((r[e], e) for e in p.device_misses)
-    assert p == placement_with(experts, rows, resident, len(p.cpu_misses))
+    assert p == split_with(experts, rows, resident, len(p.cpu_misses))
 
 
 @given(calls(), st.floats(0.0, 1.0), st.randoms(use_true_random=False))
-def test_place_deterministic_and_order_invariant(call, s, rnd):
+def test_split_misses_deterministic_and_order_invariant(call, s, rnd):
     experts, rows, resident = call
-    p = place(experts, rows, resident, s)
-    assert place(list(experts), list(rows), set(resident), s) == p
+    p = split_misses(experts, rows, resident, s)
+    assert split_misses(list(experts), list(rows), set(resident), s) == p
     pairs = list(zip(experts, rows))
     rnd.shuffle(pairs)
     res = sorted(resident)
     rnd.shuffle(res)
-    shuffled = place([e for e, _ in pairs], tuple(r for _, r in pairs), {e: 0 for e in res}, s)
+    shuffled = split_misses([e for e, _ in pairs], tuple(r for _, r in pairs), {e: 0 for e in res}, s)
     assert shuffled == p
 
 
 @given(calls())
-def test_place_share_extremes(call):
+def test_split_misses_share_extremes(call):
     experts, rows, resident = call
-    p0 = place(experts, rows, resident, 0.0)
+    p0 = split_misses(experts, rows, resident, 0.0)
     assert p0.cpu_misses == () and p0.share == 0.0
     assert set(p0.device_misses) == set(experts) - resident
-    p1 = place(experts, rows, resident, 1)
+    p1 = split_misses(experts, rows, resident, 1)
     assert p1.device_misses == ()
     assert set(p1.cpu_misses) == set(experts) - resident
     assert p1.share == (1.0 if p1.cpu_misses else 0.0)
     assert p0.device_hits == p1.device_hits == tuple(sorted(set(experts) & resident))
 
 
-def test_place_hand_example():
+def test_split_misses_hand_example():
     # misses 7 (rows 9), 2 (rows 1), 5 (rows 1), 4 (rows 3); 3 is a hit with 1 row; 9 is resident, not requested
-    p = place([7, 3, 2, 5, 4], [9, 1, 1, 1, 3], {3, 9}, 0.5)
-    assert p == Placement(device_hits=(3,), device_misses=(4, 7), cpu_misses=(2, 5), share=0.5)
-    p = place([7, 3, 2, 5, 4], [9, 1, 1, 1, 3], {3, 9}, 0.3)  # 1.2 -> 1: the tie 2/5 goes to the lower id
-    assert p == Placement(device_hits=(3,), device_misses=(4, 5, 7), cpu_misses=(2,), share=0.25)
-    assert place([], [], [], 0.5) == Placement((), (), (), 0.0)
-    assert place([1], [4], [1], 1.0) == Placement((1,), (), (), 0.0)
+    p = split_misses([7, 3, 2, 5, 4], [9, 1, 1, 1, 3], {3, 9}, 0.5)
+    assert p == MissSplit(device_hits=(3,), device_misses=(4, 7), cpu_misses=(2, 5), share=0.5)
+    p = split_misses([7, 3, 2, 5, 4], [9, 1, 1, 1, 3], {3, 9}, 0.3)  # 1.2 -> 1: the tie 2/5 goes to the lower id
+    assert p == MissSplit(device_hits=(3,), device_misses=(4, 5, 7), cpu_misses=(2,), share=0.25)
+    assert split_misses([], [], [], 0.5) == MissSplit((), (), (), 0.0)
+    assert split_misses([1], [4], [1], 1.0) == MissSplit((1,), (), (), 0.0)
 
 
 # -- cost model: fitting ---------------------------------------------------------------------------
@@ -277,15 +277,15 @@ def test_choose_is_the_brute_force_optimum_without_hysteresis(call, B, mults, n_
     experts, rows, resident = call
     p = model.choose(experts, rows, resident, B)
     n = len(set(experts) - resident)
-    spans = [makespan(model, placement_with(experts, rows, resident, k), experts, rows, B) for k in range(n + 1)]
-    assert p == placement_with(experts, rows, resident, len(p.cpu_misses))
+    spans = [makespan(model, split_with(experts, rows, resident, k), experts, rows, B) for k in range(n + 1)]
+    assert p == split_with(experts, rows, resident, len(p.cpu_misses))
     assert makespan(model, p, experts, rows, B) == min(spans)
     assert len(p.cpu_misses) == spans.index(min(spans))  # first call: ties go to the fewest CPU misses
     # a later call (a remembered share) is still optimal with hysteresis 0
     experts, rows, resident = call2
     p = model.choose(experts, rows, resident, B)
     n = len(set(experts) - resident)
-    spans = [makespan(model, placement_with(experts, rows, resident, k), experts, rows, B) for k in range(n + 1)]
+    spans = [makespan(model, split_with(experts, rows, resident, k), experts, rows, B) for k in range(n + 1)]
     assert makespan(model, p, experts, rows, B) == min(spans)
 
 
@@ -295,9 +295,9 @@ def test_choose_breaks_ties_toward_fewer_cpu_misses():
            "device_per_row_per_byte": 1e-300}
     model = CostModel(prior=tie)
     p = model.choose([3, 5], [2, 1], {5}, MB)
-    on_cpu = Placement(device_hits=(5,), device_misses=(), cpu_misses=(3,), share=1.0)
+    on_cpu = MissSplit(device_hits=(5,), device_misses=(), cpu_misses=(3,), share=1.0)
     assert makespan(model, p, [3, 5], [2, 1], MB) == makespan(model, on_cpu, [3, 5], [2, 1], MB)
-    assert p == Placement(device_hits=(5,), device_misses=(3,), cpu_misses=(), share=0.0)
+    assert p == MissSplit(device_hits=(5,), device_misses=(3,), cpu_misses=(), share=0.0)
 
 
 def test_modeled_times_formula():
@@ -305,7 +305,7 @@ def test_modeled_times_formula():
     model = CostModel()
     prior_truth(B, 2, 3, 4, 5).feed(model, random.Random(0), 10, B)
     c = model.estimate(B)
-    p = Placement(device_hits=(1, 2), device_misses=(3,), cpu_misses=(4, 5, 6), share=0.75)
+    p = MissSplit(device_hits=(1, 2), device_misses=(3,), cpu_misses=(4, 5, 6), share=0.75)
     rows = {1: 10, 2: 20, 3: 30, 4: 1, 5: 2, 6: 3, 99: 1000}
     cpu, dev = model.modeled_times(p, rows, B)
     assert cpu == pytest.approx(c["cpu_per_byte"] * B * 3 + c["cpu_per_row"] * 6)
@@ -319,7 +319,7 @@ def test_choose_with_priors_only_is_valid(call, B):
     parts = [p.device_hits, p.device_misses, p.cpu_misses]
     assert sum(map(len, parts)) == len(experts) and set().union(*map(set, parts)) == set(experts)
     assert set(p.device_hits) == set(experts) & resident
-    assert p == placement_with(experts, rows, resident, len(p.cpu_misses))
+    assert p == split_with(experts, rows, resident, len(p.cpu_misses))
 
 
 def test_priors_give_a_sensible_split():
@@ -392,7 +392,7 @@ def _share_changes(hysteresis, calls=200, noise=0.03):
         p = model.choose(range(8), [1] * 8, [], B)
         k = len(p.cpu_misses)
         chosen.append(k)
-        jitter = lambda: 1.0 + noise * rng.uniform(-1.0, 1.0)  # noqa: E731
+        jitter = lambda: 1.0 + noise * rng.uniform(-1.0, 1.0)
         if k:
             model.observe_cpu(k * B, k, (truth.a * B + truth.b) * k * jitter())
         if k < 8:
@@ -418,7 +418,7 @@ def test_hysteresis_keeps_the_share_across_miss_counts():
     p = model.choose(range(5), [1] * 5, [], B)
     assert len(p.cpu_misses) == n_cpu_for_share(s, 5) and model.share == s
     # a call without misses changes nothing
-    assert model.choose([1, 2], [3, 4], {1, 2}, B) == Placement((1, 2), (), (), 0.0) and model.share == s
+    assert model.choose([1, 2], [3, 4], {1, 2}, B) == MissSplit((1, 2), (), (), 0.0) and model.share == s
     # a large gain switches even with hysteresis
     _fast_cpu(B).feed(model, random.Random(4), 10, B)
     p = model.choose(range(8), [1] * 8, [], B)
@@ -435,25 +435,25 @@ def _cm_call(method, *args):
 
 
 @pytest.mark.parametrize("call,needles", [
-    (lambda: place([1, 1], [1, 1], [], 0.5), ["expert 1 is listed twice"]),
-    (lambda: place([-1], [1], [], 0.5), ["experts[0]", "-1", ">= 0"]),
-    (lambda: place([True], [1], [], 0.5), ["experts[0]", "bool"]),
-    (lambda: place([1.5], [1], [], 0.5), ["experts[0]", "1.5", "float"]),
-    (lambda: place("12", [1, 1], [], 0.5), ["experts", "str"]),
-    (lambda: place(None, [], [], 0.5), ["experts", "NoneType"]),
-    (lambda: place([1, 2], [1], [], 0.5), ["rows has 1 entries", "experts has 2"]),
-    (lambda: place([1], [0], [], 0.5), ["rows[0]", "expert 1", ">= 1", "0"]),
-    (lambda: place([1], [np.float64(2.0)], [], 0.5), ["rows[0]", "2.0"]),
-    (lambda: place([1], [False], [], 0.5), ["rows[0]", "bool"]),
-    (lambda: place([1], [1], [-2], 0.5), ["resident", "-2"]),
-    (lambda: place([1], [1], 3, 0.5), ["resident", "int"]),
-    (lambda: place([1], [1], [], 1.5), ["share", "1.5", "[0, 1]"]),
-    (lambda: place([1], [1], [], -0.1), ["share", "-0.1", "[0, 1]"]),
-    (lambda: place([1], [1], [], NAN), ["share", "nan", "finite"]),
-    (lambda: place([1], [1], [], INF), ["share", "inf", "finite"]),
-    (lambda: place([1], [1], [], True), ["share", "True", "bool"]),
-    (lambda: place([1], [1], [], "0.5"), ["share", "'0.5'", "str"]),
-    (lambda: place([1], [1], [], None), ["share", "None"]),
+    (lambda: split_misses([1, 1], [1, 1], [], 0.5), ["expert 1 is listed twice"]),
+    (lambda: split_misses([-1], [1], [], 0.5), ["experts[0]", "-1", ">= 0"]),
+    (lambda: split_misses([True], [1], [], 0.5), ["experts[0]", "bool"]),
+    (lambda: split_misses([1.5], [1], [], 0.5), ["experts[0]", "1.5", "float"]),
+    (lambda: split_misses("12", [1, 1], [], 0.5), ["experts", "str"]),
+    (lambda: split_misses(None, [], [], 0.5), ["experts", "NoneType"]),
+    (lambda: split_misses([1, 2], [1], [], 0.5), ["rows has 1 entries", "experts has 2"]),
+    (lambda: split_misses([1], [0], [], 0.5), ["rows[0]", "expert 1", ">= 1", "0"]),
+    (lambda: split_misses([1], [np.float64(2.0)], [], 0.5), ["rows[0]", "2.0"]),
+    (lambda: split_misses([1], [False], [], 0.5), ["rows[0]", "bool"]),
+    (lambda: split_misses([1], [1], [-2], 0.5), ["resident", "-2"]),
+    (lambda: split_misses([1], [1], 3, 0.5), ["resident", "int"]),
+    (lambda: split_misses([1], [1], [], 1.5), ["share", "1.5", "[0, 1]"]),
+    (lambda: split_misses([1], [1], [], -0.1), ["share", "-0.1", "[0, 1]"]),
+    (lambda: split_misses([1], [1], [], NAN), ["share", "nan", "finite"]),
+    (lambda: split_misses([1], [1], [], INF), ["share", "inf", "finite"]),
+    (lambda: split_misses([1], [1], [], True), ["share", "True", "bool"]),
+    (lambda: split_misses([1], [1], [], "0.5"), ["share", "'0.5'", "str"]),
+    (lambda: split_misses([1], [1], [], None), ["share", "None"]),
     (lambda: n_cpu_for_share(0.5, -1), ["n_misses", "-1", ">= 0"]),
     (lambda: n_cpu_for_share(0.5, 2.0), ["n_misses", "2.0"]),
     (lambda: n_cpu_for_share(0.5, True), ["n_misses", "bool"]),
@@ -483,13 +483,13 @@ def _cm_call(method, *args):
     (_cm_call("choose", [1], [1], [], True), ["choose", "expert_bytes", "bool"]),
     (_cm_call("choose", [1, 1], [1, 1], [], MB), ["choose", "listed twice"]),
     (_cm_call("choose", [1], [0], [], MB), ["choose", "rows[0]"]),
-    (_cm_call("modeled_times", (1,), {1: 1}, MB), ["modeled_times", "placement", "tuple"]),
-    (_cm_call("modeled_times", Placement((), (2,), (1,), 0.5), {1: 1}, MB), ["modeled_times", "expert 2"]),
-    (_cm_call("modeled_times", Placement((), (), (1,), 1.0), {1: 0}, MB), ["modeled_times", "rows[1]", "0"]),
-    (_cm_call("modeled_times", Placement((), (), (1,), 1.0), [1], MB), ["modeled_times", "rows", "list"]),
+    (_cm_call("modeled_times", (1,), {1: 1}, MB), ["modeled_times", "split", "tuple"]),
+    (_cm_call("modeled_times", MissSplit((), (2,), (1,), 0.5), {1: 1}, MB), ["modeled_times", "expert 2"]),
+    (_cm_call("modeled_times", MissSplit((), (), (1,), 1.0), {1: 0}, MB), ["modeled_times", "rows[1]", "0"]),
+    (_cm_call("modeled_times", MissSplit((), (), (1,), 1.0), [1], MB), ["modeled_times", "rows", "list"]),
 ])
 def test_validation_errors(call, needles):
-    with pytest.raises(PlacementError) as info:
+    with pytest.raises(CpuShareError) as info:
         call()
     assert isinstance(info.value, ValueError) and isinstance(info.value, GgmlHybridError)
     for needle in needles:
@@ -502,7 +502,7 @@ def test_rejected_calls_leave_the_model_untouched():
     before = (model.share, model.estimate(MB))
     for bad in (lambda: model.choose([1, 1], [1, 1], [], MB), lambda: model.observe_cpu(1, 1, NAN),
                 lambda: model.observe_load(-1, 1.0)):
-        with pytest.raises(PlacementError):
+        with pytest.raises(CpuShareError):
             bad()
     assert (model.share, model.estimate(MB)) == before
 
@@ -510,5 +510,5 @@ def test_rejected_calls_leave_the_model_untouched():
 @settings(max_examples=20)
 @given(st.floats(allow_nan=True, allow_infinity=True).filter(lambda x: not 0.0 <= x <= 1.0))
 def test_out_of_range_shares_rejected(s):
-    with pytest.raises(PlacementError, match="share"):
-        place([1], [1], [], s)
+    with pytest.raises(CpuShareError, match="share"):
+        split_misses([1], [1], [], s)

@@ -1,4 +1,4 @@
-"""llama.cpp-style placement options, several devices (CPU instances playing them), and the planner."""
+"""llama.cpp-style layout options, several devices (CPU instances playing them), and the planner."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.model.hparams import tensor_shapes
 from ggml_hybrid.deploy.layout import CPU, plan_layout
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.options import OptionError, SessionOptions
-from ggml_hybrid.deploy.planner import k8s_resources, parse_size, plan
+from ggml_hybrid.deploy.planner import k8s_resources, plan
 from ggml_hybrid.model.gguf_store import GGUFStore
-from ggml_hybrid.model.hparams import read_hparams
+from ggml_hybrid.model.hparams import read_hparams, tensor_shapes
+from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.synthetic import write_model
+from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.units import parse_size
 
 PROMPT = "Placement never changes a single bit of the logits."
 
@@ -192,7 +192,7 @@ def test_every_valid_combination_is_bit_identical(model, reference, combo):
         return
     with m:
         got = np.concatenate([m.eval(tokens[:5], "all"), m.eval(tokens[5:], "all")])
-        rep = m.placement_report()
+        rep = m.layout_report()
         lay = m.layout
     assert np.array_equal(got, ref)
     # the report says where the tensors went
@@ -234,7 +234,7 @@ def test_planner_equals_what_a_load_allocates(model, items):
                 assert planned[key] == real[key], (name, key)
         assert p["host"]["kv_cache"] == m.kv.nbytes(m.host)
         assert p["host"]["compute"] == m.sched.buffer_size(m.host)
-        assert p["host"]["mapped"] == m.placement_report()["tensors"].get("mapped", {})
+        assert p["host"]["mapped"] == m.layout_report()["tensors"].get("mapped", {})
         assert p["layout"]["layers"] == list(m.layout.layer_device)
 
 
@@ -320,7 +320,7 @@ def test_run_reports_placement_and_accepts_llama_flags(model):
                                   "-nkvo", "-ctk", "q8_0", "-c", "256", "-ub", "8", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
-    pl = d["placement"]
+    pl = d["layout"]
     assert pl["layers"] == ["CPU", "CPU", "CPU", "DEV0"] and pl["kv"] == ["CPU"] * 4 and pl["output"] == "DEV0"
     assert pl["tensors"]["mapped"]["routed_experts"] > 0 and pl["tensors"]["DEV0"]["routed_experts"] > 0
     assert d["options"]["cache_type_k"] == "q8_0" and d["options"]["n_gpu_layers"] == 2

@@ -1,0 +1,23 @@
+"""MoE routing traces: the file format, synthetic traces, and replays through expert caches."""
+
+from __future__ import annotations
+
+from ...errors import TraceError, TraceTruncatedWarning
+from .format import FORMAT_VERSION, HEADER_SIZE, MAGIC, Trace, TraceWriter, read_trace
+from .replay import (
+                     POLICIES,
+                     CallRecord,
+                     LayerStats,
+                     LinkCost,
+                     ReplayResult,
+                     modeled_time_per_token,
+                     parse_share,
+                     replay,
+)
+from .synthesis import synthetic_trace
+
+__all__ = [
+    "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "POLICIES", "CallRecord", "LayerStats", "LinkCost", "ReplayResult",
+    "Trace", "TraceError", "TraceTruncatedWarning", "TraceWriter", "modeled_time_per_token", "parse_share",
+    "read_trace", "replay", "synthetic_trace",
+]
