@@ -9,8 +9,10 @@ are kept per run, by side and by whether the side ran first or second in its pai
 from __future__ import annotations
 
 import statistics
+from typing import Any
 from dataclasses import dataclass, field
 
+from ..checks import check_int
 from ..model.generate import complete
 from ..model.moe_model import MoEModel
 from ..options import SessionOptions
@@ -28,8 +30,7 @@ class Side:
 
 def ab_bench(path, a: SessionOptions, b: SessionOptions, runs: int = 4, n_predict: int = 16,
              prompt: str = "The quick brown fox jumps over the lazy dog.", progress=None) -> dict:
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise ValueError(f"runs={runs!r} must be an integer >= 1 (blocks of A, B, B, A)")
+    check_int(runs, "ab_bench: runs (blocks of A, B, B, A)", 1)
     sides = {"A": Side("A", a), "B": Side("B", b)}
     with MoEModel(path, a) as ma, MoEModel(path, b) as mb:
         models = {"A": ma, "B": mb}
@@ -46,12 +47,14 @@ def ab_bench(path, a: SessionOptions, b: SessionOptions, runs: int = 4, n_predic
             if progress is not None:
                 progress(i + 1, runs)
     mean = lambda xs: statistics.fmean(xs) if xs else 0.0
-    out = {"model": str(path), "runs": runs, "n_predict": n_predict, "prompt_tokens": len(tokens), "sides": {}}
+    by_side: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {"model": str(path), "runs": runs, "n_predict": n_predict, "prompt_tokens": len(tokens),
+                           "sides": by_side}
     for key, s in sides.items():
-        out["sides"][key] = {"options": s.options.to_items(), "prompt_tps": mean(s.prompt_tps),
+        by_side[key] = {"options": s.options.to_items(), "prompt_tps": mean(s.prompt_tps),
                              "decode_tps": mean(s.decode_tps), "decode_tps_median": statistics.median(s.decode_tps),
                              "decode_tps_first": mean(s.first), "decode_tps_second": mean(s.second)}
-    A, B = out["sides"]["A"], out["sides"]["B"]
+    A, B = by_side["A"], by_side["B"]
     out["ratio_decode_b_over_a"] = B["decode_tps"] / A["decode_tps"] if A["decode_tps"] else 0.0
     out["ratio_prompt_b_over_a"] = B["prompt_tps"] / A["prompt_tps"] if A["prompt_tps"] else 0.0
     return out

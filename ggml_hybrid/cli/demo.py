@@ -7,9 +7,12 @@ position's logits are compared with the resident run's, bit for bit.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import tempfile
 
+import click
 import numpy as np
 
 from ..model.generate import complete
@@ -17,6 +20,7 @@ from ..model.moe_model import MoEModel
 from ..model.synthetic import ModelSpec, write_model
 from ..options import SessionOptions
 from ..units import format_bytes
+from .main import main
 from .report import hybrid_offload_active
 
 DEMO_SPEC = ModelSpec(arch="qwen3moe", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=128,
@@ -26,11 +30,12 @@ PROMPT = "Once upon a time there was a little model that lived on a disk"
 
 def configurations(n_expert: int, n_threads: int | None) -> list[tuple[str, SessionOptions]]:
     slots = max(1, n_expert // 4)
-    cache = dict(disk_experts=True, expert_cache_slots=slots, n_threads=n_threads)
-    return [("resident", SessionOptions(n_threads=n_threads)),
-            (f"cache {slots} slots, share 0", SessionOptions(**cache)),
-            (f"cache {slots} slots, share 0.5", SessionOptions(moe_cpu_share=0.5, **cache)),
-            (f"cache {slots} slots, share auto", SessionOptions(moe_cpu_share="auto", **cache))]
+    resident = SessionOptions(n_threads=n_threads)
+    cache = resident.merged(disk_experts=True, expert_cache_slots=slots)
+    return [("resident", resident),
+            (f"cache {slots} slots, share 0", cache),
+            (f"cache {slots} slots, share 0.5", cache.merged(moe_cpu_share=0.5)),
+            (f"cache {slots} slots, share auto", cache.merged(moe_cpu_share="auto"))]
 
 
 def run_demo(n_predict: int = 24, n_threads: int | None = None, echo=print) -> dict:
@@ -71,4 +76,17 @@ def format_demo(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DEMO_SPEC", "format_demo", "run_demo"]
+@main.command()
+@click.option("-n", "--n-predict", default=24, show_default=True, type=click.IntRange(1))
+@click.option("--threads", "-t", type=click.IntRange(1, 512))
+@click.option("--json", "as_json", is_flag=True)
+def demo(n_predict, threads, as_json):
+    """Generate a small MoE model and run it resident, cached and hybrid; check the logits agree."""
+
+    r = run_demo(n_predict=n_predict, n_threads=threads, echo=(lambda s: None) if as_json else click.echo)
+    click.echo(json.dumps(r) if as_json else format_demo(r))
+    if not r["all_identical"]:
+        sys.exit(1)
+
+
+__all__ = ["DEMO_SPEC", "demo", "format_demo", "run_demo"]

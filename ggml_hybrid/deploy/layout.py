@@ -68,7 +68,8 @@ class Layout:
         for name, nbytes in infos.items():
             dev = self.tensors[name]
             cls = tensor_class(name)
-            if cls == "routed_experts" and self.expert_mode[int(_LAYER.match(name).group(1))] != "resident":
+            layer = _LAYER.match(name)
+            if cls == "routed_experts" and layer and self.expert_mode[int(layer.group(1))] != "resident":
                 dev = "mapped"  # on the memory-mapped file, not in a device or RAM buffer
             d = out.setdefault(dev, {})
             d[cls] = d.get(cls, 0) + nbytes

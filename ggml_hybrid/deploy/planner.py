@@ -216,7 +216,7 @@ def _plan_dense(info: dict, store: GGUFStore, opts, vram, ram, parallel) -> dict
     """A dense model (which ggml-hybrid does not run): layer sizes and an n_gpu_layers suggestion."""
     arch = info["architecture"]
     n_layer = max(1, info["n_layer"])
-    per_layer = {}
+    per_layer: dict[int, int] = {}
     for t in store.tensors():
         if t.name.startswith("blk."):
             i = int(t.name.split(".")[1])
@@ -289,7 +289,7 @@ def k8s_resources(p: dict, overhead: int = GiB) -> dict:
     else:  # a dense plan: the whole file mapped plus the KV cache
         memory = p["file_bytes"] + p["kv"]["total"] + overhead
     mem_gi = -(-memory // GiB)
-    res = {"requests": {"memory": f"{mem_gi}Gi", "cpu": str(p["threads"])},
+    res: dict[str, dict[str, str | int]] = {"requests": {"memory": f"{mem_gi}Gi", "cpu": str(p["threads"])},
            "limits": {"memory": f"{mem_gi}Gi"}}
     if gpus:
         res["limits"]["nvidia.com/gpu"] = gpus

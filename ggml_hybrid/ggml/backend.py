@@ -46,6 +46,7 @@ class Buffer(Managed):
         if owned:
             _user_buffers.add(int(ffi.cast("uintptr_t", ptr)))
         self._backend = backend
+        self._memory: np.ndarray | None = None  # host memory the buffer lies over (from_host_memory)
 
     @property
     def size(self) -> int:
@@ -117,7 +118,7 @@ class Backend(Managed):
             raise BackendError(f"could not initialise the {kind} backend")
         super().__init__(ptr, lib.ggml_backend_free)
         self.kind = kind
-        self._n_threads = None
+        self._n_threads: int | None = None
         self._pool: Threadpool | None = None
 
     @property

@@ -167,7 +167,7 @@ class Context(OpsMixin, Managed):
     def get(self, name: str) -> Tensor:
         p = lib.ggml_get_tensor(self.ptr, name.encode())
         if p == ffi.NULL:
-            raise KeyError(f"no tensor named {name!r} in this context")
+            raise ArgumentError(f"Context.get: no tensor named {name!r} in this context")
         return Tensor(p, self)
 
     # -- allocation -----------------------------------------------------------

@@ -78,7 +78,7 @@ class GGMLType(enum.IntEnum):
                              "quantized data is exchanged as raw uint8 bytes or through quantize()/dequantize()") from None
 
 
-_TO_NUMPY = {
+_TO_NUMPY: dict[GGMLType, np.dtype] = {
     GGMLType.F32: np.dtype(np.float32),
     GGMLType.F16: np.dtype(np.float16),
     GGMLType.F64: np.dtype(np.float64),

@@ -10,6 +10,7 @@ inherits: nodes are created in the context the method is called on.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 from .._native import ffi, lib
 from ..checks import check_choice, check_int, check_real
@@ -70,10 +71,12 @@ def _can_repeat(b: Tensor, a: Tensor) -> bool:
 class OpsMixin:
     """Graph-building operations; ``self`` is the context that owns the new nodes."""
 
-    # provided by Context
-    def _node(self, ptr, n_tensors: int = 1) -> Tensor: ...
-    def _reserve(self, op: str, n_tensors: int) -> None: ...
-    def _bound_indices(self, op: str, idx: Tensor, bound: int) -> None: ...
+    if TYPE_CHECKING:  # provided by Context
+        @property
+        def ptr(self) -> Any: ...
+        def _node(self, ptr: Any) -> Tensor: ...
+        def _reserve(self, op: str, n_tensors: int) -> None: ...
+        def _bound_indices(self, op: str, idx: Tensor, bound: int) -> None: ...
 
     def _own(self, op: str, *tensors: Tensor) -> None:
         for t in tensors:
@@ -400,8 +403,8 @@ class OpsMixin:
         _types(op, rows, {I32, GGMLType.I64}, "rows")
         _need(a.ne[0] == b.ne[0] and a.ne[2] == b.ne[2] and a.ne[3] == b.ne[3], op,
               "a and b must agree on every dim but the row count", a, b)
-        _need(b.ne[1] == rows.ne[0] and rows.ne[3] == 1 and rows.ne[1] and b.ne[2] % rows.ne[1] == 0
-              and rows.ne[2] and b.ne[3] % rows.ne[2] == 0, op, "rows must hold one index per row of b", b, rows)
+        _need(b.ne[1] == rows.ne[0] and rows.ne[3] == 1 and rows.ne[1] > 0 and b.ne[2] % rows.ne[1] == 0
+              and rows.ne[2] > 0 and b.ne[3] % rows.ne[2] == 0, op, "rows must hold one index per row of b", b, rows)
         _rows_contiguous(op, a, b)
         if a.dtype.is_quantized:
             _need(a.ne[0] % a.dtype.block_size == 0, op, "a's rows must be whole quantization blocks", a)

@@ -68,10 +68,10 @@ def _attention(c: Context, g: Graph, hp: HParams, w: dict, kv: KVCache, il: int,
     if hp.qk_norm:
         q = _norm(c, q, w[p + "attn_q_norm.weight"], hp.rms_eps)
         k = _norm(c, k, w[p + "attn_k_norm.weight"], hp.rms_eps)
-    rope = dict(n_dims=hp.n_rot, mode=hp.rope_mode, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale,
-                n_ctx_orig=hp.n_ctx_train)
-    q = c.rope(q, inp["pos"], **rope)
-    k = c.rope(k, inp["pos"], **rope)
+    q = c.rope(q, inp["pos"], n_dims=hp.n_rot, mode=hp.rope_mode, freq_base=hp.rope_freq_base,
+               freq_scale=hp.rope_freq_scale, n_ctx_orig=hp.n_ctx_train)
+    k = c.rope(k, inp["pos"], n_dims=hp.n_rot, mode=hp.rope_mode, freq_base=hp.rope_freq_base,
+               freq_scale=hp.rope_freq_scale, n_ctx_orig=hp.n_ctx_train)
 
     # store this ubatch's K and V; the reads below come later in the graph
     mark("attn", il)  # from here to the output projection: where the KV cache lives

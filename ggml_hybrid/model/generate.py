@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..checks import check_int
+from ..errors import ArgumentError
 from .moe_model import MoEModel
 from .sampling import Sampler
 
@@ -43,13 +45,12 @@ class GenerationStats:
 def generate(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | None = None,
              stats: GenerationStats | None = None, keep_logits: bool = False, stop_at_eos: bool = True):
     """Yield the generated text piece by piece; ``stats`` (if given) is filled as it goes."""
-    if isinstance(n_predict, bool) or not isinstance(n_predict, int) or n_predict < 0:
-        raise ValueError(f"n_predict={n_predict!r} must be an integer >= 0")
+    check_int(n_predict, "generate: n_predict", 0)
     sampler = sampler or Sampler()
     st = stats if stats is not None else GenerationStats()
     prompt = list(prompt_tokens)
     if not prompt:
-        raise ValueError("generate: the prompt has no tokens")
+        raise ArgumentError("generate: the prompt has no tokens")
     model.reset()
     st.prompt_tokens = len(prompt)
     t0 = time.perf_counter()

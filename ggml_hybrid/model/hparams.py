@@ -13,13 +13,26 @@ from ..errors import ModelFileError, NotMoEError
 from ..ggml.dtypes import GGMLType
 from .gguf_store import GGUFStore
 
-# architecture -> (rope mode, per-head q/k norm, q/k/v biases, shared expert, normalise expert weights)
-ARCHITECTURES = {
-    "qwen3moe": ("neox", True, False, False, True),
-    "qwen2moe": ("neox", False, True, True, False),
-    "llama": ("normal", False, False, False, True),
-}
 
+@dataclass(frozen=True)
+class ArchSpec:
+    """What distinguishes one supported ``general.architecture`` from another (as llama.cpp builds it)."""
+
+    rope_mode: str             # "neox" or "normal"
+    qk_norm: bool              # per-head RMS norm of q and k
+    qkv_bias: bool             # biases on the q/k/v projections
+    shared_expert: bool        # a shared expert with a sigmoid gate next to the routed ones
+    norm_expert_weights: bool  # the top-k routing weights are renormalised to sum to 1
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "qwen3moe": ArchSpec(rope_mode="neox", qk_norm=True, qkv_bias=False, shared_expert=False,
+                         norm_expert_weights=True),
+    "qwen2moe": ArchSpec(rope_mode="neox", qk_norm=False, qkv_bias=True, shared_expert=True,
+                         norm_expert_weights=False),
+    "llama": ArchSpec(rope_mode="normal", qk_norm=False, qkv_bias=False, shared_expert=False,
+                      norm_expert_weights=True),
+}
 
 
 @dataclass(frozen=True)
@@ -130,7 +143,7 @@ def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
     if arch not in ARCHITECTURES:
         raise ModelFileError(f"{store.path!r}: architecture {arch!r} is not supported; supported: "
                              f"{', '.join(sorted(ARCHITECTURES))}")
-    rope_mode, qk_norm, qkv_bias, shared, norm_w = ARCHITECTURES[arch]
+    spec = ARCHITECTURES[arch]
     n_layer = meta_int(store, f"{arch}.block_count")
     n_embd = meta_int(store, f"{arch}.embedding_length")
     n_head = meta_int(store, f"{arch}.attention.head_count")
@@ -169,15 +182,16 @@ def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
     if arch == "qwen2moe" and n_head * head_dim != n_embd:
         raise ModelFileError(f"{store.path!r}: qwen2moe needs head_count*key_length = embedding_length, got "
                              f"{n_head}*{head_dim} != {n_embd}")
-    n_ff_shexp = meta_int(store, f"{arch}.expert_shared_feed_forward_length", n_ff_exp) if shared else 0
+    n_ff_shexp = meta_int(store, f"{arch}.expert_shared_feed_forward_length", n_ff_exp) if spec.shared_expert else 0
     hp = HParams(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
         n_rot=n_rot, n_vocab=n_vocab, n_ctx_train=meta_int(store, f"{arch}.context_length", 4096),
-        n_expert=n_expert, n_used=n_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp, rope_mode=rope_mode,
+        n_expert=n_expert, n_used=n_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp, rope_mode=spec.rope_mode,
         rope_freq_base=meta_float(store, f"{arch}.rope.freq_base", 10000.0, 1e-3, 1e12),
         rope_freq_scale=1.0 / meta_float(store, f"{arch}.rope.scaling.factor", 1.0, 1e-6, 1e6),
         rms_eps=meta_float(store, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, 0.0, 0.5),
-        qk_norm=qk_norm, qkv_bias=qkv_bias, shared_expert=shared, norm_expert_weights=norm_w,
+        qk_norm=spec.qk_norm, qkv_bias=spec.qkv_bias, shared_expert=spec.shared_expert,
+        norm_expert_weights=spec.norm_expert_weights,
         expert_weights_scale=meta_float(store, f"{arch}.expert_weights_scale", 1.0, 0.0, 1e6) or 1.0,
         tied_output="output.weight" not in store)
     check_tensors(store, hp)
@@ -232,5 +246,5 @@ def check_tensors(store: GGUFStore, hp: HParams) -> None:
         raise ModelFileError(f"{store.path!r}: {hp.arch}.block_count = {hp.n_layer} but blk.{hp.n_layer} exists")
 
 
-__all__ = ["ARCHITECTURES", "HParams", "StackHParams", "architecture", "check_tensors", "meta_float", "meta_int",
+__all__ = ["ARCHITECTURES", "ArchSpec", "HParams", "StackHParams", "architecture", "check_tensors", "meta_float", "meta_int",
            "read_hparams", "read_stack_hparams", "tensor_shapes"]

@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ContextFullError
-from ..ggml.backend import Backend
+from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Context
 from ..ggml.dtypes import as_ggml_type
+from ..ggml.tensor import Tensor
 
 KV_PAD = 256
 
@@ -32,18 +33,21 @@ class KVCache:
         self.n_layer, self.n_ctx, self.n_embd_kv, self.v_trans = n_layer, n_ctx, n_embd_kv, v_trans
         self.type_k, self.type_v = as_ggml_type(type_k), as_ggml_type(type_v)
         per_layer = list(backends) if isinstance(backends, (list, tuple)) else [backends] * n_layer
-        self.k, self.v = [None] * n_layer, [None] * n_layer
-        self.parts: list[tuple[Backend, Context, object]] = []  # one context and buffer per backend
+        k: dict[int, Tensor] = {}
+        v: dict[int, Tensor] = {}
+        self.parts: list[tuple[Backend, Context, Buffer]] = []  # one context and buffer per backend
         for b in {id(b): b for b in per_layer}.values():
             layers = [i for i in range(n_layer) if per_layer[i] is b]
             ctx = Context(n_tensors=2 * len(layers))
             for i in layers:
-                self.k[i] = ctx.new_tensor(self.type_k, (n_ctx, n_embd_kv), f"cache_k_l{i}")
-                self.v[i] = ctx.new_tensor(self.type_v, (n_ctx, n_embd_kv), f"cache_v_l{i}")
+                k[i] = ctx.new_tensor(self.type_k, (n_ctx, n_embd_kv), f"cache_k_l{i}")
+                v[i] = ctx.new_tensor(self.type_v, (n_ctx, n_embd_kv), f"cache_v_l{i}")
             buf = ctx.allocate(b, "any", virtual=not clear)
             if clear:
                 buf.clear(0)  # masked cells are multiplied by 0: they must not hold NaN
             self.parts.append((b, ctx, buf))
+        self.k = [k[i] for i in range(n_layer)]
+        self.v = [v[i] for i in range(n_layer)]
         self.n_past = 0
 
     @staticmethod
@@ -66,7 +70,7 @@ class KVCache:
         """Positions, write indices and the causal mask for the next ``n_tokens`` tokens."""
         pos = np.arange(self.n_past, self.n_past + n_tokens, dtype=np.int32)
         mask = np.where(np.arange(n_kv)[None, :] <= pos[:, None], 0.0, -np.inf).astype(mask_dtype)
-        out = {"pos": pos, "k_idxs": pos.astype(np.int64), "mask": mask}
+        out: dict[str, np.ndarray] = {"pos": pos, "k_idxs": pos.astype(np.int64), "mask": mask}
         if self.v_trans:
             # element (t, d) of V goes to cell pos[t] of row d of the transposed cache
             d = np.arange(self.n_embd_kv, dtype=np.int64)

@@ -19,9 +19,10 @@ import time
 import numpy as np
 
 from .._native import ffi
+from ..checks import check_choice
 from ..deploy.devices import open_devices
-from ..deploy.layout import CPU, plan_layout
-from ..errors import ClosedError, ShapeError
+from ..deploy.layout import CPU, Layout, plan_layout
+from ..errors import ClosedError, IndexRangeError, ShapeError
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Context
 from ..ggml.sched import Scheduler
@@ -54,6 +55,14 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
 
 
 class MoEModel:
+    # set by _load; close() releases whichever of them a failed load got to
+    devices: dict[str, Backend]
+    host: Backend
+    device: Backend
+    sched: Scheduler
+    experts: ExpertLayers
+    kv: KVCache
+    layout: Layout
     def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None,
                  progress=None, dry_run_devices: list[str] | None = None):
         """Load ``path``; ``progress(done, total)`` is called as tensors are loaded.
@@ -80,8 +89,7 @@ class MoEModel:
             raise
         n_threads = opts.n_threads or os.cpu_count() or 1
         self._own_devices = device is None
-        # everything close() releases, so that a load failing half way releases what it made
-        self.devices, self.host, self.sched, self.experts, self.kv = {}, None, None, None, None
+        self.devices = {}
         self.weight_ctxs: list[tuple[str, Context]] = []
         self._graphs: dict[tuple, DecoderGraph] = {}
         self._active: tuple | None = None  # key of the graph whose regions are registered
@@ -119,7 +127,7 @@ class MoEModel:
         self._load_dense(dense, tick)
         lay = self.layout
         self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick,
-                                    modes=lay.expert_mode, backend_of=lambda n: self.devices.get(lay.tensors[n]),
+                                    modes=list(lay.expert_mode), backend_of=lambda n: self.devices.get(lay.tensors[n]),
                                     load=not self.dry_run)
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
         self.kv = KVCache(hp.n_layer, n_ctx, hp.n_embd_kv, opts.cache_type_k, opts.cache_type_v,
@@ -207,8 +215,9 @@ class MoEModel:
             home[addr(t)] = self.backend(lay.tensors.get(name) or lay.tensors["output.weight(tied)"])
         for i, ew in enumerate(self.experts.weights):
             for t in ew.kinds.values():
-                if lay.expert_mode[i] == "disk":  # the region runs on its cache's device
-                    home[addr(t)] = self.experts.layer_backends[i]
+                cache_on = self.experts.layer_backends[i]
+                if cache_on is not None:  # a disk layer: the region runs on its cache's device
+                    home[addr(t)] = cache_on
                 else:
                     home[addr(t)] = self.backend(lay.tensors[t.name])
         pins = []
@@ -242,7 +251,8 @@ class MoEModel:
                              f"{arr.shape}")
         bad = (arr < 0) | (arr >= self.hp.n_vocab)
         if bad.any():
-            raise ValueError(f"eval: token id {int(arr[bad][0])} is outside the vocabulary 0..{self.hp.n_vocab - 1}")
+            raise IndexRangeError(f"eval: token id {int(arr[bad][0])} is outside the vocabulary "
+                                  f"0..{self.hp.n_vocab - 1}")
         return arr.astype(np.int32)
 
     def _ubatch(self, tokens: np.ndarray, n_out: int) -> np.ndarray:
@@ -263,10 +273,9 @@ class MoEModel:
 
     def eval(self, tokens, logits: str = "last") -> np.ndarray:
         """Append ``tokens`` to the sequence; the logits of the last (``"last"``) or every (``"all"``) one."""
-        if logits not in ("last", "all"):
-            raise ValueError(f"eval: logits={logits!r} must be 'last' or 'all'")
+        check_choice(logits, "eval: logits", ("last", "all"))
         if self.dry_run:
-            raise RuntimeError("eval: this model was opened for planning (dry run) and holds no weights")
+            raise ClosedError("eval: this model was opened for planning (dry run) and holds no weights")
         if getattr(self, "_closed", False):
             raise ClosedError("eval: the model is closed")
         arr = self._check_tokens(tokens)
@@ -325,19 +334,19 @@ class MoEModel:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        if self.experts is not None:
+        if hasattr(self, "experts"):
             self.experts.close()  # first: its CPU worker may still read the mapped experts
         for g in self._graphs.values():
             g.close()
         self._graphs.clear()
-        if self.sched is not None:
+        if hasattr(self, "sched"):
             self.sched.close()
-        if self.kv is not None:
+        if hasattr(self, "kv"):
             self.kv.close()
         for _, ctx in self.weight_ctxs:
             ctx.close()
         self.store.close()
-        if self.host is not None:
+        if hasattr(self, "host"):
             self.host.close()
         if self._own_devices:
             for b in self.devices.values():

@@ -8,10 +8,11 @@ then temperature applied to the survivors, then a draw. A ``Sampler`` owns its
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..checks import check_int, check_real
 
 
 @dataclass
@@ -23,15 +24,11 @@ class Sampler:
     _rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed={self.seed!r} must be an integer >= 0")
+        check_real(self.temperature, "Sampler: temperature", 0.0)
+        check_int(self.top_k, "Sampler: top_k", 0)
+        check_real(self.top_p, "Sampler: top_p", 0.0, 1.0, lo_open=True)
+        if self.seed is not None:
+            check_int(self.seed, "Sampler: seed", 0)
         self._rng = np.random.default_rng(self.seed)
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 
+from ..errors import ArgumentTypeError
 from .gguf_store import GGUFStore, ModelFileError
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre
@@ -63,7 +64,7 @@ class Tokenizer:
             bad = next(i for i, t in enumerate(tokens) if i not in self._raw and not set(t) <= alphabet)
             raise ModelFileError(f"{source}: token {bad} ({tokens[bad]!r}) has characters outside byte-level BPE's "
                                  "256-character alphabet (and is not a control or user-defined token)")
-        vocab = {}
+        vocab: dict[str, int] = {}
         for i, tok in enumerate(tokens):
             if i in self.control:
                 continue  # never produced from text; decoded from self.tokens
@@ -127,7 +128,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         if not isinstance(text, str):
-            raise TypeError(f"encode: text must be str, got {type(text).__name__}")
+            raise ArgumentTypeError(f"encode: text must be str, got {type(text).__name__}")
         ids = self._hf.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids

@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 
 from ..errors import ClosedError
-from ..ggml.backend import cpu
+from ..ggml.backend import Backend, cpu
 from .ffn import ExpertWeights
 from .row_graphs import RowGraphs
 
@@ -54,8 +54,8 @@ class CPUWorker:
         self.n_threads = n_threads
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._finalizer = None
-        self._backend = None
+        self._finalizer: weakref.finalize | None = None
+        self._backend: Backend | None = None
         self._graphs: dict[int, RowGraphs] = {}  # by layer
         self._closed = False
 

@@ -193,6 +193,7 @@ class ExpertCacheExecutor:
         resident = self.cache.resident()
         if self.model is not None:
             return self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes)
+        assert isinstance(self.share, float)  # "auto" has a model
         return split_misses(experts.tolist(), rows.tolist(), resident, self.share)
 
     def __call__(self, call: RegionCall):
@@ -208,7 +209,7 @@ class ExpertCacheExecutor:
         b = self._bucket(n_tokens)
         c = self.counters
         job = None
-        if split is not None and split.cpu_misses:
+        if split is not None and split.cpu_misses and self.worker is not None and self.host_experts is not None:
             # the CPU starts first and works while the device computes hits and loads
             on_cpu = np.zeros(self.n_expert, bool)
             on_cpu[list(split.cpu_misses)] = True

@@ -94,8 +94,8 @@ class ExpertLayers:
                     by_backend.setdefault(id(b), (b, []))[1].append(n)
         self.resident_ctxs: list[tuple[Backend, Context]] = []
         loaded = {}
-        for b, names in by_backend.values():
-            ctx, tensors = load_into(store, names, b, on_tensor=on_tensor, load=load)
+        for b, tensor_names in by_backend.values():
+            ctx, tensors = load_into(store, tensor_names, b, on_tensor=on_tensor, load=load)
             self.resident_ctxs.append((b, ctx))
             loaded.update(tensors)
         self.mapped_ctx = Context(n_tensors=4 * n_layer)
@@ -114,13 +114,17 @@ class ExpertLayers:
                     if on_tensor is not None:
                         on_tensor(n)
             self.weights.append(ExpertWeights(**tensors))
-            cache_on = backend_of(names["down"]) if self.modes[i] == "disk" else None
+            executor, cache_on = None, None
+            if self.modes[i] == "disk":
+                cache_on = backend_of(names["down"])
+                if cache_on is None:  # the layout puts disk layers' experts on a device, never on the CPU
+                    raise OptionError(f"disk_experts: layer {i}'s expert cache has no device")
+                executor = ExpertCacheExecutor(
+                    store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                    worker=self.worker, share=opts.moe_cpu_share, host_experts=self.weights[i],
+                    simulated_bus_bytes_per_s=simulated_bus_bytes_per_s, trace=self.trace, clear=load)
             self.layer_backends.append(cache_on)
-            self.executors.append(ExpertCacheExecutor(
-                store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
-                worker=self.worker, share=opts.moe_cpu_share, host_experts=self.weights[i],
-                simulated_bus_bytes_per_s=simulated_bus_bytes_per_s, trace=self.trace, clear=load)
-                if self.modes[i] == "disk" else None)
+            self.executors.append(executor)
 
     def _mode_from_options(self, i: int) -> str:
         o = self.options

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import check_choice
 from ..errors import ShapeError
 from ..ggml.tensor import Tensor
 
@@ -84,10 +85,8 @@ def build_moe_ffn(ctx, graph, cur: Tensor, router: Tensor, experts: ExpertWeight
                   gating: str = "softmax", norm_weights: bool = True, weights_scale: float = 1.0,
                   glu: str = "swiglu", name: str = "moe") -> MoERegion:
     """Build the routed-expert FFN for ``cur`` [T, n_embd] into ``graph``; returns its region."""
-    if gating not in GATINGS:
-        raise ValueError(f"build_moe_ffn: gating {gating!r} is not one of {GATINGS}")
-    if glu not in GLUS:
-        raise ValueError(f"build_moe_ffn: glu {glu!r} is not one of {GLUS}")
+    check_choice(gating, "build_moe_ffn: gating", GATINGS)
+    check_choice(glu, "build_moe_ffn: glu", GLUS)
     n_expert = experts.n_expert
     if not 1 <= n_used <= n_expert:
         raise ShapeError(f"build_moe_ffn: n_used={n_used} must be in 1..n_expert={n_expert}")

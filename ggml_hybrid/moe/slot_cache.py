@@ -198,8 +198,13 @@ class SlotCache:
 
     # -- planning --------------------------------------------------------------------------------
 
-    def _victim_key(self, slot: int):
+    def _expert_in(self, slot: int) -> int:
         e = self._slots[slot]
+        assert e is not None, f"slot {slot} is empty"
+        return e
+
+    def _victim_key(self, slot: int):
+        e = self._expert_in(slot)
         if self.policy == "lru":
             return (self._recency[e], slot)
         return (self._uses[e], self._recency[e], slot)
@@ -221,7 +226,7 @@ class SlotCache:
         if checked:
             ids, counts = self._check_call(experts, rows)
         else:  # the caller guarantees distinct in-range ints and positive row counts (the executor's bincount)
-            ids, counts = experts, rows if rows is not None else [1] * len(experts)
+            ids, counts = list(experts), list(rows) if rows is not None else [1] * len(experts)
         self._tick += 1
         c = self.counters
         c.calls += 1
@@ -232,7 +237,7 @@ class SlotCache:
         hit_slots = sorted(self._where[e] for e in ids if e in self._where)
         misses = sorted(((r, e) for e, r in zip(ids, counts) if e not in self._where), key=lambda t: (-t[0], t[1]))
         misses_e = [e for _, e in misses]
-        hits = tuple((self._slots[s], s) for s in hit_slots)
+        hits = tuple((self._expert_in(s), s) for s in hit_slots)
         for e, _ in hits:
             self._use(e)
         c.hits += len(hits)
@@ -254,7 +259,7 @@ class SlotCache:
                 cands = sorted((s for s, e in enumerate(self._slots) if e is not None and s not in protected),
                                key=self._victim_key)
                 for s in cands[:need]:
-                    victim = self._slots[s]
+                    victim = self._expert_in(s)
                     evicted.append(victim)
                     del self._where[victim], self._recency[victim], self._uses[victim]
                     self._slots[s] = None

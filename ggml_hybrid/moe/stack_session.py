@@ -19,19 +19,22 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from ..errors import ShapeError
 from ..ggml.backend import Backend, cpu, cuda, cuda_available
 from ..ggml.context import Context
+from ..ggml.graph import Graph
 from ..ggml.sched import Scheduler
+from ..ggml.tensor import Tensor
 from ..model.gguf_store import GGUFStore, load_into
 from ..model.hparams import read_stack_hparams
 from ..options import SessionOptions
 from .executor import LayerCounters
 from .expert_layers import ExpertLayers, check_expert_shapes, check_moe_options
-from .ffn import build_moe_ffn
+from .ffn import MoERegion, build_moe_ffn
 
 
 @dataclass
@@ -50,6 +53,16 @@ class SessionCounters:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+class StackGraph(NamedTuple):
+    """The graph of one token count: its context, the graph, the input, the output, each layer's region."""
+
+    ctx: Context
+    graph: Graph
+    x: Tensor
+    out: Tensor
+    regions: list[MoERegion]
 
 
 class MoEStackSession:
@@ -76,12 +89,12 @@ class MoEStackSession:
                                    simulated_bus_bytes_per_s)
         self.experts, self.executors = self.layers.weights, self.layers.executors
         self.worker, self.trace = self.layers.worker, self.layers.trace
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[int, StackGraph] = {}
         self._active: int | None = None  # token count whose graph's regions are registered
 
     # -- graphs ---------------------------------------------------------------
 
-    def _graph(self, n_tokens: int):
+    def _graph(self, n_tokens: int) -> StackGraph:
         """The graph for a token count, built once and reused."""
         if n_tokens in self._graphs:
             return self._graphs[n_tokens]
@@ -98,15 +111,15 @@ class MoEStackSession:
             cur = c.add(r.out, cur)
         cur.set_output()
         g.expand(cur)
-        self._graphs[n_tokens] = entry = (c, g, x, cur, regions)
+        self._graphs[n_tokens] = entry = StackGraph(c, g, x, cur, regions)
         return entry
 
-    def _use_graph(self, n_tokens: int):
+    def _use_graph(self, n_tokens: int) -> StackGraph:
         """Register this graph's regions with the scheduler when switching graphs."""
         entry = self._graph(n_tokens)
         if self._active != n_tokens:
             self.sched.clear_regions()
-            self.layers.register(self.sched, entry[4])
+            self.layers.register(self.sched, entry.regions)
             self._active = n_tokens
         return entry
 
@@ -115,11 +128,11 @@ class MoEStackSession:
         x = np.asarray(x)
         if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != self.n_embd or x.shape[0] < 1:
             raise ShapeError(f"forward: x must be float32 [tokens >= 1, {self.n_embd}], got {x.dtype} {x.shape}")
-        c, g, xin, out, _ = self._use_graph(x.shape[0])
-        self.sched.prepare(g)  # split and allocate only when this graph is not the allocated one
-        xin.set(x.reshape(xin.shape))
-        self.sched.compute(g)
-        return out.numpy().reshape(x.shape)
+        sg = self._use_graph(x.shape[0])
+        self.sched.prepare(sg.graph)  # split and allocate only when this graph is not the allocated one
+        sg.x.set(x.reshape(sg.x.shape))
+        self.sched.compute(sg.graph)
+        return sg.out.numpy().reshape(x.shape)
 
     @property
     def counters(self) -> SessionCounters:
@@ -127,8 +140,8 @@ class MoEStackSession:
 
     def close(self) -> None:
         self.layers.close()
-        for c, *_ in self._graphs.values():
-            c.close()
+        for sg in self._graphs.values():
+            sg.ctx.close()
         self._graphs.clear()
         self.sched.close()
         self.dense_ctx.close()

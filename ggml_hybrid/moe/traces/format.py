@@ -39,6 +39,7 @@ import struct
 import warnings
 import zlib
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 
@@ -185,7 +186,7 @@ class TraceWriter:
         self.records = 0
         self._dtype = _id_dtype(_id_bytes(self.n_expert))
         head = _HEAD.pack(MAGIC, FORMAT_VERSION, _id_bytes(self.n_expert), 0, self.n_layer, self.n_expert, self.n_used)
-        self._f = open(self.path, "wb")
+        self._f: BinaryIO | None = open(self.path, "wb")
         try:
             self._f.write(head + _CRC.pack(zlib.crc32(head)))
             self._f.flush()
@@ -261,7 +262,7 @@ def read_trace(path, warn: bool = True) -> Trace:
         raise TraceError(f"{where}: corrupted header: flags={flags}, expected 0")
 
     dtype = _id_dtype(id_bytes)
-    calls = []
+    calls: list[tuple[int, np.ndarray]] = []
     pos, end = HEADER_SIZE, len(data)
     truncated = truncated_bytes = 0
     while pos < end:

@@ -129,6 +129,9 @@ class CallRecord:
 class _HitRate:
     """``hits / distinct`` for the replay counters (0.0 when nothing was requested)."""
 
+    hits: int
+    distinct: int
+
     @property
     def hit_rate(self) -> float:
         return self.hits / self.distinct if self.distinct else 0.0
@@ -289,7 +292,10 @@ def replay(trace: Trace, n_slots: int, policy: str = "lru", share=0.0, cost: Lin
     n_slots, policy, share, expert_bytes = _check_replay_args(trace, n_slots, policy, share, cost, expert_bytes)
     L = trace.n_layer
     coeffs = cost.coefficients() if cost is not None else None
-    models = [CostModel.fixed(coeffs, hysteresis) for _ in range(L)] if share == "auto" else [None] * L
+    models: list[CostModel | None] = [None] * L
+    if share == "auto":
+        assert coeffs is not None  # _check_replay_args: auto needs a cost
+        models = [CostModel.fixed(coeffs, hysteresis) for _ in range(L)]
     uniq_calls = []
     for layer, ids in trace.calls:
         experts, rows = np.unique(ids, return_counts=True)
@@ -392,5 +398,7 @@ def modeled_time_per_token(source, share=None, cost: LinkCost | None = None, *, 
     if isinstance(source, Trace):
         if cost is None or n_slots is None:
             raise TraceError("modeled_time_per_token: a Trace needs n_slots=... and cost=LinkCost(...)")
-        return replay(source, n_slots, policy, share=0.0 if share is None else share, cost=cost).modeled_s_per_token
+        modeled = replay(source, n_slots, policy, share=0.0 if share is None else share, cost=cost).modeled_s_per_token
+        assert modeled is not None  # a replay with a cost models its time
+        return modeled
     raise TraceError(f"modeled_time_per_token: source must be a ReplayResult or a Trace, got {type(source).__name__}")

@@ -1,0 +1,51 @@
+"""``ggml-hybrid inspect``, ``devices`` and ``options``: what a file, this machine and the options are."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..options import SessionOptions
+from ..units import format_bytes
+from .main import main
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+def inspect(model, as_json):
+    """Architecture, experts, bytes per tensor class and quant types of MODEL (header only)."""
+    from ..deploy.model_info import describe, format_text
+
+    d = describe(model)
+    click.echo(json.dumps(d) if as_json else format_text(d))
+
+
+@main.command()
+@click.option("--virtual-devices", type=click.IntRange(1, 16), help="Without a GPU: CPU instances playing devices.")
+@click.option("--json", "as_json", is_flag=True)
+def devices(virtual_devices, as_json):
+    """The device names that layout options accept (CUDA0, ... or DEV0, ... and CPU)."""
+    from ..deploy.devices import describe_devices
+
+    opts = SessionOptions(virtual_devices=virtual_devices) if virtual_devices else SessionOptions()
+    rows = describe_devices(opts)
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    for r in rows:
+        mem = f", {format_bytes(r['memory_total'])}" if r["memory_total"] else ""
+        click.echo(f"{r['name']:<6} {r['kind']:<13} {r['description']}{mem}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def options(as_json):
+    """List the session options with their types, defaults and rules."""
+    rows = SessionOptions.describe()
+    if as_json:
+        click.echo(json.dumps([dict(zip(("name", "type", "default", "rule", "doc"), r)) for r in rows]))
+        return
+    for name, type_, default, rule, doc in rows:
+        click.echo(f"{name} ({type_}, default {default!r}): {doc} Must be {rule}.")
