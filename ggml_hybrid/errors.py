@@ -84,7 +84,8 @@ class RegionUnsupportedError(RegionError):
 # -- MoE -------------------------------------------------------------------------------------------
 
 class SlotCacheError(GgmlHybridError, ValueError):
-    """A slot-cache configuration or call that the rules reject (bad slot count, policy, duplicate expert, row count)."""
+    """A slot-cache configuration or call that the rules reject (bad slot count, policy, duplicate expert,
+    row count)."""
 
 
 class SlotCacheTypeError(SlotCacheError, TypeError):

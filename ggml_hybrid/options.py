@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 from .errors import OptionError
 
@@ -54,10 +54,10 @@ def _share(v: Any) -> Union[float, str]:
             raise _Bad() from None
     if not 0.0 <= v <= 1.0:  # also rejects nan and inf
         raise _Bad()
-    return v + 0.0  # folds -0.0 into 0.0 so equal options print alike
+    return cast(float, v) + 0.0  # folds -0.0 into 0.0 so equal options print alike
 
 
-def _int(lo: int, hi: Optional[int] = None, nullable: bool = False):
+def _int(lo: int, hi: Optional[int] = None, nullable: bool = False) -> Callable[[Any], Optional[int]]:
     def conv(v: Any) -> Optional[int]:
         if nullable and (v is None or isinstance(v, str) and v.strip().lower() in ("", "none")):
             return None
@@ -72,7 +72,7 @@ def _int(lo: int, hi: Optional[int] = None, nullable: bool = False):
             _typed(v, int)
         if v < lo or (hi is not None and v > hi):
             raise _Bad()
-        return v
+        return cast(int, v)
     return conv
 
 
@@ -82,15 +82,15 @@ def _bool(v: Any) -> bool:
     if isinstance(v, str):
         raise _Bad()
     _typed(v, bool)
-    return v
+    return cast(bool, v)
 
 
-def _choice(*choices: str):
+def _choice(*choices: str) -> Callable[[Any], str]:
     def conv(v: Any) -> str:
         _typed(v, str)
         if v.strip().lower() not in choices:
             raise _Bad()
-        return v.strip().lower()
+        return cast(str, v.strip().lower())
     return conv
 
 
@@ -98,17 +98,17 @@ def _path(v: Any) -> Optional[str]:
     if v is None or (isinstance(v, str) and v.lower() in ("", "none")):
         return None
     _typed(v, str)
-    return v  # not stripped: a path may legitimately end in a space
+    return cast(str, v)  # not stripped: a path may legitimately end in a space
 
 
 def _text(v: Any) -> Optional[str]:
     if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none")):
         return None
     _typed(v, str)
-    return v.strip()
+    return cast(str, v.strip())
 
 
-def override_items(text: Optional[str]) -> list[tuple[str, re.Pattern, str]]:
+def override_items(text: Optional[str]) -> list[tuple[str, re.Pattern[str], str]]:
     """``"re1=DEV,re2=DEV"`` -> [(pattern, compiled, device)], in order (llama.cpp's -ot syntax)."""
     out = []
     for item in (x.strip() for x in (text or "").split(",")):
@@ -125,9 +125,9 @@ def override_items(text: Optional[str]) -> list[tuple[str, re.Pattern, str]]:
 
 
 def _overrides(v: Any) -> Optional[str]:
-    v = _text(v)
-    override_items(v)
-    return v
+    text = _text(v)
+    override_items(text)
+    return text
 
 
 def tensor_split_parts(text: str) -> list[float]:
@@ -142,13 +142,13 @@ def tensor_split_parts(text: str) -> list[float]:
 
 
 def _proportions(v: Any) -> Optional[str]:
-    v = _text(v)
-    if v is not None:
-        tensor_split_parts(v)
-    return v
+    text = _text(v)
+    if text is not None:
+        tensor_split_parts(text)
+    return text
 
 
-def _opt(default: Any, type_: str, rule: str, doc: str, conv) -> Any:
+def _opt(default: Any, type_: str, rule: str, doc: str, conv: Callable[[Any], Any]) -> Any:
     return field(default=default, metadata={"type": type_, "rule": rule, "doc": doc, "conv": conv})
 
 
@@ -277,7 +277,8 @@ class SessionOptions:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def _build(cls, pairs: list[tuple[str, Any]], role: Optional[str], base: Optional[SessionOptions]):
+    def _build(cls, pairs: list[tuple[str, Any]], role: Optional[str],
+               base: Optional[SessionOptions]) -> SessionOptions:
         if role is not None and not (isinstance(role, str) and _ROLE_RE.fullmatch(role)):
             raise OptionError(f"role={role!r}: role names must match {_ROLE_RE.pattern}")
         if base is not None and not isinstance(base, SessionOptions):

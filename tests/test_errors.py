@@ -285,18 +285,18 @@ def test_closed_context_graph_scheduler_backend(cpu_backend, run):
     with pytest.raises(E.ClosedError):
         c.new_tensor("f32", (2,))
     with pytest.raises(E.ClosedError):
-        g.n_nodes
+        _ = g.n_nodes
     with pytest.raises(E.ClosedError):
         c.new_graph(4)
     assert repr(a) == "<Tensor (closed context)>"
     s = gh.Scheduler([cpu_backend], graph_size=16)
     s.close()
     with pytest.raises(E.ClosedError):
-        s.n_splits
+        _ = s.n_splits
     b = gh.cpu(1)
     b.close()
     with pytest.raises(E.ClosedError):
-        b.name
+        _ = b.name
     with pytest.raises(E.ClosedError):
         gh.Scheduler([b], graph_size=4)
     still_works(run)

@@ -316,8 +316,9 @@ def test_devices_command_lists_names():
 
 
 def test_run_reports_placement_and_accepts_llama_flags(model):
-    r = CliRunner().invoke(main, ["run", model, "-p", "Hi", "-n", "2", "-t", "1", "-ngl", "2", "-ot", "ffn_down_exps=CPU",
-                                  "-nkvo", "-ctk", "q8_0", "-c", "256", "-ub", "8", "--json"])
+    r = CliRunner().invoke(main, ["run", model, "-p", "Hi", "-n", "2", "-t", "1", "-ngl", "2",
+                                  "-ot", "ffn_down_exps=CPU", "-nkvo", "-ctk", "q8_0", "-c", "256", "-ub", "8",
+                                  "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     pl = d["layout"]

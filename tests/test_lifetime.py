@@ -94,7 +94,7 @@ def test_closing_the_backend_first(cpu_backend):
     sched = gh.Scheduler([backend], graph_size=16)
     backend.close()
     with pytest.raises(gh.errors.ClosedError):
-        backend.name
+        _ = backend.name
     with pytest.raises(gh.errors.ClosedError):
         sched.alloc(g)
     assert np.array_equal(t.numpy(), np.arange(4, dtype=F32))

@@ -7,8 +7,13 @@ build must fail loudly, not run old code.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import StaleBuildError
 from . import buildinfo
+
+#: a cffi pointer or other native value (cdata): cffi ships no type information
+CData = Any
 
 _REBUILD = "rebuild it with `python build.py` (or `pip install -e .`) from the repository root"
 
@@ -19,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
                           f"{_REBUILD}") from exc
 
 
-def cstr(p) -> str:
+def cstr(p: CData) -> str:
     """A C string as text ('' for NULL)."""
     return ffi.string(p).decode() if p != ffi.NULL else ""
 
@@ -49,4 +54,4 @@ lib.ggml_cpu_init()
 
 GGML_VERSION = cstr(lib.ggml_hybrid_ggml_version())
 
-__all__ = ["GGML_VERSION", "cstr", "ffi", "lib"]
+__all__ = ["GGML_VERSION", "CData", "cstr", "ffi", "lib"]

@@ -5,10 +5,15 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 from ..errors import ClosedError
+from . import CData
 
-_live: collections.Counter = collections.Counter()
+_M = TypeVar("_M", bound="Managed")
+
+_live: collections.Counter[str] = collections.Counter()
 _live_lock = threading.Lock()
 
 
@@ -18,7 +23,7 @@ def live_objects() -> dict[str, int]:
         return {k: v for k, v in _live.items() if v}
 
 
-def _release(kind: str, free, ptr) -> None:
+def _release(kind: str, free: Callable[[CData], object], ptr: CData) -> None:
     free(ptr)
     with _live_lock:
         _live[kind] -= 1
@@ -35,9 +40,9 @@ class Managed:
 
     _kind = "object"
 
-    def __init__(self, ptr, free, owned: bool = True):
+    def __init__(self, ptr: CData, free: Callable[[CData], object], owned: bool = True) -> None:
         self._ptr = ptr
-        self._finalizer = None
+        self._finalizer: weakref.finalize[..., object] | None = None
         if owned:
             with _live_lock:
                 _live[self._kind] += 1
@@ -45,7 +50,7 @@ class Managed:
             self._finalizer = weakref.finalize(self, _release, self._kind, free, ptr)
 
     @property
-    def ptr(self):
+    def ptr(self) -> CData:
         if self._ptr is None:
             raise ClosedError(f"{type(self).__name__} was used after close()")
         return self._ptr
@@ -61,8 +66,8 @@ class Managed:
         if self._finalizer is not None:
             self._finalizer()
 
-    def __enter__(self):
+    def __enter__(self: _M) -> _M:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

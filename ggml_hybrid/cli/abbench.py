@@ -9,8 +9,8 @@ are kept per run, by side and by whether the side ran first or second in its pai
 from __future__ import annotations
 
 import statistics
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..checks import check_int
 from ..model.generate import complete
@@ -61,7 +61,8 @@ def ab_bench(path, a: SessionOptions, b: SessionOptions, runs: int = 4, n_predic
 
 
 def format_table(r: dict) -> str:
-    lines = [f"{r['model']}: {r['runs']} blocks of A,B,B,A; prompt {r['prompt_tokens']} tok, decode {r['n_predict']} tok",
+    lines = [f"{r['model']}: {r['runs']} blocks of A,B,B,A; prompt {r['prompt_tokens']} tok, "
+             f"decode {r['n_predict']} tok",
              f"{'side':<5}{'prompt tok/s':>14}{'decode tok/s':>14}{'first in pair':>15}{'second in pair':>16}  options"]
     for key, s in r["sides"].items():
         lines.append(f"{key:<5}{s['prompt_tps']:>14.1f}{s['decode_tps']:>14.1f}{s['decode_tps_first']:>15.1f}"

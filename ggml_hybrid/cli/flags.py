@@ -35,11 +35,13 @@ def _progress(enabled: bool):
 
 # llama.cpp's layout flags, each shorthand for a session option
 _LAYOUT_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("-ot", "--override-tensor", "override_tensor"), dict(multiple=True, metavar="REGEX=DEVICE[,...]",
-                                                           help="Tensor layout by regex (searched, first match wins).")),
-    (("-ngl", "--n-gpu-layers", "n_gpu_layers"), dict(type=click.IntRange(-1), help="Layers on the devices; -1 = all.")),
+    (("-ot", "--override-tensor", "override_tensor"),
+     dict(multiple=True, metavar="REGEX=DEVICE[,...]", help="Tensor layout by regex (searched, first match wins).")),
+    (("-ngl", "--n-gpu-layers", "n_gpu_layers"),
+     dict(type=click.IntRange(-1), help="Layers on the devices; -1 = all.")),
     (("--cpu-moe", "cpu_moe"), dict(is_flag=True, default=None, help="All routed expert weights on the CPU.")),
-    (("--n-cpu-moe", "n_cpu_moe"), dict(type=click.IntRange(0), help="Routed expert weights of the first N layers on the CPU.")),
+    (("--n-cpu-moe", "n_cpu_moe"),
+     dict(type=click.IntRange(0), help="Routed expert weights of the first N layers on the CPU.")),
     (("-nkvo", "--no-kv-offload", "no_kv_offload"), dict(is_flag=True, default=None,
                                                           help="KV cache in host memory, attention on the CPU.")),
     (("-ctk", "--cache-type-k", "cache_type_k"), dict(type=click.Choice(["f32", "f16", "q8_0"]))),

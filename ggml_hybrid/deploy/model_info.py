@@ -71,7 +71,8 @@ def format_text(d: dict) -> str:
         e = d["experts"]
         lines.append(f"  MoE: {e['count']} experts, {e['used']} used per token, expert ff {e['ff']}"
                      + (f", shared expert ff {e['shared_ff']}" if e["shared_ff"] else "")
-                     + f"; {format_bytes(e['bytes_per_expert'])} per expert, {format_bytes(e['bytes_per_layer'])} per layer")
+                     + f"; {format_bytes(e['bytes_per_expert'])} per expert, "
+                       f"{format_bytes(e['bytes_per_layer'])} per layer")
     else:
         lines.append("  not a MoE model (no routed experts)")
     lines.append(f"  {d['tensors']} tensors, {format_bytes(d['total_bytes'])}:")

@@ -137,8 +137,8 @@ def _warnings(p: dict, opts: SessionOptions, hp) -> list[str]:
     mapped_experts = p["host"]["mapped"].get("routed_experts", 0)
     if p["host"]["ram"] is not None and mapped_experts and mapped_experts + p["host"]["resident_total"] > \
             p["host"]["ram"]:
-        w.append(f"experts used from host memory ({format_bytes(mapped_experts)}, memory-mapped) plus host buffers exceed "
-                 f"--ram {format_bytes(p['host']['ram'])}: they will be re-read from disk as pages are evicted")
+        w.append(f"experts used from host memory ({format_bytes(mapped_experts)}, memory-mapped) plus host buffers "
+                 f"exceed --ram {format_bytes(p['host']['ram'])}: they will be re-read from disk as pages are evicted")
     if opts.disk_experts and opts.expert_cache_slots < hp.n_used:
         w.append(f"expert_cache_slots={opts.expert_cache_slots} is smaller than the {hp.n_used} experts used per "
                  "token: every token needs several load rounds; use more slots or moe_cpu_share")
@@ -180,8 +180,8 @@ def _recommend(p: dict, opts: SessionOptions, hp, devices: list[str]) -> list[di
 
     def cpu_layers(q, o):
         n = int(o["n_cpu_moe"])
-        return (f"the routed experts of the first {n} layers ({format_bytes(n * p['experts']['bytes_per_layer'])}) stay in "
-                f"host memory (memory-mapped) and run on the CPU, as llama.cpp's --n-cpu-moe {n}." + nkvo)
+        return (f"the routed experts of the first {n} layers ({format_bytes(n * p['experts']['bytes_per_layer'])}) "
+                f"stay in host memory (memory-mapped) and run on the CPU, as llama.cpp's --n-cpu-moe {n}." + nkvo)
 
     if all(free[d] > 0 for d in devs):
         slots = int(min(min(free[d] // max(1, layers_on[d]) // per_expert - 1 for d in devs), hp.n_expert))

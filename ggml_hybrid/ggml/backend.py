@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
-from .._native import cstr, ffi, lib
+from .._native import CData, cstr, ffi, lib
 from .._native.managed import Managed
 from ..checks import check_choice, check_int
 from ..errors import AllocationError, ArgumentError, BackendError
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .tensor import Tensor
 
 # More CPU threads than this only queue on the cores (and each costs a stack and a spin).
 THREADS_PER_CORE = 4
@@ -25,12 +31,12 @@ def max_threads() -> int:
 _user_buffers: set[int] = set()
 
 
-def _free_buffer(ptr) -> None:
+def _free_buffer(ptr: CData) -> None:
     _user_buffers.discard(int(ffi.cast("uintptr_t", ptr)))
     lib.ggml_backend_buffer_free(ptr)
 
 
-def user_buffers() -> list:
+def user_buffers() -> list[CData]:
     return [ffi.cast("ggml_backend_buffer_t", a) for a in list(_user_buffers)]
 
 
@@ -39,7 +45,7 @@ class Buffer(Managed):
 
     _kind = "buffer"
 
-    def __init__(self, ptr, backend: Backend | None = None, owned: bool = True):
+    def __init__(self, ptr: CData, backend: Backend | None = None, owned: bool = True) -> None:
         if ptr == ffi.NULL:
             raise AllocationError("backend buffer allocation failed")
         super().__init__(ptr, _free_buffer, owned)
@@ -65,7 +71,7 @@ class Buffer(Managed):
         lib.ggml_backend_buffer_clear(self.ptr, value)
 
     @classmethod
-    def from_host_memory(cls, array, usage: str = "weights") -> Buffer:
+    def from_host_memory(cls, array: npt.ArrayLike, usage: str = "weights") -> Buffer:
         """A CPU buffer over existing host memory (e.g. a memory-mapped GGUF file); keeps ``array`` alive."""
         arr = np.asarray(array)
         if not arr.flags.c_contiguous:
@@ -76,7 +82,7 @@ class Buffer(Managed):
         buf.set_usage(usage)
         return buf
 
-    def place(self, tensor, offset: int) -> None:
+    def place(self, tensor: Tensor, offset: int) -> None:
         """Give ``tensor`` (unallocated, not a view) the memory at byte ``offset`` of this buffer."""
         p = tensor.ptr
         if p.buffer != ffi.NULL or p.data != ffi.NULL or p.view_src != ffi.NULL:
@@ -89,7 +95,8 @@ class Buffer(Managed):
         status = lib.ggml_backend_tensor_alloc(self.ptr, p, base + offset)
         if status != lib.GGML_STATUS_SUCCESS:
             raise AllocationError(f"Buffer.place: GGML could not place tensor {tensor.name!r}")
-        tensor.context._keep.append(self)  # tensor -> context -> this buffer (not closed with the context)
+        # tensor -> context -> this buffer (not closed with the context); placed tensors belong to a Context
+        cast("Context", tensor.context)._keep.append(self)
 
     def set_usage(self, usage: str) -> None:
         """'weights' tells the scheduler to run ops where their weights live; 'compute' or 'any' otherwise."""
@@ -102,7 +109,7 @@ class Buffer(Managed):
 class Threadpool(Managed):
     _kind = "threadpool"
 
-    def __init__(self, ptr):
+    def __init__(self, ptr: CData) -> None:
         if ptr == ffi.NULL:
             raise BackendError("could not create a CPU threadpool")
         super().__init__(ptr, lib.ggml_threadpool_free)
@@ -113,7 +120,7 @@ class Backend(Managed):
 
     _kind = "backend"
 
-    def __init__(self, ptr, kind: str):
+    def __init__(self, ptr: CData, kind: str) -> None:
         if ptr == ffi.NULL:
             raise BackendError(f"could not initialise the {kind} backend")
         super().__init__(ptr, lib.ggml_backend_free)
@@ -160,7 +167,7 @@ class Backend(Managed):
         check_int(size, "alloc_buffer: size", 0)
         return Buffer(lib.ggml_backend_alloc_buffer(self.ptr, size), self)
 
-    def supports(self, tensor) -> bool:
+    def supports(self, tensor: Tensor) -> bool:
         """Whether this backend can compute the node ``tensor``."""
         return bool(lib.ggml_backend_supports_op(self.ptr, tensor.ptr))
 

@@ -5,24 +5,30 @@ from __future__ import annotations
 import mmap
 import sys
 import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
-from .._native import ffi, lib
+from .._native import CData, ffi, lib
 from .._native.managed import Managed
 from ..checks import check_int
 from ..errors import AllocationError, ArgumentError, IndexRangeError, ShapeError
 from .backend import Backend, Buffer
-from .dtypes import as_ggml_type
+from .dtypes import GGMLTypeLike, as_ggml_type
 from .graph import Graph, track_context
 from .graph import all_contexts as _all_contexts
 from .ops import OpsMixin
-from .tensor import Tensor, check_indices, ne_of
+from .tensor import BorrowedScope, Tensor, check_indices, ne_of
+
+if TYPE_CHECKING:
+    from .tensor import _ArrayView
 
 # Python < 3.13 does not export it; without it Linux counts the mapping against the commit limit
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
-def _owner_of(view: Tensor):
+def _owner_of(view: Tensor) -> Context | BorrowedScope:
     """The context of a view's base tensor: the view's own context when that is where the base lives."""
     base = view.ptr.view_src
     for ctx in _all_contexts():
@@ -46,13 +52,14 @@ class Context(OpsMixin, Managed):
 
     _kind = "context"
 
-    def __init__(self, n_tensors: int = 1024, mem_size: int = 0, no_alloc: bool = True, graph_size: int = 0):
+    def __init__(self, n_tensors: int = 1024, mem_size: int = 0, no_alloc: bool = True,
+                 graph_size: int = 0) -> None:
         for name, v in (("n_tensors", n_tensors), ("mem_size", mem_size), ("graph_size", graph_size)):
             check_int(v, f"Context: {name}", 0)
         overhead = n_tensors * (lib.ggml_tensor_overhead() + _ALIGN_SLACK)
         if graph_size:
             overhead += lib.ggml_graph_overhead_custom(graph_size, False) + _ALIGN_SLACK
-        self.mem_size = overhead + mem_size
+        self.mem_size: int = overhead + mem_size
         params = ffi.new("struct ggml_init_params *", {"mem_size": self.mem_size, "mem_buffer": ffi.NULL,
                                                         "no_alloc": bool(no_alloc)})
         ptr = lib.ggml_init(params[0])
@@ -62,8 +69,8 @@ class Context(OpsMixin, Managed):
         self._pool_base = lib.ggml_get_mem_buffer(ptr)
         self.no_alloc = bool(no_alloc)
         self._buffers: list[Buffer] = []  # owned: closed with the context
-        self._keep: list = []  # shared (e.g. a mapped file's buffer): only kept alive
-        self._views: weakref.WeakSet = weakref.WeakSet()  # live numpy views into this context's memory
+        self._keep: list[Buffer] = []  # shared (e.g. a mapped file's buffer): only kept alive
+        self._views: weakref.WeakSet[_ArrayView] = weakref.WeakSet()  # live numpy views into this context's memory
         # index tensor -> (op, exclusive upper bound) for checking data set into it
         self._index_bounds: dict[int, tuple[str, int]] = {}
         # graph inputs set since the last compute that used them (GGML reuses input memory)
@@ -82,7 +89,7 @@ class Context(OpsMixin, Managed):
             raise AllocationError(f"{op}: the context's pool is full ({self.used} of {self.mem_size} bytes used, "
                                   f"{need} more needed); create the Context with a larger n_tensors or mem_size")
 
-    def _node(self, ptr) -> Tensor:
+    def _node(self, ptr: CData) -> Tensor:
         if ptr == ffi.NULL:
             raise AllocationError("GGML returned no tensor")
         return Tensor(ptr, self)
@@ -96,10 +103,12 @@ class Context(OpsMixin, Managed):
             # indices computed in the graph: their range is the row length they were sorted from
             reach = base.src[0].ne[0]
             if reach > bound:
-                raise IndexRangeError(f"{op}: index tensor {idx.name!r} comes from {ffi.string(lib.ggml_op_desc(base)).decode()} "
+                raise IndexRangeError(f"{op}: index tensor {idx.name!r} comes from "
+                                      f"{ffi.string(lib.ggml_op_desc(base)).decode()} "
                                       f"over rows of {reach}, but selects from only {bound} rows")
             return
-        owner = idx.context if base == p else _owner_of(idx)
+        # the tensors of an op belong to a Context (borrowed ones are never operands)
+        owner = cast("Context", idx.context if base == p else _owner_of(idx))
         key = int(ffi.cast("uintptr_t", base))
         prev = owner._index_bounds.get(key)
         if prev is None or bound < prev[1]:
@@ -116,7 +125,7 @@ class Context(OpsMixin, Managed):
     def _has_index_bound(self, t: Tensor) -> bool:
         return int(ffi.cast("uintptr_t", t.ptr)) in self._index_bounds
 
-    def _holds(self, p) -> bool:
+    def _holds(self, p: CData) -> bool:
         """Whether tensor struct ``p`` lives in this context's memory pool."""
         base = int(ffi.cast("uintptr_t", self._pool_base))
         return base <= int(ffi.cast("uintptr_t", p)) < base + self.mem_size
@@ -132,7 +141,7 @@ class Context(OpsMixin, Managed):
 
     # -- tensors --------------------------------------------------------------
 
-    def new_tensor(self, dtype, shape, name: str | None = None) -> Tensor:
+    def new_tensor(self, dtype: GGMLTypeLike, shape: Sequence[int], name: str | None = None) -> Tensor:
         """A new tensor of GGML type ``dtype`` (GGMLType, name or numpy dtype) and numpy-order ``shape``."""
         t = as_ggml_type(dtype)
         ne = ne_of(shape)
@@ -149,7 +158,7 @@ class Context(OpsMixin, Managed):
             tensor.name = name
         return tensor
 
-    def tensor(self, array, name: str | None = None, dtype=None) -> Tensor:
+    def tensor(self, array: npt.ArrayLike, name: str | None = None, dtype: GGMLTypeLike | None = None) -> Tensor:
         """A new tensor shaped like ``array``; its data is set now when the context owns data."""
         arr = np.asarray(array)
         t = self.new_tensor(dtype if dtype is not None else arr.dtype, arr.shape or (1,), name)
@@ -221,7 +230,7 @@ class Context(OpsMixin, Managed):
         self._buffers.append(buf)
         return buf
 
-    def _track_view(self, view) -> None:
+    def _track_view(self, view: _ArrayView) -> None:
         self._views.add(view)
 
     def close(self) -> None:
@@ -237,7 +246,7 @@ class Context(OpsMixin, Managed):
         self._ptr = None  # closed for the API now; the memory waits for the views
         remaining = [len(views)]
 
-        def one_gone():
+        def one_gone() -> None:
             remaining[0] -= 1
             if remaining[0] == 0:
                 release()

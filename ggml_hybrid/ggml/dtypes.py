@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+from typing import TypeAlias, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from .._native import cstr, lib
 from ..errors import DTypeError
@@ -74,8 +76,8 @@ class GGMLType(enum.IntEnum):
         try:
             return _TO_NUMPY[self]
         except KeyError:
-            raise DTypeError(f"GGML type {self.name} has no numpy element type; "
-                             "quantized data is exchanged as raw uint8 bytes or through quantize()/dequantize()") from None
+            raise DTypeError(f"GGML type {self.name} has no numpy element type; quantized data is exchanged "
+                             "as raw uint8 bytes or through quantize()/dequantize()") from None
 
 
 _TO_NUMPY: dict[GGMLType, np.dtype] = {
@@ -95,7 +97,11 @@ _FROM_NUMPY = {np.dtype(np.float32): GGMLType.F32, np.dtype(np.float16): GGMLTyp
                np.dtype(np.int64): GGMLType.I64}
 
 
-def as_ggml_type(value) -> GGMLType:
+#: what :func:`as_ggml_type` accepts: a GGMLType, its name or id, or a numpy dtype
+GGMLTypeLike: TypeAlias = "GGMLType | str | int | npt.DTypeLike"
+
+
+def as_ggml_type(value: GGMLTypeLike) -> GGMLType:
     """Accept a GGMLType, its name ("q4_K", "F32"), or a numpy dtype."""
     if isinstance(value, GGMLType):
         return value
@@ -110,7 +116,7 @@ def as_ggml_type(value) -> GGMLType:
         except ValueError:
             raise DTypeError(f"unknown GGML type id {value}") from None
     try:
-        dt = np.dtype(value)
+        dt = np.dtype(cast("npt.DTypeLike", value))  # a bool left here: numpy raises TypeError
     except TypeError:
         raise DTypeError(f"cannot interpret {value!r} as a GGML type") from None
     if dt in _FROM_NUMPY:

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from .._native import ffi, lib
+from .._native import CData, ffi, lib
 from .._native.status import check_status
 from ..checks import check_int
 from ..errors import AllocationError, BackendError, IndexRangeError
 from .tensor import Tensor, _buffer_of
 
-_contexts: weakref.WeakSet = weakref.WeakSet()
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .context import Context
+
+_contexts: weakref.WeakSet[Context] = weakref.WeakSet()
 
 
-def track_context(ctx) -> None:
+def track_context(ctx: Context) -> None:
     _contexts.add(ctx)
 
 
-def all_contexts() -> list:
+def all_contexts() -> list[Context]:
     return list(_contexts)
 
 
@@ -40,7 +46,7 @@ def _tensor_upper_bound() -> int:
 class Graph:
     """A GGML compute graph living in a context (which it keeps alive)."""
 
-    def __init__(self, ctx, size: int = 2048):
+    def __init__(self, ctx: Context, size: int = 2048) -> None:
         check_int(size, "Graph: size", 1)
         need = lib.ggml_graph_overhead_custom(size, False) + 64
         if ctx.used + need > ctx.mem_size:
@@ -51,16 +57,16 @@ class Graph:
         self._p = lib.ggml_new_graph_custom(ctx.ptr, size, False)
         self._checked_for: set[int] = set()  # backends whose support was verified, by sched pointer
         self._inputs: tuple[int, list[Tensor]] | None = None
-        self.version = 0
-        self._alloc_token = 0  # bumped whenever a scheduler (re)allocates this graph  # bumped by expand(), so a scheduler knows to split again
+        self.version = 0  # bumped by expand(), so a scheduler knows to split again
+        self._alloc_token = 0  # bumped whenever a scheduler (re)allocates this graph
 
     @property
-    def ptr(self):
-        self._ctx.ptr  # raises once the context is closed
+    def ptr(self) -> CData:
+        _ = self._ctx.ptr  # raises once the context is closed
         return self._p
 
     @property
-    def context(self):
+    def context(self) -> Context:
         return self._ctx
 
     @property
@@ -117,7 +123,7 @@ class Graph:
             self.version += 1
         return self
 
-    def _count_new(self, root) -> int:
+    def _count_new(self, root: CData) -> int:
         seen, stack = set(), [root]
         while stack:
             t = stack.pop()
@@ -128,7 +134,7 @@ class Graph:
             stack.extend(t.src[i] for i in range(lib.GGML_MAX_SRC) if t.src[i] != ffi.NULL)
         return len(seen)
 
-    def check_supported(self, backends, key: int) -> None:
+    def check_supported(self, backends: Sequence[Backend], key: int) -> None:
         """Raise unless every node can run on at least one of ``backends`` (GGML would abort)."""
         if key in self._checked_for:
             return
@@ -141,7 +147,7 @@ class Graph:
                                    f"{node.name!r} (op {node.op}, {node.dtype.name}, shape {node.shape})")
         self._checked_for.add(key)
 
-    def compute(self, backend) -> None:
+    def compute(self, backend: Backend) -> None:
         """Compute on one backend; every tensor must already have memory (e.g. a data-owning context)."""
         self.check_supported([backend], id(backend))
         for t in self.nodes + self.leafs:

@@ -10,10 +10,11 @@ inherits: nodes are created in the context the method is called on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
-from .._native import ffi, lib
-from ..checks import check_choice, check_int, check_real
+from .._native import CData, ffi, lib
+from ..checks import ErrorClass, check_choice, check_int, check_real
 from ..errors import DTypeError, ShapeError
 from .dtypes import GGMLType
 from .tensor import Tensor, ne_of
@@ -33,22 +34,22 @@ def _desc(t: Tensor) -> str:
     return f"{t.name or '<unnamed>'}{list(t.shape)}:{t.dtype.name}"
 
 
-def _need(cond: bool, op: str, rule: str, *tensors: Tensor, exc=ShapeError) -> None:
+def _need(cond: bool, op: str, rule: str, *tensors: Tensor, exc: ErrorClass = ShapeError) -> None:
     if not cond:
         raise exc(f"{op}: {rule} (got {', '.join(_desc(t) for t in tensors)})")
 
 
-def _types(op: str, t: Tensor, allowed, role: str = "input") -> None:
+def _types(op: str, t: Tensor, allowed: Set[GGMLType], role: str = "input") -> None:
     if t.dtype not in allowed:
         names = ", ".join(sorted(a.name for a in allowed))
         raise DTypeError(f"{op}: {role} {_desc(t)} must be one of {names}")
 
 
-def _finite(op: str, name: str, value) -> float:
+def _finite(op: str, name: str, value: float) -> float:
     return check_real(value, f"{op}: {name}")
 
 
-def _int(op: str, name: str, value, lo: int | None = None, hi: int | None = None) -> int:
+def _int(op: str, name: str, value: int, lo: int | None = None, hi: int | None = None) -> int:
     return check_int(value, f"{op}: {name}", lo, hi)
 
 
@@ -80,7 +81,7 @@ class OpsMixin:
 
     def _own(self, op: str, *tensors: Tensor) -> None:
         for t in tensors:
-            t.ptr  # raises if its context is closed
+            _ = t.ptr  # raises if its context is closed
         self._reserve(op, 2)
 
     # -- matrix products ------------------------------------------------------
@@ -136,7 +137,7 @@ class OpsMixin:
 
     # -- elementwise ----------------------------------------------------------
 
-    def _binary(self, op: str, fn, a: Tensor, b: Tensor) -> Tensor:
+    def _binary(self, op: str, fn: Callable[[CData, CData, CData], CData], a: Tensor, b: Tensor) -> Tensor:
         self._own(op, a, b)
         if (a.dtype, b.dtype) not in BINARY_TYPES:
             raise DTypeError(f"{op}: type pair ({a.dtype.name}, {b.dtype.name}) is not supported; "
@@ -160,7 +161,7 @@ class OpsMixin:
         _need(_padded_1d(a), "scale", "a must be contiguous in its rows and outer dims (use cont() first)", a)
         return self._node(lib.ggml_scale(self.ptr, a.ptr, _finite("scale", "s", s)))
 
-    def _unary(self, op: str, fn, a: Tensor) -> Tensor:
+    def _unary(self, op: str, fn: Callable[[CData, CData], CData], a: Tensor) -> Tensor:
         self._own(op, a)
         _types(op, a, {F32, F16})
         _need(bool(lib.ggml_is_contiguous_1(a.ptr)), op, "a must be contiguous (use cont() first)", a)
@@ -308,7 +309,7 @@ class OpsMixin:
 
     # -- layout ---------------------------------------------------------------
 
-    def view(self, a: Tensor, shape, strides=None, offset: int = 0) -> Tensor:
+    def view(self, a: Tensor, shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0) -> Tensor:
         """A view of a with a numpy-order shape, byte strides (numpy order, outer dims only) and byte offset."""
         op = "view"
         self._own(op, a)
@@ -343,7 +344,7 @@ class OpsMixin:
         p = lib.ggml_view_4d(self.ptr, a.ptr, ne[0], ne[1], ne[2], ne[3], nb[0], nb[1], nb[2], offset)
         return self._node(p)
 
-    def reshape(self, a: Tensor, shape) -> Tensor:
+    def reshape(self, a: Tensor, shape: Sequence[int]) -> Tensor:
         op = "reshape"
         self._own(op, a)
         ne = ne_of(shape)
@@ -352,7 +353,7 @@ class OpsMixin:
         _need(ne[0] % a.dtype.block_size == 0, op, "the innermost size must be a multiple of the block size", a)
         return self._node(lib.ggml_reshape_4d(self.ptr, a.ptr, *ne))
 
-    def permute(self, a: Tensor, axes) -> Tensor:
+    def permute(self, a: Tensor, axes: Sequence[int]) -> Tensor:
         """numpy.transpose semantics over the tensor's numpy-order axes (padded to 4-D)."""
         op = "permute"
         self._own(op, a)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
+import numpy.typing as npt
 
 from .._native import ffi, lib
 from ..errors import ArgumentError, BackendError, DTypeError, ShapeError
-from .dtypes import GGMLType, as_ggml_type
+from .dtypes import GGMLType, GGMLTypeLike, as_ggml_type
 
 
 def _rows(op: str, x: np.ndarray, t: GGMLType) -> np.ndarray:
@@ -18,7 +21,7 @@ def _rows(op: str, x: np.ndarray, t: GGMLType) -> np.ndarray:
     return x
 
 
-def quantize(x, dtype, imatrix=None) -> np.ndarray:
+def quantize(x: npt.ArrayLike, dtype: GGMLTypeLike, imatrix: npt.ArrayLike | None = None) -> np.ndarray:
     """Quantize float rows (last axis) to GGML type ``dtype``; returns uint8 [..., row_bytes]."""
     t = as_ggml_type(dtype)
     x = np.asarray(x)
@@ -57,7 +60,7 @@ def quantize(x, dtype, imatrix=None) -> np.ndarray:
     return out
 
 
-def dequantize(data, dtype, n_per_row: int) -> np.ndarray:
+def dequantize(data: npt.ArrayLike, dtype: GGMLTypeLike, n_per_row: int) -> np.ndarray:
     """Inverse of :func:`quantize`: uint8 [..., row_bytes] -> float32 [..., n_per_row]."""
     t = as_ggml_type(dtype)
     data = np.ascontiguousarray(data)
@@ -72,7 +75,8 @@ def dequantize(data, dtype, n_per_row: int) -> np.ndarray:
         raise ShapeError(f"dequantize: {t.name} rows of {n_per_row} take {row_bytes} bytes, "
                          f"data has shape {data.shape}")
     if t == GGMLType.F32:
-        return data.view(np.float32).reshape(data.shape[:-1] + (int(n_per_row),)).copy()
+        # numpy types copy() as Any
+        return cast("np.ndarray", data.view(np.float32).reshape(data.shape[:-1] + (int(n_per_row),)).copy())
     traits = lib.ggml_get_type_traits(t)
     if traits.to_float == ffi.NULL:
         raise DTypeError(f"dequantize: GGML has no conversion from {t.name} to float")
@@ -84,7 +88,7 @@ def dequantize(data, dtype, n_per_row: int) -> np.ndarray:
 _FP16_MAX = 65504.0
 
 
-def _quantizable() -> frozenset:
+def _quantizable() -> frozenset[GGMLType]:
     ok = set()
     for t in GGMLType:
         if t.is_quantized and t not in (GGMLType.Q8_1, GGMLType.Q8_K) and lib.ggml_get_type_traits(t).to_float:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
-from .._native import cstr, ffi, lib
+from .._native import CData, cstr, ffi, lib
 from .._native.status import check_status
 from ..errors import (
     ComputeError,
@@ -25,6 +27,10 @@ from ..errors import (
     RegionUnsupportedError,
 )
 from .tensor import BorrowedScope, Tensor
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .sched import Scheduler
 
 
 class _Decline:
@@ -54,7 +60,7 @@ class Region:
     inputs: list[Tensor]
     outputs: list[Tensor]
     executor: Callable[[RegionCall], object]
-    backend: object | None  # Backend or None
+    backend: Backend | None
     name: str = ""
     calls: int = field(default=0)
     declined: int = field(default=0)
@@ -63,7 +69,8 @@ class Region:
 class RegionCall:
     """What an executor receives for one compute of its region."""
 
-    def __init__(self, sched, region: Region, backend, inputs: list[Tensor], outputs: list[Tensor]):
+    def __init__(self, sched: Scheduler, region: Region, backend: Backend | None, inputs: list[Tensor],
+                 outputs: list[Tensor]) -> None:
         self.sched = sched
         self.region = region
         #: the backend the region runs on (its inputs were made ready there)
@@ -77,7 +84,7 @@ class RegionCall:
         """Read-only numpy views of host inputs (copies for device inputs)."""
         return [t.view_numpy(writable=False) if t.is_host else t.numpy() for t in self.inputs]
 
-    def write_output(self, i: int, array) -> None:
+    def write_output(self, i: int, array: npt.ArrayLike) -> None:
         """Write output ``i`` (any backend) from a numpy array of its shape and dtype."""
         self.outputs[i].set(np.asarray(array))
 
@@ -87,7 +94,7 @@ class RegionCall:
         check_status(status, f"region {self.region.id}: computing its own nodes")
 
 
-def raise_region_status(sched) -> None:
+def raise_region_status(sched: Scheduler) -> None:
     """Raise the typed error for the scheduler's last region failure, if any."""
     rid, msg = ffi.new("int *"), ffi.new("const char **")
     status = lib.ggml_backend_sched_get_region_status(sched.ptr, rid, msg)
@@ -101,9 +108,10 @@ def raise_region_status(sched) -> None:
     raise exc(text)
 
 
-@ffi.def_extern()
-def _ggml_hybrid_region_exec(region_id, backend, inputs, n_inputs, outputs, n_outputs, user_data):
-    sched = ffi.from_handle(user_data)
+@ffi.def_extern()  # type: ignore[untyped-decorator]  # cffi ships no type information
+def _ggml_hybrid_region_exec(region_id: int, backend: CData, inputs: CData, n_inputs: int, outputs: CData,
+                             n_outputs: int, user_data: CData) -> int:
+    sched: Scheduler = ffi.from_handle(user_data)
     scope = BorrowedScope()  # the tensors are valid during the call only
     try:
         region = sched._regions[region_id]

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
-from .._native import ffi, lib
+from .._native import CData, ffi, lib
 from .._native.managed import Managed
 from .._native.status import check_status
 from ..checks import check_int
 from ..errors import AllocationError, ArgumentTypeError, BackendError, ClosedError, GgmlHybridError, RegionError
 from .backend import Backend, user_buffers
 from .graph import Graph, live_pools
-from .regions import Region, raise_region_status
+from .regions import Region, RegionCall, raise_region_status
 from .tensor import BorrowedScope, Tensor
+
+if TYPE_CHECKING:
+    from .context import Context
 
 
 def _unalloc(graph: Graph) -> int:
@@ -24,10 +29,11 @@ def _unalloc(graph: Graph) -> int:
         return 0  # its tensors are gone with their context: nothing to touch
     keep = user_buffers()
     pools = live_pools()
-    dangling = lib.ggml_hybrid_graph_unalloc(graph.ptr, ffi.new("ggml_backend_buffer_t[]", keep) if keep else ffi.NULL,
+    dangling = lib.ggml_hybrid_graph_unalloc(graph.ptr,
+                                             ffi.new("ggml_backend_buffer_t[]", keep) if keep else ffi.NULL,
                                              len(keep), ffi.new("uintptr_t[]", pools), len(pools) // 2)
     graph._alloc_token += 1
-    return dangling
+    return int(dangling)
 
 
 class Scheduler(Managed):
@@ -39,7 +45,7 @@ class Scheduler(Managed):
     _kind = "scheduler"
 
     def __init__(self, backends: list[Backend], graph_size: int = 2048, parallel: bool = False,
-                 op_offload: bool = False):
+                 op_offload: bool = False) -> None:
         backends = list(backends)
         if not backends:
             raise BackendError("Scheduler: needs at least one backend")
@@ -53,15 +59,16 @@ class Scheduler(Managed):
         super().__init__(ptr, lib.ggml_backend_sched_free)
         self._backends = backends  # kept alive for as long as the scheduler
         self.graph_size = graph_size
-        self._eval_fn = self._eval_handle = None
+        self._eval_fn: Callable[[Tensor, bool], object] | None = None
+        self._eval_handle: CData = None
         self._pending_error: BaseException | None = None
         self._regions: list[Region] = []
-        self._graphs: weakref.WeakSet = weakref.WeakSet()  # graphs whose nodes live in our compute buffers
+        self._graphs: weakref.WeakSet[Graph] = weakref.WeakSet()  # graphs whose nodes live in our compute buffers
         self._handle = ffi.new_handle(self)  # user_data of region executors
         # (graph, version, allocation token) of the graph split and allocated last
-        self._allocated: tuple | None = None
+        self._allocated: tuple[Graph, int, int] | None = None
         # graph -> [(tensor, backend)]: assignments re-applied whenever GGML's are reset
-        self._pins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._pins: weakref.WeakKeyDictionary[Graph, list[tuple[Tensor, Backend]]] = weakref.WeakKeyDictionary()
 
     @property
     def backends(self) -> list[Backend]:
@@ -108,13 +115,13 @@ class Scheduler(Managed):
         stale = []
         for t in graph.inputs:
             key = int(ffi.cast("uintptr_t", t.ptr))
-            if key not in t.context._fresh:
+            if key not in cast("Context", t.context)._fresh:  # graph inputs belong to a Context
                 stale.append(t.name or "<unnamed>")
         if stale:
             raise BackendError(f"graph inputs {stale} were not set since the last compute (or alloc); a compute "
                                "consumes its inputs, so set every input before each compute")
         for t in graph.inputs:
-            t.context._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
+            cast("Context", t.context)._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
 
     def _forget_allocation(self, graph: Graph) -> None:
         # tensors a scheduler allocated point into its compute buffers, which may be freed
@@ -129,7 +136,7 @@ class Scheduler(Managed):
                 _unalloc(other)
         self._graphs.add(graph)
 
-    def set_pins(self, graph: Graph, pins) -> None:
+    def set_pins(self, graph: Graph, pins: Iterable[tuple[Tensor, Backend]]) -> None:
         """Run each ``(node, backend)`` of ``graph`` on that backend, in every later alloc and reserve.
 
         GGML forgets tensor assignments on each reset; these are applied again after it.
@@ -166,7 +173,7 @@ class Scheduler(Managed):
             raise AllocationError("Scheduler.alloc: could not allocate the graph")
         self._allocated = (graph, graph.version, graph._alloc_token)
         for t in graph.inputs:  # allocation may have moved them: their data must be set anew
-            t.context._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
+            cast("Context", t.context)._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
 
     def prepare(self, graph: Graph) -> bool:
         """Allocate ``graph`` unless it is still allocated here; returns whether it was (re)allocated.
@@ -209,7 +216,8 @@ class Scheduler(Managed):
 
     # -- regions --------------------------------------------------------------
 
-    def add_region(self, inputs, outputs, executor, backend: Backend | None = None, name: str = "") -> Region:
+    def add_region(self, inputs: Iterable[Tensor], outputs: Iterable[Tensor], executor: Callable[[RegionCall], object],
+                   backend: Backend | None = None, name: str = "") -> Region:
         """Register a region: every node on a path from ``inputs`` to ``outputs``.
 
         At compute time ``executor(call)`` runs instead of those nodes; it writes
@@ -256,13 +264,14 @@ class Scheduler(Managed):
         lib.ggml_backend_sched_check_regions(self.ptr, graph.ptr)
         raise_region_status(self)
 
-    def splits(self) -> list[dict]:
+    def splits(self) -> list[dict[str, Any]]:
         """The last split: backend, region id (-1: none), node ops and number of copied inputs."""
         out = []
         b, r, n, k = (ffi.new("int *") for _ in range(4))
         for i in range(self.n_splits):
             lib.ggml_backend_sched_get_split(self.ptr, i, b, r, n, k)
-            nodes = [Tensor(lib.ggml_backend_sched_get_split_node(self.ptr, i, j), BorrowedScope()) for j in range(n[0])]
+            nodes = [Tensor(lib.ggml_backend_sched_get_split_node(self.ptr, i, j), BorrowedScope())
+                     for j in range(n[0])]
             out.append({"backend": self._backends[b[0]].name, "region": r[0], "n_inputs": k[0],
                         "nodes": [t.name for t in nodes], "ops": [t.op for t in nodes]})
         return out
@@ -270,7 +279,7 @@ class Scheduler(Managed):
     def synchronize(self) -> None:
         lib.ggml_backend_sched_synchronize(self.ptr)
 
-    def set_eval_callback(self, fn) -> None:
+    def set_eval_callback(self, fn: Callable[[Tensor, bool], object] | None) -> None:
         """``fn(tensor, ask) -> bool`` is called around nodes (GGML's eval callback); None removes it.
 
         With ``ask=True`` return whether you want to see the node's data; with
@@ -292,13 +301,14 @@ class Scheduler(Managed):
             raise err
 
 
-@ffi.def_extern()
-def _ggml_hybrid_eval_callback(t, ask, user_data):
-    sched = ffi.from_handle(user_data)
+@ffi.def_extern()  # type: ignore[untyped-decorator]  # cffi ships no type information
+def _ggml_hybrid_eval_callback(t: CData, ask: CData, user_data: CData) -> bool:
+    sched: Scheduler = ffi.from_handle(user_data)
     if sched._pending_error is not None:
         return bool(ask)  # ask for the data, then stop on the data call
     try:
-        return bool(sched._eval_fn(Tensor(t, BorrowedScope()), bool(ask)))
+        fn = cast("Callable[[Tensor, bool], object]", sched._eval_fn)  # set while the callback is registered
+        return bool(fn(Tensor(t, BorrowedScope()), bool(ask)))
     except BaseException as exc:
         sched._pending_error = exc
         return bool(ask)

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, SupportsInt, cast
 
-from .._native import cstr, ffi, lib
+import numpy as np
+import numpy.typing as npt
+
+from .._native import CData, cstr, ffi, lib
 from ..errors import ArgumentError, BackendError, ClosedError, DTypeError, IndexRangeError, ShapeError
 from .dtypes import GGMLType
 
+if TYPE_CHECKING:
+    from .context import Context
 
-def ne_of(shape) -> tuple[int, int, int, int]:
+
+def ne_of(shape: Iterable[SupportsInt]) -> tuple[int, int, int, int]:
     """numpy-order shape -> GGML ne (innermost first), padded to 4 dims."""
-    shape = tuple(int(s) for s in shape)
-    if not 1 <= len(shape) <= 4:
-        raise ShapeError(f"GGML tensors have 1 to 4 dimensions, got shape {shape}")
-    return tuple(reversed(shape)) + (1,) * (4 - len(shape))
+    dims = tuple(int(s) for s in shape)
+    if not 1 <= len(dims) <= 4:
+        raise ShapeError(f"GGML tensors have 1 to 4 dimensions, got shape {dims}")
+    return cast("tuple[int, int, int, int]", tuple(reversed(dims)) + (1,) * (4 - len(dims)))
 
 
-def shape_of(ne) -> tuple[int, ...]:
+def shape_of(ne: Sequence[int]) -> tuple[int, ...]:
     """GGML ne -> numpy-order shape, dropping trailing size-1 dims beyond the first."""
     n = 4
     while n > 1 and ne[n - 1] == 1:
@@ -35,19 +42,19 @@ class Tensor:
 
     __slots__ = ("_p", "_ctx", "__weakref__")
 
-    def __init__(self, ptr, ctx):
+    def __init__(self, ptr: CData, ctx: Context | BorrowedScope) -> None:
         self._p = ptr
         self._ctx = ctx
 
     @property
-    def ptr(self):
+    def ptr(self) -> CData:
         if self._ctx.closed:
             # the struct (and its name) went with the context's memory: do not read it
             raise ClosedError("this tensor belongs to a closed context")
         return self._p
 
     @property
-    def context(self):
+    def context(self) -> Context | BorrowedScope:
         return self._ctx
 
     @property
@@ -101,11 +108,11 @@ class Tensor:
 
     @property
     def is_view(self) -> bool:
-        return self.ptr.view_src != ffi.NULL
+        return bool(self.ptr.view_src != ffi.NULL)
 
     @property
     def is_allocated(self) -> bool:
-        return self.ptr.data != ffi.NULL
+        return bool(self.ptr.data != ffi.NULL)
 
     @property
     def is_host(self) -> bool:
@@ -113,7 +120,7 @@ class Tensor:
         p = self.ptr
         buf = _buffer_of(p)
         if buf == ffi.NULL:
-            return p.data != ffi.NULL  # context-allocated memory
+            return bool(p.data != ffi.NULL)  # context-allocated memory
         return bool(lib.ggml_backend_buffer_is_host(buf))
 
     @property
@@ -129,10 +136,10 @@ class Tensor:
         lib.ggml_set_output(self.ptr)
         return self
 
-    def __eq__(self, other):
-        return isinstance(other, Tensor) and self._p == other._p
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tensor) and bool(self._p == other._p)
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(int(ffi.cast("uintptr_t", self._p)))
 
     def __repr__(self) -> str:
@@ -147,7 +154,7 @@ class Tensor:
             raise BackendError(f"{what}: tensor {self.name!r} has no memory yet "
                                "(allocate its context in a backend buffer, or compute the graph first)")
 
-    def set(self, array) -> Tensor:
+    def set(self, array: npt.ArrayLike) -> Tensor:
         """Copy a numpy array into the tensor (any backend).
 
         Plain types take an array of the matching dtype and shape; quantized
@@ -200,7 +207,7 @@ class Tensor:
             if not self.is_host:
                 raise ShapeError(f"Tensor.numpy: tensor {self.name!r} is a non-contiguous view on a device; "
                                  "make it contiguous with cont() in the graph")
-            return self.view_numpy().copy()
+            return cast("np.ndarray", self.view_numpy().copy())  # numpy types copy() as Any
         out = np.empty(self.nbytes if dt.is_quantized else self.shape,
                        dtype=np.uint8 if dt.is_quantized else dt.numpy_dtype)
         p = self.ptr
@@ -234,20 +241,20 @@ class BorrowedScope:
 
     closed = False
 
-    def _check_index_data(self, t, arr) -> None:
+    def _check_index_data(self, t: Tensor, arr: np.ndarray) -> None:
         pass
 
-    def _has_index_bound(self, t) -> bool:
+    def _has_index_bound(self, t: Tensor) -> bool:
         return False
 
-    def _track_view(self, view) -> None:
+    def _track_view(self, view: _ArrayView) -> None:
         pass
 
-    def _mark_set(self, t) -> None:
+    def _mark_set(self, t: Tensor) -> None:
         pass
 
 
-def _buffer_of(p):
+def _buffer_of(p: CData) -> CData:
     # GGML's own rule: a view's memory belongs to the buffer of its source
     return p.view_src.buffer if p.view_src != ffi.NULL else p.buffer
 
@@ -257,7 +264,8 @@ class _ArrayView:
 
     __slots__ = ("tensor", "__array_interface__", "__weakref__")
 
-    def __init__(self, tensor: Tensor, shape, strides, typestr, writable):
+    def __init__(self, tensor: Tensor, shape: Iterable[int], strides: Iterable[int], typestr: str,
+                 writable: bool) -> None:
         self.tensor = tensor
         tensor._ctx._track_view(self)
         addr = int(ffi.cast("uintptr_t", tensor.ptr.data))

@@ -8,6 +8,7 @@ position's logits, which is what the CLI prints and writes.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,8 +43,9 @@ class GenerationStats:
         return np.concatenate(self.logits, axis=0).astype(np.float32) if self.logits else np.zeros((0, 0), np.float32)
 
 
-def generate(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | None = None,
-             stats: GenerationStats | None = None, keep_logits: bool = False, stop_at_eos: bool = True):
+def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
+             stats: GenerationStats | None = None, keep_logits: bool = False,
+             stop_at_eos: bool = True) -> Iterator[str]:
     """Yield the generated text piece by piece; ``stats`` (if given) is filled as it goes."""
     check_int(n_predict, "generate: n_predict", 0)
     sampler = sampler or Sampler()
@@ -87,7 +89,7 @@ def generate(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | 
         yield rest
 
 
-def complete(model: MoEModel, prompt_tokens, n_predict: int, sampler: Sampler | None = None,
+def complete(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
              keep_logits: bool = False, stop_at_eos: bool = True) -> tuple[str, GenerationStats]:
     """:func:`generate` run to the end: the whole text and its stats."""
     st = GenerationStats()

@@ -29,7 +29,7 @@ class TensorInfo:
 
 
 class GGUFStore:
-    def __init__(self, path):
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         import gguf
 
         self.path = os.fspath(path)

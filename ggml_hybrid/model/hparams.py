@@ -130,7 +130,8 @@ def read_stack_hparams(store: GGUFStore) -> StackHParams:
     if f"blk.{n_layer - 1}.ffn_gate_inp.weight" not in store or f"blk.{n_layer}.ffn_gate_inp.weight" in store:
         raise ModelFileError(f"{store.path!r}: {arch}.block_count = {n_layer} does not match the blk.N tensors")
     for i in range(n_layer):
-        for name, want in ((f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd)), (f"blk.{i}.ffn_norm.weight", (n_embd,))):
+        for name, want in ((f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd)),
+                           (f"blk.{i}.ffn_norm.weight", (n_embd,))):
             shape = store.info(name).shape
             if shape != want:
                 raise ModelFileError(f"{store.path!r}: {name} has shape {shape}, expected {want} from the metadata")
@@ -246,5 +247,5 @@ def check_tensors(store: GGUFStore, hp: HParams) -> None:
         raise ModelFileError(f"{store.path!r}: {hp.arch}.block_count = {hp.n_layer} but blk.{hp.n_layer} exists")
 
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "HParams", "StackHParams", "architecture", "check_tensors", "meta_float", "meta_int",
-           "read_hparams", "read_stack_hparams", "tensor_shapes"]
+__all__ = ["ARCHITECTURES", "ArchSpec", "HParams", "StackHParams", "architecture", "check_tensors", "meta_float",
+           "meta_int", "read_hparams", "read_stack_hparams", "tensor_shapes"]

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from .._native import ffi
 from ..checks import check_choice
 from ..deploy.devices import open_devices
 from ..deploy.layout import CPU, Layout, plan_layout
-from ..errors import ClosedError, IndexRangeError, ShapeError
+from ..errors import ClosedError, IndexRangeError, ModelFileError, ShapeError
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Context
 from ..ggml.sched import Scheduler
@@ -31,7 +34,7 @@ from ..moe.expert_layers import ExpertLayers, check_moe_options
 from ..moe.stack_session import SessionCounters
 from ..options import OptionError, SessionOptions
 from .decoder import DecoderGraph, build_decoder, graph_size
-from .gguf_store import GGUFStore, ModelFileError, load_into
+from .gguf_store import GGUFStore, load_into
 from .hparams import HParams, read_hparams, tensor_shapes
 from .kv_cache import KVCache
 from .tokenizer import Tokenizer
@@ -63,8 +66,9 @@ class MoEModel:
     experts: ExpertLayers
     kv: KVCache
     layout: Layout
-    def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None,
-                 progress=None, dry_run_devices: list[str] | None = None):
+    def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
+                 device: Backend | None = None, progress: Callable[[int, int], object] | None = None,
+                 dry_run_devices: list[str] | None = None) -> None:
         """Load ``path``; ``progress(done, total)`` is called as tensors are loaded.
 
         ``dry_run_devices`` (planning): allocate everything as a load would, on CPU backend
@@ -91,8 +95,8 @@ class MoEModel:
         self._own_devices = device is None
         self.devices = {}
         self.weight_ctxs: list[tuple[str, Context]] = []
-        self._graphs: dict[tuple, DecoderGraph] = {}
-        self._active: tuple | None = None  # key of the graph whose regions are registered
+        self._graphs: dict[tuple[int, int, int], DecoderGraph] = {}
+        self._active: tuple[int, int, int] | None = None  # key of the graph whose regions are registered
         try:
             self._load(opts, hp, n_threads, device, dry_run_devices, progress)
         except BaseException:
@@ -100,11 +104,12 @@ class MoEModel:
             raise
         self.load_seconds = time.perf_counter() - t0
 
-    def _load(self, opts: SessionOptions, hp: HParams, n_threads: int, device, dry_run_devices, progress) -> None:
+    def _load(self, opts: SessionOptions, hp: HParams, n_threads: int, device: Backend | None,
+              dry_run_devices: list[str] | None, progress: Callable[[int, int], object] | None) -> None:
         store = self.store
         # without accelerators, CPU backend instances play the devices (DEV0, ...), with their own buffers
         if self.dry_run:
-            for i, name in enumerate(dry_run_devices):
+            for i, name in enumerate(cast("list[str]", dry_run_devices)):  # given when dry_run
                 self.devices[name] = cpu_instance(i, 1)
         elif device is not None:
             self.devices = {"CUDA0" if not device.is_cpu else "DEV0": device}
@@ -119,7 +124,7 @@ class MoEModel:
         total = len(dense) + 3 * hp.n_layer + (1 if hp.tied_output else 0)
         done = [0]
 
-        def tick(_name):
+        def tick(_name: str) -> None:
             done[0] += 1
             if progress is not None:
                 progress(done[0], total)
@@ -140,7 +145,7 @@ class MoEModel:
         """The backend of a device name of this session (``CPU``: the host backend)."""
         return self.host if name == CPU else self.devices[name]
 
-    def _load_dense(self, dense: list[str], tick) -> None:
+    def _load_dense(self, dense: list[str], tick: Callable[[str], None]) -> None:
         """Dense weights into each device's buffer; CPU ones used in place from the mapped file."""
         by_dev: dict[str, list[str]] = {}
         for n in dense:
@@ -207,9 +212,9 @@ class MoEModel:
             self._active = key
         return entry
 
-    def _pins(self, entry: DecoderGraph) -> list:
+    def _pins(self, entry: DecoderGraph) -> list[tuple[Tensor, Backend]]:
         """Each node's backend: where its weight lives, else its layer's device (attention: its KV's)."""
-        addr = lambda t: int(ffi.cast("uintptr_t", t.ptr))
+        addr: Callable[[Tensor], int] = lambda t: int(ffi.cast("uintptr_t", t.ptr))
         lay, home = self.layout, {}
         for name, t in self.weights.items():
             home[addr(t)] = self.backend(lay.tensors.get(name) or lay.tensors["output.weight(tied)"])
@@ -244,7 +249,7 @@ class MoEModel:
                 pins.append((node, b))
         return pins
 
-    def _check_tokens(self, tokens) -> np.ndarray:
+    def _check_tokens(self, tokens: npt.ArrayLike) -> np.ndarray:
         arr = np.asarray(tokens)
         if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
             raise ShapeError(f"eval: tokens must be a non-empty 1-D sequence of integers, got {arr.dtype} "
@@ -271,7 +276,7 @@ class MoEModel:
         self.kv.n_past += n
         return g.logits.numpy().reshape(n_out, self.hp.n_vocab)
 
-    def eval(self, tokens, logits: str = "last") -> np.ndarray:
+    def eval(self, tokens: npt.ArrayLike, logits: str = "last") -> np.ndarray:
         """Append ``tokens`` to the sequence; the logits of the last (``"last"``) or every (``"all"``) one."""
         check_choice(logits, "eval: logits", ("last", "all"))
         if self.dry_run:
@@ -313,7 +318,7 @@ class MoEModel:
             out["compute"] += self.sched.buffer_size(b) + self.experts.compute_bytes(b)
         return out
 
-    def layout_report(self) -> dict:
+    def layout_report(self) -> dict[str, Any]:
         """Where each tensor class ended up: bytes per device (``CPU`` in RAM, ``mapped`` on the file)."""
         infos = {n: self.store.info(n).nbytes for n in self.layout.tensors if n in self.store}
         if "output.weight(tied)" in self.layout.tensors:
@@ -352,10 +357,10 @@ class MoEModel:
             for b in self.devices.values():
                 b.close()
 
-    def __enter__(self):
+    def __enter__(self) -> MoEModel:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

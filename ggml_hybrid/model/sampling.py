@@ -23,7 +23,7 @@ class Sampler:
     seed: int | None = None
     _rng: np.random.Generator = field(init=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_real(self.temperature, "Sampler: temperature", 0.0)
         check_int(self.top_k, "Sampler: top_k", 0)
         check_real(self.top_p, "Sampler: top_p", 0.0, 1.0, lo_open=True)

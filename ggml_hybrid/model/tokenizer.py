@@ -13,9 +13,11 @@ llama.cpp with ``parse_special=false``.
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterable
+from typing import SupportsInt
 
-from ..errors import ArgumentTypeError
-from .gguf_store import GGUFStore, ModelFileError
+from ..errors import ArgumentTypeError, ModelFileError
+from .gguf_store import GGUFStore
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre
 _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -102,11 +104,11 @@ class Tokenizer:
             raise ModelFileError(f"{store.path!r}: tokenizer.ggml.model = {model!r}; only byte-level BPE "
                                  "('gpt2') is supported")
 
-        def opt_int(key):
+        def opt_int(key: str) -> int | None:
             v = store.meta(key, -1)
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
-        def str_list(key, default=None):
+        def str_list(key: str, default: list[str] | None = None) -> list[str]:
             v = store.meta(key, default)
             if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
                 raise ModelFileError(f"{store.path!r}: {key} must be a list of strings, got {type(v).__name__}")
@@ -141,7 +143,7 @@ class Tokenizer:
             return tok.encode()
         return bytes(self._bytes_of[ch] for ch in tok)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[SupportsInt]) -> str:
         return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
 
     def stream(self) -> TextStream:

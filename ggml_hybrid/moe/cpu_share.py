@@ -284,7 +284,8 @@ def split_misses(experts: Sequence[int], rows: Sequence[int], resident: Iterable
 # -- automatic share -------------------------------------------------------------------------------
 
 
-def _times(c: Mapping[str, float], expert_bytes: int, n_cpu: int, cpu_rows: int, n_dev: int, dev_rows: int) -> tuple[float, float]:
+def _times(c: Mapping[str, float], expert_bytes: int, n_cpu: int, cpu_rows: int, n_dev: int,
+           dev_rows: int) -> tuple[float, float]:
     """(cpu_seconds, device_seconds); the single formula shared by ``choose`` and ``modeled_times``."""
     cpu = c["cpu_per_byte"] * expert_bytes * n_cpu + c["cpu_per_row"] * cpu_rows
     dev = c["load_per_byte"] * expert_bytes * n_dev + c["device_per_row"] * dev_rows

@@ -126,7 +126,8 @@ class SlotCache:
             raise SlotCacheError(f"SlotCache: n_slots must be >= 1, got {n_slots}")
         if n_slots > n_experts:
             raise SlotCacheError(
-                f"SlotCache: n_slots={n_slots} exceeds n_experts={n_experts}; a layer never needs more slots than experts")
+                f"SlotCache: n_slots={n_slots} exceeds n_experts={n_experts}; "
+                "a layer never needs more slots than experts")
         if not isinstance(policy, str) or policy not in POLICIES:
             raise SlotCacheError(f"SlotCache: policy must be one of {POLICIES}, got {policy!r}")
         self.n_experts = n_experts

@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ShapeError
 from ..ggml.backend import Backend, cpu, cuda, cuda_available
@@ -48,7 +49,7 @@ class SessionCounters:
             t.add(c)
         return t
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"total": self.total.to_dict(), "layers": [c.to_dict() for c in self.layers]}
 
     def to_json(self) -> str:
@@ -66,8 +67,8 @@ class StackGraph(NamedTuple):
 
 
 class MoEStackSession:
-    def __init__(self, path, options: SessionOptions | None = None, device: Backend | None = None,
-                 simulated_bus_bytes_per_s: float | None = None):
+    def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
+                 device: Backend | None = None, simulated_bus_bytes_per_s: float | None = None) -> None:
         self.options = opts = options or SessionOptions()
         self.store = store = GGUFStore(path)
         hp = read_stack_hparams(store)
@@ -123,7 +124,7 @@ class MoEStackSession:
             self._active = n_tokens
         return entry
 
-    def forward(self, x) -> np.ndarray:
+    def forward(self, x: npt.ArrayLike) -> np.ndarray:
         """Run the stack on ``x`` [tokens, n_embd] (float32); returns the output of the same shape."""
         x = np.asarray(x)
         if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != self.n_embd or x.shape[0] < 1:
@@ -150,10 +151,10 @@ class MoEStackSession:
         if self._own_device:
             self.device.close()
 
-    def __enter__(self):
+    def __enter__(self) -> MoEStackSession:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -74,7 +74,8 @@ def main() -> int:
         patched = Arm("patched", *load_patched(), ns.threads, shape)
         arms = [Arm("unpatched", *load_upstream(), ns.threads, shape), patched]
     else:
-        arms = [Arm("unpatched", *load_upstream(), ns.threads, shape), Arm("patched", *load_patched(), ns.threads, shape)]
+        arms = [Arm("unpatched", *load_upstream(), ns.threads, shape),
+                Arm("patched", *load_patched(), ns.threads, shape)]
     for arm in arms:
         for _ in range(ns.warmup):
             arm.step("step")
