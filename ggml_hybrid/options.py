@@ -17,10 +17,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union, cast
 
+from ._native import lib
 from .errors import OptionError
 
 __all__ = ["OptionError", "SessionOptions"]
 
+# a GGML scheduler takes at most GGML_SCHED_MAX_BACKENDS backends, the host CPU included
+MAX_DEVICES: int = lib.GGML_HYBRID_MAX_INSTANCES
 _ROLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _INT_RE = re.compile(r"[+-]?[0-9]+")  # int() alone also takes "1_000" and non-ASCII digits
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
@@ -213,8 +216,8 @@ class SessionOptions:
     no_kv_offload: bool = _opt(
         False, "bool", _BOOL_RULE, "KV cache in host memory and attention on the CPU (llama.cpp -nkvo).", _bool)
     virtual_devices: int = _opt(
-        1, "int", "an integer in 1..16",
-        "Without a GPU: how many CPU backend instances play the devices (DEV0, DEV1, ...).", _int(1, 16))
+        1, "int", f"an integer in 1..{MAX_DEVICES}",
+        "Without a GPU: how many CPU backend instances play the devices (DEV0, DEV1, ...).", _int(1, MAX_DEVICES))
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -338,3 +338,18 @@ def test_k8s_counts_cpu_instance_devices_as_host_memory(model):
 def test_host_buffers_over_ram_warn(model):
     p = plan(model, SessionOptions(no_kv_offload=True), ram=1024)
     assert any("host buffers" in w and "exceed --ram" in w for w in p["warnings"])
+
+
+def test_device_count_limit_comes_from_the_scheduler(model):
+    """A scheduler takes at most 16 backends, the host CPU included: 15 devices, one constant."""
+    from ggml_hybrid._native import lib
+    from ggml_hybrid.options import MAX_DEVICES
+
+    assert MAX_DEVICES == lib.GGML_HYBRID_MAX_INSTANCES == lib.GGML_HYBRID_SCHED_MAX_BACKENDS - 1
+    SessionOptions(virtual_devices=MAX_DEVICES)
+    with pytest.raises(OptionError, match=f"1..{MAX_DEVICES}"):
+        SessionOptions(virtual_devices=MAX_DEVICES + 1)
+    with pytest.raises(OptionError, match="1..15 devices"):
+        plan(model, SessionOptions(), vram=[2 ** 30] * (MAX_DEVICES + 1))
+    p = plan(model, SessionOptions(n_ctx=256, ubatch_size=16), vram=[2 ** 30] * MAX_DEVICES)
+    assert len(p["devices"]) == MAX_DEVICES

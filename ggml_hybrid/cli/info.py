@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ..options import SessionOptions
+from ..options import MAX_DEVICES, SessionOptions
 from ..units import format_bytes
 from .main import main
 
@@ -23,7 +23,8 @@ def inspect(model, as_json):
 
 
 @main.command()
-@click.option("--virtual-devices", type=click.IntRange(1, 16), help="Without a GPU: CPU instances playing devices.")
+@click.option("--virtual-devices", type=click.IntRange(1, MAX_DEVICES),
+              help="Without a GPU: CPU instances playing devices.")
 @click.option("--json", "as_json", is_flag=True)
 def devices(virtual_devices, as_json):
     """The device names that layout options accept (CUDA0, ... or DEV0, ... and CPU)."""

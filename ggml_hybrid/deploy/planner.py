@@ -15,7 +15,7 @@ import os
 from ..model.gguf_store import GGUFStore
 from ..model.hparams import NotMoEError, read_hparams
 from ..model.moe_model import MoEModel
-from ..options import OptionError, SessionOptions
+from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..units import GiB, format_bytes
 from .model_info import describe
 
@@ -34,6 +34,9 @@ def plan(path, opts: SessionOptions | None = None, vram: list[int] | None = None
          parallel: int = 1) -> dict:
     """The plan for ``path``: bytes per device and host, KV for ``parallel`` sequences, advice, warnings."""
     opts = opts or SessionOptions()
+    if vram is not None and not 1 <= len(vram) <= MAX_DEVICES:
+        raise OptionError(f"vram: {len(vram)} device sizes given; a plan takes 1..{MAX_DEVICES} devices (a GGML "
+                          f"scheduler holds at most {MAX_DEVICES + 1} backends, the host CPU included)")
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise OptionError(f"parallel={parallel!r}: must be an integer >= 1")
     info = describe(path)
