@@ -37,7 +37,8 @@ def test_lru_sequence():
     ]
     assert c.resident() == {1: 0, 2: 1}
     assert c.counters == CacheCounters(calls=5, distinct=10, hits=3, misses=7, evictions=5, rounds=6)
-    assert c.counters.to_dict() == {"calls": 5, "distinct": 10, "hits": 3, "misses": 7, "evictions": 5, "rounds": 6}
+    assert c.counters.to_dict() == {"calls": 5, "distinct": 10, "hits": 3, "misses": 7, "evictions": 5, "rounds": 6,
+                                    "invalidated": 0}
 
 
 def test_lfu_sequence_differs_from_lru():
@@ -152,7 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.recency = {}
         self.uses = {}
         self.tick = 0
-        self.totals = dict(calls=0, distinct=0, hits=0, misses=0, evictions=0, rounds=0)
+        self.totals = dict(calls=0, distinct=0, hits=0, misses=0, evictions=0, rounds=0, invalidated=0)
 
     def _key(self, slot):
         e = self.slots[slot]
@@ -346,3 +347,30 @@ def test_unchecked_plan_equals_checked_plan(n_slots, data):
         rows = data.draw(st.lists(st.integers(1, 9), min_size=len(experts), max_size=len(experts)))
         assert a.plan(experts, rows) == b.plan(experts, rows, checked=False)
     assert a.counters == b.counters and a.resident() == b.resident()
+
+
+def test_deferred_loads_count_only_once_committed():
+    """A load that was planned but never copied (a failed or interrupted call) is never a hit later."""
+    c = SlotCache(8, 3)
+    r = c.plan([0, 1, 2], deferred_loads=True)
+    assert [e for e, _ in r[0].loads] == [0, 1, 2]
+    c.commit(r[0].loads[0][1], 0)  # only expert 0's copy finished
+    assert c.resident() == {0: r[0].loads[0][1]}  # queries already ignore the uncommitted slots
+    assert c.slot_of(1) is None and c.slot_of(0) == r[0].loads[0][1]
+    r2 = c.plan([0, 1, 2])
+    assert r2[0].hits == ((0, r[0].loads[0][1]),)
+    assert sorted(e for e, _ in r2[0].loads) == [1, 2]  # loaded again, not mistaken for hits
+    assert c.counters.invalidated == 2 and c.counters.evictions == 0
+
+
+def test_a_slot_loaded_twice_in_one_call_is_whole_only_after_its_last_load():
+    c = SlotCache(8, 1)
+    rounds = c.plan([3, 4], [2, 1], deferred_loads=True)  # one slot, two rounds: 3 (more rows) then 4
+    assert [rnd.loads for rnd in rounds] == [((3, 0),), ((4, 0),)]
+    c.commit(0, 3)  # the first round's copy; the call died before the second
+    assert c.resident() == {} and c.plan([4])[0].loads == ((4, 0),)
+    c2 = SlotCache(8, 1)
+    c2.plan([3, 4], [2, 1], deferred_loads=True)
+    c2.commit(0, 3)
+    c2.commit(0, 4)
+    assert c2.resident() == {4: 0} and c2.plan([4])[0].hits == ((4, 0),)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,3 +234,39 @@ def test_replayed_counters_equal_live_counters(model, tmp_path, share):
         assert total_cpu == total_misses
     else:  # a real split: the rounding and the choice of experts are exercised
         assert 0 < total_cpu < total_misses
+
+
+def test_a_failed_load_never_leaves_a_slot_claiming_an_expert(model):
+    """A layer call that dies half way through its loads (a failed copy, Ctrl-C) must not make later calls wrong."""
+    xs = [_x(n, 256, 40 + n) for n in (3, 5, 3, 1, 7)]
+    with _session(model, []) as ref_s:
+        refs = [ref_s.forward(x) for x in xs]
+    with _session(model, ["disk_experts=1", "expert_cache_slots=6"]) as s:
+        ex = s.executors[1]
+        real, calls = ex._load, []
+
+        def flaky(expert, slot):  # a test double: the third copy of this call fails
+            calls.append(expert)
+            if len(calls) == 3:
+                raise OSError("injected copy failure")
+            return real(expert, slot)
+
+        ex._load = flaky
+        with pytest.raises(OSError, match="injected copy failure"):
+            s.forward(xs[0])
+        ex._load = real
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        assert ex.cache.counters.invalidated > 0  # the planned-but-uncopied slots were emptied, not trusted
+
+
+def test_a_model_file_changed_under_a_run_is_a_clear_error(tmp_path):
+    path = write_moe_stack(tmp_path / "m.gguf", n_layer=2, n_embd=64, n_ff=64, n_expert=8, n_used=2,
+                           expert_type="q8_0", seed=1)
+    with _session(path, ["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=0.5"]) as s:
+        s.forward(_x(2, 64, 0))
+        data = Path(path).read_bytes()
+        Path(path).write_bytes(data[: len(data) // 2])  # truncated in place: the mapping now ends early
+        with pytest.raises(gh.errors.ModelFileError, match="changed on disk"):
+            for i in range(8):  # a call with a miss reaches the check before any read of the mapping
+                s.forward(_x(4, 64, 100 + i))

@@ -135,7 +135,7 @@ def test_impossible_layouts_are_refused(names, kw, msg):
 @pytest.mark.parametrize("item, msg", [("override_tensor=exps", "REGEX=DEVICE"), ("override_tensor=(=CPU", "regular"),
                                        ("tensor_split=a,b", "proportions"), ("tensor_split=inf,1", "proportions"),
                                        ("n_gpu_layers=-2", ">= -1"),
-                                       ("split_mode=row", "'layer'"), ("virtual_devices=17", "1..16")])
+                                       ("split_mode=row", "'layer'"), ("virtual_devices=16", "1..15")])
 def test_bad_option_values(item, msg):
     with pytest.raises(OptionError, match=msg):
         SessionOptions.parse([item])

@@ -243,3 +243,25 @@ def test_scheduler_memory_never_dangles(cpu_backend):
             s2.alloc(g1)
     c1.close()
     c2.close()
+
+
+@pytest.mark.parametrize("opts", [["n_threads=1"], ["disk_experts=1", "expert_cache_slots=2", "n_threads=1"],
+                                  ["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=0.5", "n_threads=1"]])
+def test_models_dropped_without_close_release_everything(tmp_path, opts):
+    """A model nobody closes is freed with its last reference: its CPU worker thread too (it used to keep
+    the model alive through the last job it ran)."""
+    import threading
+
+    from ggml_hybrid.model.synthetic import ModelSpec, write_model
+
+    path = write_model(tmp_path / "m.gguf", ModelSpec(n_layer=2, n_expert=8, n_used=2, weight_type="q8_0"))
+    gc.collect()
+    before, threads = gh.live_objects(), threading.active_count()
+    for _ in range(4):
+        m = gh.MoEModel(path, gh.SessionOptions.parse(opts))
+        m.eval([1, 2, 3])
+        m.eval([4])
+    del m
+    gc.collect()
+    assert gh.live_objects() == before
+    assert threading.active_count() == threads

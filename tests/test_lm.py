@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import ggml_hybrid as gh
 from ggml_hybrid.model.generate import GenerationStats, generate
 from ggml_hybrid.model.kv_cache import ContextFullError
 from ggml_hybrid.model.moe_model import MoEModel
@@ -364,3 +365,73 @@ def test_graph_cache_is_bounded(small):
         assert len(m._graphs) <= MAX_GRAPHS
         m.reset()
         assert np.array_equal(m.eval(list(range(1, 4)), "all"), ref)  # rebuilt after eviction, same result
+
+
+def test_a_failed_eval_leaves_the_sequence_as_it_was(small):
+    """A fault in ubatch 2 of 4 must not leave n_past half advanced: the retry is then exactly a clean run."""
+    tokens = list(range(1, 33))
+    opts = SessionOptions.parse(["ubatch_size=8", "batch_size=32", "n_threads=1"])
+    with MoEModel(small["qwen3moe"], opts) as m:
+        clean = m.eval(tokens, "all")
+        m.reset()
+        m.eval([5, 6, 7])
+        real, seen = m._ubatch, []
+
+        def dies_on_the_second(part, n_out):  # a test double: the second ubatch fails, as a Ctrl-C could
+            seen.append(len(part))
+            if len(seen) == 2:
+                raise KeyboardInterrupt
+            return real(part, n_out)
+
+        m._ubatch = dies_on_the_second
+        with pytest.raises(KeyboardInterrupt):
+            m.eval(tokens, "all")
+        m._ubatch = real
+        assert m.n_past == 3
+        m.reset()
+        np.testing.assert_array_equal(m.eval(tokens, "all"), clean)
+
+
+def test_one_model_from_two_threads_takes_turns(small):
+    import threading
+
+    with MoEModel(small["qwen3moe"], SessionOptions.parse(["n_threads=1"])) as m:
+        errors, outs = [], []
+
+        def work(seed):
+            try:
+                rng = np.random.default_rng(seed)
+                for _ in range(6):
+                    outs.append(m.eval(rng.integers(1, 300, size=int(rng.integers(1, 5))).tolist()))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and len(outs) == 12 and all(np.isfinite(o).all() for o in outs)
+
+
+def test_an_executor_cannot_evaluate_its_own_model(small):
+    opts = SessionOptions.parse(["disk_experts=1", "expert_cache_slots=4", "n_threads=1"])
+    with MoEModel(small["qwen3moe"], opts) as m:
+        ex = m.experts.executors[0]
+        real, caught = ex.__call__, []
+
+        def reentrant(call):
+            try:
+                m.eval([1])
+            except gh.errors.BackendError as exc:
+                caught.append(str(exc))
+            return real(call)
+
+        m.experts.executors[0] = reentrant
+        m.sched.clear_regions()
+        m._active = None  # register the test double as layer 0's executor
+        try:
+            out = m.eval([1, 2])
+        finally:
+            m.experts.executors[0] = ex  # the real one, which close() releases
+        assert caught and "from inside its own eval" in caught[0] and np.isfinite(out).all()

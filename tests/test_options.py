@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ggml_hybrid.errors import GgmlHybridError
-from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.options import MAX_DEVICES, OptionError, SessionOptions
 
 NAMES = [f.name for f in dataclasses.fields(SessionOptions)]
 DEFAULT = SessionOptions()
@@ -270,7 +270,7 @@ options = st.builds(
     flash_attn=st.booleans(), n_gpu_layers=st.integers(-1, 200),
     override_tensor=st.none() | st.sampled_from(["exps=CPU", r"blk\.[0-3]\.ffn=DEV1,attn=DEV0", "(q|k)_norm=CPU"]),
     split_mode=st.sampled_from(["layer", "none"]), tensor_split=st.none() | st.sampled_from(["1,1", "3,1", "0.5,0,2"]),
-    no_kv_offload=st.booleans(), virtual_devices=st.integers(1, 16),
+    no_kv_offload=st.booleans(), virtual_devices=st.integers(1, MAX_DEVICES),
 )
 
 

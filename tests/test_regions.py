@@ -440,3 +440,66 @@ def test_prepare_allocates_only_when_needed(cpu):
         with gh.Scheduler([cpu], graph_size=1024) as other:
             assert other.prepare(net.g) is True
         assert s.prepare(net.g) is True  # another scheduler allocated the graph in between
+
+
+# -- callbacks and re-entrancy (hostile-run regressions) ------------------------------------------
+
+
+def _own_nodes_executor(call):
+    call.compute_own_nodes()
+
+
+def _net_and_reference(cpu, seed=1):
+    net = Net(cpu, 3, 32, ["silu"], ["matmul", "silu"], ["scale"], seed=seed)
+    xv, zv = _data(3, 32, seed)
+    with gh.Scheduler([cpu], graph_size=512) as s:
+        ref = net.run(s, xv, zv)
+    return net, xv, zv, ref
+
+
+def test_an_exception_escaping_the_callback_fails_the_compute(cpu, monkeypatch):
+    """Ctrl-C arriving at the callback's first bytecode (outside its try) must fail the region, not let the
+    scheduler read cffi's default 0 as 'done' and go on without the layer output."""
+    from ggml_hybrid.ggml import regions
+
+    net, xv, zv, ref = _net_and_reference(cpu)
+
+    class InterruptedFFI:  # a test double: the callback's very first call raises, as a signal would there
+        def __getattr__(self, name):
+            return getattr(regions.ffi, name)
+
+        def from_handle(self, handle):
+            raise KeyboardInterrupt
+
+    with gh.Scheduler([cpu], graph_size=512) as s:
+        s.add_region(net.inputs, [net.y], _own_nodes_executor)
+        monkeypatch.setattr(regions, "ffi", InterruptedFFI())
+        with pytest.raises(KeyboardInterrupt):
+            net.run(s, xv, zv)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(net.run(s, xv, zv), ref)  # the scheduler is usable and right again
+
+
+def test_an_executor_cannot_close_or_recompute_what_is_running(cpu):
+    net, xv, zv, ref = _net_and_reference(cpu, seed=2)
+    attempts = []
+
+    def hostile(call):
+        for what, act in (("scheduler", call.sched.close), ("weights", net.wctx.close), ("graph", net.ctx.close),
+                          ("backend", cpu.close), ("compute", lambda: call.sched.compute(net.g)),
+                          ("alloc", lambda: call.sched.alloc(net.g)), ("regions", call.sched.clear_regions)):
+            with pytest.raises((errors.ClosedError, errors.BackendError)) as info:
+                act()
+            attempts.append((what, str(info.value)))
+        call.compute_own_nodes()
+
+    with gh.Scheduler([cpu], graph_size=512) as s:
+        s.add_region(net.inputs, [net.y], hostile)
+        np.testing.assert_array_equal(net.run(s, xv, zv), ref)
+        assert [w for w, _ in attempts] == ["scheduler", "weights", "graph", "backend", "compute", "alloc",
+                                            "regions"]
+        assert "computing" in attempts[0][1] and "region executors" in attempts[4][1]
+        np.testing.assert_array_equal(net.run(s, xv, zv), ref)
+    assert not cpu.closed and not net.wctx.closed
+    net.wctx.close()
+    net.ctx.close()

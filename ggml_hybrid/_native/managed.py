@@ -6,7 +6,7 @@ import collections
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from ..errors import ClosedError
 from . import CData
@@ -21,6 +21,38 @@ def live_objects() -> dict[str, int]:
     """Native objects not yet freed, by kind (tests use it to find leaks)."""
     with _live_lock:
         return {k: v for k, v in _live.items() if v}
+
+
+class _Computing(Protocol):
+    def blocks_close(self, obj: Managed) -> str | None: ...
+
+
+# schedulers inside a compute, on any thread: what they use must not be freed under them
+_computing: list[_Computing] = []
+_computing_lock = threading.Lock()
+
+
+def enter_compute(who: _Computing) -> None:
+    with _computing_lock:
+        _computing.append(who)
+
+
+def leave_compute(who: _Computing) -> None:
+    with _computing_lock:
+        _computing.remove(who)
+
+
+def check_closable(obj: Managed) -> None:
+    """Refuse to free ``obj`` while a scheduler computes with it (a region executor closing its own
+    scheduler or weights would free memory GGML is about to read)."""
+    if not _computing:
+        return
+    with _computing_lock:
+        running = list(_computing)
+    for s in running:
+        reason = s.blocks_close(obj)
+        if reason is not None:
+            raise ClosedError(f"{type(obj).__name__}.close(): {reason}")
 
 
 def _release(kind: str, free: Callable[[CData], object], ptr: CData) -> None:
@@ -62,6 +94,7 @@ class Managed:
     def close(self) -> None:
         if self._ptr is None:
             return
+        check_closable(self)
         self._ptr = None
         if self._finalizer is not None:
             self._finalizer()

@@ -5,14 +5,15 @@ from __future__ import annotations
 import mmap
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from .._native import CData, ffi, lib
-from .._native.managed import Managed
+from .._native.managed import Managed, check_closable
+from .._native.status import check_status
 from ..checks import check_int
 from ..errors import AllocationError, ArgumentError, IndexRangeError, ShapeError
 from .backend import Backend, Buffer
@@ -41,6 +42,33 @@ def _owner_of(view: Tensor) -> Context | BorrowedScope:
 _ALIGN_SLACK = 64
 
 
+class Arena:
+    """Host memory that contexts are built in one after another (at most one at a time)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = check_int(size, "Arena: size", 1)
+        self._mem = np.empty(self.size, np.uint8)
+        self.in_use = False
+
+    def claim(self, need: int) -> CData:
+        if self.in_use:
+            raise AllocationError("Arena.claim: the arena already holds a live context")
+        if need > self.size:
+            raise AllocationError(f"Arena.claim: a {need}-byte context does not fit the {self.size}-byte arena")
+        self.in_use = True
+        return ffi.from_buffer(self._mem)
+
+    def release(self) -> None:
+        self.in_use = False
+
+
+def _freeing_into(arena: Arena) -> Callable[[CData], None]:
+    def free(ptr: CData) -> None:
+        lib.ggml_free(ptr)
+        arena.release()
+    return free
+
+
 class Context(OpsMixin, Managed):
     """A GGML context.
 
@@ -53,19 +81,23 @@ class Context(OpsMixin, Managed):
     _kind = "context"
 
     def __init__(self, n_tensors: int = 1024, mem_size: int = 0, no_alloc: bool = True,
-                 graph_size: int = 0) -> None:
-        for name, v in (("n_tensors", n_tensors), ("mem_size", mem_size), ("graph_size", graph_size)):
-            check_int(v, f"Context: {name}", 0)
-        overhead = n_tensors * (lib.ggml_tensor_overhead() + _ALIGN_SLACK)
-        if graph_size:
-            overhead += lib.ggml_graph_overhead_custom(graph_size, False) + _ALIGN_SLACK
-        self.mem_size: int = overhead + mem_size
-        params = ffi.new("struct ggml_init_params *", {"mem_size": self.mem_size, "mem_buffer": ffi.NULL,
+                 graph_size: int = 0, arena: Arena | None = None) -> None:
+        """``arena``: build the context in this reusable host memory instead of allocating its own (graph
+        builds repeated for ever, e.g. one per prompt length, must not churn the allocator)."""
+        self.mem_size: int = Context.size_for(n_tensors, mem_size, graph_size)
+        mem_buffer = ffi.NULL
+        if arena is not None:
+            mem_buffer = arena.claim(self.mem_size)
+        params = ffi.new("struct ggml_init_params *", {"mem_size": self.mem_size, "mem_buffer": mem_buffer,
                                                         "no_alloc": bool(no_alloc)})
         ptr = lib.ggml_init(params[0])
         if ptr == ffi.NULL:
+            if arena is not None:
+                arena.release()
             raise AllocationError(f"ggml_init failed for a {self.mem_size}-byte context")
-        super().__init__(ptr, lib.ggml_free)
+        # ggml_free never frees a mem_buffer it was given: the arena is handed back after it
+        super().__init__(ptr, lib.ggml_free if arena is None else _freeing_into(arena))
+        self._arena = arena  # kept alive while GGML's structs live in it
         self._pool_base = lib.ggml_get_mem_buffer(ptr)
         self.no_alloc = bool(no_alloc)
         self._buffers: list[Buffer] = []  # owned: closed with the context
@@ -76,6 +108,16 @@ class Context(OpsMixin, Managed):
         # graph inputs set since the last compute that used them (GGML reuses input memory)
         self._fresh: set[int] = set()
         track_context(self)
+
+    @staticmethod
+    def size_for(n_tensors: int, mem_size: int = 0, graph_size: int = 0) -> int:
+        """Bytes of context memory for ``n_tensors`` tensor structs, ``mem_size`` bytes of data and a graph."""
+        for name, v in (("n_tensors", n_tensors), ("mem_size", mem_size), ("graph_size", graph_size)):
+            check_int(v, f"Context: {name}", 0)
+        overhead = n_tensors * (lib.ggml_tensor_overhead() + _ALIGN_SLACK)
+        if graph_size:
+            overhead += lib.ggml_graph_overhead_custom(graph_size, False) + _ALIGN_SLACK
+        return int(overhead + mem_size)
 
     # -- pool accounting ------------------------------------------------------
 
@@ -219,16 +261,39 @@ class Context(OpsMixin, Managed):
         buf = Buffer.from_host_memory(np.frombuffer(mem, np.uint8), usage if usage != "any" else "weights")
         if usage == "any":
             buf.set_usage("any")
+        self._place_all(buf, buft, align)
+        self._buffers.append(buf)
+        return buf
+
+    def bytes_needed(self, backend: Backend) -> int:
+        """Bytes a buffer of ``backend`` needs for this context's unallocated tensors (alignment included)."""
+        buft = lib.ggml_backend_get_default_buffer_type(backend.ptr)
+        return int(lib.ggml_backend_alloc_ctx_tensors_from_buft_size(self.ptr, buft))
+
+    def allocate_in(self, buffer: Buffer) -> None:
+        """Give every unallocated tensor memory in ``buffer`` (not owned: contexts may share it, e.g. graphs
+        that never compute at the same time), laid out from its start as :meth:`allocate` would."""
+        buft = lib.ggml_backend_buffer_get_type(buffer.ptr)
+        need = int(lib.ggml_backend_alloc_ctx_tensors_from_buft_size(self.ptr, buft))
+        if need > buffer.size:
+            raise AllocationError(f"Context.allocate_in: the tensors need {need} bytes, the buffer has {buffer.size}")
+        self._place_all(buffer, buft, int(lib.ggml_backend_buft_get_alignment(buft)))
+
+    def _place_all(self, buf: Buffer, buft: CData, align: int) -> None:
         offset = 0
+        views = []
         for t in self.tensors():
             p = t.ptr
+            if p.view_src != ffi.NULL:
+                views.append(p)
             if p.data != ffi.NULL or p.view_src != ffi.NULL:
                 continue
             buf.place(t, offset)
             need = int(lib.ggml_backend_buft_get_alloc_size(buft, p))
             offset += -(-need // align) * align
-        self._buffers.append(buf)
-        return buf
+        for p in views:  # a view's memory is its source's, known only now (as ggml_backend_alloc_ctx_tensors does)
+            if p.buffer == ffi.NULL and p.view_src.buffer != ffi.NULL:
+                check_status(lib.ggml_backend_view_init(p), "Context: initialising a view", AllocationError)
 
     def _track_view(self, view: _ArrayView) -> None:
         self._views.add(view)
@@ -237,6 +302,7 @@ class Context(OpsMixin, Managed):
         """Close the context; memory that numpy views still point into is freed with the last view."""
         if self.closed:
             return
+        check_closable(self)
         views = list(self._views)
         release = self._release_memory
         if not views:

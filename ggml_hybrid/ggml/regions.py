@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._native import CData, cstr, ffi, lib
+from .._native.callbacks import escaped
 from .._native.status import check_status
 from ..errors import (
     ComputeError,
@@ -108,7 +109,8 @@ def raise_region_status(sched: Scheduler) -> None:
     raise exc(text)
 
 
-@ffi.def_extern()  # type: ignore[untyped-decorator]  # cffi ships no type information
+# error=-1: an exception that escapes the try below (Ctrl-C at the first or last bytecode) fails the region
+@ffi.def_extern(error=-1, onerror=escaped)  # type: ignore[untyped-decorator]  # cffi ships no type information
 def _ggml_hybrid_region_exec(region_id: int, backend: CData, inputs: CData, n_inputs: int, outputs: CData,
                              n_outputs: int, user_data: CData) -> int:
     sched: Scheduler = ffi.from_handle(user_data)

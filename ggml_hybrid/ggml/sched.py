@@ -7,11 +7,13 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from .._native import CData, ffi, lib
-from .._native.managed import Managed
+from .._native.callbacks import escaped, take_escaped
+from .._native.managed import Managed, check_closable, enter_compute, leave_compute
 from .._native.status import check_status
 from ..checks import check_int
 from ..errors import AllocationError, ArgumentTypeError, BackendError, ClosedError, GgmlHybridError, RegionError
 from .backend import Backend, user_buffers
+from .context import Context
 from .graph import Graph, live_pools
 from .regions import Region, RegionCall, raise_region_status
 from .tensor import BorrowedScope, Tensor
@@ -62,6 +64,7 @@ class Scheduler(Managed):
         self._eval_fn: Callable[[Tensor, bool], object] | None = None
         self._eval_handle: CData = None
         self._pending_error: BaseException | None = None
+        self._computing: Graph | None = None  # the graph of the compute in progress
         self._regions: list[Region] = []
         self._graphs: weakref.WeakSet[Graph] = weakref.WeakSet()  # graphs whose nodes live in our compute buffers
         self._handle = ffi.new_handle(self)  # user_data of region executors
@@ -69,6 +72,27 @@ class Scheduler(Managed):
         self._allocated: tuple[Graph, int, int] | None = None
         # graph -> [(tensor, backend)]: assignments re-applied whenever GGML's are reset
         self._pins: weakref.WeakKeyDictionary[Graph, list[tuple[Tensor, Backend]]] = weakref.WeakKeyDictionary()
+
+    def _idle(self, op: str) -> None:
+        """Scheduler state must not change under a running compute (from a region executor or eval callback)."""
+        if self._computing:
+            raise BackendError(f"Scheduler.{op}: called while this scheduler computes (from one of its region "
+                               "executors or its eval callback); an executor runs its own graphs on its own "
+                               "scheduler or backend, never on the one that called it")
+
+    def blocks_close(self, obj: Managed) -> str | None:
+        """Why ``obj`` must not be freed now: this scheduler is computing with it (else None)."""
+        graph = self._computing
+        if graph is None:
+            return None
+        if obj is self:
+            return "the scheduler is computing (close it after compute() returns)"
+        if any(obj is b for b in self._backends):
+            return f"backend {obj} is in use by a scheduler that is computing"
+        if isinstance(obj, Context):
+            if graph.context is obj or any(obj._holds(t.ptr) for t in graph.leafs):
+                return "tensors of this context are in a graph that a scheduler is computing"
+        return None
 
     @property
     def backends(self) -> list[Backend]:
@@ -143,6 +167,7 @@ class Scheduler(Managed):
         Needed where backends share a buffer type (CPU instances playing devices), in which
         case GGML would put every node on the first of them.
         """
+        self._idle("set_pins")
         pins = [(t, self._index_check(b)) for t, b in pins]
         self._pins[graph] = pins
         self._allocated = None
@@ -153,6 +178,7 @@ class Scheduler(Managed):
 
     def reserve(self, graph: Graph) -> None:
         """Size the compute buffers for the largest graph you will run."""
+        self._idle("reserve")
         self._allocated = None
         self._forget_allocation(graph)  # first: it refuses graphs with tensors of closed contexts
         self._check_graph(graph)
@@ -164,6 +190,7 @@ class Scheduler(Managed):
 
     def alloc(self, graph: Graph) -> None:
         """Split and allocate ``graph``; inputs can then be set before :meth:`compute`."""
+        self._idle("alloc")
         self.reset()
         self._forget_allocation(graph)  # first: it refuses graphs with tensors of closed contexts
         self._check_graph(graph)
@@ -192,16 +219,25 @@ class Scheduler(Managed):
         The graph is split and allocated on first use (or call :meth:`alloc`
         first to set inputs); computing it again reuses that allocation.
         """
+        self._idle("compute")
         if self._allocated != (graph, graph.version, graph._alloc_token):
             self.alloc(graph)
         self._check_inputs_set(graph)
-        status = lib.ggml_backend_sched_graph_compute(self.ptr, graph.ptr)
+        take_escaped()  # a stray exception of an earlier call on this thread is not this compute's
+        self._computing = graph
+        enter_compute(self)
+        try:
+            status = lib.ggml_backend_sched_graph_compute(self.ptr, graph.ptr)
+        finally:
+            leave_compute(self)
+            self._computing = None
         self._raise_pending()
         if status != lib.GGML_STATUS_SUCCESS:
             raise_region_status(self)
             check_status(status, "Scheduler.compute")
 
     def reset(self) -> None:
+        self._idle("reset")
         lib.ggml_backend_sched_reset(self.ptr)
         self._allocated = None
 
@@ -209,6 +245,7 @@ class Scheduler(Managed):
         """Free the scheduler; the graphs it allocated lose their node memory (no dangling pointers)."""
         if self.closed:
             return
+        check_closable(self)
         for g in list(self._graphs):
             _unalloc(g)
         self._graphs.clear()
@@ -226,6 +263,7 @@ class Scheduler(Managed):
         where the scheduler places its last output). Regions stay registered
         across computes until :meth:`clear_regions`.
         """
+        self._idle("add_region")
         inputs, outputs = list(inputs), list(outputs)
         if not inputs or not outputs:
             raise RegionError(f"add_region: a region needs at least one input and one output "
@@ -255,12 +293,14 @@ class Scheduler(Managed):
         return list(self._regions)
 
     def clear_regions(self) -> None:
+        self._idle("clear_regions")
         lib.ggml_backend_sched_clear_regions(self.ptr)
         self._regions.clear()
         self._allocated = None
 
     def check_regions(self, graph: Graph) -> None:
         """Validate the registered regions against ``graph`` now; raises the typed RegionError."""
+        self._idle("check_regions")
         lib.ggml_backend_sched_check_regions(self.ptr, graph.ptr)
         raise_region_status(self)
 
@@ -297,11 +337,15 @@ class Scheduler(Managed):
 
     def _raise_pending(self) -> None:
         err, self._pending_error = self._pending_error, None
+        stray = take_escaped()
         if err is not None:
             raise err
+        if stray is not None:
+            raise stray
 
 
-@ffi.def_extern()  # type: ignore[untyped-decorator]  # cffi ships no type information
+# error=False: an escaped exception stops the computation (or skips the node's data when GGML only asks)
+@ffi.def_extern(error=False, onerror=escaped)  # type: ignore[untyped-decorator]  # cffi ships no type information
 def _ggml_hybrid_eval_callback(t: CData, ask: CData, user_data: CData) -> bool:
     sched: Scheduler = ffi.from_handle(user_data)
     if sched._pending_error is not None:

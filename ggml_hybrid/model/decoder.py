@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from .._native import lib
-from ..ggml.context import Context
+from ..ggml.context import Arena, Context
 from ..ggml.graph import Graph
 from ..ggml.tensor import Tensor
 from ..moe.ffn import MoERegion, build_moe_ffn
@@ -114,11 +114,17 @@ def _shared_expert(c: Context, w: dict, il: int, cur: Tensor) -> Tensor:
     return c.mul(c.mul_mat(w[p + "ffn_down_shexp.weight"], act), gate)
 
 
+def context_size(hp: HParams) -> int:
+    """Bytes of the context a decoder graph is built in."""
+    size = graph_size(hp)
+    return Context.size_for(2 * size, graph_size=size)  # views are tensors too
+
+
 def build_decoder(hp: HParams, w: dict, experts: list, kv: KVCache, n_tokens: int, n_kv: int, n_out: int,
-                  flash: bool) -> DecoderGraph:
+                  flash: bool, arena: Arena | None = None) -> DecoderGraph:
     """Logits [n_out, n_vocab] of the last ``n_out`` tokens of an ubatch of ``n_tokens``."""
     size = graph_size(hp)
-    c = Context(n_tensors=2 * size, graph_size=size)  # views are tensors too
+    c = Context(n_tensors=2 * size, graph_size=size, arena=arena)  # views are tensors too
     g = c.new_graph(size)
     inp = {"tokens": c.new_tensor("i32", (n_tokens,), "inp_tokens"),
            "pos": c.new_tensor("i32", (n_tokens,), "inp_pos"),
@@ -166,4 +172,4 @@ def build_decoder(hp: HParams, w: dict, experts: list, kv: KVCache, n_tokens: in
     return DecoderGraph(c, g, inp, logits, regions, segments)
 
 
-__all__ = ["DecoderGraph", "build_decoder", "graph_size"]
+__all__ = ["DecoderGraph", "build_decoder", "context_size", "graph_size"]

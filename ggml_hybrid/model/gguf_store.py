@@ -28,6 +28,11 @@ class TensorInfo:
     nbytes: int
 
 
+def _identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class GGUFStore:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         import gguf
@@ -35,6 +40,7 @@ class GGUFStore:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise ModelFileError(f"model file {self.path!r} does not exist")
+        self._identity = _identity(self.path)
         try:
             self._reader = gguf.GGUFReader(self.path, "r")
         except Exception as exc:  # the gguf package raises several types for a bad file
@@ -50,6 +56,21 @@ class GGUFStore:
             self._info[t.name] = info
         self._data = {t.name: t.data for t in self._reader.tensors}
         self._mapped: Buffer | None = None
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`ModelFileError` if the file was truncated, rewritten or replaced since it was opened.
+
+        Tensors are used from a memory mapping: reading a page of a file truncated underneath kills the
+        process with SIGBUS. Readers of mapped experts call this before they copy, which makes the common
+        case (a model file overwritten while a run streams its experts) a clear error instead.
+        """
+        try:
+            now = _identity(self.path)
+        except OSError:
+            now = None
+        if now != self._identity:
+            raise ModelFileError(f"model file {self.path!r} changed on disk while it was in use (size, time or "
+                                 "inode differ from when it was opened); reload the model")
 
     # -- metadata -------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, cast
 
 import numpy as np
@@ -27,13 +27,15 @@ from ..deploy.devices import open_devices
 from ..deploy.layout import CPU, Layout, plan_layout
 from ..errors import ClosedError, IndexRangeError, ModelFileError, ShapeError
 from ..ggml.backend import Backend, cpu, cpu_instance
-from ..ggml.context import Context
+from ..ggml.context import Arena, Context
+from ..ggml.graph_cache import GraphCache
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
 from ..moe.expert_layers import ExpertLayers, check_moe_options
 from ..moe.stack_session import SessionCounters
 from ..options import OptionError, SessionOptions
-from .decoder import DecoderGraph, build_decoder, graph_size
+from ..serial import Serial
+from .decoder import DecoderGraph, build_decoder, context_size, graph_size
 from .gguf_store import GGUFStore, load_into
 from .hparams import HParams, read_hparams, tensor_shapes
 from .kv_cache import KVCache
@@ -94,8 +96,10 @@ class MoEModel:
         n_threads = opts.n_threads or os.cpu_count() or 1
         self._own_devices = device is None
         self.devices = {}
+        self._serial = Serial("MoEModel")
         self.weight_ctxs: list[tuple[str, Context]] = []
-        self._graphs: dict[tuple[int, int, int], DecoderGraph] = {}
+        # one decoder graph per ubatch shape, the least recently used dropped first (prompts of many lengths)
+        self._graphs: GraphCache[DecoderGraph] = GraphCache(MAX_GRAPHS, context_size(hp), self._forget_graph)
         self._active: tuple[int, int, int] | None = None  # key of the graph whose regions are registered
         try:
             self._load(opts, hp, n_threads, device, dry_run_devices, progress)
@@ -187,30 +191,31 @@ class MoEModel:
 
     def reset(self) -> None:
         """Forget the sequence: the next eval starts at position 0."""
-        self.kv.clear()
+        with self._serial.turn("reset"):
+            self.kv.clear()
 
     # -- evaluation -----------------------------------------------------------
 
     def _graph(self, n_tokens: int, n_kv: int, n_out: int) -> DecoderGraph:
         key = (n_tokens, n_kv, n_out)
-        entry = self._graphs.pop(key, None)
-        if entry is not None:
-            self._graphs[key] = entry  # most recently used last
-        else:
-            while len(self._graphs) >= MAX_GRAPHS:  # prompts of many lengths: keep memory bounded
-                old_key = next(iter(self._graphs))
-                self._graphs.pop(old_key).close()
-                if self._active == old_key:
-                    self.sched.clear_regions()
-                    self._active = None
-            entry = self._graphs[key] = build_decoder(self.hp, self.weights, self.experts.weights, self.kv,
-                                                      n_tokens, n_kv, n_out, self.options.flash_attn)
+
+        def build(arena: Arena) -> DecoderGraph:
+            entry = build_decoder(self.hp, self.weights, self.experts.weights, self.kv, n_tokens, n_kv, n_out,
+                                  self.options.flash_attn, arena)
             self.sched.set_pins(entry.graph, self._pins(entry))
+            return entry
+
+        entry = self._graphs.get(key, build)
         if self._active != key:
             self.sched.clear_regions()
             self.experts.register(self.sched, entry.regions)
             self._active = key
         return entry
+
+    def _forget_graph(self, key: Hashable, entry: DecoderGraph) -> None:
+        if self._active == key:  # its regions are registered with the scheduler
+            self.sched.clear_regions()
+            self._active = None
 
     def _pins(self, entry: DecoderGraph) -> list[tuple[Tensor, Backend]]:
         """Each node's backend: where its weight lives, else its layer's device (attention: its KV's)."""
@@ -284,7 +289,18 @@ class MoEModel:
         if getattr(self, "_closed", False):
             raise ClosedError("eval: the model is closed")
         arr = self._check_tokens(tokens)
-        self.kv.n_kv_for(len(arr))  # the whole call fits, or nothing is evaluated
+        with self._serial.turn("eval"):
+            self.kv.n_kv_for(len(arr))  # the whole call fits, or nothing is evaluated
+            start = self.kv.n_past
+            try:
+                return self._eval(arr, logits)
+            except BaseException:
+                # all or nothing: a failed ubatch leaves the sequence as it was (the cells written past
+                # n_past are masked out and overwritten by the next eval)
+                self.kv.n_past = start
+                raise
+
+    def _eval(self, arr: np.ndarray, logits: str) -> np.ndarray:
         ub = self.options.ubatch_size
         out = []
         for b0 in range(0, len(arr), self.options.batch_size):
@@ -341,8 +357,6 @@ class MoEModel:
         self._closed = True
         if hasattr(self, "experts"):
             self.experts.close()  # first: its CPU worker may still read the mapped experts
-        for g in self._graphs.values():
-            g.close()
         self._graphs.clear()
         if hasattr(self, "sched"):
             self.sched.close()

@@ -35,12 +35,15 @@ def _run(jobs: queue.Queue) -> None:
         if item is _STOP:
             return
         fn, future = item
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
+        # the job (a closure over the worker and its experts) must not outlive its run: this frame would
+        # keep the worker alive, and so the thread its finalizer stops, forever
+        item = None
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+        fn = future = None
 
 
 def _stop(jobs: queue.Queue, thread: threading.Thread) -> None:
@@ -88,6 +91,7 @@ class CPUWorker:
         t0 = time.perf_counter_ns()
         graphs = self._graphs.get(layer)
         if graphs is None:
+            assert self._backend is not None  # jobs run only once _start made it
             graphs = self._graphs[layer] = RowGraphs(experts, self._backend, x.shape[1], glu)
         rows = graphs.compute(x, expert_of_row).copy()
         return rows, t0, time.perf_counter_ns()

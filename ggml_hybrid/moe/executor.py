@@ -25,7 +25,8 @@ import numpy as np
 from .._native import ffi, lib
 from .._native.status import check_status
 from ..ggml.backend import Backend
-from ..ggml.context import Context
+from ..ggml.context import Arena, Context
+from ..ggml.graph_cache import GraphCache, SharedBuffer
 from ..ggml.regions import RegionCall
 from ..model.gguf_store import GGUFStore
 from .cpu_share import CostModel, split_misses
@@ -73,15 +74,23 @@ class LayerCounters:
         return {**asdict(self), "share_applied": self.share_applied, "orchestration_ns": self.orchestration_ns}
 
 
+MAX_BUCKETS = 8  # token-count graphs kept per layer
+_BUCKET_TENSORS, _BUCKET_GRAPH = 32, 64
+
+
 class _Bucket:
     """Preallocated graphs for one token count: expert FFN over the slots, and the weighted sum.
 
     The hot path uses raw pointers and preallocated host arrays: the graphs are
-    checked once here, and each call then costs a handful of C calls.
+    checked once here, and each call then costs a handful of C calls. The tensors live
+    in the layer's shared compute buffer, the structs in an arena of its graph cache,
+    the host arrays are views of the layer's scratch: a new token count allocates nothing
+    once those have grown to the largest count seen.
     """
 
-    def __init__(self, slots: ExpertWeights, device: Backend, n_tokens: int, n_used: int, n_embd: int, glu: str):
-        self.ctx = c = Context(n_tensors=32, graph_size=64)
+    def __init__(self, slots: ExpertWeights, device: Backend, n_tokens: int, n_used: int, n_embd: int, glu: str,
+                 arena: Arena, host: _HostScratch):
+        self.ctx = c = Context(n_tensors=_BUCKET_TENSORS, graph_size=_BUCKET_GRAPH, arena=arena)
         self.x = c.new_tensor("f32", (n_tokens, 1, n_embd), "x")
         self.ids = c.new_tensor("i32", (n_tokens, n_used), "slot_ids")
         self.down = expert_ffn(c, slots, self.x, self.ids, glu)
@@ -90,16 +99,36 @@ class _Bucket:
         self.w = c.new_tensor("f32", (n_tokens, n_used, 1), "weights")
         self.out = weighted_sum(c, self.experts_in, self.w)
         self.g_sum = c.new_graph(32).expand(self.out)
-        self.buffer = c.allocate(device, "compute")
         for g in (self.g_experts, self.g_sum):
             g.check_supported([device], id(device))
-        self.slot_ids = np.empty((n_tokens, n_used), np.int32)
-        self.merged = np.empty((n_tokens, n_used, n_embd), np.float32)
+        self.slot_ids, self.merged = host.views(n_tokens)
+        self.b_slot_ids, self.b_merged = ffi.from_buffer(self.slot_ids), ffi.from_buffer(self.merged)
+
+    def pointers(self) -> None:
+        """Raw pointers for the hot path, once the tensors have their memory."""
         p = lambda t: t.ptr
         self.p_x, self.p_ids, self.p_down, self.p_experts, self.p_w, self.p_out = map(
             p, (self.x, self.ids, self.down, self.experts_in, self.w, self.out))
         self.pg_experts, self.pg_sum = self.g_experts.ptr, self.g_sum.ptr
-        self.b_slot_ids, self.b_merged = ffi.from_buffer(self.slot_ids), ffi.from_buffer(self.merged)
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+class _HostScratch:
+    """The host arrays of a layer's calls, sized for the most tokens seen (grown by powers of two)."""
+
+    def __init__(self, n_used: int, n_embd: int) -> None:
+        self.n_used, self.n_embd, self.rows = n_used, n_embd, 0
+        self.slot_ids = np.empty((0, n_used), np.int32)
+        self.merged = np.empty((0, n_used, n_embd), np.float32)
+
+    def views(self, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        if n_tokens > self.rows:
+            self.rows = 1 << (n_tokens - 1).bit_length()
+            self.slot_ids = np.empty((self.rows, self.n_used), np.int32)
+            self.merged = np.empty((self.rows, self.n_used, self.n_embd), np.float32)
+        return self.slot_ids[:n_tokens], self.merged[:n_tokens]
 
 
 def _compute(backend_ptr, graph_ptr) -> None:
@@ -158,12 +187,17 @@ class ExpertCacheExecutor:
         self.expert_bytes = sum(self.expert_nbytes.values())
         self._slot_rows = RowGraphs(self.slots, device, self.n_embd, glu)  # compacted rounds
         self.counters = LayerCounters()
-        self._buckets: dict[int, _Bucket] = {}
+        # one graph pair per token count, the least recently used dropped first: prompts of ever new
+        # lengths must not grow memory (decode and recent lengths stay warm); all share one buffer
+        self._buckets: GraphCache[_Bucket] = GraphCache(
+            MAX_BUCKETS, Context.size_for(_BUCKET_TENSORS, graph_size=_BUCKET_GRAPH))
+        self._shared = SharedBuffer(device)
+        self._host = _HostScratch(n_used, self.n_embd)
 
     @property
     def compute_bytes(self) -> int:
-        """Device compute memory of the executor's own graphs made so far (they grow with new batch shapes)."""
-        return sum(b.buffer.size for b in self._buckets.values()) + self._slot_rows.buffer_bytes
+        """Device compute memory of the executor's own graphs (grown to the largest token count seen)."""
+        return self._shared.size + self._slot_rows.buffer_bytes
 
     @property
     def slot_bytes(self) -> int:
@@ -171,11 +205,14 @@ class ExpertCacheExecutor:
         return sum(t.nbytes for t in self.slot_tensors.values())
 
     def _bucket(self, n_tokens: int) -> _Bucket:
-        b = self._buckets.get(n_tokens)
-        if b is None:
-            b = self._buckets[n_tokens] = _Bucket(self.slots, self.device, n_tokens, self.n_used, self.n_embd,
-                                                  self.glu)
-        return b
+        def build(arena: Arena) -> _Bucket:
+            b = _Bucket(self.slots, self.device, n_tokens, self.n_used, self.n_embd, self.glu, arena, self._host)
+            if self._shared.place(b.ctx):  # grown: the graphs placed in the old buffer go
+                self._buckets.clear()
+            b.pointers()
+            return b
+
+        return self._buckets.get(n_tokens, build)
 
     def _load(self, expert: int, slot: int) -> int:
         n = 0
@@ -209,7 +246,10 @@ class ExpertCacheExecutor:
         b = self._bucket(n_tokens)
         c = self.counters
         job = None
+        checked = False
         if split is not None and split.cpu_misses and self.worker is not None and self.host_experts is not None:
+            self.store.check_unchanged()  # the worker reads the mapping: a truncated file would kill us (SIGBUS)
+            checked = True
             # the CPU starts first and works while the device computes hits and loads
             on_cpu = np.zeros(self.n_expert, bool)
             on_cpu[list(split.cpu_misses)] = True
@@ -227,7 +267,10 @@ class ExpertCacheExecutor:
             c.share_calls += 1
             c.share_sum += split.share
         # experts come from a bincount: distinct, in range, with positive row counts
-        rounds = self.cache.plan(device_experts.tolist(), counts[device_experts].tolist(), checked=False)
+        rounds = self.cache.plan(device_experts.tolist(), counts[device_experts].tolist(), checked=False,
+                                 deferred_loads=True)
+        if not checked and any(rnd.loads for rnd in rounds):
+            self.store.check_unchanged()  # loads read the mapping: a truncated file would kill us (SIGBUS)
         dev = self.device.ptr
         # inputs move device to device; only the ids come to the host, to plan
         lib.ggml_backend_tensor_copy(x3.ptr, b.p_x)
@@ -242,6 +285,7 @@ class ExpertCacheExecutor:
             t1 = time.perf_counter_ns()
             for expert, slot in rnd.loads:
                 c.bytes_loaded += self._load(expert, slot)
+                self.cache.commit(slot, expert)  # only now does the cache count it as resident
             t2 = time.perf_counter_ns()
             slot_of = self._slot_of
             slot_of.fill(self.scratch)
@@ -293,7 +337,6 @@ class ExpertCacheExecutor:
 
     def close(self) -> None:
         self._slot_rows.close()
-        for b in self._buckets.values():
-            b.ctx.close()
         self._buckets.clear()
+        self._shared.close()
         self.ctx.close()

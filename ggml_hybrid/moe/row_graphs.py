@@ -5,7 +5,10 @@ compute only the rows they own this way, instead of every row of the call. Row i
 graph uses token row ``x[i]`` and expert ``ids[i]``; each expert sees exactly its rows,
 in call order, so GGML's CPU ``mul_mat_id`` picks the same kernel for it as in the
 resident graph (it chooses a tiled path per expert from that expert's row count) and
-the rows are bit-identical. Graphs are made per row bucket on first use and reused.
+the rows are bit-identical. Graphs are made per row bucket on first use and reused: the
+most recent ones are kept, their tensors in one buffer shared by the graphs of a set (they
+never run at the same time), their host arrays views of one scratch: once warm, a long run
+allocates nothing, whatever row counts it meets.
 """
 
 from __future__ import annotations
@@ -14,29 +17,53 @@ import numpy as np
 
 from .._native import ffi, lib
 from .._native.status import check_status
-from ..ggml.context import Context
+from ..ggml.backend import Backend
+from ..ggml.context import Arena, Context
+from ..ggml.graph_cache import GraphCache, SharedBuffer
 from .ffn import ExpertWeights, expert_ffn
 
 # exact-size graphs up to here (decode never pads); above, power-of-two buckets
 _EXACT_ROWS = 32
+_MAX_GRAPHS = 16  # row-count graphs kept per set of experts (every decode size fits)
+_TENSORS, _GRAPH = 16, 32
 
 
 class _RowGraph:
     """expert_ffn over host experts for ``n_rows`` compacted rows (one expert per row)."""
 
-    def __init__(self, experts: ExpertWeights, backend, n_rows: int, n_embd: int, glu: str):
-        self.ctx = c = Context(n_tensors=16, graph_size=32)
+    def __init__(self, experts: ExpertWeights, backend: Backend, n_rows: int, n_embd: int, glu: str,
+                 arena: Arena, shared: SharedBuffer, host: _Scratch) -> None:
+        self.ctx = c = Context(n_tensors=_TENSORS, graph_size=_GRAPH, arena=arena)
         self.x = c.new_tensor("f32", (n_rows, 1, n_embd), "cpu.x")
         self.ids = c.new_tensor("i32", (n_rows, 1), "cpu.ids")
         self.down = expert_ffn(c, experts, self.x, self.ids, glu)
-        self.graph = c.new_graph(32).expand(self.down)
-        self.buffer = c.allocate(backend, "compute")
+        self.graph = c.new_graph(_GRAPH).expand(self.down)
         self.graph.check_supported([backend], id(backend))
-        self.x_host = np.zeros((n_rows, n_embd), np.float32)
-        self.ids_host = np.zeros(n_rows, np.int32)
-        self.down_host = np.empty((n_rows, n_embd), np.float32)
+        self.grew = shared.place(c)
+        self.x_host, self.ids_host, self.down_host = host.views(n_rows)
         self.px, self.pids, self.pdown, self.pg = self.x.ptr, self.ids.ptr, self.down.ptr, self.graph.ptr
         self.bx, self.bids, self.bdown = (ffi.from_buffer(a) for a in (self.x_host, self.ids_host, self.down_host))
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+class _Scratch:
+    """Host arrays for the largest row count seen (grown by powers of two); graphs use prefix views."""
+
+    def __init__(self, n_embd: int) -> None:
+        self.n_embd, self.rows = n_embd, 0
+        self._x = np.zeros((0, n_embd), np.float32)
+        self._ids = np.zeros(0, np.int32)
+        self._down = np.empty((0, n_embd), np.float32)
+
+    def views(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if n > self.rows:
+            self.rows = 1 << (n - 1).bit_length()
+            self._x = np.zeros((self.rows, self.n_embd), np.float32)
+            self._ids = np.zeros(self.rows, np.int32)
+            self._down = np.empty((self.rows, self.n_embd), np.float32)
+        return self._x[:n], self._ids[:n], self._down[:n]
 
 
 def bucket_rows(n: int, ids: np.ndarray, n_expert: int, pad_id: int | None = None) -> tuple[int, int]:
@@ -62,19 +89,31 @@ def bucket_rows(n: int, ids: np.ndarray, n_expert: int, pad_id: int | None = Non
 class RowGraphs:
     """The row graphs of one set of experts on one backend, by row count."""
 
-    def __init__(self, experts: ExpertWeights, backend, n_embd: int, glu: str):
+    def __init__(self, experts: ExpertWeights, backend: Backend, n_embd: int, glu: str) -> None:
         self.experts, self.backend, self.n_embd, self.glu = experts, backend, n_embd, glu
-        self._graphs: dict[int, _RowGraph] = {}
-        self.allocations = 0  # graphs made; constant once every bucket was seen
+        self._graphs: GraphCache[_RowGraph] = GraphCache(_MAX_GRAPHS, Context.size_for(_TENSORS, graph_size=_GRAPH))
+        self._shared = SharedBuffer(backend)
+        self._scratch = _Scratch(n_embd)
+
+    @property
+    def allocations(self) -> int:
+        """Graphs made so far; constant once warm."""
+        return self._graphs.builds
+
+    def _build(self, n_rows: int, arena: Arena) -> _RowGraph:
+        g = _RowGraph(self.experts, self.backend, n_rows, self.n_embd, self.glu, arena, self._shared, self._scratch)
+        if g.grew:  # the graphs placed in the smaller buffer go
+            self._graphs.clear()
+        return g
 
     def compute(self, x: np.ndarray, ids: np.ndarray, pad_id: int | None = None) -> np.ndarray:
         """Rows [n, n_embd] of expert_ffn for x [n, n_embd] and ids [n] (a view, valid until the next call)."""
         n = len(ids)
         bucket, pad = bucket_rows(n, ids, self.experts.n_expert, pad_id)
-        g = self._graphs.get(bucket)
-        if g is None:
-            g = self._graphs[bucket] = _RowGraph(self.experts, self.backend, bucket, self.n_embd, self.glu)
-            self.allocations += 1
+        g = self._graphs.get(bucket, lambda arena: self._build(bucket, arena))
+        if g.x_host.base is not self._scratch._x:  # the scratch grew since this graph was made
+            g.x_host, g.ids_host, g.down_host = self._scratch.views(bucket)
+            g.bx, g.bids, g.bdown = (ffi.from_buffer(a) for a in (g.x_host, g.ids_host, g.down_host))
         g.x_host[:n] = x
         g.x_host[n:] = 0.0
         g.ids_host[:n] = ids
@@ -88,10 +127,9 @@ class RowGraphs:
 
     @property
     def buffer_bytes(self) -> int:
-        """Compute memory of the row graphs made so far."""
-        return sum(g.buffer.size for g in self._graphs.values())
+        """Compute memory of the row graphs (grown to the largest row count seen)."""
+        return self._shared.size
 
     def close(self) -> None:
-        for g in self._graphs.values():
-            g.ctx.close()
         self._graphs.clear()
+        self._shared.close()

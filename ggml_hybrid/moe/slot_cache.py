@@ -56,9 +56,16 @@ later round of the same call picks victims).
 After the call every requested expert that is still resident has the call's
 tick as its recency; its use count was incremented once by this call.
 
+Committed loads. By default a planned load counts as done the moment it is planned.
+A caller that really copies weights (the executor) plans with ``deferred_loads=True``
+and calls :meth:`SlotCache.commit` after each copy returns: a slot whose last
+planned load was never committed (the copy failed, or the call was interrupted) is
+emptied at the start of the next plan, so the cache never claims an expert that is
+not in its slot. An emptied slot is not an eviction; ``invalidated`` counts them.
+
 Counters. :class:`CacheCounters` accumulates, over all calls since construction
 or :meth:`SlotCache.reset`: ``calls``, ``distinct`` (requested experts),
-``hits``, ``misses`` (== loads), ``evictions`` and ``rounds``.
+``hits``, ``misses`` (== loads), ``evictions``, ``rounds`` and ``invalidated``.
 
 Cost. One call costs O(len(experts) log len(experts) + rounds * n_slots log n_slots).
 """
@@ -102,6 +109,7 @@ class CacheCounters:
     misses: int = 0
     evictions: int = 0
     rounds: int = 0
+    invalidated: int = 0  # slots emptied because their load was never committed
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -144,15 +152,17 @@ class SlotCache:
         self._recency: dict[int, int] = {}  # expert -> tick of last computation
         self._uses: dict[int, int] = {}  # expert -> calls that requested it since it was loaded
         self._tick = 0
+        self._uncommitted: dict[int, int] = {}  # slot -> the expert its last planned load puts there
         self.counters = CacheCounters()
 
     def slot_of(self, expert) -> int | None:
         """The slot holding ``expert``, or None when it is not resident."""
-        return self._where.get(self._check_expert(expert, "SlotCache.slot_of"))
+        s = self._where.get(self._check_expert(expert, "SlotCache.slot_of"))
+        return None if s is None or self._uncommitted.get(s) == expert else s
 
     def resident(self) -> dict[int, int]:
         """``{expert: slot}`` for every resident expert, in increasing slot order."""
-        return {e: s for s, e in enumerate(self._slots) if e is not None}
+        return {e: s for s, e in enumerate(self._slots) if e is not None and self._uncommitted.get(s) != e}
 
     def __repr__(self) -> str:
         return (f"SlotCache(n_experts={self.n_experts}, n_slots={self.n_slots}, policy={self.policy!r}, "
@@ -214,7 +224,25 @@ class SlotCache:
         self._recency[expert] = self._tick
         self._uses[expert] = self._uses.get(expert, 0) + 1
 
-    def plan(self, experts: Sequence[int], rows: Sequence[int] | None = None, *, checked: bool = True) -> list[Round]:
+    def commit(self, slot: int, expert: int) -> None:
+        """The copy of ``expert`` into ``slot`` (a load planned with ``deferred_loads=True``) is done.
+
+        Only the last load planned into a slot makes it whole: a call that loads a slot in two rounds
+        commits it twice, and only the second commit counts.
+        """
+        if self._uncommitted.get(slot) == expert:
+            del self._uncommitted[slot]
+
+    def _drop_uncommitted(self) -> None:
+        for s, e in self._uncommitted.items():
+            if self._slots[s] == e:
+                self._slots[s] = None
+                del self._where[e], self._recency[e], self._uses[e]
+                self.counters.invalidated += 1
+        self._uncommitted.clear()
+
+    def plan(self, experts: Sequence[int], rows: Sequence[int] | None = None, *, checked: bool = True,
+             deferred_loads: bool = False) -> list[Round]:
         """Plan one layer call over the distinct ``experts`` (``rows[i]`` rows for ``experts[i]``).
 
         Returns the rounds of the call and updates residency, recency, use counts and
@@ -223,11 +251,14 @@ class SlotCache:
         for duplicates, mismatched or non-positive row counts and non-int values; the
         cache is left untouched when the call is rejected. ``checked=False`` skips that
         validation for callers whose input is valid by construction (a hot path).
+        ``deferred_loads=True``: the loads stay uncommitted until :meth:`commit` (see the module docstring).
         """
         if checked:
             ids, counts = self._check_call(experts, rows)
         else:  # the caller guarantees distinct in-range ints and positive row counts (the executor's bincount)
             ids, counts = list(experts), list(rows) if rows is not None else [1] * len(experts)
+        if self._uncommitted:
+            self._drop_uncommitted()
         self._tick += 1
         c = self.counters
         c.calls += 1
@@ -272,6 +303,8 @@ class SlotCache:
                 self._uses[e] = 0
                 self._use(e)
                 loads.append((e, s))
+            if deferred_loads:
+                self._uncommitted.update((s, e) for e, s in loads)
             rounds.append(Round(hits=hits if first else (), loads=tuple(loads), evicted=tuple(evicted)))
             c.evictions += len(evicted)
             protected = set()  # after round 1 everything computed so far may be evicted

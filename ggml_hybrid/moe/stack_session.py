@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,13 +27,15 @@ import numpy.typing as npt
 
 from ..errors import ShapeError
 from ..ggml.backend import Backend, cpu, cuda, cuda_available
-from ..ggml.context import Context
+from ..ggml.context import Arena, Context
 from ..ggml.graph import Graph
+from ..ggml.graph_cache import GraphCache
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
 from ..model.gguf_store import GGUFStore, load_into
 from ..model.hparams import read_stack_hparams
 from ..options import SessionOptions
+from ..serial import Serial
 from .executor import LayerCounters
 from .expert_layers import ExpertLayers, check_expert_shapes, check_moe_options
 from .ffn import MoERegion, build_moe_ffn
@@ -65,6 +68,12 @@ class StackGraph(NamedTuple):
     out: Tensor
     regions: list[MoERegion]
 
+    def close(self) -> None:
+        self.ctx.close()
+
+
+MAX_GRAPHS = 8  # token-count graphs kept per session
+
 
 class MoEStackSession:
     def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
@@ -90,17 +99,27 @@ class MoEStackSession:
                                    simulated_bus_bytes_per_s)
         self.experts, self.executors = self.layers.weights, self.layers.executors
         self.worker, self.trace = self.layers.worker, self.layers.trace
-        self._graphs: dict[int, StackGraph] = {}
+        size = 64 * self.n_layer + 64
+        # one graph per token count, the least recently used dropped first
+        self._graphs: GraphCache[StackGraph] = GraphCache(MAX_GRAPHS, Context.size_for(size, graph_size=size),
+                                                          self._forget_graph)
+        self._serial = Serial("MoEStackSession")
         self._active: int | None = None  # token count whose graph's regions are registered
 
     # -- graphs ---------------------------------------------------------------
 
+    def _forget_graph(self, key: Hashable, entry: StackGraph) -> None:
+        if self._active == key:  # its regions are registered with the scheduler
+            self.sched.clear_regions()
+            self._active = None
+
     def _graph(self, n_tokens: int) -> StackGraph:
-        """The graph for a token count, built once and reused."""
-        if n_tokens in self._graphs:
-            return self._graphs[n_tokens]
+        """The graph for a token count, built once and reused (while it stays among the recent ones)."""
+        return self._graphs.get(n_tokens, lambda arena: self._build(n_tokens, arena))
+
+    def _build(self, n_tokens: int, arena: Arena) -> StackGraph:
         size = 64 * self.n_layer + 64
-        c = Context(n_tensors=size, graph_size=size)
+        c = Context(n_tensors=size, graph_size=size, arena=arena)
         g = c.new_graph(size)
         x = c.new_tensor("f32", (n_tokens, self.n_embd), "x").set_input()
         cur, regions = x, []
@@ -112,8 +131,7 @@ class MoEStackSession:
             cur = c.add(r.out, cur)
         cur.set_output()
         g.expand(cur)
-        self._graphs[n_tokens] = entry = StackGraph(c, g, x, cur, regions)
-        return entry
+        return StackGraph(c, g, x, cur, regions)
 
     def _use_graph(self, n_tokens: int) -> StackGraph:
         """Register this graph's regions with the scheduler when switching graphs."""
@@ -129,11 +147,12 @@ class MoEStackSession:
         x = np.asarray(x)
         if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != self.n_embd or x.shape[0] < 1:
             raise ShapeError(f"forward: x must be float32 [tokens >= 1, {self.n_embd}], got {x.dtype} {x.shape}")
-        sg = self._use_graph(x.shape[0])
-        self.sched.prepare(sg.graph)  # split and allocate only when this graph is not the allocated one
-        sg.x.set(x.reshape(sg.x.shape))
-        self.sched.compute(sg.graph)
-        return sg.out.numpy().reshape(x.shape)
+        with self._serial.turn("forward"):
+            sg = self._use_graph(x.shape[0])
+            self.sched.prepare(sg.graph)  # split and allocate only when this graph is not the allocated one
+            sg.x.set(x.reshape(sg.x.shape))
+            self.sched.compute(sg.graph)
+            return sg.out.numpy().reshape(x.shape)
 
     @property
     def counters(self) -> SessionCounters:
@@ -141,8 +160,6 @@ class MoEStackSession:
 
     def close(self) -> None:
         self.layers.close()
-        for sg in self._graphs.values():
-            sg.ctx.close()
         self._graphs.clear()
         self.sched.close()
         self.dense_ctx.close()

@@ -74,3 +74,4 @@ void ggml_backend_sched_reset(ggml_backend_sched_t sched);
 void ggml_backend_sched_set_eval_callback(ggml_backend_sched_t sched, ggml_backend_sched_eval_callback callback, void * user_data);
 size_t ggml_backend_buffer_get_alloc_size(ggml_backend_buffer_t buffer, const struct ggml_tensor * tensor);
 enum ggml_status ggml_backend_tensor_alloc(ggml_backend_buffer_t buffer, struct ggml_tensor * tensor, void * addr);
+enum ggml_status ggml_backend_view_init(struct ggml_tensor * tensor);
