@@ -48,8 +48,15 @@ def _run(jobs: queue.Queue) -> None:
 
 def _stop(jobs: queue.Queue, thread: threading.Thread) -> None:
     jobs.put(_STOP)
-    if thread.is_alive() and thread is not threading.current_thread():
-        thread.join()
+    if thread is threading.current_thread():
+        return
+    # a Ctrl-C that interrupted an earlier put() between queueing its item and notifying the worker leaves
+    # the worker asleep on a queue that is not empty: wake it again until it has seen the stop
+    while thread.is_alive():
+        thread.join(0.2)
+        if thread.is_alive():
+            with jobs.not_empty:
+                jobs.not_empty.notify()
 
 
 class CPUWorker:
