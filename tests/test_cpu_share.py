@@ -292,7 +292,7 @@ def test_choose_is_the_brute_force_optimum_without_hysteresis(call, B, mults, n_
 def test_choose_breaks_ties_toward_fewer_cpu_misses():
     # per-row costs negligible and equal per-byte costs: one miss costs the same on either side
     tie = {"cpu_per_byte": 4e-11, "load_per_byte": 4e-11, "cpu_per_row_per_byte": 1e-300,
-           "device_per_row_per_byte": 1e-300}
+           "device_per_row_per_byte": 1e-300, "cpu_per_job": 1e-300}
     model = CostModel(prior=tie)
     p = model.choose([3, 5], [2, 1], {5}, MB)
     on_cpu = MissSplit(device_hits=(5,), device_misses=(), cpu_misses=(3,), share=1.0)
@@ -308,8 +308,25 @@ def test_modeled_times_formula():
     p = MissSplit(device_hits=(1, 2), device_misses=(3,), cpu_misses=(4, 5, 6), share=0.75)
     rows = {1: 10, 2: 20, 3: 30, 4: 1, 5: 2, 6: 3, 99: 1000}
     cpu, dev = model.modeled_times(p, rows, B)
-    assert cpu == pytest.approx(c["cpu_per_byte"] * B * 3 + c["cpu_per_row"] * 6)
+    assert cpu == pytest.approx(c["cpu_per_job"] + c["cpu_per_byte"] * B * 3 + c["cpu_per_row"] * 6)
     assert dev == pytest.approx(c["load_per_byte"] * B * 1 + c["device_per_row"] * 60)
+    # the job's fixed cost is paid once, and only by a split that gives the CPU something
+    none_on_cpu = MissSplit(device_hits=(1, 2), device_misses=(3, 4, 5, 6), cpu_misses=(), share=0.0)
+    assert model.modeled_times(none_on_cpu, rows, B)[0] == 0.0
+
+
+def test_the_per_job_cost_is_learned_and_keeps_one_row_jobs_on_the_device():
+    """At decode (one row per expert) a job's fixed cost decides whether one more CPU expert pays."""
+    B = MB
+    model = CostModel(prior={"cpu_per_byte": 1.0 / 30e9, "load_per_byte": 1.0 / 20e9})
+    assert model.estimate(B)["cpu_per_job"] == DEFAULT_PRIOR["cpu_per_job"]
+    for _ in range(40):
+        model.observe_cpu_job(200e-6)  # a slow hand-off: far more than moving one expert (50 us)
+    assert model.estimate(B)["cpu_per_job"] == pytest.approx(200e-6)
+    p = model.choose([1, 2], [1, 1], set(), B)
+    assert p.cpu_misses == ()  # 200 us to save one 50 us load: not worth it
+    cheap = CostModel(prior={"cpu_per_byte": 1.0 / 30e9, "load_per_byte": 1.0 / 20e9, "cpu_per_job": 1e-9})
+    assert cheap.choose([1, 2], [1, 1], set(), B).cpu_misses  # without the fixed cost the CPU takes some
 
 
 @given(calls(max_experts=64), st.sampled_from([MB, 10 * MB, 100 * MB]))

@@ -90,8 +90,13 @@ of them are used and the zero start introduces no bias.
   better of the two boundary solutions (u = 0 or v = 0, the other clipped at 0).
 
 A coefficient with no informative observation yet (no job, or only zero-byte /
-zero-row jobs) takes its prior value. Fixed per-job overheads are not modeled;
-they are absorbed into the fitted coefficients.
+zero-row jobs) takes its prior value.
+
+* ``cpu_per_job`` (c): the fixed cost of a CPU job (handing it to the worker, waking it, setting up
+  its graph), paid once per call that sends the CPU anything, whatever its bytes and rows:
+  ``c = EMA(job seconds) / EMA(1)``, measured from the hand-off to the start of the job's compute.
+  Without it a model fitted on decode's one-row jobs charges the CPU nothing for taking one more
+  expert, and sends it experts the device would have finished sooner.
 
 Priors (a "sane start", representative of a PCIe 4.0 x16 GPU and a DDR4/DDR5
 desktop host; the ``prior`` dict overrides any of them). A row's compute is a
@@ -110,6 +115,7 @@ multiplied by ``expert_bytes`` when used:
   multi-core AVX2/AVX-512 host running quantized dot products.
 * ``device_per_row_per_byte = 1e-13`` s: 100 times faster than the CPU
   (~36 TFLOP/s effective for batched quantized matmul).
+* ``cpu_per_job = 20e-6`` s: a thread wake-up and a small graph's setup.
 
 With these, decode (1 row per expert) puts about half of the misses on the CPU
 (a CPU miss costs ``(3.3e-11 + 1e-11)*B`` against the device's ``5e-11*B``),
@@ -119,7 +125,7 @@ device (a CPU miss then costs ``6.7e-10*B``).
 Modeled time of a split (``B = expert_bytes``, every expert of a layer has
 the same size; ``rows_e`` the rows of expert e)::
 
-    cpu_seconds    = a*B*n_cpu + b*sum(rows_e for e in cpu_misses)
+    cpu_seconds    = (c if n_cpu else 0) + a*B*n_cpu + b*sum(rows_e for e in cpu_misses)
     device_seconds = L*B*n_device_misses + d*sum(rows_e for e in device_hits + device_misses)
     makespan       = max(cpu_seconds, device_seconds)   # CPU jobs and the device run in parallel
 
@@ -162,6 +168,7 @@ DEFAULT_PRIOR: dict[str, float] = {
     "cpu_per_row_per_byte": 1e-11,
     "load_per_byte": 1.0 / 20e9,
     "device_per_row_per_byte": 1e-13,
+    "cpu_per_job": 20e-6,
 }
 
 
@@ -287,7 +294,8 @@ def split_misses(experts: Sequence[int], rows: Sequence[int], resident: Iterable
 def _times(c: Mapping[str, float], expert_bytes: int, n_cpu: int, cpu_rows: int, n_dev: int,
            dev_rows: int) -> tuple[float, float]:
     """(cpu_seconds, device_seconds); the single formula shared by ``choose`` and ``modeled_times``."""
-    cpu = c["cpu_per_byte"] * expert_bytes * n_cpu + c["cpu_per_row"] * cpu_rows
+    job = c["cpu_per_job"] if n_cpu else 0.0
+    cpu = job + c["cpu_per_byte"] * expert_bytes * n_cpu + c["cpu_per_row"] * cpu_rows
     dev = c["load_per_byte"] * expert_bytes * n_dev + c["device_per_row"] * dev_rows
     return cpu, dev
 
@@ -308,7 +316,7 @@ def makespans(c: Mapping[str, float], expert_bytes: int, hit_rows: int, miss_row
     return spans
 
 
-COEFFICIENTS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row")
+COEFFICIENTS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row", "cpu_per_job")
 
 
 class CostModel:
@@ -338,7 +346,8 @@ class CostModel:
         self._cpu = [0.0] * 5  # bytes^2, bytes*rows, rows^2, bytes*t, rows*t
         self._load = [0.0, 0.0]  # seconds, bytes
         self._dev = [0.0, 0.0]  # seconds, rows
-        self._n = {"cpu": 0, "load": 0, "device": 0}
+        self._job = [0.0, 0.0]  # seconds, weight (a job's fixed cost: hand-off and wake-up)
+        self._n = {"cpu": 0, "load": 0, "device": 0, "job": 0}
         self._share: float | None = None
         self._fixed: dict[str, float] | None = None
 
@@ -381,6 +390,14 @@ class CostModel:
         t = _real(seconds, "CostModel.observe_cpu: seconds")
         self._ema(self._cpu, (x * x, x * r, r * r, x * t, r * t))
         self._n["cpu"] += 1
+
+    def observe_cpu_job(self, seconds: float) -> None:
+        """The fixed cost of one CPU job: from its hand-off to the worker until its compute starts."""
+        if self._fixed is not None:
+            return
+        t = _real(seconds, "CostModel.observe_cpu_job: seconds")
+        self._ema(self._job, (t, 1.0))
+        self._n["job"] += 1
 
     def observe_load(self, bytes_loaded: int, seconds: float) -> None:
         """Device loads: ``bytes_loaded`` weight bytes moved into slots in ``seconds``."""
@@ -436,19 +453,23 @@ class CostModel:
         """
         B = _int(expert_bytes, "CostModel.estimate: expert_bytes", 1)
         if self._fixed is not None:
-            return {**self._fixed, "cpu_observations": 0, "load_observations": 0, "device_observations": 0}
+            return {**self._fixed, "cpu_observations": 0, "load_observations": 0, "device_observations": 0,
+                    "job_observations": 0}
         p = self.prior
         a, b = self._fit_cpu(p["cpu_per_byte"], p["cpu_per_row_per_byte"] * B)
         lt, lx = self._load
         dt, dr = self._dev
+        jt, jw = self._job
         return {
             "cpu_per_byte": a,
             "cpu_per_row": b,
             "load_per_byte": lt / lx if lx > 0.0 else p["load_per_byte"],
             "device_per_row": dt / dr if dr > 0.0 else p["device_per_row_per_byte"] * B,
+            "cpu_per_job": jt / jw if jw > 0.0 else p["cpu_per_job"],
             "cpu_observations": self._n["cpu"],
             "load_observations": self._n["load"],
             "device_observations": self._n["device"],
+            "job_observations": self._n["job"],
         }
 
     def modeled_times(self, split: MissSplit, rows: Mapping[int, int], expert_bytes: int) -> tuple[float, float]:

@@ -115,6 +115,27 @@ class _Bucket:
         self.ctx.close()
 
 
+@dataclass(frozen=True)
+class SyntheticClock:
+    """Durations computed from the work instead of measured, so that ``auto`` decides the same way on every
+    run: the native and the Python executors are compared with it, decision by decision."""
+
+    load_per_byte: float
+    device_per_row: float
+    cpu_per_byte: float
+    cpu_per_row: float
+    cpu_per_job: float
+
+    def seconds(self, kind: str, nbytes: int, rows: int) -> float:
+        if kind == "load":
+            return self.load_per_byte * nbytes
+        if kind == "device":
+            return self.device_per_row * rows
+        if kind == "cpu":
+            return self.cpu_per_byte * nbytes + self.cpu_per_row * rows
+        return self.cpu_per_job
+
+
 class _HostScratch:
     """The host arrays of a layer's calls, sized for the most tokens seen (grown by powers of two)."""
 
@@ -163,6 +184,7 @@ class ExpertCacheExecutor:
         # the CPU share: a fixed fraction of the misses, or "auto" (an online cost model)
         self.worker, self.share, self.host_experts = worker, share, host_experts
         self.model = CostModel() if share == "auto" else None
+        self.clock: SyntheticClock | None = None  # set by tests and replays that need repeatable decisions
         # benchmarks on a machine without a bus: each load also waits bytes / bandwidth
         self.simulated_bus = simulated_bus_bytes_per_s
         self.trace = trace  # a TraceWriter shared by the session's layers, or None
@@ -223,6 +245,12 @@ class ExpertCacheExecutor:
             time.sleep(n / self.simulated_bus)  # releases the GIL, like a DMA the CPU need not wait for
         return n
 
+    def _seconds(self, kind: str, nbytes: int, rows: int, measured_ns: int) -> float:
+        """What the cost model observes: the measured time, or the synthetic clock's (deterministic runs)."""
+        if self.clock is None:
+            return measured_ns / 1e9
+        return self.clock.seconds(kind, nbytes, rows)
+
     def _cpu_split(self, experts: np.ndarray, rows: np.ndarray):
         """Which misses the CPU computes; None when every expert goes through the cache."""
         if self.worker is None or self.share == 0.0:
@@ -256,6 +284,7 @@ class ExpertCacheExecutor:
             cpu_rows = on_cpu[ids]
             xv = x3.numpy().reshape(n_tokens, self.n_embd)
             tok = np.nonzero(cpu_rows)[0]  # row-major (token, expert) order, as mul_mat_id groups rows
+            t_submit = time.perf_counter_ns()
             job = self.worker.submit(self.layer, self.host_experts, xv[tok], ids[cpu_rows], self.glu)
             device_experts = np.array(sorted(split.device_hits + split.device_misses), np.int64)
             c.cpu_misses += len(split.cpu_misses)
@@ -313,8 +342,8 @@ class ExpertCacheExecutor:
             if self.model is not None:
                 loaded = len(rnd.loads) * self.expert_bytes
                 if loaded:
-                    self.model.observe_load(loaded, (t2 - t1) / 1e9)
-                self.model.observe_device(n_rows, (t4 - t3) / 1e9)
+                    self.model.observe_load(loaded, self._seconds("load", loaded, 0, t2 - t1))
+                self.model.observe_device(n_rows, self._seconds("device", 0, n_rows, t4 - t3))
         d1 = time.perf_counter_ns()
         if job is not None:
             rows_out, c0, c1 = job.result()  # re-raises a failure of the worker here
@@ -322,7 +351,10 @@ class ExpertCacheExecutor:
             c.cpu_ns += c1 - c0
             c.overlap_ns += max(0, min(d1, c1) - max(d0, c0)) if rounds else 0
             if self.model is not None:
-                self.model.observe_cpu(len(split.cpu_misses) * self.expert_bytes, len(rows_out), (c1 - c0) / 1e9)
+                cpu_bytes = len(split.cpu_misses) * self.expert_bytes
+                cpu_s = self._seconds("cpu", cpu_bytes, len(rows_out), c1 - c0)
+                self.model.observe_cpu(cpu_bytes, len(rows_out), cpu_s)
+                self.model.observe_cpu_job(self._seconds("job", 0, 0, c0 - t_submit))
         if on_host:
             lib.ggml_backend_tensor_set(b.p_experts, b.b_merged, 0, b.merged.nbytes)
         t5 = time.perf_counter_ns()

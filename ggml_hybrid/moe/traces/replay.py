@@ -40,7 +40,7 @@ equal the replayed ones; a live ``auto`` that learns from timings does not repla
 
 The modeled time of a layer call with cost ``c`` (:class:`LinkCost`) is the cost model's makespan::
 
-    cpu    = n_cpu * c.expert_bytes / c.cpu_bytes_per_s + cpu_rows * c.cpu_s_per_row
+    cpu    = (c.cpu_s_per_job if n_cpu else 0) + n_cpu * c.expert_bytes / c.cpu_bytes_per_s + cpu_rows * c.cpu_s_per_row
     device = device_misses * c.expert_bytes / c.bus_bytes_per_s + device_rows * c.device_s_per_row
     time   = max(cpu, device)
 
@@ -87,18 +87,20 @@ class LinkCost:
     device_s_per_row: float
     cpu_s_per_row: float
     expert_bytes: int
+    cpu_s_per_job: float = 0.0  # the fixed cost of a call that sends the CPU anything
 
     def __post_init__(self):
         for name in ("bus_bytes_per_s", "cpu_bytes_per_s"):
             check_real(getattr(self, name), f"LinkCost: {name}", 0.0, lo_open=True, error=TraceError)
-        for name in ("device_s_per_row", "cpu_s_per_row"):
+        for name in ("device_s_per_row", "cpu_s_per_row", "cpu_s_per_job"):
             check_real(getattr(self, name), f"LinkCost: {name}", 0.0, error=TraceError)
         check_int(self.expert_bytes, "LinkCost: expert_bytes", 1, error=TraceError)
 
     def coefficients(self) -> dict[str, float]:
         """The same costs as :class:`~ggml_hybrid.moe.cpu_share.CostModel` coefficients (seconds)."""
         return {"cpu_per_byte": 1.0 / self.cpu_bytes_per_s, "cpu_per_row": float(self.cpu_s_per_row),
-                "load_per_byte": 1.0 / self.bus_bytes_per_s, "device_per_row": float(self.device_s_per_row)}
+                "load_per_byte": 1.0 / self.bus_bytes_per_s, "device_per_row": float(self.device_s_per_row),
+                "cpu_per_job": float(self.cpu_s_per_job)}
 
     def to_dict(self) -> dict:
         return asdict(self)
