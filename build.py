@@ -201,7 +201,8 @@ def build_cffi(ggml_dir: Path, opts: Options, out_dir: Path) -> Path:
     patch_hash = info.patch_series_hash() if opts.patched else "unpatched"
     source_hash = info.source_hash(opts.patched)
     cdef = cdef_source(opts.patched)
-    includes = ["ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h", "hybrid.h"]
+    includes = ["ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]
+    includes += [p.name for p in info.c_sources() if p.suffix == ".h"]  # ours: the cdef declares from them
     preamble = "\n".join(f'#include "{h}"' for h in includes) + "\n"
     macros = [("GGML_HYBRID_GGML_VERSION", f'"{pin["ggml_version"]}"'), ("GGML_HYBRID_PATCH_HASH", f'"{patch_hash}"'),
               ("GGML_HYBRID_SOURCE_HASH", f'"{source_hash}"')]
@@ -266,11 +267,14 @@ def _cuda_link_args() -> list[str]:
 
 
 @contextlib.contextmanager
-def _cache_lock():
-    """One build at a time per cache: a second one waits, then finds the first one's result."""
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as f:
+def _lock(path: Path):
+    """One build of a given thing at a time: a second one waits, then finds the first one's result.
+
+    Keyed by what is built (one GGML configuration): builds of different configurations, e.g. a long
+    CUDA build and a CPU one, never wait for each other.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -279,7 +283,8 @@ def _cache_lock():
 
 
 def build(opts: Options, out_dir: Path = NATIVE) -> Path:
-    with _cache_lock():
+    pin = info.load_pin()
+    with _lock(cache_root() / f"ggml-{pin['ggml_version']}-{ggml_key(opts)}.lock"):
         ggml_dir = build_ggml(opts)
         return build_cffi(ggml_dir, opts, out_dir)
 

@@ -135,11 +135,12 @@ rows first, ties by lower id), evaluates the makespan of every
 takes the minimum, ties by the smallest ``n_cpu``.
 
 Hysteresis. The model remembers a share ``S`` (None before the first call with
-misses). On a call with ``n`` misses it computes ``k_prev =
-n_cpu_for_share(S, n)`` and keeps ``k_prev`` unless the best candidate's
+misses). On a call with ``n`` misses it computes ``k_prev = floor(S * n + 1/2)``
+(clipped to ``[0, n]``) and keeps ``k_prev`` unless the best candidate's
 makespan is better by more than ``hysteresis`` relative, i.e. unless
 ``makespan(best) < (1 - hysteresis) * makespan(k_prev)``; only when it switches
-(or on the first call) does ``S`` become ``best / n``. ``S`` is therefore not
+(or on the first call) does ``S`` become ``best / n``, kept as that exact fraction
+(so the native executor, with integers, decides exactly as this does). ``S`` is therefore not
 re-derived from each call's rounded share, so it does not drift across calls
 with different miss counts. A call without misses changes nothing. With
 ``hysteresis = 0`` every choice has the minimal modeled makespan.
@@ -348,7 +349,7 @@ class CostModel:
         self._dev = [0.0, 0.0]  # seconds, rows
         self._job = [0.0, 0.0]  # seconds, weight (a job's fixed cost: hand-off and wake-up)
         self._n = {"cpu": 0, "load": 0, "device": 0, "job": 0}
-        self._share: float | None = None
+        self._share: Fraction | None = None
         self._fixed: dict[str, float] | None = None
 
     @classmethod
@@ -372,7 +373,7 @@ class CostModel:
     @property
     def share(self) -> float | None:
         """The remembered share of the hysteresis (None before the first call with misses)."""
-        return self._share
+        return None if self._share is None else float(self._share)
 
     # -- observations --------------------------------------------------------------------------
 
@@ -510,10 +511,10 @@ class CostModel:
         hit_rows = sum(r for e, r in zip(ids, counts) if e in res)
         spans = makespans(c, B, hit_rows, [r for r, _ in misses])
         best = min(range(n + 1), key=lambda k: (spans[k], k))
-        k_prev = None if self._share is None else n_cpu_for_share(self._share, n)
+        k_prev = None if self._share is None else min(math.floor(self._share * n + Fraction(1, 2)), n)
         if k_prev is None or (best != k_prev and spans[best] < (1.0 - self.hysteresis) * spans[k_prev]):
             k = best
-            self._share = best / n
+            self._share = Fraction(best, n)
         else:
             k = k_prev
         return _miss_split(hits, misses, k)

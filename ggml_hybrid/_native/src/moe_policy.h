@@ -1,0 +1,96 @@
+/* The decisions of one MoE layer call, in C: which expert goes in which device slot (the slot cache),
+   which misses the CPU computes (the CPU share, fixed or chosen by the cost model).
+
+   A line-by-line port of ggml_hybrid/moe/slot_cache.py and ggml_hybrid/moe/cpu_share.py, which stay
+   the specification and the reference: the tests drive both with the same calls and compare every
+   decision. No GGML here, no allocation after creation. */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* ---- slot cache -------------------------------------------------------------------------------- */
+
+enum { HY_POLICY_LRU = 0, HY_POLICY_LFU = 1 };
+
+typedef struct hy_cache_counters {
+    int64_t calls, distinct, hits, misses, evictions, rounds, invalidated;
+} hy_cache_counters;
+
+/* one planned call: every list in round order; loads and evictions carry their round */
+typedef struct hy_plan {
+    int n_rounds;
+    int n_hits;
+    int32_t * hit_expert;   /* [n_slots] */
+    int32_t * hit_slot;
+    int n_loads;
+    int32_t * load_expert;  /* [n_experts]: a call loads each requested expert at most once */
+    int32_t * load_slot;
+    int32_t * load_round;
+    int n_evicted;
+    int32_t * evicted_expert; /* [n_experts] */
+    int32_t * evicted_round;
+} hy_plan;
+
+typedef struct hy_slot_cache {
+    int n_experts, n_slots, policy;
+    int32_t * slot_expert;  /* [n_slots]: -1 empty */
+    int32_t * where;        /* [n_experts]: -1 not resident */
+    int64_t * recency;      /* [n_experts] */
+    int64_t * uses;         /* [n_experts] */
+    int32_t * uncommitted;  /* [n_slots]: the expert whose planned load is not yet committed, -1 none */
+    int n_uncommitted;
+    int64_t tick;
+    hy_cache_counters counters;
+    hy_plan plan;           /* the last call's plan */
+    /* scratch of plan() */
+    int32_t * s_hit_slots;  /* [n_slots] */
+    int32_t * s_miss;       /* [n_experts] */
+    int32_t * s_miss_rows;  /* [n_experts] */
+    int32_t * s_cand;       /* [n_slots] */
+    uint8_t * s_protected;  /* [n_slots] */
+} hy_slot_cache;
+
+hy_slot_cache * hy_cache_new(int n_experts, int n_slots, int policy);
+void hy_cache_free(hy_slot_cache * c);
+void hy_cache_reset(hy_slot_cache * c);
+/* plan a call over n distinct experts (valid by construction: in range, distinct, rows >= 1) */
+const hy_plan * hy_cache_plan(hy_slot_cache * c, const int32_t * experts, const int32_t * rows, int n,
+                              bool deferred_loads);
+void hy_cache_commit(hy_slot_cache * c, int slot, int expert);
+/* the committed slot of an expert, or -1 */
+int hy_cache_slot_of(const hy_slot_cache * c, int expert);
+
+/* ---- the CPU share ------------------------------------------------------------------------------ */
+
+/* n_cpu = floor(num/den * n + 1/2), clipped to [0, n]: the share is the exact decimal num/den */
+int hy_n_cpu_for_share(uint64_t num, uint64_t den, int n);
+
+enum { HY_COST_CPU_PER_BYTE, HY_COST_CPU_PER_ROW, HY_COST_LOAD_PER_BYTE, HY_COST_DEVICE_PER_ROW,
+       HY_COST_CPU_PER_JOB, HY_COST_N };
+
+typedef struct hy_cost_model {
+    double alpha, hysteresis;
+    /* priors: cpu_per_byte, cpu_per_row_per_byte, load_per_byte, device_per_row_per_byte, cpu_per_job */
+    double prior[5];
+    double cpu[5];  /* EMAs: bytes^2, bytes*rows, rows^2, bytes*t, rows*t */
+    double load[2]; /* seconds, bytes */
+    double dev[2];  /* seconds, rows */
+    double job[2];  /* seconds, weight */
+    int64_t n_cpu, n_load, n_dev, n_job;
+    bool has_share;
+    int64_t share_num, share_den; /* the remembered share of the hysteresis, an exact fraction */
+    bool fixed;     /* estimates are coef[] and never change */
+    double coef[HY_COST_N];
+} hy_cost_model;
+
+void hy_cost_init(hy_cost_model * m, double alpha, double hysteresis, const double prior[5]);
+void hy_cost_init_fixed(hy_cost_model * m, double hysteresis, const double coef[HY_COST_N]);
+void hy_cost_observe_cpu(hy_cost_model * m, double bytes, double rows, double seconds);
+void hy_cost_observe_job(hy_cost_model * m, double seconds);
+void hy_cost_observe_load(hy_cost_model * m, double bytes, double seconds);
+void hy_cost_observe_device(hy_cost_model * m, double rows, double seconds);
+void hy_cost_estimate(const hy_cost_model * m, int64_t expert_bytes, double out[HY_COST_N]);
+/* the number of misses the CPU takes; miss_rows are in the order the CPU takes them (fewest first) */
+int hy_cost_choose(hy_cost_model * m, int64_t expert_bytes, int64_t hit_rows, const int32_t * miss_rows,
+                   int n_miss);

@@ -1,0 +1,181 @@
+"""The C decisions of a layer call (src/moe_policy.c) against their Python specification, call by call.
+
+The native executor decides with the C port; the Python modules (slot_cache, cpu_share) are the
+reference. Both are driven with the same random calls and every decision is compared: hits, loads
+and their rounds, evictions, counters, residency, the CPU share's count, the cost model's estimates
+(bit for bit) and choices.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ggml_hybrid._native import ffi, lib
+from ggml_hybrid.moe.cpu_share import DEFAULT_PRIOR, CostModel, n_cpu_for_share
+from ggml_hybrid.moe.slot_cache import SlotCache
+
+POLICIES = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU}
+
+
+class NativeCache:
+    def __init__(self, n_experts, n_slots, policy):
+        self.p = ffi.gc(lib.hy_cache_new(n_experts, n_slots, POLICIES[policy]), lib.hy_cache_free)
+        assert self.p != ffi.NULL
+
+    def plan(self, experts, rows, deferred):
+        e = ffi.new("int32_t[]", list(experts) or [0])
+        r = ffi.new("int32_t[]", list(rows) or [0])
+        p = lib.hy_cache_plan(self.p, e, r, len(experts), deferred)
+        rounds = [[[], [], []] for _ in range(p.n_rounds)]
+        if p.n_rounds:
+            rounds[0][0] = [(p.hit_expert[i], p.hit_slot[i]) for i in range(p.n_hits)]
+        for i in range(p.n_loads):
+            rounds[p.load_round[i]][1].append((p.load_expert[i], p.load_slot[i]))
+        for i in range(p.n_evicted):
+            rounds[p.evicted_round[i]][2].append(p.evicted_expert[i])
+        return [tuple(map(tuple, r)) for r in rounds]
+
+    def counters(self):
+        c = self.p.counters
+        return dict(calls=c.calls, distinct=c.distinct, hits=c.hits, misses=c.misses, evictions=c.evictions,
+                    rounds=c.rounds, invalidated=c.invalidated)
+
+    def resident(self, n_experts):
+        out = {}
+        for e in range(n_experts):
+            s = lib.hy_cache_slot_of(self.p, e)
+            if s >= 0:
+                out[e] = s
+        return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
+@st.composite
+def call_sequences(draw):
+    n_experts = draw(st.integers(1, 24))
+    n_slots = draw(st.integers(1, n_experts))
+    calls = []
+    for _ in range(draw(st.integers(1, 40))):
+        experts = draw(st.lists(st.integers(0, n_experts - 1), unique=True, max_size=n_experts))
+        rows = [draw(st.integers(1, 6)) for _ in experts]
+        deferred = draw(st.booleans())
+        commit = draw(st.lists(st.booleans(), min_size=n_experts, max_size=n_experts))
+        calls.append((experts, rows, deferred, commit))
+    return n_experts, n_slots, draw(st.sampled_from(["lru", "lfu"])), calls
+
+
+@settings(max_examples=200, deadline=None)
+@given(call_sequences())
+def test_the_c_slot_cache_plans_every_call_as_the_python_one(case):
+    n_experts, n_slots, policy, calls = case
+    py, c = SlotCache(n_experts, n_slots, policy), NativeCache(n_experts, n_slots, policy)
+    for experts, rows, deferred, commit in calls:
+        want = py.plan(experts, rows, deferred_loads=deferred)
+        got = c.plan(experts, rows, deferred)
+        assert got == [(r.hits, r.loads, r.evicted) for r in want]
+        for rnd in want:  # commit some of the loads, as an executor whose call failed part way would
+            for e, s in rnd.loads:
+                if commit[e]:
+                    py.commit(s, e)
+                    lib.hy_cache_commit(c.p, s, e)
+        assert c.counters() == py.counters.to_dict()
+        assert c.resident(n_experts) == py.resident()
+
+
+@given(st.integers(1, 1 << 16), st.data())
+def test_the_c_share_rule_rounds_a_remembered_share_as_the_python_one(den, data):
+    """The cost model remembers best/n (n <= the experts of a layer) and rounds it for other miss counts."""
+    num = data.draw(st.integers(0, den))
+    n = data.draw(st.integers(0, 1 << 16))
+    want = min(int(Fraction(num, den) * n + Fraction(1, 2)), n)
+    assert lib.hy_n_cpu_for_share(num, den, n) == want
+
+
+def test_the_share_rule_has_no_floating_point_error():
+    assert lib.hy_n_cpu_for_share(29, 100, 50) == 15 == n_cpu_for_share(0.29, 50)  # float math gives 14
+    assert lib.hy_n_cpu_for_share(3, 10, 5) == 2 == n_cpu_for_share(0.3, 5)
+    assert lib.hy_n_cpu_for_share(10 ** 17 - 1, 10 ** 17, 65536) == 65536
+
+
+_KEYS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row", "cpu_per_job")
+_PRIOR = ("cpu_per_byte", "cpu_per_row_per_byte", "load_per_byte", "device_per_row_per_byte", "cpu_per_job")
+
+
+@st.composite
+def cost_histories(draw):
+    events = []
+    for _ in range(draw(st.integers(0, 60))):
+        kind = draw(st.sampled_from(["cpu", "job", "load", "device", "choose"]))
+        if kind == "cpu":
+            events.append((kind, draw(st.integers(0, 1 << 24)), draw(st.integers(0, 64)),
+                           draw(st.floats(0, 1e-2))))
+        elif kind in ("job", "load", "device"):
+            events.append((kind, draw(st.integers(0, 1 << 24)), draw(st.floats(0, 1e-2))))
+        else:
+            miss = sorted(draw(st.lists(st.integers(1, 8), max_size=12)))
+            events.append((kind, draw(st.integers(0, 40)), miss))
+    return draw(st.integers(1, 1 << 24)), draw(st.sampled_from([0.0, 0.05, 0.3])), events
+
+
+@settings(max_examples=200, deadline=None)
+@given(cost_histories())
+def test_the_c_cost_model_learns_and_chooses_as_the_python_one(case):
+    B, hysteresis, events = case
+    py = CostModel(hysteresis=hysteresis)
+    c = ffi.new("hy_cost_model *")
+    lib.hy_cost_init(c, 0.25, hysteresis, [DEFAULT_PRIOR[k] for k in _PRIOR])
+    out = ffi.new("double[5]")
+    for ev in events:
+        kind = ev[0]
+        if kind == "cpu":
+            py.observe_cpu(ev[1], ev[2], ev[3])
+            lib.hy_cost_observe_cpu(c, float(ev[1]), float(ev[2]), ev[3])
+        elif kind == "job":
+            py.observe_cpu_job(ev[2])
+            lib.hy_cost_observe_job(c, ev[2])
+        elif kind == "load":
+            py.observe_load(ev[1], ev[2])
+            lib.hy_cost_observe_load(c, float(ev[1]), ev[2])
+        elif kind == "device":
+            py.observe_device(ev[1], ev[2])
+            lib.hy_cost_observe_device(c, float(ev[1]), ev[2])
+        else:
+            hit_rows, miss = ev[1], ev[2]
+            # a call: one hit expert with hit_rows rows (when any), the misses 100.. with their rows
+            experts = ([0] if hit_rows else []) + [100 + i for i in range(len(miss))]
+            rows = ([hit_rows] if hit_rows else []) + miss
+            split = py.choose(experts, rows, {0}, B)
+            k = lib.hy_cost_choose(c, B, hit_rows, ffi.new("int32_t[]", miss or [0]), len(miss))
+            assert k == len(split.cpu_misses)
+        lib.hy_cost_estimate(c, B, out)
+        est = py.estimate(B)
+        assert [out[i] for i in range(5)] == [est[k] for k in _KEYS]  # bit for bit
+    assert (c.has_share, Fraction(c.share_num, c.share_den) if c.has_share else None) == \
+        (py.share is not None, py._share)
+
+
+def test_a_fixed_c_cost_model_is_the_python_fixed_one():
+    coef = {"cpu_per_byte": 1e-10, "cpu_per_row": 2e-6, "load_per_byte": 5e-11, "device_per_row": 1e-8,
+            "cpu_per_job": 3e-5}
+    py = CostModel.fixed(coef, 0.05)
+    c = ffi.new("hy_cost_model *")
+    lib.hy_cost_init_fixed(c, 0.05, [coef[k] for k in _KEYS])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        miss = sorted(rng.integers(1, 6, size=int(rng.integers(0, 9))).tolist())
+        experts = [0] + [10 + i for i in range(len(miss))]
+        split = py.choose(experts, [3] + miss, {0}, 1 << 20)
+        assert lib.hy_cost_choose(c, 1 << 20, 3, ffi.new("int32_t[]", miss or [0]), len(miss)) == \
+            len(split.cpu_misses)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_c_cache_refuses_impossible_shapes(policy):
+    assert lib.hy_cache_new(4, 5, POLICIES[policy]) == ffi.NULL
+    assert lib.hy_cache_new(0, 1, POLICIES[policy]) == ffi.NULL
+    assert lib.hy_cache_new(4, 0, POLICIES[policy]) == ffi.NULL
+    assert lib.hy_cache_new(4, 2, 7) == ffi.NULL
