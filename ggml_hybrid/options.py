@@ -218,6 +218,10 @@ class SessionOptions:
     virtual_devices: int = _opt(
         1, "int", f"an integer in 1..{MAX_DEVICES}",
         "Without a GPU: how many CPU backend instances play the devices (DEV0, DEV1, ...).", _int(1, MAX_DEVICES))
+    moe_executor: str = _opt(
+        "native", "str", "one of 'native', 'python'",
+        "Who runs a disk layer's calls: the native executor (C, no Python per call) or the Python reference.",
+        _choice("native", "python"))
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -102,16 +102,23 @@ def _fail_next_job(worker, exc):
     worker._compute = compute
 
 
-def test_worker_fault_surfaces_and_session_stays_usable(model):
+@pytest.mark.parametrize("executor", ["native", "python"])
+def test_worker_fault_surfaces_and_session_stays_usable(model, executor):
     x = _x(3, 256, 5)
     with _session(model, []) as ref_s:
         ref = ref_s.forward(x)
-    with _session(model, ["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=1"]) as s:
-        _fail_next_job(s.worker, RuntimeError("injected worker fault"))
-        with pytest.raises(RuntimeError, match="injected worker fault"):
+    with _session(model, ["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=1",
+                          f"moe_executor={executor}"]) as s:
+        if executor == "native":
+            s.worker.fail_next_job()
+            expected = (gh.errors.ComputeError, "injected CPU worker failure")
+        else:
+            _fail_next_job(s.worker, RuntimeError("injected worker fault"))
+            expected = (RuntimeError, "injected worker fault")
+        with pytest.raises(expected[0], match=expected[1]):
             s.forward(x)
         np.testing.assert_array_equal(s.forward(x), ref)  # the next call is correct
-    assert not s.worker.running
+    assert s.worker.closed if executor == "native" else not s.worker.running
 
 
 def test_share_needs_disk_experts(model):
@@ -199,8 +206,9 @@ def test_session_records_a_routing_trace(model, tmp_path):
     assert (result.hits, result.misses) == (live.hits, live.misses)
 
 
+@pytest.mark.parametrize("executor", ["native", "python"])
 @pytest.mark.parametrize("share", ["0", "0.29", "0.5", "1", "auto"])
-def test_replayed_counters_equal_live_counters(model, tmp_path, share):
+def test_replayed_counters_equal_live_counters(model, tmp_path, share, executor):
     """The replay calls the runtime's CPU-share rule, so a trace replays to the live counters, layer by layer.
 
     ``auto`` learns from timings at run time, which no replay can repeat; here every layer's cost model
@@ -212,14 +220,17 @@ def test_replayed_counters_equal_live_counters(model, tmp_path, share):
     path = tmp_path / "run.trace"
     slots = 5
     with _session(model, ["disk_experts=1", f"expert_cache_slots={slots}", f"moe_cpu_share={share}",
-                          f"trace_path={path}", "n_threads=1"]) as s:
+                          f"trace_path={path}", "n_threads=1", f"moe_executor={executor}"]) as s:
         bytes_per_expert = s.executors[0].expert_bytes
         # the CPU reads weights at twice the bus speed but computes rows 100x slower: few-row misses go to the CPU
         cost = LinkCost(bus_bytes_per_s=1e9, cpu_bytes_per_s=2e9, device_s_per_row=1e-7, cpu_s_per_row=1e-5,
                         expert_bytes=bytes_per_expert)
         if share == "auto":
             for ex in s.executors:
-                ex.model = CostModel.fixed(cost.coefficients())
+                if executor == "native":
+                    ex.use_cost_model(CostModel.fixed(cost.coefficients()))
+                else:
+                    ex.model = CostModel.fixed(cost.coefficients())
         for i, n in enumerate((1, 7, 1, 1, 12, 2, 1, 30, 1)):
             s.forward(_x(n, 256, 300 + i))
         live = s.counters.layers
@@ -237,12 +248,28 @@ def test_replayed_counters_equal_live_counters(model, tmp_path, share):
         assert 0 < total_cpu < total_misses
 
 
+def test_a_failed_native_load_never_leaves_a_slot_claiming_an_expert(model):
+    """The native executor's loads commit one by one: a call failing after its second load leaves the
+    later calls exactly right, and the failure is a typed error naming the layer."""
+    xs = [_x(n, 256, 40 + n) for n in (3, 5, 3, 1, 7)]
+    with _session(model, []) as ref_s:
+        refs = [ref_s.forward(x) for x in xs]
+    with _session(model, ["disk_experts=1", "expert_cache_slots=6"]) as s:
+        ex = s.executors[1]
+        ex.inject_load_failure(2)
+        with pytest.raises(gh.errors.ComputeError, match="layer 1: injected expert load failure"):
+            s.forward(xs[0])
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        assert ex.counters.invalidated > 0  # the planned-but-uncopied slots were emptied, not trusted
+
+
 def test_a_failed_load_never_leaves_a_slot_claiming_an_expert(model):
     """A layer call that dies half way through its loads (a failed copy, Ctrl-C) must not make later calls wrong."""
     xs = [_x(n, 256, 40 + n) for n in (3, 5, 3, 1, 7)]
     with _session(model, []) as ref_s:
         refs = [ref_s.forward(x) for x in xs]
-    with _session(model, ["disk_experts=1", "expert_cache_slots=6"]) as s:
+    with _session(model, ["disk_experts=1", "expert_cache_slots=6", "moe_executor=python"]) as s:
         ex = s.executors[1]
         real, calls = ex._load, []
 

@@ -415,7 +415,8 @@ def test_one_model_from_two_threads_takes_turns(small):
 
 
 def test_an_executor_cannot_evaluate_its_own_model(small):
-    opts = SessionOptions.parse(["disk_experts=1", "expert_cache_slots=4", "n_threads=1"])
+    # a Python executor: the test double wraps it (the native one never runs Python to call eval from)
+    opts = SessionOptions.parse(["disk_experts=1", "expert_cache_slots=4", "n_threads=1", "moe_executor=python"])
     with MoEModel(small["qwen3moe"], opts) as m:
         ex = m.experts.executors[0]
         real, caught = ex.__call__, []

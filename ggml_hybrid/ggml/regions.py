@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,7 @@ from .._native.callbacks import escaped
 from .._native.status import check_status
 from ..errors import (
     ComputeError,
+    GgmlHybridError,
     RegionError,
     RegionNotContiguousError,
     RegionNotInGraphError,
@@ -60,11 +61,26 @@ class Region:
     id: int
     inputs: list[Tensor]
     outputs: list[Tensor]
-    executor: Callable[[RegionCall], object]
+    executor: Callable[[RegionCall], object] | NativeExecutor
     backend: Backend | None
     name: str = ""
     calls: int = field(default=0)
     declined: int = field(default=0)
+
+
+@runtime_checkable
+class NativeExecutor(Protocol):
+    """An executor written in C: the scheduler calls ``c_function(..., c_user_data)`` (a
+    ``ggml_backend_sched_region_exec_t``) with no Python frame; when it fails, :meth:`error` gives the
+    typed exception to raise."""
+
+    @property
+    def c_function(self) -> CData: ...
+
+    @property
+    def c_user_data(self) -> CData: ...
+
+    def error(self) -> GgmlHybridError | None: ...
 
 
 class RegionCall:
@@ -104,6 +120,10 @@ def raise_region_status(sched: Scheduler) -> None:
     exc = _STATUS_ERRORS.get(status, RegionError)
     text = cstr(msg[0])
     region = sched._regions[rid[0]] if 0 <= rid[0] < len(sched._regions) else None
+    if region is not None and isinstance(region.executor, NativeExecutor):
+        typed = region.executor.error()  # a native executor knows what failed; the scheduler only that it did
+        if typed is not None:
+            raise typed
     if region is not None and region.name:
         text = f"{text} [region name {region.name!r}]"
     raise exc(text)
@@ -121,7 +141,8 @@ def _ggml_hybrid_region_exec(region_id: int, backend: CData, inputs: CData, n_in
         call = RegionCall(sched, region, be, [Tensor(inputs[i], scope) for i in range(n_inputs)],
                           [Tensor(outputs[i], scope) for i in range(n_outputs)])
         region.calls += 1
-        if region.executor(call) is DECLINE:
+        run = cast("Callable[[RegionCall], object]", region.executor)  # native ones never come through here
+        if run(call) is DECLINE:
             region.declined += 1
             return lib.GGML_SCHED_REGION_DECLINE
         return lib.GGML_SCHED_REGION_DONE

@@ -15,7 +15,7 @@ from ..errors import AllocationError, ArgumentTypeError, BackendError, ClosedErr
 from .backend import Backend, user_buffers
 from .context import Context
 from .graph import Graph, live_pools
-from .regions import Region, RegionCall, raise_region_status
+from .regions import NativeExecutor, Region, RegionCall, raise_region_status
 from .tensor import BorrowedScope, Tensor
 
 if TYPE_CHECKING:
@@ -253,15 +253,17 @@ class Scheduler(Managed):
 
     # -- regions --------------------------------------------------------------
 
-    def add_region(self, inputs: Iterable[Tensor], outputs: Iterable[Tensor], executor: Callable[[RegionCall], object],
-                   backend: Backend | None = None, name: str = "") -> Region:
+    def add_region(self, inputs: Iterable[Tensor], outputs: Iterable[Tensor],
+                   executor: Callable[[RegionCall], object] | NativeExecutor, backend: Backend | None = None,
+                   name: str = "") -> Region:
         """Register a region: every node on a path from ``inputs`` to ``outputs``.
 
         At compute time ``executor(call)`` runs instead of those nodes; it writes
         ``call.outputs`` in place, or returns :data:`~ggml_hybrid.regions.DECLINE`
         to have the nodes run as usual. ``backend`` pins the region (default:
         where the scheduler places its last output). Regions stay registered
-        across computes until :meth:`clear_regions`.
+        across computes until :meth:`clear_regions`. A :class:`~ggml_hybrid.ggml.regions.NativeExecutor`
+        registers its C function itself: the scheduler calls it without Python.
         """
         self._idle("add_region")
         inputs, outputs = list(inputs), list(outputs)
@@ -272,15 +274,17 @@ class Scheduler(Managed):
             bad = [t for t in ts if not isinstance(t, Tensor)]
             if bad:
                 raise ArgumentTypeError(f"add_region: {what} must be Tensors, got {bad[0]!r}")
-        if not callable(executor):
-            raise ArgumentTypeError(f"add_region: executor must be callable, got {executor!r}")
+        native = isinstance(executor, NativeExecutor)
+        if not native and not callable(executor):
+            raise ArgumentTypeError(f"add_region: executor must be callable or a NativeExecutor, got {executor!r}")
         if backend is not None:
             self._index_check(backend)
         ins = ffi.new("struct ggml_tensor *[]", [t.ptr for t in inputs])
         outs = ffi.new("struct ggml_tensor *[]", [t.ptr for t in outputs])
+        fn, data = ((executor.c_function, executor.c_user_data) if isinstance(executor, NativeExecutor)
+                    else (lib._ggml_hybrid_region_exec, self._handle))
         rid = lib.ggml_backend_sched_add_region(self.ptr, ins, len(inputs), outs, len(outputs),
-                                                backend.ptr if backend is not None else ffi.NULL,
-                                                lib._ggml_hybrid_region_exec, self._handle)
+                                                backend.ptr if backend is not None else ffi.NULL, fn, data)
         if rid < 0:
             raise RegionError("add_region: the scheduler rejected the region's arguments")
         region = Region(rid, inputs, outputs, executor, backend, name)

@@ -278,6 +278,7 @@ class MoEModel:
         for name, t in g.inputs.items():
             t._set_trusted(feed[name])
         self.sched.compute(g.graph)
+        self.experts.flush_traces()
         self.kv.n_past += n
         return g.logits.numpy().reshape(n_out, self.hp.n_vocab)
 

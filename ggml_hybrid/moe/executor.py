@@ -55,6 +55,9 @@ class LayerCounters:
     overlap_ns: int = 0    # time the CPU worker and the device path ran together
     share_calls: int = 0   # calls that had misses to place
     share_sum: float = 0.0  # sum over those calls of the share of misses sent to the CPU
+    bytes_staged: int = 0  # loaded bytes that went through pinned host staging (native executor)
+    staging_wait_ns: int = 0  # time loads waited for a staging buffer's upload to finish
+    invalidated: int = 0   # slots emptied because their load never completed (a failed call)
 
     @property
     def share_applied(self) -> float:
@@ -365,6 +368,7 @@ class ExpertCacheExecutor:
         c.routed += ids.size
         c.distinct += len(experts)
         c.rounds += len(rounds)
+        c.invalidated = self.cache.counters.invalidated
         c.device_ns += time.perf_counter_ns() - t0
 
     def close(self) -> None:

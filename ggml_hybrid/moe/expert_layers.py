@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
+from .._native import ffi
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..model.gguf_store import GGUFStore, ModelFileError, load_into
@@ -20,6 +22,7 @@ from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
 from .ffn import ExpertWeights
+from .native_executor import NativeExpertExecutor, NativeWorker, Scratch
 from .traces import TraceWriter
 
 
@@ -80,8 +83,14 @@ class ExpertLayers:
         self.modes = list(modes) if modes is not None else [self._mode_from_options(i) for i in range(n_layer)]
         if backend_of is None:
             backend_of = lambda name: device
-        # the session's own CPU worker, started on first use
-        self.worker = CPUWorker(n_threads) if opts.moe_cpu_share != 0.0 else None
+        # the native executor runs every call in C; the Python one is the reference (and simulates a bus)
+        self.native = opts.moe_executor == "native" and simulated_bus_bytes_per_s is None
+        # the session's own CPU worker
+        self.worker: CPUWorker | NativeWorker | None = None
+        if opts.moe_cpu_share != 0.0 and any(m == "disk" for m in self.modes):
+            self.worker = NativeWorker(n_threads) if self.native else CPUWorker(n_threads)
+        self._scratch: dict[int, Scratch] = {}  # the native executors' compute buffer, one per device
+        self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
         self.trace = (TraceWriter(opts.trace_path, n_layer, n_expert, n_used)
                       if opts.trace_path is not None else None)
         by_backend: dict[int, tuple[Backend, list[str]]] = {}
@@ -100,7 +109,7 @@ class ExpertLayers:
             loaded.update(tensors)
         self.mapped_ctx = Context(n_tensors=4 * n_layer)
         self.weights: list[ExpertWeights] = []
-        self.executors: list[ExpertCacheExecutor | None] = []
+        self.executors: list[ExpertCacheExecutor | NativeExpertExecutor | None] = []
         self.layer_backends: list[Backend | None] = []
         for i in range(n_layer):
             names = self.names[i]
@@ -114,15 +123,27 @@ class ExpertLayers:
                     if on_tensor is not None:
                         on_tensor(n)
             self.weights.append(ExpertWeights(**tensors))
-            executor, cache_on = None, None
+            executor: ExpertCacheExecutor | NativeExpertExecutor | None = None
+            cache_on = None
             if self.modes[i] == "disk":
                 cache_on = backend_of(names["down"])
                 if cache_on is None:  # the layout puts disk layers' experts on a device, never on the CPU
                     raise OptionError(f"disk_experts: layer {i}'s expert cache has no device")
-                executor = ExpertCacheExecutor(
-                    store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
-                    worker=self.worker, share=opts.moe_cpu_share, host_experts=self.weights[i],
-                    simulated_bus_bytes_per_s=simulated_bus_bytes_per_s, trace=self.trace, clear=load)
+                if self.native:
+                    scratch = self._scratch.get(id(cache_on))
+                    if scratch is None:
+                        scratch = self._scratch[id(cache_on)] = Scratch(cache_on)
+                    executor = NativeExpertExecutor(
+                        store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                        worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
+                        host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
+                        trace_seq=self._trace_seq)
+                else:
+                    executor = ExpertCacheExecutor(
+                        store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                        worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
+                        host_experts=self.weights[i], simulated_bus_bytes_per_s=simulated_bus_bytes_per_s,
+                        trace=self.trace, clear=load)
             self.layer_backends.append(cache_on)
             self.executors.append(executor)
 
@@ -143,8 +164,18 @@ class ExpertLayers:
 
     def compute_bytes(self, backend: Backend | None = None) -> int:
         """Compute memory of the cache executors' own graphs (on ``backend`` only, if given)."""
-        return sum(e.compute_bytes for e, b in zip(self.executors, self.layer_backends)
-                   if e is not None and (backend is None or b is backend))
+        own = sum(e.compute_bytes for e, b in zip(self.executors, self.layer_backends)
+                  if e is not None and (backend is None or b is backend))
+        shared = sum(s.size for s in self._scratch.values() if backend is None or s.device is backend)
+        return own + shared
+
+    def flush_traces(self) -> None:
+        """Write the native executors' trace records of the calls since the last flush, in call order."""
+        if self.trace is None or not self.native:
+            return
+        records = [r for e in self.executors if isinstance(e, NativeExpertExecutor) for r in e.drain_trace()]
+        for _, layer, ids in sorted(records, key=lambda r: r[0]):
+            self.trace.record(layer, ids)
 
     @property
     def counters(self) -> list[LayerCounters]:
@@ -163,10 +194,13 @@ class ExpertLayers:
         if self.worker is not None:
             self.worker.close()  # first: a job in flight may still read the mapped experts
         if self.trace is not None:
+            self.flush_traces()
             self.trace.close()
         for e in self.executors:
             if e is not None:
                 e.close()
+        for s in self._scratch.values():
+            s.close()
         for _, ctx in self.resident_ctxs:
             ctx.close()
         self.mapped_ctx.close()

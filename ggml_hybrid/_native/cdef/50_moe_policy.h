@@ -23,6 +23,7 @@ typedef struct hy_plan {
 typedef struct hy_slot_cache {
     int n_experts, n_slots, policy;
     hy_cache_counters counters;
+    hy_plan plan;
     ...;
 } hy_slot_cache;
 

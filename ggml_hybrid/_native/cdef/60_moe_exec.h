@@ -1,0 +1,77 @@
+// The native MoE layer executor (src/moe_graphs.h, src/moe_worker.h, src/moe_exec.h).
+typedef struct hy_experts {
+    struct ggml_tensor * gate_up, * gate, * up, * down;
+} hy_experts;
+
+typedef struct hy_scratch {
+    size_t size;
+    uint64_t epoch;
+    ...;
+} hy_scratch;
+hy_scratch * hy_scratch_new(ggml_backend_buffer_type_t buft);
+void hy_scratch_free(hy_scratch * s);
+
+typedef struct hy_worker {
+    int fail_next;
+    int64_t jobs;
+    ...;
+} hy_worker;
+hy_worker * hy_worker_new(int n_threads);
+void hy_worker_free(hy_worker * w);
+int64_t hy_worker_graph_builds(const hy_worker * w);
+
+enum { HY_OK, HY_ERR_FILE, HY_ERR_COMPUTE, HY_ERR_ALLOC, HY_ERR_WORKER, HY_ERR_INJECTED, HY_ERR_INPUT };
+enum { HY_SHARE_NONE, HY_SHARE_FIXED, HY_SHARE_AUTO };
+
+typedef struct hy_moe_counters {
+    int64_t calls, routed, distinct, hits, misses, bytes_loaded, evictions, rounds, invalidated;
+    int64_t device_ns, load_ns, compute_ns;
+    int64_t cpu_misses, cpu_rows, cpu_ns, overlap_ns, share_calls;
+    double share_sum;
+    int64_t bytes_staged, staging_wait_ns;
+} hy_moe_counters;
+
+typedef struct hy_moe_config {
+    int layer;
+    int n_expert, n_used, n_embd;
+    int n_slots, policy;
+    int glu;
+    hy_experts slots;
+    hy_experts host;
+    int n_kinds;
+    struct ggml_tensor * slot_tensor[3];
+    const uint8_t * src[3];
+    size_t nbytes[3];
+    ggml_backend_t device;
+    hy_scratch * scratch;
+    hy_worker * worker;
+    int share_mode;
+    const int32_t * n_cpu_table;
+    double alpha, hysteresis;
+    double prior[5];
+    int fixed_model;
+    double coef[5];
+    int synthetic_clock;
+    double clock[5];
+    const char * path;
+    int64_t file_id[4];
+    int staging;
+    int trace;
+    int64_t * trace_seq;
+} hy_moe_config;
+
+typedef struct hy_moe_exec hy_moe_exec;
+hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg);
+void hy_moe_exec_free(hy_moe_exec * ex);
+int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * const * inputs, int n_inputs,
+        struct ggml_tensor * const * outputs, int n_outputs, void * user_data);
+const hy_moe_counters * hy_moe_exec_counters(const hy_moe_exec * ex);
+hy_slot_cache * hy_moe_exec_cache(hy_moe_exec * ex);
+hy_cost_model * hy_moe_exec_cost_model(hy_moe_exec * ex);
+int hy_moe_exec_error(const hy_moe_exec * ex, const char ** message);
+int hy_moe_exec_last_cpu(const hy_moe_exec * ex, const int32_t ** experts);
+const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints);
+void hy_moe_exec_trace_take(hy_moe_exec * ex);
+int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
+void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
+void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[]);

@@ -1,0 +1,89 @@
+/* The expert-cache executor of one MoE layer, native: registered with the patched scheduler as the
+   region's executor function, so a layer call runs no Python.
+
+   Per call: read the routed ids, count each expert's rows, choose the CPU share (a fixed share's
+   table, or the cost model), hand the CPU's rows to the worker, plan the device's experts in the slot
+   cache (hits first, misses loaded in rounds, a pending hit never evicted), load the misses (through
+   pinned staging where the device has it), compute, merge with the worker's rows, and write the
+   weighted sum into the region's output. The Python executor (ggml_hybrid/moe/executor.py) is the
+   reference: the tests compare their decisions and outputs call by call. */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "moe_graphs.h"
+#include "moe_policy.h"
+#include "moe_worker.h"
+
+enum { HY_OK = 0, HY_ERR_FILE = 1, HY_ERR_COMPUTE = 2, HY_ERR_ALLOC = 3, HY_ERR_WORKER = 4, HY_ERR_INJECTED = 5,
+       HY_ERR_INPUT = 6 };
+
+enum { HY_SHARE_NONE = 0, HY_SHARE_FIXED = 1, HY_SHARE_AUTO = 2 };
+
+typedef struct hy_moe_counters {
+    int64_t calls, routed, distinct, hits, misses, bytes_loaded, evictions, rounds, invalidated;
+    int64_t device_ns, load_ns, compute_ns;
+    int64_t cpu_misses, cpu_rows, cpu_ns, overlap_ns, share_calls;
+    double share_sum;
+    int64_t bytes_staged, staging_wait_ns;
+} hy_moe_counters;
+
+#define HY_MAX_KINDS 3
+
+typedef struct hy_moe_config {
+    int layer;
+    int n_expert, n_used, n_embd;
+    int n_slots, policy;
+    int glu;                          /* enum ggml_glu_op */
+    hy_experts slots;                 /* [n_slots + 1, ...] on the device; the last slot is zeroed scratch */
+    hy_experts host;                  /* the experts on the mapped file (the CPU share) */
+    int n_kinds;                      /* the expert tensors: what a load copies */
+    struct ggml_tensor * slot_tensor[HY_MAX_KINDS];
+    const uint8_t * src[HY_MAX_KINDS];  /* expert 0's bytes of each kind in the mapping */
+    size_t nbytes[HY_MAX_KINDS];        /* bytes of one expert of each kind */
+    ggml_backend_t device;
+    hy_scratch * scratch;             /* shared by the executors of one model on one device */
+    hy_worker * worker;               /* NULL: no CPU share */
+    int share_mode;
+    const int32_t * n_cpu_table;      /* fixed share: misses the CPU takes out of n, for n = 0..n_expert */
+    double alpha, hysteresis;
+    double prior[5];
+    int fixed_model;                  /* auto with a fixed cost model (coef) */
+    double coef[5];
+    int synthetic_clock;              /* observations from the work, not the clock (repeatable decisions) */
+    double clock[5];                  /* load_per_byte, device_per_row, cpu_per_byte, cpu_per_row, cpu_per_job */
+    const char * path;                /* the model file, checked unchanged before the mapping is read */
+    int64_t file_id[4];               /* dev, ino, size, mtime_ns */
+    int staging;                      /* loads through pinned host staging (devices whose memory is not host) */
+    int trace;                        /* record every call's ids for Python to drain */
+    int64_t * trace_seq;              /* the session's call counter: orders records across layers */
+} hy_moe_config;
+
+typedef struct hy_moe_exec hy_moe_exec;
+
+hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg);
+void hy_moe_exec_free(hy_moe_exec * ex);
+
+/* the region executor (ggml_backend_sched_region_exec_t); user_data is the hy_moe_exec */
+int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * const * inputs, int n_inputs,
+                    struct ggml_tensor * const * outputs, int n_outputs, void * user_data);
+
+const hy_moe_counters * hy_moe_exec_counters(const hy_moe_exec * ex);
+hy_slot_cache * hy_moe_exec_cache(hy_moe_exec * ex);
+hy_cost_model * hy_moe_exec_cost_model(hy_moe_exec * ex);
+/* the last failure: its HY_ERR_* code (0: none) and text; cleared by the next call */
+int hy_moe_exec_error(const hy_moe_exec * ex, const char ** message);
+/* the CPU misses of the last call, in increasing id order */
+int hy_moe_exec_last_cpu(const hy_moe_exec * ex, const int32_t ** experts);
+/* trace records appended since the last take: [seq low, seq high, layer, T, T * n_used ids] each */
+const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints);
+void hy_moe_exec_trace_take(hy_moe_exec * ex);
+int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
+/* make the load after the next `after` loads fail (tests: a fault half way through a call) */
+void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
+/* observe durations computed from the work (load_per_byte, device_per_row, cpu_per_byte, cpu_per_row,
+   cpu_per_job) instead of the clock: repeatable `auto` decisions */
+void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[5]);

@@ -1,0 +1,72 @@
+/* The expert FFN and the weighted sum of a MoE layer as GGML graphs, built in C exactly as the Python
+   builders (ggml_hybrid/moe/ffn.py: expert_ffn, weighted_sum) and llama.cpp build them, so that the
+   native executor's output is bit-identical to the resident graph's.
+
+   Graphs are kept in a small cache per owner (an executor or the CPU worker), keyed by what they compute
+   and their row count, each built in its own preallocated context memory; all the graphs of one owner
+   share one compute buffer (they never run at the same time), laid out from its start. A steady decode
+   therefore allocates nothing: a new row count rebuilds a graph in existing memory, and the buffer only
+   grows when a larger graph than any before arrives. */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+/* one layer's routed experts: gate_up and down (fused), or gate, up and down */
+typedef struct hy_experts {
+    struct ggml_tensor * gate_up, * gate, * up, * down;
+} hy_experts;
+
+struct ggml_tensor * hy_build_expert_ffn(struct ggml_context * ctx, const hy_experts * w, struct ggml_tensor * x3,
+                                         struct ggml_tensor * ids, enum ggml_glu_op glu);
+struct ggml_tensor * hy_build_weighted_sum(struct ggml_context * ctx, struct ggml_tensor * expert_out,
+                                           struct ggml_tensor * weights);
+
+/* A compute buffer shared by the graphs of several caches that run one after another (the executors of
+   the layers of one model on one device): every graph is placed from its start. */
+typedef struct hy_scratch {
+    ggml_backend_buffer_type_t buft;
+    ggml_backend_buffer_t buffer;
+    size_t size;
+    uint64_t epoch; /* bumped when the buffer is replaced: graphs placed before must be placed again */
+} hy_scratch;
+
+hy_scratch * hy_scratch_new(ggml_backend_buffer_type_t buft);
+void hy_scratch_free(hy_scratch * s);
+
+enum { HY_GRAPH_FULL = 0, HY_GRAPH_ROWS = 1, HY_GRAPH_SUM = 2 };
+
+/* A built graph: inputs x (rows x n_embd, shaped [n,1,E]), ids ([n,k] or [n,1]), w ([n,k,1]) and
+   experts_in ([n,k,E], the sum's input), and its output (out: [n,E] for FULL/SUM, [n,1,E] for ROWS). */
+typedef struct hy_graph {
+    int kind, n;
+    const void * key;            /* what the graph's weights are (the experts it multiplies) */
+    uint64_t epoch;              /* the scratch epoch it is placed for */
+    int64_t last_use;
+    void * meta;                 /* the context memory, allocated once per cache entry */
+    size_t meta_size;
+    struct ggml_context * ctx;
+    struct ggml_cgraph * gf;
+    struct ggml_tensor * x, * ids, * w, * experts_in, * out;
+} hy_graph;
+
+#define HY_GRAPH_CACHE 12
+
+typedef struct hy_graph_cache {
+    hy_graph entries[HY_GRAPH_CACHE];
+    int64_t clock;
+    int64_t builds;              /* graphs built so far: constant once warm */
+    hy_scratch * scratch;
+} hy_graph_cache;
+
+void hy_graph_cache_init(hy_graph_cache * c, hy_scratch * scratch);
+void hy_graph_cache_free(hy_graph_cache * c);
+
+/* The graph of `kind` over `n` rows for experts `w` (key), built or found, placed in the scratch and ready
+   to take inputs; NULL when memory cannot be had. n_used: experts per token (FULL, SUM); glu for FFNs. */
+hy_graph * hy_graph_get(hy_graph_cache * c, int kind, int n, const hy_experts * w, const void * key, int n_used,
+                        int n_embd, enum ggml_glu_op glu);

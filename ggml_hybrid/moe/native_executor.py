@@ -1,0 +1,280 @@
+"""The native expert-cache executor: one layer's region run by C code (``_native/src/moe_exec.c``).
+
+Python builds it (slot tensors, the layer's mapped experts, the options), registers its C function with
+the scheduler as the region's executor, and afterwards only reads its counters, its trace records and,
+when a call failed, its error. A layer call runs no Python at all. Its decisions (hits, loads,
+evictions, rounds, the CPU set) and outputs are the Python executor's (:mod:`.executor`), which stays
+the reference: ``tests/test_native_executor.py`` compares them call by call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._native import CData, ffi, lib
+from .._native.managed import Managed
+from ..errors import (
+    AllocationError,
+    BackendError,
+    ComputeError,
+    GgmlHybridError,
+    ModelFileError,
+    ShapeError,
+)
+from ..ggml.backend import Backend
+from ..ggml.context import Context
+from ..ggml.ops import GLU_OPS
+from ..model.gguf_store import GGUFStore
+from .cpu_share import CostModel, n_cpu_for_share
+from .executor import LayerCounters, SyntheticClock
+from .ffn import ExpertWeights
+from .traces import TraceWriter
+
+_PRIOR_KEYS = ("cpu_per_byte", "cpu_per_row_per_byte", "load_per_byte", "device_per_row_per_byte", "cpu_per_job")
+_COEF_KEYS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row", "cpu_per_job")
+_ERRORS: dict[int, type[GgmlHybridError]] = {
+    lib.HY_ERR_FILE: ModelFileError, lib.HY_ERR_COMPUTE: ComputeError, lib.HY_ERR_ALLOC: AllocationError,
+    lib.HY_ERR_WORKER: ComputeError, lib.HY_ERR_INJECTED: ComputeError, lib.HY_ERR_INPUT: ShapeError,
+}
+
+
+class NativeWorker(Managed):
+    """A session's native CPU worker: a C thread with its own CPU backend and threadpool."""
+
+    _kind = "native_worker"
+
+    def __init__(self, n_threads: int) -> None:
+        ptr = lib.hy_worker_new(n_threads)
+        if ptr == ffi.NULL:
+            raise BackendError(f"could not start the native CPU worker with {n_threads} threads")
+        super().__init__(ptr, lib.hy_worker_free)
+        self.n_threads = n_threads
+
+    @property
+    def allocations(self) -> int:
+        """Graphs built so far (constant once warm)."""
+        return int(lib.hy_worker_graph_builds(self.ptr))
+
+    def fail_next_job(self) -> None:
+        """Make the next job fail (tests: a worker error must reach the caller, the next call must work)."""
+        self.ptr.fail_next = 1
+
+
+class Scratch(Managed):
+    """The compute buffer shared by the native executors of one session on one device."""
+
+    _kind = "native_scratch"
+
+    def __init__(self, device: Backend) -> None:
+        super().__init__(lib.hy_scratch_new(lib.ggml_backend_get_default_buffer_type(device.ptr)),
+                         lib.hy_scratch_free)
+        self.device = device  # the buffer type belongs to the backend
+
+    @property
+    def size(self) -> int:
+        return int(self.ptr.size)
+
+
+class _Exec(Managed):
+    _kind = "native_executor"
+
+    def __init__(self, cfg: CData) -> None:
+        ptr = lib.hy_moe_exec_new(cfg)
+        if ptr == ffi.NULL:
+            raise AllocationError("could not create the native expert executor")
+        super().__init__(ptr, lib.hy_moe_exec_free)
+
+
+class NativeExpertExecutor:
+    """The native executor of one layer; the same constructor as :class:`.executor.ExpertCacheExecutor`."""
+
+    native = True
+
+    def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
+                 policy: str, n_used: int, glu: str = "swiglu", worker: NativeWorker | None = None,
+                 share: float | str = 0.0, host_experts: ExpertWeights | None = None, scratch: Scratch | None = None,
+                 trace: TraceWriter | None = None, clear: bool = True, staging: bool | None = None,
+                 trace_seq: CData | None = None) -> None:
+        self.store, self.layer, self.device = store, layer, device
+        self.worker, self.share, self.host_experts, self.trace = worker, share, host_experts, trace
+        infos = {k: store.info(n) for k, n in names.items()}
+        self.n_expert = infos["down"].shape[0]
+        self.n_embd = infos["down"].shape[1]
+        self.n_slots = n_slots
+        self.ctx = Context(n_tensors=len(names))
+        self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
+                             for k, info in infos.items()}
+        self.buffer = self.ctx.allocate(device, "weights", virtual=not clear)
+        if clear:
+            self.buffer.clear(0)  # the scratch slot's zeros absorb padding rows
+        self.slots = ExpertWeights(**self.slot_tensors)
+        self.expert_bytes = sum(t.nb[2] for t in self.slot_tensors.values())
+        self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}  # kept: C reads the mapping
+        self.scratch = scratch if scratch is not None else Scratch(device)
+        self._own_scratch = scratch is None
+        if staging is None:  # pinned staging pays where the slots are not host memory and the device has it
+            dev = lib.ggml_backend_get_device(device.ptr)
+            staging = not self.buffer.is_host and dev != ffi.NULL and \
+                lib.ggml_backend_dev_host_buffer_type(dev) != ffi.NULL
+        self.staging = bool(staging)
+        self._keep: list[Any] = []
+        cfg = self._config(layer, names, n_used, policy, glu, trace is not None, trace_seq)
+        self._exec = _Exec(cfg)
+        self._cfg = cfg  # C points into what it holds
+
+    def _config(self, layer: int, names: dict[str, str], n_used: int, policy: str, glu: str, trace: bool,
+                trace_seq: CData | None) -> CData:
+        cfg = ffi.new("hy_moe_config *")
+        cfg.layer, cfg.n_expert, cfg.n_used, cfg.n_embd = layer, self.n_expert, n_used, self.n_embd
+        cfg.n_slots = self.n_slots
+        cfg.policy = lib.HY_POLICY_LRU if policy == "lru" else lib.HY_POLICY_LFU
+        cfg.glu = GLU_OPS[glu]
+        for k, t in self.slot_tensors.items():
+            setattr(cfg.slots, k, t.ptr)
+        if self.host_experts is not None:
+            for k, t in self.host_experts.kinds.items():
+                setattr(cfg.host, k, t.ptr)
+        cfg.n_kinds = len(names)
+        for i, k in enumerate(names):
+            cfg.slot_tensor[i] = self.slot_tensors[k].ptr
+            cfg.src[i] = ffi.cast("const uint8_t *", self._raw[k].ctypes.data)
+            cfg.nbytes[i] = self.slot_tensors[k].nb[2]
+        cfg.device = self.device.ptr
+        cfg.scratch = self.scratch.ptr
+        cfg.worker = self.worker.ptr if self.worker is not None and self.share != 0.0 else ffi.NULL
+        model = CostModel()
+        if self.worker is None or self.share == 0.0:
+            cfg.share_mode = lib.HY_SHARE_NONE
+        elif self.share == "auto":
+            cfg.share_mode = lib.HY_SHARE_AUTO
+        else:
+            cfg.share_mode = lib.HY_SHARE_FIXED
+            # the exact decimal rule, evaluated here once for every miss count a call can have
+            table = ffi.new("int32_t[]", [n_cpu_for_share(float(self.share), n) for n in range(self.n_expert + 1)])
+            self._keep.append(table)
+            cfg.n_cpu_table = table
+        cfg.alpha, cfg.hysteresis = model.alpha, model.hysteresis
+        for i, k in enumerate(_PRIOR_KEYS):
+            cfg.prior[i] = model.prior[k]
+        path = ffi.new("char[]", self.store.path.encode())
+        self._keep.append(path)
+        cfg.path = path
+        for i, v in enumerate(self.store._identity):
+            cfg.file_id[i] = v
+        cfg.staging = int(self.staging)
+        cfg.trace = int(trace)
+        cfg.trace_seq = trace_seq if trace_seq is not None else ffi.NULL
+        return cfg
+
+    # -- the region -----------------------------------------------------------------------------
+
+    @property
+    def c_function(self) -> CData:
+        return lib.hy_moe_exec_run
+
+    @property
+    def c_user_data(self) -> CData:
+        return self._exec.ptr
+
+    def error(self) -> GgmlHybridError | None:
+        """The typed error of the last call when it failed (the scheduler only knows it failed)."""
+        msg = ffi.new("const char **")
+        code = lib.hy_moe_exec_error(self._exec.ptr, msg)
+        if code == lib.HY_OK:
+            return None
+        return _ERRORS.get(code, BackendError)(ffi.string(msg[0]).decode())
+
+    # -- what it did ---------------------------------------------------------------------------------
+
+    @property
+    def counters(self) -> LayerCounters:
+        if self._exec.closed:  # what the session did stays readable after close()
+            return self._final
+        c = lib.hy_moe_exec_counters(self._exec.ptr)
+        return LayerCounters(calls=c.calls, routed=c.routed, distinct=c.distinct, hits=c.hits, misses=c.misses,
+                             bytes_loaded=c.bytes_loaded, evictions=c.evictions, rounds=c.rounds,
+                             device_ns=c.device_ns, load_ns=c.load_ns, compute_ns=c.compute_ns,
+                             cpu_misses=c.cpu_misses, cpu_rows=c.cpu_rows, cpu_ns=c.cpu_ns, overlap_ns=c.overlap_ns,
+                             share_calls=c.share_calls, share_sum=c.share_sum, bytes_staged=c.bytes_staged,
+                             staging_wait_ns=c.staging_wait_ns, invalidated=c.invalidated)
+
+    def last_decision(self) -> dict[str, Any]:
+        """The last call's plan, as the Python executor's SlotCache would give it: ``rounds`` of
+        (hits, loads, evicted), and ``cpu``, the experts the CPU computed (tests compare them)."""
+        return {"rounds": plan_rounds(lib.hy_moe_exec_cache(self._exec.ptr).plan), "cpu": self._last_cpu()}
+
+    def _last_cpu(self) -> tuple[int, ...]:
+        cpu = ffi.new("const int32_t **")
+        n = lib.hy_moe_exec_last_cpu(self._exec.ptr, cpu)
+        return tuple(int(cpu[0][i]) for i in range(n))
+
+    def drain_trace(self) -> list[tuple[int, int, np.ndarray]]:
+        """``(sequence, layer, ids)`` of every call recorded since the last drain."""
+        n = ffi.new("int64_t *")
+        p = lib.hy_moe_exec_trace(self._exec.ptr, n)
+        if n[0] == 0:
+            return []
+        data = np.frombuffer(ffi.buffer(p, 4 * n[0]), np.uint32).copy()
+        lib.hy_moe_exec_trace_take(self._exec.ptr)
+        out, pos, k = [], 0, int(self._cfg.n_used)
+        while pos < len(data):
+            seq = int(data[pos]) | int(data[pos + 1]) << 32
+            layer, T = int(data[pos + 2]), int(data[pos + 3])
+            out.append((seq, layer, data[pos + 4:pos + 4 + T * k].astype(np.int32).reshape(T, k)))
+            pos += 4 + T * k
+        return out
+
+    @property
+    def graph_builds(self) -> int:
+        return int(lib.hy_moe_exec_graph_builds(self._exec.ptr))
+
+    @property
+    def compute_bytes(self) -> int:
+        return self.scratch.size if self._own_scratch else 0
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(t.nbytes for t in self.slot_tensors.values())
+
+    def use_cost_model(self, model: CostModel) -> None:
+        """Replace the layer's cost model (``auto``) by one with ``model``'s fixed coefficients or priors."""
+        c = lib.hy_moe_exec_cost_model(self._exec.ptr)
+        if model._fixed is not None:
+            lib.hy_cost_init_fixed(c, model.hysteresis, [model._fixed[k] for k in _COEF_KEYS])
+        else:
+            lib.hy_cost_init(c, model.alpha, model.hysteresis, [model.prior[k] for k in _PRIOR_KEYS])
+
+    def use_clock(self, clock: SyntheticClock) -> None:
+        """Observe durations computed from the work (repeatable ``auto`` decisions)."""
+        lib.hy_moe_exec_set_clock(self._exec.ptr, [clock.load_per_byte, clock.device_per_row, clock.cpu_per_byte,
+                                                   clock.cpu_per_row, clock.cpu_per_job])
+
+    def inject_load_failure(self, after: int) -> None:
+        """Fail the load that comes after the next ``after`` loads (tests)."""
+        lib.hy_moe_exec_inject_load_failure(self._exec.ptr, after)
+
+    def close(self) -> None:
+        if self._exec.closed:
+            return
+        self._final = self.counters
+        self._exec.close()
+        if self._own_scratch:
+            self.scratch.close()
+        self.ctx.close()
+
+
+Round = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], tuple[int, ...]]
+
+
+def plan_rounds(p: CData) -> list[Round]:
+    """A C plan (``hy_plan``) as ``[(hits, loads, evicted), ...]`` by round, the SlotCache's Round fields."""
+    rounds: list[list[list[Any]]] = [[[], [], []] for _ in range(p.n_rounds)]
+    if p.n_rounds:
+        rounds[0][0] = [(int(p.hit_expert[i]), int(p.hit_slot[i])) for i in range(p.n_hits)]
+    for i in range(p.n_loads):
+        rounds[p.load_round[i]][1].append((int(p.load_expert[i]), int(p.load_slot[i])))
+    for i in range(p.n_evicted):
+        rounds[p.evicted_round[i]][2].append(int(p.evicted_expert[i]))
+    return [(tuple(h), tuple(ld), tuple(ev)) for h, ld, ev in rounds]
