@@ -77,7 +77,7 @@ CASES = {
     "qwen3moe_kv_f32_fa": Case(_s(arch="qwen3moe", weight_type="f32", seed=33),
                                options={"cache_type_k": "f32", "cache_type_v": "f32", "flash_attn": True}),
     "qwen3moe_yarn_hd96": Case(_s(arch="qwen3moe", n_head=2, n_head_kv=1, head_dim=96, rope_scaling="yarn",
-                                  rope_factor=4.0, rope_orig_ctx=256, weights_scale=2.0, seed=34)),
+                                  rope_factor=4.0, rope_orig_ctx=256, weights_scale=2.0, seed=10)),
     "llama_spm_q8_0": Case(_s(arch="llama", vocab="spm", vocab_size=512, weight_type="q8_0", seed=35)),
     "olmoe_f32": Case(_s(arch="olmoe", n_head_kv=4, head_dim=16, seed=41)),
     "olmoe_f16": Case(_s(arch="olmoe", n_head_kv=4, head_dim=16, weight_type="f16", weights_scale=3.0, seed=42)),

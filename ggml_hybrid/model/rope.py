@@ -40,7 +40,7 @@ class Rope:
     attn_factor: float = 1.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    scaling: str = "none"   # the file's rope.scaling.type (for reports)
+    scaling: str = "none"   # the file's rope.scaling.type ("none" when it has neither type nor factor; reports)
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :meth:`~ggml_hybrid.ggml.ops.OpsMixin.rope`."""
@@ -65,33 +65,39 @@ def read_rope(store: GGUFStore, arch: str, mode: str, n_rot: int, n_ctx_train: i
     from .hparams import meta_float, meta_int
 
     p = f"{arch}.rope."
-    scaling = store.meta(p + "scaling.type", "linear")
+    scaling = store.meta(p + "scaling.type") if store.has(p + "scaling.type") else "linear"  # llama.cpp's default
     if not isinstance(scaling, str) or scaling not in SCALING_TYPES:
         raise ModelFileError(f"{store.path!r}: {arch}: {p}scaling.type = {scaling!r} is not supported; supported: "
                              f"{', '.join(SCALING_TYPES)}")
     key = p + "scaling.factor" if store.has(p + "scaling.factor") else p + "scale_linear"
     factor = f32(meta_float(store, key, 0.0, 0.0, 1e6))
     freq_scale = f32(1) if factor == 0 else f32(f32(1) / factor)
-    attn_factor_key = meta_float(store, p + "scaling.attn_factor", 1.0, 0.0, 1e6)
+    file_factor = meta_float(store, p + "scaling.attn_factor", 1.0, 0.0, 1e6)
     n_ctx_orig = meta_int(store, p + "scaling.original_context_length", n_ctx_train)
     if scaling == "none":
         freq_scale = f32(1)  # "never scale if scaling type is none"
-    ext_factor = f32(1) if scaling == "yarn" else f32(0)
-    attn_factor = f32(1)  # llama-cpp-python's yarn_attn_factor
-    if ext_factor != 0:
-        s = f32(f32(1) / freq_scale)
+    yarn = scaling == "yarn"
+    return Rope(mode=mode, n_rot=n_rot, freq_base=float(f32(meta_float(store, p + "freq_base", 10000.0, 1e-3, 1e12))),
+                freq_scale=float(freq_scale), n_ctx_orig=n_ctx_orig, ext_factor=1.0 if yarn else 0.0,
+                attn_factor=float(attn_factor(freq_scale, yarn, file_factor, yarn_log_mul, deepseek2)),
+                scaling=scaling if store.has(p + "scaling.type") or factor != 0 else "none")
+
+
+def attn_factor(freq_scale: np.float32, yarn: bool, file_factor: float = 1.0, yarn_log_mul: float = 0.0,
+                deepseek2: bool = False) -> np.float32:
+    """The ``attn_factor`` of every rope op: the ``llama_context`` constructor's float32 arithmetic."""
+    factor = f32(1)  # llama-cpp-python's yarn_attn_factor
+    if yarn:
+        s = f32(f32(1) / f32(freq_scale))
         if yarn_log_mul != 0:
             all_dims = f32(yarn_log_mul)
             m = all_dims if deepseek2 and all_dims != f32(1) else f32(1)
-            attn_factor = f32(_mscale(s, m) / _mscale(s, all_dims))
+            factor = f32(_mscale(s, m) / _mscale(s, all_dims))
         else:
-            attn_factor = _mscale(s, f32(1))
+            factor = _mscale(s, f32(1))
         # cancels the magnitude GGML's YaRN kernel applies itself
-        attn_factor = f32(attn_factor * f32(f32(1) / f32(f32(1) + f32(f32(0.1) * logf(s)))))
-    attn_factor = f32(attn_factor * f32(attn_factor_key))
-    return Rope(mode=mode, n_rot=n_rot, freq_base=float(f32(meta_float(store, p + "freq_base", 10000.0, 1e-3, 1e12))),
-                freq_scale=float(freq_scale), n_ctx_orig=n_ctx_orig, ext_factor=float(ext_factor),
-                attn_factor=float(attn_factor), scaling=scaling)
+        factor = f32(factor * f32(f32(1) / f32(f32(1) + f32(f32(0.1) * logf(s)))))
+    return f32(factor * f32(file_factor))
 
 
 def kq_scale(head_dim: int) -> float:
@@ -99,4 +105,4 @@ def kq_scale(head_dim: int) -> float:
     return float(f32(1) / np.sqrt(f32(head_dim)))
 
 
-__all__ = ["Rope", "SCALING_TYPES", "f32", "kq_scale", "logf", "read_rope"]
+__all__ = ["Rope", "SCALING_TYPES", "attn_factor", "f32", "kq_scale", "logf", "read_rope"]

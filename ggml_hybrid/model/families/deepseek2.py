@@ -49,11 +49,7 @@ def read(store: GGUFStore, c: Common) -> HParams:
     if store.has(f"{a}.rope.scaling.yarn_log_multiplier"):
         log_mul = float(f32(meta_float(store, f"{a}.rope.scaling.yarn_log_multiplier", None, 0, 1e6)) / f32(0.1))
     rope = read_rope(store, a, "normal", r, c.n_ctx_train, yarn_log_mul=log_mul, deepseek2=True)
-    # llama.cpp pre-scales the attention scale by YaRN's magnitude: all of it ends up there
-    inv = f32(f32(1) / f32(rope.freq_scale))
-    org = f32(f32(rope.attn_factor) * f32(f32(1) + f32(f32(0.1) * logf(inv))))
-    mscale = f32(org * f32(f32(1) + f32(f32(f32(0.1) * f32(log_mul)) * logf(inv))))
-    scale = float(f32(f32(f32(f32(1) * mscale) * mscale) / np.sqrt(f32(k_mla))))
+    scale = mla_kq_scale(rope.attn_factor, rope.freq_scale, log_mul, k_mla)
     default_gating = "sigmoid" if c.n_layer in (47, 48) and vocab == 154880 else "softmax"
     routing = Routing(gating(store, a, default_gating), meta_bool(store, f"{a}.expert_weights_norm", False),
                       meta_float(store, f"{a}.expert_weights_scale", 0.0, 0.0, 1e6), c.n_group, c.n_group_used)
@@ -64,6 +60,14 @@ def read(store: GGUFStore, c: Common) -> HParams:
                         mla=MLA(q_lora, kv_lora, k_mla - r, r, v_mla), n_dense_lead=n_dense,
                         n_ff_shexp=n_ff_exp * shared, selection_bias=first + "exp_probs_b.bias" in store,
                         fused_gate_up=first + "ffn_gate_up_exps.weight" in store)
+
+
+def mla_kq_scale(attn_factor: float, freq_scale: float, yarn_log_mul: float, key_length_mla: int) -> float:
+    """The attention scale ``deepseek2.cpp`` pre-scales by YaRN's magnitude (all of it ends up here), in float32."""
+    inv = f32(f32(1) / f32(freq_scale))
+    org = f32(f32(attn_factor) * f32(f32(1) + f32(f32(0.1) * logf(inv))))
+    mscale = f32(org * f32(f32(1) + f32(f32(f32(0.1) * f32(yarn_log_mul)) * logf(inv))))
+    return float(f32(f32(f32(f32(1) * mscale) * mscale) / np.sqrt(f32(key_length_mla))))
 
 
 def tensors(hp: HParams) -> Shapes:
