@@ -14,7 +14,7 @@ from typing import Any
 
 from ...ggml.tensor import Tensor
 from ..gguf_store import GGUFStore
-from ..hparams import GATINGS, Common, HParams, Routing, meta_float, meta_int, refuse
+from ..hparams import GATINGS, Common, HParams, Routing, meta_bool, meta_float, meta_int, refuse
 from ..layers import Builder, decoder_layer
 from ..rope import kq_scale, read_rope
 
@@ -154,8 +154,15 @@ def require_full_rotary(store: GGUFStore, c: Common) -> None:
 
 
 __all__ = ["Family", "Shapes", "attention_tensors", "attn_biases", "base_hparams", "dense_lead", "expert_width",
-           "ffn_tensors", "gating",
-           "globals_", "no_nextn", "refuse_fused_qkv", "require_full_rotary", "rms_eps", "standard_tensors"]
+           "ffn_tensors", "gating", "globals_", "no_nextn", "refuse_fused_qkv", "require_full_rotary", "rms_eps",
+           "routing_keys", "standard_tensors"]
+
+
+def routing_keys(store: GGUFStore, c: Common, default_gating: str) -> Routing:
+    """The routing keys glm4moe and deepseek2 read: gating function, normalisation, scale (and the groups)."""
+    a = c.arch
+    return Routing(gating(store, a, default_gating), meta_bool(store, f"{a}.expert_weights_norm", False),
+                   meta_float(store, f"{a}.expert_weights_scale", 0.0, 0.0, 1e6), c.n_group, c.n_group_used)
 
 
 def base_hparams(store: GGUFStore, c: Common, *, rope_mode: str, n_ff_exp: int, routing: Routing,
@@ -166,7 +173,9 @@ def base_hparams(store: GGUFStore, c: Common, *, rope_mode: str, n_ff_exp: int, 
         arch=c.arch, n_layer=c.n_layer, n_layer_all=c.n_layer_all, n_embd=c.n_embd, n_head=c.n_head,
         n_head_kv=c.n_head_kv, head_dim=c.key_length, head_dim_v=c.value_length, n_vocab=c.n_vocab,
         n_ctx_train=c.n_ctx_train, n_expert=c.n_expert, n_used=c.n_used, n_ff_exp=n_ff_exp,
-        rms_eps=rms_eps(store, c.arch), rope=read_rope(store, c.arch, rope_mode, c.n_rot, c.n_ctx_train),
-        routing=routing, kq_scale=kq_scale(c.value_length), tied_output=c.tied_output, n_ff=c.n_ff)
+        rms_eps=rms_eps(store, c.arch), routing=routing, kq_scale=kq_scale(c.value_length),
+        tied_output=c.tied_output, n_ff=c.n_ff)
     values.update(fields)
+    if "rope" not in values:
+        values["rope"] = read_rope(store, c.arch, rope_mode, c.n_rot, c.n_ctx_train)
     return HParams(**values)

@@ -16,10 +16,10 @@ import numpy as np
 
 from ...ggml.tensor import Tensor
 from ..gguf_store import GGUFStore
-from ..hparams import MLA, Common, HParams, Routing, meta_bool, meta_float, meta_int, refuse
+from ..hparams import MLA, Common, HParams, meta_float, meta_int, refuse
 from ..layers import Builder, decoder_layer, output_projection
 from ..rope import f32, logf, read_rope
-from .base import Family, Shapes, base_hparams, dense_lead, ffn_tensors, gating, globals_
+from .base import Family, Shapes, base_hparams, dense_lead, ffn_tensors, globals_, routing_keys
 
 
 def read(store: GGUFStore, c: Common) -> HParams:
@@ -51,8 +51,7 @@ def read(store: GGUFStore, c: Common) -> HParams:
     rope = read_rope(store, a, "normal", r, c.n_ctx_train, yarn_log_mul=log_mul, deepseek2=True)
     scale = mla_kq_scale(rope.attn_factor, rope.freq_scale, log_mul, k_mla)
     default_gating = "sigmoid" if c.n_layer in (47, 48) and vocab == 154880 else "softmax"
-    routing = Routing(gating(store, a, default_gating), meta_bool(store, f"{a}.expert_weights_norm", False),
-                      meta_float(store, f"{a}.expert_weights_scale", 0.0, 0.0, 1e6), c.n_group, c.n_group_used)
+    routing = routing_keys(store, c, default_gating)
     first = f"blk.{n_dense}."
     n_ff_exp = meta_int(store, f"{a}.expert_feed_forward_length", n=c.n_layer_all)
     return base_hparams(store, c, rope_mode="normal", n_ff_exp=n_ff_exp, routing=routing, rope=rope,

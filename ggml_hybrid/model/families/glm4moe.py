@@ -11,15 +11,15 @@ the graph (llama.cpp skips their tensors unless it loads the MTP head). Refused:
 from __future__ import annotations
 
 from ..gguf_store import GGUFStore
-from ..hparams import Common, HParams, Routing, meta_bool, meta_float, meta_int, refuse
+from ..hparams import Common, HParams, meta_int, refuse
 from .base import (
     Family,
     attn_biases,
     base_hparams,
     dense_lead,
     expert_width,
-    gating,
     refuse_fused_qkv,
+    routing_keys,
     standard_tensors,
 )
 
@@ -40,8 +40,7 @@ def read(store: GGUFStore, c: Common) -> HParams:
     norms = [f"blk.0.attn_{n}_norm.weight" in store for n in "qk"]
     if norms[0] != norms[1]:
         raise refuse(store, a, "blk.0.attn_q_norm.weight", "a q norm without a k norm (or the reverse)")
-    routing = Routing(gating(store, a, "sigmoid"), meta_bool(store, f"{a}.expert_weights_norm", False),
-                      meta_float(store, f"{a}.expert_weights_scale", 0.0, 0.0, 1e6), c.n_group, c.n_group_used)
+    routing = routing_keys(store, c, "sigmoid")
     return base_hparams(store, c, rope_mode="neox", n_ff_exp=n_ff_exp, routing=routing,
                         qk_norm="head" if norms[0] else "none", attn_biases=attn_biases(store),
                         n_dense_lead=n_dense, n_ff_shexp=n_ff_exp * shared, ffn_norm="post_attention_norm",
