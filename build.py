@@ -201,7 +201,7 @@ def build_cffi(ggml_dir: Path, opts: Options, out_dir: Path) -> Path:
     patch_hash = info.patch_series_hash() if opts.patched else "unpatched"
     source_hash = info.source_hash(opts.patched)
     cdef = cdef_source(opts.patched)
-    includes = ["ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]
+    includes = ["math.h", "ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]  # math.h: libm's logf
     includes += [p.name for p in info.c_sources() if p.suffix == ".h"]  # ours: the cdef declares from them
     preamble = "\n".join(f'#include "{h}"' for h in includes) + "\n"
     macros = [("GGML_HYBRID_GGML_VERSION", f'"{pin["ggml_version"]}"'), ("GGML_HYBRID_PATCH_HASH", f'"{patch_hash}"'),

@@ -418,6 +418,37 @@ CRASHES = {
                 rows.set(np.array([0, 1000000, 0, 0], np.int32))
                 s.compute(g)
     """, "same as get_rows_index_through_reshape, through a view"),
+    "add_id_index_out_of_range": ("IndexRangeError", """
+        out = compute(cpu, lambda c, t: c.add_id(t["a"], t["b"], t["ids"]),
+                      consts={"a": np.ones((2, 1, 4), np.float32), "b": np.ones((3, 4), np.float32),
+                              "ids": np.array([[0], [3]], np.int32)})
+    """, "GGML_ASSERT(i11 >= 0 && i11 < ne11) in the CPU add_id"),
+    "add_id_f16": ("DTypeError", """
+        out = compute(cpu, lambda c, t: c.add_id(t["a"], t["b"], t["ids"]),
+                      consts={"a": np.ones((2, 1, 4), np.float16), "b": np.ones((3, 4), np.float16),
+                              "ids": np.zeros((2, 1), np.int32)})
+    """, "the CPU add_id aborts on anything but F32"),
+    "swiglu_oai_f16": ("DTypeError", """
+        out = compute(cpu, lambda c, t: c.swiglu_oai(t["g"], t["u"], 1.702, 7.0),
+                      consts={"g": np.ones((2, 4), np.float16), "u": np.ones((2, 4), np.float16)})
+    """, "GGML_ABORT in the CPU swiglu_oai for F16"),
+    "fill_transposed": ("ShapeError", """
+        with gh.Context() as c:
+            c.fill(c.transpose(c.new_tensor("f32", (3, 4), "a")), 0.0)
+    """, "GGML_ASSERT(ggml_is_contiguous(a)) when ggml_fill is built"),
+    "soft_max_sinks_per_head": ("ShapeError", """
+        with gh.Context() as c:
+            c.soft_max(c.new_tensor("f32", (4, 2, 8), "kq"), sinks=c.new_tensor("f32", (3,), "sinks"))
+    """, "GGML_ASSERT(a->src[0]->ne[2] == sinks->ne[0]) in ggml_soft_max_add_sinks"),
+    "flash_attn_sinks_f16": ("DTypeError", """
+        with gh.Context() as c:
+            q, k = c.new_tensor("f32", (2, 1, 16), "q"), c.new_tensor("f16", (1, 4, 16), "k")
+            c.flash_attn(q, k, k, sinks=c.new_tensor("f16", (2,), "sinks"))
+    """, "GGML_ASSERT(sinks->type == GGML_TYPE_F32) in ggml_flash_attn_ext_add_sinks"),
+    "hadamard_not_power_of_two": ("ShapeError", """
+        out = compute(cpu, lambda c, t: c.mul_mat_hadamard(t["r"], t["x"]),
+                      consts={"r": np.zeros((6, 6), np.float32), "x": np.ones((1, 6), np.float32)})
+    """, "GGML_ASSERT((n & (n - 1)) == 0) in the CPU fast Walsh-Hadamard transform"),
 }
 
 
@@ -473,3 +504,16 @@ def test_views_of_index_tensors_are_read_only(cpu_backend):
         assert not view.flags.writeable  # writes must go through set(), which checks the range
         with pytest.raises(E.IndexRangeError):
             rows.set(np.array([0, 3], np.int32))
+
+
+def test_clamp_and_fill_take_infinite_but_not_nan_values():
+    with gh.Context() as c:
+        a = c.new_tensor("f32", (2, 3), "a")
+        c.clamp(a, 6.103515625e-5, float("inf"))
+        c.fill(a, float("-inf"))
+        with pytest.raises(gh.errors.ArgumentError, match="NaN"):
+            c.clamp(a, float("nan"), 1.0)
+        with pytest.raises(gh.errors.ArgumentError, match="NaN"):
+            c.fill(a, float("nan"))
+        with pytest.raises(gh.errors.DTypeError, match="Q8_0"):
+            c.cast(a, "q8_0")

@@ -82,11 +82,13 @@ def test_cpu_moe_and_n_cpu_moe_move_expert_weights_only(names):
         assert lay.tensors[f"blk.{i}.ffn_gate_inp.weight"] == "DEV0"  # the router stays with its layer
     assert lay.expert_mode == ("cpu", "cpu", "resident", "resident")
     assert layout(names, cpu_moe=True).expert_mode == ("cpu",) * 4
-    # a bias of the experts is not an expert weight: it stays with the layer
+    # the experts' biases (gpt-oss) move with them: llama.cpp's pattern \.ffn_(up|down|gate)_(ch|)exps is
+    # searched, not matched against ".weight"; the shared expert and the router's bias stay with the layer
     tensor_names, hp = names
-    lay = plan_layout(tensor_names + ["blk.0.ffn_up_exps.bias"], hp.n_layer, SessionOptions(cpu_moe=True), ["DEV0"],
-                      hp.tied_output)
-    assert lay.tensors["blk.0.ffn_up_exps.bias"] == "DEV0"
+    extra = ["blk.0.ffn_up_exps.bias", "blk.0.ffn_up_shexp.weight", "blk.0.ffn_gate_inp.bias"]
+    lay = plan_layout(tensor_names + extra, hp.n_layer, SessionOptions(cpu_moe=True), ["DEV0"], hp.tied_output)
+    assert lay.tensors["blk.0.ffn_up_exps.bias"] == CPU
+    assert lay.tensors["blk.0.ffn_up_shexp.weight"] == lay.tensors["blk.0.ffn_gate_inp.bias"] == "DEV0"
 
 
 # llama.cpp (llama-model.cpp): the output is layer n_layer; -ngl N offloads the last N of the n_layer + 1

@@ -737,3 +737,156 @@ def test_argsort_top_k_is_largest_first(run, n, k, rows, seed):
     x = rng_of(seed).permutation(rows * n).reshape(rows, n).astype(np.float32)  # distinct values
     got = run(lambda c, t: c.cont(c.argsort_top_k(t["x"], k)), inputs={"x": x})
     assert np.array_equal(got.reshape(rows, k), np.argsort(-x, axis=1)[:, :k])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the ops of the MoE families: clamp and fill (routing), cast (flash attention over an F32 cache), add_id and
+# swiglu_oai (gpt-oss experts), attention sinks, and the Hadamard rotation of quantized KV caches
+# --------------------------------------------------------------------------------------------------------------
+
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3), dtype=st.sampled_from(["float32", "float16"]),
+       lo=st.sampled_from([-np.inf, -1.0, 6.103515625e-5]), hi=st.sampled_from([np.inf, 0.5, 2.0]), seed=SEEDS)
+def test_clamp(run, shape, dtype, lo, hi, seed):
+    a = (rng_of(seed).standard_normal(shape) * 2).astype(dtype)
+    got = run(lambda c, t: c.clamp(t["a"], lo, hi), consts={"a": a})
+    # min/max select one of the inputs or a bound: exact (the bounds are exact in float32 and float16 here)
+    ref = np.minimum(np.maximum(a.astype(np.float64), np.float32(lo)), np.float32(hi)).astype(dtype)
+    assert got.dtype == a.dtype
+    assert np.array_equal(got.reshape(a.shape), ref)
+
+
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=4), dtype=st.sampled_from(["float32", "float16"]),
+       value=st.sampled_from([-np.inf, 0.0, -2.5, 7.0]))
+def test_fill(run, shape, dtype, value):
+    a = np.full(shape, 3.0, dtype)
+    got = run(lambda c, t: c.fill(t["a"], value), consts={"a": a})
+    assert np.array_equal(got.reshape(a.shape), np.full(shape, value, dtype))
+
+
+@given(shape=st.lists(st.integers(1, 6), min_size=2, max_size=3), transposed=st.booleans(),
+       to=st.sampled_from(["f16", "f32"]), seed=SEEDS)
+def test_cast(run, shape, transposed, to, seed):
+    a = (rng_of(seed).standard_normal(shape) * 50).astype(np.float32)
+    got = run(lambda c, t: c.cast(c.transpose(t["a"]) if transposed else t["a"], to), consts={"a": a})
+    src = np.swapaxes(a, -1, -2) if transposed else a
+    # F32 -> F16 is one round-to-nearest-even conversion, as numpy's; the result is contiguous
+    ref = src.astype(np.float16 if to == "f16" else np.float32)
+    assert got.dtype == ref.dtype
+    assert np.array_equal(got.reshape(ref.shape), ref)
+
+
+@given(tokens=st.integers(1, 5), k=st.integers(1, 4), n=st.integers(1, 24), rows=st.integers(1, 6),
+       ids_as_input=st.booleans(), seed=SEEDS)
+def test_add_id(run, tokens, k, n, rows, ids_as_input, seed):
+    rng = rng_of(seed)
+    a = rng.standard_normal((tokens, k, n)).astype(np.float32)
+    b = rng.standard_normal((rows, n)).astype(np.float32)
+    ids = rng.integers(0, rows, (tokens, k), dtype=np.int32)
+    consts, inputs = {"a": a, "b": b}, {}
+    (inputs if ids_as_input else consts)["ids"] = ids
+    got = run(lambda c, t: c.add_id(t["a"], t["b"], t["ids"]), consts=consts, inputs=inputs)
+    # one float32 addition per element: numpy's float32 add is the same correctly rounded operation
+    assert np.array_equal(got.reshape(a.shape), a + b[ids])
+
+
+def swiglu_oai64(g, u, alpha, limit):
+    x = np.minimum(g, limit)
+    y = np.clip(u, -limit, limit)
+    return x / (1 + np.exp(-alpha * x)) * (y + 1)
+
+
+@given(rows=st.lists(st.integers(1, 4), min_size=1, max_size=3), n=st.integers(1, 40),
+       alpha=st.sampled_from([1.702, 1.0]), limit=st.sampled_from([7.0, 2.0]), seed=SEEDS)
+def test_swiglu_oai(run, rows, n, alpha, limit, seed):
+    rng = rng_of(seed)
+    g = rng.uniform(-10, 10, tuple(rows) + (n,)).astype(np.float32)
+    u = rng.uniform(-10, 10, tuple(rows) + (n,)).astype(np.float32)
+    got = run(lambda c, t: c.swiglu_oai(t["g"], t["u"], alpha, limit), consts={"g": g, "u": u})
+    a32, l32 = float(np.float32(alpha)), float(np.float32(limit))  # op parameters are float32
+    ref = swiglu_oai64(g.astype(np.float64), u.astype(np.float64), a32, l32)
+    # the rounded product alpha*x moves expf by |alpha x| u relative, expf within a few ulp, a division, two
+    # products and a sum: (|alpha x| + 8) u relative, and |y + 1| may cancel
+    xg = np.minimum(g.astype(np.float64), l32)
+    gated = np.abs(swiglu_oai64(g, np.zeros_like(u), a32, l32))
+    tol = (np.abs(a32 * xg) * EPS32 + TRANSC_F32) * np.abs(ref) + 2 * EPS32 * gated * (
+        np.abs(np.clip(u, -l32, l32)) + 1) + 1e-38
+    check_close(got, ref, tol, f"swiglu_oai alpha={alpha} limit={limit}")
+
+
+def softmax_sinks64(s, sink):
+    """Rows of s [H, T, n] with head h's sink logit as one more column that takes mass but has no value."""
+    m = np.maximum(s.max(axis=-1, keepdims=True), sink[:, None, None])
+    e = np.exp(s - m)
+    return e / (e.sum(axis=-1, keepdims=True) + np.exp(sink[:, None, None] - m))
+
+
+@given(heads=st.integers(1, 4), tokens=st.integers(1, 4), n=st.integers(1, 16), masked=st.booleans(),
+       scale=st.sampled_from([1.0, 0.125]), seed=SEEDS)
+def test_soft_max_with_sinks(run, heads, tokens, n, masked, scale, seed):
+    rng = rng_of(seed)
+    a = rng.uniform(-4, 4, (heads, tokens, n)).astype(np.float32)
+    sinks = rng.uniform(-3, 3, heads).astype(np.float32)
+    consts = {"a": a, "s": sinks}
+    z = a.astype(np.float64) * np.float32(scale)
+    if masked:
+        m = np.where(rng.random((tokens, n)) < 0.3, -np.inf, 0.0)
+        m[:, 0] = 0.0
+        consts["m"] = m.astype(np.float32)
+        z = z + m
+    got = run(lambda c, t: c.soft_max(t["a"], t.get("m"), scale=scale, sinks=t["s"]), consts=consts)
+    ref = softmax_sinks64(z, sinks.astype(np.float64))
+    zabs = np.max(np.where(np.isfinite(z), np.abs(z), 0), axis=-1, keepdims=True) + np.abs(sinks)[:, None, None]
+    check_close(got, ref, ref * (8 * zabs + 16) * EPS32 + 1e-38, "soft_max sinks")
+    # the sink takes probability mass: rows sum to less than 1
+    assert (got.reshape(ref.shape).sum(axis=-1) < 1).all()
+
+
+@given(kv_heads=st.integers(1, 2), group=st.integers(1, 2), tokens=st.integers(1, 4), kv_len=st.integers(1, 12),
+       d=st.sampled_from([16, 64]), seed=SEEDS)
+def test_flash_attn_with_sinks(run, kv_heads, group, tokens, kv_len, d, seed):
+    rng = rng_of(seed)
+    heads = kv_heads * group
+    q = rng.standard_normal((heads, tokens, d)).astype(np.float32)
+    k = rng.standard_normal((kv_heads, kv_len, d)).astype(np.float16)
+    v = rng.standard_normal((kv_heads, kv_len, d)).astype(np.float16)
+    sinks = rng.uniform(-2, 2, heads).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    got = run(lambda c, t: c.flash_attn(t["q"], t["k"], t["v"], None, scale=scale, sinks=t["s"]),
+              consts={"q": q, "k": k, "v": v, "s": sinks})
+    q64, k64, v64 = q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
+    ref = np.empty((tokens, heads, d))
+    tol = np.empty_like(ref)
+    for h in range(heads):
+        hk = h // group
+        s = q64[h] @ k64[hk].T * scale
+        p = softmax_sinks64(s[None], sinks[h:h + 1].astype(np.float64))[0]
+        ref[:, h, :] = p @ v64[hk]
+        # as test_flash_attn: q rounded to F16 for the scores, V accumulated in F16
+        absqk = np.abs(q64[h]) @ np.abs(k64[hk]).T * scale
+        ds = ((EPS16 + (d + 2) * EPS32) * absqk + 4 * EPS32 * np.abs(s)).max(axis=-1)
+        tol[:, h, :] = (np.abs(v64[hk]).max() * (np.expm1(2 * ds) + 2 * (kv_len + 1) * EPS16))[:, None]
+    check_close(got, ref, tol, f"flash_attn sinks H={heads} Hkv={kv_heads}")
+
+
+def hadamard64(n: int) -> np.ndarray:
+    """The orthonormal Sylvester-Walsh-Hadamard matrix of size n (llama.cpp's ggml_gen_hadamard)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(n)
+
+
+@given(n=st.sampled_from([2, 8, 64, 128]), rows=st.integers(1, 4), runs=st.integers(1, 3),
+       dtype=st.sampled_from(["float32", "float16"]), seed=SEEDS)
+def test_mul_mat_hadamard(run, n, rows, runs, dtype, seed):
+    rng = rng_of(seed)
+    x = rng.standard_normal((rows, runs * n)).astype(dtype)
+    # the CPU computes the product as a fast transform and never reads rot: zeros prove it
+    rot = np.zeros((n, n), np.float32)
+    got = run(lambda c, t: c.mul_mat_hadamard(t["rot"], t["x"]), consts={"rot": rot, "x": x})
+    xr = x.astype(np.float64).reshape(-1, n)
+    ref = (xr @ hadamard64(n)).reshape(x.shape)
+    # scaled by 1/sqrtf(n), then log2(n) butterfly stages of one addition each, in float32
+    absx = (np.abs(xr).sum(axis=-1, keepdims=True) / math.sqrt(n)) * np.ones((1, n))
+    tol = (math.log2(n) + 2) * EPS32 * absx.reshape(x.shape) + 1e-38
+    check_close(got, ref, tol, f"mul_mat_hadamard n={n} {dtype}")

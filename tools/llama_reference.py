@@ -6,20 +6,41 @@ import ggml_hybrid. For each request it prints one JSON line:
 
     python tools/llama_reference.py MODEL --tokens 1,2,3 [--texts-json '["a b", ...]'] --out logits.npy
 
-- the logits of every position of ``--tokens`` (float32 [positions, vocab]) to ``--out``;
-- the token ids llama.cpp gives each of ``--texts-json`` (no special-token parsing, BOS per the file).
+- the logits of every position of ``--tokens`` (float32 [positions, vocab]) to ``--out``, and with
+  ``--last-out`` the logits a context that keeps only the last position's computes (its ``out_ids``);
+- the token ids llama.cpp gives each of ``--texts-json`` (no special-token parsing, BOS per the file),
+  and ``llama_detokenize`` of those ids (special tokens neither removed nor rendered).
 
 Settings mirror ggml-hybrid's defaults: no flash attention, F16 KV cache,
-``n_batch`` 512, ``n_ubatch`` as given (512), the thread count given (default 1).
+``n_batch`` 512, ``n_ubatch`` as given (512), the thread count given (default 1);
+``--flash-attn`` and ``--type-k/--type-v`` (f32, f16, q8_0) change them as
+ggml-hybrid's ``flash_attn`` and ``cache_type_k/v`` do.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 
 import numpy as np
+
+GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # enum ggml_type
+
+
+def detokenize(llm, ids: list[int]) -> str:
+    """``llama_detokenize(ids, remove_special=false, unparse_special=false)``, as UTF-8 (invalid bytes replaced)."""
+    import llama_cpp
+
+    arr = (llama_cpp.llama_token * len(ids))(*ids)
+    size = 64 + 16 * len(ids)
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_detokenize(llm._model.vocab, arr, len(ids), buf, size, False, False)
+        if n >= 0:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = -n
 
 
 def main() -> int:
@@ -28,25 +49,37 @@ def main() -> int:
     ap.add_argument("--tokens", default="")
     ap.add_argument("--texts-json", default="[]")
     ap.add_argument("--out")
+    ap.add_argument("--last-out")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--flash-attn", action="store_true")
     ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--type-k", choices=sorted(GGML_TYPES), default="f16")
+    ap.add_argument("--type-v", choices=sorted(GGML_TYPES), default="f16")
     ns = ap.parse_args()
     from llama_cpp import Llama, __version__
 
-    llm = Llama(ns.model, n_ctx=ns.n_ctx, n_batch=512, n_ubatch=ns.ubatch, n_threads=ns.threads,
-                n_threads_batch=ns.threads, logits_all=True, flash_attn=ns.flash_attn, verbose=False,
-                n_gpu_layers=0, use_mmap=True)
+    def load(logits_all: bool) -> Llama:
+        return Llama(ns.model, n_ctx=ns.n_ctx, n_batch=512, n_ubatch=ns.ubatch, n_threads=ns.threads,
+                     n_threads_batch=ns.threads, logits_all=logits_all, flash_attn=ns.flash_attn, verbose=False,
+                     n_gpu_layers=0, use_mmap=True, type_k=GGML_TYPES[ns.type_k], type_v=GGML_TYPES[ns.type_v])
+
+    llm = load(True)
     out = {"llama_cpp_python": __version__, "tokenized": []}
     for text in json.loads(ns.texts_json):
-        out["tokenized"].append({"text": text, "ids": llm.tokenize(text.encode(), add_bos=True, special=False)})
+        ids = llm.tokenize(text.encode(), add_bos=True, special=False)
+        out["tokenized"].append({"text": text, "ids": ids, "detokenized": detokenize(llm, ids)})
     if ns.tokens:
         toks = [int(t) for t in ns.tokens.split(",")]
         llm.eval(toks)
         logits = np.asarray(llm.scores[:len(toks)], dtype=np.float32)
         np.save(ns.out, logits)
         out["positions"] = len(toks)
+        if ns.last_out:
+            last = load(False)
+            last.eval(toks)  # one decode call (n_batch 512) whose only output is the last position
+            row = np.ctypeslib.as_array(last._ctx.get_logits(), shape=(last.n_vocab(),))
+            np.save(ns.last_out, np.array(row, dtype=np.float32)[None, :])
     print(json.dumps(out))
     return 0
 

@@ -4,10 +4,13 @@
     python tools/make_reference_fixtures.py --llama-python /path/to/venv/bin/python [--out tests/fixtures/llama_ref]
 
 The interpreter given must have ``llama-cpp-python==0.3.36`` (see docs/models.md).
-Each case becomes ``CASE.npz``: the model spec (JSON), the sha256 of the file
-the generator wrote, the prompt tokens, llama.cpp's float32 logits of every
-position, and llama.cpp's ids for the tokenizer texts. Tests regenerate the
-model from the spec, check the hash, and compare without building llama.cpp.
+Each case becomes ``CASE.npz``: the model spec (JSON), the session options both
+sides ran with (flash attention, KV cache types; the ubatch size), the sha256 of
+the file the generator wrote, the prompt tokens, llama.cpp's float32 logits of
+every position and those of a context that outputs the last position only, and
+llama.cpp's ids (and ``llama_detokenize`` text) for the tokenizer texts. Tests
+regenerate the model from the spec, check the hash, and compare without
+building llama.cpp.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -27,22 +30,94 @@ from ggml_hybrid.model.synthetic import ModelSpec, write_model
 
 PROMPT = "Hello, world! The quick brown fox jumps over the lazy dog."
 TEXTS = ["Hello, world! The quick brown fox", "It's 2026-11-29; naïve café 東京   x\n\ny 12345678",
-         "  leading spaces and  ĞÜ don't\tWE'LL", "def forward(x): return x + 3.14159  # ok", ""]
+         "  leading spaces and  ĞÜ don't\tWE'LL", "def forward(x): return x + 3.14159  # ok", "",
+         "MiXeD CaSe ÀÉÎõü ÄÖÜäöü HTTPServer DÉJÀ vu", "<|channel|>final<|message|>hi<|end|>",
+         "日本語のテキスト、カタカナ！ 12345", "a<tool>b <tool> c x</s>y"]
 
-# name -> (spec, ubatch): F32/Q8_0 must match to 1e-3; the others are recorded as reached
+
+@dataclass(frozen=True)
+class Case:
+    spec: ModelSpec
+    ubatch: int = 512
+    options: dict = field(default_factory=dict)  # SessionOptions items: flash_attn, cache_type_k, cache_type_v
+
+
+def _s(**kw) -> ModelSpec:
+    return ModelSpec(**kw)
+
+
+_GLM = dict(arch="glm4moe", n_layer=3, n_dense_lead=1, n_rot=16, gating="sigmoid", weights_scale=2.5, n_group=1,
+            n_group_used=1)
+_DS_V3 = dict(arch="deepseek2", n_layer=3, n_dense_lead=1, n_expert=16, n_used=4, gating="sigmoid",
+              weights_scale=2.5, n_group=4, n_group_used=2, rope_scaling="yarn", rope_factor=40.0, rope_orig_ctx=512,
+              yarn_log_mul=0.1)
+_OSS = dict(arch="gpt-oss", n_layer=4, head_dim=32, rope_scaling="yarn", rope_factor=8.0, rope_orig_ctx=256, n_swa=8,
+            rope_freq_base=150000.0)
+_Q8 = {"cache_type_k": "q8_0", "cache_type_v": "q8_0", "flash_attn": True}
+
+# name -> case. Every one must be bit-identical to llama.cpp but Q4_K (see tests/test_lm.py)
 CASES = {
-    "qwen3moe_f32": (ModelSpec(arch="qwen3moe", weight_type="f32", seed=1), 512),
-    "qwen3moe_q8_0": (ModelSpec(arch="qwen3moe", weight_type="q8_0", seed=2), 512),
-    "qwen3moe_f16_tied": (ModelSpec(arch="qwen3moe", weight_type="f16", tie_embeddings=True, seed=3), 512),
-    "qwen3moe_q8_0_ubatch5": (ModelSpec(arch="qwen3moe", weight_type="q8_0", seed=8), 5),
+    "qwen3moe_f32": Case(_s(arch="qwen3moe", weight_type="f32", seed=1)),
+    "qwen3moe_q8_0": Case(_s(arch="qwen3moe", weight_type="q8_0", seed=2)),
+    "qwen3moe_f16_tied": Case(_s(arch="qwen3moe", weight_type="f16", tie_embeddings=True, seed=3)),
+    "qwen3moe_q8_0_ubatch5": Case(_s(arch="qwen3moe", weight_type="q8_0", seed=8), 5),
     # GGML's CPU K-quant kernels round differently for batches under 8 rows, which random weights amplify;
     # llama.cpp repacks Q4_K (q4_K_8x8) and matches the >= 8-row results, so this case uses one ubatch
-    "qwen3moe_q4_K": (ModelSpec(arch="qwen3moe", weight_type="q4_K", n_embd=256, n_ff_exp=256, n_head=2,
-                                n_head_kv=1, head_dim=128, seed=4), 512),
-    "qwen2moe_q8_0": (ModelSpec(arch="qwen2moe", weight_type="q8_0", head_dim=16, seed=5), 512),
-    "llama_q6_K": (ModelSpec(arch="llama", weight_type="q6_K", n_embd=256, n_ff_exp=256, n_head=4, n_head_kv=2,
-                             head_dim=64, seed=6), 512),
+    "qwen3moe_q4_K": Case(_s(arch="qwen3moe", weight_type="q4_K", n_embd=256, n_ff_exp=256, n_head=2, n_head_kv=1,
+                             head_dim=128, seed=4)),
+    "qwen2moe_q8_0": Case(_s(arch="qwen2moe", weight_type="q8_0", head_dim=16, seed=5)),
+    "llama_q6_K": Case(_s(arch="llama", weight_type="q6_K", n_embd=256, n_ff_exp=256, n_head=4, n_head_kv=2,
+                          head_dim=64, seed=6)),
+    # llama.cpp's fixes to the first three: the Hadamard rotation of quantized KV caches (head sizes that are
+    # multiples of 64), F32 caches cast to F16 for flash attention, the float32 attention scale (head size 96),
+    # YaRN, and an expert_weights_scale key these families do not read
+    "qwen3moe_kv_q8_0_hd128": Case(_s(arch="qwen3moe", weight_type="q8_0", n_embd=128, n_head=2, n_head_kv=1,
+                                      head_dim=128, seed=31), options={"cache_type_k": "q8_0"}),
+    "qwen3moe_kv_q8_0_fa_hd64": Case(_s(arch="qwen3moe", weight_type="q8_0", head_dim=64, seed=32), options=_Q8),
+    "qwen3moe_kv_f32_fa": Case(_s(arch="qwen3moe", weight_type="f32", seed=33),
+                               options={"cache_type_k": "f32", "cache_type_v": "f32", "flash_attn": True}),
+    "qwen3moe_yarn_hd96": Case(_s(arch="qwen3moe", n_head=2, n_head_kv=1, head_dim=96, rope_scaling="yarn",
+                                  rope_factor=4.0, rope_orig_ctx=256, weights_scale=2.0, seed=10)),
+    "llama_spm_q8_0": Case(_s(arch="llama", vocab="spm", vocab_size=512, weight_type="q8_0", seed=35)),
+    "olmoe_f32": Case(_s(arch="olmoe", n_head_kv=4, head_dim=16, seed=41)),
+    "olmoe_f16": Case(_s(arch="olmoe", n_head_kv=4, head_dim=16, weight_type="f16", weights_scale=3.0, seed=42)),
+    "olmoe_q8_0": Case(_s(arch="olmoe", n_head_kv=4, head_dim=16, weight_type="q8_0", seed=43)),
+    "glm4moe_f32": Case(_s(**_GLM, nextn=1, qk_norm=True, seed=51)),
+    "glm4moe_f16": Case(_s(**_GLM, weight_type="f16", seed=52)),
+    "glm4moe_q8_0": Case(_s(**_GLM, weight_type="q8_0", tie_embeddings=True, seed=53)),
+    # pinned selection bias + a large router: the picked experts' sigmoid weights sum below 2**-14 (the clamp)
+    "glm4moe_clamp": Case(_s(**_GLM, router_scale=40.0, bias_pin=2, seed=54)),
+    "deepseek2_v3_f32": Case(_s(**_DS_V3, seed=61)),
+    "deepseek2_v2lite_f16": Case(_s(arch="deepseek2", n_layer=3, n_dense_lead=1, q_lora_rank=0, norm_weights=False,
+                                    selection_bias=False, rope_scaling="yarn", rope_factor=40.0, rope_orig_ctx=512,
+                                    yarn_log_mul=0.0707, weight_type="f16", seed=62)),
+    "deepseek2_kimi_q8_0": Case(_s(arch="deepseek2", n_layer=3, n_dense_lead=1, n_expert=12, n_used=3,
+                                   gating="sigmoid", weights_scale=2.827, n_group=1, n_group_used=1,
+                                   rope_scaling="yarn", rope_factor=32.0, rope_orig_ctx=512, yarn_log_mul=0.1,
+                                   rope_freq_base=50000.0, weight_type="q8_0", seed=63)),
+    "deepseek2_v3_q8_0_fa_kv_q8_0": Case(_s(**_DS_V3, weight_type="q8_0", seed=64), options=_Q8),
+    "gpt_oss_mxfp4": Case(_s(**_OSS, weight_type="q8_0", expert_type="mxfp4", seed=71)),
+    "gpt_oss_mxfp4_ubatch7": Case(_s(**_OSS, weight_type="q8_0", expert_type="mxfp4", seed=72), 7),
+    "gpt_oss_f32": Case(_s(**_OSS, seed=73)),
+    "gpt_oss_f16": Case(_s(**_OSS, weight_type="f16", seed=74)),
+    "gpt_oss_q8_0": Case(_s(**_OSS, weight_type="q8_0", seed=75)),
+    "gpt_oss_mxfp4_fa_kv_q8_0_hd64": Case(_s(**{**_OSS, "head_dim": 64}, weight_type="q8_0", expert_type="mxfp4",
+                                             seed=76), options=_Q8),
 }
+
+
+# the CPU features GGML's native build picks its kernels by: fixtures are exact on a machine with the same set
+SIMD_FLAGS = ("sse3", "ssse3", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "avxvnni", "amx_tile", "asimd", "sve")
+
+
+def simd_tag() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        flags = []
+    return " ".join(x for x in SIMD_FLAGS if x in flags)
 
 
 def sha256(path) -> str:
@@ -61,10 +136,13 @@ def prompt_tokens(path) -> list[int]:
         store.close()
 
 
-def reference(llama_python: str, model: str, tokens: list[int], ubatch: int, out_npy: str) -> dict:
+def reference(llama_python: str, model: str, tokens: list[int], case: Case, out_npy: str, last_npy: str) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [llama_python, os.path.join(here, "llama_reference.py"), model, "--tokens", ",".join(map(str, tokens)),
-           "--texts-json", json.dumps(TEXTS), "--out", out_npy, "--ubatch", str(ubatch)]
+           "--texts-json", json.dumps(TEXTS), "--out", out_npy, "--last-out", last_npy, "--ubatch", str(case.ubatch),
+           "--type-k", case.options.get("cache_type_k", "f16"), "--type-v", case.options.get("cache_type_v", "f16")]
+    if case.options.get("flash_attn"):
+        cmd.append("--flash-attn")
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode:
         raise SystemExit(f"llama_reference failed for {model}:\n{r.stderr[-3000:]}")
@@ -79,17 +157,18 @@ def main() -> int:
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (spec, ubatch) in CASES.items():
+        for name, case in CASES.items():
             if ns.case and name not in ns.case:
                 continue
-            path = write_model(os.path.join(tmp, f"{name}.gguf"), spec)
+            path = write_model(os.path.join(tmp, f"{name}.gguf"), case.spec)
             tokens = prompt_tokens(path)
-            npy = os.path.join(tmp, f"{name}.npy")
-            info = reference(ns.llama_python, path, tokens, ubatch, npy)
-            np.savez_compressed(os.path.join(ns.out, f"{name}.npz"), spec=json.dumps(asdict(spec)),
+            npy, last = os.path.join(tmp, f"{name}.npy"), os.path.join(tmp, f"{name}.last.npy")
+            info = reference(ns.llama_python, path, tokens, case, npy, last)
+            np.savez_compressed(os.path.join(ns.out, f"{name}.npz"), spec=json.dumps(asdict(case.spec)),
                                 sha256=sha256(path), tokens=np.asarray(tokens, np.int32), logits=np.load(npy),
-                                ubatch=ubatch, tokenized=json.dumps(info["tokenized"]),
-                                llama_cpp_python=info["llama_cpp_python"])
+                                last_logits=np.load(last), ubatch=case.ubatch, options=json.dumps(case.options),
+                                tokenized=json.dumps(info["tokenized"]), llama_cpp_python=info["llama_cpp_python"],
+                                simd=simd_tag())
             print(f"{name}: {len(tokens)} positions, {os.path.getsize(os.path.join(ns.out, name + '.npz'))} bytes")
     return 0
 

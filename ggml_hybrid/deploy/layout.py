@@ -11,7 +11,8 @@ The rules, in llama.cpp's order and with its meanings:
    puts them all on the first.
 3. ``override_tensor`` (``-ot REGEX=DEVICE,...``): the first pattern that *searches* (not
    matches) a tensor name decides its device; then ``cpu_moe`` / ``n_cpu_moe`` add
-   ``blk.N.ffn_*_exps.weight`` -> CPU (expert weights only, as llama.cpp defines them).
+   ``blk.N.ffn_*_exps.{weight,bias}`` -> CPU (the routed experts only, as llama.cpp's pattern matches
+   them: shared experts and dense layers stay where they are).
 4. ``no_kv_offload`` (``-nkvo``): every layer's KV cache and attention stay on the CPU.
 
 The routed experts of a layer are *resident* where their tensors are, *cpu* when those are on the
@@ -29,8 +30,14 @@ from dataclasses import dataclass
 from ..options import OptionError, SessionOptions, override_items, tensor_split_parts
 
 CPU = "CPU"
-_EXPERT_WEIGHT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+# the routed experts' tensors (llama.cpp's LLM_FFN_EXPS_REGEX, anchored): matrices and their biases
+_EXPERT_WEIGHT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|bias)$")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether ``name`` is a routed expert's tensor (what the expert modes place), as opposed to a dense one."""
+    return _EXPERT_WEIGHT.match(name) is not None
 
 
 def parse_overrides(text: str | None) -> list[tuple[str, re.Pattern, str]]:
@@ -57,7 +64,7 @@ class Layout:
     tensors: dict                  # tensor name -> device name (or CPU)
     layer_device: tuple[str, ...]  # where each layer's own compute runs
     kv_device: tuple[str, ...]     # where each layer's KV cache lives
-    expert_mode: tuple[str, ...]   # per layer: resident | cpu | disk
+    expert_mode: tuple[str, ...]   # per layer: resident | cpu | disk (dense: a layer without routed experts)
     output_device: str
 
     def classes(self, infos) -> dict[str, dict[str, int]]:
@@ -143,7 +150,9 @@ def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], t
     modes = []
     for i in range(n_layer):
         devs = {d for n, d in tensors.items() if _EXPERT_WEIGHT.match(n) and n.startswith(f"blk.{i}.")}
-        if devs == {CPU}:
+        if not devs:
+            modes.append("dense")  # a leading dense layer: no routed experts
+        elif devs == {CPU}:
             modes.append("cpu")
         elif opts.disk_experts:
             if len(devs) != 1:
@@ -156,4 +165,4 @@ def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], t
     return Layout(tuple(devices), tensors, tuple(layer_device), kv, tuple(modes), output_device)
 
 
-__all__ = ["CPU", "Layout", "parse_overrides", "parse_split", "plan_layout"]
+__all__ = ["CPU", "Layout", "is_expert_tensor", "parse_overrides", "parse_split", "plan_layout"]

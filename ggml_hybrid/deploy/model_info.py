@@ -1,11 +1,16 @@
-"""What a GGUF model file holds, from its header alone: architecture, experts, bytes per tensor class."""
+"""What a GGUF model file holds, from its header alone: architecture, experts, bytes per tensor class, and
+for the families ggml-hybrid runs, their layers and KV cache per token."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from typing import Any
 
+from ..errors import ModelFileError
 from ..model.gguf_store import GGUFStore
-from ..model.hparams import architecture, meta_int
+from ..model.hparams import HParams, architecture, meta_int, read_hparams
+from ..model.kv_cache import KVCache
 from ..units import format_bytes
 
 CLASSES = ("dense", "routed_experts", "shared_experts", "embeddings", "output")
@@ -38,7 +43,17 @@ def describe(path) -> dict:
             c = tensor_class(info.name)
             by_class[c] += info.nbytes
             types[c][info.dtype.name] += 1
-        is_moe = bool(n_expert) and "blk.0.ffn_gate_inp.weight" in store
+        # the layers the graph runs: next-token-prediction layers (after them) are skipped
+        trunk = meta("block_count", 0) - meta("nextn_predict_layers", 0)
+        def layer(name: str) -> int:
+            m = re.match(r"blk\.(\d+)\.", name)
+            return int(m.group(1)) if m else -1
+
+        routers = sorted(layer(t.name) for t in store.tensors()
+                         if re.fullmatch(r"blk\.\d+\.ffn_gate_inp\.weight", t.name) and layer(t.name) < trunk)
+        routed = sum(t.nbytes for t in store.tensors()
+                     if tensor_class(t.name) == "routed_experts" and 0 <= layer(t.name) < trunk)
+        is_moe = bool(n_expert) and bool(routers)
         out = {
             "path": store.path, "architecture": arch, "name": str(store.meta("general.name", "")),
             "moe": is_moe, "n_layer": meta("block_count", 0), "n_embd": meta("embedding_length", 0),
@@ -49,18 +64,50 @@ def describe(path) -> dict:
             "types": {c: dict(sorted(t.items())) for c, t in types.items() if t},
         }
         if is_moe:
-            down = store.info("blk.0.ffn_down_exps.weight") if "blk.0.ffn_down_exps.weight" in store else None
-            n_layer = max(1, out["n_layer"])
+            down_name = f"blk.{routers[0]}.ffn_down_exps.weight"
+            down = store.info(down_name) if down_name in store else None
+            ff = down.shape[2] if down is not None and len(down.shape) == 3 else meta("expert_feed_forward_length", 0)
+            n_moe = len(routers)  # layers with routed experts (leading dense layers and MTP layers aside)
             out["experts"] = {
                 "count": n_expert, "used": meta("expert_used_count", 0),
-                "shared_ff": meta("expert_shared_feed_forward_length", 0),
-                "ff": meta("expert_feed_forward_length", down.shape[2] if down else 0),
-                "bytes_per_expert": by_class["routed_experts"] // (n_layer * n_expert),
-                "bytes_per_layer": by_class["routed_experts"] // n_layer,
+                "shared_ff": meta("expert_shared_feed_forward_length", 0) or meta("expert_shared_count", 0) * ff,
+                "ff": ff, "moe_layers": n_moe,
+                "bytes_per_expert": routed // (n_moe * n_expert), "bytes_per_layer": routed // n_moe,
             }
+            out["family"] = _family(store)
         return out
     finally:
         store.close()
+
+
+def kv_bytes_per_token(hp: HParams, type_k: str = "f16", type_v: str = "f16") -> int:
+    """KV cache bytes per token over all layers (latent attention: the compressed KV only)."""
+    return hp.n_layer * KVCache.layer_bytes(1, hp.kv_k, type_k, type_v, hp.kv_v)
+
+
+def _family(store: GGUFStore) -> dict[str, Any]:
+    """What ggml-hybrid reads from a family it runs; or why it does not run the file."""
+    try:
+        hp = read_hparams(store)
+    except ModelFileError as exc:
+        return {"supported": False, "reason": str(exc)}
+    r = hp.routing
+    fam: dict[str, Any] = {
+        "supported": True, "layers": hp.n_layer, "dense_layers": hp.n_dense_lead,
+        "nextn_layers": (hp.n_layer_all or hp.n_layer) - hp.n_layer,
+        "attention": "latent (MLA)" if hp.mla is not None else "grouped-query",
+        "head_dim": hp.head_dim, "n_rot": hp.rope.n_rot, "rope_scaling": hp.rope.scaling,
+        "gating": r.gating, "norm_weights": r.norm_weights, "weights_scale": r.weights_scale,
+        "groups": [r.n_group, r.n_group_used] if r.n_group > 1 else None,
+        "kv_bytes_per_token": {t: kv_bytes_per_token(hp, t, t) for t in ("f16", "q8_0")},
+    }
+    if hp.mla is not None:
+        fam["kv_lora_rank"], fam["qk_rope"] = hp.mla.kv_lora_rank, hp.mla.qk_rope
+    if hp.swa is not None:
+        # llama.cpp's own tools keep only window + ubatch cells for these layers; ggml-hybrid, like
+        # llama-cpp-python, keeps full-size caches (see docs/models.md)
+        fam["sliding_window"] = {"n_swa": hp.swa.n_swa, "layers": sum(hp.swa.layers)}
+    return fam
 
 
 def format_text(d: dict) -> str:
@@ -73,6 +120,27 @@ def format_text(d: dict) -> str:
                      + (f", shared expert ff {e['shared_ff']}" if e["shared_ff"] else "")
                      + f"; {format_bytes(e['bytes_per_expert'])} per expert, "
                        f"{format_bytes(e['bytes_per_layer'])} per layer")
+        f = d["family"]
+        if not f["supported"]:
+            lines.append(f"  not run by ggml-hybrid: {f['reason']}")
+        else:
+            layers = f"{f['layers']} layers" + (f", {f['dense_layers']} dense" if f["dense_layers"] else "") + (
+                f", {f['nextn_layers']} next-token-prediction (not run)" if f["nextn_layers"] else "")
+            rope = f"rope {f['n_rot']} of {f['head_dim']} dims" + (
+                f", {f['rope_scaling']} scaling" if f["rope_scaling"] not in ("none", "linear") else "")
+            routing = f"{f['gating']} gating" + (", normalised" if f["norm_weights"] else "") + (
+                f", scale {f['weights_scale']:g}" if f["weights_scale"] not in (0, 1) else "") + (
+                f", groups {f['groups'][1]} of {f['groups'][0]}" if f["groups"] else "")
+            lines.append(f"  {layers}; {f['attention']} attention, {rope}; {routing}")
+            kv = f["kv_bytes_per_token"]
+            text = f"  KV cache per token: {format_bytes(kv['f16'])} (F16), {format_bytes(kv['q8_0'])} (Q8_0)"
+            if "kv_lora_rank" in f:
+                text += f": compressed, {f['kv_lora_rank']} + {f['qk_rope']} values per layer"
+            if "sliding_window" in f:
+                sw = f["sliding_window"]
+                text += (f"; {sw['layers']} of {f['layers']} layers attend to a sliding window of {sw['n_swa']} "
+                         "(their caches are full-size here, as in llama-cpp-python)")
+            lines.append(text)
     else:
         lines.append("  not a MoE model (no routed experts)")
     lines.append(f"  {d['tensors']} tensors, {format_bytes(d['total_bytes'])}:")
@@ -83,4 +151,4 @@ def format_text(d: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CLASSES", "describe", "format_text", "tensor_class"]
+__all__ = ["CLASSES", "describe", "format_text", "kv_bytes_per_token", "tensor_class"]

@@ -82,7 +82,8 @@ def _plan_moe(path, info: dict, opts: SessionOptions, vram, ram, parallel: int) 
                  "compute": meas["host_compute"], "resident_total": host_resident, "ram": ram,
                  "fits": None if ram is None else host_resident <= ram},
         "kv": {"n_ctx": n_ctx, "type_k": opts.cache_type_k, "type_v": opts.cache_type_v,
-               "per_sequence": kv_seq, "parallel": parallel, "total": kv_seq * parallel},
+               "per_sequence": kv_seq, "per_token": kv_seq // n_ctx, "parallel": parallel,
+               "total": kv_seq * parallel},
         "layout": {k: meas["layout"][k] for k in ("layers", "kv", "experts", "output")},
         "experts": {"count": hp.n_expert, "used": hp.n_used,
                     "bytes_per_expert": info["experts"]["bytes_per_expert"],
@@ -183,7 +184,8 @@ def _recommend(p: dict, opts: SessionOptions, hp, devices: list[str]) -> list[di
 
     def cpu_layers(q, o):
         n = int(o["n_cpu_moe"])
-        return (f"the routed experts of the first {n} layers ({format_bytes(n * p['experts']['bytes_per_layer'])}) "
+        moe = sum(1 for x in p["layout"]["experts"][:n] if x != "dense")  # leading dense layers have no experts
+        return (f"the routed experts of the first {n} layers ({format_bytes(moe * p['experts']['bytes_per_layer'])}) "
                 f"stay in host memory (memory-mapped) and run on the CPU, as llama.cpp's --n-cpu-moe {n}." + nkvo)
 
     if all(free[d] > 0 for d in devs):
@@ -206,10 +208,10 @@ def _recommend(p: dict, opts: SessionOptions, hp, devices: list[str]) -> list[di
 
 def _fits_with_cpu_layers(p: dict, n: int, base: dict) -> bool:
     """Whether every device fits once the experts of the first ``n`` layers are on the CPU."""
-    layers = p["layout"]["layers"]
+    layers, modes = p["layout"]["layers"], p["layout"]["experts"]
     per_layer = p["experts"]["bytes_per_layer"]
     for d, v in p["devices"].items():
-        kept = sum(1 for i, x in enumerate(layers) if x == d and i >= n) * per_layer
+        kept = sum(1 for i, x in enumerate(layers) if x == d and i >= n and modes[i] != "dense") * per_layer
         if base[d] + kept > v["vram"]:
             return False
     return True

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._native import CData, ffi, lib
 from ..checks import ErrorClass, check_choice, check_int, check_real
-from ..errors import DTypeError, ShapeError
-from .dtypes import GGMLType
+from ..errors import ArgumentError, DTypeError, ShapeError
+from .dtypes import GGMLType, GGMLTypeLike, as_ggml_type
 from .tensor import Tensor, ne_of
 
 F32, F16, BF16, I32 = GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32
@@ -49,6 +49,13 @@ def _finite(op: str, name: str, value: float) -> float:
     return check_real(value, f"{op}: {name}")
 
 
+def _not_nan(op: str, name: str, value: float) -> float:
+    """A real that may be infinite (a clamp bound, a fill value), but not NaN."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ArgumentError(f"{op}: {name} must be a number (+-inf allowed, NaN not), got {value!r}")
+    return float(value)
+
+
 def _int(op: str, name: str, value: int, lo: int | None = None, hi: int | None = None) -> int:
     return check_int(value, f"{op}: {name}", lo, hi)
 
@@ -67,6 +74,13 @@ def _padded_1d(t: Tensor) -> bool:
 def _can_repeat(b: Tensor, a: Tensor) -> bool:
     """GGML broadcasting: every dim of b divides the same dim of a."""
     return all(bn > 0 and an % bn == 0 for an, bn in zip(a.ne, b.ne)) if b.nelements else a.nelements == 0
+
+
+def _check_sinks(op: str, sinks: Tensor, scores: Tensor) -> None:
+    """One F32 sink logit per head: ``sinks`` [H] against scores (or queries) [H, T, n]."""
+    _types(op, sinks, {F32}, "sinks")
+    _need(sinks.ndim == 1 and sinks.ne[0] == scores.ne[2], op, "sinks must hold one value per head", sinks, scores)
+    _need(sinks.is_contiguous, op, "sinks must be contiguous", sinks)
 
 
 class OpsMixin:
@@ -105,6 +119,28 @@ class OpsMixin:
         out = self.mul_mat(a, b)
         lib.ggml_mul_mat_set_prec(out.ptr, lib.GGML_PREC_F32)
         return out
+
+    def mul_mat_hadamard(self, rot: Tensor, x: Tensor) -> Tensor:
+        """``x`` rotated by the Walsh-Hadamard matrix ``rot`` [n, n], per run of n values (llama.cpp's
+        ``llama_mul_mat_hadamard``): x is viewed as rows of n, multiplied, and given its shape back.
+
+        The product carries GGML's hint that ``rot`` is a Hadamard matrix, so the CPU computes it as a
+        fast Walsh-Hadamard transform (and never reads ``rot``), exactly as llama.cpp's graph does.
+        """
+        op = "mul_mat_hadamard"
+        self._own(op, rot, x)
+        _types(op, rot, {F32}, "rot")
+        _types(op, x, {F32, F16}, "x")
+        n = rot.ne[0]
+        _need(rot.shape == (n, n) and n >= 2 and n & (n - 1) == 0, op, "rot must be square, of a power-of-two size",
+              rot)
+        _need(x.nelements % n == 0 and x.ne[0] % n == 0, op, f"x's rows must be whole runs of {n}", rot, x)
+        _need(x.is_contiguous, op, "x must be contiguous (use cont() first)", x)
+        self._reserve(op, 3)
+        flat = self.reshape(x, (x.nelements // n, n))
+        out = self._node(lib.ggml_mul_mat(self.ptr, rot.ptr, flat.ptr))
+        lib.ggml_mul_mat_set_hint(out.ptr, lib.GGML_HINT_SRC0_IS_HADAMARD)
+        return self.reshape(out, x.shape)
 
     def mul_mat_id(self, experts: Tensor, b: Tensor, ids: Tensor) -> Tensor:
         """Per-token expert matmul: experts [E, n, k], b [T, u, k], ids [T, used] -> [T, used, n]."""
@@ -149,6 +185,24 @@ class OpsMixin:
     def add(self, a: Tensor, b: Tensor) -> Tensor:
         return self._binary("add", lib.ggml_add, a, b)
 
+    def add_id(self, a: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+        """``a[t, j] + b[ids[t, j]]``: a row of b chosen per (token, slot), e.g. each selected expert's bias.
+
+        a [T, k, n] F32, b [n_rows, n] F32, ids [T, k] I32 -> [T, k, n].
+        """
+        op = "add_id"
+        self._own(op, a, b, ids)
+        for t, role in ((a, "a"), (b, "b")):
+            _types(op, t, {F32}, role)  # the CPU kernel has no other case
+        _types(op, ids, {I32}, "ids")
+        _need(a.ne[0] == b.ne[0], op, "a's rows and b's rows must have the same length", a, b)
+        _need(a.ne[1] == ids.ne[0] and a.ne[2] == ids.ne[1] and a.ne[3] == 1 and ids.ne[2] == ids.ne[3] == 1, op,
+              "ids must be [T, k] for a [T, k, n]", a, ids)
+        _need(b.ne[2] == b.ne[3] == 1, op, "b must be 2-D [n_rows, n]", b)
+        _rows_contiguous(op, a, b)
+        self._bound_indices(op, ids, b.ne[1])
+        return self._node(lib.ggml_add_id(self.ptr, a.ptr, b.ptr, ids.ptr))
+
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return self._binary("mul", lib.ggml_mul, a, b)
 
@@ -160,6 +214,23 @@ class OpsMixin:
         _types("scale", a, {F32})  # the CPU kernel has no F16 case
         _need(_padded_1d(a), "scale", "a must be contiguous in its rows and outer dims (use cont() first)", a)
         return self._node(lib.ggml_scale(self.ptr, a.ptr, _finite("scale", "s", s)))
+
+    def clamp(self, a: Tensor, lo: float, hi: float) -> Tensor:
+        """``min(max(a, lo), hi)``; the bounds may be infinite."""
+        op = "clamp"
+        self._own(op, a)
+        _types(op, a, {F32, F16})
+        _rows_contiguous(op, a)
+        lo, hi = _not_nan(op, "lo", lo), _not_nan(op, "hi", hi)
+        return self._node(lib.ggml_clamp(self.ptr, a.ptr, lo, hi))
+
+    def fill(self, a: Tensor, value: float) -> Tensor:
+        """A new tensor shaped like ``a`` with every element ``value`` (a's data is not read)."""
+        op = "fill"
+        self._own(op, a)
+        _types(op, a, {F32, F16})
+        _need(a.is_contiguous, op, "a must be contiguous", a)
+        return self._node(lib.ggml_fill(self.ptr, a.ptr, _not_nan(op, "value", value)))
 
     def _unary(self, op: str, fn: Callable[[CData, CData], CData], a: Tensor) -> Tensor:
         self._own(op, a)
@@ -199,6 +270,18 @@ class OpsMixin:
     def geglu(self, a: Tensor, b: Tensor | None = None) -> Tensor:
         return self.glu(a, b, "geglu")
 
+    def swiglu_oai(self, gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+        """gpt-oss's clamped SwiGLU: ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``,
+        ``g * sigmoid(alpha * g) * (u + 1)``."""
+        op = "swiglu_oai"
+        self._own(op, gate, up)
+        for t, role in ((gate, "gate"), (up, "up")):
+            _types(op, t, {F32}, role)  # the CPU kernel has no F16 case
+            _need(bool(lib.ggml_is_contiguous_1(t.ptr)), op, f"{role} must have contiguous rows", t)
+        _need(gate.ne == up.ne, op, "gate and up must have the same shape", gate, up)
+        return self._node(lib.ggml_swiglu_oai(self.ptr, gate.ptr, up.ptr, _finite(op, "alpha", alpha),
+                                              _finite(op, "limit", limit)))
+
     # -- normalisation, softmax, rope, attention ------------------------------
 
     def rms_norm(self, a: Tensor, eps: float = 1e-6) -> Tensor:
@@ -208,10 +291,17 @@ class OpsMixin:
         eps = check_real(eps, "rms_norm: eps", 0.0)
         return self._node(lib.ggml_rms_norm(self.ptr, a.ptr, eps))
 
-    def soft_max(self, a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0) -> Tensor:
-        """softmax(a * scale + mask) over the innermost dim."""
+    def soft_max(self, a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0,
+                 sinks: Tensor | None = None) -> Tensor:
+        """softmax(a * scale + mask) over the innermost dim.
+
+        ``sinks`` [H] (attention sinks, a [H, T, n]): head h's logit ``sinks[h]`` joins every row of that
+        head's softmax as an extra entry that takes probability but has no value.
+        """
         op = "soft_max_ext"
-        self._own(op, a, *([mask] if mask is not None else []))
+        self._own(op, a, *(t for t in (mask, sinks) if t is not None))
+        if sinks is not None:
+            _check_sinks(op, sinks, a)
         _types(op, a, {F32})
         _need(a.is_contiguous, op, "a must be contiguous", a)
         if mask is not None:
@@ -223,8 +313,11 @@ class OpsMixin:
                   "mask's outer dims must divide a's", a, mask)
         mb = _finite(op, "max_bias", max_bias)
         _need(mb == 0 or mask is not None, op, "max_bias (ALiBi) needs a mask", a)
-        return self._node(lib.ggml_soft_max_ext(self.ptr, a.ptr, mask.ptr if mask is not None else ffi.NULL,
-                                                _finite(op, "scale", scale), mb))
+        out = self._node(lib.ggml_soft_max_ext(self.ptr, a.ptr, mask.ptr if mask is not None else ffi.NULL,
+                                               _finite(op, "scale", scale), mb))
+        if sinks is not None:
+            lib.ggml_soft_max_add_sinks(out.ptr, sinks.ptr)
+        return out
 
     soft_max_ext = soft_max
 
@@ -256,10 +349,13 @@ class OpsMixin:
     rope_ext = rope
 
     def flash_attn(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0,
-                   max_bias: float = 0.0, logit_softcap: float = 0.0) -> Tensor:
-        """Fused attention. q [H, T, d], k/v [Hkv, S, d]; mask [T_pad, S] F16. Result [T, H, d_v]."""
+                   max_bias: float = 0.0, logit_softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+        """Fused attention. q [H, T, d], k/v [Hkv, S, d]; mask [T_pad, S] F16; sinks [H] as in
+        :meth:`soft_max`. Result [T, H, d_v]."""
         op = "flash_attn_ext"
-        self._own(op, q, k, v, *([mask] if mask is not None else []))
+        self._own(op, q, k, v, *(t for t in (mask, sinks) if t is not None))
+        if sinks is not None:
+            _check_sinks(op, sinks, q)
         _types(op, q, {F32}, "q")
         for t, role in ((k, "k"), (v, "v")):
             _types(op, t, {F16, F32, GGMLType.Q8_0, GGMLType.Q4_0}, role)
@@ -274,9 +370,12 @@ class OpsMixin:
                   "mask must be [>= query tokens, kv length]", q, k, mask)
             _need(q.ne[2] % mask.ne[2] == 0 and q.ne[3] % mask.ne[3] == 0, op, "mask's outer dims must divide q's",
                   q, mask)
-        return self._node(lib.ggml_flash_attn_ext(
+        out = self._node(lib.ggml_flash_attn_ext(
             self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else ffi.NULL, _finite(op, "scale", scale),
             _finite(op, "max_bias", max_bias), _finite(op, "logit_softcap", logit_softcap)))
+        if sinks is not None:
+            lib.ggml_flash_attn_ext_add_sinks(out.ptr, sinks.ptr)
+        return out
 
     flash_attn_ext = flash_attn
 
@@ -391,6 +490,16 @@ class OpsMixin:
         else:
             _types(op, b, FLOATS | ({I32} if a.dtype == I32 else set()), "b")
         return self._node(lib.ggml_cpy(self.ptr, a.ptr, b.ptr))
+
+    def cast(self, a: Tensor, dtype: GGMLTypeLike) -> Tensor:
+        """A contiguous copy of ``a`` (which may be a strided view) converted to ``dtype`` (float types)."""
+        op = "cast"
+        self._own(op, a)
+        t = as_ggml_type(dtype)
+        _types(op, a, FLOATS, "a")
+        if t not in FLOATS:
+            raise DTypeError(f"cast: to {t.name} is not supported; a float type (F32, F16, BF16) is")
+        return self._node(lib.ggml_cast(self.ptr, a.ptr, int(t)))
 
     def set_rows(self, a: Tensor, b: Tensor, rows: Tensor) -> Tensor:
         """Write row i of b into row rows[i] of a (converting to a's type); returns a view of a to expand.

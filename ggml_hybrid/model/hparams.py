@@ -2,82 +2,128 @@
 
 Everything a graph needs is read and checked here, before any memory is
 allocated, so that a file llama.cpp would refuse is refused with a message
-naming the key or tensor, what was found and what was expected.
+naming the key or tensor, what was found and what was expected. The keys every
+architecture shares are read here (llama.cpp's ``llama_model_base::load_hparams``);
+each family (:mod:`ggml_hybrid.model.families`) reads its own and lists its tensors.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..errors import ModelFileError, NotMoEError
 from ..ggml.dtypes import GGMLType
 from .gguf_store import GGUFStore
+from .rope import Rope
+
+MAX_LAYERS = 512   # LLAMA_MAX_LAYERS
+MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
+GATINGS = {1: "softmax", 2: "sigmoid"}  # expert_gating_func values the families here use
 
 
 @dataclass(frozen=True)
-class ArchSpec:
-    """What distinguishes one supported ``general.architecture`` from another (as llama.cpp builds it)."""
+class Routing:
+    """How a MoE layer picks its experts and weighs them (llama.cpp's ``build_moe_ffn`` arguments)."""
 
-    rope_mode: str             # "neox" or "normal"
-    qk_norm: bool              # per-head RMS norm of q and k
-    qkv_bias: bool             # biases on the q/k/v projections
-    shared_expert: bool        # a shared expert with a sigmoid gate next to the routed ones
-    norm_expert_weights: bool  # the top-k routing weights are renormalised to sum to 1
+    gating: str = "softmax"     # softmax | sigmoid over all experts, or softmax_weight (over the k picked logits)
+    norm_weights: bool = True   # renormalise the k weights to sum to 1 (the sum clamped at 2**-14 first)
+    weights_scale: float = 0.0  # routed scaling factor; llama.cpp applies it only when it is not 0 or 1
+    n_group: int = 0            # grouped routing: experts in n_group groups ...
+    n_group_used: int = 0       # ... of which the best n_group_used (by their top-2 score sum) stay eligible
+    glu: str = "swiglu"         # the experts' gated unit: swiglu, or gpt-oss's clamped swiglu_oai
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "qwen3moe": ArchSpec(rope_mode="neox", qk_norm=True, qkv_bias=False, shared_expert=False,
-                         norm_expert_weights=True),
-    "qwen2moe": ArchSpec(rope_mode="neox", qk_norm=False, qkv_bias=True, shared_expert=True,
-                         norm_expert_weights=False),
-    "llama": ArchSpec(rope_mode="normal", qk_norm=False, qkv_bias=False, shared_expert=False,
-                      norm_expert_weights=True),
-}
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention (deepseek2), in the absorbed form llama.cpp runs."""
+
+    q_lora_rank: int   # 0: queries straight from attn_q
+    kv_lora_rank: int  # the compressed KV (the cache holds it plus the shared rope key)
+    qk_nope: int       # per-head query/key dims without rope
+    qk_rope: int       # per-head rope dims (= rope.n_rot)
+    v_head: int        # per-head value dims after decompression
+
+
+@dataclass(frozen=True)
+class SWA:
+    """Sliding-window attention on some layers (gpt-oss): they see the last ``n_swa`` positions only."""
+
+    n_swa: int
+    layers: tuple[bool, ...]  # per layer: sliding window or full attention
+    freq_base: float          # the rope of the window layers
+    freq_scale: float
 
 
 @dataclass(frozen=True)
 class HParams:
     arch: str
-    n_layer: int
+    n_layer: int               # layers the graph runs (block_count minus next-token-prediction layers)
     n_embd: int
     n_head: int
     n_head_kv: int
-    head_dim: int
-    n_rot: int
+    head_dim: int              # per-head size of the queries and keys the attention multiplies
+    head_dim_v: int            # per-head size of the values
     n_vocab: int
     n_ctx_train: int
     n_expert: int
     n_used: int
-    n_ff_exp: int
-    n_ff_shexp: int
-    rope_mode: str
-    rope_freq_base: float
-    rope_freq_scale: float
+    n_ff_exp: int              # routed expert width
     rms_eps: float
-    qk_norm: bool
-    qkv_bias: bool
-    shared_expert: bool
-    norm_expert_weights: bool
-    expert_weights_scale: float
+    rope: Rope
+    routing: Routing
+    kq_scale: float            # the attention scale, as llama.cpp computes it (float32)
     tied_output: bool
+    n_layer_all: int = 0       # block_count (0: same as n_layer)
+    n_ff: int = 0              # width of the dense FFN of the leading dense layers
+    n_dense_lead: int = 0      # leading layers with a dense FFN instead of experts
+    n_ff_shexp: int = 0        # shared expert width (0: none)
+    shared_gate: bool = False  # the shared expert is scaled by sigmoid(ffn_gate_inp_shexp . x) (qwen2moe)
+    qk_norm: str = "none"      # none | head (per-head RMS norm) | full (over all heads, before the reshape)
+    attn_biases: tuple[str, ...] = ()  # projections with a bias: q, k, v, o
+    ffn_norm: str = "ffn_norm"  # the pre-FFN norm's tensor (glm4moe and gpt-oss: post_attention_norm)
+    mla: MLA | None = None
+    swa: SWA | None = None
+    sinks: bool = False        # attention sinks (gpt-oss)
+    expert_biases: bool = False   # router and per-expert biases (gpt-oss)
+    selection_bias: bool = False  # exp_probs_b: a per-expert bias added for choosing experts only
+    fused_gate_up: bool = False   # the experts' gate and up in one ffn_gate_up_exps tensor
+    out_rows_late: bool = False  # output rows are picked after the last layer (gpt-oss), not inside it
+    f32_acc: bool = False      # the attention output and dense FFN projections ask for F32 accumulation (GLM)
 
     @property
     def n_embd_q(self) -> int:
         return self.n_head * self.head_dim
 
     @property
-    def n_embd_kv(self) -> int:
+    def kv_k(self) -> int:
+        """K cache row width per layer: every KV head's key (MLA: the compressed KV and the rope key)."""
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope
         return self.n_head_kv * self.head_dim
 
+    @property
+    def kv_v(self) -> int:
+        """V cache row width per layer (0 for MLA: the values are read from the K cache)."""
+        return 0 if self.mla is not None else self.n_head_kv * self.head_dim_v
 
-def meta_int(store: GGUFStore, key: str, default=None, lo: int = 1, per_layer: str = "uniform") -> int:
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.n_dense_lead, self.n_layer))
+
+
+def meta_int(store: GGUFStore, key: str, default=None, lo: int = 1, per_layer: str = "uniform",
+             n: int | None = None) -> int:
     """Integer metadata ``key`` (``default`` when absent; absent without default is an error), >= ``lo``.
 
-    Per-layer arrays are read as one value: ``per_layer="uniform"`` requires every layer to agree
-    (what the graphs support), ``"max"`` takes the largest (for reports).
+    Per-layer arrays (``n`` entries when given, llama.cpp's rule) are read as one value:
+    ``per_layer="uniform"`` requires every layer to agree (what the graphs support), ``"max"``
+    takes the largest (for reports).
     """
     v = store.meta(key, default)
     if isinstance(v, list):
+        if n is not None and len(v) != n:
+            raise ModelFileError(f"{store.path!r}: {key} has {len(v)} entries, expected one per layer ({n})")
         if not v or (per_layer == "uniform" and any(x != v[0] for x in v)):
             raise ModelFileError(f"{store.path!r}: {key} = {v!r}: per-layer values that differ are not supported")
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
@@ -88,12 +134,25 @@ def meta_int(store: GGUFStore, key: str, default=None, lo: int = 1, per_layer: s
     return v
 
 
-def meta_float(store: GGUFStore, key: str, default: float, lo: float, hi: float) -> float:
-    """Real metadata ``key`` in ``[lo, hi]`` (``default`` when absent)."""
+def meta_float(store: GGUFStore, key: str, default: float | None, lo: float, hi: float) -> float:
+    """Real metadata ``key`` in ``[lo, hi]`` (``default`` when absent; absent without default is an error)."""
     v = store.meta(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be a number in [{lo}, {hi}]")
     return float(v)
+
+
+def meta_bool(store: GGUFStore, key: str, default: bool) -> bool:
+    """Boolean metadata ``key``: GGUF BOOL only, as llama.cpp's typed reader requires."""
+    v = store.meta(key, default)
+    if not isinstance(v, bool):
+        raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be a boolean")
+    return v
+
+
+def refuse(store: GGUFStore, arch: str, key: str, what: str) -> ModelFileError:
+    """The error for a file that uses a feature the family here does not implement."""
+    return ModelFileError(f"{store.path!r}: {arch}: {key}: {what} is not supported")
 
 
 @dataclass(frozen=True)
@@ -139,113 +198,135 @@ def read_stack_hparams(store: GGUFStore) -> StackHParams:
     return StackHParams(arch, n_layer, n_embd, n_expert, n_used, eps)
 
 
-def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
-    arch = architecture(store)
-    if arch not in ARCHITECTURES:
-        raise ModelFileError(f"{store.path!r}: architecture {arch!r} is not supported; supported: "
-                             f"{', '.join(sorted(ARCHITECTURES))}")
-    spec = ARCHITECTURES[arch]
-    n_layer = meta_int(store, f"{arch}.block_count")
-    n_embd = meta_int(store, f"{arch}.embedding_length")
-    n_head = meta_int(store, f"{arch}.attention.head_count")
-    n_head_kv = meta_int(store, f"{arch}.attention.head_count_kv", n_head)
+@dataclass(frozen=True)
+class Common:
+    """The keys llama.cpp reads for every architecture (``llama_model_base::load_hparams``)."""
+
+    arch: str
+    n_layer_all: int
+    n_layer: int        # n_layer_all - nextn_predict_layers
+    n_embd: int
+    n_ctx_train: int
+    n_head: int
+    n_head_kv: int
+    key_length: int
+    value_length: int
+    n_rot: int
+    n_expert: int
+    n_used: int
+    n_group: int
+    n_group_used: int
+    n_ff: int           # feed_forward_length (0 when absent)
+    n_vocab: int
+    tied_output: bool
+
+
+def read_common(store: GGUFStore, arch: str, require_moe: bool = True) -> Common:
+    def key(k: str) -> str:
+        return f"{arch}.{k}"
+
+    n_layer_all = meta_int(store, key("block_count"))
+    if n_layer_all > MAX_LAYERS:
+        raise ModelFileError(f"{store.path!r}: {key('block_count')} = {n_layer_all} exceeds llama.cpp's {MAX_LAYERS}")
+    nextn = meta_int(store, key("nextn_predict_layers"), 0, lo=0)
+    if nextn >= n_layer_all:
+        raise ModelFileError(f"{store.path!r}: {key('nextn_predict_layers')} = {nextn} leaves no layer of the "
+                             f"{n_layer_all} of {key('block_count')} (a file of next-token-prediction layers only)")
+    n = n_layer_all
+    n_embd = meta_int(store, key("embedding_length"))
+    n_head = meta_int(store, key("attention.head_count"), n=n)
+    n_head_kv = meta_int(store, key("attention.head_count_kv"), n_head, n=n)
     if n_head % n_head_kv:
         raise ModelFileError(f"{store.path!r}: {n_head} attention heads are not a multiple of {n_head_kv} KV heads")
-    head_dim = meta_int(store, f"{arch}.attention.key_length", n_embd // n_head)
-    if meta_int(store, f"{arch}.attention.value_length", head_dim) != head_dim:
-        raise ModelFileError(f"{store.path!r}: key and value head sizes differ, which is not supported")
-    n_rot = meta_int(store, f"{arch}.rope.dimension_count", head_dim)
-    if n_rot != head_dim:
-        raise ModelFileError(f"{store.path!r}: partial rotary embedding ({n_rot} of {head_dim}) is not supported")
-    scaling = store.meta(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", ""):
-        raise ModelFileError(f"{store.path!r}: rope scaling {scaling!r} is not supported")
+    key_length = meta_int(store, key("attention.key_length"), n_embd // n_head)
+    value_length = meta_int(store, key("attention.value_length"), n_embd // n_head)
     if "token_embd.weight" not in store:
         raise ModelFileError(f"{store.path!r} has no tensor 'token_embd.weight'")
-    n_vocab = store.info("token_embd.weight").shape[0]
-    n_expert = meta_int(store, f"{arch}.expert_count", 0, lo=0)
-    has_router = "blk.0.ffn_gate_inp.weight" in store
+    n_expert = meta_int(store, key("expert_count"), 0, lo=0)
+    has_router = any(re.fullmatch(r"blk\.\d+\.ffn_gate_inp\.weight", t.name) for t in store.tensors())
     if n_expert == 0 or not has_router:
         if require_moe:
             raise NotMoEError(f"{store.path!r} is a dense {arch} model ({arch}.expert_count = {n_expert}, "
                               f"router tensor {'present' if has_router else 'absent'}); a MoE model is required")
         raise ModelFileError(f"{store.path!r}: dense models are not supported yet")
-    n_used = meta_int(store, f"{arch}.expert_used_count")
+    if n_expert > MAX_EXPERTS:
+        raise ModelFileError(f"{store.path!r}: {key('expert_count')} = {n_expert} exceeds llama.cpp's {MAX_EXPERTS}")
+    n_used = meta_int(store, key("expert_used_count"), n=n)
     if n_used > n_expert:
-        raise ModelFileError(f"{store.path!r}: {arch}.expert_used_count = {n_used} exceeds {arch}.expert_count = "
+        raise ModelFileError(f"{store.path!r}: {key('expert_used_count')} = {n_used} exceeds {key('expert_count')} = "
                              f"{n_expert} (experts used per token must exist)")
-    if arch == "llama":  # Mixtral-style files size the experts by feed_forward_length
-        n_ff_exp = meta_int(store, f"{arch}.feed_forward_length")
-    else:
-        ff_default = meta_int(store, f"{arch}.feed_forward_length", 1) // n_used if store.has(
-            f"{arch}.feed_forward_length") else None
-        n_ff_exp = meta_int(store, f"{arch}.expert_feed_forward_length", ff_default)
-    if arch == "qwen2moe" and n_head * head_dim != n_embd:
-        raise ModelFileError(f"{store.path!r}: qwen2moe needs head_count*key_length = embedding_length, got "
-                             f"{n_head}*{head_dim} != {n_embd}")
-    n_ff_shexp = meta_int(store, f"{arch}.expert_shared_feed_forward_length", n_ff_exp) if spec.shared_expert else 0
-    hp = HParams(
-        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
-        n_rot=n_rot, n_vocab=n_vocab, n_ctx_train=meta_int(store, f"{arch}.context_length", 4096),
-        n_expert=n_expert, n_used=n_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp, rope_mode=spec.rope_mode,
-        rope_freq_base=meta_float(store, f"{arch}.rope.freq_base", 10000.0, 1e-3, 1e12),
-        rope_freq_scale=1.0 / meta_float(store, f"{arch}.rope.scaling.factor", 1.0, 1e-6, 1e6),
-        rms_eps=meta_float(store, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, 0.0, 0.5),
-        qk_norm=spec.qk_norm, qkv_bias=spec.qkv_bias, shared_expert=spec.shared_expert,
-        norm_expert_weights=spec.norm_expert_weights,
-        expert_weights_scale=meta_float(store, f"{arch}.expert_weights_scale", 1.0, 0.0, 1e6) or 1.0,
-        tied_output="output.weight" not in store)
-    check_tensors(store, hp)
+    n_group = meta_int(store, key("expert_group_count"), 0, lo=0)
+    n_group_used = meta_int(store, key("expert_group_used_count"), 0, lo=0)
+    if n_group >= n_expert:
+        raise ModelFileError(f"{store.path!r}: {key('expert_group_count')} = {n_group} must be below "
+                             f"{key('expert_count')} = {n_expert}")
+    if n_group > 1 and (n_expert % n_group or not 0 < n_group_used < n_group):
+        raise ModelFileError(f"{store.path!r}: {key('expert_group_count')} = {n_group} must divide {n_expert} experts "
+                             f"and {key('expert_group_used_count')} = {n_group_used} must be in 1..{n_group - 1}")
+    return Common(
+        arch=arch, n_layer_all=n_layer_all, n_layer=n_layer_all - nextn, n_embd=n_embd,
+        n_ctx_train=meta_int(store, key("context_length")), n_head=n_head, n_head_kv=n_head_kv,
+        key_length=key_length, value_length=value_length,
+        n_rot=meta_int(store, key("rope.dimension_count"), key_length), n_expert=n_expert, n_used=n_used,
+        n_group=n_group, n_group_used=n_group_used, n_ff=meta_int(store, key("feed_forward_length"), 0, lo=0, n=n),
+        n_vocab=store.info("token_embd.weight").shape[0], tied_output="output.weight" not in store)
+
+
+def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
+    from .families import family_of
+
+    fam = family_of(store, architecture(store))
+    hp = fam.read(store, read_common(store, fam.arch, require_moe))
+    check_tensors(store, hp, fam.tensors(hp))
     return hp
 
 
 def tensor_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     """Every tensor the architecture needs, with its numpy-order shape."""
-    E, V = hp.n_embd, hp.n_vocab
-    shapes = {"token_embd.weight": (V, E), "output_norm.weight": (E,)}
-    if not hp.tied_output:
-        shapes["output.weight"] = (V, E)
-    for i in range(hp.n_layer):
-        p = f"blk.{i}."
-        shapes.update({p + "attn_norm.weight": (E,), p + "attn_q.weight": (hp.n_embd_q, E),
-                       p + "attn_k.weight": (hp.n_embd_kv, E), p + "attn_v.weight": (hp.n_embd_kv, E),
-                       p + "attn_output.weight": (E, hp.n_embd_q), p + "ffn_norm.weight": (E,),
-                       p + "ffn_gate_inp.weight": (hp.n_expert, E),
-                       p + "ffn_gate_exps.weight": (hp.n_expert, hp.n_ff_exp, E),
-                       p + "ffn_up_exps.weight": (hp.n_expert, hp.n_ff_exp, E),
-                       p + "ffn_down_exps.weight": (hp.n_expert, E, hp.n_ff_exp)})
-        if hp.qk_norm:
-            shapes.update({p + "attn_q_norm.weight": (hp.head_dim,), p + "attn_k_norm.weight": (hp.head_dim,)})
-        if hp.qkv_bias:
-            shapes.update({p + "attn_q.bias": (hp.n_embd_q,), p + "attn_k.bias": (hp.n_embd_kv,),
-                           p + "attn_v.bias": (hp.n_embd_kv,)})
-        if hp.shared_expert:
-            shapes.update({p + "ffn_gate_inp_shexp.weight": (E,), p + "ffn_gate_shexp.weight": (hp.n_ff_shexp, E),
-                           p + "ffn_up_shexp.weight": (hp.n_ff_shexp, E),
-                           p + "ffn_down_shexp.weight": (E, hp.n_ff_shexp)})
-    return shapes
+    from .families import FAMILIES
+
+    return FAMILIES[hp.arch].tensors(hp)
 
 
-def check_tensors(store: GGUFStore, hp: HParams) -> None:
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor the graph uses exists with its shape and a type GGML computes it in; nothing else is there.
+
+    Like llama.cpp, a file with tensors the architecture does not use is refused ("wrong number of
+    tensors"), except the layers past ``n_layer`` (next-token-prediction layers), which are skipped.
+    """
     from ..ggml.ops import MATMUL_WEIGHTS
 
-    for name, want in tensor_shapes(hp).items():
+    for name, want in shapes.items():
         if name not in store:
             raise ModelFileError(f"{store.path!r}: {hp.arch} needs tensor {name!r}, which the file lacks")
         info = store.info(name)
         if info.shape != want:
             raise ModelFileError(f"{store.path!r}: {name} has shape {info.shape}, expected {want} from the metadata")
-        # norms, biases and the shared-expert gate are added or multiplied in F32, as llama.cpp stores them;
-        # matrices go through mul_mat / get_rows, which take the float and quantized weight types
-        vector = len(want) == 1
+        # norms, biases, sinks and the shared-expert gate are added or multiplied in F32, as llama.cpp stores
+        # them; matrices go through mul_mat / get_rows, which take the float and quantized weight types
+        vector = len(want) == 1 or name.endswith(".bias")
         if vector and info.dtype != GGMLType.F32:
             raise ModelFileError(f"{store.path!r}: {name} is {info.dtype.name}; vectors (norms, biases) must be F32")
         if not vector and info.dtype not in MATMUL_WEIGHTS:
             raise ModelFileError(f"{store.path!r}: {name} is {info.dtype.name}, not a weight type GGML can multiply "
                                  "(a float or quantized type)")
-    if f"blk.{hp.n_layer}.attn_norm.weight" in store:
-        raise ModelFileError(f"{store.path!r}: {hp.arch}.block_count = {hp.n_layer} but blk.{hp.n_layer} exists")
+    n_all = hp.n_layer_all or hp.n_layer
+    for info in store.tensors():
+        if info.name in shapes:
+            continue
+        m = _LAYER.match(info.name)
+        if m and hp.n_layer <= int(m.group(1)) < n_all:
+            continue  # a next-token-prediction layer: llama.cpp skips it too
+        if m and int(m.group(1)) >= n_all:
+            raise ModelFileError(f"{store.path!r}: {hp.arch}.block_count = {n_all} but {info.name} "
+                                 f"(blk.{m.group(1)}) exists")
+        raise ModelFileError(f"{store.path!r}: {hp.arch} does not use tensor {info.name!r} (a feature not supported "
+                             "here, or a file llama.cpp refuses: 'wrong number of tensors')")
 
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "HParams", "StackHParams", "architecture", "check_tensors", "meta_float",
-           "meta_int", "read_hparams", "read_stack_hparams", "tensor_shapes"]
+__all__ = ["Common", "GATINGS", "HParams", "MLA", "Routing", "SWA", "StackHParams", "architecture", "check_tensors",
+           "meta_bool", "meta_float", "meta_int", "read_common", "read_hparams", "read_stack_hparams", "refuse",
+           "tensor_shapes"]

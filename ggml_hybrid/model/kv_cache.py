@@ -1,12 +1,22 @@
 """A single-sequence KV cache laid out as llama.cpp lays it out.
 
-Per layer, K is ``[n_ctx, n_embd_kv]`` (one row per cell). V is the same
-without flash attention but read transposed (``[n_embd_kv, n_ctx]``: each head
-element's values for all cells are contiguous, which is what the ``kqv``
-product wants), and written element by element through ``set_rows``; with
-flash attention V is stored like K. Cell ``c`` holds position ``c``: one
-sequence, no shifting. Graphs view only the first ``n_kv`` cells, ``n_kv``
-padded to 256 like llama.cpp so that a decode graph is reused for 256 tokens.
+Per layer, K is ``[n_ctx, n_embd_k]`` (one row per cell). V is ``[n_ctx, n_embd_v]``
+without flash attention but read transposed (``[n_embd_v, n_ctx]``: each head
+element's values for all cells are contiguous, which is what the ``kqv`` product
+wants), and written element by element through ``set_rows``; with flash
+attention V is stored like K. A cache without V (``n_embd_v = 0``: multi-head
+latent attention) reads its values from the K rows. Cell ``c`` holds position
+``c``: one sequence, no shifting. Graphs view only the first ``n_kv`` cells,
+``n_kv`` padded to 256 like llama.cpp so that a decode graph is reused for 256
+tokens.
+
+Sliding-window layers (``n_swa``) use the same layout with their own mask (a
+query at position p sees positions p - n_swa < p' <= p): llama-cpp-python's
+default (``swa_full``) keeps their caches full-size, which is what makes cell =
+position hold for them too. With a quantized K (or V) cache and head sizes that
+are multiples of 64, llama.cpp rotates queries, keys and values by a
+Walsh-Hadamard matrix before they meet the cache (``rotation_sizes``); the
+matrices are inputs of each graph.
 """
 
 from __future__ import annotations
@@ -22,16 +32,44 @@ from ..ggml.tensor import Tensor
 KV_PAD = 256
 
 
+def rotation_sizes(type_k, type_v, head_k: int, head_v: int) -> tuple[int, int]:
+    """Sizes of llama.cpp's Hadamard rotations of K and V (0: none), ``llama_kv_cache``'s rule.
+
+    K: a quantized K cache with a head size that is a multiple of 64 is rotated in runs of the
+    largest power of two (>= 64) that divides the head size; V likewise, in runs of 64.
+    """
+    rot_k = rot_v = 0
+    if as_ggml_type(type_k).is_quantized and head_k > 0 and head_k % 64 == 0:
+        rot_k = 64
+        while head_k % (rot_k * 2) == 0:
+            rot_k *= 2
+    if as_ggml_type(type_v).is_quantized and head_v > 0 and head_v % 64 == 0:
+        rot_v = 64
+    return rot_k, rot_v
+
+
+def hadamard(n: int) -> np.ndarray:
+    """llama.cpp's ``ggml_gen_hadamard``: the orthonormal Sylvester matrix, entries +-1/sqrtf(n) (F32)."""
+    h = np.full((1, 1), 1.0 / float(np.sqrt(np.float32(n))), np.float32)  # C: 1.0 / sqrtf(n), a double
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h.astype(np.float32)
+
 
 class KVCache:
-    def __init__(self, n_layer: int, n_ctx: int, n_embd_kv: int, type_k: str, type_v: str, backends,
-                 v_trans: bool, clear: bool = True):
+    def __init__(self, n_layer: int, n_ctx: int, n_embd_k: int, n_embd_v: int, type_k: str, type_v: str, backends,
+                 v_trans: bool, clear: bool = True, *, rot: tuple[int, int] = (0, 0), n_swa: int = 0):
         """``backends``: one Backend for every layer, or a list giving each layer's.
 
-        ``clear=False`` (planning: nothing is ever computed) only reserves the memory.
+        ``rot``: the Hadamard rotation sizes (:func:`rotation_sizes`); ``n_swa``: the sliding window of
+        the layers that have one (0: none). ``clear=False`` (planning: nothing is ever computed) only
+        reserves the memory.
         """
-        self.n_layer, self.n_ctx, self.n_embd_kv, self.v_trans = n_layer, n_ctx, n_embd_kv, v_trans
+        self.n_layer, self.n_ctx, self.v_trans = n_layer, n_ctx, v_trans
+        self.n_embd_k, self.n_embd_v = n_embd_k, n_embd_v
         self.type_k, self.type_v = as_ggml_type(type_k), as_ggml_type(type_v)
+        self.rot_k, self.rot_v = rot
+        self.n_swa = n_swa
         per_layer = list(backends) if isinstance(backends, (list, tuple)) else [backends] * n_layer
         k: dict[int, Tensor] = {}
         v: dict[int, Tensor] = {}
@@ -40,20 +78,23 @@ class KVCache:
             layers = [i for i in range(n_layer) if per_layer[i] is b]
             ctx = Context(n_tensors=2 * len(layers))
             for i in layers:
-                k[i] = ctx.new_tensor(self.type_k, (n_ctx, n_embd_kv), f"cache_k_l{i}")
-                v[i] = ctx.new_tensor(self.type_v, (n_ctx, n_embd_kv), f"cache_v_l{i}")
+                k[i] = ctx.new_tensor(self.type_k, (n_ctx, n_embd_k), f"cache_k_l{i}")
+                if n_embd_v:
+                    v[i] = ctx.new_tensor(self.type_v, (n_ctx, n_embd_v), f"cache_v_l{i}")
             buf = ctx.allocate(b, "any", virtual=not clear)
             if clear:
                 buf.clear(0)  # masked cells are multiplied by 0: they must not hold NaN
             self.parts.append((b, ctx, buf))
         self.k = [k[i] for i in range(n_layer)]
-        self.v = [v[i] for i in range(n_layer)]
+        self.v: list[Tensor | None] = [v.get(i) for i in range(n_layer)]
         self.n_past = 0
 
     @staticmethod
-    def layer_bytes(n_ctx: int, n_embd_kv: int, type_k: str, type_v: str) -> int:
-        """Bytes of one layer's K and V (without buffer alignment padding)."""
-        return n_ctx * (as_ggml_type(type_k).row_size(n_embd_kv) + as_ggml_type(type_v).row_size(n_embd_kv))
+    def layer_bytes(n_ctx: int, n_embd_k: int, type_k: str, type_v: str, n_embd_v: int | None = None) -> int:
+        """Bytes of one layer's K and V (without buffer alignment padding); V as wide as K unless given."""
+        n_embd_v = n_embd_k if n_embd_v is None else n_embd_v
+        return n_ctx * (as_ggml_type(type_k).row_size(n_embd_k) +
+                        (as_ggml_type(type_v).row_size(n_embd_v) if n_embd_v else 0))
 
     def nbytes(self, backend: Backend | None = None) -> int:
         return sum(buf.size for b, _, buf in self.parts if backend is None or b is backend)
@@ -67,14 +108,22 @@ class KVCache:
         return min(self.n_ctx, -(-end // KV_PAD) * KV_PAD)
 
     def inputs(self, n_tokens: int, n_kv: int, mask_dtype) -> dict[str, np.ndarray]:
-        """Positions, write indices and the causal mask for the next ``n_tokens`` tokens."""
+        """Positions, write indices, the causal masks and rotations for the next ``n_tokens`` tokens."""
         pos = np.arange(self.n_past, self.n_past + n_tokens, dtype=np.int32)
-        mask = np.where(np.arange(n_kv)[None, :] <= pos[:, None], 0.0, -np.inf).astype(mask_dtype)
+        cells = np.arange(n_kv)[None, :]
+        seen = cells <= pos[:, None]
+        mask = np.where(seen, 0.0, -np.inf).astype(mask_dtype)
         out: dict[str, np.ndarray] = {"pos": pos, "k_idxs": pos.astype(np.int64), "mask": mask}
-        if self.v_trans:
+        if self.n_swa:
+            out["mask_swa"] = np.where(seen & (cells > pos[:, None] - self.n_swa), 0.0, -np.inf).astype(mask_dtype)
+        if self.v_trans and self.n_embd_v:
             # element (t, d) of V goes to cell pos[t] of row d of the transposed cache
-            d = np.arange(self.n_embd_kv, dtype=np.int64)
+            d = np.arange(self.n_embd_v, dtype=np.int64)
             out["v_idxs"] = (d[None, :] * self.n_ctx + pos[:, None]).reshape(-1)
+        if self.rot_k:
+            out["k_rot"] = hadamard(self.rot_k)
+        if self.rot_v:
+            out["v_rot"] = hadamard(self.rot_v)
         return out
 
     def clear(self) -> None:
@@ -87,4 +136,4 @@ class KVCache:
             ctx.close()
 
 
-__all__ = ["KVCache", "ContextFullError", "KV_PAD"]
+__all__ = ["ContextFullError", "KVCache", "KV_PAD", "hadamard", "rotation_sizes"]

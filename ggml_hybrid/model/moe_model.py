@@ -24,7 +24,7 @@ import numpy.typing as npt
 from .._native import ffi
 from ..checks import check_choice
 from ..deploy.devices import open_devices
-from ..deploy.layout import CPU, Layout, plan_layout
+from ..deploy.layout import CPU, Layout, is_expert_tensor, plan_layout
 from ..errors import ClosedError, IndexRangeError, ModelFileError, ShapeError
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
@@ -38,12 +38,11 @@ from ..serial import Serial
 from .decoder import DecoderGraph, build_decoder, context_size, graph_size
 from .gguf_store import GGUFStore, load_into
 from .hparams import HParams, read_hparams, tensor_shapes
-from .kv_cache import KVCache
+from .kv_cache import KVCache, rotation_sizes
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per model (one per ubatch shape), least recently used dropped first
-_EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 def check_options(opts: SessionOptions, hp: HParams) -> None:
@@ -54,9 +53,13 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
         raise OptionError(f"n_ctx={opts.n_ctx}: the model was trained for at most {hp.n_ctx_train} tokens")
     if opts.cache_type_v == "q8_0" and not opts.flash_attn:
         raise OptionError("cache_type_v=q8_0: a quantized V cache needs flash_attn=true (as in llama.cpp)")
-    for key in ("cache_type_k", "cache_type_v"):
-        if getattr(opts, key) == "q8_0" and hp.head_dim % 32:
-            raise OptionError(f"{key}=q8_0: the head size {hp.head_dim} is not a multiple of 32")
+    if hp.mla is not None and opts.cache_type_k != opts.cache_type_v:
+        # the latent cache has no V, but llama.cpp still refuses different K and V types for it
+        raise OptionError(f"cache_type_k={opts.cache_type_k} cache_type_v={opts.cache_type_v}: {hp.arch}'s latent KV "
+                          "cache needs the same type for both (as in llama.cpp)")
+    for key, head in (("cache_type_k", hp.head_dim), ("cache_type_v", hp.head_dim_v)):
+        if getattr(opts, key) == "q8_0" and head % 32:
+            raise OptionError(f"{key}=q8_0: the head size {head} is not a multiple of 32")
 
 
 class MoEModel:
@@ -124,8 +127,8 @@ class MoEModel:
         required = list(tensor_shapes(hp))
         self.layout = plan_layout(required, hp.n_layer, opts, list(self.devices), hp.tied_output)
         self.sched = Scheduler(list(self.devices.values()) + [self.host], graph_size=2 * graph_size(hp))
-        dense = [n for n in required if not n.endswith(_EXPERT_SUFFIXES)]
-        total = len(dense) + 3 * hp.n_layer + (1 if hp.tied_output else 0)
+        dense = [n for n in required if not is_expert_tensor(n)]
+        total = len(required) + (1 if hp.tied_output else 0)
         done = [0]
 
         def tick(_name: str) -> None:
@@ -137,11 +140,14 @@ class MoEModel:
         lay = self.layout
         self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick,
                                     modes=list(lay.expert_mode), backend_of=lambda n: self.devices.get(lay.tensors[n]),
-                                    load=not self.dry_run)
+                                    load=not self.dry_run, moe_layers=hp.moe_layers, glu=hp.routing.glu)
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
-        self.kv = KVCache(hp.n_layer, n_ctx, hp.n_embd_kv, opts.cache_type_k, opts.cache_type_v,
+        # latent attention has no Hadamard rotation (llama.cpp's K-only cache input has none)
+        rot = (0, 0) if hp.mla is not None else rotation_sizes(opts.cache_type_k, opts.cache_type_v, hp.head_dim,
+                                                               hp.head_dim_v)
+        self.kv = KVCache(hp.n_layer, n_ctx, hp.kv_k, hp.kv_v, opts.cache_type_k, opts.cache_type_v,
                           [self.backend(d) for d in lay.kv_device], v_trans=not opts.flash_attn,
-                          clear=not self.dry_run)
+                          clear=not self.dry_run, rot=rot, n_swa=hp.swa.n_swa if hp.swa is not None else 0)
         # like llama.cpp: size the compute buffers for the largest ubatch once, at load
         self.sched.reserve(self._graph(min(opts.ubatch_size, n_ctx), n_ctx, min(opts.ubatch_size, n_ctx)).graph)
 
@@ -224,6 +230,8 @@ class MoEModel:
         for name, t in self.weights.items():
             home[addr(t)] = self.backend(lay.tensors.get(name) or lay.tensors["output.weight(tied)"])
         for i, ew in enumerate(self.experts.weights):
+            if ew is None:
+                continue
             for t in ew.kinds.values():
                 cache_on = self.experts.layer_backends[i]
                 if cache_on is not None:  # a disk layer: the region runs on its cache's device

@@ -1,36 +1,121 @@
-"""Byte-level BPE tokenizer from GGUF metadata, through the ``tokenizers`` package.
+"""Tokenizers from GGUF metadata, as llama.cpp tokenizes: byte-level BPE through ``tokenizers``, SentencePiece
+(``tokenizer.ggml.model = "llama"``) in :mod:`ggml_hybrid.model.spm`.
 
-llama.cpp's ``gpt2`` tokenizer model is byte-level BPE: a pre-tokenizer regex
-that depends on ``tokenizer.ggml.pre``, GPT-2's byte-to-unicode alphabet, and
-the merges list in rank order. The ``tokenizers`` package implements exactly
-that (``Split`` with the same regex, then ``ByteLevel`` without its own regex),
-so it is used rather than a BPE of our own; its Oniguruma regex and llama.cpp's
-hand-written matcher agree on the pre-tokenizer patterns below.
-Control tokens (token type 3) are never produced from plain text, as in
-llama.cpp with ``parse_special=false``.
+llama.cpp's ``gpt2`` tokenizer model is byte-level BPE: pre-tokenizer regexes
+that depend on ``tokenizer.ggml.pre`` (applied in turn, each splitting the pieces
+of the previous one), GPT-2's byte-to-unicode alphabet, and the merges list in
+rank order. The ``tokenizers`` package implements exactly that (``Split`` with
+the same regexes, then ``ByteLevel`` without its own regex), so it is used rather
+than a BPE of our own; its Oniguruma regex and llama.cpp's matcher agree on the
+pre-tokenizer patterns below (the tests compare the ids with llama.cpp's).
+Control tokens are never produced from plain text, as in llama.cpp with
+``parse_special=false``; :func:`token_attributes` applies llama.cpp's fix-ups of
+the token types (end-of-generation texts, gpt-oss's rendered markers).
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
-from typing import SupportsInt
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, SupportsInt
 
 from ..errors import ArgumentTypeError, ModelFileError
 from .gguf_store import GGUFStore
 
-# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by tokenizer.ggml.pre
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = {"qwen2": (_QWEN2, False), "llama-bpe": (_LLAMA3, True)}  # name -> (regex, ignore_merges)
+if TYPE_CHECKING:
+    from .spm import SPMTokenizer
 
-TOKEN_TYPE_CONTROL = 3
-# control tokens that end a turn, which llama.cpp also stops at (llama-vocab.cpp's end-of-generation list)
-_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
-              "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"}
-TOKEN_TYPE_USER_DEFINED = 4
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe), by tokenizer.ggml.pre
+_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp's adaptation of o200k's case classes: any letter that is not ASCII counts as both cases
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS + "?"
+          r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS + "?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEEPSEEK3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    regexes: tuple[str, ...]  # applied in turn
+    ignore_merges: bool       # a whole piece that is a token is taken as is
+    add_bos: bool = False     # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+
+
+PRE_TOKENIZERS = {
+    "qwen2": PreTokenizer((_QWEN2,), False),
+    "llama-bpe": PreTokenizer((_LLAMA3,), True, add_bos=True),
+    "olmo": PreTokenizer((_GPT2,), False),
+    "glm4": PreTokenizer((_LLAMA3,), True),       # LLAMA_VOCAB_PRE_TYPE_CHATGLM4
+    "gpt-4o": PreTokenizer((_GPT4O,), False),
+    "deepseek-v3": PreTokenizer(_DEEPSEEK3, False),
+}
+
+TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL = 1, 2, 3
+TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNUSED, TOKEN_TYPE_BYTE = 4, 5, 6
+# texts of tokens that end a turn, which llama.cpp stops at (llama-vocab.cpp's end-of-generation list)
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+              "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~["}
+# gpt-oss's harmony markers, which llama.cpp always renders (and matches in plain text)
+_RENDERED = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
+
+
+def token_attributes(tokens: Sequence[str], types: Sequence[int], special: Iterable[int | None]
+                     ) -> tuple[list[int], set[int]]:
+    """llama.cpp's fix-ups of the file's token types, and the end-of-generation ids.
+
+    A token whose text is on llama.cpp's end-of-generation list becomes CONTROL and ends generation,
+    as do the ``special`` ids (EOS, EOT, EOM); gpt-oss's markers become USER_DEFINED; with both
+    ``<|return|>`` and ``<|call|>`` present, ``<|end|>`` is an ordinary (user-defined) token again.
+    """
+    types = list(types)
+    eog = set()
+    for i, t in enumerate(tokens):
+        if t in _EOG_TEXTS:
+            eog.add(i)
+            types[i] = TOKEN_TYPE_CONTROL
+    for i, t in enumerate(tokens):
+        if t in _RENDERED:
+            types[i] = TOKEN_TYPE_USER_DEFINED
+    eog |= {i for i in special if i is not None}
+    texts = {tokens[i]: i for i in eog}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= texts.keys() or {"<|calls|>", "<|flush|>", "<|end|>"} <= texts.keys():
+        end = texts["<|end|>"]
+        eog.discard(end)
+        types[end] = TOKEN_TYPE_USER_DEFINED
+    return types, eog
+
+
+def special_ids(store: GGUFStore) -> dict[str, int | None]:
+    """The file's bos/eos/eot/eom token ids (None when absent or negative)."""
+    def opt_int(key: str) -> int | None:
+        v = store.meta(key, -1)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+    return {n: opt_int(f"tokenizer.ggml.{n}_token_id") for n in ("bos", "eos", "eot", "eom")}
+
+
+def token_list(store: GGUFStore, key: str, default: list[str] | None = None) -> list[str]:
+    v = store.meta(key, default)
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ModelFileError(f"{store.path!r}: {key} must be a list of strings, got {type(v).__name__}")
+    return v
+
+
+def token_types(store: GGUFStore) -> list[int] | None:
+    types = store.meta("tokenizer.ggml.token_type", [])
+    if not isinstance(types, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in types):
+        raise ModelFileError(f"{store.path!r}: tokenizer.ggml.token_type must be a list of integers")
+    return types or None
 
 
 class Tokenizer:
@@ -52,6 +137,7 @@ class Tokenizer:
         for name, tid in (("bos", bos_id), ("eos", eos_id), ("eot", eot_id), ("eom", eom_id)):
             if tid is not None and not 0 <= tid < n:
                 raise ModelFileError(f"{source}: {name} token id {tid} is outside the vocabulary of {n}")
+        types, self.eog_ids = token_attributes(tokens, types, (eos_id, eot_id, eom_id))
         self.tokens, self.pre, self.types = list(tokens), pre, types
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.control = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
@@ -77,15 +163,15 @@ class Tokenizer:
             if not sep or a + b not in vocab:
                 raise ModelFileError(f"{source}: merge {m!r} is not 'left right' with the result in the vocabulary")
             pairs.append((a, b))
-        regex, ignore_merges = PRE_TOKENIZERS[pre]
+        spec = PRE_TOKENIZERS[pre]
         try:
-            model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges)
+            model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges)
         except Exception as exc:  # tokenizers raises its own exception type
             raise ModelFileError(f"{source}: the vocabulary is not a valid BPE model ({exc})") from None
         hf = HFTokenizer(model)
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         hf.decoder = decoders.ByteLevel()
         # user-defined tokens (Qwen3's <think>, <tool_call>, ...) are matched in plain text before BPE,
         # as llama.cpp does even without special-token parsing
@@ -93,36 +179,24 @@ class Tokenizer:
         if user:
             hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         self._hf = hf
-        # end-of-generation: EOS, EOT and EOM ids, and the control tokens llama.cpp treats as such
-        self.eog_ids = {t for t in (eos_id, eot_id, eom_id) if t is not None}
-        self.eog_ids |= {i for i in self.control if tokens[i] in _EOG_TEXTS}
 
     @classmethod
-    def from_gguf(cls, store: GGUFStore) -> Tokenizer:
+    def from_gguf(cls, store: GGUFStore) -> Tokenizer | SPMTokenizer:
+        """The file's tokenizer: byte-level BPE (``gpt2``) or SentencePiece (``llama``)."""
         model = store.meta("tokenizer.ggml.model", "")
+        if model == "llama":
+            from .spm import SPMTokenizer
+
+            return SPMTokenizer.from_gguf(store)
         if model != "gpt2":
-            raise ModelFileError(f"{store.path!r}: tokenizer.ggml.model = {model!r}; only byte-level BPE "
-                                 "('gpt2') is supported")
-
-        def opt_int(key: str) -> int | None:
-            v = store.meta(key, -1)
-            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-
-        def str_list(key: str, default: list[str] | None = None) -> list[str]:
-            v = store.meta(key, default)
-            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-                raise ModelFileError(f"{store.path!r}: {key} must be a list of strings, got {type(v).__name__}")
-            return v
-
-        types = store.meta("tokenizer.ggml.token_type", [])
-        if not isinstance(types, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in types):
-            raise ModelFileError(f"{store.path!r}: tokenizer.ggml.token_type must be a list of integers")
+            raise ModelFileError(f"{store.path!r}: tokenizer.ggml.model = {model!r} is not supported; supported: "
+                                 "'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
         pre = store.meta("tokenizer.ggml.pre", "default")
-        # llama.cpp adds BOS by default for the Llama-3 pre-tokenizer when the file does not say
-        add_bos = store.meta("tokenizer.ggml.add_bos_token", pre == "llama-bpe")
-        return cls(str_list("tokenizer.ggml.tokens"), str_list("tokenizer.ggml.merges", []), pre, types or None,
-                   opt_int("tokenizer.ggml.bos_token_id"), opt_int("tokenizer.ggml.eos_token_id"), bool(add_bos),
-                   store.path, opt_int("tokenizer.ggml.eot_token_id"), opt_int("tokenizer.ggml.eom_token_id"))
+        spec = PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
+        add_bos = store.meta("tokenizer.ggml.add_bos_token", spec.add_bos if spec is not None else False)
+        ids = special_ids(store)
+        return cls(token_list(store, "tokenizer.ggml.tokens"), token_list(store, "tokenizer.ggml.merges", []), pre,
+                   token_types(store), ids["bos"], ids["eos"], bool(add_bos), store.path, ids["eot"], ids["eom"])
 
     @property
     def n_vocab(self) -> int:
@@ -153,7 +227,7 @@ class Tokenizer:
 class TextStream:
     """Incremental detokenizer: UTF-8 sequences split across tokens are held until complete."""
 
-    def __init__(self, tok: Tokenizer):
+    def __init__(self, tok: Tokenizer | SPMTokenizer):
         self._tok = tok
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -178,4 +252,5 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-__all__ = ["Tokenizer", "TextStream", "PRE_TOKENIZERS"]
+__all__ = ["PRE_TOKENIZERS", "PreTokenizer", "TextStream", "Tokenizer", "special_ids", "token_attributes",
+           "token_list", "token_types"]

@@ -203,7 +203,8 @@ class ExpertCacheExecutor:
         if clear:
             self.buffer.clear(0)
         self.slots = ExpertWeights(**self.slot_tensors)
-        self.expert_nbytes = {k: t.nb[2] for k, t in self.slot_tensors.items()}
+        # per expert (slot): 3-D matrices and 2-D biases alike
+        self.expert_nbytes = {k: t.nbytes // (n_slots + 1) for k, t in self.slot_tensors.items()}
         # per kind: (slot tensor, first byte of the expert tensor in the mapping, bytes per expert)
         self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}
         self._copies = [(self.slot_tensors[k].ptr, ffi.cast("char *", self._raw[k].ctypes.data), self.expert_nbytes[k])

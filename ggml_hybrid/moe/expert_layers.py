@@ -7,11 +7,14 @@
 - ``disk_experts``: the expert tensors stay on the mapped file and each layer's routed experts
   are a region run by an :class:`ExpertCacheExecutor` with ``expert_cache_slots`` device slots
   (and, with ``moe_cpu_share``, a CPU worker for a share of the misses).
+
+Layers without routed experts (a model's leading dense layers) have none of this: their entries
+are ``None`` and they are never traced (trace layer i is the model's i-th MoE layer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from .._native import ffi
@@ -44,19 +47,23 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int) -> None
 
 
 def expert_names(store: GGUFStore, i: int) -> dict[str, str]:
+    """Layer i's routed-expert tensors by :class:`ExpertWeights` field: the matrices, and their biases if any."""
     fused = f"blk.{i}.ffn_gate_up_exps.weight" in store
     kinds = ("gate_up", "down") if fused else ("gate", "up", "down")
-    return {k: f"blk.{i}.ffn_{k}_exps.weight" for k in kinds}
+    names = {k: f"blk.{i}.ffn_{k}_exps.weight" for k in kinds}
+    names.update({f"{k}_b": f"blk.{i}.ffn_{k}_exps.bias" for k in kinds if f"blk.{i}.ffn_{k}_exps.bias" in store})
+    return names
 
 
-def check_expert_shapes(store: GGUFStore, n_layer: int, n_expert: int, n_embd: int) -> None:
-    for i in range(n_layer):
+def check_expert_shapes(store: GGUFStore, layers: Sequence[int], n_expert: int, n_embd: int) -> None:
+    for i in layers:
         names = expert_names(store, i)
         shapes = {k: store.info(n).shape for k, n in names.items()}
         down = shapes["down"]
         n_ff = down[2] if len(down) == 3 else -1
         want = {"down": (n_expert, n_embd, n_ff), "gate": (n_expert, n_ff, n_embd),
-                "up": (n_expert, n_ff, n_embd), "gate_up": (n_expert, 2 * n_ff, n_embd)}
+                "up": (n_expert, n_ff, n_embd), "gate_up": (n_expert, 2 * n_ff, n_embd),
+                "gate_b": (n_expert, n_ff), "up_b": (n_expert, n_ff), "down_b": (n_expert, n_embd)}
         for kind, shape in shapes.items():
             if shape != want[kind]:
                 raise ModelFileError(f"{store.path!r}: {names[kind]} has shape {shape}, expected {want[kind]} "
@@ -66,38 +73,43 @@ def check_expert_shapes(store: GGUFStore, n_layer: int, n_expert: int, n_embd: i
 class ExpertLayers:
     """The routed experts of ``n_layer`` layers, placed and (for disk layers) cached per ``options``.
 
-    ``modes`` gives each layer's expert mode (resident, cpu or disk) and ``backend_of`` maps a tensor
-    name to the backend holding it (resident tensors) or serving its cache (disk layers); without
-    them every layer follows ``options`` with ``device`` (the FFN-stack session's single device).
+    ``moe_layers`` are the layers with routed experts (default: all); the lists here have one entry
+    per layer, ``None`` for the others. ``modes`` gives each layer's expert mode (resident, cpu or
+    disk) and ``backend_of`` maps a tensor name to the backend holding it (resident tensors) or
+    serving its cache (disk layers); without them every layer follows ``options`` with ``device``
+    (the FFN-stack session's single device). ``glu`` is the experts' gated unit.
     """
 
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
                  n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
                  modes: list[str] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
-                 load: bool = True):
+                 load: bool = True, moe_layers: Sequence[int] | None = None, glu: str = "swiglu"):
         self.store, self.options, self.device = store, options, device
         opts = options
         self.n_layer = n_layer
-        self.names = [expert_names(store, i) for i in range(n_layer)]
-        n_expert = store.info(self.names[0]["down"]).shape[0]
+        self.moe_layers = list(range(n_layer)) if moe_layers is None else list(moe_layers)
+        named = {i: expert_names(store, i) for i in self.moe_layers}
+        self.names: list[dict[str, str] | None] = [named.get(i) for i in range(n_layer)]
+        n_expert = store.info(named[self.moe_layers[0]]["down"]).shape[0]
         self.modes = list(modes) if modes is not None else [self._mode_from_options(i) for i in range(n_layer)]
         if backend_of is None:
             backend_of = lambda name: device
         # the native executor runs every call in C; the Python one is the reference (and simulates a bus)
-        self.native = opts.moe_executor == "native" and simulated_bus_bytes_per_s is None
+        self.native = (opts.moe_executor == "native" and simulated_bus_bytes_per_s is None
+                       and all(NativeExpertExecutor.supports(n, glu) for n in named.values()))
         # the session's own CPU worker
         self.worker: CPUWorker | NativeWorker | None = None
         if opts.moe_cpu_share != 0.0 and any(m == "disk" for m in self.modes):
             self.worker = NativeWorker(n_threads) if self.native else CPUWorker(n_threads)
         self._scratch: dict[int, Scratch] = {}  # the native executors' compute buffer, one per device
         self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
-        self.trace = (TraceWriter(opts.trace_path, n_layer, n_expert, n_used)
+        self.trace = (TraceWriter(opts.trace_path, len(self.moe_layers), n_expert, n_used)
                       if opts.trace_path is not None else None)
         by_backend: dict[int, tuple[Backend, list[str]]] = {}
-        for i in range(n_layer):
+        for i, layer_names in named.items():
             if self.modes[i] != "resident":
                 continue
-            for n in self.names[i].values():
+            for n in layer_names.values():
                 b = backend_of(n)
                 if b is not None:
                     by_backend.setdefault(id(b), (b, []))[1].append(n)
@@ -107,12 +119,17 @@ class ExpertLayers:
             ctx, tensors = load_into(store, tensor_names, b, on_tensor=on_tensor, load=load)
             self.resident_ctxs.append((b, ctx))
             loaded.update(tensors)
-        self.mapped_ctx = Context(n_tensors=4 * n_layer)
-        self.weights: list[ExpertWeights] = []
+        self.mapped_ctx = Context(n_tensors=7 * n_layer)
+        self.weights: list[ExpertWeights | None] = []
         self.executors: list[ExpertCacheExecutor | NativeExpertExecutor | None] = []
         self.layer_backends: list[Backend | None] = []
         for i in range(n_layer):
             names = self.names[i]
+            if names is None:  # a dense layer
+                self.weights.append(None)
+                self.executors.append(None)
+                self.layer_backends.append(None)
+                continue
             tensors = {}
             for k, n in names.items():
                 if n in loaded:
@@ -129,19 +146,21 @@ class ExpertLayers:
                 cache_on = backend_of(names["down"])
                 if cache_on is None:  # the layout puts disk layers' experts on a device, never on the CPU
                     raise OptionError(f"disk_experts: layer {i}'s expert cache has no device")
+                # the executor's layer number keys its trace records and the worker's graphs: the MoE layer's
+                moe_layer = self.moe_layers.index(i)
                 if self.native:
                     scratch = self._scratch.get(id(cache_on))
                     if scratch is None:
                         scratch = self._scratch[id(cache_on)] = Scratch(cache_on)
                     executor = NativeExpertExecutor(
-                        store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
-                        worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
+                        store, moe_layer, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                        glu=glu, worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
                         trace_seq=self._trace_seq)
                 else:
                     executor = ExpertCacheExecutor(
-                        store, i, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
-                        worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
+                        store, moe_layer, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                        glu=glu, worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], simulated_bus_bytes_per_s=simulated_bus_bytes_per_s,
                         trace=self.trace, clear=load)
             self.layer_backends.append(cache_on)
@@ -156,9 +175,10 @@ class ExpertLayers:
         return "resident"
 
     def register(self, sched, regions, prefix: str = "blk") -> None:
-        """Hand the disk layers' regions of one graph to their executors (after ``sched.clear_regions()``)."""
+        """Hand the disk layers' regions of one graph to their executors (after ``sched.clear_regions()``);
+        ``regions`` has one entry per layer (``None`` for a dense layer)."""
         for i, r in enumerate(regions):
-            if self.executors[i] is not None:
+            if self.executors[i] is not None and r is not None:
                 sched.add_region(r.inputs, [r.out], self.executors[i], backend=self.layer_backends[i],
                                  name=f"{prefix}.{i}.experts")
 

@@ -92,12 +92,17 @@ class NativeExpertExecutor:
 
     native = True
 
+    @staticmethod
+    def supports(names: dict[str, str], glu: str) -> bool:
+        """Whether the C code builds this layer's FFN: no expert biases, a plain GLU (not gpt-oss's)."""
+        return all(not k.endswith("_b") for k in names) and glu in GLU_OPS
+
     def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
                  policy: str, n_used: int, glu: str = "swiglu", worker: NativeWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None, scratch: Scratch | None = None,
                  trace: TraceWriter | None = None, clear: bool = True, staging: bool | None = None,
                  trace_seq: CData | None = None) -> None:
-        self.store, self.layer, self.device = store, layer, device
+        self.store, self.layer, self.names, self.device = store, layer, names, device
         self.worker, self.share, self.host_experts, self.trace = worker, share, host_experts, trace
         infos = {k: store.info(n) for k, n in names.items()}
         self.n_expert = infos["down"].shape[0]

@@ -93,11 +93,13 @@ class MoEStackSession:
         dense = [f"blk.{i}.{n}.weight" for i in range(self.n_layer) for n in ("ffn_norm", "ffn_gate_inp")]
         for name in dense:
             store.info(name)  # every required tensor exists, before anything is allocated
-        check_expert_shapes(store, self.n_layer, self.n_expert, self.n_embd)
+        check_expert_shapes(store, range(self.n_layer), self.n_expert, self.n_embd)
         self.dense_ctx, self.dense = load_into(store, dense, self.device)
         self.layers = ExpertLayers(store, self.n_layer, self.n_used, opts, self.device, n_threads,
                                    simulated_bus_bytes_per_s)
-        self.experts, self.executors = self.layers.weights, self.layers.executors
+        # every layer of a stack has routed experts
+        self.experts = [w for w in self.layers.weights if w is not None]
+        self.executors = self.layers.executors
         self.worker, self.trace = self.layers.worker, self.layers.trace
         size = 64 * self.n_layer + 64
         # one graph per token count, the least recently used dropped first

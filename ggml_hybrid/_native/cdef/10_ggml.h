@@ -27,7 +27,8 @@ enum ggml_type {
     ...
 };
 
-enum ggml_op { GGML_OP_NONE, GGML_OP_VIEW, GGML_OP_ARGSORT, GGML_OP_TOP_K, GGML_OP_COUNT, ... };
+enum ggml_op { GGML_OP_NONE, GGML_OP_VIEW, GGML_OP_SOFT_MAX, GGML_OP_ARGSORT, GGML_OP_TOP_K, GGML_OP_FLASH_ATTN_EXT,
+    GGML_OP_COUNT, ... };
 
 enum ggml_sort_order { GGML_SORT_ORDER_ASC, GGML_SORT_ORDER_DESC, ... };
 
@@ -37,6 +38,8 @@ enum ggml_glu_op {
 };
 
 enum ggml_prec { GGML_PREC_DEFAULT, GGML_PREC_F32, ... };
+
+enum ggml_op_hint { GGML_HINT_NONE, GGML_HINT_SRC0_IS_HADAMARD, ... };
 
 enum ggml_tensor_flag {
     GGML_TENSOR_FLAG_INPUT, GGML_TENSOR_FLAG_OUTPUT, GGML_TENSOR_FLAG_PARAM,
@@ -120,19 +123,26 @@ struct ggml_tensor * ggml_get_rows(struct ggml_context * ctx, struct ggml_tensor
 struct ggml_tensor * ggml_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 bool ggml_prec_set_acc(struct ggml_tensor * a, enum ggml_prec prec);
 void ggml_mul_mat_set_prec(struct ggml_tensor * a, enum ggml_prec prec);
+void ggml_mul_mat_set_hint(struct ggml_tensor * a, enum ggml_op_hint hint);
 struct ggml_tensor * ggml_mul_mat_id(struct ggml_context * ctx, struct ggml_tensor * as, struct ggml_tensor * b, struct ggml_tensor * ids);
 struct ggml_tensor * ggml_add(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_add_id(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
+        struct ggml_tensor * ids);
 struct ggml_tensor * ggml_mul(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_div(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_scale(struct ggml_context * ctx, struct ggml_tensor * a, float s);
+struct ggml_tensor * ggml_clamp(struct ggml_context * ctx, struct ggml_tensor * a, float min, float max);
+struct ggml_tensor * ggml_fill(struct ggml_context * ctx, struct ggml_tensor * a, float c);
 struct ggml_tensor * ggml_rms_norm(struct ggml_context * ctx, struct ggml_tensor * a, float eps);
 struct ggml_tensor * ggml_rope_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
         struct ggml_tensor * c, int n_dims, int mode, int n_ctx_orig, float freq_base, float freq_scale,
         float ext_factor, float attn_factor, float beta_fast, float beta_slow);
 struct ggml_tensor * ggml_soft_max_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * mask,
         float scale, float max_bias);
+void ggml_soft_max_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
 struct ggml_tensor * ggml_flash_attn_ext(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
         struct ggml_tensor * v, struct ggml_tensor * mask, float scale, float max_bias, float logit_softcap);
+void ggml_flash_attn_ext_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
 struct ggml_tensor * ggml_argsort(struct ggml_context * ctx, struct ggml_tensor * a, enum ggml_sort_order order);
 struct ggml_tensor * ggml_top_k(struct ggml_context * ctx, struct ggml_tensor * a, int k);
 struct ggml_tensor * ggml_sum_rows(struct ggml_context * ctx, struct ggml_tensor * a);
@@ -141,6 +151,8 @@ struct ggml_tensor * ggml_gelu(struct ggml_context * ctx, struct ggml_tensor * a
 struct ggml_tensor * ggml_sigmoid(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_glu(struct ggml_context * ctx, struct ggml_tensor * a, enum ggml_glu_op op, bool swapped);
 struct ggml_tensor * ggml_glu_split(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, enum ggml_glu_op op);
+struct ggml_tensor * ggml_swiglu_oai(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
+        float alpha, float limit);
 struct ggml_tensor * ggml_view_1d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, size_t offset);
 struct ggml_tensor * ggml_view_2d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
         size_t nb1, size_t offset);
@@ -155,6 +167,7 @@ struct ggml_tensor * ggml_permute(struct ggml_context * ctx, struct ggml_tensor 
 struct ggml_tensor * ggml_transpose(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_cont(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_cpy(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_cast(struct ggml_context * ctx, struct ggml_tensor * a, enum ggml_type type);
 struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, struct ggml_tensor * c);
 struct ggml_tensor * ggml_concat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, int dim);
 
