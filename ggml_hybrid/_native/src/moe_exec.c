@@ -68,6 +68,12 @@ static bool grow_tokens(hy_moe_exec * ex, int T) {
         cap *= 2;
     }
     const size_t k = (size_t) ex->cfg.n_used, E = (size_t) ex->cfg.n_embd, rows = (size_t) cap * k;
+    /* a round's compacted rows are padded up to a power of two above 32 (fewer graph shapes), which can
+       exceed the call's rows */
+    size_t padded = 32;
+    while (padded < rows) {
+        padded *= 2;
+    }
     void * p;
     if ((p = realloc(ex->ids, sizeof(int32_t) * (rows))) == NULL) {
         return false;
@@ -85,11 +91,11 @@ static bool grow_tokens(hy_moe_exec * ex, int T) {
         return false;
     }
     ex->slot_ids = p;
-    if ((p = realloc(ex->rows_x, sizeof(float) * (rows * E))) == NULL) {
+    if ((p = realloc(ex->rows_x, sizeof(float) * (padded * E))) == NULL) {
         return false;
     }
     ex->rows_x = p;
-    if ((p = realloc(ex->rows_ids, sizeof(int32_t) * (rows))) == NULL) {
+    if ((p = realloc(ex->rows_ids, sizeof(int32_t) * (padded))) == NULL) {
         return false;
     }
     ex->rows_ids = p;
