@@ -60,7 +60,8 @@ def _served_devices() -> list:
               help="IPv4 address to listen on. Any other than a loopback address exposes the device to the network, "
                    "without authentication.")
 @click.option("--port", "-p", default=50052, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--threads", "-t", type=click.IntRange(1, 512), help="CPU threads of the served CPU (default: all cores).")
+@click.option("--threads", "-t", type=click.IntRange(1, 512),
+              help="CPU threads of the served CPU (default: all cores).")
 @click.option("--mem", type=click.IntRange(1), metavar="MiB",
               help="Memory the device reports to clients, in MiB (default: what it has).")
 def rpc_server(host: str, port: int, threads: int | None, mem: int | None) -> None:

@@ -125,7 +125,8 @@ class MoEModel:
             for i, name in enumerate(cast("list[str]", dry_run_devices)):  # given when dry_run
                 self.devices[name] = cpu_instance(i, 1)
         elif device is not None:
-            self.devices = {"CUDA0" if not device.is_cpu else "DEV0": device}
+            name = device.kind if device.endpoint is not None else "DEV0" if device.is_cpu else "CUDA0"
+            self.devices = {name: device}
         else:
             self.devices = open_devices(opts, n_threads)
         self.host = cpu(n_threads)

@@ -37,7 +37,7 @@ from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_expert_cache import SHAPE, model_path  # noqa: E402
+from bench_expert_cache import SHAPE, model_path
 
 SHARES = ["0", "0.25", "0.5", "0.75", "1", "auto"]
 CLI = [sys.executable, "-c", "from ggml_hybrid.cli import main; main()"]
