@@ -135,10 +135,12 @@ def test_all_layers_on_the_rpc_device_are_bit_identical(model, reference, server
     assert np.array_equal(got, ref)
 
 
+@pytest.mark.parametrize("executor", ["native", "python"])
 @pytest.mark.parametrize("share", [0.0, 0.5, "auto"])
-def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, server, share):
+def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, server, share, executor):
     tokens, ref = reference
-    o = opts(f"rpc={server.endpoint}", "disk_experts=true", "expert_cache_slots=3", f"moe_cpu_share={share}")
+    o = opts(f"rpc={server.endpoint}", "disk_experts=true", "expert_cache_slots=3", f"moe_cpu_share={share}",
+             f"moe_executor={executor}")
     with MoEModel(model, o) as m:
         got = run_both_halves(m, tokens)
         rpc0 = m.devices["RPC0"]
@@ -147,14 +149,16 @@ def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, serve
         assert c.misses > 0 and c.bytes_loaded == c.misses * m.experts.executors[0].expert_bytes
         if share == 0.5:
             assert c.cpu_misses > 0
-        # the loads crossed to the server: its slots hold exactly the expert bytes of the file
+        # the loads crossed to the server: each slot holds one expert's bytes of the file, each a different one,
+        # and the scratch slot (the last) its zeros
         ex = m.experts.executors[0]
         assert not ex.buffer.is_host and ex.buffer.name.startswith("RPC")
         for kind, t in ex.slot_tensors.items():
-            raw = t.numpy().reshape(ex.cache.n_slots + 1, -1)  # read back from the server
-            mapped = np.asarray(ex._raw[kind]).reshape(ex.n_expert, -1)
-            for expert, slot in ex.cache.resident().items():
-                assert np.array_equal(raw[slot], mapped[expert])
+            slots = t.numpy().reshape(-1, t.nb[2])  # read back from the server
+            mapped = {row.tobytes(): e for e, row in enumerate(np.asarray(ex._raw[kind]).reshape(-1, t.nb[2]))}
+            held = [mapped.get(s.tobytes()) for s in slots[:-1]]
+            assert None not in held and len(set(held)) == len(held) == 3
+            assert not slots[-1].any()
     assert np.array_equal(got, ref)
 
 

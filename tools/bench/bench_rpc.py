@@ -14,7 +14,7 @@ Starts ``ggml-hybrid rpc-server --threads 1`` on a free loopback port and puts t
    its cache: one more round trip and an FNV hash of the bytes), against the same copy into a local
    CPU buffer.
 
-    python tools/bench/bench_rpc.py [--steps 8] [--warmup 3] [--reps 9]
+    python tools/bench/bench_rpc.py [--steps 8] [--warmup 3] [--reps 9] [--executor native|python]
 """
 
 from __future__ import annotations
@@ -58,19 +58,19 @@ def start_server() -> tuple[subprocess.Popen, str]:
     raise SystemExit("rpc-server did not start")
 
 
-def shares(endpoint: str, steps: int, warmup: int) -> None:
+def shares(endpoint: str, steps: int, warmup: int, executor: str) -> None:
     path = model_path()
     n_layer = SHAPE["n_layer"]
     dev = rpc.server_devices(endpoint)[0]
     print(f"{n_layer}-layer stack, {SHAPE['n_expert']} experts top-{SHAPE['n_used']} {SHAPE['expert_type']}, "
-          f"8 slots, device RPC0 = rpc-server on {endpoint} (1 thread), worker 1 thread")
+          f"8 slots, device RPC0 = rpc-server on {endpoint} (1 thread), worker 1 thread, {executor} executor")
     print(f"{'tokens':>6} {'share':>6} {'ms/layer':>9} {'tok/s':>8} {'vs best':>7} {'applied':>8} "
           f"{'loads/call':>10} {'load ms/call':>12} {'MB/s loaded':>11}")
     for n_tokens in (1, 64):
         backends = {s: rpc.open_device(dev) for s in SHARES}
-        sessions = {s: MoEStackSession(path, SessionOptions.parse(
-            ["disk_experts=1", "expert_cache_slots=8", f"moe_cpu_share={s}", "n_threads=1"]), device=backends[s])
-            for s in SHARES}
+        items = ["disk_experts=1", "expert_cache_slots=8", "n_threads=1", f"moe_executor={executor}"]
+        sessions = {s: MoEStackSession(path, SessionOptions.parse([*items, f"moe_cpu_share={s}"]), device=backends[s])
+                    for s in SHARES}
         ref = MoEStackSession(path, SessionOptions.parse(["n_threads=1"]))
         rng = np.random.default_rng(11 + n_tokens)
         times: dict[str, list[float]] = {s: [] for s in SHARES}
@@ -148,11 +148,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--only", choices=["shares", "upload"])
+    ap.add_argument("--executor", choices=["native", "python"], default="native")
     ns = ap.parse_args()
     proc, endpoint = start_server()
     try:
         if ns.only in (None, "shares"):
-            shares(endpoint, ns.steps, ns.warmup)
+            shares(endpoint, ns.steps, ns.warmup, ns.executor)
         if ns.only in (None, "upload"):
             upload(endpoint, ns.reps)
     finally:
