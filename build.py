@@ -176,7 +176,8 @@ def build_ggml(opts: Options) -> Path:
 
 def static_libs(ggml_dir: Path, opts: Options) -> list[str]:
     # order matters for the static linker: users before what they use
-    names = ["libggml.a"] + (["libggml-cuda.a"] if opts.cuda else []) + ["libggml-cpu.a", "libggml-base.a"]
+    names = ["libggml.a"] + (["libggml-cuda.a"] if opts.cuda else []) + ["libggml-rpc.a", "libggml-cpu.a",
+                                                                         "libggml-base.a"]
     found = {p.name: p for p in (ggml_dir / "build").rglob("*.a")}
     missing = [n for n in names if n not in found]
     if missing:

@@ -57,6 +57,11 @@ class ComputeError(BackendError):
     """A graph computation returned a failure status."""
 
 
+class RPCError(BackendError):
+    """An RPC server that cannot be reached, or whose connection failed (refused, a failed handshake, lost
+    mid-run); the message names the endpoint and the reason."""
+
+
 class RegionError(GgmlHybridError, ValueError):
     """A graph region registration that the scheduler rejects."""
 

@@ -151,6 +151,31 @@ def _proportions(v: Any) -> Optional[str]:
     return text
 
 
+_ENDPOINT_RE = re.compile(r"([^\s:,]+):([0-9]+)")
+
+
+def rpc_endpoints(text: Optional[str]) -> list[str]:
+    """``"host:50052,10.0.0.2:50052"`` -> ["host:50052", "10.0.0.2:50052"]: HOST:PORT items, each once
+    (llama.cpp's --rpc; IPv4 addresses or host names, as GGML's RPC client takes them)."""
+    out: list[str] = []
+    for item in (x.strip() for x in (text or "").split(",")):
+        m = _ENDPOINT_RE.fullmatch(item)
+        if not m or not 1 <= int(m.group(2)) <= 65535:
+            raise _Bad(f"{item!r} is not HOST:PORT with a port in 1..65535")
+        endpoint = f"{m.group(1)}:{int(m.group(2))}"
+        if endpoint in out:
+            raise _Bad(f"{endpoint} is given twice")
+        out.append(endpoint)
+    if len(out) > MAX_DEVICES:
+        raise _Bad(f"{len(out)} servers; a session has at most {MAX_DEVICES} devices")
+    return out
+
+
+def _endpoints(v: Any) -> Optional[str]:
+    text = _text(v)
+    return None if text is None else ",".join(rpc_endpoints(text))
+
+
 def _opt(default: Any, type_: str, rule: str, doc: str, conv: Callable[[Any], Any]) -> Any:
     return field(default=default, metadata={"type": type_, "rule": rule, "doc": doc, "conv": conv})
 
@@ -217,11 +242,16 @@ class SessionOptions:
         False, "bool", _BOOL_RULE, "KV cache in host memory and attention on the CPU (llama.cpp -nkvo).", _bool)
     virtual_devices: int = _opt(
         1, "int", f"an integer in 1..{MAX_DEVICES}",
-        "Without a GPU: how many CPU backend instances play the devices (DEV0, DEV1, ...).", _int(1, MAX_DEVICES))
+        "Without a GPU or RPC server: how many CPU backend instances play the devices (DEV0, DEV1, ...).",
+        _int(1, MAX_DEVICES))
     moe_executor: str = _opt(
         "native", "str", "one of 'native', 'python'",
         "Who runs a disk layer's calls: the native executor (C, no Python per call) or the Python reference.",
         _choice("native", "python"))
+    rpc: Optional[str] = _opt(
+        None, "str | None", "HOST:PORT items separated by commas, or none",
+        "RPC servers (ggml-hybrid rpc-server) whose devices the session uses, named RPC0, RPC1, ... in this "
+        "order, before any GPU (llama.cpp --rpc).", _endpoints)
 
     def __post_init__(self) -> None:
         for f in fields(self):

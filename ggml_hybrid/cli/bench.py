@@ -18,13 +18,16 @@ from .main import main
 @click.option("--runs", default=4, show_default=True, type=click.IntRange(1), help="Blocks of A,B,B,A.")
 @click.option("-n", "--n-predict", default=16, show_default=True, type=click.IntRange(2))
 @click.option("--config", type=click.Path(dir_okay=False))
+@click.option("--rpc", metavar="HOST:PORT[,...]", help="RPC servers whose devices both sides use (rpc=...).")
 @click.option("--json", "as_json", is_flag=True)
-def bench(model, a_opts, b_opts, runs, n_predict, config, as_json):
+def bench(model, a_opts, b_opts, runs, n_predict, config, rpc, as_json):
     """Time two session configurations of MODEL side by side in one process."""
     from .abbench import ab_bench, format_table
 
     path, role, base = _resolve_model(model, config)
     split = lambda s: [x for x in s.replace(",", " ").split() if x]
+    if rpc is not None:  # a list of servers is one item: its commas are not separators
+        base = SessionOptions.parse([f"rpc={rpc}"], role=role, base=base)
     a = SessionOptions.parse(split(a_opts), role=role, base=base)
     b = SessionOptions.parse(split(b_opts), role=role, base=base)
     r = ab_bench(path, a, b, runs=runs, n_predict=n_predict)

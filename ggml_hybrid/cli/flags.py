@@ -52,6 +52,8 @@ _LAYOUT_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("-fa", "--flash-attn", "flash_attn"), dict(is_flag=True, default=None)),
     (("-sm", "--split-mode", "split_mode"), dict(type=click.Choice(["layer", "none"]))),
     (("-ts", "--tensor-split", "tensor_split"), dict(help="Proportions of layers per device, e.g. 3,1.")),
+    (("--rpc", "rpc"), dict(metavar="HOST:PORT[,...]", help="RPC servers (ggml-hybrid rpc-server) whose devices "
+                                                             "to use, named RPC0, RPC1, ...")),
 ]
 
 

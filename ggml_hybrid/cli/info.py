@@ -25,12 +25,14 @@ def inspect(model, as_json):
 @main.command()
 @click.option("--virtual-devices", type=click.IntRange(1, MAX_DEVICES),
               help="Without a GPU: CPU instances playing devices.")
+@click.option("--rpc", metavar="HOST:PORT[,...]", help="RPC servers whose devices to list (asked now).")
 @click.option("--json", "as_json", is_flag=True)
-def devices(virtual_devices, as_json):
-    """The device names that layout options accept (CUDA0, ... or DEV0, ... and CPU)."""
+def devices(virtual_devices, rpc, as_json):
+    """The device names that layout options accept (RPC0, ..., CUDA0, ... or DEV0, ... and CPU)."""
     from ..deploy.devices import describe_devices
 
-    opts = SessionOptions(virtual_devices=virtual_devices) if virtual_devices else SessionOptions()
+    items = [f"virtual_devices={virtual_devices}"] if virtual_devices else []
+    opts = SessionOptions.parse(items + ([f"rpc={rpc}"] if rpc is not None else []))
     rows = describe_devices(opts)
     if as_json:
         click.echo(json.dumps(rows))

@@ -12,7 +12,8 @@ from .main import main
 
 @main.command()
 @click.argument("model")
-@click.option("--vram", help="Device memory, one size per device: 24G or 80G,80G (plans for CUDA0, CUDA1, ...).")
+@click.option("--vram", help="Device memory, one size per device: 24G or 80G,80G (plans for CUDA0, CUDA1, ...; with "
+              "--rpc for the session's devices, which are otherwise asked what they have free).")
 @click.option("--ram", help="Host memory for the warnings, e.g. 64G.")
 @click.option("--ctx", type=click.IntRange(1), help="Context size (n_ctx) per sequence.")
 @click.option("--parallel", default=1, show_default=True, type=click.IntRange(1), help="Parallel sequences.")

@@ -1,49 +1,113 @@
-"""The devices a session can place tensors on: CUDA GPUs, or CPU backend instances standing in for them.
+"""The devices a session can place tensors on: RPC servers' devices, CUDA GPUs, or CPU backend instances
+standing in for them.
 
-Names follow llama.cpp: ``CUDA0``, ``CUDA1``, ... and ``CPU`` for host memory. On a machine
-without a GPU, ``virtual_devices`` CPU backend instances play the devices as ``DEV0``, ``DEV1``,
-...: each has its own buffers, threadpool and expert cache, so multi-device layouts run (and
+Names follow llama.cpp: ``RPC0``, ``RPC1``, ... for the devices of the ``rpc`` servers (first, as
+llama.cpp puts them), ``CUDA0``, ``CUDA1``, ... and ``CPU`` for host memory. On a machine without a
+GPU and without RPC servers, ``virtual_devices`` CPU backend instances play the devices as ``DEV0``,
+``DEV1``, ...: each has its own buffers, threadpool and expert cache, so multi-device layouts run (and
 is tested) anywhere.
 """
 
 from __future__ import annotations
 
+from ..ggml import rpc
 from ..ggml.backend import Backend, cpu_instance, cuda, cuda_available
-from ..options import SessionOptions
+from ..options import MAX_DEVICES, OptionError, SessionOptions
 from .layout import CPU
 
 
-def device_names(opts: SessionOptions | None = None) -> list[str]:
-    """The accelerator names a session with ``opts`` would have (CPU not included)."""
+def _local_names(opts: SessionOptions, remote: int) -> list[str]:
     if cuda_available():
         from .._native import lib
 
         return [f"CUDA{i}" for i in range(lib.ggml_hybrid_cuda_device_count())]
-    n = (opts or SessionOptions()).virtual_devices
-    return [f"DEV{i}" for i in range(n)]
+    if remote:
+        return []  # real devices: no CPU instance plays one
+    return [f"DEV{i}" for i in range(opts.virtual_devices)]
+
+
+def _rpc_devices(opts: SessionOptions) -> list[rpc.RPCDevice]:
+    return rpc.server_devices(opts.rpc) if opts.rpc is not None else []
+
+
+def _checked(names: list[str]) -> list[str]:
+    if len(names) > MAX_DEVICES:
+        raise OptionError(f"{len(names)} devices ({', '.join(names)}): a session has at most {MAX_DEVICES} (a GGML "
+                          "scheduler holds at most 16 backends, the host CPU included)")
+    return names
+
+
+def device_names(opts: SessionOptions | None = None) -> list[str]:
+    """The accelerator names a session with ``opts`` would have (CPU not included); asks RPC servers."""
+    opts = opts or SessionOptions()
+    remote = [d.name for d in _rpc_devices(opts)]
+    return _checked(remote + _local_names(opts, len(remote)))
 
 
 def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
     """Backends for :func:`device_names`, in order."""
-    out = {}
+    remote = _rpc_devices(opts)
+    names = _checked([d.name for d in remote] + _local_names(opts, len(remote)))
+    out: dict[str, Backend] = {}
+    try:
+        for d in remote:
+            out[d.name] = rpc.open_device(d)
+        for name in names[len(remote):]:
+            out[name] = cuda(int(name[4:])) if name.startswith("CUDA") else cpu_instance(int(name[3:]), n_threads)
+    except BaseException:
+        for b in out.values():
+            b.close()
+        raise
+    return out
+
+
+def plan_device_names(opts: SessionOptions, vram: list[int] | None) -> list[str]:
+    """The devices a plan is for: with ``rpc`` the session's own (``vram``, if given, sizes them in order),
+    else ``vram``'s (CUDA0, CUDA1, ...), else the session's."""
+    if opts.rpc is not None:
+        names = device_names(opts)
+        if vram is not None and len(vram) != len(names):
+            raise OptionError(f"vram: {len(vram)} device sizes given for the {len(names)} devices "
+                              f"({', '.join(names)}); give one per device, or none to ask the servers")
+        return names
+    return [f"CUDA{i}" for i in range(len(vram))] if vram else device_names(opts)
+
+
+def device_free_memory(opts: SessionOptions) -> list[int] | None:
+    """Free bytes of each device of a session with ``rpc`` (the servers asked now); None when some device
+    cannot say (a CPU instance playing one)."""
+    from ..ggml.backend import devices as ggml_devices
+
+    gpus = {d.name: d.memory_free for d in ggml_devices() if d.type == "gpu"}
+    remote = {d.name: d.memory()[0] for d in _rpc_devices(opts)}
+    out = []
     for name in device_names(opts):
-        out[name] = cuda(int(name[4:])) if name.startswith("CUDA") else cpu_instance(int(name[3:]), n_threads)
+        free = remote.get(name, gpus.get(name))
+        if free is None:
+            return None
+        out.append(free)
     return out
 
 
 def describe_devices(opts: SessionOptions | None = None) -> list[dict]:
     from ..ggml.backend import devices as ggml_devices
 
-    gpus = {d.name: d for d in ggml_devices() if d.type == "gpu"}
+    opts = opts or SessionOptions()
     rows = []
-    for name in device_names(opts):
-        d = gpus.get(name)
-        rows.append({"name": name, "kind": "gpu" if d else "cpu-instance",
-                     "description": d.description if d else "CPU backend instance playing a device (no GPU)",
-                     "memory_total": d.memory_total if d else None, "memory_free": d.memory_free if d else None})
+    remote = _rpc_devices(opts)
+    for d in remote:
+        free, total = d.memory()
+        rows.append({"name": d.name, "kind": "rpc", "description": f"device {d.index} of the RPC server {d.endpoint}",
+                     "memory_total": total, "memory_free": free})
+    gpus = {d.name: d for d in ggml_devices() if d.type == "gpu"}
+    for name in _local_names(opts, len(remote)):
+        g = gpus.get(name)
+        rows.append({"name": name, "kind": "gpu" if g else "cpu-instance",
+                     "description": g.description if g else "CPU backend instance playing a device (no GPU)",
+                     "memory_total": g.memory_total if g else None, "memory_free": g.memory_free if g else None})
     rows.append({"name": CPU, "kind": "host", "description": "host memory and the CPU backend",
                  "memory_total": None, "memory_free": None})
     return rows
 
 
-__all__ = ["describe_devices", "device_names", "open_devices"]
+__all__ = ["describe_devices", "device_free_memory", "device_names", "open_devices", "plan_device_names"]

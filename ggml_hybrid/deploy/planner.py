@@ -39,6 +39,10 @@ def plan(path, opts: SessionOptions | None = None, vram: list[int] | None = None
                           f"scheduler holds at most {MAX_DEVICES + 1} backends, the host CPU included)")
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise OptionError(f"parallel={parallel!r}: must be an integer >= 1")
+    if opts.rpc is not None and vram is None:
+        from .devices import device_free_memory
+
+        vram = device_free_memory(opts)  # each RPC server says what its devices have free
     info = describe(path)
     store = GGUFStore(path)
     try:
@@ -58,9 +62,9 @@ def plan(path, opts: SessionOptions | None = None, vram: list[int] | None = None
 
 def _plan_moe(path, info: dict, opts: SessionOptions, vram, ram, parallel: int) -> dict:
     """One dry run and the figures from it (``info``: the file's description, read once per plan)."""
-    from .devices import device_names
+    from .devices import plan_device_names
 
-    devices = [f"CUDA{i}" for i in range(len(vram))] if vram else device_names(opts)
+    devices = plan_device_names(opts, vram)
     meas = _measure(path, opts, devices)
     hp, n_ctx = meas["hp"], meas["n_ctx"]
     kv_seq = sum(meas["devices"][d]["kv_cache"] for d in devices) + meas["host_kv"]
@@ -284,13 +288,14 @@ def format_text(p: dict) -> str:
 def k8s_resources(p: dict, overhead: int = GiB) -> dict:
     """A pod ``resources`` stanza: GPUs, host memory (experts + KV + buffers + overhead), CPU threads.
 
-    Devices played by CPU instances (no GPU planned) live in host memory and are counted there.
+    Devices played by CPU instances (no GPU planned) live in host memory and are counted there; RPC
+    devices live on their servers and are not counted.
     """
     gpus = sum(1 for d, v in p["devices"].items() if d.startswith("CUDA") and v["total"] > 0)
     host = p.get("host", {})
     if p["moe"]:
         memory = host.get("mapped_total", 0) + host.get("resident_total", 0) + overhead
-        memory += sum(v["total"] for d, v in p["devices"].items() if not d.startswith("CUDA"))
+        memory += sum(v["total"] for d, v in p["devices"].items() if d.startswith("DEV"))
     else:  # a dense plan: the whole file mapped plus the KV cache
         memory = p["file_bytes"] + p["kv"]["total"] + overhead
     mem_gi = -(-memory // GiB)

@@ -125,6 +125,7 @@ class Backend(Managed):
             raise BackendError(f"could not initialise the {kind} backend")
         super().__init__(ptr, lib.ggml_backend_free)
         self.kind = kind
+        self.endpoint: str | None = None  # HOST:PORT of the server, for a device of GGML's RPC backend
         self._n_threads: int | None = None
         self._pool: Threadpool | None = None
 

@@ -327,6 +327,9 @@ class Context(OpsMixin, Managed):
         for b in self._buffers:
             b.close()
         self._buffers.clear()
+        # nor the shared ones: they go with their last user now, not whenever this object does (a
+        # traceback may hold it), and a buffer on an RPC server holds that server's connection
+        self._keep.clear()
 
     def new_graph(self, size: int = 2048) -> Graph:
         return Graph(self, size)

@@ -16,6 +16,7 @@ from .backend import Backend, user_buffers
 from .context import Context
 from .graph import Graph, live_pools
 from .regions import NativeExecutor, Region, RegionCall, raise_region_status
+from .rpc import raise_if_lost
 from .tensor import BorrowedScope, Tensor
 
 if TYPE_CHECKING:
@@ -231,10 +232,15 @@ class Scheduler(Managed):
         finally:
             leave_compute(self)
             self._computing = None
-        self._raise_pending()
-        if status != lib.GGML_STATUS_SUCCESS:
-            raise_region_status(self)
-            check_status(status, "Scheduler.compute")
+        try:
+            self._raise_pending()
+            if status != lib.GGML_STATUS_SUCCESS:
+                raise_region_status(self)
+                check_status(status, "Scheduler.compute")
+        except Exception as exc:
+            raise_if_lost(self._backends, exc)  # a lost RPC server is why it failed: say so
+            raise
+        raise_if_lost(self._backends)  # lost after its last reply: the results never came
 
     def reset(self) -> None:
         self._idle("reset")

@@ -11,6 +11,7 @@ import numpy.typing as npt
 from .._native import CData, cstr, ffi, lib
 from ..errors import ArgumentError, BackendError, ClosedError, DTypeError, IndexRangeError, ShapeError
 from .dtypes import GGMLType
+from .rpc import check_buffer
 
 if TYPE_CHECKING:
     from .context import Context
@@ -211,10 +212,12 @@ class Tensor:
         out = np.empty(self.nbytes if dt.is_quantized else self.shape,
                        dtype=np.uint8 if dt.is_quantized else dt.numpy_dtype)
         p = self.ptr
-        if _buffer_of(p) == ffi.NULL:
+        buf = _buffer_of(p)
+        if buf == ffi.NULL:
             ffi.memmove(ffi.from_buffer(out), p.data, out.nbytes)
         else:
             lib.ggml_backend_tensor_get(p, ffi.from_buffer(out), 0, out.nbytes)
+            check_buffer(buf)  # from a lost RPC server the data reads as zeros
         return out
 
     def view_numpy(self, writable: bool = True) -> np.ndarray:

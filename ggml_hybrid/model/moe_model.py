@@ -25,7 +25,8 @@ from .._native import ffi
 from ..checks import check_choice
 from ..deploy.devices import open_devices
 from ..deploy.layout import CPU, Layout, is_expert_tensor, plan_layout
-from ..errors import ClosedError, IndexRangeError, ModelFileError, ShapeError
+from ..errors import ClosedError, IndexRangeError, ModelFileError, RPCError, ShapeError
+from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
 from ..ggml.graph_cache import GraphCache
@@ -106,8 +107,13 @@ class MoEModel:
         self._active: tuple[int, int, int] | None = None  # key of the graph whose regions are registered
         try:
             self._load(opts, hp, n_threads, device, dry_run_devices, progress)
-        except BaseException:
+            rpc.raise_if_lost(self.devices.values())  # a server lost while loading: the weights are not there
+        except BaseException as exc:
+            lost = rpc.lost(self.devices.values()) if isinstance(exc, Exception) and not isinstance(exc, RPCError) \
+                else None  # a load that failed because a server was lost says so
             self.close()
+            if lost is not None:
+                raise lost from exc
             raise
         self.load_seconds = time.perf_counter() - t0
 
@@ -119,7 +125,8 @@ class MoEModel:
             for i, name in enumerate(cast("list[str]", dry_run_devices)):  # given when dry_run
                 self.devices[name] = cpu_instance(i, 1)
         elif device is not None:
-            self.devices = {"CUDA0" if not device.is_cpu else "DEV0": device}
+            name = device.kind if device.endpoint is not None else "DEV0" if device.is_cpu else "CUDA0"
+            self.devices = {name: device}
         else:
             self.devices = open_devices(opts, n_threads)
         self.host = cpu(n_threads)
@@ -240,6 +247,10 @@ class MoEModel:
                     home[addr(t)] = self.backend(lay.tensors[t.name])
         pins = []
         for node in entry.graph.nodes:
+            if node.ptr.view_src != ffi.NULL:
+                # a view lives where its source does (GGML places it so); pinned elsewhere, GGML would hand
+                # that device a tensor in another device's memory without a copy
+                continue
             b = None
             for src in node.src:
                 p = src.ptr

@@ -4,6 +4,7 @@ typedef struct ggml_backend_buffer * ggml_backend_buffer_t;
 typedef struct ggml_backend * ggml_backend_t;
 typedef struct ggml_backend_device * ggml_backend_dev_t;
 typedef struct ggml_backend_sched * ggml_backend_sched_t;
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
 
 enum ggml_backend_buffer_usage {
     GGML_BACKEND_BUFFER_USAGE_ANY, GGML_BACKEND_BUFFER_USAGE_WEIGHTS, GGML_BACKEND_BUFFER_USAGE_COMPUTE, ...
@@ -52,6 +53,12 @@ ggml_backend_t ggml_backend_dev_init(ggml_backend_dev_t device, const char * par
 ggml_backend_buffer_type_t ggml_backend_dev_host_buffer_type(ggml_backend_dev_t device);
 size_t ggml_backend_dev_count(void);
 ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+ggml_backend_dev_t ggml_backend_dev_by_name(const char * name);
+ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
+const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
 ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size);
 ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
 

@@ -1,0 +1,67 @@
+#include "rpc_server.h"
+
+#include <stdio.h>
+
+#include "ggml-backend-impl.h"
+
+/* Copies of the served devices (same functions, except the memory they report) and their originals. */
+static struct ggml_backend_device served[GGML_HYBRID_RPC_SERVER_MAX_DEVICES];
+static ggml_backend_dev_t served_base[GGML_HYBRID_RPC_SERVER_MAX_DEVICES];
+static size_t served_mem;
+
+static ggml_backend_dev_t base_of(ggml_backend_dev_t dev) {
+    return served_base[dev - served];
+}
+
+static void served_memory(ggml_backend_dev_t dev, size_t * free, size_t * total) {
+    (void) dev;
+    *free = served_mem;
+    *total = served_mem;
+}
+
+static void served_props(ggml_backend_dev_t dev, struct ggml_backend_dev_props * props) {
+    ggml_backend_dev_t base = base_of(dev);
+    base->iface.get_props(base, props);
+    props->memory_free = served_mem;
+    props->memory_total = served_mem;
+}
+
+/* The server asks a backend's device for its memory: the backend must point at the copy. */
+static ggml_backend_t served_init(ggml_backend_dev_t dev, const char * params) {
+    ggml_backend_dev_t base = base_of(dev);
+    ggml_backend_t backend = base->iface.init_backend(base, params);
+    if (backend != NULL) {
+        backend->device = dev;
+    }
+    return backend;
+}
+
+typedef void (*start_server_t)(const char * endpoint, const char * cache_dir, size_t n_threads, size_t n_devices,
+                               ggml_backend_dev_t * devices);
+
+int ggml_hybrid_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
+                          size_t mem) {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
+    start_server_t start = reg != NULL ? (start_server_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_start_server")
+                                       : NULL;
+    if (start == NULL || n_devices == 0 || n_devices > GGML_HYBRID_RPC_SERVER_MAX_DEVICES) {
+        return -1;
+    }
+    ggml_backend_dev_t use[GGML_HYBRID_RPC_SERVER_MAX_DEVICES];
+    for (size_t i = 0; i < n_devices; i++) {
+        use[i] = devices[i];
+        if (mem > 0) {
+            served[i] = *devices[i];
+            served_base[i] = devices[i];
+            served[i].iface.get_memory = served_memory;
+            served[i].iface.get_props = served_props;
+            served[i].iface.init_backend = served_init;
+            use[i] = &served[i];
+        }
+    }
+    served_mem = mem;
+    /* GGML's server reports on stdout; a line at a time, so that a log or a pipe sees it as it happens */
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    start(endpoint, NULL, n_threads, n_devices, use);
+    return 0;
+}

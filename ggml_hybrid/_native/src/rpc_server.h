@@ -1,0 +1,17 @@
+/* The device side of `ggml-hybrid rpc-server`: GGML's RPC server over devices that may report a
+   memory size of the user's choosing (--mem), as llama.cpp's rpc-server once did. */
+#pragma once
+
+#include <stddef.h>
+
+#include "ggml-backend.h"
+
+/* Devices one server may serve (GGML's RPC protocol numbers them per server). */
+#define GGML_HYBRID_RPC_SERVER_MAX_DEVICES 16
+
+/* Serve `devices` on `endpoint` (HOST:PORT) with GGML's RPC server, `n_threads` CPU threads, each device
+   reporting `mem` bytes free and total when mem > 0. Blocks for as long as the server runs; returns -1
+   when this build has no RPC backend or the arguments are out of range, 0 when the server stopped (it
+   could not listen: GGML said why on stderr). */
+int ggml_hybrid_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
+                          size_t mem);

@@ -1,0 +1,106 @@
+"""``ggml-hybrid rpc-server``: serve this machine's device to ggml-hybrid (or llama.cpp) sessions over TCP.
+
+GGML's RPC server runs in a daemon thread (its C call never returns); the main thread waits for
+Ctrl-C or SIGTERM and then ends the process at once, so that no clean-up races the server thread.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import threading
+from types import FrameType
+
+import click
+
+from ..units import MiB
+from .main import main
+
+_WARNING = ("warning: rpc-server listens on {endpoint}, which other machines can reach. The RPC protocol has no "
+            "authentication and no encryption: anyone who can connect can run graphs on this device and read or "
+            "write its memory. Bind to 127.0.0.1 (the default) unless the network is trusted.")
+
+
+def _check_host(host: str) -> ipaddress.IPv4Address:
+    # GGML's server takes a dotted IPv4 address, not a name
+    try:
+        return ipaddress.IPv4Address(host)
+    except ValueError:
+        raise click.BadParameter(f"{host!r} is not an IPv4 address (e.g. 127.0.0.1, or 0.0.0.0 for every interface)",
+                                 param_hint="--host") from None
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before GGML does (it would only say 'Failed to create server socket')."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as GGML's server does
+        s.bind((host, port))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    finally:
+        s.close()
+
+
+def _served_devices() -> list:
+    """llama.cpp's rpc-server choice: the GPUs, else the CPU."""
+    from .._native import lib
+
+    devs = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
+    gpus = [d for d in devs if lib.ggml_backend_dev_type(d) == lib.GGML_BACKEND_DEVICE_TYPE_GPU]
+    cpus = [d for d in devs if lib.ggml_backend_dev_type(d) == lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+    return gpus or cpus[:1]
+
+
+@main.command("rpc-server")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="IPv4 address to listen on. Any other than a loopback address exposes the device to the network, "
+                   "without authentication.")
+@click.option("--port", "-p", default=50052, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--threads", "-t", type=click.IntRange(1, 512),
+              help="CPU threads of the served CPU (default: all cores).")
+@click.option("--mem", type=click.IntRange(1), metavar="MiB",
+              help="Memory the device reports to clients, in MiB (default: what it has).")
+def rpc_server(host: str, port: int, threads: int | None, mem: int | None) -> None:
+    """Serve this machine's device (its GPUs, else its CPU) to sessions started with --rpc HOST:PORT.
+
+    Runs in the foreground until Ctrl-C. One client at a time: a second one waits until the first
+    disconnects.
+    """
+    from ..ggml import rpc
+
+    address = _check_host(host)
+    endpoint = f"{host}:{port}"
+    if not address.is_loopback:
+        click.echo(_WARNING.format(endpoint=endpoint), err=True)
+    _check_port(host, port)
+    devices = _served_devices()
+    if not devices:
+        raise click.ClickException("no device to serve")
+    stop = threading.Event()
+    result: list[int] = []
+
+    def serve() -> None:
+        result.append(rpc.serve(endpoint, threads or os.cpu_count() or 1, devices, (mem or 0) * MiB))
+        stop.set()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    threading.Thread(target=serve, name="rpc-server", daemon=True).start()
+    while not stop.wait(0.5):  # a timed wait: signal handlers run between waits
+        pass
+    if result:  # the server returned: it could not start (GGML said why on stderr)
+        raise click.ClickException(f"the RPC server on {endpoint} stopped" if result[0] == 0 else
+                                   "this build of GGML has no RPC server")
+    click.echo(f"rpc-server on {endpoint}: stopped", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # now, without interpreter clean-up: GGML's server thread may be serving a client and must not see
+    # its globals destroyed under it; the kernel closes the sockets
+    os._exit(0)

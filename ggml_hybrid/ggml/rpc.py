@@ -1,0 +1,156 @@
+"""GGML's RPC backend: devices of other processes or machines (``ggml-hybrid rpc-server``), over TCP.
+
+A session given ``rpc=HOST:PORT[,HOST:PORT...]`` (llama.cpp's ``--rpc``) asks each server for its
+devices and names them as llama.cpp does: ``RPC0``, ``RPC1``, ... in the order of the list, each
+server's devices in its own order. GGML reaches the backend through its registry (the functions are
+proc addresses of the ``RPC`` entry), as llama.cpp does, whether it is linked in or loaded.
+
+Failures never abort (vendor patch 0002): a connection that cannot be made, a failed handshake or a
+connection lost mid-run leaves GGML's calls without effect, and :func:`raise_if_lost` /
+:func:`check_buffer` turn the endpoint's recorded reason into one :class:`~ggml_hybrid.errors.RPCError`.
+A lost connection stays failed until everything that uses it (the session's backends and buffers) is
+closed; the next session connects afresh.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .._native import CData, cstr, ffi, lib
+from ..errors import OptionError, RPCError
+from ..options import rpc_endpoints
+from .backend import Backend
+
+_ERROR_BYTES = 512
+# buffer type address -> endpoint, for every RPC backend opened: which connection a buffer depends on
+_buffer_types: dict[int, str] = {}
+_procs: dict[str, CData] = {}
+
+
+def _proc(name: str, ctype: str) -> CData:
+    fn = _procs.get(name)
+    if fn is None:
+        reg = lib.ggml_backend_reg_by_name(b"RPC")
+        ptr = lib.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg != ffi.NULL else ffi.NULL
+        if ptr == ffi.NULL:
+            raise RPCError(f"this build of GGML has no RPC backend ({name} not found); rebuild with build.py")
+        fn = _procs[name] = ffi.cast(ctype, ptr)
+    return fn
+
+
+def connection_error(endpoint: str) -> str:
+    """Why the connection to ``endpoint`` failed ('' when it has not, or a new one has since succeeded)."""
+    get = _proc("ggml_backend_rpc_get_error", "size_t (*)(const char *, char *, size_t)")
+    buf = ffi.new("char[]", _ERROR_BYTES)
+    get(endpoint.encode(), buf, _ERROR_BYTES)
+    return cstr(buf)
+
+
+def _fail(endpoint: str, fallback: str) -> RPCError:
+    return RPCError(f"RPC server {endpoint}: {connection_error(endpoint) or fallback}")
+
+
+@dataclass(frozen=True)
+class RPCDevice:
+    """One device of an RPC server, named as this session names it."""
+
+    name: str  # RPC0, RPC1, ...
+    endpoint: str  # HOST:PORT
+    index: int  # the device's number on its server
+    dev: CData = field(repr=False, compare=False)
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes, as the server reports them (asked now)."""
+        free, total = ffi.new("size_t *"), ffi.new("size_t *")
+        lib.ggml_backend_dev_memory(self.dev, free, total)
+        if total[0] == 0 and connection_error(self.endpoint):
+            raise _fail(self.endpoint, "no reply")
+        return int(free[0]), int(total[0])
+
+
+def _resolve(endpoint: str) -> None:
+    """GGML resolves the host itself, but would log its failure on stderr: check it here first (IPv4, as GGML)."""
+    host = endpoint.rpartition(":")[0]
+    try:
+        socket.gethostbyname(host)
+    except (OSError, UnicodeError) as exc:
+        raise RPCError(f"RPC server {endpoint}: cannot resolve host {host!r} ({exc})") from None
+
+
+def parse_endpoints(text: str) -> list[str]:
+    """``"HOST:PORT,..."`` -> the endpoints (the ``rpc`` option's rule); bad text raises OptionError."""
+    try:
+        return rpc_endpoints(text)
+    except Exception as exc:  # the options module's internal rejection
+        raise OptionError(f"rpc={text}: {exc}") from None
+
+
+def server_devices(text: str) -> list[RPCDevice]:
+    """The devices of the servers in ``text`` (``HOST:PORT,...``), each server asked over the network."""
+    endpoints = parse_endpoints(text)
+    add_server = _proc("ggml_backend_rpc_add_server", "ggml_backend_reg_t (*)(const char *)")
+    out: list[RPCDevice] = []
+    for endpoint in endpoints:
+        _resolve(endpoint)
+        reg = add_server(endpoint.encode())  # GGML keeps one registry entry per endpoint
+        if reg == ffi.NULL:
+            raise _fail(endpoint, "the server has no device")
+        for i in range(lib.ggml_backend_reg_dev_count(reg)):
+            out.append(RPCDevice(f"RPC{len(out)}", endpoint, i, lib.ggml_backend_reg_dev_get(reg, i)))
+    return out
+
+
+def open_device(device: RPCDevice) -> Backend:
+    """A backend on ``device``: connects to its server (or shares the connection the process has to it)."""
+    ptr = lib.ggml_backend_dev_init(device.dev, ffi.NULL)
+    if ptr == ffi.NULL:
+        raise _fail(device.endpoint, f"could not open device {device.index} of the server")
+    backend = Backend(ptr, device.name)
+    backend.endpoint = device.endpoint
+    buft = lib.ggml_backend_get_default_buffer_type(ptr)
+    if buft == ffi.NULL:  # the connection failed after the backend was made
+        backend.close()
+        raise _fail(device.endpoint, "no buffer type")
+    _buffer_types[int(ffi.cast("uintptr_t", buft))] = device.endpoint
+    return backend
+
+
+def lost(backends: Iterable[Backend]) -> RPCError | None:
+    """The error of the first of ``backends`` whose RPC connection has failed, or None."""
+    for b in backends:
+        if b.endpoint is not None and not b.closed:
+            reason = connection_error(b.endpoint)
+            if reason:
+                return RPCError(f"RPC server {b.endpoint} ({b.kind}): {reason}")
+    return None
+
+
+def raise_if_lost(backends: Iterable[Backend], cause: BaseException | None = None) -> None:
+    """Raise :class:`RPCError` (from ``cause``) if the connection of any of ``backends`` has failed."""
+    err = lost(backends)
+    if err is not None:
+        raise err from cause
+
+
+def check_buffer(buffer: CData) -> None:
+    """Raise :class:`RPCError` if ``buffer`` lives on an RPC server whose connection failed (its data
+    would read as zeros)."""
+    if not _buffer_types:  # no RPC device opened in this process
+        return
+    endpoint = _buffer_types.get(int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_type(buffer))))
+    if endpoint is not None:
+        reason = connection_error(endpoint)
+        if reason:
+            raise RPCError(f"RPC server {endpoint}: {reason}")
+
+
+def serve(endpoint: str, n_threads: int, devices: list[CData], mem: int = 0) -> int:
+    """Run GGML's RPC server on ``endpoint`` over ``devices`` (blocks while it runs; see ``rpc_server.h``)."""
+    arr = ffi.new("ggml_backend_dev_t[]", devices)
+    return int(lib.ggml_hybrid_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem))
+
+
+__all__ = ["RPCDevice", "check_buffer", "connection_error", "lost", "open_device", "parse_endpoints",
+           "raise_if_lost", "serve", "server_devices"]
