@@ -119,10 +119,8 @@ class NativeExpertExecutor:
         self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}  # kept: C reads the mapping
         self.scratch = scratch if scratch is not None else Scratch(device)
         self._own_scratch = scratch is None
-        if staging is None:  # pinned staging pays where the slots are not host memory and the device has it
-            dev = lib.ggml_backend_get_device(device.ptr)
-            staging = not self.buffer.is_host and dev != ffi.NULL and \
-                lib.ggml_backend_dev_host_buffer_type(dev) != ffi.NULL
+        if staging is None:  # where the slots are not host memory: pinned staging, or queued uploads (C decides)
+            staging = not self.buffer.is_host and lib.ggml_backend_get_device(device.ptr) != ffi.NULL
         self.staging = bool(staging)
         self._keep: list[Any] = []
         cfg = self._config(layer, names, n_used, policy, glu, trace is not None, trace_seq)
@@ -230,6 +228,13 @@ class NativeExpertExecutor:
             out.append((seq, layer, data[pos + 4:pos + 4 + T * k].astype(np.int32).reshape(T, k)))
             pos += 4 + T * k
         return out
+
+    @property
+    def load_mode(self) -> str:
+        """How loads reach the slots: ``copy`` (``tensor_set``), ``staged`` (double-buffered pinned host memory,
+        asynchronous uploads), ``queued`` (asynchronous uploads straight from the mapping: the backend copies
+        the data when it queues it, as GGML's RPC client does)."""
+        return ("copy", "staged", "queued")[lib.hy_moe_exec_load_mode(self._exec.ptr)]
 
     @property
     def graph_builds(self) -> int:

@@ -25,6 +25,8 @@ struct hy_moe_exec {
     int fail_after;          /* loads until an injected failure, -1: none */
     /* staging */
     bool staged;
+    bool async_loads;        /* no host buffer type, but uploads are queued (RPC): straight from the mapping */
+    bool async_pending;
     hy_stage stage[2];
     int stage_i;
     /* host arrays, grown to the largest call seen */
@@ -185,6 +187,13 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
             ex->stage[i].event = dev != NULL ? ggml_backend_event_new(dev) : NULL;
         }
         ex->staged = host != NULL;
+        if (!ex->staged && dev != NULL) {
+            /* the backend copies the data when it queues the upload (GGML's RPC client does), so the
+               mapping can be the source and reading the next expert overlaps sending this one */
+            struct ggml_backend_dev_props props;
+            ggml_backend_dev_get_props(dev, &props);
+            ex->async_loads = props.caps.async;
+        }
     }
     return ex;
 }
@@ -277,7 +286,10 @@ static int64_t load(hy_moe_exec * ex, int e, int slot) {
     for (int i = 0; i < ex->cfg.n_kinds; i++) {
         const size_t nb = ex->cfg.nbytes[i];
         const uint8_t * src = ex->cfg.src[i] + (size_t) e * nb;
-        if (!ex->staged) {
+        if (ex->async_loads) {
+            ggml_backend_tensor_set_async(ex->cfg.device, ex->cfg.slot_tensor[i], src, (size_t) slot * nb, nb);
+            ex->async_pending = true;
+        } else if (!ex->staged) {
             ggml_backend_tensor_set(ex->cfg.slot_tensor[i], src, (size_t) slot * nb, nb);
         } else {
             /* read expert N+1 from the mapping while expert N uploads from the other pinned buffer */
@@ -497,6 +509,12 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
             stage_wait(ex, &ex->stage[0]);
             stage_wait(ex, &ex->stage[1]);
         }
+        if (ex->async_pending) {
+            const int64_t t = hy_now_ns();
+            ggml_backend_synchronize(cfg->device);
+            ex->async_pending = false;
+            ex->counters.staging_wait_ns += hy_now_ns() - t;
+        }
         /* only now are the round's slots whole */
         for (int i = li - n_loads; i < li; i++) {
             hy_cache_commit(ex->cache, plan->load_slot[i], plan->load_expert[i]);
@@ -647,6 +665,16 @@ done:
     if (job_out) {
         hy_worker_wait(cfg->worker); /* the worker reads our arrays: never leave it running on them */
     }
+    if (rc != HY_OK) { /* a failed call leaves no upload in flight into slots the next call may plan */
+        if (ex->async_pending) {
+            ggml_backend_synchronize(cfg->device);
+            ex->async_pending = false;
+        }
+        if (ex->staged) {
+            stage_wait(ex, &ex->stage[0]);
+            stage_wait(ex, &ex->stage[1]);
+        }
+    }
     for (int i = 0; i < n_e; i++) {
         ex->counts[ex->experts[i]] = 0;
         ex->on_cpu[ex->experts[i]] = 0;
@@ -681,6 +709,7 @@ const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints) {
 void hy_moe_exec_trace_take(hy_moe_exec * ex) { ex->n_trace = 0; }
 
 int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex) { return ex->graphs.builds; }
+int hy_moe_exec_load_mode(const hy_moe_exec * ex) { return ex->staged ? 1 : ex->async_loads ? 2 : 0; }
 
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after) { ex->fail_after = after; }
 

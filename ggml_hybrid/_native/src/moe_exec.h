@@ -82,6 +82,8 @@ int hy_moe_exec_last_cpu(const hy_moe_exec * ex, const int32_t ** experts);
 const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints);
 void hy_moe_exec_trace_take(hy_moe_exec * ex);
 int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
+/* how loads reach the slots: 0 tensor_set, 1 pinned staging, 2 queued uploads from the mapping */
+int hy_moe_exec_load_mode(const hy_moe_exec * ex);
 /* make the load after the next `after` loads fail (tests: a fault half way through a call) */
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
 /* observe durations computed from the work (load_per_byte, device_per_row, cpu_per_byte, cpu_per_row,
