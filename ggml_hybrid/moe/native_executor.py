@@ -236,6 +236,10 @@ class NativeExpertExecutor:
         the data when it queues it, as GGML's RPC client does)."""
         return ("copy", "staged", "queued")[lib.hy_moe_exec_load_mode(self._exec.ptr)]
 
+    def use_plain_loads(self) -> None:
+        """Load by plain ``tensor_set`` from now on (benchmarks compare it with staged or queued loads)."""
+        lib.hy_moe_exec_plain_loads(self._exec.ptr)
+
     @property
     def graph_builds(self) -> int:
         return int(lib.hy_moe_exec_graph_builds(self._exec.ptr))

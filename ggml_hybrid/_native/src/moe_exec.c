@@ -711,6 +711,12 @@ void hy_moe_exec_trace_take(hy_moe_exec * ex) { ex->n_trace = 0; }
 int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex) { return ex->graphs.builds; }
 int hy_moe_exec_load_mode(const hy_moe_exec * ex) { return ex->staged ? 1 : ex->async_loads ? 2 : 0; }
 
+void hy_moe_exec_plain_loads(hy_moe_exec * ex) {
+    /* calls never leave uploads in flight, so the buffers can simply go unused */
+    ex->staged = false;
+    ex->async_loads = false;
+}
+
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after) { ex->fail_after = after; }
 
 void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[5]) {

@@ -84,6 +84,8 @@ void hy_moe_exec_trace_take(hy_moe_exec * ex);
 int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
 /* how loads reach the slots: 0 tensor_set, 1 pinned staging, 2 queued uploads from the mapping */
 int hy_moe_exec_load_mode(const hy_moe_exec * ex);
+/* loads by plain tensor_set from now on (benchmarks compare the paths) */
+void hy_moe_exec_plain_loads(hy_moe_exec * ex);
 /* make the load after the next `after` loads fail (tests: a fault half way through a call) */
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
 /* observe durations computed from the work (load_per_byte, device_per_row, cpu_per_byte, cpu_per_row,

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""The native expert executor against the Python reference (issue 12's figures).
+
+1. ``orchestration``: the 16-layer stack of bench_expert_cache.py (64 experts, top-8, Q4_K, 256 wide,
+   so that the experts' own compute is small and the executor's overhead shows) at decode, a CPU
+   backend instance playing the device, 1 thread. Sessions: resident experts; the native and the Python
+   executor with 64 slots (every expert fits: after the warm-up every call is a pure hit, so the time
+   over resident is the price of the cache path itself) and with 16 slots (misses every call). Per layer
+   call: wall time, its ratio to resident, the orchestration time (executor time minus loads and GGML
+   compute), the hit rate. Alternating order, fresh input per step, every output checked bit-identical.
+2. ``loads``: the same stack with its device on a ``ggml-hybrid rpc-server`` (loopback, 1 thread) and 8
+   slots, share 0: the native executor's queued uploads (straight from the mapping, the RPC client sends
+   while the next expert is read) against plain ``tensor_set`` (same executor, ``use_plain_loads``), at 1
+   and 64 tokens: time per layer, load time per call, MB/s.
+
+    python tools/bench/bench_native_executor.py [--part orchestration|loads|all] [--steps 40] [--warmup 10]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from ggml_hybrid.ggml import rpc
+from ggml_hybrid.moe.stack_session import MoEStackSession
+from ggml_hybrid.options import SessionOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_expert_cache import SHAPE, model_path
+from bench_rpc import start_server
+
+
+def _delta(s: MoEStackSession, base) -> dict[str, float]:
+    tot = s.counters.total
+    calls = tot.calls - base.calls
+    distinct = tot.distinct - base.distinct
+    return {"calls": calls, "hit": (tot.hits - base.hits) / distinct if distinct else float("nan"),
+            "orch_us": (tot.orchestration_ns - base.orchestration_ns) / calls / 1e3 if calls else float("nan"),
+            "load_ms": (tot.load_ns - base.load_ns) / calls / 1e6 if calls else float("nan"),
+            "bytes": tot.bytes_loaded - base.bytes_loaded, "load_s": (tot.load_ns - base.load_ns) / 1e9,
+            "wait_ms": (tot.staging_wait_ns - base.staging_wait_ns) / calls / 1e6 if calls else float("nan")}
+
+
+def _run(sessions: dict[str, MoEStackSession], ref: MoEStackSession | None, n_tokens: int, steps: int, warmup: int,
+         seed: int) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    rng = np.random.default_rng(seed)
+    times: dict[str, list[float]] = {k: [] for k in sessions}
+    base = {}
+    for i in range(warmup + steps):
+        x = rng.standard_normal((n_tokens, SHAPE["n_embd"])).astype(np.float32)
+        want = ref.forward(x) if ref is not None else None
+        if i == warmup:
+            base = {k: s.counters.total for k, s in sessions.items()}
+        order = list(sessions.items()) if i % 2 == 0 else list(sessions.items())[::-1]
+        for k, s in order:
+            t0 = time.perf_counter()
+            got = s.forward(x)
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+            if want is None:
+                want = got
+            assert np.array_equal(got, want), f"{k} differs"
+    return ({k: statistics.median(v) for k, v in times.items()},
+            {k: _delta(s, base[k]) for k, s in sessions.items() if k != "resident"})
+
+
+def orchestration(steps: int, warmup: int) -> None:
+    path, n_layer = model_path(), SHAPE["n_layer"]
+    modes = {"resident": [],
+             **{f"{e} {n} slots": ["disk_experts=1", f"expert_cache_slots={n}", f"moe_executor={e}"]
+                for n in (64, 16) for e in ("native", "python")}}
+    sessions = {k: MoEStackSession(path, SessionOptions.parse([*v, "n_threads=1"])) for k, v in modes.items()}
+    warm = np.random.default_rng(0).standard_normal((256, SHAPE["n_embd"])).astype(np.float32)
+    for s in sessions.values():
+        s.forward(warm)  # 256 tokens route to every expert: the 64-slot caches are full from here on
+    med, d = _run(sessions, None, 1, steps, warmup, seed=1)
+    print(f"decode, {n_layer} layers, {SHAPE['n_expert']} experts top-{SHAPE['n_used']} {SHAPE['expert_type']}, "
+          f"{steps} steps after {warmup}")
+    print(f"{'mode':<18} {'us/layer':>9} {'vs resident':>11} {'hit rate':>8} {'orchestration us/call':>22}")
+    for k, m in med.items():
+        us = m * 1e6 / n_layer
+        row = d.get(k)
+        hit = "-" if row is None else f"{row['hit']:.2f}"
+        orch = "-" if row is None else f"{row['orch_us']:.1f}"
+        print(f"{k:<18} {us:>9.1f} {m / med['resident']:>11.3f} {hit:>8} {orch:>22}")
+    for e in ("native", "python"):
+        print(f"{e}: orchestration 16 slots / 64 slots: "
+              f"{d[f'{e} 16 slots']['orch_us'] / d[f'{e} 64 slots']['orch_us']:.2f}")
+    print(f"python / native orchestration at 64 slots: "
+          f"{d['python 64 slots']['orch_us'] / d['native 64 slots']['orch_us']:.1f}x")
+    for s in sessions.values():
+        s.close()
+
+
+def loads(steps: int, warmup: int) -> None:
+    path, n_layer = model_path(), SHAPE["n_layer"]
+    proc, endpoint = start_server()
+    try:
+        dev = rpc.server_devices(endpoint)[0]
+        print(f"device RPC0 = rpc-server on {endpoint} (1 thread), 8 slots, share 0, native executor")
+        print(f"{'tokens':>6} {'loads':<7} {'ms/layer':>9} {'ratio':>6} {'load ms/call':>12} {'wait ms/call':>12} "
+              f"{'MB/s':>7}")
+        for n_tokens in (1, 64):
+            backends = {k: rpc.open_device(dev) for k in ("queued", "copy")}
+            items = ["disk_experts=1", "expert_cache_slots=8", "n_threads=1"]
+            sessions = {k: MoEStackSession(path, SessionOptions.parse(items), device=b) for k, b in backends.items()}
+            for ex in sessions["copy"].executors:
+                ex.use_plain_loads()
+            assert {ex.load_mode for ex in sessions["queued"].executors} == {"queued"}
+            ref = MoEStackSession(path, SessionOptions.parse(["n_threads=1"]))
+            med, d = _run(sessions, ref, n_tokens, steps, warmup, seed=5 + n_tokens)
+            for k in sessions:
+                row = d[k]
+                print(f"{n_tokens:>6} {k:<7} {med[k] * 1e3 / n_layer:>9.3f} {med[k] / med['copy']:>6.3f} "
+                      f"{row['load_ms']:>12.3f} {row['wait_ms']:>12.3f} {row['bytes'] / row['load_s'] / 1e6:>7.1f}")
+            for s in [*sessions.values(), ref]:
+                s.close()
+            for b in backends.values():
+                b.close()
+        print("every output bit-identical to the resident run on the local CPU: True")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@click.command(help=__doc__)
+@click.option("--part", type=click.Choice(["orchestration", "loads", "all"]), default="all", show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=40, show_default=True, help="measured steps per mode")
+@click.option("--warmup", type=click.IntRange(0), default=10, show_default=True)
+def main(part: str, steps: int, warmup: int) -> None:
+    if part in ("orchestration", "all"):
+        orchestration(steps, warmup)
+    if part in ("loads", "all"):
+        loads(steps, warmup)
+
+
+if __name__ == "__main__":
+    main()
