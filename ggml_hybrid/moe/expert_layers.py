@@ -205,7 +205,7 @@ class ExpertLayers:
 
     def compute_bytes(self, backend: Backend | None = None) -> int:
         """Compute memory of the cache executors' own graphs (on ``backend`` only, if given)."""
-        own, buffers = 0, {}
+        own, buffers = 0, dict[int, SharedBuffer]()
         for e, b in zip(self.executors, self.layer_backends):
             if e is None or (backend is not None and b is not backend):
                 continue
