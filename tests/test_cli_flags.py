@@ -317,17 +317,25 @@ def test_ctrl_c_during_generation_prints_the_stats(model):
     assert "Traceback" not in text and "stop: interrupted" in text and "decode" in text and "tok/s" in text
 
 
+# what a SIGINT between the mark and the call of main() prints: the harness's own line, not the program's
+_HARNESS_ONLY = 'Traceback (most recent call last):\n  File "<string>", line 1, in <module>\nKeyboardInterrupt\n'
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8])
 def test_ctrl_c_at_any_moment_and_twice_prints_no_traceback(model, delay):
-    p = _cli_process("run", model, "--tokens", "1,2", "-n", -1, "--ignore-eos", "-c", 4096, *T1)
-    time.sleep(delay)
-    p.send_signal(signal.SIGINT)
-    time.sleep(0.01)
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)  # a second Ctrl-C while the first is handled
-    out, err = p.communicate(timeout=60)
-    assert "Traceback" not in err.decode(), err.decode()
-    assert p.returncode == 130, (p.returncode, err.decode())
+    for _ in range(5):  # on a loaded machine the child may be descheduled right after its mark: try again
+        p = _cli_process("run", model, "--tokens", "1,2", "-n", -1, "--ignore-eos", "-c", 4096, *T1)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)  # a second Ctrl-C while the first is handled
+        out, err = p.communicate(timeout=60)
+        text = err.decode()
+        if not text.endswith(_HARNESS_ONLY):
+            break
+    assert "Traceback" not in text, text
+    assert p.returncode == 130, (p.returncode, text)
 
 
 # -- the tools: one CLI library, --help never runs anything -------------------------------------------

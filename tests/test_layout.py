@@ -301,7 +301,7 @@ def test_plan_json_schema_is_stable(model):
                        "threads", "warnings", "recommendations"]
     assert list(d["devices"]["CUDA0"]) == ["weights", "experts", "kv_cache", "compute", "total", "vram", "fits"]
     assert list(d["host"]) == ["mapped", "mapped_total", "kv_cache", "compute", "resident_total", "ram", "fits"]
-    assert list(d["kv"]) == ["n_ctx", "type_k", "type_v", "per_sequence", "parallel", "total"]
+    assert list(d["kv"]) == ["n_ctx", "type_k", "type_v", "per_sequence", "per_token", "parallel", "total"]
     assert list(d["layout"]) == ["layers", "kv", "experts", "output"]
     assert list(d["experts"]) == ["count", "used", "bytes_per_expert", "bytes_per_layer"]
     assert d["recommendations"] and all(list(r) == ["options", "buys", "device_total"] for r in d["recommendations"])
