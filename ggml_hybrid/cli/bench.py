@@ -30,8 +30,6 @@ def bench(model: str | None, model_flag: str | None, a_opts: str, b_opts: str, r
 
     path, role, base = session_from_flags(pick_model(model, model_flag), flags)
     split = lambda s: [x for x in s.replace(",", " ").split() if x]
-    if rpc is not None:  # a list of servers is one item: its commas are not separators
-        base = SessionOptions.parse([f"rpc={rpc}"], role=role, base=base)
     a = SessionOptions.parse(split(a_opts), role=role, base=base)
     b = SessionOptions.parse(split(b_opts), role=role, base=base)
     r = ab_bench(path, a, b, runs=runs, n_predict=n_predict, prompt=prompt)
