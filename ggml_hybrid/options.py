@@ -19,6 +19,7 @@ from typing import Any, Optional, Union, cast
 
 from ._native import lib
 from .errors import OptionError
+from .ggml.backend import THREADS_PER_CORE, max_threads
 
 __all__ = ["OptionError", "SessionOptions"]
 
@@ -28,6 +29,8 @@ _ROLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _INT_RE = re.compile(r"[+-]?[0-9]+")  # int() alone also takes "1_000" and non-ASCII digits
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _BOOL_RULE = "a boolean (true/false, 1/0, yes/no, on/off)"
+# one rule for thread counts, the CPU backend's own (ggml.backend.max_threads)
+_THREADS_RULE = f"an integer in 1..{max_threads()} ({THREADS_PER_CORE} x the cores) or none"
 
 
 
@@ -86,6 +89,33 @@ def _bool(v: Any) -> bool:
         raise _Bad()
     _typed(v, bool)
     return cast(bool, v)
+
+
+def _bool_or_auto(v: Any) -> Union[bool, str]:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    return _bool(v)
+
+
+_DEVICE_RE = re.compile(r"(RPC|CUDA|DEV)[0-9]+")
+
+
+def device_list(text: Optional[str]) -> list[str]:
+    """``"CUDA1,CUDA0"`` -> ["CUDA1", "CUDA0"]: device names, each once."""
+    names = [x.strip() for x in (text or "").split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise _Bad("device names separated by commas, each once")
+    for n in names:
+        if not _DEVICE_RE.fullmatch(n):
+            raise _Bad(f"{n!r} is not a device name (RPC0, ..., CUDA0, ... or DEV0, ...; the host is always used)")
+    return names
+
+
+def _device_list(v: Any) -> Optional[str]:
+    text = _text(v)
+    if text is None:
+        return None
+    return ",".join(device_list(text))
 
 
 def _choice(*choices: str) -> Callable[[Any], str]:
@@ -201,8 +231,8 @@ class SessionOptions:
         "Expert cache victim order: least recently used ('lru') or least frequently used ('lfu').",
         _choice("lru", "lfu"))
     n_threads: Optional[int] = _opt(
-        None, "int | None", "an integer in 1..512 or none", "CPU threads for CPU-side work; none = all cores.",
-        _int(1, 512, nullable=True))
+        None, "int | None", _THREADS_RULE, "CPU threads for CPU-side work; none = all cores (llama.cpp -t).",
+        _int(1, max_threads(), nullable=True))
     disk_experts: bool = _opt(
         False, "bool", _BOOL_RULE, "Load expert weights from disk on demand instead of keeping them in memory.", _bool)
     cpu_moe: bool = _opt(False, "bool", _BOOL_RULE, "Keep the MoE expert weights of all layers on the CPU.", _bool)
@@ -224,7 +254,10 @@ class SessionOptions:
     cache_type_v: str = _opt(
         "f16", "str", "one of 'f32', 'f16', 'q8_0'", "KV cache type of V (llama.cpp -ctv); q8_0 needs flash_attn.",
         _choice("f32", "f16", "q8_0"))
-    flash_attn: bool = _opt(False, "bool", _BOOL_RULE, "Fused flash attention (llama.cpp -fa on).", _bool)
+    flash_attn: Union[bool, str] = _opt(
+        False, "bool | 'auto'", f"{_BOOL_RULE} or 'auto'",
+        "Fused flash attention (llama.cpp -fa on|off); 'auto' = on when every backend that runs attention "
+        "supports it for this model, as llama.cpp decides.", _bool_or_auto)
     n_gpu_layers: int = _opt(
         -1, "int", "an integer >= -1", "Repeating layers offloaded to the devices, the last ones first; -1 = all "
         "(and the output) (llama.cpp -ngl).", _int(-1))
@@ -252,6 +285,13 @@ class SessionOptions:
         None, "str | None", "HOST:PORT items separated by commas, or none",
         "RPC servers (ggml-hybrid rpc-server) whose devices the session uses, named RPC0, RPC1, ... in this "
         "order, before any GPU (llama.cpp --rpc).", _endpoints)
+    n_threads_batch: Optional[int] = _opt(
+        None, "int | None", _THREADS_RULE,
+        "CPU threads of the CPU backends for batches of more than one token (the prompt); none = n_threads "
+        "(llama.cpp -tb).", _int(1, max_threads(), nullable=True))
+    devices: Optional[str] = _opt(
+        None, "str | None", "comma-separated device names (see `ggml-hybrid devices`) or none",
+        "The devices to use, in this order (llama.cpp -dev); none = every device.", _device_list)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -184,8 +184,8 @@ def test_inspect_and_plan_know_the_family(models, name):
         assert f["sliding_window"] == {"n_swa": 4, "layers": 1}
     # the planner's dry run allocates exactly that per token
     p = plan(models[name], SessionOptions(n_ctx=256))
-    assert p["kv"]["per_token"] == f["kv_bytes_per_token"]["f16"]
-    assert p["layout"]["experts"][:f["dense_layers"]] == ["dense"] * f["dense_layers"]
+    assert p.kv.per_token == f["kv_bytes_per_token"]["f16"]
+    assert p.layout.experts[:f["dense_layers"]] == ["dense"] * f["dense_layers"]
 
 
 U32, F32, STR = (gguf_type := __import__("gguf").GGUFValueType).UINT32, gguf_type.FLOAT32, gguf_type.STRING

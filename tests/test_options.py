@@ -10,7 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ggml_hybrid.errors import GgmlHybridError
+from ggml_hybrid.ggml.backend import max_threads
 from ggml_hybrid.options import MAX_DEVICES, OptionError, SessionOptions
+
+MAXT = max_threads()  # 4 x the cores: the thread rule of the CPU backend
 
 NAMES = [f.name for f in dataclasses.fields(SessionOptions)]
 DEFAULT = SessionOptions()
@@ -24,7 +27,8 @@ def test_defaults():
         "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "trace_path": None,
         "n_ctx": 0, "batch_size": 2048, "ubatch_size": 512, "cache_type_k": "f16", "cache_type_v": "f16",
         "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
-        "tensor_split": None, "no_kv_offload": False, "virtual_devices": 1, "moe_executor": "native", "rpc": None}
+        "tensor_split": None, "no_kv_offload": False, "virtual_devices": 1, "moe_executor": "native", "rpc": None,
+        "n_threads_batch": None, "devices": None}
     assert DEFAULT.to_items() == []
     assert SessionOptions.parse([]) == DEFAULT
     assert SessionOptions.from_dict({}) == DEFAULT
@@ -50,7 +54,10 @@ def test_bool_words(text, value):
     ("moe_cpu_share=auto", "moe_cpu_share", "auto"), ("moe_cpu_share=AUTO", "moe_cpu_share", "auto"),
     ("moe_cpu_share=1", "moe_cpu_share", 1.0), ("moe_cpu_share=1e-1", "moe_cpu_share", 0.1),
     ("moe_cpu_share=-0.0", "moe_cpu_share", 0.0), ("n_threads=none", "n_threads", None),
-    ("n_threads=", "n_threads", None), ("n_threads=512", "n_threads", 512), ("n_threads=+7", "n_threads", 7),
+    ("n_threads=", "n_threads", None), (f"n_threads={MAXT}", "n_threads", MAXT), ("n_threads=+2", "n_threads", 2),
+    ("flash_attn=auto", "flash_attn", "auto"), ("flash_attn=on", "flash_attn", True),
+    ("devices=DEV1, DEV0", "devices", "DEV1,DEV0"), ("devices=none", "devices", None),
+    ("n_threads_batch=2", "n_threads_batch", 2),
     ("trace_path=None", "trace_path", None), ("trace_path=", "trace_path", None),
     ("trace_path=./none", "trace_path", "./none"), ("expert_cache_slots=1000000", "expert_cache_slots", 10 ** 6)])
 def test_parse_values(item, field_, value):
@@ -112,9 +119,9 @@ def test_precedence_base_bare_role_explicit():
 
 
 def test_merged_validates_and_parses():
-    assert DEFAULT.merged(n_threads="16", trace_path="x").to_items() == ["n_threads=16", "trace_path=x"]
+    assert DEFAULT.merged(n_threads="2", trace_path="x").to_items() == ["n_threads=2", "trace_path=x"]
     assert DEFAULT.merged() == DEFAULT
-    with pytest.raises(OptionError, match=r"n_threads=0: must be an integer in 1\.\.512"):
+    with pytest.raises(OptionError, match=rf"n_threads=0: must be an integer in 1\.\.{MAXT} \(4 x the cores\)"):
         DEFAULT.merged(n_threads=0)
     with pytest.raises(OptionError, match="did you mean 'cpu_moe'"):
         DEFAULT.merged(cpu_mo=True)
@@ -139,8 +146,13 @@ BAD_ITEMS = [  # (items, role, fragments the message must contain)
     (["moe_cpu_share=-inf"], None, ["moe_cpu_share=-inf"]),
     (["moe_cpu_share=half"], None, ["moe_cpu_share=half", "'auto'"]),
     (["moe_cpu_share="], None, ["moe_cpu_share=:", "[0, 1]"]),
-    (["n_threads=0"], None, ["n_threads=0", "1..512"]),
-    (["n_threads=513"], None, ["n_threads=513", "1..512"]),
+    (["n_threads=0"], None, ["n_threads=0", f"1..{MAXT}"]),
+    ([f"n_threads={MAXT + 1}"], None, [f"n_threads={MAXT + 1}", f"1..{MAXT} (4 x the cores)"]),
+    (["n_threads=512"], None, ["n_threads=512", f"1..{MAXT}"]),
+    ([f"n_threads_batch={MAXT + 1}"], None, ["n_threads_batch", f"1..{MAXT}"]),
+    (["devices=GPU0"], None, ["devices=GPU0", "'GPU0' is not a device name"]),
+    (["devices=DEV0,DEV0"], None, ["devices=DEV0,DEV0", "each once"]),
+    (["flash_attn=maybe"], None, ["flash_attn=maybe", "'auto'"]),
     (["n_threads=1.5"], None, ["n_threads=1.5", "integer"]),
     (["n_threads=1e3"], None, ["n_threads=1e3", "integer"]),
     (["n_threads=1_0"], None, ["n_threads=1_0", "integer"]),
@@ -245,7 +257,7 @@ def test_nothing_partially_applied():
 
 def test_describe_covers_every_field():
     rows = SessionOptions.describe()
-    assert [r[0] for r in rows] == NAMES and len(NAMES) == 22
+    assert [r[0] for r in rows] == NAMES and len(NAMES) == 24
     for name, type_, default, rule, doc in rows:
         assert default == getattr(DEFAULT, name)
         assert type_ and rule and doc.strip() and "\n" not in doc
@@ -260,14 +272,15 @@ options = st.builds(
     moe_cpu_share=st.one_of(st.just("auto"), st.floats(0.0, 1.0)),
     expert_cache_slots=st.integers(0, 2 ** 40),
     expert_eviction=st.sampled_from(["lru", "lfu"]),
-    n_threads=st.none() | st.integers(1, 512),
+    n_threads=st.none() | st.integers(1, MAXT), n_threads_batch=st.none() | st.integers(1, MAXT),
+    devices=st.none() | st.sampled_from(["DEV0", "DEV1,DEV0", "CUDA0,CUDA3"]),
     disk_experts=st.booleans(),
     cpu_moe=st.booleans(),
     n_cpu_moe=st.integers(0, 1000),
     trace_path=st.none() | paths,
     n_ctx=st.integers(0, 10 ** 6), batch_size=st.integers(1, 8192), ubatch_size=st.integers(1, 8192),
     cache_type_k=st.sampled_from(["f32", "f16", "q8_0"]), cache_type_v=st.sampled_from(["f32", "f16", "q8_0"]),
-    flash_attn=st.booleans(), n_gpu_layers=st.integers(-1, 200),
+    flash_attn=st.sampled_from([True, False, "auto"]), n_gpu_layers=st.integers(-1, 200),
     override_tensor=st.none() | st.sampled_from(["exps=CPU", r"blk\.[0-3]\.ffn=DEV1,attn=DEV0", "(q|k)_norm=CPU"]),
     split_mode=st.sampled_from(["layer", "none"]), tensor_split=st.none() | st.sampled_from(["1,1", "3,1", "0.5,0,2"]),
     no_kv_offload=st.booleans(), virtual_devices=st.integers(1, MAX_DEVICES),

@@ -246,13 +246,18 @@ def test_writer_shape_and_closed(tmp_path):
 
 
 def test_writer_survives_a_dying_process(tmp_path):
-    """Records are flushed as they are written: the file is readable while the writer is still open."""
+    """Records are flushed as they are written: the partial file is readable while the writer is still open,
+    and the destination (an older trace here) is replaced only by the complete file, at close."""
     path = tmp_path / "live.trc"
+    path.write_bytes(b"an older trace")
     w = TraceWriter(path, 2, 4, 1)
     w.record(0, ids_of([1]))
     w.record(1, ids_of([2], [3]))
-    assert same_calls(read_trace(path).calls, [(0, ids_of([1])), (1, ids_of([2], [3]))])
+    want = [(0, ids_of([1])), (1, ids_of([2], [3]))]
+    assert same_calls(read_trace(w.partial_path).calls, want)
+    assert path.read_bytes() == b"an older trace"
     w.close()
+    assert same_calls(read_trace(path).calls, want) and sorted(p.name for p in tmp_path.iterdir()) == ["live.trc"]
 
 
 # -- hand-computed replays -------------------------------------------------------------------------

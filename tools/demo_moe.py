@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Main-job demo until the `ggml-hybrid demo` command exists.
+"""An FFN-stack demo (the whole-model one is `ggml-hybrid demo`).
 
 Generates a small random-weight MoE stack (GGUF, Q4_K experts) in a temporary folder and
 runs the same tokens through it four ways: experts resident, disk experts behind a device
@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import numpy as np
 
 from ggml_hybrid.model.synthetic import write_moe_stack
@@ -25,7 +26,13 @@ MODES = [("resident", []), ("cache, share 0", ["moe_cpu_share=0"]), ("cache, sha
          ("cache, share auto", ["moe_cpu_share=auto"])]
 
 
-def main() -> int:
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-t", "--threads", default=1, show_default=True, type=click.IntRange(1), help="CPU threads.")
+def main(threads: int) -> None:
+    sys.exit(run(threads))
+
+
+def run(threads: int = 1) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_moe_stack(Path(tmp) / "demo.gguf", seed=0, **SHAPE)
         rng = np.random.default_rng(0)
@@ -39,7 +46,7 @@ def main() -> int:
         ref, identical = None, True
         for name, extra in MODES:
             items = [] if name == "resident" else ["disk_experts=1", "expert_cache_slots=6", *extra]
-            with MoEStackSession(path, SessionOptions.parse(items + ["n_threads=1"])) as s:
+            with MoEStackSession(path, SessionOptions.parse(items + [f"n_threads={threads}"])) as s:
                 t0 = time.perf_counter()
                 outs = [s.forward(b) for b in batches]
                 dt = time.perf_counter() - t0
@@ -55,4 +62,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

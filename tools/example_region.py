@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Main-job example until the `ggml-hybrid demo` command exists.
+"""Regions through the patched scheduler, on a small MoE layer stack (the model demo is `ggml-hybrid demo`).
 
 Builds a small MoE layer stack (router -> top-k -> gate/up/down mul_mat_id), registers
 each layer's routed experts as a region, and runs it three ways through the patched
@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 
+import click
 import numpy as np
 
 import ggml_hybrid as gh
@@ -69,8 +70,14 @@ def run(cpu, graph, x, out, xv, regions=None, executor=None, reps=20):
         return out.numpy(), float(np.median(times))
 
 
-def main() -> int:
-    cpu = gh.cpu(2)
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-t", "--threads", default=2, show_default=True, type=click.IntRange(1), help="CPU threads.")
+def main(threads: int) -> None:
+    sys.exit(run_example(threads))
+
+
+def run_example(threads: int) -> int:
+    cpu = gh.cpu(threads)
     wctx, ctx, g, x, out, regions = build(cpu)
     xv = np.random.default_rng(1).standard_normal((N_TOKENS, N_EMBD)).astype(np.float32)
     ref, t_ref = run(cpu, g, x, out, xv)
@@ -86,4 +93,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

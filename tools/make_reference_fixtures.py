@@ -15,15 +15,14 @@ building llama.cpp.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 
+import click
 import numpy as np
 
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
@@ -149,29 +148,27 @@ def reference(llama_python: str, model: str, tokens: list[int], case: Case, out_
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-python", required=True, help="a Python with llama-cpp-python==0.3.36")
-    ap.add_argument("--out", default=os.path.join("tests", "fixtures", "llama_ref"))
-    ap.add_argument("--case", action="append", help="only these cases")
-    ns = ap.parse_args()
-    os.makedirs(ns.out, exist_ok=True)
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--llama-python", required=True, help="a Python with llama-cpp-python==0.3.36")
+@click.option("--out", default=os.path.join("tests", "fixtures", "llama_ref"), show_default=True)
+@click.option("--case", "cases", multiple=True, help="only these cases (repeat)")
+def main(llama_python: str, out: str, cases: tuple[str, ...]) -> None:
+    os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, case in CASES.items():
-            if ns.case and name not in ns.case:
+            if cases and name not in cases:
                 continue
             path = write_model(os.path.join(tmp, f"{name}.gguf"), case.spec)
             tokens = prompt_tokens(path)
             npy, last = os.path.join(tmp, f"{name}.npy"), os.path.join(tmp, f"{name}.last.npy")
-            info = reference(ns.llama_python, path, tokens, case, npy, last)
-            np.savez_compressed(os.path.join(ns.out, f"{name}.npz"), spec=json.dumps(asdict(case.spec)),
+            info = reference(llama_python, path, tokens, case, npy, last)
+            np.savez_compressed(os.path.join(out, f"{name}.npz"), spec=json.dumps(asdict(case.spec)),
                                 sha256=sha256(path), tokens=np.asarray(tokens, np.int32), logits=np.load(npy),
                                 last_logits=np.load(last), ubatch=case.ubatch, options=json.dumps(case.options),
                                 tokenized=json.dumps(info["tokenized"]), llama_cpp_python=info["llama_cpp_python"],
                                 simd=simd_tag())
-            print(f"{name}: {len(tokens)} positions, {os.path.getsize(os.path.join(ns.out, name + '.npz'))} bytes")
-    return 0
+            print(f"{name}: {len(tokens)} positions, {os.path.getsize(os.path.join(out, name + '.npz'))} bytes")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

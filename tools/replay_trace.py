@@ -83,6 +83,14 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _comma_list(kind: click.ParamType):
+    """A repeatable option whose values may also be comma-separated: --slots 2,4 --slots 8 is 2, 4, 8."""
+    def convert(ctx, param, values):
+        return tuple(kind.convert(part.strip(), param, ctx) for v in values for part in str(v).split(",")
+                     if part.strip())
+    return convert
+
+
 @click.group(cls=_OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     """Replay MoE routing traces through expert caches, or write synthetic traces."""
@@ -90,12 +98,13 @@ def cli():
 
 @cli.command("replay")
 @click.argument("trace", type=click.Path(dir_okay=False))
-@click.option("--slots", "slots", type=click.IntRange(min=1), multiple=True, required=True,
-              help="expert slots per layer (repeat for several)")
-@click.option("--policy", "policies", type=click.Choice(POLICIES, case_sensitive=False), multiple=True,
-              help="eviction policy (repeat; default: all)")
-@click.option("--share", "shares", type=_Share(), multiple=True,
-              help="moe_cpu_share: a number in [0, 1] or 'auto' (repeat; default 0)")
+@click.option("--slots", "slots", multiple=True, required=True, callback=_comma_list(click.IntRange(min=1)),
+              help="expert slots per layer (repeat, or commas: --slots 2,4,8)")
+@click.option("--policy", "policies", multiple=True,
+              callback=_comma_list(click.Choice(POLICIES, case_sensitive=False)),
+              help="eviction policy (repeat, or commas; default: all)")
+@click.option("--share", "shares", multiple=True, callback=_comma_list(_Share()),
+              help="moe_cpu_share: a number in [0, 1] or 'auto' (repeat, or commas; default 0)")
 @click.option("--bus-gbps", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True,
               help="host->device bus bandwidth, GB/s")
 @click.option("--cpu-gbps", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,

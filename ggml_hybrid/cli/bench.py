@@ -3,32 +3,34 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
 from ..options import SessionOptions
-from .flags import _resolve_model
+from .flags import model_argument, pick_model, session_flags, session_from_flags
 from .main import main
 
 
 @main.command()
-@click.argument("model")
-@click.option("--a", "a_opts", default="", help="Session options of side A: 'key=value key=value' (or commas).")
-@click.option("--b", "b_opts", default="", help="Session options of side B.")
+@model_argument
+@session_flags
+@click.option("--a", "a_opts", default="", help="Session options of side A over the flags: 'key=value key=value' "
+              "(or commas).")
+@click.option("--b", "b_opts", default="", help="Session options of side B over the flags.")
 @click.option("--runs", default=4, show_default=True, type=click.IntRange(1), help="Blocks of A,B,B,A.")
-@click.option("-n", "--n-predict", default=16, show_default=True, type=click.IntRange(2))
-@click.option("--config", type=click.Path(dir_okay=False))
-@click.option("--rpc", metavar="HOST:PORT[,...]", help="RPC servers whose devices both sides use (rpc=...).")
+@click.option("-n", "--predict", "--n-predict", "n_predict", default=16, show_default=True, type=click.IntRange(2),
+              help="Tokens generated per run.")
+@click.option("-p", "--prompt", default="The quick brown fox jumps over the lazy dog.", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def bench(model, a_opts, b_opts, runs, n_predict, config, rpc, as_json):
-    """Time two session configurations of MODEL side by side in one process."""
+def bench(model: str | None, model_flag: str | None, a_opts: str, b_opts: str, runs: int, n_predict: int, prompt: str,
+          as_json: bool, **flags: Any) -> None:
+    """Time two session configurations of MODEL side by side in one process (the flags apply to both)."""
     from .abbench import ab_bench, format_table
 
-    path, role, base = _resolve_model(model, config)
+    path, role, base = session_from_flags(pick_model(model, model_flag), flags)
     split = lambda s: [x for x in s.replace(",", " ").split() if x]
-    if rpc is not None:  # a list of servers is one item: its commas are not separators
-        base = SessionOptions.parse([f"rpc={rpc}"], role=role, base=base)
     a = SessionOptions.parse(split(a_opts), role=role, base=base)
     b = SessionOptions.parse(split(b_opts), role=role, base=base)
-    r = ab_bench(path, a, b, runs=runs, n_predict=n_predict)
+    r = ab_bench(path, a, b, runs=runs, n_predict=n_predict, prompt=prompt)
     click.echo(json.dumps(r) if as_json else format_table(r))

@@ -14,6 +14,7 @@ A model is picked by name or by role; a relative path is relative to the file.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+# a config lists models and their options: far below this; a larger file is a mistake (or /dev/zero)
+MAX_CONFIG_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -35,15 +38,66 @@ class ModelEntry:
     options: SessionOptions
 
 
-def load_config(path) -> dict[str, ModelEntry]:
-    path = os.fspath(path)
+def _read_bounded(path: str) -> bytes:
+    """The bytes of a regular file of at most MAX_CONFIG_BYTES; FIFOs and devices are never read."""
     try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
+        # non-blocking: opening a FIFO for reading would otherwise wait for a writer forever
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb", buffering=0) as f:
+            st = os.fstat(f.fileno())
+            if stat.S_ISDIR(st.st_mode):
+                raise ConfigError(f"config file {path!r} is a directory")
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"config file {path!r} is not a regular file (a device, FIFO or socket)")
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r} cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path!r} is larger than {MAX_CONFIG_BYTES} bytes; a model list is far smaller")
+    return data
+
+
+def _flatten(raw: dict, where: str) -> dict:
+    """``{"main": {"k": v}, "k2": v}`` -> ``{"main.k": v, "k2": v}``; one key spelled twice is an error.
+
+    TOML reads an unquoted ``main.moe_cpu_share = 0.5`` as a table ``main`` (a role scope) and a
+    quoted ``"main.moe_cpu_share"`` as one key; both spellings of one key must not silently last-win.
+    """
+    flat: dict = {}
+
+    def put(key: str, value: object) -> None:
+        if key in flat:
+            raise ConfigError(f"{where}: session option {key!r} is given twice (quoted and dotted spellings of "
+                              "one key)")
+        flat[key] = value
+
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                if isinstance(v, dict):
+                    raise ConfigError(f"{where}: session option {key}.{sub} is a table; options are "
+                                      "KEY = VALUE or ROLE.KEY = VALUE")
+                put(f"{key}.{sub}", v)
+        else:
+            put(key, value)
+    return flat
+
+
+def load_config(path) -> dict[str, ModelEntry]:
+    path = os.fspath(path)
+    data = _read_bounded(path)
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path!r} cannot be read as TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path!r} nests tables or arrays too deeply to read") from None
     models = doc.get("models")
     if not isinstance(models, dict) or not models:
         raise ConfigError(f"{path}: needs a [models.NAME] table with at least one model")
@@ -64,14 +118,7 @@ def load_config(path) -> dict[str, ModelEntry]:
         raw = m.get("session_options", {})
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: 'session_options' must be a table")
-        # TOML reads an unquoted `main.moe_cpu_share = 0.5` as a table `main`: a role scope
-        flat = {}
-        for key, value in raw.items():
-            if isinstance(value, dict):
-                flat.update({f"{key}.{sub}": v for sub, v in value.items()})
-            else:
-                flat[key] = value
-        raw = flat
+        raw = _flatten(raw, where)
         try:
             opts = SessionOptions.from_dict(raw, role=role)
         except ValueError as exc:

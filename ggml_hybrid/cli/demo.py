@@ -78,12 +78,14 @@ def format_demo(r: dict) -> str:
 
 @main.command()
 @click.option("-n", "--n-predict", default=24, show_default=True, type=click.IntRange(1))
-@click.option("--threads", "-t", type=click.IntRange(1, 512))
+@click.option("-t", "--threads", type=int, metavar="N",
+              help="CPU threads (default: all cores; N <= 0 = all).")
 @click.option("--json", "as_json", is_flag=True)
 def demo(n_predict, threads, as_json):
     """Generate a small MoE model and run it resident, cached and hybrid; check the logits agree."""
 
-    r = run_demo(n_predict=n_predict, n_threads=threads, echo=(lambda s: None) if as_json else click.echo)
+    r = run_demo(n_predict=n_predict, n_threads=threads if threads and threads > 0 else None,
+                 echo=(lambda s: None) if as_json else click.echo)
     click.echo(json.dumps(r) if as_json else format_demo(r))
     if not r["all_identical"]:
         sys.exit(1)

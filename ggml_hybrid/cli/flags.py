@@ -1,86 +1,45 @@
-"""What the commands share: llama.cpp's layout flags, session options from flags, model names, progress."""
+"""What the commands share: the model argument, one set of session and layout flags, argument checks.
+
+``run``, ``plan`` and ``bench`` (and any later command that loads a model) take the same flags,
+with llama.cpp's names and meanings (``common/arg.cpp`` of the pinned llama.cpp), each a shorthand
+for a session option (``ggml-hybrid options``). A flag and ``-o KEY=VALUE`` for the same option
+with different values is an error, as is one flag given twice with different values; a flag that
+llama.cpp has but that would do nothing here is refused with the reason, never ignored.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import click
 
 from ..errors import OptionError
-from ..options import SessionOptions
+from ..options import MAX_DEVICES, SessionOptions
 from .config import load_config, pick
 
-
-def _progress(enabled: bool):
-    """A loading progress bar on a terminal; (callback, finish)."""
-    if not enabled or not sys.stderr.isatty():
-        return None, lambda: None
-    state: dict[str, Any] = {}
-
-    def cb(done, total):
-        bar = state.get("bar")
-        if bar is None:
-            bar = state["bar"] = click.progressbar(length=total, label="loading", file=sys.stderr)
-            bar.__enter__()
-        bar.update(done - bar.pos)
-
-    def finish():
-        if "bar" in state:
-            state["bar"].__exit__(None, None, None)
-
-    return cb, finish
+# -- the model: a positional argument or -m/--model, as llama.cpp users type it ------------------
 
 
-# llama.cpp's layout flags, each shorthand for a session option
-_LAYOUT_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("-ot", "--override-tensor", "override_tensor"),
-     dict(multiple=True, metavar="REGEX=DEVICE[,...]", help="Tensor layout by regex (searched, first match wins).")),
-    (("-ngl", "--n-gpu-layers", "n_gpu_layers"),
-     dict(type=click.IntRange(-1), help="Layers on the devices; -1 = all.")),
-    (("--cpu-moe", "cpu_moe"), dict(is_flag=True, default=None, help="All routed expert weights on the CPU.")),
-    (("--n-cpu-moe", "n_cpu_moe"),
-     dict(type=click.IntRange(0), help="Routed expert weights of the first N layers on the CPU.")),
-    (("-nkvo", "--no-kv-offload", "no_kv_offload"), dict(is_flag=True, default=None,
-                                                          help="KV cache in host memory, attention on the CPU.")),
-    (("-ctk", "--cache-type-k", "cache_type_k"), dict(type=click.Choice(["f32", "f16", "q8_0"]))),
-    (("-ctv", "--cache-type-v", "cache_type_v"), dict(type=click.Choice(["f32", "f16", "q8_0"]))),
-    (("-c", "--ctx-size", "n_ctx"), dict(type=click.IntRange(0), help="Context size (0 = model's, at most 4096).")),
-    (("-b", "--batch-size", "batch_size"), dict(type=click.IntRange(1))),
-    (("-ub", "--ubatch-size", "ubatch_size"), dict(type=click.IntRange(1))),
-    (("-fa", "--flash-attn", "flash_attn"), dict(is_flag=True, default=None)),
-    (("-sm", "--split-mode", "split_mode"), dict(type=click.Choice(["layer", "none"]))),
-    (("-ts", "--tensor-split", "tensor_split"), dict(help="Proportions of layers per device, e.g. 3,1.")),
-    (("--rpc", "rpc"), dict(metavar="HOST:PORT[,...]", help="RPC servers (ggml-hybrid rpc-server) whose devices "
-                                                             "to use, named RPC0, RPC1, ...")),
-]
+def model_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("-m", "--model", "model_flag", metavar="FNAME",
+                      help="The model: a GGUF file, or a model name or role in --config (or give it as MODEL).")(fn)
+    return click.argument("model", required=False)(fn)
 
 
-def _layout_flags(fn):
-    for decls, kw in reversed(_LAYOUT_FLAGS):
-        fn = click.option(*decls, **kw)(fn)
-    return fn
+def pick_model(model: str | None, model_flag: str | None) -> str:
+    if model is not None and model_flag is not None:
+        raise click.UsageError(f"give the model once: as MODEL ({model!r}) or as -m/--model ({model_flag!r})")
+    chosen = model if model is not None else model_flag
+    if chosen is None:
+        raise click.UsageError("missing the model: give MODEL or -m/--model FNAME")
+    return chosen
 
 
-def _layout_items(values: dict) -> dict:
-    out = {}
-    for key, v in values.items():
-        if key == "override_tensor":
-            out[key] = ",".join(v) if v else None
-        elif isinstance(v, bool):
-            out[key] = "true" if v else None
-        else:
-            out[key] = v
-    return out
-
-
-def _options(items, role, base, explicit: dict) -> SessionOptions:
-    shorthand = [f"{k}={v}" for k, v in explicit.items() if v is not None]
-    return SessionOptions.parse(list(items) + shorthand, role=role, base=base)
-
-
-def _resolve_model(model: str, config):
+def resolve_model(model: str, config: str | None) -> tuple[str, str | None, SessionOptions | None]:
     """(path, role, base options) from a path or a config entry name/role."""
     if config is None:
         return model, None, None
@@ -90,3 +49,290 @@ def _resolve_model(model: str, config):
             return model, None, None
         raise OptionError(f"model {model!r} is neither a file nor a model name or role in {config}")
     return entry.path, entry.role, entry.options
+
+
+# -- the session flags -------------------------------------------------------------------------------
+
+
+def _unsupported(flag: str, why: str) -> Callable[[Any], str]:
+    def conv(value: Any) -> str:
+        raise click.UsageError(f"{flag} is not supported by ggml-hybrid: {why}")
+    return conv
+
+
+def _threads(value: int) -> str | None:
+    return None if value <= 0 else str(value)  # llama.cpp: N <= 0 means all cores
+
+
+def _on_off_auto(value: str) -> str:
+    return {"on": "true", "off": "false", "auto": "auto"}[value]
+
+
+def _ngl(value: str) -> str:
+    v = value.strip().lower()
+    if v == "all":
+        return "-1"
+    if v == "auto":
+        raise click.UsageError("-ngl auto (fit the layers to free device memory) is not supported by ggml-hybrid; "
+                               "give a number or 'all', and see `ggml-hybrid plan --vram ...` for a layout that fits")
+    try:
+        n = int(v)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number, 'all' or 'auto'", param_hint="-ngl") from None
+    return str(n)
+
+
+def _split_mode(value: str) -> str:
+    if value in ("row", "tensor"):
+        raise click.UsageError(f"-sm {value} (weights split across devices by rows) is not supported by ggml-hybrid; "
+                               "use -sm layer or -sm none")
+    return value
+
+
+def _device(value: str) -> str:
+    if value.strip().lower() == "none":
+        raise click.UsageError("-dev none (no device) is not supported by ggml-hybrid, which always has a device "
+                               "(a GPU, or a CPU instance playing one); use -ngl 0 to keep every layer on the CPU")
+    return value
+
+
+def _load_mode(value: str) -> str | None:
+    if value in ("auto", "mmap"):
+        return None  # what ggml-hybrid always does
+    return _unsupported(f"-lm {value}", "the model is always memory-mapped (CPU-placed tensors and disk experts are "
+                        "used in place from the mapping); auto and mmap are accepted")(value)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One session flag: click's declarations (the dest last) and settings, the option it sets."""
+
+    decls: tuple[str, ...]
+    key: str | None  # the session option; None: a flag refused by ``convert``
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    convert: Callable[[Any], str | None] = str  # click's value -> the option's text (None: leave the default)
+    implies: tuple[str, ...] = ()  # key=value items the flag implies (when it sets a value)
+
+    @property
+    def dest(self) -> str:
+        return self.decls[-1]
+
+
+_KV_TYPES = click.Choice(["f32", "f16", "q8_0"])
+
+SESSION_FLAGS: tuple[Flag, ...] = (
+    Flag(("-t", "--threads", "threads"), "n_threads", dict(type=int, metavar="N", help=(
+        "CPU threads for single-token steps and the CPU share (default: all cores; N <= 0 = all).")), _threads),
+    Flag(("-tb", "--threads-batch", "threads_batch"), "n_threads_batch", dict(type=int, metavar="N", help=(
+        "CPU threads for the prompt (batches of several tokens) (default: as -t).")), _threads),
+    Flag(("-c", "--ctx-size", "--ctx", "ctx_size"), "n_ctx", dict(type=click.IntRange(0), metavar="N", help=(
+        "Context size, KV cache cells (default 0: the model's, at most 4096)."))),
+    Flag(("-b", "--batch-size", "batch_size"), "batch_size", dict(type=click.IntRange(1), metavar="N", help=(
+        "Logical batch: most tokens handed to one eval step (default 2048)."))),
+    Flag(("-ub", "--ubatch-size", "ubatch_size"), "ubatch_size", dict(type=click.IntRange(1), metavar="N", help=(
+        "Physical batch: most tokens in one graph computation; sizes the compute buffers (default 512)."))),
+    Flag(("-ctk", "--cache-type-k", "cache_type_k"), "cache_type_k", dict(type=_KV_TYPES, help=(
+        "KV cache type of K (default f16)."))),
+    Flag(("-ctv", "--cache-type-v", "cache_type_v"), "cache_type_v", dict(type=_KV_TYPES, help=(
+        "KV cache type of V (default f16); q8_0 needs -fa on."))),
+    Flag(("-fa", "--flash-attn", "flash_attn"), "flash_attn", dict(
+        type=click.Choice(["on", "off", "auto"]), help=(
+            "Fused flash attention: on, off, or auto = on where the backends support it (default off)."
+        )), _on_off_auto),
+    Flag(("-ngl", "--gpu-layers", "--n-gpu-layers", "n_gpu_layers"), "n_gpu_layers", dict(metavar="N|all", help=(
+        "Repeating layers on the devices, the last ones first, the output head counting as one more (default all)."
+    )), _ngl),
+    Flag(("-ot", "--override-tensor", "override_tensor"), "override_tensor", dict(
+        multiple=True, metavar="REGEX=DEVICE[,...]", help="Tensor layout by regex (searched, first match wins)."),
+        lambda v: ",".join(v) if v else None),
+    Flag(("-cmoe", "--cpu-moe", "cpu_moe"), "cpu_moe", dict(is_flag=True, default=None, help=(
+        "All routed expert weights on the CPU.")), lambda v: "true" if v else None),
+    Flag(("-ncmoe", "--n-cpu-moe", "n_cpu_moe"), "n_cpu_moe", dict(type=click.IntRange(0), metavar="N", help=(
+        "Routed expert weights of the first N layers on the CPU."))),
+    Flag(("-nkvo", "--no-kv-offload", "no_kv_offload"), "no_kv_offload", dict(is_flag=True, default=None, help=(
+        "KV cache in host memory, attention on the CPU.")), lambda v: "true" if v else None),
+    Flag(("-sm", "--split-mode", "split_mode"), "split_mode", dict(
+        type=click.Choice(["none", "layer", "row", "tensor"]), help=(
+            "How layers spread over several devices: layer (default) or none (row, tensor: not supported)."
+        )), _split_mode),
+    Flag(("-ts", "--tensor-split", "tensor_split"), "tensor_split", dict(metavar="N0,N1,...", help=(
+        "Proportions of the offloaded layers per device, e.g. 3,1."))),
+    Flag(("-dev", "--device", "device"), "devices", dict(metavar="DEV1,DEV2,...", help=(
+        "The devices to use, in order (see `ggml-hybrid devices`).")), _device),
+    Flag(("--rpc", "rpc"), "rpc", dict(metavar="HOST:PORT[,...]", help=(
+        "RPC servers (ggml-hybrid rpc-server) whose devices to use, named RPC0, RPC1, ... before any GPU."))),
+    Flag(("--virtual-devices", "virtual_devices"), "virtual_devices", dict(
+        type=click.IntRange(1, MAX_DEVICES), metavar="N", help="Without a GPU: N CPU instances play devices.")),
+    Flag(("--disk-experts", "disk_experts"), "disk_experts", dict(is_flag=True, default=None, help=(
+        "Routed experts stay on disk (the mapped file) and stream into a device cache.")),
+        lambda v: "true" if v else None),
+    Flag(("--expert-cache-slots", "expert_cache_slots"), "expert_cache_slots", dict(
+        type=click.IntRange(1), metavar="N", help="Expert cache slots per layer (implies --disk-experts)."),
+        implies=("disk_experts=true",)),
+    Flag(("--expert-eviction", "expert_eviction"), "expert_eviction", dict(
+        type=click.Choice(["lru", "lfu"]), help="Expert cache victim order (default lru).")),
+    Flag(("--moe-cpu-share", "moe_cpu_share"), "moe_cpu_share", dict(metavar="X|auto", help=(
+        "Share of the cache misses the CPU runs: a number in [0, 1] or auto (a non-zero share implies "
+        "--disk-experts)."))),
+    Flag(("-lm", "--load-mode", "load_mode"), None, dict(
+        type=click.Choice(["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"]), help=(
+            "Model loading: auto and mmap (the default) only; the file is always memory-mapped.")), _load_mode),
+    Flag(("--no-mmap", "no_mmap"), None, dict(is_flag=True, default=None, hidden=True),
+         _unsupported("--no-mmap", "the model is always memory-mapped (CPU-placed tensors and disk experts are used "
+                      "in place from the mapping)")),
+    Flag(("--mlock", "mlock"), None, dict(is_flag=True, default=None, hidden=True),
+         _unsupported("--mlock", "locking the mapped model in RAM is not implemented; the page cache keeps what is "
+                      "used")),
+    Flag(("-mg", "--main-gpu", "main_gpu"), None, dict(hidden=True),
+         _unsupported("-mg", "choose the device with -dev (with -sm none the first device given is used)")),
+)
+
+SESSION_DESTS = frozenset(f.dest for f in SESSION_FLAGS) | {"session_options", "config"}
+
+
+def session_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The shared session flags, ``-o KEY=VALUE`` and ``--config`` as options of a command."""
+    for f in reversed(SESSION_FLAGS):
+        fn = click.option(*f.decls, **f.kwargs)(fn)
+    fn = click.option("--config", type=click.Path(dir_okay=False), help=(
+        "TOML file of models and their session options; MODEL may be a name or role in it."))(fn)
+    return click.option("-o", "--session-option", "session_options", multiple=True, metavar="[ROLE.]KEY=VALUE",
+                        help="A session option; repeatable. See `ggml-hybrid options`.")(fn)
+
+
+def flag_items(values: dict[str, Any]) -> list[str]:
+    """The ``key=value`` items the session flags in ``values`` (by dest) stand for."""
+    items = []
+    for f in SESSION_FLAGS:
+        v = values.get(f.dest)
+        if v is None or v == () or v is False:
+            continue
+        text = f.convert(v)
+        if text is None or f.key is None:
+            continue
+        items.append(f"{f.key}={text}")
+        items.extend(f.implies)
+        if f.key == "moe_cpu_share" and not _is_zero(text):
+            items.append("disk_experts=true")  # a CPU share of cache misses needs the cache
+    return items
+
+
+def _is_zero(text: str) -> bool:
+    try:
+        return float(text) == 0.0
+    except ValueError:
+        return False
+
+
+class Session(NamedTuple):
+    path: str
+    role: str | None
+    options: SessionOptions
+
+
+def session_from_flags(model: str, values: dict[str, Any]) -> Session:
+    """(model path, role, options) from the model argument and the shared flags (popped from ``values``)."""
+    shared = {k: values.pop(k) for k in list(values) if k in SESSION_DESTS}
+    path, role, base = resolve_model(model, shared["config"])
+    items = list(shared["session_options"]) + flag_items(shared)
+    return Session(path, role, SessionOptions.parse(_dedupe(items), role=role, base=base))
+
+
+def _dedupe(items: list[str]) -> list[str]:
+    """An implied item repeated by two flags (disk_experts=true) is one item."""
+    seen: set[str] = set()
+    return [x for x in items if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]
+
+
+# -- argument checks click does not make -----------------------------------------------------------
+
+
+def _looks_negative_number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def check_args(command: click.Command, args: list[str]) -> None:
+    """Refuse what click would misread or silently last-win.
+
+    Click reads an undeclared ``-cnv`` as ``-c nv`` and ``-tb2`` as ``-t b2``; llama.cpp has no
+    attached short values, so a single-dash word that is no declared flag is an unknown option.
+    One flag (or two spellings of it, ``-c``/``--ctx``) given twice with different values is an error.
+    """
+    names: dict[str, click.Option] = {}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            for o in [*param.opts, *param.secondary_opts]:
+                names[o] = param
+    seen: dict[str, tuple[str, str]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":
+            break
+        if not arg.startswith("-") or arg == "-" or _looks_negative_number(arg):
+            continue
+        name, eq, attached = arg.partition("=")
+        p = names.get(name)
+        if p is None:
+            if not arg.startswith("--") and len(arg) > 2:
+                raise click.NoSuchOption(arg, message=f"No such option: {arg} (values follow their flag as a "
+                                                      "separate argument, e.g. -c 512)")
+            continue  # click reports it
+        if p.is_flag or p.count:
+            continue
+        if eq:
+            value = attached
+        elif i < len(args):
+            value = args[i]
+            i += 1
+        else:
+            continue  # click reports the missing value
+        if p.multiple or p.name is None:
+            continue
+        prev = seen.get(p.name)
+        if prev is not None and prev[1] != value:
+            raise click.UsageError(f"{prev[0]} {prev[1]} and {name} {value}: one option given twice with different "
+                                   "values")
+        seen[p.name] = (name, value)
+
+
+class Command(click.Command):
+    """A command whose arguments pass :func:`check_args` before click parses them."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        check_args(self, args)
+        return super().parse_args(ctx, args)
+
+
+def explicit(ctx: click.Context, name: str) -> bool:
+    """Whether the parameter ``name`` was given on the command line (not a default)."""
+    src = ctx.get_parameter_source(name)
+    return src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+# -- progress --------------------------------------------------------------------------------------
+
+
+def progress_bar(enabled: bool) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
+    """A loading progress bar on a terminal; (callback, finish)."""
+    if not enabled or not sys.stderr.isatty():
+        return None, lambda: None
+    state: dict[str, Any] = {}
+
+    def cb(done: int, total: int) -> None:
+        bar = state.get("bar")
+        if bar is None:
+            bar = state["bar"] = click.progressbar(length=total, label="loading", file=sys.stderr)
+            bar.__enter__()
+        bar.update(done - bar.pos)
+
+    def finish() -> None:
+        if "bar" in state:
+            state["bar"].__exit__(None, None, None)
+
+    return cb, finish

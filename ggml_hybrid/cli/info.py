@@ -8,17 +8,18 @@ import click
 
 from ..options import MAX_DEVICES, SessionOptions
 from ..units import format_bytes
+from .flags import model_argument, pick_model
 from .main import main
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@model_argument
 @click.option("--json", "as_json", is_flag=True)
-def inspect(model, as_json):
+def inspect(model, model_flag, as_json):
     """Architecture, experts, bytes per tensor class and quant types of MODEL (header only)."""
     from ..deploy.model_info import describe, format_text
 
-    d = describe(model)
+    d = describe(pick_model(model, model_flag))
     click.echo(json.dumps(d) if as_json else format_text(d))
 
 

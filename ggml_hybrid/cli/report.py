@@ -7,9 +7,9 @@ from ..model.moe_model import MoEModel
 from ..units import format_bytes
 
 RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
-                   "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "counters",
-                   "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes", "layout",
-                   "options")
+                   "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "decode_steps",
+                   "counters", "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes",
+                   "layout", "options")
 
 
 def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
@@ -20,6 +20,7 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
         "prompt_tokens": st.prompt_tokens, "generated_tokens": st.generated_tokens, "stop_reason": st.stop_reason,
         "load_seconds": model.load_seconds, "prompt_seconds": st.prompt_seconds,
         "decode_seconds": st.decode_seconds, "prompt_tps": st.prompt_tps, "decode_tps": st.decode_tps,
+        "decode_steps": st.decode_steps,
         "counters": total.to_dict(), "share_applied": total.share_applied,
         "hybrid_offload_active": hybrid_offload_active(model), "device_memory": mem,
         "peak_device_bytes": sum(mem.values()), "layout": model.layout_report(),
@@ -28,8 +29,25 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
 
 
 def hybrid_offload_active(model: MoEModel) -> bool:
-    """Whether the CPU actually ran part of the routed-expert work (not only whether it was allowed to)."""
-    return model.options.moe_cpu_share != 0.0 and model.counters.total.cpu_misses > 0
+    """Whether hybrid offload is configured and active: routed experts run on the CPU.
+
+    True when some routed expert weights are placed on the CPU (``cpu_moe``, ``n_cpu_moe``,
+    ``-ot ...=CPU``), or when a CPU share of cache misses is set for layers that use the cache.
+    How much the CPU actually ran is reported apart (``share_applied``, ``cpu_misses``).
+    """
+    from ..deploy.layout import CPU, is_expert_tensor
+
+    lay = model.layout
+    on_cpu = any(dev == CPU for name, dev in lay.tensors.items() if is_expert_tensor(name))
+    shared = model.options.moe_cpu_share != 0.0 and "disk" in lay.expert_mode
+    return on_cpu or shared
+
+
+def _decode_rate(r: dict) -> str:
+    if not r["decode_steps"]:
+        # the first generated token comes from the prompt's logits: no decode step ran, there is no rate
+        return "no decode step"
+    return f"{r['decode_tps']:.1f} tok/s"
 
 
 def format_stats(r: dict) -> str:
@@ -37,7 +55,7 @@ def format_stats(r: dict) -> str:
     mem = r["device_memory"]
     lines = [
         f"load {r['load_seconds']:.2f} s | prompt {r['prompt_tokens']} tok, {r['prompt_tps']:.1f} tok/s | "
-        f"decode {r['generated_tokens']} tok, {r['decode_tps']:.1f} tok/s | stop: {r['stop_reason']}",
+        f"decode {r['generated_tokens']} tok, {_decode_rate(r)} | stop: {r['stop_reason']}",
         f"experts: hits {c['hits']}, misses {c['misses']}, cpu misses {c['cpu_misses']}, "
         f"share applied {r['share_applied']:.2f} | hybrid_offload_active: {str(r['hybrid_offload_active']).lower()}",
         f"peak device memory {format_bytes(r['peak_device_bytes'])} (weights {format_bytes(mem['weights'])}, experts "

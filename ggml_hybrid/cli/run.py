@@ -1,72 +1,155 @@
-"""``ggml-hybrid run``: generate text from a model."""
+"""``ggml-hybrid run``: generate text from a model, as llama.cpp's ``llama-completion -no-cnv`` does."""
 
 from __future__ import annotations
 
 import json
+import os
+from typing import Any
 
 import click
 import numpy as np
 
-from .flags import _layout_flags, _layout_items, _options, _progress, _resolve_model
-from .main import main
+from .flags import explicit, model_argument, pick_model, progress_bar, session_flags, session_from_flags
+from .main import EXIT_INTERRUPTED, ignore_interrupts, main
+
+_SEED_MAX = 2**32 - 1
+_ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's prompt escapes (``-e``, on by default): \\n \\r \\t \\' \\" \\\\ and \\xHH; others stay."""
+    raw = text.encode("utf-8", "surrogateescape")
+    out = bytearray()
+    i = 0
+    while i < len(raw):
+        c = raw[i]
+        if c == ord("\\") and i + 1 < len(raw):
+            nxt = raw[i + 1]
+            if nxt in _ESCAPES:
+                out += _ESCAPES[nxt]
+                i += 2
+                continue
+            hexd = raw[i + 2:i + 4]
+            if nxt == ord("x") and len(hexd) == 2 and all(chr(h) in "0123456789abcdefABCDEF" for h in hexd):
+                out.append(int(hexd, 16))
+                i += 4
+                continue
+            out += raw[i:i + 2]
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        raise click.BadParameter("after escape processing the prompt is not valid UTF-8 text (use --no-escape "
+                                 "to take it literally)", param_hint="--prompt") from None
+
+
+def read_prompt_file(path: str) -> str:
+    """The prompt from a file, one trailing newline dropped (as llama.cpp's -f)."""
+    from ..files import not_a_file
+
+    why = not_a_file(path)
+    if why is not None:
+        raise click.BadParameter(f"{path!r} {why}", param_hint="-f/--file")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise click.BadParameter(f"{path!r} is not UTF-8 text", param_hint="-f/--file") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _unsupported(flag: str, why: str):
+    def cb(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value:
+            raise click.UsageError(f"{flag} is not supported by ggml-hybrid: {why}")
+        return value
+    return cb
+
+
+_NO_CONVERSATION = ("conversation mode (chat templates, turns read from the terminal) is not implemented; `run` "
+                    "completes the prompt as llama-completion -no-cnv does")
 
 
 @main.command()
-@click.argument("model")
-@click.option("--prompt", "-p", help="Prompt text.")
-@click.option("--tokens", help="Prompt as comma-separated token ids (instead of --prompt).")
-@click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(0), help="Tokens to generate.")
-@click.option("--moe-cpu-share", help="Shorthand for --session-option moe_cpu_share=X (a number in [0, 1] or auto).")
-@click.option("--expert-cache-slots", type=click.IntRange(0), help="Shorthand for expert_cache_slots=N.")
-@click.option("--threads", "-t", type=click.IntRange(1, 512), help="Shorthand for n_threads=N.")
-@click.option("--session-option", "-o", "session_options", multiple=True, metavar="[ROLE.]KEY=VALUE",
-              help="A session option; repeatable. See `ggml-hybrid options`.")
-@click.option("--config", type=click.Path(dir_okay=False), help="TOML file with models and their session options.")
-@_layout_flags
-@click.option("--seed", type=click.IntRange(0), help="Sampling seed (with --temp > 0).")
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy.")
-@click.option("--top-k", default=40, show_default=True, type=click.IntRange(0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--ignore-eos", is_flag=True, help="Generate -n tokens even past the end-of-sequence token.")
+@model_argument
+@click.option("-p", "--prompt", help="Prompt text (escapes such as \\n are processed; see --no-escape).")
+@click.option("-f", "--file", "prompt_file", metavar="FNAME", help="Read the prompt from a file (one trailing "
+              "newline dropped).")
+@click.option("--tokens", help="Prompt as comma-separated token ids (instead of -p or -f).")
+@click.option("-e", "--escape/--no-escape", "escape", default=True,
+              help="Process escapes (\\n, \\t, \\xHH, ...) in the prompt, as llama.cpp does (default: on).")
+@click.option("-n", "--predict", "--n-predict", "n_predict", default=32, show_default=True, type=click.IntRange(-1),
+              help="Tokens to generate; -1 = until end of generation or a full context.")
+@session_flags
+@click.option("-s", "--seed", type=click.IntRange(-1, _SEED_MAX), help="Sampling seed (-1 = random); with --temp > 0.")
+@click.option("--temp", "--temperature", "temp", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Temperature; 0 = greedy (llama.cpp's default is 0.8).")
+@click.option("--top-k", default=40, show_default=True, type=click.IntRange(0), help="Top-k (0 = off).")
+@click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="Top-p (1 = off).")
+@click.option("--min-p", default=0.05, show_default=True, type=click.FloatRange(0, 1), help="Min-p (0 = off).")
+@click.option("--repeat-penalty", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Penalize the last --repeat-last-n tokens (1 = off).")
+@click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(0),
+              help="Tokens the penalties look back over (0 = penalties off).")
+@click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="Presence penalty (0 = off).")
+@click.option("--frequency-penalty", default=0.0, show_default=True, type=float, help="Frequency penalty (0 = off).")
+@click.option("--ignore-eos", is_flag=True, help="Generate past end-of-generation tokens.")
+@click.option("-no-cnv", "--no-conversation", "no_conversation", is_flag=True,
+              help="Completion, not conversation (what `run` always does).")
+@click.option("-cnv", "--conversation", "conversation", is_flag=True, hidden=True,
+              callback=_unsupported("-cnv", _NO_CONVERSATION), expose_value=False)
+@click.option("-sys", "--system-prompt", "system_prompt", hidden=True, expose_value=False,
+              callback=_unsupported("-sys", f"a system prompt needs a chat template: {_NO_CONVERSATION}"))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streamed text and stats.")
-@click.option("--logits-out", type=click.Path(dir_okay=False, writable=True),
+@click.option("--logits-out", type=click.Path(dir_okay=False),
               help="Write every evaluated position's logits, float32 [positions, vocab], to this .npy file.")
-def run(model, prompt, tokens, n_predict, moe_cpu_share, expert_cache_slots, threads, session_options, config, seed,
-        temp, top_k, top_p, ignore_eos, as_json, logits_out, **layout):
+@click.pass_context
+def run(ctx: click.Context, model: str | None, model_flag: str | None, prompt: str | None, prompt_file: str | None,
+        tokens: str | None, escape: bool, n_predict: int, seed: int | None, temp: float, top_k: int, top_p: float,
+        min_p: float, repeat_penalty: float, repeat_last_n: int, presence_penalty: float, frequency_penalty: float,
+        ignore_eos: bool, no_conversation: bool, as_json: bool, logits_out: str | None, **flags: Any) -> None:
     """Generate text from MODEL (a GGUF file, or a model name or role in --config)."""
+    from ..files import check_output
     from ..model.generate import GenerationStats, generate
     from ..model.moe_model import MoEModel
     from ..model.sampling import Sampler
     from .report import format_stats, run_report
 
-    if (prompt is None) == (tokens is None):
-        raise click.UsageError("give exactly one of --prompt and --tokens")
+    model = pick_model(model, model_flag)
+    given = [x for x, v in (("-p/--prompt", prompt), ("-f/--file", prompt_file), ("--tokens", tokens)) if v is not None]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of -p/--prompt, -f/--file and --tokens"
+                               + (f" (got {', '.join(given)})" if given else ""))
+    _refuse_ignored(ctx, temp, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, tokens)
+    if prompt_file is not None:
+        prompt = read_prompt_file(prompt_file)
     if prompt is not None:
         try:
             prompt.encode("utf-8")  # bytes that are not UTF-8 on the command line arrive as lone surrogates
         except UnicodeEncodeError:
             raise click.BadParameter("the prompt is not valid UTF-8 text", param_hint="--prompt") from None
-    path, role, base = _resolve_model(model, config)
-    opts = _options(session_options, role, base, {"moe_cpu_share": moe_cpu_share,
-                                                  "expert_cache_slots": expert_cache_slots, "n_threads": threads,
-                                                  **_layout_items(layout)})
-    sampler = Sampler(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
-    ids = None
-    if tokens is not None:
-        try:
-            ids = [int(t) for t in tokens.split(",") if t.strip()]
-        except ValueError:
-            raise click.BadParameter(f"{tokens!r} is not a comma-separated list of integers",
-                                     param_hint="--tokens") from None
-        if not ids:
-            raise click.BadParameter("no token ids given", param_hint="--tokens")
-    cb, finish = _progress(not as_json)
+        if escape:
+            prompt = process_escapes(prompt)
+    path, _, opts = session_from_flags(model, flags)
+    if logits_out is not None:
+        logits_out = check_output(logits_out, [path], "--logits-out")
+    sampler = Sampler(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                      repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                      frequency_penalty=frequency_penalty, seed=None if seed in (None, -1) else seed)
+    ids = _token_ids(tokens) if tokens is not None else None
+    cb, finish = progress_bar(not as_json)
     try:
         m = MoEModel(path, opts, progress=cb)
     finally:
         finish()
     with m:
         if ids is None:
+            assert prompt is not None
             ids = m.tokenizer.encode(prompt)
             if not ids:
                 raise click.BadParameter("the prompt encodes to no tokens", param_hint="--prompt")
@@ -76,18 +159,65 @@ def run(model, prompt, tokens, n_predict, moe_cpu_share, expert_cache_slots, thr
                 raise click.BadParameter(f"token id {bad[0]} is outside the vocabulary 0..{m.hp.n_vocab - 1}",
                                          param_hint="--tokens")
         st = GenerationStats()
-        pieces = []
-        for piece in generate(m, ids, n_predict, sampler, st, keep_logits=logits_out is not None,
-                              stop_at_eos=not ignore_eos):
-            pieces.append(piece)
-            if not as_json:
-                click.echo(piece, nl=False)
+        pieces: list[str] = []
+        interrupted = False
+        gen = generate(m, ids, n_predict, sampler, st, keep_logits=logits_out is not None, stop_at_eos=not ignore_eos)
+        try:
+            for piece in gen:
+                pieces.append(piece)
+                if not as_json:
+                    click.echo(piece, nl=False)
+        except KeyboardInterrupt:
+            ignore_interrupts()  # a second Ctrl-C must not cut the report of the first short
+            interrupted = True
+            gen.close()  # (the interrupt may have come while printing): its timings end here
+            st.stop_reason = "interrupted"
         if logits_out is not None:
-            with open(logits_out, "wb") as f:  # np.save would add ".npy" to a file name without it
-                np.save(f, st.all_logits())
+            _save_logits(logits_out, st.all_logits())
         report = run_report(m, st, "".join(pieces))
     if as_json:
         click.echo(json.dumps(report))
     else:
         click.echo()
         click.echo(format_stats(report), err=True)
+    if interrupted:
+        ctx.exit(EXIT_INTERRUPTED)
+
+
+def _refuse_ignored(ctx: click.Context, temp: float, repeat_penalty: float, repeat_last_n: int,
+                    presence_penalty: float, frequency_penalty: float, tokens: str | None) -> None:
+    """A sampling flag given where it cannot change a token is an error, not silently ignored."""
+    if temp == 0:
+        idle = [f for f, p in (("--top-k", "top_k"), ("--top-p", "top_p"), ("--min-p", "min_p"), ("--seed", "seed"))
+                if explicit(ctx, p)]
+        if idle:
+            raise click.UsageError(f"{', '.join(idle)}: no effect with greedy decoding (--temp 0, the default here; "
+                                   "llama.cpp's is 0.8); give --temp")
+    penalizing = repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
+    if explicit(ctx, "repeat_last_n") and not penalizing:
+        raise click.UsageError("--repeat-last-n: no effect without --repeat-penalty, --presence-penalty or "
+                               "--frequency-penalty")
+    if penalizing and repeat_last_n == 0:
+        raise click.UsageError("--repeat-last-n 0 turns the penalties off; drop the penalty or look back over "
+                               "some tokens")
+    if tokens is not None and explicit(ctx, "escape"):
+        raise click.UsageError("-e/--no-escape: no effect with --tokens (escapes apply to prompt text)")
+
+
+def _token_ids(tokens: str) -> list[int]:
+    try:
+        ids = [int(t) for t in tokens.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{tokens!r} is not a comma-separated list of integers",
+                                 param_hint="--tokens") from None
+    if not ids:
+        raise click.BadParameter("no token ids given", param_hint="--tokens")
+    return ids
+
+
+def _save_logits(path: str, logits: np.ndarray) -> None:
+    """Written whole or not at all: a temporary file renamed over ``path`` (np.save would also add .npy)."""
+    from ..files import atomic_write
+
+    with atomic_write(os.fspath(path)) as f:
+        np.save(f, logits)

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu_instance, cuda, cuda_available
-from ..options import MAX_DEVICES, OptionError, SessionOptions
+from ..options import MAX_DEVICES, OptionError, SessionOptions, device_list
 from .layout import CPU
 
 
 def _local_names(opts: SessionOptions, remote: int) -> list[str]:
+    real = "CUDA devices" if cuda_available() else "RPC devices" if remote else None
+    if real is not None and opts.virtual_devices != 1:  # it would do nothing: refused, not ignored
+        raise OptionError(f"virtual_devices={opts.virtual_devices}: CPU instances play devices only on a machine "
+                          f"without a GPU or RPC server; this session has {real} (select them with devices=, -dev)")
     if cuda_available():
         from .._native import lib
 
@@ -37,23 +41,42 @@ def _checked(names: list[str]) -> list[str]:
     return names
 
 
-def device_names(opts: SessionOptions | None = None) -> list[str]:
-    """The accelerator names a session with ``opts`` would have (CPU not included); asks RPC servers."""
+def available_device_names(opts: SessionOptions | None = None) -> list[str]:
+    """Every accelerator name a session with ``opts`` could use (CPU not included); asks RPC servers."""
     opts = opts or SessionOptions()
     remote = [d.name for d in _rpc_devices(opts)]
-    return _checked(remote + _local_names(opts, len(remote)))
+    return remote + _local_names(opts, len(remote))
+
+
+def _select(opts: SessionOptions, names: list[str]) -> list[str]:
+    """``devices`` (llama.cpp's -dev) of ``names``, in its order; all of them when not given."""
+    if opts.devices is None:
+        return _checked(names)
+    chosen = device_list(opts.devices)
+    for n in chosen:
+        if n not in names:
+            raise OptionError(f"devices={opts.devices}: {n} is not a device of this session; the devices are "
+                              f"{', '.join(names)} (see `ggml-hybrid devices`)")
+    return chosen
+
+
+def device_names(opts: SessionOptions | None = None) -> list[str]:
+    """The accelerator names a session with ``opts`` uses, in order (CPU not included); asks RPC servers."""
+    opts = opts or SessionOptions()
+    return _select(opts, available_device_names(opts))
 
 
 def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
     """Backends for :func:`device_names`, in order."""
-    remote = _rpc_devices(opts)
-    names = _checked([d.name for d in remote] + _local_names(opts, len(remote)))
+    remote = {d.name: d for d in _rpc_devices(opts)}
+    names = _select(opts, list(remote) + _local_names(opts, len(remote)))
     out: dict[str, Backend] = {}
     try:
-        for d in remote:
-            out[d.name] = rpc.open_device(d)
-        for name in names[len(remote):]:
-            out[name] = cuda(int(name[4:])) if name.startswith("CUDA") else cpu_instance(int(name[3:]), n_threads)
+        for name in names:
+            if name in remote:
+                out[name] = rpc.open_device(remote[name])
+            else:
+                out[name] = cuda(int(name[4:])) if name.startswith("CUDA") else cpu_instance(int(name[3:]), n_threads)
     except BaseException:
         for b in out.values():
             b.close()
@@ -62,8 +85,14 @@ def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
 
 
 def plan_device_names(opts: SessionOptions, vram: list[int] | None) -> list[str]:
-    """The devices a plan is for: with ``rpc`` the session's own (``vram``, if given, sizes them in order),
-    else ``vram``'s (CUDA0, CUDA1, ...), else the session's."""
+    """The devices a plan is for: with ``rpc`` the session's own (``vram``, if given, sizes them in order);
+    else with ``vram`` those of ``devices`` (one size each) or CUDA0, CUDA1, ...; else the session's."""
+    if vram is not None and opts.rpc is None and opts.devices is not None:
+        names = device_list(opts.devices)
+        if len(names) != len(vram):
+            raise OptionError(f"devices={opts.devices}: {len(names)} device(s) but {len(vram)} --vram size(s); give "
+                              "one size per device")
+        return names
     if opts.rpc is not None:
         names = device_names(opts)
         if vram is not None and len(vram) != len(names):
@@ -110,4 +139,5 @@ def describe_devices(opts: SessionOptions | None = None) -> list[dict]:
     return rows
 
 
-__all__ = ["describe_devices", "device_free_memory", "device_names", "open_devices", "plan_device_names"]
+__all__ = ["available_device_names", "describe_devices", "device_free_memory", "device_names", "open_devices",
+           "plan_device_names"]

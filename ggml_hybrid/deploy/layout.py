@@ -161,6 +161,9 @@ def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], t
             modes.append("disk")
         else:
             modes.append("resident")
+    if opts.disk_experts and "disk" not in modes:
+        raise OptionError("disk_experts=true: every layer's routed experts are placed on the CPU (cpu_moe, n_cpu_moe "
+                          "or override_tensor), so no layer would use the expert cache")
     kv = tuple(CPU if opts.no_kv_offload else d for d in layer_device)
     return Layout(tuple(devices), tensors, tuple(layer_device), kv, tuple(modes), output_device)
 

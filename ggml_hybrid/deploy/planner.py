@@ -10,29 +10,190 @@ Host RAM pages behind the untouched buffers are never committed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..model.gguf_store import GGUFStore
-from ..model.hparams import NotMoEError, read_hparams
+from ..model.hparams import HParams, NotMoEError, read_hparams
 from ..model.moe_model import MoEModel
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..units import GiB, format_bytes
 from .model_info import describe
 
+# -- the results: dataclasses between modules, ``to_dict()`` for --format json (schema in docs/layout.md) ------
 
-def _measure(path, opts: SessionOptions, devices: list[str]) -> dict:
+
+def _as_dict(obj: Any) -> Any:
+    """A dataclass (or a structure of them) as JSON-ready plain values, in field order; None-valued
+    fields marked ``omit_none`` are left out (a dense plan's recommendations have no device totals)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if v is None and f.metadata.get("omit_none"):
+                continue
+            out[f.name] = _as_dict(v)
+        return out
+    if isinstance(obj, dict):
+        return {k: _as_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_as_dict(v) for v in obj]
+    return obj
+
+
+class _ToDict:
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON schema of ``plan --format json``: plain dicts and lists, keys in field order."""
+        out: dict[str, Any] = _as_dict(self)
+        return out
+
+
+@dataclass
+class DevicePlan(_ToDict):
+    """Bytes one device holds by purpose; ``vram``/``fits`` when a size was given."""
+
+    weights: int
+    experts: int
+    kv_cache: int
+    compute: int
+    total: int
+    vram: int | None = None
+    fits: bool | None = None
+
+
+@dataclass
+class HostPlan(_ToDict):
+    """Host memory: what is used in place from the mapped file, and the buffers it allocates."""
+
+    mapped: dict[str, int]
+    mapped_total: int
+    kv_cache: int
+    compute: int
+    resident_total: int
+    ram: int | None = None
+    fits: bool | None = None
+
+
+@dataclass
+class KVPlan(_ToDict):
+    n_ctx: int
+    type_k: str
+    type_v: str
+    per_sequence: int
+    per_token: int
+    parallel: int
+    total: int
+
+
+@dataclass
+class LayoutPlan(_ToDict):
+    """Per layer: the device of its compute, of its KV cache, its expert mode; the output's device."""
+
+    layers: list[str]
+    kv: list[str]
+    experts: list[str]
+    output: str
+
+
+@dataclass
+class ExpertPlan(_ToDict):
+    count: int
+    used: int
+    bytes_per_expert: int
+    bytes_per_layer: int
+
+
+@dataclass
+class Recommendation(_ToDict):
+    """Options that make the model fit, what they buy, and (verified by a plan with them) each device's total."""
+
+    options: str
+    buys: str
+    device_total: dict[str, int] | None = field(default=None, metadata={"omit_none": True})
+
+
+@dataclass
+class Plan(_ToDict):
+    """A MoE model's plan: per device, host, KV cache, layout, experts, warnings and recommendations."""
+
+    model: str
+    architecture: str
+    moe: bool
+    options: list[str]
+    devices: dict[str, DevicePlan]
+    host: HostPlan
+    kv: KVPlan
+    layout: LayoutPlan
+    experts: ExpertPlan
+    threads: int
+    warnings: list[str] = field(default_factory=list)
+    recommendations: list[Recommendation] = field(default_factory=list)
+
+
+@dataclass
+class DenseKVPlan(_ToDict):
+    n_ctx: int
+    per_layer: int
+    parallel: int
+    total: int
+
+
+@dataclass
+class DensePlan(_ToDict):
+    """A dense model (which ggml-hybrid does not run): layer sizes and an ``n_gpu_layers`` suggestion."""
+
+    model: str
+    architecture: str
+    options: list[str]
+    ram: int | None
+    kv: DenseKVPlan
+    layer_bytes: int
+    other_bytes: int
+    file_bytes: int
+    warnings: list[str]
+    recommendations: list[Recommendation]
+    threads: int
+    moe: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = _as_dict(self)
+        # the schema shared with MoE plans: devices (none measured) and host (the RAM given) come after options
+        return {"model": d["model"], "architecture": d["architecture"], "moe": False, "options": d["options"],
+                "devices": {}, "host": {"ram": d["ram"]}, **{k: d[k] for k in (
+                    "kv", "layer_bytes", "other_bytes", "file_bytes", "warnings", "recommendations", "threads")}}
+
+
+# -- planning ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Measured:
+    """One dry run's figures (before the per-sequence and per-device arithmetic)."""
+
+    devices: dict[str, dict[str, int]]
+    host_kv: int
+    host_compute: int
+    layout: dict[str, Any]
+    hp: HParams
+    n_ctx: int
+
+
+def _measure(path: str, opts: SessionOptions, devices: list[str]) -> _Measured:
     with MoEModel(path, opts, dry_run_devices=devices) as m:
-        per_dev = {d: m.device_memory(d) for d in devices}
-        host_kv = m.kv.nbytes(m.host)
-        host_compute = m.sched.buffer_size(m.host)
-        report = m.layout_report()
-        return {"devices": per_dev, "host_kv": host_kv, "host_compute": host_compute, "layout": report,
-                "hp": m.hp, "n_ctx": m.n_ctx}
+        return _Measured({d: m.device_memory(d) for d in devices}, m.kv.nbytes(m.host), m.sched.buffer_size(m.host),
+                         m.layout_report(), m.hp, m.n_ctx)
 
 
-def plan(path, opts: SessionOptions | None = None, vram: list[int] | None = None, ram: int | None = None,
-         parallel: int = 1) -> dict:
-    """The plan for ``path``: bytes per device and host, KV for ``parallel`` sequences, advice, warnings."""
+def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram: list[int] | None = None,
+         ram: int | None = None, parallel: int = 1) -> Plan | DensePlan:
+    """The plan for ``path``: bytes per device and host, KV for ``parallel`` sequences, advice, warnings.
+
+    Nothing is written: a trace path in ``opts`` is checked, not opened.
+    """
+    path = os.fspath(path)
     opts = opts or SessionOptions()
     if vram is not None and not 1 <= len(vram) <= MAX_DEVICES:
         raise OptionError(f"vram: {len(vram)} device sizes given; a plan takes 1..{MAX_DEVICES} devices (a GGML "
@@ -52,80 +213,97 @@ def plan(path, opts: SessionOptions | None = None, vram: list[int] | None = None
             return _plan_dense(info, store, opts, vram, ram, parallel)
     finally:
         store.close()
-    p = _plan_moe(path, info, opts, vram, ram, parallel)
-    recs = _recommend(p, opts, p["hp"], list(p["devices"])) if vram and not all(
-        d["fits"] for d in p["devices"].values()) else []
-    p["recommendations"] = [r for r in (_verify(path, info, opts, vram, ram, parallel, r) for r in recs) if r]
-    del p["hp"]
+    p, hp = _plan_moe(path, info, opts, vram, ram, parallel)
+    if vram and not all(d.fits for d in p.devices.values()):
+        recs = _recommend(p, opts, hp)
+        p.recommendations = [r for r in (_verify(path, info, opts, vram, ram, parallel, c) for c in recs) if r]
     return p
 
 
-def _plan_moe(path, info: dict, opts: SessionOptions, vram, ram, parallel: int) -> dict:
+def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[int] | None, ram: int | None,
+              parallel: int) -> tuple[Plan, HParams]:
     """One dry run and the figures from it (``info``: the file's description, read once per plan)."""
     from .devices import plan_device_names
 
     devices = plan_device_names(opts, vram)
     meas = _measure(path, opts, devices)
-    hp, n_ctx = meas["hp"], meas["n_ctx"]
-    kv_seq = sum(meas["devices"][d]["kv_cache"] for d in devices) + meas["host_kv"]
+    hp = meas.hp
+    kv_seq = sum(meas.devices[d]["kv_cache"] for d in devices) + meas.host_kv
     out_devices = {}
     for i, d in enumerate(devices):
-        m = dict(meas["devices"][d])
-        m["kv_cache"] *= parallel
-        m["total"] = sum(m.values())
-        m["vram"] = vram[i] if vram else None
-        m["fits"] = None if not vram else m["total"] <= vram[i]
-        out_devices[d] = m
-    tensors = meas["layout"]["tensors"]
-    mapped = tensors.get("mapped", {})
-    host_resident = meas["host_kv"] * parallel + meas["host_compute"]
-    plan_ = {
-        "model": str(path), "architecture": hp.arch, "moe": True, "options": opts.to_items(),
-        "devices": out_devices,
-        "host": {"mapped": mapped, "mapped_total": sum(mapped.values()), "kv_cache": meas["host_kv"] * parallel,
-                 "compute": meas["host_compute"], "resident_total": host_resident, "ram": ram,
-                 "fits": None if ram is None else host_resident <= ram},
-        "kv": {"n_ctx": n_ctx, "type_k": opts.cache_type_k, "type_v": opts.cache_type_v,
-               "per_sequence": kv_seq, "per_token": kv_seq // n_ctx, "parallel": parallel,
-               "total": kv_seq * parallel},
-        "layout": {k: meas["layout"][k] for k in ("layers", "kv", "experts", "output")},
-        "experts": {"count": hp.n_expert, "used": hp.n_used,
-                    "bytes_per_expert": info["experts"]["bytes_per_expert"],
-                    "bytes_per_layer": info["experts"]["bytes_per_layer"]},
-        "threads": opts.n_threads or os.cpu_count() or 1,
-    }
-    plan_["warnings"] = _warnings(plan_, opts, hp)
-    plan_["hp"] = hp
-    return plan_
+        m = meas.devices[d]
+        kv = m["kv_cache"] * parallel
+        total = m["weights"] + m["experts"] + kv + m["compute"]
+        out_devices[d] = DevicePlan(m["weights"], m["experts"], kv, m["compute"], total,
+                                    vram[i] if vram else None, None if not vram else total <= vram[i])
+    mapped = meas.layout["tensors"].get("mapped", {})
+    host_resident = meas.host_kv * parallel + meas.host_compute
+    p = Plan(
+        model=path, architecture=hp.arch, moe=True, options=opts.to_items(), devices=out_devices,
+        host=HostPlan(mapped, sum(mapped.values()), meas.host_kv * parallel, meas.host_compute, host_resident, ram,
+                      None if ram is None else host_resident <= ram),
+        kv=KVPlan(meas.n_ctx, opts.cache_type_k, opts.cache_type_v, kv_seq, kv_seq // meas.n_ctx, parallel,
+                  kv_seq * parallel),
+        layout=LayoutPlan(*(meas.layout[k] for k in ("layers", "kv", "experts", "output"))),
+        experts=ExpertPlan(hp.n_expert, hp.n_used, info["experts"]["bytes_per_expert"],
+                           info["experts"]["bytes_per_layer"]),
+        threads=opts.n_threads or os.cpu_count() or 1,
+    )
+    p.warnings = _warnings(p, opts, hp)
+    return p, hp
 
 
-def _overflow(p: dict) -> int:
-    return max(v["total"] - v["vram"] for v in p["devices"].values())
+def _overflow(p: Plan) -> int:
+    return max(v.total - (v.vram or 0) for v in p.devices.values())
 
 
-def _verify(path, info: dict, opts: SessionOptions, vram, ram, parallel, rec: dict, tries: int = 4) -> dict | None:
-    """Plan again with the recommendation applied; shrink the cache or move more layers until it fits.
+@dataclass
+class _Candidate:
+    """An unverified recommendation: options, and how to say what they buy from the plan that verifies them."""
 
-    The arithmetic ignores how the options change the compute buffers; the dry run does not.
-    Returns the recommendation as verified (its figures from the fitting plan), or None.
+    options: str
+    explain: Callable[[Plan, dict[str, str]], str]
+
+
+def _verify(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[int], ram: int | None, parallel: int,
+            cand: _Candidate, tries: int = 6) -> Recommendation | None:
+    """Plan again with the candidate applied; shrink the cache, move more layers or halve a batch until it fits.
+
+    The arithmetic ignores how the options change the compute buffers (the expert cache adds graphs
+    sized by the physical batch); the dry run does not. When the cache cannot shrink further, the
+    physical batch is halved. Returns the recommendation as verified (its figures from the fitting
+    plan), or None.
     """
-    items = rec["options"].split()
+    items = cand.options.split()
     for _ in range(tries):
-        p = _plan_moe(path, info, SessionOptions.parse(items, base=opts), vram, ram, parallel)
+        p, _hp = _plan_moe(path, info, SessionOptions.parse(items, base=opts), vram, ram, parallel)
         over = _overflow(p)
         if over <= 0:
-            return {"options": " ".join(items), "buys": rec["explain"](p, dict(x.split("=", 1) for x in items)),
-                    "device_total": {d: v["total"] for d, v in p["devices"].items()}}
-        layers_per_dev = max(sum(1 for x in p["layout"]["layers"] if x == d) for d in p["devices"])
+            chosen = dict(x.split("=", 1) for x in items)
+            buys = cand.explain(p, chosen)
+            if "ubatch_size" in chosen and "ubatch_size" not in cand.options:
+                buys += (f" ubatch_size={chosen['ubatch_size']} (-ub) makes room: the compute buffers, the expert "
+                         "cache's graphs included, are sized for that many tokens.")
+            return Recommendation(" ".join(items), buys, {d: v.total for d, v in p.devices.items()})
+        layers_per_dev = max(sum(1 for x in p.layout.layers if x == d) for d in p.devices)
         for i, item in enumerate(items):
             key, _, val = item.partition("=")
             if key == "expert_cache_slots":
-                new = int(val) - max(1, -(-over // (p["experts"]["bytes_per_expert"] * max(1, layers_per_dev))))
+                new = int(val) - max(1, -(-over // (p.experts.bytes_per_expert * max(1, layers_per_dev))))
                 if new < 1:
-                    return None
+                    if any(x.startswith("ubatch_size=") for x in items):
+                        continue  # halved below
+                    items.append(f"ubatch_size={min(opts.ubatch_size, p.kv.n_ctx) // 2}")
+                    if int(items[-1].split("=")[1]) < _MIN_BATCH["ubatch_size"]:
+                        return None
+                    break
             elif key == "n_cpu_moe":
-                new = int(val) + max(1, -(-over // p["experts"]["bytes_per_layer"]))
-                if new > len(p["layout"]["layers"]):
+                new = int(val) + max(1, -(-over // p.experts.bytes_per_layer))
+                if new > len(p.layout.layers):
+                    return None
+            elif key in ("ubatch_size", "n_ctx"):
+                new = int(val) // 2
+                if new < _MIN_BATCH[key]:
                     return None
             else:
                 continue
@@ -136,60 +314,64 @@ def _verify(path, info: dict, opts: SessionOptions, vram, ram, parallel, rec: di
     return None
 
 
-def _warnings(p: dict, opts: SessionOptions, hp) -> list[str]:
+# smallest values a recommendation halves -ub / -c to: below them prompt speed or context is not worth it
+_MIN_BATCH = {"ubatch_size": 32, "n_ctx": 512}
+
+
+def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     w = []
-    h = p["host"]
-    if h["ram"] is not None and h["resident_total"] > h["ram"]:
-        w.append(f"host buffers ({format_bytes(h['resident_total'])}: KV cache and compute on the CPU) exceed --ram "
-                 f"{format_bytes(h['ram'])}")
-    mapped_experts = p["host"]["mapped"].get("routed_experts", 0)
-    if p["host"]["ram"] is not None and mapped_experts and mapped_experts + p["host"]["resident_total"] > \
-            p["host"]["ram"]:
+    h = p.host
+    if h.ram is not None and h.resident_total > h.ram:
+        w.append(f"host buffers ({format_bytes(h.resident_total)}: KV cache and compute on the CPU) exceed --ram "
+                 f"{format_bytes(h.ram)}")
+    mapped_experts = h.mapped.get("routed_experts", 0)
+    if h.ram is not None and mapped_experts and mapped_experts + h.resident_total > h.ram:
         w.append(f"experts used from host memory ({format_bytes(mapped_experts)}, memory-mapped) plus host buffers "
-                 f"exceed --ram {format_bytes(p['host']['ram'])}: they will be re-read from disk as pages are evicted")
+                 f"exceed --ram {format_bytes(h.ram)}: they will be re-read from disk as pages are evicted")
     if opts.disk_experts and opts.expert_cache_slots < hp.n_used:
         w.append(f"expert_cache_slots={opts.expert_cache_slots} is smaller than the {hp.n_used} experts used per "
                  "token: every token needs several load rounds; use more slots or moe_cpu_share")
-    devs = p["devices"]
+    devs = p.devices
     # even with no routed expert on the device, the dense part and the KV cache are too much
-    base = {k: d["total"] - d["experts"] for k, d in devs.items()}
-    if any(d["vram"] is not None and base[k] > d["vram"] for k, d in devs.items()) and not opts.no_kv_offload:
-        if all(base[k] - d["kv_cache"] <= d["vram"] for k, d in devs.items()):
-            w.append(f"the context (n_ctx={p['kv']['n_ctx']}, {format_bytes(p['kv']['total'])} of KV cache) only fits "
+    base = {k: d.total - d.experts for k, d in devs.items()}
+    if any(d.vram is not None and base[k] > d.vram for k, d in devs.items()) and not opts.no_kv_offload:
+        if all(base[k] - d.kv_cache <= (d.vram or 0) for k, d in devs.items()):
+            w.append(f"the context (n_ctx={p.kv.n_ctx}, {format_bytes(p.kv.total)} of KV cache) only fits "
                      "with no_kv_offload=true (KV cache in host memory, attention on the CPU)")
     return w
 
 
-def _recommend(p: dict, opts: SessionOptions, hp, devices: list[str]) -> list[dict]:
+def _recommend(p: Plan, opts: SessionOptions, hp: HParams) -> list[_Candidate]:
     """Candidate options that make the model fit the given VRAM (arithmetic on the plan; verified later)."""
     recs = []
-    devs = p["devices"]
-    per_expert = p["experts"]["bytes_per_expert"]
-    layers_on = {d: sum(1 for x in p["layout"]["layers"] if x == d) for d in devs}
-    kv = {d: v["kv_cache"] for d, v in devs.items()}
+    devs = p.devices
+    vram = {d: v.vram or 0 for d, v in devs.items()}
+    per_expert = p.experts.bytes_per_expert
+    layers_on = {d: sum(1 for x in p.layout.layers if x == d) for d in devs}
+    kv = {d: v.kv_cache for d, v in devs.items()}
     # what each device holds besides routed experts and cache slots
-    base = {d: v["total"] - v["experts"] for d, v in devs.items()}
+    base = {d: v.total - v.experts for d, v in devs.items()}
     prefix = ""
-    if any(base[d] > devs[d]["vram"] for d in devs) and not opts.no_kv_offload:
-        if all(base[d] - kv[d] <= devs[d]["vram"] for d in devs):
+    if any(base[d] > vram[d] for d in devs) and not opts.no_kv_offload:
+        if all(base[d] - kv[d] <= vram[d] for d in devs):
             prefix = "no_kv_offload=true "  # the experts can only go anywhere once the KV cache has left
             base = {d: base[d] - kv[d] for d in devs}
-    free = {d: devs[d]["vram"] - base[d] for d in devs}
+    free = {d: vram[d] - base[d] for d in devs}
     nkvo = " The KV cache moves to host memory and attention runs on the CPU." if prefix else ""
 
-    def cache(q, o):
+    def cache(q: Plan, o: dict[str, str]) -> str:
         slots = int(o["expert_cache_slots"])
-        cache_bytes = sum(v["experts"] for v in q["devices"].values())
+        cache_bytes = sum(v.experts for v in q.devices.values())
         text = (f"keeps {slots} of {hp.n_expert} experts per layer ({slots / hp.n_expert:.0%}) in device caches of "
                 f"{format_bytes(cache_bytes)} in all; misses stream from the memory-mapped file")
         if o.get("moe_cpu_share") == "auto":
             text += "; the CPU runs the share of the misses that finishes each layer soonest (measured costs)"
         return text + "." + nkvo
 
-    def cpu_layers(q, o):
+    def cpu_layers(q: Plan, o: dict[str, str]) -> str:
         n = int(o["n_cpu_moe"])
-        moe = sum(1 for x in p["layout"]["experts"][:n] if x != "dense")  # leading dense layers have no experts
-        return (f"the routed experts of the first {n} layers ({format_bytes(moe * p['experts']['bytes_per_layer'])}) "
+        moe = sum(1 for x in p.layout.experts[:n] if x != "dense")  # leading dense layers have no experts
+        return (f"the routed experts of the first {n} layers ({format_bytes(moe * p.experts.bytes_per_layer)}) "
                 f"stay in host memory (memory-mapped) and run on the CPU, as llama.cpp's --n-cpu-moe {n}." + nkvo)
 
     if all(free[d] > 0 for d in devs):
@@ -197,31 +379,61 @@ def _recommend(p: dict, opts: SessionOptions, hp, devices: list[str]) -> list[di
         if slots >= 1:
             opt = prefix + f"disk_experts=true expert_cache_slots={slots}"
             if slots >= hp.n_used:
-                recs.append({"options": opt, "explain": cache})
-            recs.append({"options": opt + " moe_cpu_share=auto", "explain": cache})
+                recs.append(_Candidate(opt, cache))
+            recs.append(_Candidate(opt + " moe_cpu_share=auto", cache))
         n = 0
         while n < hp.n_layer and not _fits_with_cpu_layers(p, n, base):
             n += 1
-        recs.append({"options": prefix + f"n_cpu_moe={n}", "explain": cpu_layers})
+        recs.append(_Candidate(prefix + f"n_cpu_moe={n}", cpu_layers))
     total_kv = sum(kv.values())
     if total_kv and not opts.no_kv_offload and not prefix:
-        recs.append({"options": "no_kv_offload=true", "explain": lambda q, o: (
-            f"moves the KV cache ({format_bytes(total_kv)}) to host memory; attention runs on the CPU.")})
+        recs.append(_Candidate("no_kv_offload=true", lambda q, o: (
+            f"moves the KV cache ({format_bytes(total_kv)}) to host memory; attention runs on the CPU.")))
+    recs += _smaller_batches(p, opts)
     return recs
 
 
-def _fits_with_cpu_layers(p: dict, n: int, base: dict) -> bool:
+def _smaller_batches(p: Plan, opts: SessionOptions) -> list[_Candidate]:
+    """Where the compute buffer is a device's largest item: a smaller physical batch, then a smaller context."""
+    over = [d for d in p.devices.values() if not d.fits]
+    if not over or not all(d.compute >= max(d.weights, d.experts, d.kv_cache) for d in over):
+        return []
+    was = {d: v.compute for d, v in p.devices.items()}
+
+    def smaller(what: str, before: int) -> Callable[[Plan, dict[str, str]], str]:
+        def explain(q: Plan, o: dict[str, str]) -> str:
+            key = "ubatch_size" if what == "-ub" else "n_ctx"
+            now = sum(v.compute for v in q.devices.values())
+            text = (f"{what} {o[key]} (from {before}) shrinks the compute buffers from "
+                    f"{format_bytes(sum(was.values()))} to {format_bytes(now)}")
+            return text + ("; prompts are processed in smaller pieces." if what == "-ub" else
+                           "; the context holds fewer tokens.")
+        return explain
+
+    out = []
+    ub = min(opts.ubatch_size, p.kv.n_ctx)
+    if ub // 2 >= _MIN_BATCH["ubatch_size"]:
+        out.append(_Candidate(f"ubatch_size={ub // 2}", smaller("-ub", ub)))
+    if p.kv.n_ctx // 2 >= _MIN_BATCH["n_ctx"]:
+        # a physical batch cannot exceed the context
+        ub_item = f" ubatch_size={p.kv.n_ctx // 2}" if opts.ubatch_size > p.kv.n_ctx // 2 else ""
+        out.append(_Candidate(f"n_ctx={p.kv.n_ctx // 2}{ub_item}", smaller("-c", p.kv.n_ctx)))
+    return out
+
+
+def _fits_with_cpu_layers(p: Plan, n: int, base: dict[str, int]) -> bool:
     """Whether every device fits once the experts of the first ``n`` layers are on the CPU."""
-    layers, modes = p["layout"]["layers"], p["layout"]["experts"]
-    per_layer = p["experts"]["bytes_per_layer"]
-    for d, v in p["devices"].items():
+    layers, modes = p.layout.layers, p.layout.experts
+    per_layer = p.experts.bytes_per_layer
+    for d, v in p.devices.items():
         kept = sum(1 for i, x in enumerate(layers) if x == d and i >= n and modes[i] != "dense") * per_layer
-        if base[d] + kept > v["vram"]:
+        if base[d] + kept > (v.vram or 0):
             return False
     return True
 
 
-def _plan_dense(info: dict, store: GGUFStore, opts, vram, ram, parallel) -> dict:
+def _plan_dense(info: dict[str, Any], store: GGUFStore, opts: SessionOptions, vram: list[int] | None,
+                ram: int | None, parallel: int) -> DensePlan:
     """A dense model (which ggml-hybrid does not run): layer sizes and an n_gpu_layers suggestion."""
     arch = info["architecture"]
     n_layer = max(1, info["n_layer"])
@@ -243,71 +455,68 @@ def _plan_dense(info: dict, store: GGUFStore, opts, vram, ram, parallel) -> dict
     if vram:
         budget = sum(vram) - other
         ngl = max(0, min(n_layer, int(budget // max(1, layer_bytes + kv_layer))))
-        recs.append({"options": f"n_gpu_layers={ngl}", "buys": f"offloads {ngl} of {n_layer} layers "
-                     f"({ngl * layer_bytes / GiB:.2f} GiB of weights, {ngl * kv_layer / GiB:.2f} GiB of KV cache)"})
+        recs.append(Recommendation(f"n_gpu_layers={ngl}", f"offloads {ngl} of {n_layer} layers "
+                    f"({ngl * layer_bytes / GiB:.2f} GiB of weights, {ngl * kv_layer / GiB:.2f} GiB of KV cache)"))
         ngl_nkvo = max(0, min(n_layer, int(budget // max(1, layer_bytes))))
         if ngl_nkvo > ngl:
-            recs.append({"options": f"n_gpu_layers={ngl_nkvo} no_kv_offload=true",
-                         "buys": f"offloads {ngl_nkvo} layers by keeping the KV cache in host memory"})
-    return {"model": info["path"], "architecture": arch, "moe": False, "options": opts.to_items(), "devices": {},
-            "host": {"ram": ram}, "kv": {"n_ctx": n_ctx, "per_layer": kv_layer // parallel, "parallel": parallel,
-                                         "total": kv_layer * n_layer},
-            "layer_bytes": layer_bytes, "other_bytes": other, "file_bytes": info["total_bytes"],
-            "warnings": warnings, "recommendations": recs,
-            "threads": opts.n_threads or os.cpu_count() or 1}
+            recs.append(Recommendation(f"n_gpu_layers={ngl_nkvo} no_kv_offload=true",
+                                       f"offloads {ngl_nkvo} layers by keeping the KV cache in host memory"))
+    return DensePlan(info["path"], arch, opts.to_items(), ram, DenseKVPlan(n_ctx, kv_layer // parallel, parallel,
+                     kv_layer * n_layer), layer_bytes, other, info["total_bytes"], warnings, recs,
+                     opts.n_threads or os.cpu_count() or 1)
 
 
-def format_text(p: dict) -> str:
+def format_text(p: Plan | DensePlan) -> str:
     g = format_bytes
-    lines = [f"{p['model']}: {p['architecture']}{' (MoE)' if p['moe'] else ' (dense)'}; options: "
-             f"{' '.join(p['options']) or '(defaults)'}"]
-    for d, v in p["devices"].items():
-        fit = "" if v["fits"] is None else (f"  of {g(v['vram'])}: " + ("fits" if v["fits"] else "DOES NOT FIT"))
-        lines.append(f"  {d:<6} weights {g(v['weights'])} | experts {g(v['experts'])} | kv {g(v['kv_cache'])} | "
-                     f"compute {g(v['compute'])} | total {g(v['total'])}{fit}")
-    if p["moe"]:
-        h = p["host"]
-        lines.append(f"  host   memory-mapped {g(h['mapped_total'])} ("
-                     + ", ".join(f"{k} {g(v)}" for k, v in h["mapped"].items()) + f") | kv {g(h['kv_cache'])}"
-                     f" | compute {g(h['compute'])} | resident {g(h['resident_total'])}"
-                     + ("" if h["ram"] is None else f"  of {g(h['ram'])}"))
-        k = p["kv"]
-        lines.append(f"  KV cache: n_ctx {k['n_ctx']} ({k['type_k']}/{k['type_v']}): {g(k['per_sequence'])} "
-                     f"per sequence, {g(k['total'])} for {k['parallel']}")
-        lines.append(f"  layers: {' '.join(p['layout']['layers'])}; experts: {' '.join(p['layout']['experts'])}")
+    lines = [f"{p.model}: {p.architecture}{' (MoE)' if p.moe else ' (dense)'}; options: "
+             f"{' '.join(p.options) or '(defaults)'}"]
+    if isinstance(p, Plan):
+        for d, v in p.devices.items():
+            fit = "" if v.fits is None else (f"  of {g(v.vram or 0)}: " + ("fits" if v.fits else "DOES NOT FIT"))
+            lines.append(f"  {d:<6} weights {g(v.weights)} | experts {g(v.experts)} | kv {g(v.kv_cache)} | "
+                         f"compute {g(v.compute)} | total {g(v.total)}{fit}")
+        h = p.host
+        lines.append(f"  host   memory-mapped {g(h.mapped_total)} ("
+                     + ", ".join(f"{k} {g(v)}" for k, v in h.mapped.items()) + f") | kv {g(h.kv_cache)}"
+                     f" | compute {g(h.compute)} | resident {g(h.resident_total)}"
+                     + ("" if h.ram is None else f"  of {g(h.ram)}"))
+        k = p.kv
+        lines.append(f"  KV cache: n_ctx {k.n_ctx} ({k.type_k}/{k.type_v}): {g(k.per_sequence)} "
+                     f"per sequence, {g(k.total)} for {k.parallel}")
+        lines.append(f"  layers: {' '.join(p.layout.layers)}; experts: {' '.join(p.layout.experts)}")
     else:
-        lines.append(f"  {g(p['layer_bytes'])} per layer, {g(p['other_bytes'])} other; KV "
-                     f"{g(p['kv']['per_layer'])} per layer at n_ctx {p['kv']['n_ctx']}")
-    for w in p["warnings"]:
+        lines.append(f"  {g(p.layer_bytes)} per layer, {g(p.other_bytes)} other; KV "
+                     f"{g(p.kv.per_layer)} per layer at n_ctx {p.kv.n_ctx}")
+    for w in p.warnings:
         lines.append(f"  warning: {w}")
-    for r in p["recommendations"]:
-        lines.append(f"  recommend: {r['options']}: {r['buys']}")
+    for r in p.recommendations:
+        lines.append(f"  recommend: {r.options}: {r.buys}")
     return "\n".join(lines)
 
 
-def k8s_resources(p: dict, overhead: int = GiB) -> dict:
+def k8s_resources(p: Plan | DensePlan, overhead: int = GiB) -> dict[str, Any]:
     """A pod ``resources`` stanza: GPUs, host memory (experts + KV + buffers + overhead), CPU threads.
 
     Devices played by CPU instances (no GPU planned) live in host memory and are counted there; RPC
     devices live on their servers and are not counted.
     """
-    gpus = sum(1 for d, v in p["devices"].items() if d.startswith("CUDA") and v["total"] > 0)
-    host = p.get("host", {})
-    if p["moe"]:
-        memory = host.get("mapped_total", 0) + host.get("resident_total", 0) + overhead
-        memory += sum(v["total"] for d, v in p["devices"].items() if d.startswith("DEV"))
+    if isinstance(p, Plan):
+        gpus = sum(1 for d, v in p.devices.items() if d.startswith("CUDA") and v.total > 0)
+        memory = p.host.mapped_total + p.host.resident_total + overhead
+        memory += sum(v.total for d, v in p.devices.items() if d.startswith("DEV"))
     else:  # a dense plan: the whole file mapped plus the KV cache
-        memory = p["file_bytes"] + p["kv"]["total"] + overhead
+        gpus = 0
+        memory = p.file_bytes + p.kv.total + overhead
     mem_gi = -(-memory // GiB)
-    res: dict[str, dict[str, str | int]] = {"requests": {"memory": f"{mem_gi}Gi", "cpu": str(p["threads"])},
-           "limits": {"memory": f"{mem_gi}Gi"}}
+    res: dict[str, dict[str, str | int]] = {"requests": {"memory": f"{mem_gi}Gi", "cpu": str(p.threads)},
+                                            "limits": {"memory": f"{mem_gi}Gi"}}
     if gpus:
         res["limits"]["nvidia.com/gpu"] = gpus
         res["requests"]["nvidia.com/gpu"] = gpus
     return {"resources": res}
 
 
-def format_k8s(p: dict) -> str:
+def format_k8s(p: Plan | DensePlan) -> str:
     r = k8s_resources(p)["resources"]
     lines = ["resources:"]
     for section in ("requests", "limits"):
@@ -317,4 +526,5 @@ def format_k8s(p: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_k8s", "format_text", "k8s_resources", "plan"]
+__all__ = ["DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan", "Plan", "Recommendation",
+           "format_k8s", "format_text", "k8s_resources", "plan"]

@@ -127,7 +127,7 @@ class Backend(Managed):
         self.kind = kind
         self.endpoint: str | None = None  # HOST:PORT of the server, for a device of GGML's RPC backend
         self._n_threads: int | None = None
-        self._pool: Threadpool | None = None
+        self._pools: dict[int, Threadpool] = {}
 
     @property
     def name(self) -> str:
@@ -147,22 +147,22 @@ class Backend(Managed):
             raise BackendError(f"n_threads applies to the CPU backend, not {self.name}")
         check_int(n, "n_threads", 1, max_threads())
         lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
-        # a persistent pool: without it each graph compute (each split) starts its own threads
-        params = ffi.new("struct ggml_threadpool_params *")
-        lib.ggml_threadpool_params_init(params, n)
-        params.poll = 0  # sleep between graphs rather than spin: the machine is shared with Python work
-        pool = Threadpool(lib.ggml_threadpool_new(params))
+        pool = self._pools.get(n)
+        if pool is None:
+            # a persistent pool per thread count: without one each graph compute (each split) starts its
+            # own threads, and a session switching between -t and -tb reuses its two pools
+            params = ffi.new("struct ggml_threadpool_params *")
+            lib.ggml_threadpool_params_init(params, n)
+            params.poll = 0  # sleep between graphs rather than spin: the machine is shared with Python work
+            pool = self._pools[n] = Threadpool(lib.ggml_threadpool_new(params))
         lib.ggml_backend_cpu_set_threadpool(self.ptr, pool.ptr)
-        old, self._pool = self._pool, pool
-        if old is not None:
-            old.close()
         self._n_threads = n
 
     def close(self) -> None:
-        super().close()  # the backend first: it holds the pool
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        super().close()  # the backend first: it holds a pool
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
     def alloc_buffer(self, size: int) -> Buffer:
         check_int(size, "alloc_buffer: size", 0)

@@ -38,6 +38,8 @@ def _owner_of(view: Tensor) -> Context | BorrowedScope:
     return view.context
 
 
+DEFAULT_GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE
+
 # ggml_new_object aligns every object; leave room for that padding per tensor
 _ALIGN_SLACK = 64
 
@@ -85,6 +87,7 @@ class Context(OpsMixin, Managed):
         """``arena``: build the context in this reusable host memory instead of allocating its own (graph
         builds repeated for ever, e.g. one per prompt length, must not churn the allocator)."""
         self.mem_size: int = Context.size_for(n_tensors, mem_size, graph_size)
+        self.graph_size = graph_size  # what new_graph() makes when given no size: the size is given once
         mem_buffer = ffi.NULL
         if arena is not None:
             mem_buffer = arena.claim(self.mem_size)
@@ -331,5 +334,6 @@ class Context(OpsMixin, Managed):
         # traceback may hold it), and a buffer on an RPC server holds that server's connection
         self._keep.clear()
 
-    def new_graph(self, size: int = 2048) -> Graph:
-        return Graph(self, size)
+    def new_graph(self, size: int | None = None) -> Graph:
+        """A graph of ``size`` nodes; by default the context's ``graph_size`` (else 2048, if the pool has room)."""
+        return Graph(self, size if size is not None else (self.graph_size or DEFAULT_GRAPH_SIZE))

@@ -48,6 +48,13 @@ class GGMLType(enum.IntEnum):
     TQ2_0 = lib.GGML_TYPE_TQ2_0
     MXFP4 = lib.GGML_TYPE_MXFP4
 
+    def __str__(self) -> str:
+        """GGML's own name, as llama.cpp and GGUF tools print it: 'f32', 'q4_K'."""
+        return cstr(lib.ggml_type_name(self))
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
     @property
     def block_size(self) -> int:
         """Elements per quantization block (1 for plain types)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -17,20 +18,25 @@ if TYPE_CHECKING:
     from .context import Context
 
 _contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+# sessions in several threads create contexts while another thread lists them: a WeakSet defers the
+# removals its collector makes during a listing, but an addition would change it under the listing
+_contexts_lock = threading.Lock()
 
 
 def track_context(ctx: Context) -> None:
-    _contexts.add(ctx)
+    with _contexts_lock:
+        _contexts.add(ctx)
 
 
 def all_contexts() -> list[Context]:
-    return list(_contexts)
+    with _contexts_lock:
+        return list(_contexts)
 
 
 def live_pools() -> list[int]:
     """[start, end) address pairs of every open context's memory pool (where its tensor structs live)."""
     out = []
-    for c in list(_contexts):
+    for c in all_contexts():
         if not c.closed:
             base = int(ffi.cast("uintptr_t", c._pool_base))
             out += [base, base + c.mem_size]
@@ -40,7 +46,7 @@ def live_pools() -> list[int]:
 def _tensor_upper_bound() -> int:
     """More than the number of tensors alive in every context (each takes at least one overhead)."""
     overhead = lib.ggml_tensor_overhead()
-    return sum(c.used // overhead + 1 for c in list(_contexts) if not c.closed)
+    return sum(c.used // overhead + 1 for c in all_contexts() if not c.closed)
 
 
 class Graph:

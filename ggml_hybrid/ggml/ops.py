@@ -83,6 +83,22 @@ def _check_sinks(op: str, sinks: Tensor, scores: Tensor) -> None:
     _need(sinks.is_contiguous, op, "sinks must be contiguous", sinks)
 
 
+def _infer_size(op: str, a: Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` with its one ``-1`` replaced by what keeps ``a``'s elements (numpy's rule)."""
+    dims = tuple(int(s) for s in shape)
+    unknown = [i for i, s in enumerate(dims) if s == -1]
+    if len(unknown) > 1:
+        raise ShapeError(f"{op}: shape {dims} has more than one -1 (at most one size can be inferred)")
+    if any(s < -1 for s in dims):
+        raise ShapeError(f"{op}: negative size in shape {dims} (only -1, to infer one size)")
+    if not unknown:
+        return dims
+    known = math.prod(s for s in dims if s != -1)
+    _need(known > 0 and a.nelements % known == 0, op,
+          f"shape {dims}: the other sizes ({known} elements) must divide the {a.nelements} elements", a)
+    return tuple(a.nelements // known if s == -1 else s for s in dims)
+
+
 class OpsMixin:
     """Graph-building operations; ``self`` is the context that owns the new nodes."""
 
@@ -206,6 +222,9 @@ class OpsMixin:
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return self._binary("mul", lib.ggml_mul, a, b)
 
+    def sub(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._binary("sub", lib.ggml_sub, a, b)
+
     def div(self, a: Tensor, b: Tensor) -> Tensor:
         return self._binary("div", lib.ggml_div, a, b)
 
@@ -237,6 +256,9 @@ class OpsMixin:
         _types(op, a, {F32, F16})
         _need(bool(lib.ggml_is_contiguous_1(a.ptr)), op, "a must be contiguous (use cont() first)", a)
         return self._node(fn(self.ptr, a.ptr))
+
+    def neg(self, a: Tensor) -> Tensor:
+        return self._unary("neg", lib.ggml_neg, a)
 
     def silu(self, a: Tensor) -> Tensor:
         return self._unary("silu", lib.ggml_silu, a)
@@ -444,8 +466,10 @@ class OpsMixin:
         return self._node(p)
 
     def reshape(self, a: Tensor, shape: Sequence[int]) -> Tensor:
+        """A view of contiguous ``a`` with a numpy-order ``shape``; one size may be -1 (inferred, as numpy)."""
         op = "reshape"
         self._own(op, a)
+        shape = _infer_size(op, a, shape)
         ne = ne_of(shape)
         _need(a.is_contiguous, op, "a must be contiguous (use cont() first)", a)
         _need(math.prod(ne) == a.nelements, op, f"shape {tuple(shape)} must keep the {a.nelements} elements", a)

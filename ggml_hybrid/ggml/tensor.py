@@ -137,6 +137,103 @@ class Tensor:
         lib.ggml_set_output(self.ptr)
         return self
 
+    # -- numpy/PyTorch-style operators: nodes in this tensor's context ------------------------------
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __bool__(self) -> bool:
+        return True  # a tensor is an object, not its data: len() == 0 must not make it false
+
+    def _ops(self, op: str, *others: object) -> Context:
+        """The context the operator builds in: this tensor's, which every operand must share."""
+        from .context import Context
+
+        ctx = self._ctx
+        if not isinstance(ctx, Context):
+            raise ArgumentError(f"{op}: {self!r} belongs to GGML (a scheduler copy or a region argument), not to a "
+                                "Context; operators build nodes in the operands' context")
+        for o in others:
+            if isinstance(o, Tensor) and o._ctx is not ctx:
+                raise ArgumentError(f"{op}: {self!r} and {o!r} belong to different contexts; operators need tensors "
+                                    "of one context")
+        return ctx
+
+    def _broadcast(self, op: str, other: Tensor, commutative: bool) -> tuple[Tensor, Tensor]:
+        # GGML broadcasts the second operand into the first; numpy broadcasts either way
+        from .ops import _can_repeat
+
+        if _can_repeat(other, self):
+            return self, other
+        if commutative and _can_repeat(self, other):
+            return other, self
+        raise ShapeError(f"{op}: shapes {self.shape} and {other.shape} do not broadcast (GGML repeats the second "
+                         "operand: each of its sizes must divide the first's)")
+
+    def __add__(self, other: object) -> Tensor:
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        a, b = self._broadcast("a + b", other, True)
+        return self._ops("a + b", other).add(a, b)
+
+    def __sub__(self, other: object) -> Tensor:
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        a, b = self._broadcast("a - b", other, False)
+        return self._ops("a - b", other).sub(a, b)
+
+    def __mul__(self, other: object) -> Tensor:
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return self._ops("a * s").scale(self, float(other))
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        a, b = self._broadcast("a * b", other, True)
+        return self._ops("a * b", other).mul(a, b)
+
+    def __rmul__(self, other: object) -> Tensor:
+        return self.__mul__(other)
+
+    def __neg__(self) -> Tensor:
+        return self._ops("-a").neg(self)
+
+    def __matmul__(self, other: object) -> Tensor:
+        """``a @ b`` as numpy: a [.., m, k] @ b [.., k, n] -> [.., m, n] (F32).
+
+        GGML's matmul takes its second factor transposed; ``a @ w.mT`` (``w.T`` in 2-D), the usual
+        product with a weight stored [n, k], uses ``w`` as it is, and any other ``b`` is made
+        contiguous transposed first.
+        """
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        ctx = self._ops("a @ b", other)
+        if self.shape[-1:] != other.shape[-2:-1]:
+            raise ShapeError(f"a @ b: shapes {self.shape} and {other.shape} do not multiply (a's last size must equal "
+                             "b's second to last)")
+        p = other.ptr
+        if p.op == lib.GGML_OP_TRANSPOSE and p.src[0] != ffi.NULL:
+            weights = Tensor(p.src[0], other._ctx)  # b is w.mT: multiply by w directly
+        else:
+            weights = ctx.cont(ctx.transpose(other))
+        return ctx.mul_mat(weights, self)
+
+    @property
+    def mT(self) -> Tensor:
+        """The two innermost axes swapped, as a view (numpy/PyTorch ``.mT``)."""
+        return self._ops("a.mT").transpose(self)
+
+    @property
+    def T(self) -> Tensor:
+        """The transpose of a 1-D or 2-D tensor, as a view (``.mT`` swaps the innermost two of more)."""
+        if self.ndim > 2:
+            raise ShapeError(f"a.T: {self!r} has {self.ndim} dimensions; numpy's .T would reverse them all, which "
+                             "GGML cannot view; use .mT (the two innermost) or permute()")
+        return self.mT
+
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        """``a.reshape(2, -1)`` or ``a.reshape((2, -1))``: a view with a new numpy-order shape."""
+        dims = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        return self._ops("reshape").reshape(self, cast("Sequence[int]", dims))
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Tensor) and bool(self._p == other._p)
 

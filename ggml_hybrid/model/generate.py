@@ -1,5 +1,7 @@
 """Generation: prompt processing, then one token at a time until EOS or ``n_predict``, streamed.
 
+``n_predict=-1`` generates until an end-of-generation token or a full context (llama.cpp's ``-n -1``).
+
 ``generate`` yields text pieces as they become complete UTF-8 and fills a
 :class:`GenerationStats` with timings and (optionally) every evaluated
 position's logits, which is what the CLI prints and writes.
@@ -8,7 +10,7 @@ position's logits, which is what the CLI prints and writes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +29,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     decode_steps: int = 0                             # tokens evaluated after the prompt
     tokens: list[int] = field(default_factory=list)  # generated ids
-    stop_reason: str = ""                             # "eos" (any end-of-generation token), "length" or "context"
+    # "eos" (any end-of-generation token), "length", "context", or "interrupted" (KeyboardInterrupt)
+    stop_reason: str = ""
     logits: list[np.ndarray] = field(default_factory=list)
 
     @property
@@ -45,45 +48,71 @@ class GenerationStats:
 
 def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
              stats: GenerationStats | None = None, keep_logits: bool = False,
-             stop_at_eos: bool = True) -> Iterator[str]:
-    """Yield the generated text piece by piece; ``stats`` (if given) is filled as it goes."""
-    check_int(n_predict, "generate: n_predict", 0)
+             stop_at_eos: bool = True) -> Generator[str, None, None]:
+    """Yield the generated text piece by piece; ``stats`` (if given) is filled as it goes.
+
+    ``n_predict=-1``: until end of generation or a full context. A ``sampler`` with ``accept``
+    and ``reset`` (a :class:`Sampler`) is shown the prompt and every kept token, for its penalties.
+    On a ``KeyboardInterrupt`` the stats describe what ran (``stop_reason`` "interrupted") and
+    the interrupt propagates.
+    """
+    check_int(n_predict, "generate: n_predict (-1 = until the end)", -1)
     sampler = sampler or Sampler()
     st = stats if stats is not None else GenerationStats()
     prompt = list(prompt_tokens)
     if not prompt:
         raise ArgumentError("generate: the prompt has no tokens")
+    accept = getattr(sampler, "accept", None)
+    if hasattr(sampler, "reset"):
+        sampler.reset()
     model.reset()
-    st.prompt_tokens = len(prompt)
-    t0 = time.perf_counter()
-    logits = model.eval(prompt, "all" if keep_logits else "last")
-    st.prompt_seconds = time.perf_counter() - t0
-    if keep_logits:
-        st.logits.append(logits)
     text = model.tokenizer.stream()
     eog = model.tokenizer.eog_ids
-    st.stop_reason = "length"
     t0 = time.perf_counter()
-    for i in range(n_predict):
-        tok = sampler(logits[-1])
-        if stop_at_eos and tok in eog:
-            st.stop_reason = "eos"
-            break
-        st.tokens.append(tok)
-        st.generated_tokens += 1
-        piece = text.push(tok)
-        if piece:
-            yield piece
-        if i == n_predict - 1:
-            break
-        if model.n_past >= model.n_ctx:
-            st.stop_reason = "context"
-            break
-        logits = model.eval([tok], "last")
-        st.decode_steps += 1
+    phase = "prompt"
+    try:
+        logits = model.eval(prompt, "all" if keep_logits else "last")
+        st.prompt_seconds = time.perf_counter() - t0
+        st.prompt_tokens = len(prompt)  # counted once evaluated: an interrupted prompt reports none
         if keep_logits:
             st.logits.append(logits)
-    st.decode_seconds = time.perf_counter() - t0
+        if accept is not None:
+            for t in prompt:
+                accept(t)
+        st.stop_reason = "length"
+        phase = "decode"
+        t0 = time.perf_counter()
+        i = 0
+        while n_predict < 0 or i < n_predict:
+            tok = sampler(logits[-1])
+            if stop_at_eos and tok in eog:
+                st.stop_reason = "eos"
+                break
+            if accept is not None:
+                accept(tok)
+            st.tokens.append(tok)
+            st.generated_tokens += 1
+            piece = text.push(tok)
+            if piece:
+                yield piece
+            i += 1
+            if i == n_predict:
+                break
+            if model.n_past >= model.n_ctx:
+                st.stop_reason = "context"
+                break
+            logits = model.eval([tok], "last")
+            st.decode_steps += 1
+            if keep_logits:
+                st.logits.append(logits)
+    except KeyboardInterrupt:
+        st.stop_reason = "interrupted"
+        raise
+    finally:
+        if phase == "prompt":
+            st.prompt_seconds = time.perf_counter() - t0
+        else:
+            st.decode_seconds = time.perf_counter() - t0
     rest = text.flush()
     if rest:
         yield rest

@@ -7,12 +7,15 @@ into a backend buffer, or read one expert at a time for an expert cache.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..errors import ModelFileError
+from ..files import not_a_file
 from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Context
 from ..ggml.dtypes import GGMLType
@@ -33,16 +36,51 @@ def _identity(path: str) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+@functools.cache
+def _reader_class() -> type:
+    """``gguf.GGUFReader`` that checks each tensor's bytes lie in the file before it maps them.
+
+    The reader itself would only fail to reshape a short slice ("cannot reshape array of size
+    45696 into shape (2000,272)"); this names the tensor and the bytes.
+    """
+    import gguf
+
+    class _Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            size = len(self.data)
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                try:
+                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+                except (ValueError, KeyError):
+                    continue  # an unknown type: the reader's own error names it
+                n_bytes = int(np.prod(dims.astype(object))) * type_size // block
+                start = int(start_offs) + int(offset[0])
+                if start + n_bytes > size:
+                    label = bytes(name).decode("utf-8", "replace")
+                    present = max(0, size - start)
+                    raise ModelFileError(f"{self.path!r}: tensor {label!r} needs {n_bytes} bytes from byte {start}, "
+                                         f"but the {size}-byte file holds {present} of them (truncated?)")
+            super()._build_tensors(start_offs, fields)
+
+        def __init__(self, path: str, mode: Any) -> None:
+            self.path = path
+            super().__init__(path, mode)
+
+    return _Reader
+
+
 class GGUFStore:
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        import gguf
-
         self.path = os.fspath(path)
-        if not os.path.isfile(self.path):
-            raise ModelFileError(f"model file {self.path!r} does not exist")
+        why = not_a_file(self.path)
+        if why is not None:
+            raise ModelFileError(f"model file {self.path!r} {why}")
         self._identity = _identity(self.path)
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
+            self._reader = _reader_class()(self.path, "r")
+        except ModelFileError:
+            raise
         except Exception as exc:  # the gguf package raises several types for a bad file
             raise ModelFileError(f"{self.path!r} is not a readable GGUF file: {exc}") from exc
         self._info: dict[str, TensorInfo] = {}

@@ -25,7 +25,7 @@ from .._native import ffi
 from ..checks import check_choice
 from ..deploy.devices import open_devices
 from ..deploy.layout import CPU, Layout, is_expert_tensor, plan_layout
-from ..errors import ClosedError, IndexRangeError, ModelFileError, RPCError, ShapeError
+from ..errors import ClosedError, GgmlHybridError, IndexRangeError, ModelFileError, RPCError, ShapeError
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
@@ -52,7 +52,7 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
         raise OptionError(f"ubatch_size={opts.ubatch_size}: must not exceed batch_size={opts.batch_size}")
     if opts.n_ctx > hp.n_ctx_train:
         raise OptionError(f"n_ctx={opts.n_ctx}: the model was trained for at most {hp.n_ctx_train} tokens")
-    if opts.cache_type_v == "q8_0" and not opts.flash_attn:
+    if opts.cache_type_v == "q8_0" and opts.flash_attn is False:
         raise OptionError("cache_type_v=q8_0: a quantized V cache needs flash_attn=true (as in llama.cpp)")
     if hp.mla is not None and opts.cache_type_k != opts.cache_type_v:
         # the latent cache has no V, but llama.cpp still refuses different K and V types for it
@@ -98,6 +98,9 @@ class MoEModel:
             store.close()
             raise
         n_threads = opts.n_threads or os.cpu_count() or 1
+        # llama.cpp's -t / -tb: one thread count for single-token steps, one for batches (the prompt)
+        self._threads = {False: n_threads, True: opts.n_threads_batch or n_threads}
+        self._threads_now = n_threads
         self._own_devices = device is None
         self.devices = {}
         self._serial = Serial("MoEModel")
@@ -149,14 +152,39 @@ class MoEModel:
                                     modes=list(lay.expert_mode), backend_of=lambda n: self.devices.get(lay.tensors[n]),
                                     load=not self.dry_run, moe_layers=hp.moe_layers, glu=hp.routing.glu)
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
+        self.flash_attn = self._resolve_flash_attn(opts, hp)
         # latent attention has no Hadamard rotation (llama.cpp's K-only cache input has none)
         rot = (0, 0) if hp.mla is not None else rotation_sizes(opts.cache_type_k, opts.cache_type_v, hp.head_dim,
                                                                hp.head_dim_v)
         self.kv = KVCache(hp.n_layer, n_ctx, hp.kv_k, hp.kv_v, opts.cache_type_k, opts.cache_type_v,
-                          [self.backend(d) for d in lay.kv_device], v_trans=not opts.flash_attn,
+                          [self.backend(d) for d in lay.kv_device], v_trans=not self.flash_attn,
                           clear=not self.dry_run, rot=rot, n_swa=hp.swa.n_swa if hp.swa is not None else 0)
-        # like llama.cpp: size the compute buffers for the largest ubatch once, at load
-        self.sched.reserve(self._graph(min(opts.ubatch_size, n_ctx), n_ctx, min(opts.ubatch_size, n_ctx)).graph)
+        # like llama.cpp: size the compute buffers for the largest ubatch once, at load; the expert caches'
+        # own graphs too, so that a run never allocates more than the load (and the planner's dry run) did
+        ub = min(opts.ubatch_size, n_ctx)
+        self.sched.reserve(self._graph(ub, n_ctx, ub).graph)
+        self.experts.reserve(ub)
+
+    def _resolve_flash_attn(self, opts: SessionOptions, hp: HParams) -> bool:
+        """``flash_attn`` as a bool; ``auto`` is llama.cpp's rule: on when every backend that runs
+        attention (where the KV cache lives) supports the fused op for this model's shapes and types."""
+        if opts.flash_attn != "auto":
+            return bool(opts.flash_attn)
+        with Context(n_tensors=8) as ctx:
+            q = ctx.new_tensor("f32", (hp.n_head, 1, hp.head_dim))
+            k = ctx.new_tensor(opts.cache_type_k, (hp.n_head_kv, 256, hp.head_dim))
+            v = ctx.new_tensor(opts.cache_type_v, (hp.n_head_kv, 256, hp.head_dim_v))
+            mask = ctx.new_tensor("f16", (1, 256))
+            try:
+                probe = ctx.flash_attn(q, k, v, mask)
+            except GgmlHybridError:  # shapes or types the fused op does not take: no
+                on = False
+            else:
+                on = all(self.backend(d).supports(probe) for d in set(self.layout.kv_device))
+        if not on and opts.cache_type_v == "q8_0":
+            raise OptionError("cache_type_v=q8_0 with flash_attn=auto: the backends cannot run flash attention for "
+                              "this model, and a quantized V cache needs it")
+        return on
 
     def backend(self, name: str) -> Backend:
         """The backend of a device name of this session (``CPU``: the host backend)."""
@@ -214,7 +242,7 @@ class MoEModel:
 
         def build(arena: Arena) -> DecoderGraph:
             entry = build_decoder(self.hp, self.weights, self.experts.weights, self.kv, n_tokens, n_kv, n_out,
-                                  self.options.flash_attn, arena)
+                                  self.flash_attn, arena)
             self.sched.set_pins(entry.graph, self._pins(entry))
             return entry
 
@@ -284,12 +312,24 @@ class MoEModel:
                                   f"0..{self.hp.n_vocab - 1}")
         return arr.astype(np.int32)
 
+    def _use_threads(self, batch: bool) -> None:
+        """The CPU backends this model owns run ``n_threads_batch`` threads on batches, else ``n_threads``."""
+        n = self._threads[batch]
+        if n == self._threads_now:
+            return
+        owned = list(self.devices.values()) if self._own_devices else []
+        for b in [self.host, *owned]:
+            if b.is_cpu:
+                b.n_threads = n
+        self._threads_now = n
+
     def _ubatch(self, tokens: np.ndarray, n_out: int) -> np.ndarray:
         n = len(tokens)
+        self._use_threads(n > 1)
         n_kv = self.kv.n_kv_for(n)
         g = self._graph(n, n_kv, n_out)
         self.sched.prepare(g.graph)
-        feed = self.kv.inputs(n, n_kv, np.float16 if self.options.flash_attn else np.float32)
+        feed = self.kv.inputs(n, n_kv, np.float16 if self.flash_attn else np.float32)
         feed["tokens"] = tokens
         if "out_ids" in g.inputs:
             feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)

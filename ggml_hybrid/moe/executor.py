@@ -180,8 +180,13 @@ class ExpertCacheExecutor:
     def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
                  policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None,
-                 simulated_bus_bytes_per_s: float | None = None, trace=None, clear: bool = True):
-        """``clear=False`` (planning only: nothing will run) only reserves the slot memory."""
+                 simulated_bus_bytes_per_s: float | None = None, trace=None, clear: bool = True,
+                 shared: tuple[SharedBuffer, SharedBuffer] | None = None):
+        """``clear=False`` (planning only: nothing will run) only reserves the slot memory.
+
+        ``shared``: the compute buffers (slot graphs, row graphs) to place the graphs in, shared with the
+        other layers' executors on this device (layers never run at the same time); default: its own.
+        """
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.n_used, self.glu = n_used, glu
         # the CPU share: a fixed fraction of the misses, or "auto" (an online cost model)
@@ -211,14 +216,21 @@ class ExpertCacheExecutor:
                         for k in names]
         self._slot_of = np.empty(self.n_expert, np.int32)
         self.expert_bytes = sum(self.expert_nbytes.values())
-        self._slot_rows = RowGraphs(self.slots, device, self.n_embd, glu)  # compacted rounds
+        self._own_shared = shared is None
+        shared = shared or (SharedBuffer(device), SharedBuffer(device))
+        self._slot_rows = RowGraphs(self.slots, device, self.n_embd, glu, shared[1])  # compacted rounds
         self.counters = LayerCounters()
         # one graph pair per token count, the least recently used dropped first: prompts of ever new
         # lengths must not grow memory (decode and recent lengths stay warm); all share one buffer
         self._buckets: GraphCache[_Bucket] = GraphCache(
             MAX_BUCKETS, Context.size_for(_BUCKET_TENSORS, graph_size=_BUCKET_GRAPH))
-        self._shared = SharedBuffer(device)
+        self._shared = shared[0]
         self._host = _HostScratch(n_used, self.n_embd)
+
+    @property
+    def shared_buffers(self) -> tuple[SharedBuffer, SharedBuffer]:
+        """The compute buffers its graphs are placed in (perhaps shared with other executors)."""
+        return self._shared, self._slot_rows.shared
 
     @property
     def compute_bytes(self) -> int:
@@ -229,6 +241,12 @@ class ExpertCacheExecutor:
     def slot_bytes(self) -> int:
         """Device bytes of the slots, scratch included."""
         return sum(t.nbytes for t in self.slot_tensors.values())
+
+    def reserve(self, n_tokens: int) -> None:
+        """Grow the compute memory to what a call of ``n_tokens`` tokens needs, the most a call can need:
+        its graphs over the slots, and the row graphs of all its rows (every (token, expert) pair)."""
+        self._bucket(n_tokens)
+        self._slot_rows.reserve(n_tokens * self.n_used)
 
     def _bucket(self, n_tokens: int) -> _Bucket:
         def build(arena: Arena) -> _Bucket:
@@ -375,5 +393,7 @@ class ExpertCacheExecutor:
     def close(self) -> None:
         self._slot_rows.close()
         self._buckets.clear()
-        self._shared.close()
+        if self._own_shared:
+            self._shared.close()
+            self._slot_rows.shared.close()
         self.ctx.close()

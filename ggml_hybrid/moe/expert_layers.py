@@ -18,8 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from .._native import ffi
+from ..files import check_output
 from ..ggml.backend import Backend
 from ..ggml.context import Context
+from ..ggml.graph_cache import SharedBuffer
 from ..model.gguf_store import GGUFStore, ModelFileError, load_into
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
@@ -44,6 +46,13 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int) -> None
     if opts.trace_path is not None and not opts.disk_experts:
         raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
                           "(disk_experts=true)")
+    # an option that would silently do nothing is refused
+    if opts.expert_cache_slots and not opts.disk_experts:
+        raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the slots belong to the expert cache, "
+                          "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
+    if opts.expert_eviction != "lru" and not opts.disk_experts:
+        raise OptionError(f"expert_eviction={opts.expert_eviction}: the eviction order belongs to the expert cache, "
+                          "which needs disk_experts=true")
 
 
 def expert_names(store: GGUFStore, i: int) -> dict[str, str]:
@@ -103,8 +112,11 @@ class ExpertLayers:
             self.worker = NativeWorker(n_threads) if self.native else CPUWorker(n_threads)
         self._scratch: dict[int, Scratch] = {}  # the native executors' compute buffer, one per device
         self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
+        if opts.trace_path is not None:
+            check_output(opts.trace_path, [store.path], "trace_path")
+        # a dry run (planning) writes nothing
         self.trace = (TraceWriter(opts.trace_path, len(self.moe_layers), n_expert, n_used)
-                      if opts.trace_path is not None else None)
+                      if opts.trace_path is not None and load else None)
         by_backend: dict[int, tuple[Backend, list[str]]] = {}
         for i, layer_names in named.items():
             if self.modes[i] != "resident":
@@ -123,6 +135,8 @@ class ExpertLayers:
         self.weights: list[ExpertWeights | None] = []
         self.executors: list[ExpertCacheExecutor | NativeExpertExecutor | None] = []
         self.layer_backends: list[Backend | None] = []
+        # one pair of compute buffers per device for every layer's cache graphs: layers run one at a time
+        self._shared: dict[int, tuple[SharedBuffer, SharedBuffer]] = {}
         for i in range(n_layer):
             names = self.names[i]
             if names is None:  # a dense layer
@@ -158,11 +172,12 @@ class ExpertLayers:
                         host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
                         trace_seq=self._trace_seq)
                 else:
+                    shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
                     executor = ExpertCacheExecutor(
                         store, moe_layer, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], simulated_bus_bytes_per_s=simulated_bus_bytes_per_s,
-                        trace=self.trace, clear=load)
+                        trace=self.trace, clear=load, shared=shared)
             self.layer_backends.append(cache_on)
             self.executors.append(executor)
 
@@ -182,12 +197,24 @@ class ExpertLayers:
                 sched.add_region(r.inputs, [r.out], self.executors[i], backend=self.layer_backends[i],
                                  name=f"{prefix}.{i}.experts")
 
+    def reserve(self, n_tokens: int) -> None:
+        """Size the cache executors' compute memory for calls of up to ``n_tokens`` tokens, now."""
+        for e in self.executors:
+            if e is not None:
+                e.reserve(n_tokens)
+
     def compute_bytes(self, backend: Backend | None = None) -> int:
         """Compute memory of the cache executors' own graphs (on ``backend`` only, if given)."""
-        own = sum(e.compute_bytes for e, b in zip(self.executors, self.layer_backends)
-                  if e is not None and (backend is None or b is backend))
+        own, buffers = 0, dict[int, SharedBuffer]()
+        for e, b in zip(self.executors, self.layer_backends):
+            if e is None or (backend is not None and b is not backend):
+                continue
+            if isinstance(e, ExpertCacheExecutor):  # its buffers are shared with the device's other layers
+                buffers.update((id(s), s) for s in e.shared_buffers)
+            else:
+                own += e.compute_bytes
         shared = sum(s.size for s in self._scratch.values() if backend is None or s.device is backend)
-        return own + shared
+        return own + sum(s.size for s in buffers.values()) + shared
 
     def flush_traces(self) -> None:
         """Write the native executors' trace records of the calls since the last flush, in call order."""
@@ -221,6 +248,9 @@ class ExpertLayers:
                 e.close()
         for s in self._scratch.values():
             s.close()
+        for pair in self._shared.values():
+            for b in pair:
+                b.close()
         for _, ctx in self.resident_ctxs:
             ctx.close()
         self.mapped_ctx.close()

@@ -229,6 +229,11 @@ class NativeExpertExecutor:
             pos += 4 + T * k
         return out
 
+    def reserve(self, n_tokens: int) -> None:
+        """Grow the shared scratch now to what a call of ``n_tokens`` tokens can need (its largest graphs)."""
+        if lib.hy_moe_exec_reserve(self._exec.ptr, n_tokens) != lib.HY_OK:
+            raise self.error() or AllocationError(f"layer {self.layer}: cannot reserve the expert graphs")
+
     @property
     def load_mode(self) -> str:
         """How loads reach the slots: ``copy`` (``tensor_set``), ``staged`` (double-buffered pinned host memory,

@@ -89,10 +89,11 @@ def bucket_rows(n: int, ids: np.ndarray, n_expert: int, pad_id: int | None = Non
 class RowGraphs:
     """The row graphs of one set of experts on one backend, by row count."""
 
-    def __init__(self, experts: ExpertWeights, backend: Backend, n_embd: int, glu: str) -> None:
+    def __init__(self, experts: ExpertWeights, backend: Backend, n_embd: int, glu: str,
+                 shared: SharedBuffer | None = None) -> None:
         self.experts, self.backend, self.n_embd, self.glu = experts, backend, n_embd, glu
         self._graphs: GraphCache[_RowGraph] = GraphCache(_MAX_GRAPHS, Context.size_for(_TENSORS, graph_size=_GRAPH))
-        self._shared = SharedBuffer(backend)
+        self.shared = self._shared = shared or SharedBuffer(backend)  # given: shared with other row graph sets
         self._scratch = _Scratch(n_embd)
 
     @property
@@ -125,11 +126,15 @@ class RowGraphs:
         lib.ggml_backend_tensor_get(g.pdown, g.bdown, 0, g.down_host.nbytes)
         return g.down_host[:n]
 
+    def reserve(self, n: int) -> None:
+        """Grow the shared buffer now to what a call of ``n`` rows needs (the largest graph it can use)."""
+        bucket = n if n <= _EXACT_ROWS else 1 << (n - 1).bit_length()
+        self._graphs.get(bucket, lambda arena: self._build(bucket, arena))
+
     @property
     def buffer_bytes(self) -> int:
         """Compute memory of the row graphs (grown to the largest row count seen)."""
         return self._shared.size
 
     def close(self) -> None:
-        self._graphs.clear()
-        self._shared.close()
+        self._graphs.clear()  # the buffer is closed by its owner (the executor, or the session sharing it)

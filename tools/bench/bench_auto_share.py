@@ -14,8 +14,10 @@ replayed through the real LRU cache at 8/16/32 slots with the link cost model of
 
 from __future__ import annotations
 
-import argparse
 import sys
+from types import SimpleNamespace
+
+import click
 
 from ggml_hybrid.moe.traces import LinkCost, Trace, replay, synthetic_trace
 
@@ -32,14 +34,17 @@ def mixed_trace(rounds: int, seed: int = 0) -> Trace:
     return Trace(n_layer, n_expert, n_used, calls)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=12, help="prompt + decode rounds in the trace")
-    ap.add_argument("--bus-gbps", type=float, default=25.0)
-    ap.add_argument("--cpu-gbps", type=float, default=30.0)
-    ap.add_argument("--device-us-per-row", type=float, default=0.2)
-    ap.add_argument("--cpu-us-per-row", type=float, default=40.0)
-    ns = ap.parse_args()
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option('--rounds', type=int, default=12, help='prompt + decode rounds in the trace', show_default=True)
+@click.option('--bus-gbps', type=float, default=25.0, show_default=True)
+@click.option('--cpu-gbps', type=float, default=30.0, show_default=True)
+@click.option('--device-us-per-row', type=float, default=0.2, show_default=True)
+@click.option('--cpu-us-per-row', type=float, default=40.0, show_default=True)
+def main(**options) -> None:
+    sys.exit(_main(SimpleNamespace(**options)))
+
+
+def _main(ns: SimpleNamespace) -> int:
     expert_bytes = 3 * 2048 * 768 * 144 // 256  # one Q4_K expert of a Qwen3-30B-A3B-sized layer
     cost = LinkCost(ns.bus_gbps * 1e9, ns.cpu_gbps * 1e9, ns.device_us_per_row * 1e-6, ns.cpu_us_per_row * 1e-6,
                     expert_bytes)
@@ -57,4 +62,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -13,12 +13,13 @@ backend instance plays the device, so "loading" is a host memcpy from the mapped
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 
 from ggml_hybrid.model.synthetic import write_moe_stack
@@ -36,12 +37,15 @@ def model_path() -> str:
     return str(p)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12, help="measured forwards per mode and batch size")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ns = ap.parse_args()
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option('--steps', type=int, default=12, help='measured forwards per mode and batch size', show_default=True)
+@click.option('--warmup', type=int, default=3, show_default=True)
+@click.option('--threads', type=int, default=1, show_default=True)
+def main(**options) -> None:
+    sys.exit(_main(SimpleNamespace(**options)))
+
+
+def _main(ns: SimpleNamespace) -> int:
     path = model_path()
     modes = {"resident": [], **{f"cache {n} slots": ["disk_experts=1", f"expert_cache_slots={n}"] for n in (8, 16, 32)}}
     print(f"model: {SHAPE}, {ns.threads} threads")
@@ -86,4 +90,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

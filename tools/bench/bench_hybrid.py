@@ -16,12 +16,13 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 
 import ggml_hybrid as gh
@@ -182,16 +183,19 @@ def shares(threads: int, steps: int, warmup: int, bus_gbps: float, plot: bool) -
         print(f"plot: {out.relative_to(ROOT)}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--bus-gbps", type=float, default=2.0)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--only", choices=["bandwidth", "shares"])
-    ns = ap.parse_args()
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option('--steps', type=int, default=8, show_default=True)
+@click.option('--warmup', type=int, default=3, show_default=True)
+@click.option('--threads', type=int, default=1, show_default=True)
+@click.option('--bus-gbps', type=float, default=2.0, show_default=True)
+@click.option('--reps', type=int, default=30, show_default=True)
+@click.option('--no-plot', is_flag=True)
+@click.option('--only', type=click.Choice(['bandwidth', 'shares']))
+def main(**options) -> None:
+    sys.exit(_main(SimpleNamespace(**options)))
+
+
+def _main(ns: SimpleNamespace) -> int:
     if ns.only in (None, "bandwidth"):
         bandwidth(ns.threads, ns.reps)
     if ns.only in (None, "shares"):
@@ -200,4 +204,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

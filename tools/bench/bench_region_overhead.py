@@ -13,12 +13,13 @@ both arms give bit-identical outputs.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,15 +60,18 @@ class Arm:
         return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--block", type=int, default=25, help="iterations per arm per round")
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tokens", type=int, default=DEFAULTS["n_tokens"])
-    ap.add_argument("--patched-first", action="store_true", help="load the patched module before the unpatched one")
-    ns = ap.parse_args()
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option('--rounds', type=int, default=20, show_default=True)
+@click.option('--block', type=int, default=25, help='iterations per arm per round', show_default=True)
+@click.option('--warmup', type=int, default=30, show_default=True)
+@click.option('--threads', type=int, default=1, show_default=True)
+@click.option('--tokens', type=int, default=DEFAULTS['n_tokens'], show_default=True)
+@click.option('--patched-first', is_flag=True, help='load the patched module before the unpatched one')
+def main(**options) -> None:
+    sys.exit(_main(SimpleNamespace(**options)))
+
+
+def _main(ns: SimpleNamespace) -> int:
     shape = dict(DEFAULTS, n_tokens=ns.tokens)
     # which module is loaded (and so mapped and warmed) first can bias a few percent either way
     if ns.patched_first:
@@ -102,4 +106,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -19,14 +19,15 @@ Starts ``ggml-hybrid rpc-server --threads 1`` on a free loopback port and puts t
 
 from __future__ import annotations
 
-import argparse
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 
 import ggml_hybrid as gh
@@ -142,14 +143,17 @@ def upload(endpoint: str, reps: int) -> None:
     local.close()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--only", choices=["shares", "upload"])
-    ap.add_argument("--executor", choices=["native", "python"], default="native")
-    ns = ap.parse_args()
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option('--steps', type=int, default=8, show_default=True)
+@click.option('--warmup', type=int, default=3, show_default=True)
+@click.option('--reps', type=int, default=9, show_default=True)
+@click.option('--only', type=click.Choice(['shares', 'upload']))
+@click.option('--executor', type=click.Choice(['native', 'python']), default='native', show_default=True)
+def main(**options) -> None:
+    sys.exit(_main(SimpleNamespace(**options)))
+
+
+def _main(ns: SimpleNamespace) -> int:
     proc, endpoint = start_server()
     try:
         if ns.only in (None, "shares"):
@@ -163,4 +167,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

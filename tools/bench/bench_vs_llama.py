@@ -14,7 +14,6 @@ ratio ggml-hybrid / llama.cpp are printed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,7 +21,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 
 from ggml_hybrid.model.generate import complete
@@ -68,14 +69,17 @@ def run_ours(model: MoEModel, tokens, n):
     return st.prompt_seconds, st.decode_seconds, st.tokens
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-python", required=True)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=4, help="blocks of A,B,B,A")
-    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    ap.add_argument("--n", type=int, default=32, help="generated tokens (the first comes from the prompt)")
-    ns = ap.parse_args()
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option('--llama-python', required=True)
+@click.option('--threads', type=int, default=1, show_default=True)
+@click.option('--rounds', type=int, default=4, help='blocks of A,B,B,A', show_default=True)
+@click.option('--prompt', type=int, default=128, help='prompt tokens', show_default=True)
+@click.option('--n', type=int, default=32, help='generated tokens (the first comes from the prompt)', show_default=True)
+def main(**options) -> None:
+    sys.exit(_main(SimpleNamespace(**options)))
+
+
+def _main(ns: SimpleNamespace) -> int:
     path = model_path()
     n_ctx = 512
     tokens = np.random.default_rng(0).integers(0, 8000, ns.prompt).tolist()
@@ -112,4 +116,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -27,8 +27,8 @@ enum ggml_type {
     ...
 };
 
-enum ggml_op { GGML_OP_NONE, GGML_OP_VIEW, GGML_OP_SOFT_MAX, GGML_OP_ARGSORT, GGML_OP_TOP_K, GGML_OP_FLASH_ATTN_EXT,
-    GGML_OP_COUNT, ... };
+enum ggml_op { GGML_OP_NONE, GGML_OP_VIEW, GGML_OP_TRANSPOSE, GGML_OP_SOFT_MAX, GGML_OP_ARGSORT, GGML_OP_TOP_K,
+    GGML_OP_FLASH_ATTN_EXT, GGML_OP_COUNT, ... };
 
 enum ggml_sort_order { GGML_SORT_ORDER_ASC, GGML_SORT_ORDER_DESC, ... };
 
@@ -129,6 +129,8 @@ struct ggml_tensor * ggml_add(struct ggml_context * ctx, struct ggml_tensor * a,
 struct ggml_tensor * ggml_add_id(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
         struct ggml_tensor * ids);
 struct ggml_tensor * ggml_mul(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_sub(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_neg(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_div(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_scale(struct ggml_context * ctx, struct ggml_tensor * a, float s);
 struct ggml_tensor * ggml_clamp(struct ggml_context * ctx, struct ggml_tensor * a, float min, float max);

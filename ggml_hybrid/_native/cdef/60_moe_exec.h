@@ -75,5 +75,6 @@ void hy_moe_exec_trace_take(hy_moe_exec * ex);
 int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
 int hy_moe_exec_load_mode(const hy_moe_exec * ex);
 void hy_moe_exec_plain_loads(hy_moe_exec * ex);
+int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens);
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
 void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[]);

@@ -717,6 +717,27 @@ void hy_moe_exec_plain_loads(hy_moe_exec * ex) {
     ex->async_loads = false;
 }
 
+int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
+    const hy_moe_config * cfg = &ex->cfg;
+    const int k = cfg->n_used, E = cfg->n_embd;
+    const enum ggml_glu_op glu = (enum ggml_glu_op) cfg->glu;
+    /* the row graph's size rule of a call (hy_moe_exec_run): exact up to 32 rows, then a power of two */
+    int rows = n_tokens * k;
+    if (rows > 32) {
+        int r = 1;
+        while (r < rows) {
+            r *= 2;
+        }
+        rows = r;
+    }
+    if (hy_graph_get(&ex->graphs, HY_GRAPH_FULL, n_tokens, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
+        hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
+        hy_graph_get(&ex->graphs, HY_GRAPH_SUM, n_tokens, NULL, NULL, k, E, glu) == NULL) {
+        return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graphs%s", "");
+    }
+    return HY_OK;
+}
+
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after) { ex->fail_after = after; }
 
 void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[5]) {

@@ -86,6 +86,10 @@ int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
 int hy_moe_exec_load_mode(const hy_moe_exec * ex);
 /* loads by plain tensor_set from now on (benchmarks compare the paths) */
 void hy_moe_exec_plain_loads(hy_moe_exec * ex);
+/* Build (and place) the graphs a call of n_tokens tokens can need, so that the shared scratch buffer is as
+   large as any call will make it: the full graph, the compacted row graph of every (token, expert) row,
+   and the weighted sum. HY_OK, or -1 with the error set. */
+int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens);
 /* make the load after the next `after` loads fail (tests: a fault half way through a call) */
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
 /* observe durations computed from the work (load_per_byte, device_per_row, cpu_per_byte, cpu_per_row,

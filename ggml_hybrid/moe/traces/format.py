@@ -39,12 +39,13 @@ import struct
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import numpy as np
 
 from ...checks import check_int
 from ...errors import TraceError, TraceTruncatedWarning
+from ...files import AtomicFile
 
 __all__ = ["FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "Trace", "TraceWriter", "read_trace"]
 
@@ -176,8 +177,10 @@ class Trace:
 class TraceWriter:
     """Append routing records to a trace file as the run goes; a context manager.
 
-    ``TraceWriter(path, n_layer, n_expert, n_used)`` creates (or overwrites) ``path`` and writes
-    the header at once; :meth:`record` appends one layer call with a single write and a flush.
+    ``TraceWriter(path, n_layer, n_expert, n_used)`` writes the header at once to a temporary file
+    next to ``path``; :meth:`record` appends one layer call with a single write and a flush, and
+    :meth:`close` renames the file over ``path`` (an existing trace is replaced only then; a writer
+    that is never closed leaves it untouched).
     """
 
     def __init__(self, path, n_layer: int, n_expert: int, n_used: int):
@@ -186,17 +189,23 @@ class TraceWriter:
         self.records = 0
         self._dtype = _id_dtype(_id_bytes(self.n_expert))
         head = _HEAD.pack(MAGIC, FORMAT_VERSION, _id_bytes(self.n_expert), 0, self.n_layer, self.n_expert, self.n_used)
-        self._f: BinaryIO | None = open(self.path, "wb")
+        self._out = AtomicFile(self.path)
+        self._f: BinaryIO | None = cast(BinaryIO, self._out.file)
         try:
             self._f.write(head + _CRC.pack(zlib.crc32(head)))
             self._f.flush()
         except BaseException:
-            self._f.close()
+            self._out.discard()
             raise
 
     @property
     def closed(self) -> bool:
         return self._f is None
+
+    @property
+    def partial_path(self) -> str:
+        """The temporary file the records go to until :meth:`close` (what a process that dies leaves)."""
+        return self._out.tmp
 
     def record(self, layer: int, ids: np.ndarray) -> None:
         """Append the call of ``layer`` with expert ids ``ids`` (integer array of shape ``(T, n_used)``)."""
@@ -210,8 +219,8 @@ class TraceWriter:
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
             self._f = None
+            self._out.commit()
 
     def __enter__(self) -> TraceWriter:
         return self
