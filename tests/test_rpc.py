@@ -205,17 +205,17 @@ def test_devices_and_plan_ask_the_server(model):
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)[0]["memory_total"] == 1024 * MiB
         p = plan(model, opts(f"rpc={s.endpoint}"))
-        d = p["devices"]["RPC0"]
-        assert d["vram"] == 1024 * MiB and d["fits"] is True
+        d = p.devices["RPC0"]
+        assert d.vram == 1024 * MiB and d.fits is True
         # what the plan says the device holds is what a load puts there, but for the compute buffers: the
         # dry run's CPU instances read the host's inputs in place, a real device gets copies
         with MoEModel(model, opts(f"rpc={s.endpoint}")) as m:
             held = m.device_memory("RPC0")
-        assert {k: d[k] for k in held if k != "compute"} == {k: v for k, v in held.items() if k != "compute"}
-        assert 0 < d["compute"] <= held["compute"]
+        assert {k: getattr(d, k) for k in held if k != "compute"} == {k: v for k, v in held.items() if k != "compute"}
+        assert 0 < d.compute <= held["compute"]
     with rpc_server("--mem", "1") as s:
         p = plan(model, opts(f"rpc={s.endpoint}"))
-        assert p["devices"]["RPC0"]["vram"] == MiB and p["devices"]["RPC0"]["fits"] is False
+        assert p.devices["RPC0"].vram == MiB and p.devices["RPC0"].fits is False
 
 
 # -- failures ------------------------------------------------------------------------------------------------
