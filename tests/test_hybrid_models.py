@@ -5,6 +5,11 @@ inspect and plan counting the state next to the KV cache, and clear refusals of 
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
 from helpers import region_weights, rewrite_gguf
@@ -13,8 +18,10 @@ from ggml_hybrid.errors import ArgumentError, GgmlHybridError, ModelFileError
 from ggml_hybrid.model.decoder import build_decoder
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.recurrent_state import RecurrentState
-from ggml_hybrid.model.synthetic import write_model
+from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import SessionOptions
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 
 SPECS = {
     "qwen3next": dict(arch="qwen3next", n_layer=4, n_rot=8, attn_interval=2),
@@ -71,6 +78,34 @@ def test_every_mode_is_bit_identical_to_resident(models, name, executor):
             assert counters.total.misses > 0 and counters.total.cpu_misses == 0
         elif mode == "disk_share_0.5":
             assert counters.total.misses > 0 and counters.total.cpu_misses > 0
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LLAMA_REF = sorted(glob.glob(os.path.join(HERE, "fixtures", "llama_ref", "qwen3next_*.npz"))
+                   + glob.glob(os.path.join(HERE, "fixtures", "llama_ref", "qwen35moe_*.npz")))
+
+
+@pytest.mark.parametrize("fixture", LLAMA_REF, ids=[os.path.basename(f)[:-4] for f in LLAMA_REF])
+def test_every_mode_equals_llama_cpp(tmp_path, fixture):
+    """Straight against llama.cpp: the fixtures' own files with their experts on the CPU, on disk behind a cache
+    with each CPU share (misses forced by 3 slots): llama.cpp's logits, bit for bit where the CPU's SIMD features
+    are those of the recording (test_lm checks the resident path on every fixture the same way)."""
+    from make_reference_fixtures import simd_tag
+
+    z = np.load(fixture)
+    if str(z["simd"]) != simd_tag():
+        pytest.skip("fixture recorded on a CPU with other SIMD features: bit-identity is not expected")
+    path = write_model(tmp_path / "m.gguf", ModelSpec(**json.loads(str(z["spec"]))))
+    tokens = z["tokens"].tolist()
+    base = dict(n_threads=1, n_ctx=512, ubatch_size=int(z["ubatch"]), **json.loads(str(z["options"])))
+    for mode, extra in MODES.items():
+        with MoEModel(path, SessionOptions(**base, **extra)) as m:
+            assert np.array_equal(m.eval(tokens, "all"), z["logits"]), mode
+            if "decode_from" in z and mode.startswith("disk"):
+                m.reset()
+                n = int(z["decode_from"])
+                rows = [m.eval(tokens[:n], "all")] + [m.eval(tokens[i:i + 1], "all") for i in range(n, len(tokens))]
+                assert np.array_equal(np.concatenate(rows), z["decode_logits"]), (mode, "decode")
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -269,7 +304,8 @@ def test_inspect_and_plan_count_the_recurrent_state(models, name):
     assert r.total >= (2 * 2 + 1) * per_seq and r.total == sum(v.recurrent for v in p.devices.values()) \
         + p.host.recurrent
     assert p.host.resident_total == p.host.kv_cache + p.host.recurrent + p.host.compute
-    assert "recurrent state" in plan_text(p) and p.to_dict()["recurrent"]["total"] == r.total
+    assert "recurrent state" in plan_text(p) and p.to_dict()["recurrent"] == {
+        "per_sequence": per_seq, "parallel": 2, "total": r.total}
     one = plan(models[name], SessionOptions(n_ctx=256), parallel=1)
     assert one.recurrent is not None and one.recurrent.total >= 3 * per_seq
 

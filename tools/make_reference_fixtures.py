@@ -160,7 +160,8 @@ def prompt_tokens(path) -> list[int]:
 def reference(llama_python: str, model: str, tokens: list[int], case: Case, out_npy: str, last_npy: str) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [llama_python, os.path.join(here, "llama_reference.py"), model, "--tokens", ",".join(map(str, tokens)),
-           "--texts-json", json.dumps(TEXTS + list(case.texts)), "--out", out_npy, "--last-out", last_npy, "--ubatch", str(case.ubatch),
+           "--texts-json", json.dumps(TEXTS + list(case.texts)), "--out", out_npy, "--last-out", last_npy,
+           "--ubatch", str(case.ubatch),
            "--type-k", case.options.get("cache_type_k", "f16"), "--type-v", case.options.get("cache_type_v", "f16")]
     if case.options.get("flash_attn"):
         cmd.append("--flash-attn")

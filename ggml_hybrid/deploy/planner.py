@@ -510,10 +510,10 @@ def format_text(p: Plan | DensePlan) -> str:
         k = p.kv
         lines.append(f"  KV cache: n_ctx {k.n_ctx} ({k.type_k}/{k.type_v}): {g(k.per_sequence)} "
                      f"per sequence, {g(k.total)} for {k.parallel}")
-        r = p.recurrent
-        if r is not None:
-            lines.append(f"  recurrent state: {g(r.per_sequence)} per sequence (F32, any n_ctx), {g(r.total)} held "
-                         f"for {r.parallel} (two per sequence, so that a failed eval changes nothing, and one of "
+        rec = p.recurrent
+        if rec is not None:
+            lines.append(f"  recurrent state: {g(rec.per_sequence)} per sequence (F32, any n_ctx), {g(rec.total)} held "
+                         f"for {rec.parallel} (two per sequence, so that a failed eval changes nothing, and one of "
                          "zeros)")
         lines.append(f"  layers: {' '.join(p.layout.layers)}; experts: {' '.join(p.layout.experts)}")
     else:

@@ -448,8 +448,9 @@ class MoEModel:
             self.sched.close()
         if hasattr(self, "kv"):
             self.kv.close()
-        if getattr(self, "rs", None) is not None:
-            self.rs.close()
+        rs = getattr(self, "rs", None)
+        if rs is not None:
+            rs.close()
         for _, ctx in self.weight_ctxs:
             ctx.close()
         self.store.close()

@@ -93,8 +93,9 @@ class RecurrentState:
     def commit(self, seq: int = 0) -> None:
         """The eval succeeded: the slot's state is what it wrote (nothing changes if it wrote nothing)."""
         seq = self._slot(seq)
-        if self._started[seq]:
-            self._src[seq] = self._work[seq]
+        work = self._work[seq]
+        if self._started[seq] and work is not None:
+            self._src[seq] = work
         self._work[seq], self._started[seq] = None, False
 
     def abandon(self, seq: int = 0) -> None:
