@@ -59,6 +59,9 @@ MODES = {
     "disk_share_0": dict(disk_experts=True, expert_cache_slots=3),
     "disk_share_0.5": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share=0.5),
     "disk_share_auto": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share="auto"),
+    # layers (and their states) split over two devices; states and KV cache in host memory
+    "two_devices": dict(virtual_devices=2, disk_experts=True, expert_cache_slots=3),
+    "no_kv_offload": dict(virtual_devices=2, no_kv_offload=True, n_cpu_moe=1),
 }
 
 
@@ -308,6 +311,13 @@ def test_inspect_and_plan_count_the_recurrent_state(models, name):
         "per_sequence": per_seq, "parallel": 2, "total": r.total}
     one = plan(models[name], SessionOptions(n_ctx=256), parallel=1)
     assert one.recurrent is not None and one.recurrent.total >= 3 * per_seq
+    # the states live with their layers' memory: split over two devices, or all in host memory without offload
+    two = plan(models[name], SessionOptions(n_ctx=256, virtual_devices=2))
+    delta_on = {two.layout.kv[i] for i in (0, 2)}  # layers 1 and 3 attend
+    assert all((v.recurrent > 0) == (d in delta_on) for d, v in two.devices.items()) and two.host.recurrent == 0
+    assert sum(v.recurrent for v in two.devices.values()) >= 3 * per_seq
+    host = plan(models[name], SessionOptions(n_ctx=256, virtual_devices=2, no_kv_offload=True))
+    assert all(v.recurrent == 0 for v in host.devices.values()) and host.host.recurrent >= 3 * per_seq
 
 
 U32 = (gguf_type := __import__("gguf").GGUFValueType).UINT32
