@@ -311,6 +311,15 @@ def test_inspect_and_plan_count_the_recurrent_state(models, name):
         "per_sequence": per_seq, "parallel": 2, "total": r.total}
     one = plan(models[name], SessionOptions(n_ctx=256), parallel=1)
     assert one.recurrent is not None and one.recurrent.total >= 3 * per_seq
+    # for one sequence, exactly what a load allocates (run stats count it too)
+    for items in ([], ["virtual_devices=2", "no_kv_offload=true", "disk_experts=1", "expert_cache_slots=2"]):
+        opts = SessionOptions.parse(items + ["n_ctx=256", "n_threads=1"])
+        q = plan(models[name], opts)
+        with MoEModel(models[name], opts) as m:
+            for dev in m.devices:
+                assert q.devices[dev].recurrent == m.device_memory(dev)["recurrent"]
+                assert q.devices[dev].total == sum(m.device_memory(dev).values())
+            assert q.host.recurrent == m.rs.nbytes(m.host)
     # the states live with their layers' memory: split over two devices, or all in host memory without offload
     two = plan(models[name], SessionOptions(n_ctx=256, virtual_devices=2))
     delta_on = {two.layout.kv[i] for i in (0, 2)}  # layers 1 and 3 attend
