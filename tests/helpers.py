@@ -224,3 +224,23 @@ def rewrite_gguf(src, dst, arch=None, set_keys=None, drop_keys=(), tensors=None,
     w.write_tensors_to_file()
     w.close()
     return str(dst)
+
+
+def region_weights(region) -> set[str]:
+    """Names of the leaves (weights) the nodes from an expert region's inputs to its output read."""
+    from ggml_hybrid._native import ffi
+
+    def key(t):
+        return int(ffi.cast("uintptr_t", t.ptr))
+
+    stop = {key(t) for t in region.inputs}
+    seen, names, stack = set(), set(), [region.out]
+    while stack:
+        t = stack.pop()
+        if key(t) in seen or key(t) in stop:
+            continue
+        seen.add(key(t))
+        if t.op == "NONE":
+            names.add(t.name)
+        stack.extend(t.src)
+    return names

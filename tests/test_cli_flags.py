@@ -385,7 +385,7 @@ def test_replay_trace_takes_comma_lists(tmp_path):
 def test_plan_equals_what_a_run_allocates_with_disk_experts_and_a_share(model):
     flags = [*T1, "--expert-cache-slots", 3, "--moe-cpu-share", 0.5, "-c", 256, "-ub", 64]
     planned = json.loads(ok("plan", model, "--json", *flags).stdout)["devices"]["DEV0"]
-    want = {k: planned[k] for k in ("weights", "experts", "kv_cache", "compute")}
+    want = {k: planned[k] for k in ("weights", "experts", "kv_cache", "recurrent", "compute")}
     # prompts of several lengths (one beyond a ubatch) and their decode steps allocate nothing past the load
     for prompt in ([1, 2, 3], list(range(1, 100)), list(range(5, 40))):
         d = run_json(model, "--tokens", ",".join(map(str, prompt)), "-n", 4, "--ignore-eos", *flags)

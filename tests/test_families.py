@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import region_weights
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggml_hybrid._native import ffi
 from ggml_hybrid.errors import ModelFileError, OptionError
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.synthetic import write_model
@@ -78,24 +78,6 @@ def test_disk_experts_with_each_cpu_share_for_every_family(models, name, share):
         assert counters.total.cpu_misses == 0 and counters.total.misses > 0
 
 
-def _region_weights(region):
-    """Names of the leaves (weights) the nodes from the region's inputs to its output read."""
-    def key(t):
-        return int(ffi.cast("uintptr_t", t.ptr))
-
-    stop = {key(t) for t in region.inputs}
-    seen, names, stack = set(), set(), [region.out]
-    while stack:
-        t = stack.pop()
-        if key(t) in seen or key(t) in stop:
-            continue
-        seen.add(key(t))
-        if t.op == "NONE":
-            names.add(t.name)
-        stack.extend(t.src)
-    return names
-
-
 @pytest.mark.parametrize("name", ["glm4moe", "deepseek2", "gpt-oss"])
 def test_region_covers_exactly_the_routed_experts(models, name):
     with MoEModel(models[name], SessionOptions(n_threads=1, disk_experts=True, expert_cache_slots=4)) as m:
@@ -106,7 +88,7 @@ def test_region_covers_exactly_the_routed_experts(models, name):
             if il < hp.n_dense_lead:
                 assert r is None and m.experts.executors[il] is None  # a dense layer has no region, no cache
                 continue
-            used = _region_weights(r)
+            used = region_weights(r)
             assert used and all(n.startswith(f"blk.{il}.ffn_") and "_exps." in n for n in used), used
             kinds = {n.split(".")[2] for n in used}
             assert kinds == {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
@@ -159,8 +141,8 @@ def test_unsupported_family_names_the_architecture(tmp_path):
     from helpers import rewrite_gguf
 
     src = write_model(tmp_path / "q.gguf")
-    path = rewrite_gguf(src, tmp_path / "x.gguf", arch="qwen3next")
-    with pytest.raises(ModelFileError, match="general.architecture = 'qwen3next' is not supported"):
+    path = rewrite_gguf(src, tmp_path / "x.gguf", arch="jamba")
+    with pytest.raises(ModelFileError, match="general.architecture = 'jamba' is not supported"):
         MoEModel(path, SessionOptions(n_threads=1))
 
 

@@ -40,7 +40,8 @@ def _load_fixture(path):
     return {"spec": ModelSpec(**json.loads(str(z["spec"]))), "sha256": str(z["sha256"]), "tokens": z["tokens"],
             "logits": z["logits"], "last": z["last_logits"], "ubatch": int(z["ubatch"]),
             "options": json.loads(str(z["options"])), "tokenized": json.loads(str(z["tokenized"])),
-            "simd": str(z["simd"])}
+            "simd": str(z["simd"]), "decode_from": int(z["decode_from"]) if "decode_from" in z else 0,
+            "decode": z["decode_logits"] if "decode_logits" in z else None}
 
 
 @pytest.fixture(scope="module", params=FIXTURES, ids=[os.path.basename(f)[:-4] for f in FIXTURES])
@@ -60,9 +61,10 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
 
 
 def test_fixtures_present():
-    assert len(FIXTURES) >= 29
+    assert len(FIXTURES) >= 36
     archs = {_load_fixture(f)["spec"].arch for f in FIXTURES}
-    assert archs == {"qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "deepseek2", "gpt-oss"}
+    assert archs == {"qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "deepseek2", "gpt-oss", "qwen3next",
+                     "qwen35moe"}
 
 
 def _assert_parity(got, ref, fx):
@@ -83,6 +85,13 @@ def test_logits_match_llama_cpp(case):
         # only the last position's logits: the output rows are picked where llama.cpp picks them
         m.reset()
         _assert_parity(m.eval(fx["tokens"], "last"), fx["last"], fx)
+        if fx["decode"] is not None:
+            # a prompt, then one eval per token (what generation does): llama.cpp's own split, row for row
+            m.reset()
+            n = fx["decode_from"]
+            rows = [m.eval(fx["tokens"][:n], "all")] + [m.eval(fx["tokens"][i:i + 1], "all")
+                                                         for i in range(n, len(fx["tokens"]))]
+            _assert_parity(np.concatenate(rows), fx["decode"], fx)
 
 
 def test_tokenizer_ids_match_llama_cpp(case):
@@ -125,7 +134,7 @@ def test_fixtures_recomputed_live(tmp_path):
         assert new["sha256"] == old["sha256"]
         assert (new["tokens"] == old["tokens"]).all()
         assert new["tokenized"] == old["tokenized"]
-        for key in ("logits", "last"):
+        for key in ("logits", "last") + (("decode",) if old["decode"] is not None else ()):
             if new["simd"] == old["simd"]:
                 assert np.array_equal(new[key], old[key])
             else:

@@ -890,3 +890,197 @@ def test_mul_mat_hadamard(run, n, rows, runs, dtype, seed):
     absx = (np.abs(xr).sum(axis=-1, keepdims=True) / math.sqrt(n)) * np.ones((1, n))
     tol = (math.log2(n) + 2) * EPS32 * absx.reshape(x.shape) + 1e-38
     check_close(got, ref, tol, f"mul_mat_hadamard n={n} {dtype}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the ops of gated delta-net (linear attention) models: softplus (the gate), repeat (qwen3next's K-head
+# broadcast), rope_multi (qwen35moe's interleaved M-RoPE), ssm_conv (the short convolution) and gated_delta_net
+# --------------------------------------------------------------------------------------------------------------
+
+@given(shape=st.lists(st.integers(1, 7), min_size=1, max_size=3), scale=st.sampled_from([1.0, 10.0, 30.0]),
+       seed=SEEDS)
+def test_softplus(run, shape, scale, seed):
+    a = (rng_of(seed).standard_normal(shape) * scale).astype(np.float32)
+    got = run(lambda c, t: c.softplus(t["a"]), consts={"a": a})
+    x = a.astype(np.float64)
+    ref = np.where(x > 20, x, np.log1p(np.exp(x)))
+    # logf(1 + expf(x)): expf and logf within a few ulp, 1 + e rounds once (relative to 1 + e, which the
+    # log turns into an absolute u); above 20 the input itself
+    tol = np.where(x > 20, 0.0, 4 * EPS32 * np.abs(ref) + 2 * EPS32) + 1e-38
+    check_close(got, ref, tol, f"softplus scale={scale}")
+
+
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data(),
+       dtype=st.sampled_from(["float32", "float16"]), seed=SEEDS)
+def test_repeat(run, shape, data, dtype, seed):
+    reps = data.draw(st.lists(st.integers(1, 3), min_size=len(shape), max_size=len(shape)), label="reps")
+    a = rng_of(seed).standard_normal(shape).astype(dtype)
+    target = tuple(n * r for n, r in zip(shape, reps))
+    got = run(lambda c, t: c.repeat(t["a"], target), consts={"a": a})
+    assert np.array_equal(got.reshape(target), np.tile(a, reps))  # copies: exact
+
+
+def mrope_positions(pos4: np.ndarray, sections, n_dims: int, interleaved: bool) -> np.ndarray:
+    """The position each rotated pair i of each token uses: pos4 [4, T] (t, h, w, e rows) -> [T, n_dims/2]."""
+    s0, s1, s2, _ = sections
+    total = sum(sections)
+    axis = []
+    for i in range(n_dims // 2):
+        sec = i % total
+        if interleaved:  # GGML_ROPE_TYPE_IMROPE: t h w t h w ... while each axis has pairs left, else e
+            a = 1 if sec % 3 == 1 and sec < 3 * s1 else 2 if sec % 3 == 2 and sec < 3 * s2 else \
+                0 if sec % 3 == 0 and sec < 3 * s0 else 3
+        else:             # GGML_ROPE_TYPE_MROPE: runs of s0 t, s1 h, s2 w, then e
+            a = 0 if sec < s0 else 1 if sec < s0 + s1 else 2 if sec < s0 + s1 + s2 else 3
+        axis.append(a)
+    return pos4[np.array(axis)].T
+
+
+@pytest.mark.parametrize("mode", ["imrope", "mrope"])
+@given(tokens=st.integers(1, 4), heads=st.integers(1, 3), half_dim=st.integers(2, 12), data=st.data(),
+       base=st.sampled_from([10000.0, 1e7]), seed=SEEDS)
+def test_rope_multi(run, mode, tokens, heads, half_dim, data, base, seed):
+    rng = rng_of(seed)
+    d = 2 * half_dim
+    n_dims = 2 * data.draw(st.integers(1, half_dim), label="n_dims/2")
+    sections = data.draw(st.lists(st.integers(0, 4), min_size=4, max_size=4).filter(
+        lambda s: any(s[:3]) and sum(s) <= d), label="sections")
+    x = rng.standard_normal((tokens, heads, d)).astype(np.float32)
+    pos4 = rng.integers(0, 512, (4, tokens), dtype=np.int32)
+    got = run(lambda c, t: c.rope_multi(t["x"], t["pos"], n_dims, sections, mode=mode, freq_base=base),
+              consts={"x": x}, inputs={"pos": pos4.reshape(-1)})
+    # each pair is a NEOX rotation at its own axis's position: the plain rope oracle, pair by pair
+    pair_pos = mrope_positions(pos4.astype(np.int64), sections, n_dims, mode == "imrope")   # [T, n_dims/2]
+    ref, tol = x.astype(np.float64).copy(), np.zeros(x.shape)
+    half = n_dims // 2
+    for i in range(half):
+        one, one_tol = rope64(x, pair_pos[:, i], n_dims, "neox", base)
+        ref[..., [i, i + half]] = one[..., [i, i + half]]
+        tol[..., [i, i + half]] = one_tol[..., [i, i + half]]
+    check_close(got, ref, tol, f"rope_multi {mode} sections={sections} n_dims={n_dims}/{d}")
+
+
+def ssm_conv64(sx: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """sx [S, C, K-1+T], c [C, K] -> [S, T, C] and its float32 rounding bound (a K-term dot product)."""
+    K = c.shape[1]
+    T = sx.shape[2] - K + 1
+    win = np.stack([sx[:, :, t:t + K] for t in range(T)], axis=1).astype(np.float64)   # [S, T, C, K]
+    prod = win * c.astype(np.float64)
+    return prod.sum(-1), dot_tol(np.abs(prod).sum(-1), K)
+
+
+@given(seqs=st.integers(1, 3), channels=st.integers(1, 40), d_conv=st.sampled_from([1, 2, 4]),
+       tokens=st.integers(1, 6), seed=SEEDS)
+def test_ssm_conv(run, seqs, channels, d_conv, tokens, seed):
+    rng = rng_of(seed)
+    sx = rng.standard_normal((seqs, channels, d_conv - 1 + tokens)).astype(np.float32)
+    c = rng.standard_normal((channels, d_conv)).astype(np.float32)
+    got = run(lambda ctx, t: ctx.ssm_conv(t["sx"], t["c"]), consts={"sx": sx, "c": c})
+    ref, tol = ssm_conv64(sx, c)
+    check_close(got, ref, tol, f"ssm_conv K={d_conv}")
+
+
+def delta_net64(q, k, v, g, beta, state):
+    """The gated delta rule in float64, and a float32 rounding bound derived from the magnitudes.
+
+    q, k [n, T, Hk, S] (unit rows), v [n, T, H, S], g, beta [n, T, H], state [n, H, S, S] (transposed:
+    ``M[j, i]`` = S[i][j]); value head h reads query/key head h % Hk. Per token the state is scaled by
+    exp(g) <= 1 and multiplied by (I - beta k k^T), whose norm is <= 1 for |k| <= 1 and beta in [0, 1]:
+    the error already in the state does not grow, and each step adds its own roundings, at most
+    (S + 8) u (|M| + |delta|) in Frobenius norm (expf, the scaling, a dot product of S terms, the
+    subtraction, the product by beta, the update). The output's bound adds its own dot product.
+    """
+    n, T, H, S = v.shape
+    Hk = q.shape[2]
+    q, k, v, g, beta = (a.astype(np.float64) for a in (q, k, v, g, beta))
+    out, tol = np.zeros((n, T, H, S)), np.zeros((n, T, H, S))
+    final, final_tol = np.zeros((n, H, S, S)), np.zeros((n, H))
+    for s in range(n):
+        for h in range(H):
+            M, err = state[s, h].astype(np.float64).copy(), 0.0
+            for t in range(T):
+                kk, qq = k[s, t, h % Hk], q[s, t, h % Hk]
+                M *= np.exp(g[s, t, h])
+                delta = (v[s, t, h] - M @ kk) * beta[s, t, h]
+                err = err + (S + 8) * EPS32 * (np.linalg.norm(M) + np.linalg.norm(delta))
+                M += np.outer(delta, kk)
+                out[s, t, h] = M @ qq / np.sqrt(S)
+                tol[s, t, h] = (err * np.linalg.norm(qq) + dot_tol(np.abs(M) @ np.abs(qq), S)) / np.sqrt(S) \
+                    + 2 * EPS32 * np.abs(out[s, t, h])
+            final[s, h], final_tol[s, h] = M, err
+    return out, tol, final, final_tol
+
+
+def unit_rows(x):
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+@given(seqs=st.integers(1, 2), tokens=st.integers(1, 6), k_heads=st.integers(1, 2), group=st.integers(1, 3),
+       S=st.sampled_from([4, 16, 32]), seed=SEEDS)
+@settings(max_examples=40)
+def test_gated_delta_net(run, seqs, tokens, k_heads, group, S, seed):
+    rng = rng_of(seed)
+    H = k_heads * group
+    q = unit_rows(rng.standard_normal((seqs, tokens, k_heads, S)))
+    k = unit_rows(rng.standard_normal((seqs, tokens, k_heads, S)))
+    v = rng.standard_normal((seqs, tokens, H, S)).astype(np.float32)
+    g = -np.log1p(np.exp(rng.standard_normal((seqs, tokens, H, 1)))).astype(np.float32)   # <= 0, as softplus * a
+    beta = (1 / (1 + np.exp(-rng.standard_normal((seqs, tokens, H, 1))))).astype(np.float32)
+    state = (rng.standard_normal((seqs, H, S, S)) * 0.3).astype(np.float32)
+    got = run(lambda c, t: c.gated_delta_net(t["q"], t["k"], t["v"], t["g"], t["beta"], t["s"]),
+              consts={"q": q, "k": k, "v": v, "g": g, "beta": beta, "s": state})
+    out, tol, final, final_tol = delta_net64(q, k, v, g[..., 0], beta[..., 0], state)
+    assert got.shape == (tokens * seqs + S * seqs, H * S)
+    n_out = seqs * tokens * H * S
+    flat = got.reshape(-1)
+    check_close(flat[:n_out].reshape(out.shape), out, tol, f"gated_delta_net H={H} Hk={k_heads} S={S}")
+    check_close(flat[n_out:].reshape(final.shape), final, final_tol[..., None, None],
+                "gated_delta_net final state")
+
+
+def test_gated_delta_net_keeps_the_last_states(run):
+    """snapshots=K: the tail holds the last K states, newest first (slot s: s tokens back)."""
+    rng = rng_of(3)
+    S, H, T = 8, 2, 4
+    q, k = unit_rows(rng.standard_normal((1, T, H, S))), unit_rows(rng.standard_normal((1, T, H, S)))
+    v = rng.standard_normal((1, T, H, S)).astype(np.float32)
+    g = np.full((1, T, H, 1), -0.1, np.float32)
+    beta = np.full((1, T, H, 1), 0.5, np.float32)
+    s0 = np.zeros((1, H, S, S), np.float32)
+    consts = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "s": s0}
+    got = run(lambda c, t: c.gated_delta_net(t["q"], t["k"], t["v"], t["g"], t["beta"], t["s"], snapshots=2),
+              consts=consts).reshape(-1)
+    n_out, n_state = T * H * S, H * S * S
+    last = run(lambda c, t: c.gated_delta_net(t["q"], t["k"], t["v"], t["g"], t["beta"], t["s"]),
+               consts=consts).reshape(-1)
+    assert np.array_equal(got[:n_out + n_state], last)   # the outputs and the final state: the same op
+    # one token back: the final state of the first T - 1 tokens
+    short = {n: a[:, :T - 1] if n != "s" else a for n, a in consts.items()}
+    prev = run(lambda c, t: c.gated_delta_net(t["q"], t["k"], t["v"], t["g"], t["beta"], t["s"]),
+               consts=short).reshape(-1)
+    assert np.array_equal(got[n_out + n_state:], prev[(T - 1) * H * S:])
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda c, t: c.gated_delta_net(t["q"], t["k"], t["v3"], t["g"], t["b"], t["s"]), "heads must divide"),
+    (lambda c, t: c.gated_delta_net(t["q"], t["k"], t["v"], t["g"], t["b"], t["s1"]), "state must be"),
+    (lambda c, t: c.gated_delta_net(c.transpose(t["q"]), t["k"], t["v"], t["g"], t["b"], t["s"]), "contiguous"),
+    (lambda c, t: c.ssm_conv(t["x"], t["w16"]), "F32"),
+    (lambda c, t: c.ssm_conv(c.transpose(t["x"]), t["w"]), "contiguous"),
+    (lambda c, t: c.ssm_conv(t["x"], t["w_wide"]), "history"),
+    (lambda c, t: c.rope_multi(t["r"], t["p"], 4, [2, 2, 0, 0]), "four positions"),
+    (lambda c, t: c.rope_multi(t["r"], t["p4"], 4, [0, 0, 0, 2]), "first three"),
+    (lambda c, t: c.rope_multi(t["r"], t["p4"], 4, [8, 2, 0, 0]), "sum to at most"),
+    (lambda c, t: c.repeat(t["x"], (3, 3, 3)), "multiple"),
+])
+def test_recurrent_ops_refuse_what_ggml_would_abort_on(build, match):
+    from ggml_hybrid import errors as E
+
+    shapes = {"q": (1, 2, 2, 4), "k": (1, 2, 2, 4), "v": (1, 2, 4, 4), "v3": (1, 2, 3, 4), "g": (1, 2, 4, 1),
+              "b": (1, 2, 4, 1), "s": (1, 4, 4, 4), "s1": (1, 4, 4, 2), "x": (2, 6, 5), "w": (6, 4),
+              "w_wide": (6, 7), "r": (3, 2, 8), "p": (3,), "p4": (12,)}
+    with gh.Context() as c:
+        t = {n: c.new_tensor("i32" if n.startswith("p") else "f32", s, n) for n, s in shapes.items()}
+        t["w16"] = c.new_tensor("f16", (6, 4), "w16")
+        with pytest.raises(E.GgmlHybridError, match=match):
+            build(c, t)

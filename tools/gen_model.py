@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Write a small random-weight MoE language model in a real GGUF layout (llama.cpp loads it too).
 
-    python tools/gen_model.py OUT.gguf [--arch qwen3moe|qwen2moe|llama|olmoe|glm4moe|deepseek2|gpt-oss] [--type q8_0]
+    python tools/gen_model.py OUT.gguf [--arch qwen3moe|qwen2moe|llama|olmoe|glm4moe|deepseek2|gpt-oss|qwen3next|
+        qwen35moe] [--type q8_0]
         [--layers 2] [--embd 64] [--heads 4] [--kv-heads 2] [--head-dim 32] [--ff 64] [--experts 8] [--used 2]
         [--vocab 384] [--seed 0] [--set FIELD=VALUE ...]
 
 ``--set`` sets any other ModelSpec field (ggml_hybrid/model/synthetic/spec.py), e.g.
-``--set expert_type=mxfp4`` (gpt-oss), ``--set n_dense_lead=1``, ``--set vocab=spm``.
+``--set expert_type=mxfp4`` (gpt-oss), ``--set n_dense_lead=1``, ``--set vocab=spm``, ``--set d_state=128``
+``--set attn_interval=4`` (qwen3next, qwen35moe: delta-net head size, one attention layer in four).
 Matrices are quantized with GGML's own routines; the vocabulary is trained on a fixed
 corpus. The same arguments always give the same file.
 """
@@ -31,7 +33,7 @@ from ggml_hybrid.model.synthetic import ARCHS, ModelSpec, write_model
 @click.option("--kv-heads", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--head-dim", default=32, show_default=True, type=click.IntRange(2))
 @click.option("--ff", default=64, show_default=True, type=click.IntRange(1), help="expert feed-forward width")
-@click.option("--shared-ff", default=64, show_default=True, type=click.IntRange(1), help="qwen2moe shared expert")
+@click.option("--shared-ff", default=64, show_default=True, type=click.IntRange(1), help="shared expert width")
 @click.option("--experts", default=8, show_default=True, type=click.IntRange(1))
 @click.option("--used", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--vocab", default=384, show_default=True, type=click.IntRange(300))

@@ -8,6 +8,8 @@ import ggml_hybrid. For each request it prints one JSON line:
 
 - the logits of every position of ``--tokens`` (float32 [positions, vocab]) to ``--out``, and with
   ``--last-out`` the logits a context that keeps only the last position's computes (its ``out_ids``);
+- with ``--decode-from N`` and ``--decode-out``, the logits of every position when the first N tokens are one
+  prompt and each later token is its own decode call (what token-by-token generation computes);
 - the token ids llama.cpp gives each of ``--texts-json`` (no special-token parsing, BOS per the file),
   and ``llama_detokenize`` of those ids (special tokens neither removed nor rendered).
 
@@ -50,6 +52,8 @@ def main() -> int:
     ap.add_argument("--texts-json", default="[]")
     ap.add_argument("--out")
     ap.add_argument("--last-out")
+    ap.add_argument("--decode-from", type=int, default=0)
+    ap.add_argument("--decode-out")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--flash-attn", action="store_true")
@@ -80,6 +84,12 @@ def main() -> int:
             last.eval(toks)  # one decode call (n_batch 512) whose only output is the last position
             row = np.ctypeslib.as_array(last._ctx.get_logits(), shape=(last.n_vocab(),))
             np.save(ns.last_out, np.array(row, dtype=np.float32)[None, :])
+        if ns.decode_from:
+            dec = load(True)
+            dec.eval(toks[:ns.decode_from])
+            for t in toks[ns.decode_from:]:
+                dec.eval([t])  # one decode call per token
+            np.save(ns.decode_out, np.asarray(dec.scores[:len(toks)], dtype=np.float32))
     print(json.dumps(out))
     return 0
 

@@ -39,6 +39,8 @@ class Case:
     spec: ModelSpec
     ubatch: int = 512
     options: dict = field(default_factory=dict)  # SessionOptions items: flash_attn, cache_type_k, cache_type_v
+    decode_from: int = 0   # also record a prompt of this many tokens followed by one decode call per token
+    texts: tuple[str, ...] = ()  # tokenizer texts beyond TEXTS
 
 
 def _s(**kw) -> ModelSpec:
@@ -53,6 +55,11 @@ _DS_V3 = dict(arch="deepseek2", n_layer=3, n_dense_lead=1, n_expert=16, n_used=4
 _OSS = dict(arch="gpt-oss", n_layer=4, head_dim=32, rope_scaling="yarn", rope_factor=8.0, rope_orig_ctx=256, n_swa=8,
             rope_freq_base=150000.0)
 _Q8 = {"cache_type_k": "q8_0", "cache_type_v": "q8_0", "flash_attn": True}
+# hybrid models: 4 layers (attention every 2nd), 2 key and 4 value heads of the delta rule, partial rope
+_NEXT = dict(arch="qwen3next", n_layer=4, n_rot=8, attn_interval=2)
+_Q35 = dict(arch="qwen35moe", n_layer=4, n_rot=8, attn_interval=2)
+# combining marks: qwen35's pre-tokenizer keeps them with their letters, qwen2's does not
+_MARKS = ("cafe\u0301 nai\u0308ve  e\u0301te\u0301 \u0915\u093f\u0924\u093e\u092c",)
 
 # name -> case. Every one must be bit-identical to llama.cpp but Q4_K (see tests/test_lm.py)
 CASES = {
@@ -102,6 +109,21 @@ CASES = {
     "gpt_oss_q8_0": Case(_s(**_OSS, weight_type="q8_0", seed=75)),
     "gpt_oss_mxfp4_fa_kv_q8_0_hd64": Case(_s(**{**_OSS, "head_dim": 64}, weight_type="q8_0", expert_type="mxfp4",
                                              seed=76), options=_Q8),
+    # hybrid models: prompts in one ubatch, in ubatches of 5 and 7, and token-by-token decode after a prompt
+    "qwen3next_f32": Case(_s(**_NEXT, seed=81), decode_from=20),
+    "qwen3next_q8_0_ubatch5": Case(_s(**_NEXT, weight_type="q8_0", seed=82), 5, decode_from=20),
+    # files converted before llama.cpp split ssm_in; per-layer flags; a next-token-prediction block (skipped)
+    "qwen3next_ssm_in_q8_0": Case(_s(arch="qwen3next", n_layer=3, n_rot=8, qkvz_fused=True,
+                                     recurrent_layers="1,0,1,0", nextn=1, weight_type="q8_0", seed=83)),
+    "qwen35moe_f32": Case(_s(**_Q35, seed=91), decode_from=20, texts=_MARKS),
+    "qwen35moe_q8_0_ubatch7": Case(_s(**_Q35, weight_type="q8_0", tie_embeddings=True, seed=92), 7,
+                                   decode_from=20, texts=_MARKS),
+    # sections that leave some rotated pairs to the 4th position axis (0 for text): not NEOX's rope
+    "qwen35moe_sections_f16": Case(_s(**{**_Q35, "n_rot": 16}, rope_sections="1,1,1,1", weight_type="f16",
+                                      seed=93)),
+    # a Q8_0 KV cache (Hadamard-rotated, head size 64) with flash attention
+    "qwen35moe_q8_0_fa_kv_q8_0_hd64": Case(_s(**{**_Q35, "head_dim": 64, "n_rot": 16}, weight_type="q8_0",
+                                              seed=94), options=_Q8, decode_from=20),
 }
 
 
@@ -138,10 +160,13 @@ def prompt_tokens(path) -> list[int]:
 def reference(llama_python: str, model: str, tokens: list[int], case: Case, out_npy: str, last_npy: str) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [llama_python, os.path.join(here, "llama_reference.py"), model, "--tokens", ",".join(map(str, tokens)),
-           "--texts-json", json.dumps(TEXTS), "--out", out_npy, "--last-out", last_npy, "--ubatch", str(case.ubatch),
+           "--texts-json", json.dumps(TEXTS + list(case.texts)), "--out", out_npy, "--last-out", last_npy,
+           "--ubatch", str(case.ubatch),
            "--type-k", case.options.get("cache_type_k", "f16"), "--type-v", case.options.get("cache_type_v", "f16")]
     if case.options.get("flash_attn"):
         cmd.append("--flash-attn")
+    if case.decode_from:
+        cmd += ["--decode-from", str(case.decode_from), "--decode-out", out_npy[:-4] + ".decode.npy"]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode:
         raise SystemExit(f"llama_reference failed for {model}:\n{r.stderr[-3000:]}")
@@ -162,7 +187,9 @@ def main(llama_python: str, out: str, cases: tuple[str, ...]) -> None:
             tokens = prompt_tokens(path)
             npy, last = os.path.join(tmp, f"{name}.npy"), os.path.join(tmp, f"{name}.last.npy")
             info = reference(llama_python, path, tokens, case, npy, last)
-            np.savez_compressed(os.path.join(out, f"{name}.npz"), spec=json.dumps(asdict(case.spec)),
+            decode = {"decode_from": case.decode_from, "decode_logits": np.load(npy[:-4] + ".decode.npy")} \
+                if case.decode_from else {}
+            np.savez_compressed(os.path.join(out, f"{name}.npz"), spec=json.dumps(asdict(case.spec)), **decode,
                                 sha256=sha256(path), tokens=np.asarray(tokens, np.int32), logits=np.load(npy),
                                 last_logits=np.load(last), ubatch=case.ubatch, options=json.dumps(case.options),
                                 tokenized=json.dumps(info["tokenized"]), llama_cpp_python=info["llama_cpp_python"],

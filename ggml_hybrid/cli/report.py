@@ -59,7 +59,9 @@ def format_stats(r: dict) -> str:
         f"experts: hits {c['hits']}, misses {c['misses']}, cpu misses {c['cpu_misses']}, "
         f"share applied {r['share_applied']:.2f} | hybrid_offload_active: {str(r['hybrid_offload_active']).lower()}",
         f"peak device memory {format_bytes(r['peak_device_bytes'])} (weights {format_bytes(mem['weights'])}, experts "
-        f"{format_bytes(mem['experts'])}, kv {format_bytes(mem['kv_cache'])}, compute {format_bytes(mem['compute'])})",
+        f"{format_bytes(mem['experts'])}, kv {format_bytes(mem['kv_cache'])}, "
+        + (f"recurrent {format_bytes(mem['recurrent'])}, " if mem.get("recurrent") else "")
+        + f"compute {format_bytes(mem['compute'])})",
         "layout: " + "; ".join(f"{dev}: " + ", ".join(f"{cls} {format_bytes(n)}" for cls, n in classes.items())
                                   for dev, classes in r["layout"]["tensors"].items()),
     ]

@@ -81,8 +81,9 @@ def describe(path) -> dict:
 
 
 def kv_bytes_per_token(hp: HParams, type_k: str = "f16", type_v: str = "f16") -> int:
-    """KV cache bytes per token over all layers (latent attention: the compressed KV only)."""
-    return hp.n_layer * KVCache.layer_bytes(1, hp.kv_k, type_k, type_v, hp.kv_v)
+    """KV cache bytes per token over the layers that have one (latent attention: the compressed KV only; hybrid
+    models: the attention layers, not the delta-net ones)."""
+    return len(hp.kv_layers) * KVCache.layer_bytes(1, hp.kv_k, type_k, type_v, hp.kv_v)
 
 
 def _family(store: GGUFStore) -> dict[str, Any]:
@@ -95,7 +96,8 @@ def _family(store: GGUFStore) -> dict[str, Any]:
     fam: dict[str, Any] = {
         "supported": True, "layers": hp.n_layer, "dense_layers": hp.n_dense_lead,
         "nextn_layers": (hp.n_layer_all or hp.n_layer) - hp.n_layer,
-        "attention": "latent (MLA)" if hp.mla is not None else "grouped-query",
+        "attention": "latent (MLA)" if hp.mla is not None else
+        "gated delta-net + grouped-query" if hp.delta_net is not None else "grouped-query",
         "head_dim": hp.head_dim, "n_rot": hp.rope.n_rot, "rope_scaling": hp.rope.scaling,
         "gating": r.gating, "norm_weights": r.norm_weights, "weights_scale": r.weights_scale,
         "groups": [r.n_group, r.n_group_used] if r.n_group > 1 else None,
@@ -103,6 +105,15 @@ def _family(store: GGUFStore) -> dict[str, Any]:
     }
     if hp.mla is not None:
         fam["kv_lora_rank"], fam["qk_rope"] = hp.mla.kv_lora_rank, hp.mla.qk_rope
+    dn = hp.delta_net
+    if dn is not None:
+        # per sequence, whatever its length: each delta-net layer's convolution history and delta-rule matrices
+        fam.update({"delta_net_layers": len(dn.layers), "attention_layers": len(hp.kv_layers),
+                    "delta_net": {"d_conv": dn.d_conv, "d_state": dn.d_state, "k_heads": dn.n_k_heads,
+                                  "v_heads": dn.n_v_heads, "conv_floats": dn.conv_state, "ssm_floats": dn.ssm_state},
+                    "recurrent_bytes_per_sequence": dn.state_bytes()})
+        if hp.rope.sections:
+            fam["rope_sections"] = list(hp.rope.sections)
     if hp.swa is not None:
         # llama.cpp's own tools keep only window + ubatch cells for these layers; ggml-hybrid, like
         # llama-cpp-python, keeps full-size caches (see docs/models.md)
@@ -141,6 +152,12 @@ def format_text(d: dict) -> str:
                 text += (f"; {sw['layers']} of {f['layers']} layers attend to a sliding window of {sw['n_swa']} "
                          "(their caches are full-size here, as in llama-cpp-python)")
             lines.append(text)
+            if "delta_net" in f:
+                dn = f["delta_net"]
+                lines.append(f"  recurrent state per sequence: {format_bytes(f['recurrent_bytes_per_sequence'])} (F32, "
+                             f"any context length): {f['delta_net_layers']} gated delta-net layers of "
+                             f"{dn['k_heads']}/{dn['v_heads']} key/value heads of {dn['d_state']}, convolution width "
+                             f"{dn['d_conv']}; KV cache in the {f['attention_layers']} attention layers only")
     else:
         lines.append("  not a MoE model (no routed experts)")
     lines.append(f"  {d['tensors']} tensors, {format_bytes(d['total_bytes'])}:")

@@ -58,6 +58,7 @@ class DevicePlan(_ToDict):
     weights: int
     experts: int
     kv_cache: int
+    recurrent: int  # the recurrent states of a hybrid model's delta-net layers (0 for other models)
     compute: int
     total: int
     vram: int | None = None
@@ -71,6 +72,7 @@ class HostPlan(_ToDict):
     mapped: dict[str, int]
     mapped_total: int
     kv_cache: int
+    recurrent: int
     compute: int
     resident_total: int
     ram: int | None = None
@@ -84,6 +86,16 @@ class KVPlan(_ToDict):
     type_v: str
     per_sequence: int
     per_token: int
+    parallel: int
+    total: int
+
+
+@dataclass
+class RecurrentPlan(_ToDict):
+    """A hybrid model's recurrent states (F32, whatever the context): one sequence's, and what the memory holds
+    for ``parallel`` of them (two rows per sequence slot and one of zeros, :mod:`ggml_hybrid.model.recurrent_state`)."""
+
+    per_sequence: int
     parallel: int
     total: int
 
@@ -126,6 +138,7 @@ class Plan(_ToDict):
     devices: dict[str, DevicePlan]
     host: HostPlan
     kv: KVPlan
+    recurrent: RecurrentPlan | None  # None: no delta-net layers
     layout: LayoutPlan
     experts: ExpertPlan
     threads: int
@@ -175,6 +188,7 @@ class _Measured:
 
     devices: dict[str, dict[str, int]]
     host_kv: int
+    host_recurrent: int
     host_compute: int
     layout: dict[str, Any]
     hp: HParams
@@ -183,8 +197,15 @@ class _Measured:
 
 def _measure(path: str, opts: SessionOptions, devices: list[str]) -> _Measured:
     with MoEModel(path, opts, dry_run_devices=devices) as m:
-        return _Measured({d: m.device_memory(d) for d in devices}, m.kv.nbytes(m.host), m.sched.buffer_size(m.host),
+        return _Measured({d: m.device_memory(d) for d in devices}, m.kv.nbytes(m.host),
+                         m.rs.nbytes(m.host) if m.rs is not None else 0, m.sched.buffer_size(m.host),
                          m.layout_report(), m.hp, m.n_ctx)
+
+
+def recurrent_for(measured: int, parallel: int) -> int:
+    """Recurrent-state bytes for ``parallel`` sequences from those a dry run measured for one: the memory holds two
+    rows per sequence slot and one zero row (:mod:`ggml_hybrid.model.recurrent_state`), 3 rows for one sequence."""
+    return -(-measured * (2 * parallel + 1) // 3)
 
 
 def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram: list[int] | None = None,
@@ -232,18 +253,22 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
     out_devices = {}
     for i, d in enumerate(devices):
         m = meas.devices[d]
-        kv = m["kv_cache"] * parallel
-        total = m["weights"] + m["experts"] + kv + m["compute"]
-        out_devices[d] = DevicePlan(m["weights"], m["experts"], kv, m["compute"], total,
+        kv, rs = m["kv_cache"] * parallel, recurrent_for(m["recurrent"], parallel)
+        total = m["weights"] + m["experts"] + kv + rs + m["compute"]
+        out_devices[d] = DevicePlan(m["weights"], m["experts"], kv, rs, m["compute"], total,
                                     vram[i] if vram else None, None if not vram else total <= vram[i])
     mapped = meas.layout["tensors"].get("mapped", {})
-    host_resident = meas.host_kv * parallel + meas.host_compute
+    host_rs = recurrent_for(meas.host_recurrent, parallel)
+    host_resident = meas.host_kv * parallel + host_rs + meas.host_compute
+    dn = hp.delta_net
     p = Plan(
         model=path, architecture=hp.arch, moe=True, options=opts.to_items(), devices=out_devices,
-        host=HostPlan(mapped, sum(mapped.values()), meas.host_kv * parallel, meas.host_compute, host_resident, ram,
-                      None if ram is None else host_resident <= ram),
+        host=HostPlan(mapped, sum(mapped.values()), meas.host_kv * parallel, host_rs, meas.host_compute, host_resident,
+                      ram, None if ram is None else host_resident <= ram),
         kv=KVPlan(meas.n_ctx, opts.cache_type_k, opts.cache_type_v, kv_seq, kv_seq // meas.n_ctx, parallel,
                   kv_seq * parallel),
+        recurrent=None if dn is None else RecurrentPlan(
+            dn.state_bytes(), parallel, host_rs + sum(v.recurrent for v in out_devices.values())),
         layout=LayoutPlan(*(meas.layout[k] for k in ("layers", "kv", "experts", "output"))),
         experts=ExpertPlan(hp.n_expert, hp.n_used, info["experts"]["bytes_per_expert"],
                            info["experts"]["bytes_per_layer"]),
@@ -473,16 +498,23 @@ def format_text(p: Plan | DensePlan) -> str:
     if isinstance(p, Plan):
         for d, v in p.devices.items():
             fit = "" if v.fits is None else (f"  of {g(v.vram or 0)}: " + ("fits" if v.fits else "DOES NOT FIT"))
-            lines.append(f"  {d:<6} weights {g(v.weights)} | experts {g(v.experts)} | kv {g(v.kv_cache)} | "
+            rs = f" | recurrent {g(v.recurrent)}" if v.recurrent else ""
+            lines.append(f"  {d:<6} weights {g(v.weights)} | experts {g(v.experts)} | kv {g(v.kv_cache)}{rs} | "
                          f"compute {g(v.compute)} | total {g(v.total)}{fit}")
         h = p.host
         lines.append(f"  host   memory-mapped {g(h.mapped_total)} ("
                      + ", ".join(f"{k} {g(v)}" for k, v in h.mapped.items()) + f") | kv {g(h.kv_cache)}"
-                     f" | compute {g(h.compute)} | resident {g(h.resident_total)}"
+                     + (f" | recurrent {g(h.recurrent)}" if h.recurrent else "")
+                     + f" | compute {g(h.compute)} | resident {g(h.resident_total)}"
                      + ("" if h.ram is None else f"  of {g(h.ram)}"))
         k = p.kv
         lines.append(f"  KV cache: n_ctx {k.n_ctx} ({k.type_k}/{k.type_v}): {g(k.per_sequence)} "
                      f"per sequence, {g(k.total)} for {k.parallel}")
+        rec = p.recurrent
+        if rec is not None:
+            lines.append(f"  recurrent state: {g(rec.per_sequence)} per sequence (F32, any n_ctx), {g(rec.total)} held "
+                         f"for {rec.parallel} (two per sequence, so that a failed eval changes nothing, and one of "
+                         "zeros)")
         lines.append(f"  layers: {' '.join(p.layout.layers)}; experts: {' '.join(p.layout.experts)}")
     else:
         lines.append(f"  {g(p.layer_bytes)} per layer, {g(p.other_bytes)} other; KV "
@@ -527,4 +559,4 @@ def format_k8s(p: Plan | DensePlan) -> str:
 
 
 __all__ = ["DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan", "Plan", "Recommendation",
-           "format_k8s", "format_text", "k8s_resources", "plan"]
+           "RecurrentPlan", "format_k8s", "format_text", "k8s_resources", "plan"]

@@ -269,6 +269,10 @@ class OpsMixin:
     def sigmoid(self, a: Tensor) -> Tensor:
         return self._unary("sigmoid", lib.ggml_sigmoid, a)
 
+    def softplus(self, a: Tensor) -> Tensor:
+        """``log(1 + exp(x))`` (x itself above 20), GGML's float32 formula."""
+        return self._unary("softplus", lib.ggml_softplus, a)
+
     def glu(self, a: Tensor, b: Tensor | None = None, kind: str = "swiglu", swapped: bool = False) -> Tensor:
         """Gated unit: act(a) * b, or with b omitted, the halves of a's rows (first half gated)."""
         op = kind
@@ -369,6 +373,39 @@ class OpsMixin:
             _finite(op, "beta_fast", beta_fast), _finite(op, "beta_slow", beta_slow)))
 
     rope_ext = rope
+
+    def rope_multi(self, a: Tensor, pos: Tensor, n_dims: int, sections: Sequence[int], mode: str = "imrope",
+                   freq_base: float = 10000.0, freq_scale: float = 1.0, n_ctx_orig: int = 0, ext_factor: float = 0.0,
+                   attn_factor: float = 1.0, beta_fast: float = 32.0, beta_slow: float = 1.0) -> Tensor:
+        """Multi-axis rotary embedding (llama.cpp's ``ggml_rope_multi``) of a [T, heads, head_dim].
+
+        ``pos`` [4 T] holds four positions per token, one axis after the other (t, h, w, e); each rotated
+        pair takes its position from the axis ``sections`` (4 counts of pairs) gives it: in runs
+        (``mrope``) or interleaved t, h, w (``imrope``, Qwen3-VL and Qwen3.5). Pairs pass NEOX-style.
+        """
+        op = "rope_multi"
+        modes = {"mrope": lib.GGML_ROPE_TYPE_MROPE, "imrope": lib.GGML_ROPE_TYPE_IMROPE}
+        check_choice(mode, f"{op}: mode", sorted(modes))
+        self._own(op, a, pos)
+        _types(op, a, {F32, F16})
+        _rows_contiguous(op, a)
+        _types(op, pos, {I32}, "pos")
+        _need(pos.ne[1] == 1 and pos.ne[2] == 1 and pos.ne[3] == 1, op, "pos must be a vector", pos)
+        _need(pos.ne[0] == 4 * a.ne[2], op, "pos must hold four positions per token (t, h, w and e rows)", a, pos)
+        _int(op, "n_dims", n_dims, 2, a.ne[0])
+        _need(n_dims % 2 == 0, op, f"n_dims={n_dims} must be even", a)
+        secs = [_int(op, "sections", x, 0) for x in sections]
+        if len(secs) != lib.GGML_MROPE_SECTIONS:
+            raise ShapeError(f"{op}: sections must hold {lib.GGML_MROPE_SECTIONS} counts, got {list(sections)}")
+        if not any(secs[:3]):
+            raise ShapeError(f"{op}: sections {secs}: one of the first three must be positive")
+        _need(sum(secs) <= a.ne[0], op, f"sections {secs} must sum to at most the head size {a.ne[0]}", a)
+        _int(op, "n_ctx_orig", n_ctx_orig, 0)
+        return self._node(lib.ggml_rope_multi(
+            self.ptr, a.ptr, pos.ptr, ffi.NULL, n_dims, ffi.new("int[4]", secs), modes[mode], n_ctx_orig,
+            _finite(op, "freq_base", freq_base), _finite(op, "freq_scale", freq_scale),
+            _finite(op, "ext_factor", ext_factor), _finite(op, "attn_factor", attn_factor),
+            _finite(op, "beta_fast", beta_fast), _finite(op, "beta_slow", beta_slow)))
 
     def flash_attn(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0,
                    max_bias: float = 0.0, logit_softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
@@ -547,6 +584,17 @@ class OpsMixin:
         self._bound_indices(op, rows, a.ne[1])
         return self._node(lib.ggml_set_rows(self.ptr, a.ptr, b.ptr, rows.ptr))
 
+    def repeat(self, a: Tensor, shape: Sequence[int]) -> Tensor:
+        """``a`` tiled to the numpy-order ``shape`` (``ggml_repeat_4d``): each size a multiple of a's."""
+        op = "repeat_4d"
+        self._own(op, a)
+        ne = ne_of(shape)
+        _types(op, a, {F32, F16, BF16, I32})  # the CPU kernel's cases (I16 aside)
+        _rows_contiguous(op, a)
+        _need(a.nelements > 0 and all(n > 0 and n % m == 0 for n, m in zip(ne, a.ne)), op,
+              f"shape {tuple(shape)} must be a multiple of a's in every dim", a)
+        return self._node(lib.ggml_repeat_4d(self.ptr, a.ptr, *ne))
+
     def concat(self, a: Tensor, b: Tensor, axis: int = 0, ndim: int | None = None) -> Tensor:
         """numpy.concatenate along a numpy-order axis.
 
@@ -565,3 +613,54 @@ class OpsMixin:
         _need(all(a.ne[d] == b.ne[d] for d in range(4) if d != dim), op,
               f"a and b must agree on every dim but axis {axis}", a, b)
         return self._node(lib.ggml_concat(self.ptr, a.ptr, b.ptr, dim))
+
+
+    # -- linear attention (gated delta-net) -------------------------------------
+
+    def ssm_conv(self, sx: Tensor, c: Tensor) -> Tensor:
+        """Short causal convolution: sx [seqs, channels, d_conv - 1 + T] (each channel's history then its T
+        inputs, time innermost), c [channels, d_conv] -> [seqs, T, channels], output t of a channel the sum
+        over j of ``sx[.., t + j] * c[.., j]`` (float, j ascending)."""
+        op = "ssm_conv"
+        self._own(op, sx, c)
+        _types(op, sx, {F32}, "sx")  # the CPU kernel has no other case
+        _types(op, c, {F32}, "c")
+        _need(sx.nb[0] == 4 and sx.nb[1] == sx.ne[0] * 4, op, "sx must be contiguous in its two inner dims", sx)
+        _need(c.nb[0] == 4, op, "c must have contiguous rows", c)
+        _need(sx.ne[3] == 1, op, "sx must be 3-D [seqs, channels, d_conv - 1 + tokens]", sx)
+        _need(c.ne[2] == 1 and c.ne[3] == 1, op, "c must be 2-D [channels, d_conv]", c)
+        _need(sx.ne[1] == c.ne[1], op, "sx and c must have the same number of channels", sx, c)
+        _need(sx.ne[0] >= c.ne[0], op, "sx must hold d_conv - 1 history steps and at least one token", sx, c)
+        return self._node(lib.ggml_ssm_conv(self.ptr, sx.ptr, c.ptr))
+
+    def gated_delta_net(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                        snapshots: int = 1) -> Tensor:
+        """The gated delta rule, token by token (``ggml_gated_delta_net``).
+
+        v [seqs, T, H, S] with H value heads of size S; q, k [seqs, T, Hk, S] with Hk dividing H (value head h
+        reads query/key head h % Hk); g [seqs, T, H, 1] (or S per head) and beta [seqs, T, H, 1]; state
+        [seqs, H, S, S], each head's matrix stored transposed. Per head and token: ``M *= exp(g)``,
+        ``delta = (v - M k) * beta``, ``M += delta k^T``, ``out = (M q) / sqrt(S)``. The result is flat
+        [T * seqs + snapshots * S * seqs, H * S]: the outputs [seqs, T, H, S], then the final state (the
+        last ``snapshots`` states, newest first).
+        """
+        op = "gated_delta_net"
+        self._own(op, q, k, v, g, beta, state)
+        for t, role in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"), (state, "state")):
+            _types(op, t, {F32}, role)
+        for t, role in ((q, "q"), (k, "k"), (v, "v")):
+            _need(bool(lib.ggml_is_contiguous_rows(t.ptr)), op, f"{role} must have contiguous rows", t)
+        for t, role in ((g, "g"), (beta, "beta"), (state, "state")):
+            _need(t.is_contiguous, op, f"{role} must be contiguous", t)
+        S, H, T, n_seqs = v.ne
+        _need(q.ne == k.ne, op, "q and k must have the same shape", q, k)
+        _need(q.ne[0] == S, op, "q, k and v must have the same head size", q, v)
+        _need(q.ne[1] > 0 and H % q.ne[1] == 0, op, "the query/key heads must divide the value heads", q, v)
+        _need(q.ne[2] == T and q.ne[3] > 0 and n_seqs % q.ne[3] == 0, op,
+              "q and k must have v's tokens and a number of sequences dividing v's", q, v)
+        _need(g.ne[0] in (1, S) and g.ne[1:] == (H, T, n_seqs), op, "g must be [seqs, T, H, 1 or S] like v", g, v)
+        _need(beta.ne == (1, H, T, n_seqs), op, "beta must be [seqs, T, H, 1] like v", beta, v)
+        _need(state.ne == (S, S, H, n_seqs), op, "state must be [seqs, H, S, S] for v [seqs, T, H, S]", state, v)
+        snapshots = _int(op, "snapshots", snapshots, 1)
+        return self._node(lib.ggml_gated_delta_net(self.ptr, q.ptr, k.ptr, v.ptr, g.ptr, beta.ptr, state.ptr,
+                                                   snapshots))

@@ -21,6 +21,7 @@ from ..moe.ffn import ExpertWeights, MoERegion
 from .hparams import HParams
 from .kv_cache import KVCache
 from .layers import Builder
+from .recurrent_state import RecurrentState
 
 # nodes and leafs per layer besides the weighted sum (two per expert used) and the family's own
 NODES_PER_LAYER = 96
@@ -62,8 +63,10 @@ def context_size(hp: HParams) -> int:
 
 
 def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights | None], kv: KVCache, n_tokens: int,
-                  n_kv: int, n_out: int, flash: bool, arena: Arena | None = None) -> DecoderGraph:
-    """Logits [n_out, n_vocab] of the last ``n_out`` tokens of an ubatch of ``n_tokens``."""
+                  n_kv: int, n_out: int, flash: bool, arena: Arena | None = None,
+                  rs: RecurrentState | None = None) -> DecoderGraph:
+    """Logits [n_out, n_vocab] of the last ``n_out`` tokens of an ubatch of ``n_tokens`` (of one sequence; ``rs``:
+    the recurrent states of a hybrid model's delta-net layers)."""
     from .families import FAMILIES
 
     family = FAMILIES[hp.arch]
@@ -71,22 +74,27 @@ def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights
     c = Context(n_tensors=2 * size, graph_size=size, arena=arena)  # views are tensors too
     g = c.new_graph(size)
     mask_type = "f16" if flash else "f32"
-    inp = {"tokens": c.new_tensor("i32", (n_tokens,), "inp_tokens"),
-           "pos": c.new_tensor("i32", (n_tokens,), "inp_pos"),
-           "k_idxs": c.new_tensor("i64", (n_tokens,), "inp_k_idxs"),
-           "mask": c.new_tensor(mask_type, (n_tokens, n_kv), "inp_kq_mask")}
+    n_pos = 4 * n_tokens if hp.rope.sections else n_tokens  # M-RoPE: four positions per token
+    inp = {"tokens": c.new_tensor("i32", (n_tokens,), "inp_tokens")}
+    if kv.layers:
+        inp.update({"pos": c.new_tensor("i32", (n_pos,), "inp_pos"),
+                    "k_idxs": c.new_tensor("i64", (n_tokens,), "inp_k_idxs"),
+                    "mask": c.new_tensor(mask_type, (n_tokens, n_kv), "inp_kq_mask")})
+    if rs is not None:  # the rows delta-net layers read their states from and write them to
+        inp.update({"rs_read": c.new_tensor("i32", (1,), "inp_rs_read"),
+                    "rs_write": c.new_tensor("i32", (1,), "inp_rs_write")})
     if kv.n_swa:
         inp["mask_swa"] = c.new_tensor(mask_type, (n_tokens, n_kv), "inp_kq_mask_swa")
-    if kv.v_trans and kv.n_embd_v:
+    if kv.layers and kv.v_trans and kv.n_embd_v:
         inp["v_idxs"] = c.new_tensor("i64", (n_tokens * kv.n_embd_v,), "inp_v_idxs")
     for name, n in (("k_rot", kv.rot_k), ("v_rot", kv.rot_v)):
-        if n:
+        if n and kv.layers:
             inp[name] = c.new_tensor("f32", (n, n), f"attn_inp_{name}")
     if n_out < n_tokens:
         inp["out_ids"] = c.new_tensor("i32", (n_out,), "inp_out_ids")
     for t in inp.values():
         t.set_input()
-    b = Builder(c, g, hp, w, experts, kv, inp, n_kv, flash)
+    b = Builder(c, g, hp, w, experts, kv, inp, n_kv, flash, rs)
     b.mark("embd", -1)
     cur = c.get_rows(w["token_embd.weight"], inp["tokens"])
     for il in range(hp.n_layer):

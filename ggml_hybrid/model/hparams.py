@@ -56,6 +56,56 @@ class SWA:
 
 
 @dataclass(frozen=True)
+class DeltaNet:
+    """Gated delta-net (linear attention) layers between the attention layers (qwen3next, qwen35moe).
+
+    Each such layer keeps a recurrent state per sequence instead of a KV cache: the last
+    ``d_conv - 1`` inputs of its short convolution (``conv_state`` floats) and one ``d_state`` x
+    ``d_state`` matrix per value head (``ssm_state`` floats).
+    """
+
+    recurrent: tuple[bool, ...]  # per layer: a delta-net layer (else an attention layer)
+    d_conv: int                  # ssm.conv_kernel: the short convolution's width
+    d_state: int                 # ssm.state_size: the head size of the delta-net's q, k and v
+    n_k_heads: int               # ssm.group_count: query/key heads
+    n_v_heads: int               # ssm.time_step_rank: value heads (each with its own gate and state)
+    k_repeat: str                # how value heads share query/key heads: "interleave" (h // r) or "tile" (h % n_k)
+    qkvz_fused: bool = False     # qwen3next's legacy ssm_in (q, k, v, z grouped per key head)
+    ba_fused: bool = False       # beta and alpha in one ssm_ba (grouped per key head), not ssm_beta + ssm_alpha
+
+    @property
+    def key_dim(self) -> int:
+        return self.d_state * self.n_k_heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.d_state * self.n_v_heads
+
+    @property
+    def conv_channels(self) -> int:
+        """The convolution's channels: every query, key and value."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_state(self) -> int:
+        """Floats of a layer's convolution state per sequence (llama.cpp's ``n_embd_r``)."""
+        return (self.d_conv - 1) * self.conv_channels
+
+    @property
+    def ssm_state(self) -> int:
+        """Floats of a layer's delta-rule state per sequence (llama.cpp's ``n_embd_s``)."""
+        return self.d_state * self.value_dim
+
+    @property
+    def layers(self) -> list[int]:
+        return [i for i, r in enumerate(self.recurrent) if r]
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state over all delta-net layers (F32, as llama.cpp keeps it)."""
+        return len(self.layers) * 4 * (self.conv_state + self.ssm_state)
+
+
+@dataclass(frozen=True)
 class HParams:
     arch: str
     n_layer: int               # layers the graph runs (block_count minus next-token-prediction layers)
@@ -78,7 +128,9 @@ class HParams:
     n_ff: int = 0              # width of the dense FFN of the leading dense layers
     n_dense_lead: int = 0      # leading layers with a dense FFN instead of experts
     n_ff_shexp: int = 0        # shared expert width (0: none)
-    shared_gate: bool = False  # the shared expert is scaled by sigmoid(ffn_gate_inp_shexp . x) (qwen2moe)
+    # the shared expert is scaled by sigmoid(ffn_gate_inp_shexp . x): "" no gate, "silu_div" llama.cpp's qwen2moe
+    # form silu(x)/x, "sigmoid" a plain sigmoid (qwen3next, qwen35moe)
+    shared_gate: str = ""
     qk_norm: str = "none"      # none | head (per-head RMS norm) | full (over all heads, before the reshape)
     attn_biases: tuple[str, ...] = ()  # projections with a bias: q, k, v, o
     ffn_norm: str = "ffn_norm"  # the pre-FFN norm's tensor (glm4moe and gpt-oss: post_attention_norm)
@@ -90,6 +142,7 @@ class HParams:
     fused_gate_up: bool = False   # the experts' gate and up in one ffn_gate_up_exps tensor
     out_rows_late: bool = False  # output rows are picked after the last layer (gpt-oss), not inside it
     f32_acc: bool = False      # the attention output and dense FFN projections ask for F32 accumulation (GLM)
+    delta_net: DeltaNet | None = None  # linear-attention layers with recurrent states (qwen3next, qwen35moe)
 
     @property
     def n_embd_q(self) -> int:
@@ -106,6 +159,12 @@ class HParams:
     def kv_v(self) -> int:
         """V cache row width per layer (0 for MLA: the values are read from the K cache)."""
         return 0 if self.mla is not None else self.n_head_kv * self.head_dim_v
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers with a KV cache: every layer but the delta-net ones."""
+        dn = self.delta_net
+        return [i for i in range(self.n_layer) if dn is None or not dn.recurrent[i]]
 
     @property
     def moe_layers(self) -> list[int]:
@@ -327,6 +386,6 @@ def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ..
                              "here, or a file llama.cpp refuses: 'wrong number of tensors')")
 
 
-__all__ = ["Common", "GATINGS", "HParams", "MLA", "Routing", "SWA", "StackHParams", "architecture", "check_tensors",
-           "meta_bool", "meta_float", "meta_int", "read_common", "read_hparams", "read_stack_hparams", "refuse",
-           "tensor_shapes"]
+__all__ = ["Common", "DeltaNet", "GATINGS", "HParams", "MLA", "Routing", "SWA", "StackHParams", "architecture",
+           "check_tensors", "meta_bool", "meta_float", "meta_int", "read_common", "read_hparams", "read_stack_hparams",
+           "refuse", "tensor_shapes"]

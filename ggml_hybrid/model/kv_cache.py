@@ -17,9 +17,14 @@ position hold for them too. With a quantized K (or V) cache and head sizes that
 are multiples of 64, llama.cpp rotates queries, keys and values by a
 Walsh-Hadamard matrix before they meet the cache (``rotation_sizes``); the
 matrices are inputs of each graph.
+
+Only the layers given (``layers``, default every layer) have a cache: a hybrid model's
+delta-net layers keep a recurrent state instead (:mod:`ggml_hybrid.model.recurrent_state`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -58,8 +63,10 @@ def hadamard(n: int) -> np.ndarray:
 
 class KVCache:
     def __init__(self, n_layer: int, n_ctx: int, n_embd_k: int, n_embd_v: int, type_k: str, type_v: str, backends,
-                 v_trans: bool, clear: bool = True, *, rot: tuple[int, int] = (0, 0), n_swa: int = 0):
-        """``backends``: one Backend for every layer, or a list giving each layer's.
+                 v_trans: bool, clear: bool = True, *, rot: tuple[int, int] = (0, 0), n_swa: int = 0,
+                 layers: Sequence[int] | None = None):
+        """``backends``: one Backend for every layer, or a list giving each layer's; ``layers``: the layers
+        that have a cache (default: all).
 
         ``rot``: the Hadamard rotation sizes (:func:`rotation_sizes`); ``n_swa``: the sliding window of
         the layers that have one (0: none). ``clear=False`` (planning: nothing is ever computed) only
@@ -71,13 +78,14 @@ class KVCache:
         self.rot_k, self.rot_v = rot
         self.n_swa = n_swa
         per_layer = list(backends) if isinstance(backends, (list, tuple)) else [backends] * n_layer
+        self.layers = list(range(n_layer)) if layers is None else sorted(layers)
         k: dict[int, Tensor] = {}
         v: dict[int, Tensor] = {}
         self.parts: list[tuple[Backend, Context, Buffer]] = []  # one context and buffer per backend
-        for b in {id(b): b for b in per_layer}.values():
-            layers = [i for i in range(n_layer) if per_layer[i] is b]
-            ctx = Context(n_tensors=2 * len(layers))
-            for i in layers:
+        for b in {id(per_layer[i]): per_layer[i] for i in self.layers}.values():
+            on_b = [i for i in self.layers if per_layer[i] is b]
+            ctx = Context(n_tensors=2 * len(on_b))
+            for i in on_b:
                 k[i] = ctx.new_tensor(self.type_k, (n_ctx, n_embd_k), f"cache_k_l{i}")
                 if n_embd_v:
                     v[i] = ctx.new_tensor(self.type_v, (n_ctx, n_embd_v), f"cache_v_l{i}")
@@ -85,7 +93,7 @@ class KVCache:
             if clear:
                 buf.clear(0)  # masked cells are multiplied by 0: they must not hold NaN
             self.parts.append((b, ctx, buf))
-        self.k = [k[i] for i in range(n_layer)]
+        self.k: list[Tensor | None] = [k.get(i) for i in range(n_layer)]
         self.v: list[Tensor | None] = [v.get(i) for i in range(n_layer)]
         self.n_past = 0
 

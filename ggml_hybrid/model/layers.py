@@ -22,13 +22,16 @@ from ..ggml.tensor import Tensor
 from ..moe.ffn import ExpertWeights, MoERegion, build_moe_ffn
 from .hparams import HParams
 from .kv_cache import KVCache
+from .recurrent_state import RecurrentState
 
 
 class Builder:
     def __init__(self, c: Context, g: Graph, hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights | None],
-                 kv: KVCache, inp: dict[str, Tensor], n_kv: int, flash: bool) -> None:
+                 kv: KVCache, inp: dict[str, Tensor], n_kv: int, flash: bool, rs: RecurrentState | None = None
+                 ) -> None:
         self.c, self.g, self.hp, self.w, self.experts, self.kv = c, g, hp, w, experts, kv
         self.inp, self.n_kv, self.flash = inp, n_kv, flash
+        self.rs = rs  # the recurrent states of delta-net layers (None: a model without them)
         self.regions: list[MoERegion | None] = [None] * hp.n_layer
         # (first tensor-struct offset in c's pool, kind, layer): which part of the model built a node
         self.segments: list[tuple[int, str, int]] = []
@@ -48,8 +51,11 @@ class Builder:
         return self.c.add(y, self.w[name + ".bias"]) if bias else y
 
     def rope(self, x: Tensor, il: int) -> Tensor:
-        """The layer's rope over x [T, heads, d] (sliding-window layers may have their own base and scale)."""
+        """The layer's rope over x [T, heads, d] (sliding-window layers may have their own base and scale;
+        M-RoPE models rotate by four positions per token)."""
         kw = self.hp.rope.kwargs()
+        if self.hp.rope.sections:
+            return self.c.rope_multi(x, self.inp["pos"], sections=self.hp.rope.sections, **kw)
         swa = self.hp.swa
         if swa is not None and swa.layers[il]:
             kw.update(freq_base=swa.freq_base, freq_scale=swa.freq_scale)
@@ -91,7 +97,7 @@ class Builder:
         # store this ubatch's K and V; the reads below come later in the graph
         self.mark("attn", il)  # from here to the output projection: where the KV cache lives
         kc, vc = kv.k[il], kv.v[il]
-        assert vc is not None
+        assert kc is not None and vc is not None
         ek, ev = kv.n_embd_k, kv.n_embd_v
         g.expand(c.set_rows(kc, c.reshape(k, (T, ek)), self.inp["k_idxs"]))
         if kv.v_trans:
@@ -126,6 +132,7 @@ class Builder:
         T, dk, R = q.ne[2], q.ne[0], v_mla.ne[0]
         self.mark("attn", il)
         kc = kv.k[il]
+        assert kc is not None
         g.expand(c.set_rows(kc, c.reshape(k, (T, dk)), self.inp["k_idxs"]))
         row = kc.dtype.row_size(dk)
         keys = c.view(kc, (n_kv, 1, dk), (kc.nb[1], row))
@@ -171,13 +178,16 @@ class Builder:
         return region.out
 
     def shared_expert(self, il: int, x: Tensor) -> Tensor:
-        """The shared expert next to the routed ones: plain, or scaled by qwen2moe's sigmoid gate."""
+        """The shared expert next to the routed ones: plain, or scaled by a sigmoid gate (qwen2moe's computed as
+        llama.cpp computes it there, ``silu(x)/x``; qwen3next's and qwen35moe's a plain sigmoid)."""
         c, p = self.c, f"blk.{il}."
         out = self.ffn(x, p + "ffn_*_shexp")
         if not self.hp.shared_gate:
             return out
         gate_in = c.mul_mat(self.w[p + "ffn_gate_inp_shexp.weight"], x)  # [T, 1]
-        return c.mul(out, c.div(c.silu(gate_in), gate_in))             # llama.cpp's sigmoid: silu(x)/x
+        if self.hp.shared_gate == "sigmoid":
+            return c.mul(out, c.sigmoid(gate_in))
+        return c.mul(out, c.div(c.silu(gate_in), gate_in))
 
 
 def standard_attention(b: Builder, il: int, x: Tensor) -> Tensor:

@@ -37,9 +37,12 @@ from ..moe.stack_session import SessionCounters
 from ..options import OptionError, SessionOptions
 from ..serial import Serial
 from .decoder import DecoderGraph, build_decoder, context_size, graph_size
+from .families.hybrid import check_cuda
 from .gguf_store import GGUFStore, load_into
 from .hparams import HParams, read_hparams, tensor_shapes
 from .kv_cache import KVCache, rotation_sizes
+from .recurrent_state import RecurrentState
+from .rope import positions
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
@@ -71,6 +74,7 @@ class MoEModel:
     sched: Scheduler
     experts: ExpertLayers
     kv: KVCache
+    rs: RecurrentState | None = None  # the delta-net layers' states (hybrid models)
     layout: Layout
     def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
                  device: Backend | None = None, progress: Callable[[int, int], object] | None = None,
@@ -134,6 +138,7 @@ class MoEModel:
             self.devices = open_devices(opts, n_threads)
         self.host = cpu(n_threads)
         self.device = next(iter(self.devices.values()))
+        check_cuda(store.path, hp, list(self.devices))
         required = list(tensor_shapes(hp))
         self.layout = plan_layout(required, hp.n_layer, opts, list(self.devices), hp.tied_output)
         self.sched = Scheduler(list(self.devices.values()) + [self.host], graph_size=2 * graph_size(hp))
@@ -156,9 +161,14 @@ class MoEModel:
         # latent attention has no Hadamard rotation (llama.cpp's K-only cache input has none)
         rot = (0, 0) if hp.mla is not None else rotation_sizes(opts.cache_type_k, opts.cache_type_v, hp.head_dim,
                                                                hp.head_dim_v)
-        self.kv = KVCache(hp.n_layer, n_ctx, hp.kv_k, hp.kv_v, opts.cache_type_k, opts.cache_type_v,
-                          [self.backend(d) for d in lay.kv_device], v_trans=not self.flash_attn,
-                          clear=not self.dry_run, rot=rot, n_swa=hp.swa.n_swa if hp.swa is not None else 0)
+        kv_backends = [self.backend(d) for d in lay.kv_device]
+        self.kv = KVCache(hp.n_layer, n_ctx, hp.kv_k, hp.kv_v, opts.cache_type_k, opts.cache_type_v, kv_backends,
+                          v_trans=not self.flash_attn, clear=not self.dry_run, rot=rot,
+                          n_swa=hp.swa.n_swa if hp.swa is not None else 0, layers=hp.kv_layers)
+        dn = hp.delta_net
+        # a hybrid model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule)
+        self.rs = None if dn is None else RecurrentState(hp.n_layer, dn.layers, dn.conv_state, dn.ssm_state,
+                                                         kv_backends, clear=not self.dry_run)
         # like llama.cpp: size the compute buffers for the largest ubatch once, at load; the expert caches'
         # own graphs too, so that a run never allocates more than the load (and the planner's dry run) did
         ub = min(opts.ubatch_size, n_ctx)
@@ -234,6 +244,8 @@ class MoEModel:
         """Forget the sequence: the next eval starts at position 0."""
         with self._serial.turn("reset"):
             self.kv.clear()
+            if self.rs is not None:
+                self.rs.clear()
 
     # -- evaluation -----------------------------------------------------------
 
@@ -242,7 +254,7 @@ class MoEModel:
 
         def build(arena: Arena) -> DecoderGraph:
             entry = build_decoder(self.hp, self.weights, self.experts.weights, self.kv, n_tokens, n_kv, n_out,
-                                  self.flash_attn, arena)
+                                  self.flash_attn, arena, self.rs)
             self.sched.set_pins(entry.graph, self._pins(entry))
             return entry
 
@@ -330,7 +342,10 @@ class MoEModel:
         g = self._graph(n, n_kv, n_out)
         self.sched.prepare(g.graph)
         feed = self.kv.inputs(n, n_kv, np.float16 if self.flash_attn else np.float32)
+        feed["pos"] = positions(self.hp.rope, feed["pos"])
         feed["tokens"] = tokens
+        if self.rs is not None:
+            feed.update(self.rs.inputs())
         if "out_ids" in g.inputs:
             feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)
         # every input was built here from checked tokens and the cache's own positions
@@ -339,6 +354,8 @@ class MoEModel:
         self.sched.compute(g.graph)
         self.experts.flush_traces()
         self.kv.n_past += n
+        if self.rs is not None:
+            self.rs.advance()
         return g.logits.numpy().reshape(n_out, self.hp.n_vocab)
 
     def eval(self, tokens: npt.ArrayLike, logits: str = "last") -> np.ndarray:
@@ -352,13 +369,21 @@ class MoEModel:
         with self._serial.turn("eval"):
             self.kv.n_kv_for(len(arr))  # the whole call fits, or nothing is evaluated
             start = self.kv.n_past
+            if self.rs is not None:
+                self.rs.begin()
             try:
-                return self._eval(arr, logits)
+                out = self._eval(arr, logits)
             except BaseException:
                 # all or nothing: a failed ubatch leaves the sequence as it was (the cells written past
-                # n_past are masked out and overwritten by the next eval)
+                # n_past are masked out and overwritten by the next eval; the recurrent states were
+                # written to rows the sequence does not read)
                 self.kv.n_past = start
+                if self.rs is not None:
+                    self.rs.abandon()
                 raise
+            if self.rs is not None:
+                self.rs.commit()
+            return out
 
     def _eval(self, arr: np.ndarray, logits: str) -> np.ndarray:
         ub = self.options.ubatch_size
@@ -385,12 +410,13 @@ class MoEModel:
     def device_memory(self, device: str | None = None) -> dict[str, int]:
         """Bytes held on the devices (one device, if named) by purpose: what GPUs would hold."""
         names = [device] if device is not None else list(self.devices)
-        out = {"weights": 0, "experts": 0, "kv_cache": 0, "compute": 0}
+        out = {"weights": 0, "experts": 0, "kv_cache": 0, "recurrent": 0, "compute": 0}
         for name in names:
             b = self.devices[name]
             out["weights"] += sum(t.nbytes for dev, ctx in self.weight_ctxs if dev == name for t in ctx.tensors())
             out["experts"] += self.experts.device_bytes(b)
             out["kv_cache"] += self.kv.nbytes(b)
+            out["recurrent"] += self.rs.nbytes(b) if self.rs is not None else 0
             out["compute"] += self.sched.buffer_size(b) + self.experts.compute_bytes(b)
         return out
 
@@ -422,6 +448,9 @@ class MoEModel:
             self.sched.close()
         if hasattr(self, "kv"):
             self.kv.close()
+        rs = getattr(self, "rs", None)
+        if rs is not None:
+            rs.close()
         for _, ctx in self.weight_ctxs:
             ctx.close()
         self.store.close()

@@ -31,7 +31,7 @@ def logf(x: float | np.floating) -> np.float32:
 class Rope:
     """The arguments of every ``ggml_rope_ext`` of a model (per-layer overrides aside)."""
 
-    mode: str               # "neox" or "normal"
+    mode: str               # "neox" or "normal"; "imrope" (with sections): interleaved M-RoPE
     n_rot: int              # rotated dimensions of each head (the rest pass through)
     freq_base: float
     freq_scale: float
@@ -41,12 +41,21 @@ class Rope:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     scaling: str = "none"   # the file's rope.scaling.type ("none" when it has neither type nor factor; reports)
+    sections: tuple[int, ...] = ()  # M-RoPE: rotated pairs per position axis (t, h, w, e); () plain rope
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :meth:`~ggml_hybrid.ggml.ops.OpsMixin.rope`."""
         return {"n_dims": self.n_rot, "mode": self.mode, "freq_base": self.freq_base,
                 "freq_scale": self.freq_scale, "n_ctx_orig": self.n_ctx_orig, "ext_factor": self.ext_factor,
                 "attn_factor": self.attn_factor, "beta_fast": self.beta_fast, "beta_slow": self.beta_slow}
+
+
+def positions(rope: Rope, pos: np.ndarray) -> np.ndarray:
+    """The position input of an ubatch: one per token, or for M-RoPE four rows (t, h, w, e), which for
+    text are p, p, p and 0 (llama.cpp's ``llm_graph_input_pos::set_input``)."""
+    if not rope.sections:
+        return pos
+    return np.concatenate([pos, pos, pos, np.zeros_like(pos)])
 
 
 def _mscale(scale: np.float32, mscale: np.float32) -> np.float32:
@@ -105,4 +114,4 @@ def kq_scale(head_dim: int) -> float:
     return float(f32(1) / np.sqrt(f32(head_dim)))
 
 
-__all__ = ["Rope", "SCALING_TYPES", "attn_factor", "f32", "kq_scale", "logf", "read_rope"]
+__all__ = ["Rope", "SCALING_TYPES", "attn_factor", "f32", "kq_scale", "logf", "positions", "read_rope"]

@@ -30,6 +30,9 @@ _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe), by tokenizer.ggml.pre
 _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# qwen35: letter runs also take the combining marks (\p{M}) that follow or join them
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -51,6 +54,7 @@ class PreTokenizer:
 
 PRE_TOKENIZERS = {
     "qwen2": PreTokenizer((_QWEN2,), False),
+    "qwen35": PreTokenizer((_QWEN35,), False),
     "llama-bpe": PreTokenizer((_LLAMA3,), True, add_bos=True),
     "olmo": PreTokenizer((_GPT2,), False),
     "glm4": PreTokenizer((_LLAMA3,), True),       # LLAMA_VOCAB_PRE_TYPE_CHATGLM4

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""ggml-hybrid against llama.cpp on the same synthetic qwen3moe file: prompt and decode tok/s, one run.
+"""ggml-hybrid against llama.cpp on the same synthetic file: prompt and decode tok/s, one run.
 
-The model (8 layers, embd 1024, 64 experts, top-8, expert ff 512, Q8_0, vocab 8192)
-is generated once under build/bench/. llama.cpp runs in a worker process (a Python with
+The model (8 layers, embd 1024, 64 experts, top-8, expert ff 512, Q8_0, vocab 8192; ``--arch qwen35moe``: the
+same with 6 gated delta-net layers of 4/8 heads of 128 and 2 attention layers, a shared expert, M-RoPE over 32
+dims) is generated once under build/bench/. llama.cpp runs in a worker process (a Python with
 llama-cpp-python==0.3.36, given by --llama-python) that loads the file once; ggml-hybrid
 runs in this process. After one warm-up each, rounds alternate A,B,B,A (A = ggml-hybrid,
 B = llama.cpp); each run is a prompt of --prompt tokens then --n greedy tokens. Both use
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,14 +35,18 @@ from ggml_hybrid.options import SessionOptions
 
 SPEC = ModelSpec(arch="qwen3moe", n_layer=8, n_embd=1024, n_head=8, n_head_kv=2, head_dim=128, n_ff_exp=512,
                  n_expert=64, n_used=8, vocab_size=8192, weight_type="q8_0", seed=42)
+# a Qwen3.5-MoE in small: one attention layer in four, delta-net heads of 128, partial interleaved M-RoPE
+SPECS = {"qwen3moe": SPEC,
+         "qwen35moe": replace(SPEC, arch="qwen35moe", n_rot=32, rope_sections="6,5,5,0", d_state=128, n_k_heads=4,
+                              n_v_heads=8, attn_interval=4, n_ff_shexp=512)}
 
 
-def model_path() -> str:
-    p = Path(__file__).resolve().parents[2] / "build" / "bench" / "qwen3moe_l8_e1024_x64_k8_q8_0.gguf"
+def model_path(spec: ModelSpec = SPEC) -> str:
+    p = Path(__file__).resolve().parents[2] / "build" / "bench" / f"{spec.arch}_l8_e1024_x64_k8_q8_0.gguf"
     if not p.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        write_model(p, SPEC)
+        write_model(p, spec)
         print(f"generated {p.name} ({p.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s")
     return str(p)
 
@@ -71,6 +77,8 @@ def run_ours(model: MoEModel, tokens, n):
 
 @click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option('--llama-python', required=True)
+@click.option('--arch', type=click.Choice(sorted(SPECS)), default="qwen3moe", show_default=True,
+              help='the synthetic model')
 @click.option('--threads', type=int, default=1, show_default=True)
 @click.option('--rounds', type=int, default=4, help='blocks of A,B,B,A', show_default=True)
 @click.option('--prompt', type=int, default=128, help='prompt tokens', show_default=True)
@@ -80,7 +88,8 @@ def main(**options) -> None:
 
 
 def _main(ns: SimpleNamespace) -> int:
-    path = model_path()
+    spec = SPECS[ns.arch]
+    path = model_path(spec)
     n_ctx = 512
     tokens = np.random.default_rng(0).integers(0, 8000, ns.prompt).tolist()
     ours = MoEModel(path, SessionOptions(n_threads=ns.threads, n_ctx=n_ctx))
@@ -104,8 +113,8 @@ def _main(ns: SimpleNamespace) -> int:
     for k, name in (("A", "ggml-hybrid"), ("B", "llama.cpp")):
         rows[name] = (tps(res[k], 0, ns.prompt), tps(res[k], 1, ns.n - 1))
     a, b = rows["ggml-hybrid"], rows["llama.cpp"]
-    print(f"model {Path(path).name}: {SPEC.n_layer} layers, embd {SPEC.n_embd}, {SPEC.n_expert} experts top-"
-          f"{SPEC.n_used}, {SPEC.weight_type}; {ns.threads} thread(s); prompt {ns.prompt} tok, decode {ns.n - 1} "
+    print(f"model {Path(path).name}: {spec.n_layer} layers, embd {spec.n_embd}, {spec.n_expert} experts top-"
+          f"{spec.n_used}, {spec.weight_type}; {ns.threads} thread(s); prompt {ns.prompt} tok, decode {ns.n - 1} "
           f"tok; {ns.rounds} x ABBA; {os.cpu_count()} cores")
     print(f"{'':<12}{'prompt tok/s':>14}{'decode tok/s':>14}")
     for name, (p, d) in rows.items():

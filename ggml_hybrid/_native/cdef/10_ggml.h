@@ -7,6 +7,9 @@
 #define GGML_DEFAULT_GRAPH_SIZE ...
 #define GGML_ROPE_TYPE_NORMAL ...
 #define GGML_ROPE_TYPE_NEOX ...
+#define GGML_ROPE_TYPE_MROPE ...
+#define GGML_ROPE_TYPE_IMROPE ...
+#define GGML_MROPE_SECTIONS ...
 
 enum ggml_status {
     GGML_STATUS_ALLOC_FAILED,
@@ -139,6 +142,9 @@ struct ggml_tensor * ggml_rms_norm(struct ggml_context * ctx, struct ggml_tensor
 struct ggml_tensor * ggml_rope_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
         struct ggml_tensor * c, int n_dims, int mode, int n_ctx_orig, float freq_base, float freq_scale,
         float ext_factor, float attn_factor, float beta_fast, float beta_slow);
+struct ggml_tensor * ggml_rope_multi(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
+        struct ggml_tensor * c, int n_dims, int sections[4], int mode, int n_ctx_orig, float freq_base,
+        float freq_scale, float ext_factor, float attn_factor, float beta_fast, float beta_slow);
 struct ggml_tensor * ggml_soft_max_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * mask,
         float scale, float max_bias);
 void ggml_soft_max_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
@@ -151,6 +157,7 @@ struct ggml_tensor * ggml_sum_rows(struct ggml_context * ctx, struct ggml_tensor
 struct ggml_tensor * ggml_silu(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_gelu(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_sigmoid(struct ggml_context * ctx, struct ggml_tensor * a);
+struct ggml_tensor * ggml_softplus(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_glu(struct ggml_context * ctx, struct ggml_tensor * a, enum ggml_glu_op op, bool swapped);
 struct ggml_tensor * ggml_glu_split(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, enum ggml_glu_op op);
 struct ggml_tensor * ggml_swiglu_oai(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
@@ -172,6 +179,12 @@ struct ggml_tensor * ggml_cpy(struct ggml_context * ctx, struct ggml_tensor * a,
 struct ggml_tensor * ggml_cast(struct ggml_context * ctx, struct ggml_tensor * a, enum ggml_type type);
 struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, struct ggml_tensor * c);
 struct ggml_tensor * ggml_concat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, int dim);
+struct ggml_tensor * ggml_repeat_4d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
+        int64_t ne2, int64_t ne3);
+struct ggml_tensor * ggml_ssm_conv(struct ggml_context * ctx, struct ggml_tensor * sx, struct ggml_tensor * c);
+struct ggml_tensor * ggml_gated_delta_net(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
+        struct ggml_tensor * v, struct ggml_tensor * g, struct ggml_tensor * beta, struct ggml_tensor * state,
+        int64_t K);
 
 // graphs
 struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);

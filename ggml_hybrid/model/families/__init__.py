@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from ...errors import ModelFileError
 from ..gguf_store import GGUFStore
-from . import deepseek2, glm4moe, gpt_oss, llama, olmoe, qwen2moe, qwen3moe
+from . import deepseek2, glm4moe, gpt_oss, llama, olmoe, qwen2moe, qwen3moe, qwen3next, qwen35moe
 from .base import Family
 
 FAMILIES: dict[str, Family] = {f.arch: f for f in (qwen3moe.FAMILY, qwen2moe.FAMILY, llama.FAMILY, olmoe.FAMILY,
-                                                   glm4moe.FAMILY, deepseek2.FAMILY, gpt_oss.FAMILY)}
+                                                   glm4moe.FAMILY, deepseek2.FAMILY, gpt_oss.FAMILY,
+                                                   qwen3next.FAMILY, qwen35moe.FAMILY)}
 
 
 def family_of(store: GGUFStore, arch: str) -> Family:

@@ -32,7 +32,8 @@ def read(store: GGUFStore, c: Common) -> HParams:
     n_ff_shexp = meta_int(store, f"{c.arch}.expert_shared_feed_forward_length", c.n_ff or None)
     return base_hparams(store, c, rope_mode="neox", n_ff_exp=expert_width(store, c, required=False),
                         routing=Routing("softmax", False, 0.0, c.n_group, c.n_group_used),
-                        attn_biases=attn_biases(store), n_ff_shexp=n_ff_shexp, shared_gate=True, tied_output=False)
+                        attn_biases=attn_biases(store), n_ff_shexp=n_ff_shexp, shared_gate="silu_div",
+                        tied_output=False)
 
 
 FAMILY = Family("qwen2moe", read, standard_tensors)

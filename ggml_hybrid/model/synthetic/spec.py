@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from ...errors import ArgumentError
 from ...ggml.dtypes import GGMLType, as_ggml_type
 
-ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "deepseek2", "gpt-oss")
+ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "deepseek2", "gpt-oss", "qwen3next", "qwen35moe")
+HYBRID = ("qwen3next", "qwen35moe")  # gated delta-net layers between attention layers
 # each family's tokenizer.ggml.pre, as its real files have it (llama with vocab="spm": SentencePiece)
 PRE = {"qwen3moe": "qwen2", "qwen2moe": "qwen2", "llama": "llama-bpe", "olmoe": "olmo", "glm4moe": "glm4",
-       "deepseek2": "deepseek-v3", "gpt-oss": "gpt-4o"}
+       "deepseek2": "deepseek-v3", "gpt-oss": "gpt-4o", "qwen3next": "qwen2", "qwen35moe": "qwen35"}
 GATINGS = {"softmax": 1, "sigmoid": 2}
 
 
@@ -25,7 +26,7 @@ class ModelSpec:
     n_ff_exp: int = 64
     n_expert: int = 8
     n_used: int = 2
-    n_ff_shexp: int = 64          # qwen2moe only
+    n_ff_shexp: int = 64          # qwen2moe, qwen3next, qwen35moe
     vocab_size: int = 384
     n_ctx_train: int = 4096
     weight_type: str = "f32"      # matrices: attention, experts, embeddings, output
@@ -60,12 +61,25 @@ class ModelSpec:
     router_scale: float = 1.0     # scales the router weights (tiny sigmoid probabilities exercise the weight clamp)
     bias_pin: int = 0             # exp_probs_b +5 on the first bias_pin experts: always chosen, whatever their weight
     vocab: str = ""               # llama: "spm" for a SentencePiece vocabulary (Mixtral's published files)
+    # qwen3next, qwen35moe: gated delta-net layers (d_state: their head size; k/v heads: ssm.group_count and
+    # ssm.time_step_rank), every attn_interval-th layer an attention layer (full_attention_interval), or the
+    # per-layer flags of recurrent_layers ("1,0,1,1": written as attention.recurrent_layers instead)
+    d_conv: int = 4
+    d_state: int = 16
+    n_k_heads: int = 2
+    n_v_heads: int = 4
+    attn_interval: int = 2
+    recurrent_layers: str = ""
+    rope_sections: str = "2,1,1,0"  # qwen35moe: rope.dimension_sections
+    qkvz_fused: bool = False      # qwen3next: the legacy ssm_in projection instead of attn_qkv + attn_gate
 
     def check(self) -> None:
         if self.arch not in ARCHS:
             raise ArgumentError(f"arch={self.arch!r} is not one of {ARCHS}")
         t = as_ggml_type(self.weight_type)
-        for name in ("n_embd", "n_ff_exp") + (("n_ff_shexp",) if self.arch == "qwen2moe" else ()):
+        hybrid = self.arch in HYBRID
+        shexp = ("n_ff_shexp",) if self.arch == "qwen2moe" or hybrid else ()
+        for name in ("n_embd", "n_ff_exp") + shexp + (("value_dim",) if hybrid else ()):
             if getattr(self, name) % t.block_size:
                 raise ArgumentError(f"{name}={getattr(self, name)} must be a multiple of the {t.name} block size "
                                     f"{t.block_size}")
@@ -95,9 +109,38 @@ class ModelSpec:
             raise ArgumentError(f"rope_scaling={self.rope_scaling!r} must be '', 'linear' or 'yarn'")
         if self.vocab not in ("", "spm") or (self.vocab == "spm" and self.arch != "llama"):
             raise ArgumentError(f"vocab={self.vocab!r}: 'spm' is for arch='llama' (Mixtral)")
+        if hybrid:
+            self._check_hybrid()
         if self.vocab_size < (512 if self.vocab == "spm" else 300):
             raise ArgumentError(f"vocab_size={self.vocab_size} must be >= {512 if self.vocab == 'spm' else 300} "
                                 "(the bytes, the specials and some merges)")
+
+    def _check_hybrid(self) -> None:
+        if self.n_v_heads % self.n_k_heads:
+            raise ArgumentError(f"n_v_heads={self.n_v_heads} must be a multiple of n_k_heads={self.n_k_heads}")
+        if self.d_conv < 2 or self.attn_interval < 1:
+            raise ArgumentError(f"d_conv={self.d_conv} must be >= 2 and attn_interval={self.attn_interval} >= 1")
+        if self.recurrent_layers and len(self.recurrent_flags) != self.n_layer + self.nextn:
+            raise ArgumentError(f"recurrent_layers={self.recurrent_layers!r} must hold one flag per block "
+                                f"({self.n_layer + self.nextn})")
+        if len(self.sections) != 4 or sum(self.sections) > self.head_dim or not any(self.sections[:3]):
+            raise ArgumentError(f"rope_sections={self.rope_sections!r} must be 4 counts, not all of the first three "
+                                f"0, summing to at most head_dim={self.head_dim}")
+
+    @property
+    def value_dim(self) -> int:
+        return self.d_state * self.n_v_heads
+
+    @property
+    def sections(self) -> list[int]:
+        return [int(x) for x in self.rope_sections.split(",")]
+
+    @property
+    def recurrent_flags(self) -> list[bool]:
+        """Per block (next-token-prediction blocks included): a delta-net layer? (those blocks are attention)."""
+        if self.recurrent_layers:
+            return [x.strip() not in ("0", "") for x in self.recurrent_layers.split(",")]
+        return [i < self.n_layer and (i + 1) % self.attn_interval != 0 for i in range(self.n_layer + self.nextn)]
 
     @property
     def rot(self) -> int:
@@ -114,4 +157,4 @@ class ModelSpec:
         return GGMLType.Q8_0 if cols % 32 == 0 else GGMLType.F16
 
 
-__all__ = ["ARCHS", "GATINGS", "ModelSpec", "PRE"]
+__all__ = ["ARCHS", "GATINGS", "HYBRID", "ModelSpec", "PRE"]

@@ -31,6 +31,7 @@ Hello, world! Hello again, world. How are you today? I am fine, thank you.
 # per pre-tokenizer: the special tokens (control), and which of them are BOS and EOS (None: not written)
 SPECIALS = {
     "qwen2": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|endoftext|>", "<|endoftext|>"),
+    "qwen35": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|endoftext|>", "<|endoftext|>"),
     "llama-bpe": (["<|begin_of_text|>", "<|end_of_text|>"], "<|begin_of_text|>", "<|end_of_text|>"),
     "olmo": (["<|endoftext|>", "<|padding|>"], None, "<|endoftext|>"),
     "glm4": (["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>"], None, "<|endoftext|>"),

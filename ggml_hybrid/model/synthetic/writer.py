@@ -72,7 +72,8 @@ def write_model(path, spec: ModelSpec | None = None, **overrides) -> str:
         _first_three(w, spec)
     else:
         wr = _Writer(w, spec)
-        {"olmoe": _olmoe, "glm4moe": _glm4moe, "deepseek2": _deepseek2, "gpt-oss": _gpt_oss}[arch](w, wr, spec)
+        {"olmoe": _olmoe, "glm4moe": _glm4moe, "deepseek2": _deepseek2, "gpt-oss": _gpt_oss, "qwen3next": _hybrid,
+         "qwen35moe": _hybrid}[arch](w, wr, spec)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -379,6 +380,69 @@ def _gpt_oss(w, wr: _Writer, s: ModelSpec) -> None:
         wr.add(p + "attn_sinks.weight", wr.vec(s.n_head, 1.0, 0.0))
         wr.add(p + "post_attention_norm.weight", wr.vec(E))
         _routed(wr, p, expert_biases=True)
+    _output(wr)
+
+
+def _hybrid(w, wr: _Writer, s: ModelSpec) -> None:
+    """qwen3next / qwen35moe: gated delta-net layers and gated attention layers, experts and a gated shared expert
+    in each (as llama.cpp's converter writes them: ``ssm_a`` holds -exp(A_log), norms already 1 + w)."""
+    flags = s.recurrent_flags
+    _common_meta(w, s, s.n_ff_exp * s.n_used, s.n_layer + s.nextn)
+    if s.nextn:
+        w.add_nextn_predict_layers(s.nextn)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.rot)
+    if s.arch == "qwen35moe":
+        w.add_rope_dimension_sections(s.sections)
+    w.add_expert_feed_forward_length(s.n_ff_exp)
+    w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+    w.add_ssm_conv_kernel(s.d_conv)
+    w.add_ssm_state_size(s.d_state)
+    w.add_ssm_group_count(s.n_k_heads)
+    w.add_ssm_time_step_rank(s.n_v_heads)
+    w.add_ssm_inner_size(s.value_dim)
+    if s.recurrent_layers:
+        w.add_array(f"{s.arch}.attention.recurrent_layers", [bool(f) for f in flags])  # a BOOL array
+    else:
+        w.add_full_attention_interval(s.attn_interval)
+    _tokenizer(w, s, add_bos=False)
+    E, H, hd, kv = s.n_embd, s.n_head, s.head_dim, s.n_head_kv * s.head_dim
+    kd, vd, nv = s.d_state * s.n_k_heads, s.value_dim, s.n_v_heads
+    _embeddings(wr)
+    for i in range(s.n_layer + s.nextn):
+        p = f"blk.{i}."
+        wr.add(p + "attn_norm.weight", wr.vec(E))
+        wr.add(p + "post_attention_norm.weight", wr.vec(E))
+        if flags[i]:
+            if s.qkvz_fused:
+                wr.mat(p + "ssm_in.weight", (2 * kd + 2 * vd, E))
+            else:
+                wr.mat(p + "attn_qkv.weight", (2 * kd + vd, E))
+                wr.mat(p + "attn_gate.weight", (vd, E))
+            conv = (0.5 * wr.rng.standard_normal((2 * kd + vd, s.d_conv))).astype(np.float32)
+            wr.add(p + "ssm_conv1d.weight", (conv, None))  # F32 always: GGML's convolution reads no other type
+            wr.add(p + "ssm_dt.bias", wr.vec(nv, 1.0, 0.0))
+            wr.add(p + "ssm_a", ((-np.exp(0.5 * wr.rng.standard_normal(nv))).astype(np.float32), None))
+            if s.arch == "qwen3next":
+                wr.mat(p + "ssm_ba.weight", (2 * nv, E))
+            else:
+                wr.mat(p + "ssm_beta.weight", (nv, E))
+                wr.mat(p + "ssm_alpha.weight", (nv, E))
+            wr.add(p + "ssm_norm.weight", wr.vec(s.d_state))
+            wr.mat(p + "ssm_out.weight", (E, vd))
+        else:
+            wr.mat(p + "attn_q.weight", (2 * H * hd, E))  # per head: the query, then its output gate
+            wr.mat(p + "attn_k.weight", (kv, E))
+            wr.mat(p + "attn_v.weight", (kv, E))
+            wr.mat(p + "attn_output.weight", (E, H * hd))
+            wr.add(p + "attn_q_norm.weight", wr.vec(hd))
+            wr.add(p + "attn_k_norm.weight", wr.vec(hd))
+        _routed(wr, p)
+        wr.add(p + "ffn_gate_inp_shexp.weight", wr.vec(E, 1.0 / np.sqrt(E), 0.0))
+        _swiglu_ffn(wr, p, "_shexp", s.n_ff_shexp)
+        if i >= s.n_layer:
+            _nextn(wr, p)
     _output(wr)
 
 
