@@ -18,11 +18,19 @@ def _interrupted() -> None:
 
 
 def main() -> None:
+    # A Ctrl-C is held until the imports are done: raised inside a C extension's import (numpy's), it
+    # surfaces as an ImportError with a traceback instead of a KeyboardInterrupt.
+    held: list[int] = []
     try:
-        from ggml_hybrid.cli.main import main as cli
-    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    except KeyboardInterrupt:  # one that arrived before the handler took over
         _interrupted()
+    from ggml_hybrid.cli.main import main as cli
+
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if held:
+            raise KeyboardInterrupt
         cli()
     except KeyboardInterrupt:  # one that arrived outside the command (the group handles the rest)
         _interrupted()
