@@ -4,8 +4,8 @@
 The model (8 layers, embd 1024, 64 experts, top-8, expert ff 512, vocab 8192; ``--arch qwen35moe``: the same
 with 6 gated delta-net layers of 4/8 heads of 128 and 2 attention layers, a shared expert, M-RoPE over 32
 dims) is generated once per ``--type`` under build/bench/. llama.cpp runs in a worker process (a Python with
-llama-cpp-python==0.3.36, given by --llama-python) that loads the file once; ggml-hybrid runs in this process. Two configurations per
-type: ``default`` (every weight where each side puts it on a CPU-only machine: llama.cpp's CPU, ggml-hybrid's
+llama-cpp-python==0.3.36, given by --llama-python) that loads the file once; ggml-hybrid runs in this
+process. Two configurations per type: ``default`` (every weight where each side puts it on a CPU-only machine: llama.cpp's CPU, ggml-hybrid's
 CPU instance playing the device) and ``cpu-moe`` (``--cpu-moe`` on both sides: the routed experts on the host
 CPU). Both sides repack the weights GGML's CPU kernels take repacked, each by default (``--no-repack``
 turns it off on both sides, llama.cpp's ``-nr``). After one warm-up each, rounds alternate A,B,B,A (A =
