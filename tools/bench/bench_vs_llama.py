@@ -2,21 +2,22 @@
 """ggml-hybrid against llama.cpp on the same synthetic qwen3moe files: prompt and decode tok/s per weight type.
 
 The model (8 layers, embd 1024, 64 experts, top-8, expert ff 512, vocab 8192; ``--arch qwen35moe``: the same
-with 6 gated delta-net layers of 4/8 heads of 128 and 2 attention layers, a shared expert, M-RoPE over 32
-dims) is generated once per ``--type`` under build/bench/. llama.cpp runs in a worker process (a Python with
-llama-cpp-python==0.3.36, given by --llama-python) that loads the file once; ggml-hybrid runs in this
-process. Two configurations per type: ``default`` (every weight where each side puts it on a CPU-only machine: llama.cpp's CPU, ggml-hybrid's
-CPU instance playing the device) and ``cpu-moe`` (``--cpu-moe`` on both sides: the routed experts on the host
-CPU). Both sides repack the weights GGML's CPU kernels take repacked, each by default (``--no-repack``
-turns it off on both sides, llama.cpp's ``-nr``). After one warm-up each, rounds alternate A,B,B,A (A =
-ggml-hybrid, B = llama.cpp); each run is a prompt of --prompt tokens then --n greedy tokens. Both use the
-same thread count, no flash attention, F16 KV cache, ubatch 512. Each side times its runs in wall time
-and in its own process's CPU time (on a machine shared with other work, CPU time is what each side's own
-work cost, less sensitive to either being descheduled). Medians and the ratios ggml-hybrid / llama.cpp
-are printed, then one Markdown table of every ratio.
+with 6 gated delta-net layers of 4/8 heads of 128 and 2 attention layers, a shared expert, M-RoPE over 32 dims)
+is generated once per ``--type`` under build/bench/. llama.cpp runs in a worker process (a Python with
+llama-cpp-python==0.3.36, given by --llama-python) that loads the file once; ggml-hybrid runs in this process.
+Two configurations per type: ``default`` (every weight where each side puts it on a CPU-only machine:
+llama.cpp's CPU, ggml-hybrid's CPU instance playing the device) and ``cpu-moe`` (``--cpu-moe`` on both sides:
+the routed experts on the host CPU). Both sides repack the weights GGML's CPU kernels take repacked, each by
+default (``--no-repack`` turns it off on both sides, llama.cpp's ``-nr``). After one warm-up each, rounds
+alternate A,B,B,A (A = ggml-hybrid, B = llama.cpp); each run is a prompt of --prompt tokens then --n greedy
+tokens. Both use the same thread count, no flash attention, F16 KV cache, ubatch 512. Each side times its runs
+in wall time and in its own process's CPU time (on a machine shared with other work, CPU time is what each
+side's own work cost, less sensitive to either being descheduled). Medians and the ratios ggml-hybrid /
+llama.cpp are printed, then one Markdown table of every ratio.
 
     python tools/bench/bench_vs_llama.py --llama-python /opt/llref/bin/python \\
         [--type Q8_0 --type Q4_0 --type Q4_K --type Q6_K] [--threads 1] [--rounds 4] [--config default]
+        [--arch qwen35moe]
 """
 
 from __future__ import annotations
