@@ -137,6 +137,9 @@ FAMILIES = {
                     head_dim=128, n_rot=64, gating="sigmoid", weights_scale=2.5, n_group=1, n_group_used=1),
     "gpt-oss": dict(arch="gpt-oss", n_layer=2, n_embd=256, n_ff_exp=256, n_head=4, n_head_kv=2, head_dim=64,
                     expert_type="mxfp4", n_swa=4),
+    # hybrid families: the gated delta-net's weights used by other ops (convolution, norms) stay as they are
+    "qwen35moe": dict(arch="qwen35moe", n_layer=4, n_rot=8, attn_interval=2, n_embd=256, n_ff_exp=256),
+    "qwen3next": dict(arch="qwen3next", n_layer=4, n_rot=8, attn_interval=2, n_embd=256, n_ff_exp=256),
 }
 
 
