@@ -231,8 +231,9 @@ class SessionOptions:
         "Expert cache victim order: least recently used ('lru') or least frequently used ('lfu').",
         _choice("lru", "lfu"))
     n_threads: Optional[int] = _opt(
-        None, "int | None", _THREADS_RULE, "CPU threads for CPU-side work; none = all cores (llama.cpp -t).",
-        _int(1, max_threads(), nullable=True))
+        None, "int | None", _THREADS_RULE,
+        "CPU threads for CPU-side work (llama.cpp -t); none = the cores other processes leave idle, measured at "
+        "load (all of them on an idle machine).", _int(1, max_threads(), nullable=True))
     disk_experts: bool = _opt(
         False, "bool", _BOOL_RULE, "Load expert weights from disk on demand instead of keeping them in memory.", _bool)
     cpu_moe: bool = _opt(False, "bool", _BOOL_RULE, "Keep the MoE expert weights of all layers on the CPU.", _bool)
@@ -292,6 +293,15 @@ class SessionOptions:
     devices: Optional[str] = _opt(
         None, "str | None", "comma-separated device names (see `ggml-hybrid devices`) or none",
         "The devices to use, in this order (llama.cpp -dev); none = every device.", _device_list)
+    poll: int = _opt(
+        0, "int", "an integer in 0..100",
+        "How long idle CPU threads spin waiting for the next graph before they sleep, 0 = sleep at once "
+        "(llama.cpp --poll, whose default is 50).", _int(0, 100))
+    repack: bool = _opt(
+        True, "bool", _BOOL_RULE,
+        "Repack the weights that live on CPU backends into GGML's CPU extra buffer types where the type and CPU "
+        "allow (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2), for its faster kernels; false = llama.cpp's --no-repack.",
+        _bool)
 
     def __post_init__(self) -> None:
         for f in fields(self):

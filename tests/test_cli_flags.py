@@ -136,7 +136,7 @@ def test_repeated_equal_values_and_llama_aliases(model):
     assert (o["n_ctx"], o["n_threads_batch"], o["flash_attn"], o["cache_type_v"], o["batch_size"],
             o["ubatch_size"], o["n_cpu_moe"]) == (256, 1, True, "q8_0", 64, 32, 1)
     assert run_json(model, "--tokens", "1,2", "-n", 2, *T1, "-fa", "auto")["options"]["flash_attn"] == "auto"
-    assert run_json(model, "--tokens", "1,2", "-n", 2, "-t", 0)["options"]["n_threads"] is None  # <= 0: all
+    assert run_json(model, "--tokens", "1,2", "-n", 2, "-t", 0)["options"]["n_threads"] is None  # <= 0: the default
 
 
 def test_flash_attn_auto_resolves_like_llama_cpp(model):

@@ -15,8 +15,10 @@ import ggml_hybrid. For each request it prints one JSON line:
 
 Settings mirror ggml-hybrid's defaults: no flash attention, F16 KV cache,
 ``n_batch`` 512, ``n_ubatch`` as given (512), the thread count given (default 1);
-``--flash-attn`` and ``--type-k/--type-v`` (f32, f16, q8_0) change them as
-ggml-hybrid's ``flash_attn`` and ``cache_type_k/v`` do.
+CPU weights repacked where GGML's CPU kernels take them repacked (llama.cpp's default, and ggml-hybrid's
+``repack=true``; set here explicitly, ``use_extra_bufts``). ``--flash-attn``, ``--type-k/--type-v``
+(f32, f16, q8_0) and ``--no-repack`` change them as ggml-hybrid's ``flash_attn``, ``cache_type_k/v`` and
+``repack=false`` do.
 """
 
 from __future__ import annotations
@@ -60,8 +62,21 @@ def main() -> int:
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--type-k", choices=sorted(GGML_TYPES), default="f16")
     ap.add_argument("--type-v", choices=sorted(GGML_TYPES), default="f16")
+    ap.add_argument("--no-repack", action="store_true")
     ns = ap.parse_args()
+    import llama_cpp
     from llama_cpp import Llama, __version__
+
+    # Llama() has no argument for use_extra_bufts and takes its model params from the binding module's
+    # llama_model_default_params (llama.py imports llama_cpp.llama_cpp as llama_cpp): that is the name replaced
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+    def model_params():
+        p = default_params()
+        p.use_extra_bufts = not ns.no_repack
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = model_params
 
     def load(logits_all: bool) -> Llama:
         return Llama(ns.model, n_ctx=ns.n_ctx, n_batch=512, n_ubatch=ns.ubatch, n_threads=ns.threads,

@@ -38,7 +38,7 @@ TEXTS = ["Hello, world! The quick brown fox", "It's 2026-11-29; naïve café 東
 class Case:
     spec: ModelSpec
     ubatch: int = 512
-    options: dict = field(default_factory=dict)  # SessionOptions items: flash_attn, cache_type_k, cache_type_v
+    options: dict = field(default_factory=dict)  # SessionOptions items: flash_attn, cache_type_k/v, repack
     decode_from: int = 0   # also record a prompt of this many tokens followed by one decode call per token
     texts: tuple[str, ...] = ()  # tokenizer texts beyond TEXTS
 
@@ -60,17 +60,25 @@ _NEXT = dict(arch="qwen3next", n_layer=4, n_rot=8, attn_interval=2)
 _Q35 = dict(arch="qwen35moe", n_layer=4, n_rot=8, attn_interval=2)
 # combining marks: qwen35's pre-tokenizer keeps them with their letters, qwen2's does not
 _MARKS = ("cafe\u0301 nai\u0308ve  e\u0301te\u0301 \u0915\u093f\u0924\u093e\u092c",)
+_Q4 = dict(arch="qwen3moe", n_embd=256, n_ff_exp=256, n_head=2, n_head_kv=1, head_dim=128)  # K-quant rows: 256
 
-# name -> case. Every one must be bit-identical to llama.cpp but Q4_K (see tests/test_lm.py)
+# name -> case. Every one must be bit-identical to llama.cpp (see tests/test_lm.py)
 CASES = {
     "qwen3moe_f32": Case(_s(arch="qwen3moe", weight_type="f32", seed=1)),
     "qwen3moe_q8_0": Case(_s(arch="qwen3moe", weight_type="q8_0", seed=2)),
     "qwen3moe_f16_tied": Case(_s(arch="qwen3moe", weight_type="f16", tie_embeddings=True, seed=3)),
     "qwen3moe_q8_0_ubatch5": Case(_s(arch="qwen3moe", weight_type="q8_0", seed=8), 5),
-    # GGML's CPU K-quant kernels round differently for batches under 8 rows, which random weights amplify;
-    # llama.cpp repacks Q4_K (q4_K_8x8) and matches the >= 8-row results, so this case uses one ubatch
-    "qwen3moe_q4_K": Case(_s(arch="qwen3moe", weight_type="q4_K", n_embd=256, n_ff_exp=256, n_head=2, n_head_kv=1,
-                             head_dim=128, seed=4)),
+    # the types llama.cpp repacks on AVX2 (Q4_0 -> q4_0_8x8, Q4_K -> q4_K_8x8, IQ4_NL -> iq4_nl_8x8): exact only
+    # because ggml-hybrid repacks the same weights (the repacked kernels round differently from the plain ones
+    # for products of few rows, which random weights amplify to ~1.5%); ubatches of 5 mix the repacked gemm
+    # (4 rows) and gemv (the rest)
+    "qwen3moe_q4_K": Case(_s(**_Q4, weight_type="q4_K", seed=4)),
+    "qwen3moe_q4_K_ubatch5": Case(_s(**_Q4, weight_type="q4_K", seed=11), 5),
+    "qwen3moe_q4_0": Case(_s(**_Q4, weight_type="q4_0", seed=12)),
+    "qwen3moe_q4_0_ubatch5": Case(_s(**_Q4, weight_type="q4_0", seed=13), 5),
+    "qwen3moe_iq4_nl": Case(_s(**_Q4, weight_type="iq4_nl", seed=14)),
+    # repacking off on both sides (llama.cpp's -nr, repack=false): GGML's plain Q4_0 kernels, equal too
+    "qwen3moe_q4_0_norepack": Case(_s(**_Q4, weight_type="q4_0", seed=15), 5, {"repack": False}),
     "qwen2moe_q8_0": Case(_s(arch="qwen2moe", weight_type="q8_0", head_dim=16, seed=5)),
     "llama_q6_K": Case(_s(arch="llama", weight_type="q6_K", n_embd=256, n_ff_exp=256, n_head=4, n_head_kv=2,
                           head_dim=64, seed=6)),
@@ -167,6 +175,8 @@ def reference(llama_python: str, model: str, tokens: list[int], case: Case, out_
         cmd.append("--flash-attn")
     if case.decode_from:
         cmd += ["--decode-from", str(case.decode_from), "--decode-out", out_npy[:-4] + ".decode.npy"]
+    if case.options.get("repack") is False:  # both sides repack by default; a case that turns it off does so on both
+        cmd.append("--no-repack")
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode:
         raise SystemExit(f"llama_reference failed for {model}:\n{r.stderr[-3000:]}")

@@ -51,6 +51,7 @@ def _check_build() -> None:
 
 _check_build()
 lib.ggml_cpu_init()
+lib.ggml_hybrid_log_quiet()
 
 GGML_VERSION = cstr(lib.ggml_hybrid_ggml_version())
 

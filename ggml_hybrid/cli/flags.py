@@ -61,7 +61,7 @@ def _unsupported(flag: str, why: str) -> Callable[[Any], str]:
 
 
 def _threads(value: int) -> str | None:
-    return None if value <= 0 else str(value)  # llama.cpp: N <= 0 means all cores
+    return None if value <= 0 else str(value)  # llama.cpp: N <= 0 means its default (all cores; here the idle ones)
 
 
 def _on_off_auto(value: str) -> str:
@@ -122,9 +122,18 @@ _KV_TYPES = click.Choice(["f32", "f16", "q8_0"])
 
 SESSION_FLAGS: tuple[Flag, ...] = (
     Flag(("-t", "--threads", "threads"), "n_threads", dict(type=int, metavar="N", help=(
-        "CPU threads for single-token steps and the CPU share (default: all cores; N <= 0 = all).")), _threads),
+        "CPU threads for single-token steps and the CPU share (default: one per core other processes leave idle, "
+        "measured at load; N <= 0 = that default).")), _threads),
     Flag(("-tb", "--threads-batch", "threads_batch"), "n_threads_batch", dict(type=int, metavar="N", help=(
         "CPU threads for the prompt (batches of several tokens) (default: as -t).")), _threads),
+    Flag(("--poll", "poll"), "poll", dict(type=click.IntRange(0, 100), metavar="0..100", help=(
+        "How long idle CPU threads spin for work before they sleep (default 0: they sleep at once; llama.cpp: 50)."
+    ))),
+    Flag(("--repack", "repack"), "repack", dict(is_flag=True, default=None, help=(
+        "Repack CPU weights for GGML's faster CPU kernels where the type allows (the default).")),
+        lambda v: "true" if v else None),
+    Flag(("-nr", "--no-repack", "no_repack"), "repack", dict(is_flag=True, default=None, help=(
+        "Keep CPU weights as in the file (no repacking).")), lambda v: "false" if v else None),
     Flag(("-c", "--ctx-size", "--ctx", "ctx_size"), "n_ctx", dict(type=click.IntRange(0), metavar="N", help=(
         "Context size, KV cache cells (default 0: the model's, at most 4096)."))),
     Flag(("-b", "--batch-size", "batch_size"), "batch_size", dict(type=click.IntRange(1), metavar="N", help=(

@@ -67,7 +67,7 @@ def device_names(opts: SessionOptions | None = None) -> list[str]:
 
 
 def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
-    """Backends for :func:`device_names`, in order."""
+    """Backends for :func:`device_names`, in order (CPU instances with ``n_threads`` threads and ``opts.poll``)."""
     remote = {d.name: d for d in _rpc_devices(opts)}
     names = _select(opts, list(remote) + _local_names(opts, len(remote)))
     out: dict[str, Backend] = {}
@@ -76,7 +76,8 @@ def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
             if name in remote:
                 out[name] = rpc.open_device(remote[name])
             else:
-                out[name] = cuda(int(name[4:])) if name.startswith("CUDA") else cpu_instance(int(name[3:]), n_threads)
+                out[name] = cuda(int(name[4:])) if name.startswith("CUDA") else cpu_instance(int(name[3:]), n_threads,
+                                                                                               opts.poll)
     except BaseException:
         for b in out.values():
             b.close()

@@ -40,6 +40,22 @@ def is_expert_tensor(name: str) -> bool:
     return _EXPERT_WEIGHT.match(name) is not None
 
 
+def weight_op(name: str, n_dims: int) -> str | None:
+    """The GGML op that uses weight ``name`` (of ``n_dims`` dimensions) in the decoder graph, as llama.cpp
+    declares one per tensor: the routed experts' matrices ``mul_mat_id``, the token embeddings ``get_rows``,
+    other matrices ``mul_mat``; norms, biases and other vectors ``None``. It decides whether a CPU extra
+    buffer type may hold the weight (:func:`ggml_hybrid.ggml.repack.repack_buffer_type`); a tied output head
+    uses ``token_embd.weight`` through ``get_rows`` too, and so is never repacked on the CPU.
+    """
+    if not name.endswith(".weight"):
+        return None
+    if is_expert_tensor(name):
+        return "mul_mat_id" if n_dims == 3 else None
+    if name == "token_embd.weight":
+        return "get_rows"
+    return "mul_mat" if n_dims == 2 else None
+
+
 def parse_overrides(text: str | None) -> list[tuple[str, re.Pattern, str]]:
     """``"re1=DEV,re2=DEV"`` -> [(pattern text, compiled, device)]; bad items raise OptionError."""
     try:
@@ -67,8 +83,10 @@ class Layout:
     expert_mode: tuple[str, ...]   # per layer: resident | cpu | disk (dense: a layer without routed experts)
     output_device: str
 
-    def classes(self, infos) -> dict[str, dict[str, int]]:
-        """Bytes per device (or ``mapped``) per tensor class, from ``{name: nbytes}`` (with the tied copy)."""
+    def classes(self, infos, host_copies=frozenset()) -> dict[str, dict[str, int]]:
+        """Bytes per device, ``CPU`` (host RAM) or ``mapped`` per tensor class, from ``{name: nbytes}`` (with the
+        tied copy). Tensors on the CPU and the routed experts of cpu and disk layers are used in place from the
+        memory-mapped file, but for ``host_copies``, copied into host RAM (repacked weights)."""
         from .model_info import tensor_class
 
         out: dict[str, dict[str, int]] = {}
@@ -77,7 +95,9 @@ class Layout:
             cls = tensor_class(name)
             layer = _LAYER.match(name)
             if cls == "routed_experts" and layer and self.expert_mode[int(layer.group(1))] != "resident":
-                dev = "mapped"  # on the memory-mapped file, not in a device or RAM buffer
+                dev = CPU  # not in a device buffer (a disk layer's cache slots are counted apart)
+            if dev == CPU and name not in host_copies:
+                dev = "mapped"  # on the memory-mapped file, not in a RAM buffer
             d = out.setdefault(dev, {})
             d[cls] = d.get(cls, 0) + nbytes
         return out
@@ -168,4 +188,4 @@ def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], t
     return Layout(tuple(devices), tensors, tuple(layer_device), kv, tuple(modes), output_device)
 
 
-__all__ = ["CPU", "Layout", "is_expert_tensor", "parse_overrides", "parse_split", "plan_layout"]
+__all__ = ["CPU", "Layout", "is_expert_tensor", "parse_overrides", "parse_split", "plan_layout", "weight_op"]

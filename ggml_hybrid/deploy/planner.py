@@ -21,6 +21,7 @@ from ..model.hparams import HParams, NotMoEError, read_hparams
 from ..model.moe_model import MoEModel
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..units import GiB, format_bytes
+from .layout import CPU
 from .model_info import describe
 
 # -- the results: dataclasses between modules, ``to_dict()`` for --format json (schema in docs/layout.md) ------
@@ -67,10 +68,13 @@ class DevicePlan(_ToDict):
 
 @dataclass
 class HostPlan(_ToDict):
-    """Host memory: what is used in place from the mapped file, and the buffers it allocates."""
+    """Host memory: what is used in place from the mapped file, and the buffers it allocates (``repacked``:
+    CPU weights copied into GGML's repacked buffers, repack=true)."""
 
     mapped: dict[str, int]
     mapped_total: int
+    repacked: dict[str, int]
+    repacked_total: int
     kv_cache: int
     recurrent: int
     compute: int
@@ -259,12 +263,13 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
                                     vram[i] if vram else None, None if not vram else total <= vram[i])
     mapped = meas.layout["tensors"].get("mapped", {})
     host_rs = recurrent_for(meas.host_recurrent, parallel)
-    host_resident = meas.host_kv * parallel + host_rs + meas.host_compute
+    copies = meas.layout["tensors"].get(CPU, {})  # CPU weights copied into RAM: the repacked ones (repack=true)
+    host_resident = meas.host_kv * parallel + host_rs + meas.host_compute + sum(copies.values())
     dn = hp.delta_net
     p = Plan(
         model=path, architecture=hp.arch, moe=True, options=opts.to_items(), devices=out_devices,
-        host=HostPlan(mapped, sum(mapped.values()), meas.host_kv * parallel, host_rs, meas.host_compute, host_resident,
-                      ram, None if ram is None else host_resident <= ram),
+        host=HostPlan(mapped, sum(mapped.values()), copies, sum(copies.values()), meas.host_kv * parallel, host_rs,
+                      meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram),
         kv=KVPlan(meas.n_ctx, opts.cache_type_k, opts.cache_type_v, kv_seq, kv_seq // meas.n_ctx, parallel,
                   kv_seq * parallel),
         recurrent=None if dn is None else RecurrentPlan(
@@ -347,7 +352,8 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     w = []
     h = p.host
     if h.ram is not None and h.resident_total > h.ram:
-        w.append(f"host buffers ({format_bytes(h.resident_total)}: KV cache and compute on the CPU) exceed --ram "
+        w.append(f"host buffers ({format_bytes(h.resident_total)}: repacked CPU weights, KV cache and compute on the "
+                 "CPU) exceed --ram "
                  f"{format_bytes(h.ram)}")
     mapped_experts = h.mapped.get("routed_experts", 0)
     if h.ram is not None and mapped_experts and mapped_experts + h.resident_total > h.ram:
@@ -397,7 +403,8 @@ def _recommend(p: Plan, opts: SessionOptions, hp: HParams) -> list[_Candidate]:
         n = int(o["n_cpu_moe"])
         moe = sum(1 for x in p.layout.experts[:n] if x != "dense")  # leading dense layers have no experts
         return (f"the routed experts of the first {n} layers ({format_bytes(moe * p.experts.bytes_per_layer)}) "
-                f"stay in host memory (memory-mapped) and run on the CPU, as llama.cpp's --n-cpu-moe {n}." + nkvo)
+                f"stay in host memory (memory-mapped, or repacked copies with repack=true where the type allows) and "
+                f"run on the CPU, as llama.cpp's --n-cpu-moe {n}." + nkvo)
 
     if all(free[d] > 0 for d in devs):
         slots = int(min(min(free[d] // max(1, layers_on[d]) // per_expert - 1 for d in devs), hp.n_expert))
@@ -503,7 +510,9 @@ def format_text(p: Plan | DensePlan) -> str:
                          f"compute {g(v.compute)} | total {g(v.total)}{fit}")
         h = p.host
         lines.append(f"  host   memory-mapped {g(h.mapped_total)} ("
-                     + ", ".join(f"{k} {g(v)}" for k, v in h.mapped.items()) + f") | kv {g(h.kv_cache)}"
+                     + ", ".join(f"{k} {g(v)}" for k, v in h.mapped.items()) + ")"
+                     + (f" | repacked {g(h.repacked_total)}" if h.repacked_total else "")
+                     + f" | kv {g(h.kv_cache)}"
                      + (f" | recurrent {g(h.recurrent)}" if h.recurrent else "")
                      + f" | compute {g(h.compute)} | resident {g(h.resident_total)}"
                      + ("" if h.ram is None else f"  of {g(h.ram)}"))

@@ -127,7 +127,8 @@ class Backend(Managed):
         self.kind = kind
         self.endpoint: str | None = None  # HOST:PORT of the server, for a device of GGML's RPC backend
         self._n_threads: int | None = None
-        self._pools: dict[int, Threadpool] = {}
+        self._poll = 0
+        self._pools: dict[tuple[int, int], Threadpool] = {}
 
     @property
     def name(self) -> str:
@@ -143,20 +144,32 @@ class Backend(Managed):
 
     @n_threads.setter
     def n_threads(self, n: int) -> None:
+        self.set_threads(n, self._poll)
+
+    @property
+    def poll(self) -> int:
+        return self._poll
+
+    def set_threads(self, n: int, poll: int = 0) -> None:
+        """Run graphs on ``n`` threads whose idle ones spin ``poll`` (0..100, llama.cpp's --poll) before sleeping.
+
+        The pool is persistent (without one each graph compute, each split, would start its own threads)
+        and kept per setting, so that a session switching between its decode and prompt thread counts
+        (``n_threads``, ``n_threads_batch``) reuses its pools.
+        """
         if not self.is_cpu:
             raise BackendError(f"n_threads applies to the CPU backend, not {self.name}")
         check_int(n, "n_threads", 1, max_threads())
+        check_int(poll, "poll", 0, 100)
         lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
-        pool = self._pools.get(n)
+        pool = self._pools.get((n, poll))
         if pool is None:
-            # a persistent pool per thread count: without one each graph compute (each split) starts its
-            # own threads, and a session switching between -t and -tb reuses its two pools
             params = ffi.new("struct ggml_threadpool_params *")
             lib.ggml_threadpool_params_init(params, n)
-            params.poll = 0  # sleep between graphs rather than spin: the machine is shared with Python work
-            pool = self._pools[n] = Threadpool(lib.ggml_threadpool_new(params))
+            params.poll = poll
+            pool = self._pools[(n, poll)] = Threadpool(lib.ggml_threadpool_new(params))
         lib.ggml_backend_cpu_set_threadpool(self.ptr, pool.ptr)
-        self._n_threads = n
+        self._n_threads, self._poll = n, poll
 
     def close(self) -> None:
         super().close()  # the backend first: it holds a pool
@@ -179,14 +192,15 @@ class Backend(Managed):
         return f"<Backend {self.name if not self.closed else 'closed'}>"
 
 
-def cpu(n_threads: int | None = None) -> Backend:
-    """A CPU backend with its own persistent threadpool of ``n_threads`` (default: all cores)."""
+def cpu(n_threads: int | None = None, poll: int = 0) -> Backend:
+    """A CPU backend with its own persistent threadpool of ``n_threads`` (default: all cores); ``poll`` as in
+    :meth:`Backend.set_threads`."""
     b = Backend(lib.ggml_backend_cpu_init(), "CPU")
-    b.n_threads = n_threads if n_threads is not None else (os.cpu_count() or 1)
+    b.set_threads(n_threads if n_threads is not None else (os.cpu_count() or 1), poll)
     return b
 
 
-def cpu_instance(index: int, n_threads: int | None = None) -> Backend:
+def cpu_instance(index: int, n_threads: int | None = None, poll: int = 0) -> Backend:
     """A CPU backend that the scheduler treats as a separate device (its own buffer type), 0 <= index < 16.
 
     Several of them play several devices on a machine without GPUs: nodes pinned to each stay
@@ -194,7 +208,7 @@ def cpu_instance(index: int, n_threads: int | None = None) -> Backend:
     """
     check_int(index, "cpu_instance: index", 0, lib.GGML_HYBRID_MAX_INSTANCES - 1)
     b = Backend(lib.ggml_hybrid_cpu_instance(index), "CPU")
-    b.n_threads = n_threads if n_threads is not None else (os.cpu_count() or 1)
+    b.set_threads(n_threads if n_threads is not None else (os.cpu_count() or 1), poll)
     return b
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._native import CData, ffi, lib
+from .._native import CData, cstr, ffi, lib
 from .._native.managed import Managed, check_closable
 from .._native.status import check_status
 from ..checks import check_int
@@ -272,6 +272,41 @@ class Context(OpsMixin, Managed):
         """Bytes a buffer of ``backend`` needs for this context's unallocated tensors (alignment included)."""
         buft = lib.ggml_backend_get_default_buffer_type(backend.ptr)
         return int(lib.ggml_backend_alloc_ctx_tensors_from_buft_size(self.ptr, buft))
+
+    def allocate_group(self, tensors: Sequence[Tensor], buffer_type: CData, usage: str = "any",
+                       virtual: bool = False) -> Buffer:
+        """Allocate ``tensors`` (unallocated tensors of this context) in one new buffer of ``buffer_type``,
+        such as a CPU extra buffer type (:mod:`.repack`); the rest of the context is left unallocated.
+
+        The buffer is owned by the context, as :meth:`allocate`'s is; ``virtual`` as there.
+        """
+        if not self.no_alloc:
+            raise AllocationError("Context.allocate_group: this context owns its data already (no_alloc=False)")
+        for t in tensors:
+            if not self._holds(t.ptr) or t.is_allocated or t.is_view:
+                raise AllocationError(f"Context.allocate_group: tensor {t.name!r} is not an unallocated tensor of "
+                                      "this context")
+        align = int(lib.ggml_backend_buft_get_alignment(buffer_type))
+        offsets, size = [], 0
+        for t in tensors:
+            offsets.append(size)
+            size += -(-int(lib.ggml_backend_buft_get_alloc_size(buffer_type, t.ptr)) // align) * align
+        if size == 0:
+            raise AllocationError("Context.allocate_group: nothing to allocate (no tensors, or only empty ones)")
+        if virtual:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+            buf = Buffer.from_host_memory(np.frombuffer(mmap.mmap(-1, size, flags=flags), np.uint8), "weights")
+        else:
+            ptr = lib.ggml_backend_buft_alloc_buffer(buffer_type, size)
+            if ptr == ffi.NULL:
+                raise AllocationError(f"Context.allocate_group: could not allocate {size} bytes of "
+                                      f"{cstr(lib.ggml_backend_buft_name(buffer_type))}")
+            buf = Buffer(ptr)
+        self._buffers.append(buf)
+        for t, off in zip(tensors, offsets):
+            buf.place(t, off)
+        buf.set_usage(usage)
+        return buf
 
     def allocate_in(self, buffer: Buffer) -> None:
         """Give every unallocated tensor memory in ``buffer`` (not owned: contexts may share it, e.g. graphs

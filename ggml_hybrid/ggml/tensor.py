@@ -306,10 +306,14 @@ class Tensor:
                 raise ShapeError(f"Tensor.numpy: tensor {self.name!r} is a non-contiguous view on a device; "
                                  "make it contiguous with cont() in the graph")
             return cast("np.ndarray", self.view_numpy().copy())  # numpy types copy() as Any
-        out = np.empty(self.nbytes if dt.is_quantized else self.shape,
-                       dtype=np.uint8 if dt.is_quantized else dt.numpy_dtype)
         p = self.ptr
         buf = _buffer_of(p)
+        if buf != ffi.NULL and not lib.ggml_hybrid_buffer_readable(buf):
+            raise BackendError(f"Tensor.numpy: tensor {self.name!r} lives in a "
+                               f"{cstr(lib.ggml_backend_buffer_name(buf))} buffer: its weights were repacked for "
+                               "GGML's CPU kernels and cannot be read back (load it with repack=false to read it)")
+        out = np.empty(self.nbytes if dt.is_quantized else self.shape,
+                       dtype=np.uint8 if dt.is_quantized else dt.numpy_dtype)
         if buf == ffi.NULL:
             ffi.memmove(ffi.from_buffer(out), p.data, out.nbytes)
         else:

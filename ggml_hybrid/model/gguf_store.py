@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._native import CData, ffi
 from ..errors import ModelFileError
 from ..files import not_a_file
 from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Context
 from ..ggml.dtypes import GGMLType
+from ..ggml.repack import repack_buffer_type
 from ..ggml.tensor import Tensor
 
 
@@ -177,21 +180,55 @@ class GGUFStore:
         self._mapped = None
 
 
-def load_into(store: GGUFStore, names, backend: Backend, usage: str = "weights", n_extra: int = 0, on_tensor=None,
-              load: bool = True):
-    """A context with the named tensors, allocated on ``backend`` and filled from the file.
+def repack_rule(store: GGUFStore, enabled: bool = True) -> Callable[[str], CData | None]:
+    """``rule(name)``: the CPU extra buffer type that tensor ``name`` of ``store`` goes to when it lives on a CPU
+    backend (its weights repacked for GGML's faster kernels, as llama.cpp does), or ``None``; always ``None``
+    when not ``enabled`` (``repack=false``, llama.cpp's ``--no-repack``)."""
+    from ..deploy.layout import weight_op  # the layout imports the options, which import the native module
 
-    ``on_tensor(name)`` is called after each tensor is loaded (progress reporting). With
-    ``load=False`` (planning) the memory is only reserved (``Context.allocate(virtual=True)``)
-    and no tensor data is read.
+    def rule(name: str) -> CData | None:
+        if not enabled:
+            return None
+        info = store.info(name)
+        return repack_buffer_type(info.dtype, info.shape, weight_op(name, len(info.shape)))
+
+    return rule
+
+
+def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "weights", n_extra: int = 0,
+              on_tensor=None, load: bool = True, repack: Callable[[str], CData | None] | None = None,
+              ctx: Context | None = None):
+    """A context with the named tensors, filled from the file.
+
+    The tensors go to one buffer of ``backend``, or, with ``backend=None`` (the CPU), are used in place
+    from the memory-mapped file (no copy, as llama.cpp's mmap). ``repack(name)`` (see :func:`repack_rule`;
+    only for CPU backends) may name a CPU extra buffer type for a tensor instead: it is loaded there,
+    repacked. ``on_tensor(name)`` is called after each tensor is placed (progress reporting). With
+    ``load=False`` (planning) memory is only reserved (``virtual``) and no tensor data is read. ``ctx``:
+    create the tensors in this context (unallocated ones of it are allocated too) instead of a new one.
     """
-    ctx = Context(n_tensors=len(names) + n_extra)
+    if ctx is None:
+        ctx = Context(n_tensors=len(names) + n_extra)
     tensors = {n: store.new_tensor(ctx, n) for n in names}
-    if tensors:
+    groups: dict[int, tuple[CData, list[Tensor]]] = {}
+    rest = []
+    for n, t in tensors.items():
+        buft = repack(n) if repack is not None else None
+        if buft is None:
+            rest.append(t)
+        else:
+            groups.setdefault(int(ffi.cast("uintptr_t", buft)), (buft, []))[1].append(t)
+    for buft, group in groups.values():
+        ctx.allocate_group(group, buft, usage, virtual=not load)
+    if backend is None:
+        for t in rest:
+            store.place(t)
+    elif rest:
         ctx.allocate(backend, usage, virtual=not load)
-        for t in tensors.values():
-            if load:
-                store.load(t)
-            if on_tensor is not None:
-                on_tensor(t.name)
+    mapped = {id(t) for t in rest} if backend is None else set()
+    for n, t in tensors.items():
+        if load and id(t) not in mapped:
+            store.load(t)
+        if on_tensor is not None:
+            on_tensor(n)
     return ctx, tensors

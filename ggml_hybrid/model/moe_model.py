@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._native import ffi
+from .._native import CData, ffi
 from ..checks import check_choice
 from ..deploy.devices import open_devices
 from ..deploy.layout import CPU, Layout, is_expert_tensor, plan_layout
@@ -30,15 +30,17 @@ from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
 from ..ggml.graph_cache import GraphCache
+from ..ggml.repack import repack_buffer_type
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
+from ..machine import default_threads
 from ..moe.expert_layers import ExpertLayers, check_moe_options
 from ..moe.stack_session import SessionCounters
 from ..options import OptionError, SessionOptions
 from ..serial import Serial
 from .decoder import DecoderGraph, build_decoder, context_size, graph_size
 from .families.hybrid import check_cuda
-from .gguf_store import GGUFStore, load_into
+from .gguf_store import GGUFStore, load_into, repack_rule
 from .hparams import HParams, read_hparams, tensor_shapes
 from .kv_cache import KVCache, rotation_sizes
 from .recurrent_state import RecurrentState
@@ -101,14 +103,17 @@ class MoEModel:
         except Exception:
             store.close()
             raise
-        n_threads = opts.n_threads or os.cpu_count() or 1
+        # without a thread count, the idle cores now (see ggml/threads.py: GGML's barrier spins)
+        n_threads = opts.n_threads or (1 if self.dry_run else default_threads())
         # llama.cpp's -t / -tb: one thread count for single-token steps, one for batches (the prompt)
         self._threads = {False: n_threads, True: opts.n_threads_batch or n_threads}
         self._threads_now = n_threads
+        self.n_threads = n_threads
         self._own_devices = device is None
         self.devices = {}
         self._serial = Serial("MoEModel")
         self.weight_ctxs: list[tuple[str, Context]] = []
+        self.repacked: set[str] = set()  # tensors in a CPU extra buffer type (llama.cpp's repacked weights)
         # one decoder graph per ubatch shape, the least recently used dropped first (prompts of many lengths)
         self._graphs: GraphCache[DecoderGraph] = GraphCache(MAX_GRAPHS, context_size(hp), self._forget_graph)
         self._active: tuple[int, int, int] | None = None  # key of the graph whose regions are registered
@@ -136,7 +141,7 @@ class MoEModel:
             self.devices = {name: device}
         else:
             self.devices = open_devices(opts, n_threads)
-        self.host = cpu(n_threads)
+        self.host = cpu(n_threads, opts.poll)
         self.device = next(iter(self.devices.values()))
         check_cuda(store.path, hp, list(self.devices))
         required = list(tensor_shapes(hp))
@@ -200,30 +205,45 @@ class MoEModel:
         """The backend of a device name of this session (``CPU``: the host backend)."""
         return self.host if name == CPU else self.devices[name]
 
+    def _repack_rule(self, backend: Backend) -> Callable[[str], CData | None]:
+        """Which tensors on ``backend`` go to a CPU extra buffer type; recorded in ``self.repacked``."""
+        rule = repack_rule(self.store, self.options.repack and backend.is_cpu)
+
+        def record(name: str) -> CData | None:
+            buft = rule(name)
+            if buft is not None:
+                self.repacked.add(name)
+            return buft
+
+        return record
+
     def _load_dense(self, dense: list[str], tick: Callable[[str], None]) -> None:
-        """Dense weights into each device's buffer; CPU ones used in place from the mapped file."""
+        """Dense weights into each device's buffer; CPU ones used in place from the mapped file, but for those
+        repacked into a CPU extra buffer type (copies, as llama.cpp makes them)."""
         by_dev: dict[str, list[str]] = {}
         for n in dense:
             by_dev.setdefault(self.layout.tensors[n], []).append(n)
         self.weights: dict[str, Tensor] = {}
         for dev, names in by_dev.items():
-            if dev == CPU:
-                ctx = Context(n_tensors=len(names))
-                for n in names:
-                    self.weights[n] = t = self.store.new_tensor(ctx, n)
-                    self.store.place(t)
-                    tick(n)
-            else:
-                ctx, tensors = load_into(self.store, names, self.devices[dev], on_tensor=tick, load=not self.dry_run)
-                self.weights.update(tensors)
+            backend = self.backend(dev)
+            ctx, tensors = load_into(self.store, names, None if dev == CPU else backend, on_tensor=tick,
+                                     load=not self.dry_run, repack=self._repack_rule(backend))
+            self.weights.update(tensors)
             self.weight_ctxs.append((dev, ctx))
         out_dev = self.layout.tensors.get("output.weight(tied)")
         if out_dev is not None and out_dev != CPU:
-            # a tied head gets its own copy on the output device, as llama.cpp duplicates it
+            # a tied head gets its own copy on the output device, as llama.cpp duplicates it (for the product)
             info = self.store.info("token_embd.weight")
             ctx = Context(n_tensors=1)
             t = ctx.new_tensor(info.dtype, info.shape, "output.weight")
-            ctx.allocate(self.devices[out_dev], "weights", virtual=self.dry_run)
+            backend = self.devices[out_dev]
+            buft = repack_buffer_type(info.dtype, info.shape, "mul_mat") \
+                if self.options.repack and backend.is_cpu else None
+            if buft is not None:
+                ctx.allocate_group([t], buft, "weights", virtual=self.dry_run)
+                self.repacked.add("output.weight(tied)")
+            else:
+                ctx.allocate(backend, "weights", virtual=self.dry_run)
             if not self.dry_run:
                 self.store.load(t, source="token_embd.weight")
             self.weights["output.weight"] = t
@@ -332,7 +352,7 @@ class MoEModel:
         owned = list(self.devices.values()) if self._own_devices else []
         for b in [self.host, *owned]:
             if b.is_cpu:
-                b.n_threads = n
+                b.set_threads(n, self.options.poll)
         self._threads_now = n
 
     def _ubatch(self, tokens: np.ndarray, n_out: int) -> np.ndarray:
@@ -421,16 +441,13 @@ class MoEModel:
         return out
 
     def layout_report(self) -> dict[str, Any]:
-        """Where each tensor class ended up: bytes per device (``CPU`` in RAM, ``mapped`` on the file)."""
+        """Where each tensor class ended up: bytes per device (``CPU``: copies in host RAM, the repacked weights;
+        ``mapped``: used in place from the file)."""
         infos = {n: self.store.info(n).nbytes for n in self.layout.tensors if n in self.store}
         if "output.weight(tied)" in self.layout.tensors:
             infos["output.weight(tied)"] = self.store.info("token_embd.weight").nbytes
-        classes = self.layout.classes(infos)
-        # dense tensors placed on the CPU are used in place from the mapped file too
-        if CPU in classes:
-            mapped = classes.setdefault("mapped", {})
-            for cls, n in classes.pop(CPU).items():
-                mapped[cls] = mapped.get(cls, 0) + n
+        host = {n for n in self.repacked if self.layout.tensors.get(n) == CPU} | self.experts.host_copies
+        classes = self.layout.classes(infos, host)
         return {"tensors": classes, "layers": list(self.layout.layer_device), "kv": list(self.layout.kv_device),
                 "experts": list(self.layout.expert_mode), "output": self.layout.output_device}
 

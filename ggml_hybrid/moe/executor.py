@@ -22,12 +22,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .._native import ffi, lib
+from .._native import CData, ffi, lib
 from .._native.status import check_status
-from ..ggml.backend import Backend
+from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Arena, Context
 from ..ggml.graph_cache import GraphCache, SharedBuffer
 from ..ggml.regions import RegionCall
+from ..ggml.repack import repack_buffer_type
+from ..ggml.tensor import Tensor
 from ..model.gguf_store import GGUFStore
 from .cpu_share import CostModel, split_misses
 from .cpu_worker import CPUWorker
@@ -155,6 +157,30 @@ class _HostScratch:
         return self.slot_ids[:n_tokens], self.merged[:n_tokens]
 
 
+def allocate_slots(ctx: Context, slots: dict[str, Tensor], device: Backend, repack: bool, virtual: bool,
+                   clear: bool) -> list[Buffer]:
+    """Memory for a layer's slot tensors on ``device``, zeroed when ``clear`` (the scratch slot's zeros absorb
+    padding rows). On a CPU device with ``repack`` (the session's option), a kind whose experts GGML's CPU
+    extra buffer types take goes there, as its resident experts would: a slot then computes with the same
+    kernels, and a load repacks one expert (vendor patch 0003)."""
+    groups: dict[int, tuple[CData, list[Tensor]]] = {}
+    rest = []
+    for t in slots.values():
+        buft = repack_buffer_type(t.dtype, t.shape, "mul_mat_id") if repack and device.is_cpu and t.ndim == 3 \
+            else None
+        if buft is None:
+            rest.append(t)
+        else:
+            groups.setdefault(int(ffi.cast("uintptr_t", buft)), (buft, []))[1].append(t)
+    buffers = [ctx.allocate_group(group, buft, "weights", virtual=virtual) for buft, group in groups.values()]
+    if rest:
+        buffers.append(ctx.allocate(device, "weights", virtual=virtual))
+    if clear:
+        for b in buffers:
+            b.clear(0)
+    return buffers
+
+
 def _compute(backend_ptr, graph_ptr) -> None:
     status = lib.ggml_backend_graph_compute(backend_ptr, graph_ptr)
     check_status(status, "expert cache graph")
@@ -181,11 +207,13 @@ class ExpertCacheExecutor:
                  policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None,
                  simulated_bus_bytes_per_s: float | None = None, trace=None, clear: bool = True,
-                 shared: tuple[SharedBuffer, SharedBuffer] | None = None):
+                 shared: tuple[SharedBuffer, SharedBuffer] | None = None, repack: bool = True):
         """``clear=False`` (planning only: nothing will run) only reserves the slot memory.
 
         ``shared``: the compute buffers (slot graphs, row graphs) to place the graphs in, shared with the
         other layers' executors on this device (layers never run at the same time); default: its own.
+        ``repack``: slots on a CPU device in GGML's CPU extra buffer types where the experts' type allows
+        (:func:`allocate_slots`).
         """
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.n_used, self.glu = n_used, glu
@@ -204,9 +232,7 @@ class ExpertCacheExecutor:
         self.ctx = Context(n_tensors=len(names))
         self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
                              for k, info in infos.items()}
-        self.buffer = self.ctx.allocate(device, "weights", virtual=not clear)
-        if clear:
-            self.buffer.clear(0)
+        self.buffers = allocate_slots(self.ctx, self.slot_tensors, device, repack, virtual=not clear, clear=clear)
         self.slots = ExpertWeights(**self.slot_tensors)
         # per expert (slot): 3-D matrices and 2-D biases alike
         self.expert_nbytes = {k: t.nbytes // (n_slots + 1) for k, t in self.slot_tensors.items()}

@@ -17,12 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from .._native import ffi
+from .._native import CData, ffi
 from ..files import check_output
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
-from ..model.gguf_store import GGUFStore, ModelFileError, load_into
+from ..machine import available_memory
+from ..model.gguf_store import GGUFStore, ModelFileError, load_into, repack_rule
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
@@ -126,12 +127,26 @@ class ExpertLayers:
                 if b is not None:
                     by_backend.setdefault(id(b), (b, []))[1].append(n)
         self.resident_ctxs: list[tuple[Backend, Context]] = []
+        # tensors in a CPU extra buffer type (repacked), and those of them copied into host RAM
+        self.repacked: set[str] = set()
+        self.host_copies: set[str] = set()
+        rule = repack_rule(store, opts.repack)
         loaded = {}
         for b, tensor_names in by_backend.values():
-            ctx, tensors = load_into(store, tensor_names, b, on_tensor=on_tensor, load=load)
+            ctx, tensors = load_into(store, tensor_names, b, on_tensor=on_tensor, load=load,
+                                     repack=self._recording(rule, b.is_cpu, False))
             self.resident_ctxs.append((b, ctx))
             loaded.update(tensors)
-        self.mapped_ctx = Context(n_tensors=7 * n_layer)
+        # the rest (cpu layers' experts, tensors a layout put on the CPU, disk layers' experts: the CPU worker's
+        # host experts) live on the host: used in place from the mapped file, or repacked into host RAM as
+        # llama.cpp does for CPU weights (--no-repack: not)
+        host_names = [n for layer_names in named.values() for n in layer_names.values() if n not in loaded]
+        copy_disk = self.worker is not None and self._host_copies_fit(store, rule, named)
+        disk = {n for i, layer_names in named.items() if self.modes[i] == "disk" for n in layer_names.values()}
+        host_rule = self._recording(lambda n: rule(n) if n not in disk or copy_disk else None, True, True)
+        self.mapped_ctx, mapped = load_into(store, host_names, None, on_tensor=on_tensor, load=load, repack=host_rule,
+                                            n_extra=1)
+        loaded.update(mapped)
         self.weights: list[ExpertWeights | None] = []
         self.executors: list[ExpertCacheExecutor | NativeExpertExecutor | None] = []
         self.layer_backends: list[Backend | None] = []
@@ -144,16 +159,7 @@ class ExpertLayers:
                 self.executors.append(None)
                 self.layer_backends.append(None)
                 continue
-            tensors = {}
-            for k, n in names.items():
-                if n in loaded:
-                    tensors[k] = loaded[n]
-                else:  # used in place from the mapped file (cpu layers, disk layers' CPU share)
-                    tensors[k] = store.new_tensor(self.mapped_ctx, n)
-                    store.place(tensors[k])
-                    if on_tensor is not None:
-                        on_tensor(n)
-            self.weights.append(ExpertWeights(**tensors))
+            self.weights.append(ExpertWeights(**{k: loaded[n] for k, n in names.items()}))
             executor: ExpertCacheExecutor | NativeExpertExecutor | None = None
             cache_on = None
             if self.modes[i] == "disk":
@@ -170,16 +176,45 @@ class ExpertLayers:
                         store, moe_layer, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
-                        trace_seq=self._trace_seq)
+                        trace_seq=self._trace_seq, repack=opts.repack)
                 else:
                     shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
                     executor = ExpertCacheExecutor(
                         store, moe_layer, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], simulated_bus_bytes_per_s=simulated_bus_bytes_per_s,
-                        trace=self.trace, clear=load, shared=shared)
+                        trace=self.trace, clear=load, shared=shared, repack=opts.repack)
             self.layer_backends.append(cache_on)
             self.executors.append(executor)
+
+    def _recording(self, rule: Callable[[str], CData | None], on_cpu: bool,
+                   host: bool) -> Callable[[str], CData | None]:
+        """``rule`` for tensors on a CPU backend (else no repacking), noting what it repacks."""
+        def record(name: str) -> CData | None:
+            buft = rule(name) if on_cpu else None
+            if buft is not None:
+                self.repacked.add(name)
+                if host:
+                    self.host_copies.add(name)
+            return buft
+
+        return record
+
+    def _host_copies_fit(self, store: GGUFStore, rule: Callable[[str], CData | None],
+                         named: dict[int, dict[str, str]]) -> bool:
+        """Whether the disk layers' repackable host experts fit in half the memory available now.
+
+        Repacked, the CPU worker's host experts are copies in RAM (the worker then runs GGML's faster
+        kernels, and its rows equal those of repacked resident experts); but a disk layer's experts are
+        on the mapped file because they may not fit in memory at all. Copied only when they take at most
+        half of it, so that the page cache the expert cache's loads read through keeps the rest.
+        """
+        need = sum(store.info(n).nbytes for i, names in named.items() if self.modes[i] == "disk"
+                   for n in names.values() if rule(n) is not None)
+        if need == 0:
+            return True
+        avail = available_memory()
+        return avail is not None and need <= avail // 2
 
     def _mode_from_options(self, i: int) -> str:
         o = self.options

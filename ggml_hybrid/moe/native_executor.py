@@ -28,7 +28,7 @@ from ..ggml.context import Context
 from ..ggml.ops import GLU_OPS
 from ..model.gguf_store import GGUFStore
 from .cpu_share import CostModel, n_cpu_for_share
-from .executor import LayerCounters, SyntheticClock
+from .executor import LayerCounters, SyntheticClock, allocate_slots
 from .ffn import ExpertWeights
 from .traces import TraceWriter
 
@@ -101,7 +101,7 @@ class NativeExpertExecutor:
                  policy: str, n_used: int, glu: str = "swiglu", worker: NativeWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None, scratch: Scratch | None = None,
                  trace: TraceWriter | None = None, clear: bool = True, staging: bool | None = None,
-                 trace_seq: CData | None = None) -> None:
+                 trace_seq: CData | None = None, repack: bool = True) -> None:
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.worker, self.share, self.host_experts, self.trace = worker, share, host_experts, trace
         infos = {k: store.info(n) for k, n in names.items()}
@@ -111,16 +111,16 @@ class NativeExpertExecutor:
         self.ctx = Context(n_tensors=len(names))
         self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
                              for k, info in infos.items()}
-        self.buffer = self.ctx.allocate(device, "weights", virtual=not clear)
-        if clear:
-            self.buffer.clear(0)  # the scratch slot's zeros absorb padding rows
+        self.buffers = allocate_slots(self.ctx, self.slot_tensors, device, repack, virtual=not clear, clear=clear)
         self.slots = ExpertWeights(**self.slot_tensors)
         self.expert_bytes = sum(t.nb[2] for t in self.slot_tensors.values())
         self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}  # kept: C reads the mapping
         self.scratch = scratch if scratch is not None else Scratch(device)
         self._own_scratch = scratch is None
         if staging is None:  # where the slots are not host memory: pinned staging, or queued uploads (C decides)
-            staging = not self.buffer.is_host and lib.ggml_backend_get_device(device.ptr) != ffi.NULL
+            # the device's default buffer type says it: repacked CPU slots are not "host" buffers, yet CPU memory
+            slots_host = lib.ggml_backend_buft_is_host(lib.ggml_backend_get_default_buffer_type(device.ptr))
+            staging = not slots_host and lib.ggml_backend_get_device(device.ptr) != ffi.NULL
         self.staging = bool(staging)
         self._keep: list[Any] = []
         cfg = self._config(layer, names, n_used, policy, glu, trace is not None, trace_seq)

@@ -32,7 +32,8 @@ from ..ggml.graph import Graph
 from ..ggml.graph_cache import GraphCache
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
-from ..model.gguf_store import GGUFStore, load_into
+from ..machine import default_threads
+from ..model.gguf_store import GGUFStore, load_into, repack_rule
 from ..model.hparams import read_stack_hparams
 from ..options import SessionOptions
 from ..serial import Serial
@@ -84,17 +85,18 @@ class MoEStackSession:
         self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = (hp.n_layer, hp.n_embd, hp.n_expert,
                                                                             hp.n_used, hp.rms_eps)
         check_moe_options(opts, self.n_layer, self.n_expert)
-        n_threads = opts.n_threads or os.cpu_count() or 1
+        n_threads = opts.n_threads or default_threads()
         self._own_device = device is None
         # without an accelerator a CPU backend instance plays the device, with its own buffers
-        self.device = device or (cuda(0) if cuda_available() else cpu(n_threads))
-        self.host = cpu(n_threads)
+        self.device = device or (cuda(0) if cuda_available() else cpu(n_threads, opts.poll))
+        self.host = cpu(n_threads, opts.poll)
         self.sched = Scheduler([self.device, self.host], graph_size=64 * self.n_layer + 64)
         dense = [f"blk.{i}.{n}.weight" for i in range(self.n_layer) for n in ("ffn_norm", "ffn_gate_inp")]
         for name in dense:
             store.info(name)  # every required tensor exists, before anything is allocated
         check_expert_shapes(store, range(self.n_layer), self.n_expert, self.n_embd)
-        self.dense_ctx, self.dense = load_into(store, dense, self.device)
+        self.dense_ctx, self.dense = load_into(store, dense, self.device,
+                                               repack=repack_rule(store, opts.repack and self.device.is_cpu))
         self.layers = ExpertLayers(store, self.n_layer, self.n_used, opts, self.device, n_threads,
                                    simulated_bus_bytes_per_s)
         # every layer of a stack has routed experts

@@ -4,7 +4,9 @@
 1. CPU worker weight bandwidth at decode: one token routed to 8 experts of a layer with
    Qwen3-30B-A3B-like expert sizes (Q4_K), bytes of quantized expert weights read per
    second, against this machine's copy bandwidth (numpy) and against GGML's own CPU
-   mul_mat_id computing the same experts.
+   mul_mat_id computing the same experts and rows: the native worker (moe_worker.c, the
+   default) and the Python reference, with the experts used in place from the mapping and
+   repacked (as a session holds them with repack=false and repack=true).
 2. Per-layer time for moe_cpu_share in {0, 0.25, 0.5, 0.75, 1, auto} at 8 cache slots, decode
    and a 64-token batch, on the 16-layer synthetic stack of bench_expert_cache.py, with a
    simulated device-load cost (bytes / --bus-gbps) so the trade-off shows on a CPU-only
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -26,11 +29,14 @@ import click
 import numpy as np
 
 import ggml_hybrid as gh
-from ggml_hybrid import lib
-from ggml_hybrid.model.gguf_store import GGUFStore
+from ggml_hybrid import ffi, lib
+from ggml_hybrid._native import cstr
+from ggml_hybrid.ggml.ops import GLU_OPS
+from ggml_hybrid.model.gguf_store import GGUFStore, load_into, repack_rule
 from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.cpu_worker import CPUWorker
 from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
+from ggml_hybrid.moe.native_executor import NativeWorker
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
 
@@ -60,19 +66,47 @@ def copy_bandwidth() -> float:
     return src.nbytes / statistics.median(ts)
 
 
-def bandwidth(threads: int, reps: int) -> None:
+class _NativeArm:
+    """Jobs handed to the native CPU worker (moe_worker.c) directly, as the native executor hands them."""
+
+    def __init__(self, threads: int, experts: ExpertWeights, n_expert: int, n_embd: int):
+        self.worker = NativeWorker(threads)
+        self.w = ffi.new("hy_experts *")
+        for k, t in experts.kinds.items():
+            setattr(self.w, k, t.ptr)
+        self.n_expert, self.n_embd = n_expert, n_embd
+
+    def run(self, x_rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, float]:
+        out = np.empty_like(x_rows)
+        job = ffi.new("hy_job *")
+        job.w, job.key, job.glu = self.w, self.w, GLU_OPS["swiglu"]
+        job.n_expert, job.n_embd, job.n = self.n_expert, self.n_embd, len(ids)
+        job.x = ffi.cast("const float *", ffi.from_buffer(x_rows))
+        job.ids = ffi.cast("const int32_t *", ffi.from_buffer(ids))
+        job.out = ffi.cast("float *", ffi.from_buffer(out))
+        lib.hy_worker_submit(self.worker.ptr, job)
+        if lib.hy_worker_wait(self.worker.ptr) != lib.HY_OK:
+            raise SystemExit("the native worker's job failed")
+        return out, (job.t_end - job.t_start) / 1e9
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def bandwidth(threads: int, reps: int, repack: bool) -> dict[str, float]:
     store = GGUFStore(big_model())
-    ctx = gh.Context(n_tensors=8)
-    kinds = {k: store.new_tensor(ctx, f"blk.0.ffn_{k}_exps.weight") for k in ("gate", "up", "down")}
-    for t in kinds.values():
-        store.place(t)
-    experts = ExpertWeights(**kinds)
     k, n_embd = BIG["n_used"], BIG["n_embd"]
-    per_expert = sum(t.nb[2] for t in kinds.values())
+    names = [f"blk.0.ffn_{kind}_exps.weight" for kind in ("gate", "up", "down")]
+    # the experts as a session holds them on the host: used in place from the mapping, or repacked copies
+    ctx, tensors = load_into(store, names, None, repack=repack_rule(store, repack))
+    experts = ExpertWeights(**{kind: tensors[n] for kind, n in zip(("gate", "up", "down"), names)})
+    where = sorted({cstr(lib.ggml_backend_buffer_name(t.ptr.buffer)) for t in experts.kinds.values()})
+    per_expert = sum(t.nb[2] for t in experts.kinds.values())
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, n_embd)).astype(np.float32)
 
-    worker = CPUWorker(threads)
+    py_worker = CPUWorker(threads)
+    native = _NativeArm(threads, experts, BIG["n_expert"], n_embd)
     backend = gh.cpu(threads)
     gctx = gh.Context(n_tensors=16, graph_size=32)
     xin = gctx.new_tensor("f32", (1, 1, n_embd), "x")
@@ -82,42 +116,62 @@ def bandwidth(threads: int, reps: int) -> None:
     gctx.allocate(backend)
     xin.set(x.reshape(1, 1, n_embd))
 
-    def pick():
-        return rng.choice(BIG["n_expert"], k, replace=False).astype(np.int32)
+    def mmid(sel):
+        ids.set(sel.reshape(1, k))
+        t0 = time.perf_counter()
+        lib.ggml_backend_graph_compute(backend.ptr, g.ptr)
+        t = time.perf_counter() - t0
+        return down.numpy().reshape(k, n_embd), t
 
-    # warm: fault every page of the mapping in, so both arms read from RAM
+    def python(sel):
+        rows, c0, c1 = py_worker.submit(0, experts, np.repeat(x, k, 0), sel).result()
+        return rows, (c1 - c0) / 1e9
+
+    arms = {"native": lambda sel: native.run(np.repeat(x, k, 0), sel), "python": python, "mmid": mmid}
+    # warm: fault every page of the mapping in, so every arm reads from RAM
     for _ in range(3):
         for e0 in range(0, BIG["n_expert"], k):
             sel = np.arange(e0, e0 + k, dtype=np.int32) % BIG["n_expert"]
-            worker.submit(0, experts, np.repeat(x, k, 0), sel).result()
-    t_worker, t_mmid = [], []
+            for f in arms.values():
+                f(sel)
+    # each arm's own wall time of the computation, and the CPU seconds this process spent on the whole call
+    # (hand-offs included): on a machine shared with other work the CPU time is what each arm's work cost,
+    # less sensitive to being descheduled
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    cpu: dict[str, list[float]] = {a: [] for a in arms}
+    order = list(arms)
     for r in range(reps):
-        sel = pick()
-        for arm in ((0, 1) if r % 2 == 0 else (1, 0)):
-            if arm == 0:
-                rows, c0, c1 = worker.submit(0, experts, np.repeat(x, k, 0), sel).result()
-                t_worker.append((c1 - c0) / 1e9)
-            else:
-                ids.set(sel.reshape(1, k))
-                t0 = time.perf_counter()
-                lib.ggml_backend_graph_compute(backend.ptr, g.ptr)
-                t_mmid.append(time.perf_counter() - t0)
-                ref = down.numpy().reshape(k, n_embd)
-        assert np.array_equal(rows, ref), "worker rows differ from mul_mat_id"
+        sel = rng.choice(BIG["n_expert"], k, replace=False).astype(np.int32)
+        got = {}
+        for a in (order if r % 2 == 0 else order[::-1]):
+            c0 = time.process_time()
+            got[a], t = arms[a](sel)
+            cpu[a].append(time.process_time() - c0)
+            times[a].append(t)
+        assert np.array_equal(got["native"], got["mmid"]) and np.array_equal(got["python"], got["mmid"]), \
+            "worker rows differ from mul_mat_id"
     nbytes = k * per_expert
-    bw_w, bw_m, bw_c = nbytes / statistics.median(t_worker), nbytes / statistics.median(t_mmid), copy_bandwidth()
-    print(f"decode, {k} experts of {per_expert / 2**20:.2f} MiB (Q4_K {BIG['n_embd']}x{BIG['n_ff']}), "
-          f"{threads} thread(s), {reps} alternating reps")
-    print(f"{'':<34} {'GB/s':>8} {'vs copy':>8}")
-    print(f"{'numpy copy bandwidth':<34} {bw_c / 1e9:>8.2f} {1:>8.2f}")
-    print(f"{'CPU worker (expert weights read)':<34} {bw_w / 1e9:>8.2f} {bw_w / bw_c:>8.2f}")
-    print(f"{'GGML mul_mat_id, same experts':<34} {bw_m / 1e9:>8.2f} {bw_m / bw_c:>8.2f}")
-    print(f"worker / mul_mat_id: {bw_w / bw_m:.3f} (rows bit-identical)")
-    worker.close()
+    bw = {a: nbytes / statistics.median(ts) for a, ts in times.items()}
+    bw_cpu = {a: nbytes / statistics.median(ts) for a, ts in cpu.items()}
+    bw_c = copy_bandwidth()
+    print(f"\ndecode, {k} experts of {per_expert / 2**20:.2f} MiB (Q4_K {BIG['n_embd']}x{BIG['n_ff']}) in "
+          f"{', '.join(where)}, {threads} thread(s), {reps} alternating reps; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'':<38} {'GB/s':>8} {'vs copy':>8} {'GB/CPU-s':>9}")
+    print(f"{'numpy copy bandwidth':<38} {bw_c / 1e9:>8.2f} {1:>8.2f}")
+    for a, label in (("native", "native CPU worker (moe_worker.c)"), ("python", "Python CPU worker (reference)"),
+                     ("mmid", "GGML mul_mat_id, same experts")):
+        print(f"{label:<38} {bw[a] / 1e9:>8.2f} {bw[a] / bw_c:>8.2f} {bw_cpu[a] / 1e9:>9.2f}")
+    print(f"native worker / mul_mat_id: {bw['native'] / bw['mmid']:.3f} wall, {bw_cpu['native'] / bw_cpu['mmid']:.3f} "
+          f"CPU; Python worker / mul_mat_id: {bw['python'] / bw['mmid']:.3f} wall, "
+          f"{bw_cpu['python'] / bw_cpu['mmid']:.3f} CPU (rows bit-identical)")
+    native.close()
+    py_worker.close()
     gctx.close()
     backend.close()
     ctx.close()
     store.close()
+    return {"wall": bw["native"] / bw["mmid"], "cpu": bw_cpu["native"] / bw_cpu["mmid"],
+            "mmid_cpu": bw_cpu["mmid"], "native_cpu": bw_cpu["native"]}
 
 
 def shares(threads: int, steps: int, warmup: int, bus_gbps: float, plot: bool) -> None:
@@ -197,7 +251,10 @@ def main(**options) -> None:
 
 def _main(ns: SimpleNamespace) -> int:
     if ns.only in (None, "bandwidth"):
-        bandwidth(ns.threads, ns.reps)
+        plain, repacked = bandwidth(ns.threads, ns.reps, False), bandwidth(ns.threads, ns.reps, True)
+        print(f"\nrepacked / mapped experts, per CPU second: mul_mat_id "
+              f"{repacked['mmid_cpu'] / plain['mmid_cpu']:.3f}, native worker "
+              f"{repacked['native_cpu'] / plain['native_cpu']:.3f}")
     if ns.only in (None, "shares"):
         shares(ns.threads, ns.steps, ns.warmup, ns.bus_gbps, not ns.no_plot)
     return 0

@@ -1,34 +1,40 @@
 #!/usr/bin/env python3
-"""ggml-hybrid against llama.cpp on the same synthetic file: prompt and decode tok/s, one run.
+"""ggml-hybrid against llama.cpp on the same synthetic qwen3moe files: prompt and decode tok/s per weight type.
 
-The model (8 layers, embd 1024, 64 experts, top-8, expert ff 512, Q8_0, vocab 8192; ``--arch qwen35moe``: the
-same with 6 gated delta-net layers of 4/8 heads of 128 and 2 attention layers, a shared expert, M-RoPE over 32
-dims) is generated once under build/bench/. llama.cpp runs in a worker process (a Python with
-llama-cpp-python==0.3.36, given by --llama-python) that loads the file once; ggml-hybrid
-runs in this process. After one warm-up each, rounds alternate A,B,B,A (A = ggml-hybrid,
-B = llama.cpp); each run is a prompt of --prompt tokens then --n greedy tokens. Both use
-the same thread count, no flash attention, F16 KV cache, ubatch 512. Medians and the
-ratio ggml-hybrid / llama.cpp are printed.
+The model (8 layers, embd 1024, 64 experts, top-8, expert ff 512, vocab 8192; ``--arch qwen35moe``: the same
+with 6 gated delta-net layers of 4/8 heads of 128 and 2 attention layers, a shared expert, M-RoPE over 32 dims)
+is generated once per ``--type`` under build/bench/. llama.cpp runs in a worker process (a Python with
+llama-cpp-python==0.3.36, given by --llama-python) that loads the file once; ggml-hybrid runs in this process.
+Two configurations per type: ``default`` (every weight where each side puts it on a CPU-only machine:
+llama.cpp's CPU, ggml-hybrid's CPU instance playing the device) and ``cpu-moe`` (``--cpu-moe`` on both sides:
+the routed experts on the host CPU). Both sides repack the weights GGML's CPU kernels take repacked, each by
+default (``--no-repack`` turns it off on both sides, llama.cpp's ``-nr``). After one warm-up each, rounds
+alternate A,B,B,A (A = ggml-hybrid, B = llama.cpp); each run is a prompt of --prompt tokens then --n greedy
+tokens. Both use the same thread count, no flash attention, F16 KV cache, ubatch 512. Each side times its runs
+in wall time and in its own process's CPU time (on a machine shared with other work, CPU time is what each
+side's own work cost, less sensitive to either being descheduled). Medians and the ratios ggml-hybrid /
+llama.cpp are printed, then one Markdown table of every ratio.
 
-    python tools/bench/bench_vs_llama.py --llama-python /path/to/python [--threads 1] [--rounds 4]
+    python tools/bench/bench_vs_llama.py --llama-python /opt/llref/bin/python \\
+        [--type Q8_0 --type Q4_0 --type Q4_K --type Q6_K] [--threads 1] [--rounds 4] [--config default]
+        [--arch qwen35moe]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import click
 import numpy as np
 
-from ggml_hybrid.model.generate import complete
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import SessionOptions
@@ -37,25 +43,32 @@ SPEC = ModelSpec(arch="qwen3moe", n_layer=8, n_embd=1024, n_head=8, n_head_kv=2,
                  n_expert=64, n_used=8, vocab_size=8192, weight_type="q8_0", seed=42)
 # a Qwen3.5-MoE in small: one attention layer in four, delta-net heads of 128, partial interleaved M-RoPE
 SPECS = {"qwen3moe": SPEC,
-         "qwen35moe": replace(SPEC, arch="qwen35moe", n_rot=32, rope_sections="6,5,5,0", d_state=128, n_k_heads=4,
-                              n_v_heads=8, attn_interval=4, n_ff_shexp=512)}
+         "qwen35moe": dataclasses.replace(SPEC, arch="qwen35moe", n_rot=32, rope_sections="6,5,5,0", d_state=128,
+                                          n_k_heads=4, n_v_heads=8, attn_interval=4, n_ff_shexp=512)}
+TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_NL")
+CONFIGS = ("default", "cpu-moe")
 
 
-def model_path(spec: ModelSpec = SPEC) -> str:
-    p = Path(__file__).resolve().parents[2] / "build" / "bench" / f"{spec.arch}_l8_e1024_x64_k8_q8_0.gguf"
+def model_path(wtype: str = "Q8_0", spec: ModelSpec = SPEC) -> str:
+    t = wtype.lower().replace("_k", "_K")
+    p = Path(__file__).resolve().parents[2] / "build" / "bench" / f"{spec.arch}_l8_e1024_x64_k8_{t}.gguf"
     if not p.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        write_model(p, spec)
-        print(f"generated {p.name} ({p.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s")
+        tmp = p.with_suffix(".part")  # renamed when complete: an interrupted write leaves no model behind
+        write_model(tmp, dataclasses.replace(spec, weight_type=t))
+        tmp.replace(p)
+        print(f"generated {p.name} ({p.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s",
+              flush=True)
     return str(p)
 
 
 class LlamaWorker:
-    def __init__(self, python: str, model: str, threads: int, n_ctx: int):
+    def __init__(self, python: str, model: str, threads: int, n_ctx: int, cpu_moe: bool, repack: bool):
         worker = Path(__file__).with_name("_llama_worker.py")
-        self.p = subprocess.Popen([python, str(worker), model, str(threads), str(n_ctx)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        cmd = [python, str(worker), model, str(threads), str(n_ctx)] + (["--cpu-moe"] if cpu_moe else []) \
+            + ([] if repack else ["--no-repack"])
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if not json.loads(self.p.stdout.readline()).get("ready"):
             raise SystemExit("llama.cpp worker failed to start")
 
@@ -63,7 +76,7 @@ class LlamaWorker:
         self.p.stdin.write(json.dumps({"tokens": [int(t) for t in tokens], "n": n}) + "\n")
         self.p.stdin.flush()
         r = json.loads(self.p.stdout.readline())
-        return r["prompt_s"], r["decode_s"], r["tokens"]
+        return r["prompt_s"], r["decode_s"], r["tokens"], r["prompt_cpu"], r["decode_cpu"]
 
     def close(self):
         self.p.stdin.close()
@@ -71,31 +84,26 @@ class LlamaWorker:
 
 
 def run_ours(model: MoEModel, tokens, n):
-    _, st = complete(model, tokens, n, stop_at_eos=False)
-    return st.prompt_seconds, st.decode_seconds, st.tokens
+    """What the llama.cpp worker does: the prompt in one eval, then n-1 greedy tokens one eval each."""
+    model.reset()
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = [int(np.argmax(model.eval(tokens)[-1]))]
+    t1, c1 = time.perf_counter(), time.process_time()
+    for _ in range(n - 1):
+        out.append(int(np.argmax(model.eval([out[-1]])[-1])))
+    t2, c2 = time.perf_counter(), time.process_time()
+    return t1 - t0, t2 - t1, out, c1 - c0, c2 - c1
 
 
-@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option('--llama-python', required=True)
-@click.option('--arch', type=click.Choice(sorted(SPECS)), default="qwen3moe", show_default=True,
-              help='the synthetic model')
-@click.option('--threads', type=int, default=1, show_default=True)
-@click.option('--rounds', type=int, default=4, help='blocks of A,B,B,A', show_default=True)
-@click.option('--prompt', type=int, default=128, help='prompt tokens', show_default=True)
-@click.option('--n', type=int, default=32, help='generated tokens (the first comes from the prompt)', show_default=True)
-def main(**options) -> None:
-    sys.exit(_main(SimpleNamespace(**options)))
-
-
-def _main(ns: SimpleNamespace) -> int:
-    spec = SPECS[ns.arch]
-    path = model_path(spec)
+def compare(ns: SimpleNamespace, wtype: str, config: str) -> dict:
+    path = model_path(wtype, SPECS[ns.arch])
     n_ctx = 512
     tokens = np.random.default_rng(0).integers(0, 8000, ns.prompt).tolist()
-    ours = MoEModel(path, SessionOptions(n_threads=ns.threads, n_ctx=n_ctx))
-    theirs = LlamaWorker(ns.llama_python, path, ns.threads, n_ctx)
+    cpu_moe = config == "cpu-moe"
+    ours = MoEModel(path, SessionOptions(n_threads=ns.threads, n_ctx=n_ctx, cpu_moe=cpu_moe, repack=not ns.no_repack))
+    theirs = LlamaWorker(ns.llama_python, path, ns.threads, n_ctx, cpu_moe, not ns.no_repack)
     sides = {"A": lambda: run_ours(ours, tokens, ns.n), "B": lambda: theirs.run(tokens, ns.n)}
-    res = {"A": [], "B": []}
+    res: dict[str, list] = {"A": [], "B": []}
     try:
         warm = {k: f() for k, f in sides.items()}
         same = warm["A"][2] == warm["B"][2]
@@ -109,18 +117,51 @@ def _main(ns: SimpleNamespace) -> int:
     def tps(runs, i, n):
         return statistics.median(n / r[i] for r in runs)
 
-    rows = {}
-    for k, name in (("A", "ggml-hybrid"), ("B", "llama.cpp")):
-        rows[name] = (tps(res[k], 0, ns.prompt), tps(res[k], 1, ns.n - 1))
+    # tok/s from wall time, and from CPU time (this process's, the worker's): on a machine shared with other
+    # work the CPU time is what each side's own work cost, less sensitive to being descheduled
+    rows = {name: (tps(res[k], 0, ns.prompt), tps(res[k], 1, ns.n - 1), tps(res[k], 3, ns.prompt),
+                   tps(res[k], 4, ns.n - 1)) for k, name in (("A", "ggml-hybrid"), ("B", "llama.cpp"))}
     a, b = rows["ggml-hybrid"], rows["llama.cpp"]
-    print(f"model {Path(path).name}: {spec.n_layer} layers, embd {spec.n_embd}, {spec.n_expert} experts top-"
-          f"{spec.n_used}, {spec.weight_type}; {ns.threads} thread(s); prompt {ns.prompt} tok, decode {ns.n - 1} "
-          f"tok; {ns.rounds} x ABBA; {os.cpu_count()} cores")
-    print(f"{'':<12}{'prompt tok/s':>14}{'decode tok/s':>14}")
-    for name, (p, d) in rows.items():
-        print(f"{name:<12}{p:>14.1f}{d:>14.2f}")
-    print(f"{'ratio':<12}{a[0] / b[0]:>14.3f}{a[1] / b[1]:>14.3f}   (ggml-hybrid / llama.cpp, medians)")
-    print(f"same greedy tokens: {same}")
+    print(f"\n{wtype}, {config}: {Path(path).name}; {ns.threads} thread(s); prompt {ns.prompt} tok, decode "
+          f"{ns.n - 1} tok; {ns.rounds} x ABBA; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'':<12}{'prompt tok/s':>14}{'decode tok/s':>14}{'prompt, CPU':>14}{'decode, CPU':>14}")
+    for name, r in rows.items():
+        print(f"{name:<12}{r[0]:>14.1f}{r[1]:>14.2f}{r[2]:>14.1f}{r[3]:>14.2f}")
+    ratio = [x / y for x, y in zip(a, b)]
+    print(f"{'ratio':<12}{ratio[0]:>14.3f}{ratio[1]:>14.3f}{ratio[2]:>14.3f}{ratio[3]:>14.3f}   "
+          "(ggml-hybrid / llama.cpp, medians)")
+    print(f"same greedy tokens: {same}", flush=True)
+    return {"type": wtype, "config": config, "ours": a, "llama": b, "ratio": ratio, "same": same}
+
+
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--llama-python", required=True)
+@click.option("--arch", type=click.Choice(sorted(SPECS)), default="qwen3moe", show_default=True,
+              help="the synthetic model")
+@click.option("--type", "types", multiple=True, type=click.Choice(TYPES),
+              help="weight type; repeatable [default: Q8_0]")
+@click.option("--config", "configs", multiple=True, type=click.Choice(CONFIGS), help="repeatable [default: both]")
+@click.option("--threads", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--rounds", type=click.IntRange(1), default=4, help="blocks of A,B,B,A", show_default=True)
+@click.option("--prompt", type=click.IntRange(1), default=128, help="prompt tokens", show_default=True)
+@click.option("--n", type=click.IntRange(2), default=32, help="generated tokens (the first comes from the prompt)",
+              show_default=True)
+@click.option("--no-repack", is_flag=True, help="both sides without repacked weights (llama.cpp's -nr)")
+def main(**options) -> None:
+    sys.exit(_main(SimpleNamespace(**options)))
+
+
+def _main(ns: SimpleNamespace) -> int:
+    results = [compare(ns, t, c) for t in ns.types or ["Q8_0"] for c in ns.configs or CONFIGS]
+    print(f"\n{os.cpu_count()} cores, {ns.threads} thread(s), {ns.rounds} x ABBA; ratios ggml-hybrid / llama.cpp "
+          "of the median tok/s, from wall time (CPU time)")
+    print("| type | configuration | prompt tok/s (ours, llama.cpp) | decode tok/s (ours, llama.cpp) | prompt ratio "
+          "| decode ratio | same tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        q = r["ratio"]
+        print(f"| {r['type']} | {r['config']} | {r['ours'][0]:.1f}, {r['llama'][0]:.1f} | {r['ours'][1]:.2f}, "
+              f"{r['llama'][1]:.2f} | {q[0]:.3f} ({q[2]:.3f}) | {q[1]:.3f} ({q[3]:.3f}) | {r['same']} |")
     return 0
 
 

@@ -19,6 +19,22 @@ typedef struct hy_worker {
 hy_worker * hy_worker_new(int n_threads);
 void hy_worker_free(hy_worker * w);
 int64_t hy_worker_graph_builds(const hy_worker * w);
+// One job handed to the worker directly (benchmarks and tests; the executor builds its own).
+typedef struct hy_job {
+    const hy_experts * w;
+    const void * key;
+    enum ggml_glu_op glu;
+    int n_expert, n_embd;
+    int n;
+    const float * x;
+    const int32_t * ids;
+    float * out;
+    int status;
+    int64_t t_submit, t_start, t_end;
+    ...;
+} hy_job;
+void hy_worker_submit(hy_worker * w, hy_job * job);
+int hy_worker_wait(hy_worker * w);
 
 enum { HY_OK, HY_ERR_FILE, HY_ERR_COMPUTE, HY_ERR_ALLOC, HY_ERR_WORKER, HY_ERR_INJECTED, HY_ERR_INPUT };
 enum { HY_SHARE_NONE, HY_SHARE_FIXED, HY_SHARE_AUTO };

@@ -1,5 +1,7 @@
 #include "hybrid.h"
 
+#include <stdio.h>
+
 #include "ggml-cpu.h"
 #include "ggml-impl.h"
 #include "ggml-backend-impl.h"
@@ -80,6 +82,45 @@ ggml_backend_t ggml_hybrid_cpu_instance(int index) {
     inst_buft[index].device = &inst_dev[index];
     b->device = &inst_dev[index];
     return b;
+}
+
+/* GGML's default logger prints every level to stderr, debug included (one line per repacked tensor);
+   llama.cpp installs its own. Ours drops debug messages (and their continuations). */
+static enum ggml_log_level last_level = GGML_LOG_LEVEL_INFO;
+
+static void quiet_log(enum ggml_log_level level, const char * text, void * user_data) {
+    (void) user_data;
+    if (level == GGML_LOG_LEVEL_CONT) {
+        level = last_level;
+    } else {
+        last_level = level;
+    }
+    if (level != GGML_LOG_LEVEL_DEBUG) {
+        fputs(text, stderr);
+        fflush(stderr);
+    }
+}
+
+void ggml_hybrid_log_quiet(void) { ggml_log_set(quiet_log, NULL); }
+
+/* GGML's CPU "extra" buffer types, NULL-terminated, in the order llama.cpp prefers them (make_cpu_buft_list):
+   weights there are repacked at load for faster CPU kernels (CPU_REPACK; AMX and KleidiAI where built). */
+ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void) {
+    static ggml_backend_buffer_type_t none[1] = { NULL };
+    ggml_backend_reg_t reg = ggml_backend_cpu_reg();
+    ggml_backend_dev_get_extra_bufts_t fn = (ggml_backend_dev_get_extra_bufts_t)
+        ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+    if (fn == NULL || ggml_backend_reg_dev_count(reg) == 0) {
+        return none;
+    }
+    ggml_backend_buffer_type_t * list = fn(ggml_backend_reg_dev_get(reg, 0));
+    return list != NULL ? list : none;
+}
+
+/* Whether GGML can copy a buffer's tensors back out: a repacked buffer has no get_tensor (and
+   ggml_backend_tensor_get would call NULL). */
+bool ggml_hybrid_buffer_readable(ggml_backend_buffer_t buf) {
+    return buf != NULL && buf->iface.get_tensor != NULL;
 }
 
 #ifdef GGML_HYBRID_CUDA

@@ -28,5 +28,13 @@ int ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * ke
 
 ggml_backend_t ggml_hybrid_cpu_instance(int index);
 
+/* GGML's log messages to stderr, but for debug ones */
+void ggml_hybrid_log_quiet(void);
+
+/* GGML's CPU extra buffer types (repacked weights), NULL-terminated */
+ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void);
+/* whether ggml_backend_tensor_get works on the buffer's tensors (not on repacked ones) */
+bool ggml_hybrid_buffer_readable(ggml_backend_buffer_t buf);
+
 ggml_backend_t ggml_hybrid_cuda_init(int device);
 int ggml_hybrid_cuda_device_count(void);

@@ -47,6 +47,37 @@ static int bucket_rows(hy_worker * w, const hy_job * job, int * pad_id) {
     return n;
 }
 
+/* Whether every row of the job is the same token's (a decode step's CPU share): bitwise equal inputs. */
+static bool one_token(const hy_job * job) {
+    const size_t row = sizeof(float) * (size_t) job->n_embd;
+    for (int i = 1; i < job->n; i++) {
+        if (memcmp(job->x, job->x + (size_t) i * job->n_embd, row) != 0) {
+            return false;
+        }
+    }
+    return true;
+}
+
+/* The rows of one token as the resident graph computes them at decode: one input row, its n experts
+   (x [E,1,1], ids [n,1]). mul_mat_id then quantizes the row once instead of once per expert; every
+   expert still sees that one row, through the same kernel, so the results are the same bits. */
+static int run_token(hy_worker * w, hy_job * job) {
+    hy_graph * g = hy_graph_get(&w->graphs, HY_GRAPH_TOKEN, job->n, job->w, job->key, 1, job->n_embd, job->glu);
+    if (g == NULL) {
+        snprintf(w->err, sizeof(w->err), "cannot allocate the CPU worker's graph for %d experts", job->n);
+        return HY_ERR_ALLOC;
+    }
+    const size_t row_bytes = sizeof(float) * (size_t) job->n_embd;
+    memcpy(g->x->data, job->x, row_bytes);
+    memcpy(g->ids->data, job->ids, sizeof(int32_t) * job->n);
+    if (ggml_backend_graph_compute(w->backend, g->gf) != GGML_STATUS_SUCCESS) {
+        snprintf(w->err, sizeof(w->err), "the CPU worker's expert graph failed");
+        return HY_ERR_COMPUTE;
+    }
+    memcpy(job->out, g->out->data, row_bytes * job->n);
+    return HY_OK;
+}
+
 static int run_job(hy_worker * w, hy_job * job) {
     if (w->fail_next) {
         w->fail_next = 0;
@@ -61,6 +92,9 @@ static int run_job(hy_worker * w, hy_job * job) {
         }
         w->used = used;
         w->cap_expert = job->n_expert;
+    }
+    if (job->n <= HY_EXACT_ROWS && one_token(job)) {
+        return run_token(w, job);
     }
     int pad = 0;
     const int rows = bucket_rows(w, job, &pad);

@@ -1,0 +1,114 @@
+"""What this machine leaves free for a session: idle cores (its default thread count) and available memory.
+
+A session that gives no thread count runs one thread per core that other processes leave idle. GGML's
+CPU threads meet at a spinning barrier after every op of a graph (hundreds per token). A thread that
+shares its core with another busy process is descheduled for a whole time slice at a time, and every
+other thread spins at the barrier until it comes back: with threads = cores and one competing CPU-bound
+process, decode falls from tens of tokens per second to about one (llama.cpp's default does this).
+One thread per *idle* core keeps every thread on a core of its own. The idle cores are measured when a
+session loads, from the kernel's CPU time counters of the usable cores (``/proc/stat``) over a short
+interval, less this process's own CPU time; where those counters cannot be read every usable core
+counts as idle.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+#: a core counts as idle when at least this fraction of it was free during the sample
+IDLE_FRACTION = 0.75
+#: how long the CPU counters are sampled, and how long a sample is reused (sessions loaded together)
+SAMPLE_SECONDS = 0.2
+_REUSE_SECONDS = 2.0
+_last: tuple[float, float] | None = None  # (when, idle cores)
+
+
+def _usable() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: taskset, cgroup cpusets), else all of them."""
+    cores = _usable()
+    return len(cores) if cores else os.cpu_count() or 1
+
+
+def _cpu_times(cores: set[int]) -> tuple[float, float] | None:
+    """(busy, total) CPU seconds since boot of ``cores`` together, or None without /proc/stat."""
+    busy = total = 0
+    seen = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                fields = line.split()
+                if not fields or not fields[0].startswith("cpu") or fields[0] == "cpu":
+                    continue
+                if not fields[0][3:].isdigit() or int(fields[0][3:]) not in cores:
+                    continue
+                # user nice system idle iowait irq softirq steal (guest time is inside user and nice)
+                ticks = [int(x) for x in fields[1:9]]
+                total += sum(ticks)
+                busy += sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)
+                seen += 1
+    except (OSError, ValueError):
+        return None
+    if seen != len(cores):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return busy / hz, total / hz
+
+
+def idle_cores(sample_s: float = SAMPLE_SECONDS) -> float | None:
+    """How many of this process's usable cores other processes left idle (a fraction) over the next
+    ``sample_s`` seconds; None where the kernel's counters cannot be read."""
+    global _last
+    now = time.monotonic()
+    if _last is not None and now - _last[0] < _REUSE_SECONDS:
+        return _last[1]
+    cores = _usable()
+    if not cores:
+        return None
+    a = _cpu_times(cores)
+    if a is None:
+        return None
+    own0 = time.process_time()
+    time.sleep(sample_s)
+    b = _cpu_times(cores)
+    own = time.process_time() - own0
+    if b is None or b[1] <= a[1]:
+        return None
+    wall = (b[1] - a[1]) / len(cores)  # the total counts each core's time
+    others = max(0.0, (b[0] - a[0]) - own) / wall
+    idle = max(0.0, len(cores) - others)
+    _last = (time.monotonic(), idle)
+    return idle
+
+
+def default_threads() -> int:
+    """Threads for a session that gives none: one per idle usable core (at least one)."""
+    usable = usable_cores()
+    idle = idle_cores()
+    if idle is None:
+        return usable
+    return max(1, min(usable, math.floor(idle + (1 - IDLE_FRACTION))))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel estimates can be allocated without swapping (``MemAvailable``); None where
+    it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+__all__ = ["IDLE_FRACTION", "available_memory", "default_threads", "idle_cores", "usable_cores"]
