@@ -170,6 +170,8 @@ SESSION_FLAGS: tuple[Flag, ...] = (
         "The devices to use, in order (see `ggml-hybrid devices`).")), _device),
     Flag(("--rpc", "rpc"), "rpc", dict(metavar="HOST:PORT[,...]", help=(
         "RPC servers (ggml-hybrid rpc-server) whose devices to use, named RPC0, RPC1, ... before any GPU."))),
+    Flag(("--check-tensors", "check_tensors"), "check_tensors", dict(is_flag=True, default=None, help=(
+        "Check every weight for NaN/inf at load, as llama.cpp's --check-tensors.")), lambda v: "true" if v else None),
     Flag(("--virtual-devices", "virtual_devices"), "virtual_devices", dict(
         type=click.IntRange(1, MAX_DEVICES), metavar="N", help="Without a GPU: N CPU instances play devices.")),
     Flag(("--disk-experts", "disk_experts"), "disk_experts", dict(is_flag=True, default=None, help=(

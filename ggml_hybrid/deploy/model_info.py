@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import ModelFileError
 from ..model.gguf_store import GGUFStore
-from ..model.hparams import HParams, architecture, meta_int, read_hparams
+from ..model.hparams import HParams, architecture, meta_int, meta_str, read_hparams
 from ..model.kv_cache import KVCache
 from ..units import format_bytes
 
@@ -55,7 +55,7 @@ def describe(path) -> dict:
                      if tensor_class(t.name) == "routed_experts" and 0 <= layer(t.name) < trunk)
         is_moe = bool(n_expert) and bool(routers)
         out = {
-            "path": store.path, "architecture": arch, "name": str(store.meta("general.name", "")),
+            "path": store.path, "architecture": arch, "name": meta_str(store, "general.name", ""),
             "moe": is_moe, "n_layer": meta("block_count", 0), "n_embd": meta("embedding_length", 0),
             "n_head": meta("attention.head_count", 0), "n_head_kv": meta("attention.head_count_kv", 0),
             "n_ctx_train": meta("context_length", 0),

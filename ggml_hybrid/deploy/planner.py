@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..model.gguf_store import GGUFStore
-from ..model.hparams import HParams, NotMoEError, read_hparams
+from ..model.hparams import HParams, NotMoEError, meta_int, read_hparams
 from ..model.moe_model import MoEModel
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..units import GiB, format_bytes
@@ -471,12 +471,13 @@ def _plan_dense(info: dict[str, Any], store: GGUFStore, opts: SessionOptions, vr
     n_layer = max(1, info["n_layer"])
     per_layer: dict[int, int] = {}
     for t in store.tensors():
-        if t.name.startswith("blk."):
-            i = int(t.name.split(".")[1])
-            per_layer[i] = per_layer.get(i, 0) + t.nbytes
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isascii() and parts[1].isdigit():
+            per_layer[int(parts[1])] = per_layer.get(int(parts[1]), 0) + t.nbytes
     layer_bytes = max(per_layer.values()) if per_layer else 0
     head_kv = info["n_head_kv"] or info["n_head"]
-    head_dim = store.meta(f"{arch}.attention.key_length", (info["n_embd"] // max(1, info["n_head"])) or 1)
+    head_dim = meta_int(store, f"{arch}.attention.key_length", (info["n_embd"] // max(1, info["n_head"])) or 1,
+                        per_layer="max")
     n_ctx = opts.n_ctx or min(info["n_ctx_train"] or 4096, 4096)
     from ..model.kv_cache import KVCache
 

@@ -100,6 +100,8 @@ class MoEModel:
             if self.tokenizer.n_vocab != hp.n_vocab:
                 raise ModelFileError(f"{store.path!r}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
                                      f"token_embd.weight has {hp.n_vocab} rows; they must agree")
+            if opts.check_tensors and not self.dry_run:  # a plan reads no tensor data
+                store.validate_data(list(tensor_shapes(hp)), opts.n_threads or os.cpu_count() or 1)
         except Exception:
             store.close()
             raise

@@ -79,14 +79,14 @@ class SPMTokenizer:
 
     @classmethod
     def from_gguf(cls, store: GGUFStore) -> SPMTokenizer:
-        scores = store.meta("tokenizer.ggml.scores", [])
+        scores = store.meta("tokenizer.ggml.scores", [], kind="numbers")
         if not isinstance(scores, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                    for x in scores):
             raise ModelFileError(f"{store.path!r}: tokenizer.ggml.scores must be a list of numbers")
         ids = special_ids(store)
 
         def flag(key: str, default: bool) -> bool:
-            v = store.meta(key, default)
+            v = store.meta(key, default, kind="bool")
             if not isinstance(v, bool):
                 raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be a boolean")
             return v

@@ -102,21 +102,21 @@ def token_attributes(tokens: Sequence[str], types: Sequence[int], special: Itera
 def special_ids(store: GGUFStore) -> dict[str, int | None]:
     """The file's bos/eos/eot/eom token ids (None when absent or negative)."""
     def opt_int(key: str) -> int | None:
-        v = store.meta(key, -1)
+        v = store.meta(key, -1, kind="int")
         return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
     return {n: opt_int(f"tokenizer.ggml.{n}_token_id") for n in ("bos", "eos", "eot", "eom")}
 
 
 def token_list(store: GGUFStore, key: str, default: list[str] | None = None) -> list[str]:
-    v = store.meta(key, default)
+    v = store.meta(key, default, kind="strs")
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise ModelFileError(f"{store.path!r}: {key} must be a list of strings, got {type(v).__name__}")
     return v
 
 
 def token_types(store: GGUFStore) -> list[int] | None:
-    types = store.meta("tokenizer.ggml.token_type", [])
+    types = store.meta("tokenizer.ggml.token_type", [], kind="ints")
     if not isinstance(types, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in types):
         raise ModelFileError(f"{store.path!r}: tokenizer.ggml.token_type must be a list of integers")
     return types or None
@@ -187,7 +187,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, store: GGUFStore) -> Tokenizer | SPMTokenizer:
         """The file's tokenizer: byte-level BPE (``gpt2``) or SentencePiece (``llama``)."""
-        model = store.meta("tokenizer.ggml.model", "")
+        model = store.meta("tokenizer.ggml.model", "", kind="str")
         if model == "llama":
             from .spm import SPMTokenizer
 
@@ -195,9 +195,9 @@ class Tokenizer:
         if model != "gpt2":
             raise ModelFileError(f"{store.path!r}: tokenizer.ggml.model = {model!r} is not supported; supported: "
                                  "'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
-        pre = store.meta("tokenizer.ggml.pre", "default")
+        pre = store.meta("tokenizer.ggml.pre", "default", kind="str")
         spec = PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
-        add_bos = store.meta("tokenizer.ggml.add_bos_token", spec.add_bos if spec is not None else False)
+        add_bos = store.meta("tokenizer.ggml.add_bos_token", spec.add_bos if spec is not None else False, kind="bool")
         ids = special_ids(store)
         return cls(token_list(store, "tokenizer.ggml.tokens"), token_list(store, "tokenizer.ggml.merges", []), pre,
                    token_types(store), ids["bos"], ids["eos"], bool(add_bos), store.path, ids["eot"], ids["eom"])

@@ -86,6 +86,8 @@ class MoEStackSession:
                                                                             hp.n_used, hp.rms_eps)
         check_moe_options(opts, self.n_layer, self.n_expert)
         n_threads = opts.n_threads or default_threads()
+        if opts.check_tensors:
+            store.validate_data(n_threads=n_threads)
         self._own_device = device is None
         # without an accelerator a CPU backend instance plays the device, with its own buffers
         self.device = device or (cuda(0) if cuda_available() else cpu(n_threads, opts.poll))
