@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._native import CData, ffi, lib
+from ..checks import check_choice, check_int, check_type
 from ..errors import ModelFileError
 from ..files import not_a_file
 from ..ggml.backend import Backend, Buffer
@@ -57,7 +58,9 @@ class GGUFStore:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         import gguf
 
-        self.path = os.fspath(path)
+        self.path = os.fspath(check_type(path, "GGUFStore: path", str, os.PathLike))
+        if not isinstance(self.path, str):  # a PathLike may give bytes
+            raise ModelFileError(f"GGUFStore: path {path!r} must name a file as text, not bytes")
         why = not_a_file(self.path)
         if why is not None:
             raise ModelFileError(f"model file {self.path!r} {why}")
@@ -102,6 +105,9 @@ class GGUFStore:
         ``kind`` (one of :data:`KINDS`, or a tuple of them) is checked on the type the header declares, before
         the value is decoded.
         """
+        check_type(key, "GGUFStore.meta: key", str)
+        if kind is not None:
+            check_choice(kind, "GGUFStore.meta: kind", KINDS)
         declared = self.header.keys.get(key)
         if declared is None:
             if default is not None:
@@ -126,6 +132,7 @@ class GGUFStore:
         return list(self._info.values())
 
     def info(self, name: str) -> TensorInfo:
+        check_type(name, "GGUFStore: tensor name", str)
         try:
             return self._info[name]
         except KeyError:
@@ -162,7 +169,10 @@ class GGUFStore:
         or infinity in a float, no NaN or infinite scale in a quantized block); reads every byte of them."""
         from concurrent.futures import ThreadPoolExecutor
 
+        if names is not None:
+            check_type(names, "GGUFStore.validate_data: names", list, tuple)
         infos = [self.info(n) for n in names] if names is not None else self.tensors()
+        n_threads = check_int(n_threads, "GGUFStore.validate_data: n_threads", 1, 512)
 
         def valid(info: TensorInfo) -> bool:
             if not info.nbytes:
@@ -170,7 +180,7 @@ class GGUFStore:
             ptr = ffi.cast("void *", self._map[info.offset:info.offset + info.nbytes].ctypes.data)
             return bool(lib.ggml_validate_row_data(info.dtype, ptr, info.nbytes))  # the GIL is released
 
-        with ThreadPoolExecutor(max_workers=max(1, n_threads)) as pool:
+        with ThreadPoolExecutor(max_workers=n_threads) as pool:
             for info, ok in zip(infos, pool.map(valid, infos)):
                 if not ok:
                     raise ModelFileError(f"{self.path!r}: tensor {info.name!r} ({info.dtype.name}) holds NaN or "

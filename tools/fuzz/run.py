@@ -72,5 +72,33 @@ def cli(cases: int, seed: int, out: str, jobs: int, timeout: float, how: str, on
     _finish([ggfuzz.run_cli(cases, seed, out, jobs, timeout, how, indices=_indices(only))])
 
 
+@main.command()
+@_common
+@click.option("--grace", default=20.0, show_default=True, type=click.FloatRange(1),
+              help="Seconds a run may take to end after Ctrl-C before it counts as a hang.")
+def signals(cases: int, seed: int, out: str, jobs: int, timeout: float, how: str, only: str | None,
+            grace: float) -> None:
+    """Ctrl-C at random moments of runs (resident, disk experts, CPU share); always real processes."""
+    _finish([ggfuzz.run_signals(cases, seed, out, jobs, timeout, indices=_indices(only), grace=grace)])
+
+
+@main.command()
+@_common
+def api(cases: int, seed: int, out: str, jobs: int, timeout: float, how: str, only: str | None) -> None:
+    """Bad arguments to the Python API (each call forked: a crash is a result, not the end)."""
+    _finish([ggfuzz.run_api(cases, seed, out, jobs, timeout, indices=_indices(only))])
+
+
+@main.command(name="all")
+@_common
+def all_kinds(cases: int, seed: int, out: str, jobs: int, timeout: float, how: str, only: str | None) -> None:
+    """Every kind with the same number of cases (signals: a tenth of it, at least 2)."""
+    idx = _indices(only)
+    _finish([ggfuzz.run_gguf(cases, seed, out, jobs, timeout, how, indices=idx),
+             ggfuzz.run_cli(cases, seed, out, jobs, timeout, how, indices=idx),
+             ggfuzz.run_api(cases, seed, out, jobs, timeout, indices=idx),
+             ggfuzz.run_signals(max(2, cases // 10), seed, out, 1, timeout, indices=idx)])
+
+
 if __name__ == "__main__":
     main()

@@ -81,4 +81,31 @@ def run_cli(cases: int, seed: int, out: str, jobs: int = 1, timeout: float = DEF
                   cli_cases.keep_reproducer, indices, worker_timeout=3 * timeout)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Summary", "prepare_parent", "run_cli", "run_gguf"]
+def run_signals(cases: int, seed: int, out: str, jobs: int = 1, timeout: float = DEFAULT_TIMEOUT,
+                argv: list[str] | None = None, indices: Iterable[int] | None = None, grace: float = 20.0) -> Summary:
+    """Ctrl-C during runs; ``grace``: seconds a process may take to end after SIGINT before it is a hang.
+    Cases always run as real processes (``ggml-hybrid`` started fresh), so the jobs share the machine:
+    keep ``jobs`` small, timing matters here."""
+    from . import signal_cases
+    from .models import SIGNAL_SPEC, ensure_models
+
+    model = ensure_models(os.path.join(out, "models"))[next(iter(SIGNAL_SPEC))]
+    refs = signal_cases.references(model, os.path.join(out, "work", "signal-refs"), timeout)
+    return _drive("signals", cases, seed, out, jobs, argv,
+                  lambda i, folder: signal_cases.run_case(seed, i, model, refs, folder, grace),
+                  None, indices, worker_timeout=timeout + grace + 30)
+
+
+def run_api(cases: int, seed: int, out: str, jobs: int = 1, timeout: float = DEFAULT_TIMEOUT,
+            argv: list[str] | None = None, indices: Iterable[int] | None = None) -> Summary:
+    from . import api_cases
+    from .models import ensure_models
+
+    models = ensure_models(os.path.join(out, "models"))
+    return _drive("api", cases, seed, out, jobs, argv,
+                  lambda i, folder: api_cases.run_case(seed, i, models["qwen3moe-q8_0"], models["stack-q8_0"],
+                                                       folder, timeout),
+                  None, indices, worker_timeout=timeout + 30)
+
+
+__all__ = ["DEFAULT_TIMEOUT", "Summary", "prepare_parent", "run_api", "run_cli", "run_gguf", "run_signals"]

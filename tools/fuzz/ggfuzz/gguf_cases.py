@@ -198,7 +198,7 @@ def _put(b: bytearray, pos: int, size: int, value: int) -> None:
     b[pos:pos + size] = (value & ((1 << (8 * size)) - 1)).to_bytes(size, "little")
 
 
-def _splice_kv(fm: FileMap, key: str | None, payload: bytes | None, new_key: str | None = None) -> bytes:
+def splice_kv(fm: FileMap, key: str | None, payload: bytes | None, new_key: str | None = None) -> bytes:
     """The file with the pair ``key`` replaced by ``payload`` (type word + value), dropped (None), or a new pair
     ``new_key`` appended; the data section is moved to the next aligned offset after the header."""
     spans = {k: (s, e) for k, s, e in fm.kv_spans}
@@ -301,18 +301,18 @@ def mutate(fm: FileMap, rng: random.Random) -> tuple[bytes, str]:
     if op == "kv_set":
         key = rng.choice([k for k in keys if k in INTERESTING_KEYS or k.startswith(arch_name + ".")] or keys)
         vtype, value, desc = random_value(rng)
-        return _splice_kv(fm, key, struct.pack("<I", vtype & 0xFFFFFFFF) + encode_value(vtype, value)), \
+        return splice_kv(fm, key, struct.pack("<I", vtype & 0xFFFFFFFF) + encode_value(vtype, value)), \
             f"set {key} = {desc}"
     if op == "kv_add":
         key = rng.choice(INTERESTING_KEYS + [f"{arch_name}.{k}" for k in ARCH_KEYS] + ["x" * 300, "", "\u00e9"])
         if key in keys:
-            return _splice_kv(fm, key, None), f"drop {key}"
+            return splice_kv(fm, key, None), f"drop {key}"
         vtype, value, desc = random_value(rng)
-        return _splice_kv(fm, None, struct.pack("<I", vtype & 0xFFFFFFFF) + encode_value(vtype, value), key), \
+        return splice_kv(fm, None, struct.pack("<I", vtype & 0xFFFFFFFF) + encode_value(vtype, value), key), \
             f"add {key!r} = {desc}"
     if op == "kv_drop":
         key = rng.choice(keys)
-        return _splice_kv(fm, key, None), f"drop {key}"
+        return splice_kv(fm, key, None), f"drop {key}"
     # retype: a consistent file (offsets re-packed) whose tensor bytes mean something else
     i = rng.randrange(len(fm.tensors))
     t = fm.tensors[i]
@@ -432,4 +432,4 @@ def keep_reproducer(folder: str, dest: str) -> None:
 
 
 __all__ = ["FileMap", "GGUFCase", "commands", "encode_value", "keep_reproducer", "make_case", "map_file", "mutate",
-           "random_value", "run_case"]
+           "random_value", "run_case", "splice_kv"]

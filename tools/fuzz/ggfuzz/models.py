@@ -26,9 +26,9 @@ SPECS = {
                        n_expert=4, n_used=2, vocab_size=320, weight_type="q8_0", seed=8),
 }
 STACKS = {"stack-q8_0": dict(n_layer=2, n_embd=32, n_ff=32, n_expert=4, n_used=2, expert_type="q8_0", seed=9)}
-# big enough that a 48-token run lasts seconds: Ctrl-C lands in loading, prompt, decode or shutdown
-SIGNAL_SPEC = {"signal-qwen3moe": dict(arch="qwen3moe", n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
-                                       n_ff_exp=256, n_expert=16, n_used=4, vocab_size=384, weight_type="q8_0",
+# big enough that a run lasts seconds: Ctrl-C lands in loading, prompt, decode or shutdown
+SIGNAL_SPEC = {"signal-qwen3moe": dict(arch="qwen3moe", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                                       n_ff_exp=128, n_expert=16, n_used=4, vocab_size=384, weight_type="q8_0",
                                        seed=10)}
 
 
