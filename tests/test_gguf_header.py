@@ -30,7 +30,7 @@ from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "fuzz"))
-from ggfuzz.gguf_cases import FileMap, encode_value, map_file, splice_kv  # noqa: E402
+from ggfuzz.gguf_cases import FileMap, encode_value, map_file, splice_kv
 
 SPEC = ModelSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff_exp=32, n_expert=4, n_used=2,
                  vocab_size=320, weight_type="q8_0", seed=5)

@@ -20,10 +20,10 @@ import click
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import ggfuzz  # noqa: E402  (after the path)
+import ggfuzz
 
 
-def _common(fn):  # noqa: ANN001, ANN201
+def _common(fn):
     for opt in reversed([
         click.option("--cases", default=100, show_default=True, type=click.IntRange(1), help="Cases to draw."),
         click.option("--seed", default=0, show_default=True, type=click.IntRange(0), help="Case i depends on "

@@ -155,7 +155,7 @@ def make_args(rng: random.Random) -> list[str]:
     elif cmd == "devices":
         args = ["devices"] + rng.choice([[], ["--json"], ["--virtual-devices", _val(rng, [1, 2, 15, 16, 0])]])
     else:
-        items = lambda: " ".join(_option_item(rng, garbage) for _ in range(rng.choice([0, 1, 2])))  # noqa: E731
+        items = lambda: " ".join(_option_item(rng, garbage) for _ in range(rng.choice([0, 1, 2])))
         args = ["bench", model, "--a", items(), "--b", items(), "--runs", "1", "-n", "2"]
     if garbage and rng.random() < 0.05:  # a stray argument anywhere
         args.insert(rng.randrange(1, len(args) + 1), rng.choice(GARBAGE + ["--", "-", "--help"]))

@@ -264,7 +264,8 @@ def mutate(fm: FileMap, rng: random.Random) -> tuple[bytes, str]:
         _put(b, f.pos, f.size, v)
         return bytes(b), f"{f.kind} {f.label} at {f.pos}: {old} -> {v}"
     if op == "type":
-        f = rng.choice(fm.of(rng.choice(["kv_type", "arr_type", "t_type"] if fm.of("arr_type") else ["kv_type", "t_type"])))
+        kinds = ["kv_type", "arr_type", "t_type"] if fm.of("arr_type") else ["kv_type", "t_type"]
+        f = rng.choice(fm.of(rng.choice(kinds)))
         old = int.from_bytes(fm.raw[f.pos:f.pos + 4], "little")
         v = rng.choice(list(range(0, 14)) + [9, 8, 16, 30, 39, MAX_GGML_TYPE, 2**31, 2**32 - 1]
                        if f.kind != "t_type" else list(range(0, MAX_GGML_TYPE + 2)) + [2**31, 2**32 - 1])
@@ -379,7 +380,7 @@ def commands(case: GGUFCase, path: str) -> dict[str, list[str]]:
     }
 
 
-def stack_target(path: str):  # noqa: ANN201 (a closure for the forked child)
+def stack_target(path: str):
     def target() -> int:
         import numpy as np
 

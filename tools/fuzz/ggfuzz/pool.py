@@ -34,7 +34,7 @@ def fork_map(fn: Callable[[Any], dict[str, Any]], items: Iterable[Any], jobs: in
             return
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0 or pid not in running:
-            for wpid, (item, path, t0) in list(running.items()):
+            for wpid, (_, _, t0) in list(running.items()):
                 if time.monotonic() - t0 > worker_timeout:
                     _kill(wpid)
             time.sleep(0.01)

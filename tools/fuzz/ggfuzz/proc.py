@@ -94,6 +94,9 @@ def run_forked(target: Callable[[], object], workdir: str, timeout: float, mem_l
                 f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(f, fd)
                 os.close(f)
+            # the parent's sys.stdout/stderr may not be the descriptors (pytest replaces them)
+            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115  (strict, as Python does)
+            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
             signal.signal(signal.SIGINT, signal.default_int_handler)
             _limit_memory(mem_limit)
             try:
@@ -137,8 +140,8 @@ def _kill_group(pid: int) -> None:
 
 def start_subprocess(args: list[str], workdir: str, mem_limit: int = 8 * GiB) -> subprocess.Popen[bytes]:
     """Start ``ggml-hybrid ARGS`` in its own session (a process group of its own), outputs to files in workdir."""
-    out = open(os.path.join(workdir, "stdout.txt"), "wb")  # noqa: SIM115 (closed by the child's exit)
-    err = open(os.path.join(workdir, "stderr.txt"), "wb")  # noqa: SIM115
+    out = open(os.path.join(workdir, "stdout.txt"), "wb")
+    err = open(os.path.join(workdir, "stderr.txt"), "wb")
     try:
         return subprocess.Popen(cli_command() + args, cwd=workdir, stdout=out, stderr=err, env=child_env(),
                                 start_new_session=True, preexec_fn=lambda: _limit_memory(mem_limit))
@@ -245,4 +248,5 @@ def worst(classes: list[str]) -> str:
 
 
 __all__ = ["BAD", "CLASSES", "Outcome", "classify", "cli_command", "finish_subprocess", "has_traceback",
-           "logits_finite", "one_error_line", "run_checked", "run_cli", "run_forked", "run_subprocess", "start_subprocess", "worst"]
+           "logits_finite", "one_error_line", "run_checked", "run_cli", "run_forked", "run_subprocess",
+           "start_subprocess", "worst"]
