@@ -76,10 +76,19 @@ def cli(cases: int, seed: int, out: str, jobs: int, timeout: float, how: str, on
 @_common
 @click.option("--grace", default=20.0, show_default=True, type=click.FloatRange(1),
               help="Seconds a run may take to end after Ctrl-C before it counts as a hang.")
+@click.option("--modes", default="resident,disk,disk-share,disk-auto", show_default=True,
+              help="Expert modes to draw from (comma-separated).")
 def signals(cases: int, seed: int, out: str, jobs: int, timeout: float, how: str, only: str | None,
-            grace: float) -> None:
+            grace: float, modes: str) -> None:
     """Ctrl-C at random moments of runs (resident, disk experts, CPU share); always real processes."""
-    _finish([ggfuzz.run_signals(cases, seed, out, jobs, timeout, indices=_indices(only), grace=grace)])
+    from ggfuzz.signal_cases import MODES
+
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in chosen if m not in MODES]
+    if bad or not chosen:
+        raise click.BadParameter(f"{bad or modes!r}: modes are {', '.join(MODES)}", param_hint="--modes")
+    _finish([ggfuzz.run_signals(cases, seed, out, jobs, timeout, indices=_indices(only), grace=grace,
+                                modes=chosen)])
 
 
 @main.command()

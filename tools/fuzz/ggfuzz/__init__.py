@@ -82,7 +82,8 @@ def run_cli(cases: int, seed: int, out: str, jobs: int = 1, timeout: float = DEF
 
 
 def run_signals(cases: int, seed: int, out: str, jobs: int = 1, timeout: float = DEFAULT_TIMEOUT,
-                argv: list[str] | None = None, indices: Iterable[int] | None = None, grace: float = 20.0) -> Summary:
+                argv: list[str] | None = None, indices: Iterable[int] | None = None, grace: float = 20.0,
+                modes: list[str] | None = None) -> Summary:
     """Ctrl-C during runs; ``grace``: seconds a process may take to end after SIGINT before it is a hang.
     Cases always run as real processes (``ggml-hybrid`` started fresh), so the jobs share the machine:
     keep ``jobs`` small, timing matters here."""
@@ -90,7 +91,8 @@ def run_signals(cases: int, seed: int, out: str, jobs: int = 1, timeout: float =
     from .models import SIGNAL_SPEC, ensure_models
 
     model = ensure_models(os.path.join(out, "models"))[next(iter(SIGNAL_SPEC))]
-    refs = signal_cases.references(model, os.path.join(out, "work", "signal-refs"), timeout)
+    refs = signal_cases.references(model, os.path.join(out, "work", "signal-refs"), timeout,
+                                   modes or list(signal_cases.MODES))
     return _drive("signals", cases, seed, out, jobs, argv,
                   lambda i, folder: signal_cases.run_case(seed, i, model, refs, folder, grace),
                   None, indices, worker_timeout=timeout + grace + 30)

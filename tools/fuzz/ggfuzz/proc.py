@@ -15,6 +15,7 @@ files (no pipe to fill).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import resource
 import signal
@@ -90,6 +91,7 @@ def run_forked(target: Callable[[], object], workdir: str, timeout: float, mem_l
         try:
             os.setpgid(0, 0)
             os.chdir(workdir)
+            faulthandler.disable()  # the parent's (pytest's) would report the child's crash on the parent's stderr
             for fd, path in ((1, out_path), (2, err_path)):
                 f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(f, fd)

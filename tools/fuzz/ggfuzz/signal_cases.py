@@ -36,15 +36,18 @@ def args_of(model: str, mode: str) -> list[str]:
     return ["run", model, "-p", PROMPT, "-n", str(n), "--ignore-eos", "--logits-out", "logits.npy", *extra]
 
 
-def references(model: str, folder: str, timeout: float) -> dict[str, dict[str, Any]]:
+def references(model: str, folder: str, timeout: float, modes: list[str]) -> dict[str, dict[str, Any]]:
     """Each mode run undisturbed once: its logits file and its duration (cached in ``folder``)."""
     index = os.path.join(folder, "references.json")
+    refs: dict[str, dict[str, Any]] = {}
     if os.path.exists(index):
         with open(index) as f:
-            refs: dict[str, dict[str, Any]] = json.load(f)
-        return refs
-    refs = {}
-    for mode in MODES:
+            refs = json.load(f)
+    if all(m in refs for m in modes):
+        return {m: refs[m] for m in modes}
+    for mode in modes:
+        if mode in refs:
+            continue
         work = os.path.join(folder, f"ref-{mode}")
         os.makedirs(work, exist_ok=True)
         o = run_subprocess(args_of(model, mode), work, timeout)
@@ -53,13 +56,13 @@ def references(model: str, folder: str, timeout: float) -> dict[str, dict[str, A
         refs[mode] = {"logits": os.path.join(work, "logits.npy"), "seconds": o.seconds}
     with open(index, "w") as f:
         json.dump(refs, f)
-    return refs
+    return {m: refs[m] for m in modes}
 
 
 def run_case(seed: int, index: int, model: str, refs: dict[str, dict[str, Any]], folder: str,
              grace: float = 20.0) -> dict[str, Any]:
     rng = random.Random(f"signals:{seed}:{index}")
-    mode = rng.choice(sorted(MODES))
+    mode = rng.choice(sorted(refs))
     ref = refs[mode]
     delay = rng.uniform(0.0, 1.1 * ref["seconds"])
     second = rng.uniform(0.0, 0.5) if rng.random() < 0.25 else None
