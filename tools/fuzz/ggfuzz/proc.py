@@ -97,8 +97,8 @@ def run_forked(target: Callable[[], object], workdir: str, timeout: float, mem_l
                 os.dup2(f, fd)
                 os.close(f)
             # the parent's sys.stdout/stderr may not be the descriptors (pytest replaces them)
-            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115  (strict, as Python does)
-            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # strict, as Python does
+            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             _limit_memory(mem_limit)
             try:
