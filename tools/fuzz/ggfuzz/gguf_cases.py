@@ -51,6 +51,7 @@ class FileMap:
     fields: list[Field] = field(default_factory=list)
     kv_spans: list[tuple[str, int, int]] = field(default_factory=list)     # key, start, end
     tensors: list[dict[str, Any]] = field(default_factory=list)           # name, dims, type, offset, pos fields
+    arch: str = "qwen3moe"
 
     def of(self, *kinds: str) -> list[Field]:
         return [f for f in self.fields if f.kind in kinds]
@@ -63,7 +64,8 @@ def map_file(path: str) -> FileMap:
     r = gguf.GGUFReader(path)
     raw = open(path, "rb").read()
     infos_start = min(t.field.offset for t in r.tensors)
-    fm = FileMap(raw, int(r.alignment), int(r.data_offset), infos_start)
+    fm = FileMap(raw, int(r.alignment), int(r.data_offset), infos_start,
+                 arch=str(r.fields["general.architecture"].contents()))
     fm.fields += [Field("count", 4, 4, "version"), Field("count", 8, 8, "tensor count"),
                   Field("count", 16, 8, "kv count")]
     for key, f in r.fields.items():
@@ -163,7 +165,9 @@ def random_value(rng: random.Random, depth: int = 0) -> tuple[int, Any, str]:
         v = rng.choice(["", "qwen3moe", "qwen2moe", "llama", "gpt2", "qwen2", "llama-bpe", "none", "yarn", "x" * 5000,
                         b"\xff\xfe\x80", "a\x00b", "\u4e00\U0001f600"])
         return vtype, v, f"str:{v!r:.40}"
-    if vtype == ARRAY and depth < 2:
+    if vtype == ARRAY and depth >= 2:
+        return ARRAY, (0, [], None), "array[0] of UINT8"  # deep enough: an empty innermost array
+    if vtype == ARRAY:
         item, first, desc = random_value(rng, depth + 1)
         while item == 13 or item == 2**32 - 1:
             item, first, desc = random_value(rng, depth + 1)
@@ -171,7 +175,7 @@ def random_value(rng: random.Random, depth: int = 0) -> tuple[int, Any, str]:
         items = [first] + [random_value_of(rng, item, depth + 1) for _ in range(n - 1)] if n else []
         declared = rng.choice([None, None, None, 2**32, 2**40, 2**64 - 1, n + 1])
         return ARRAY, (item, items, declared), f"array[{n} declared {declared}] of {desc}"
-    return vtype, None, f"type {vtype}"
+    return vtype, None, f"type {vtype}"  # an unknown type: no payload
 
 
 def random_value_of(rng: random.Random, vtype: int, depth: int) -> Any:
@@ -298,7 +302,7 @@ def mutate(fm: FileMap, rng: random.Random) -> tuple[bytes, str]:
                           fm.infos_start, rng.randrange(fm.data_start)])
         return fm.raw[:cut], f"truncate to {cut} of {len(fm.raw)} bytes"
     keys = [k for k, _, _ in fm.kv_spans]
-    arch_name = _arch(fm)
+    arch_name = fm.arch
     if op == "kv_set":
         key = rng.choice([k for k in keys if k in INTERESTING_KEYS or k.startswith(arch_name + ".")] or keys)
         vtype, value, desc = random_value(rng)
@@ -325,16 +329,6 @@ def mutate(fm: FileMap, rng: random.Random) -> tuple[bytes, str]:
     return bytes(b), f"retype {t['name']} {GGMLType(t['type']).name} -> {GGMLType(new).name}, offsets re-packed"
 
 
-def _arch(fm: FileMap) -> str:
-    for key, s, _ in fm.kv_spans:
-        if key == "general.architecture":
-            klen = struct.unpack_from("<Q", fm.raw, s)[0]
-            p = s + 8 + klen + 4
-            n = struct.unpack_from("<Q", fm.raw, p)[0]
-            return fm.raw[p + 8:p + 8 + n].decode()
-    return "qwen3moe"
-
-
 # -- cases ----------------------------------------------------------------------------------------
 
 MODES = [[], [], ["-o", "disk_experts=1", "-o", "expert_cache_slots=2", "-o", "moe_cpu_share=0.5"],
@@ -356,7 +350,11 @@ def make_case(seed: int, index: int, maps: dict[str, FileMap], folder: str) -> t
     fm = maps[base]
     data, descs = fm.raw, []
     for _ in range(rng.choice([1, 1, 1, 2, 3])):
-        data, desc = mutate(fm if data is fm.raw else _remap(fm, data), rng)
+        try:
+            data, desc = mutate(fm if data is fm.raw else _remap(fm, data), rng)
+        except (struct.error, IndexError, ValueError, OverflowError):  # a field of the original past a cut file
+            pos = rng.randrange(max(1, len(data)))
+            data, desc = data[:pos] + bytes([rng.randrange(256)]) + data[pos + 1:], f"flip byte {pos}"
         descs.append(desc)
     path = os.path.join(folder, "model.gguf")
     with open(path, "wb") as f:
@@ -367,7 +365,7 @@ def make_case(seed: int, index: int, maps: dict[str, FileMap], folder: str) -> t
 def _remap(fm: FileMap, data: bytes) -> FileMap:
     """A second mutation works on the bytes of the first, with the positions of the original file
     (the structure-aware operators then hit fields that may have moved: that is fine for a fuzzer)."""
-    return FileMap(data, fm.alignment, fm.data_start, fm.infos_start, fm.fields, fm.kv_spans, fm.tensors)
+    return FileMap(data, fm.alignment, fm.data_start, fm.infos_start, fm.fields, fm.kv_spans, fm.tensors, fm.arch)
 
 
 def commands(case: GGUFCase, path: str) -> dict[str, list[str]]:
