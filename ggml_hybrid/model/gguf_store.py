@@ -180,9 +180,11 @@ class GGUFStore:
             ptr = ffi.cast("void *", self._map[info.offset:info.offset + info.nbytes].ctypes.data)
             return bool(lib.ggml_validate_row_data(info.dtype, ptr, info.nbytes))  # the GIL is released
 
+        # GGML prints the block it refused (on stderr, as in llama.cpp); the first bad tensor in file order is named
         with ThreadPoolExecutor(max_workers=n_threads) as pool:
             for info, ok in zip(infos, pool.map(valid, infos)):
                 if not ok:
+                    pool.shutdown(wait=True, cancel_futures=True)
                     raise ModelFileError(f"{self.path!r}: tensor {info.name!r} ({info.dtype.name}) holds NaN or "
                                          "infinite values (check_tensors)")
 

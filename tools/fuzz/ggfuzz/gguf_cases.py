@@ -252,8 +252,9 @@ def _repack(fm: FileMap, b: bytearray, t_index: int, new_type: int) -> None:
 def mutate(fm: FileMap, rng: random.Random) -> tuple[bytes, str]:
     """One mutation of the file: (new bytes, description)."""
     b = bytearray(fm.raw)
-    op = rng.choice(["flip", "flip", "int", "int", "int", "type", "type", "offset", "offset", "float", "data",
-                     "truncate", "kv_set", "kv_set", "kv_add", "kv_drop", "retype"])
+    # weights ("data") and consistent retypes load and run: they reach the compute paths that refusals never do
+    op = rng.choice(["flip", "flip", "int", "int", "int", "type", "type", "offset", "offset", "float", "data", "data",
+                     "data", "truncate", "kv_set", "kv_set", "kv_add", "kv_drop", "retype", "retype"])
     if op == "flip":
         pos = rng.randrange(0, fm.data_start)
         v = rng.randrange(256)

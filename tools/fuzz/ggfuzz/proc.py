@@ -190,8 +190,12 @@ def has_traceback(stderr: str) -> bool:
     return "Traceback (most recent call last)" in stderr or "Exception ignored" in stderr
 
 
+# GGML's own diagnostic with check_tensors (ggml_validate_row_data prints the block it refused, as in llama.cpp)
+GGML_DIAGNOSTIC = "ggml_validate_row_data: "
+
+
 def one_error_line(stderr: str) -> bool:
-    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith(GGML_DIAGNOSTIC)]
     return len(lines) == 1 and lines[0].startswith("error: ")
 
 

@@ -20,6 +20,7 @@ class Summary:
         self.argv = argv
         self.by_class: Counter[str] = Counter()
         self.by_command: dict[str, Counter[str]] = {}
+        self.exits: dict[str, Counter[str]] = {}  # per command: how the fine ones ended (coverage)
         self.failures: list[dict[str, Any]] = []
         self.harness_errors: list[dict[str, Any]] = []
         self.started = datetime.datetime.now().isoformat(timespec="seconds")
@@ -31,6 +32,8 @@ class Summary:
         self.by_class[rec["class"]] += 1
         for cmd, r in rec.get("results", {}).items():
             self.by_command.setdefault(cmd, Counter())[r["class"]] += 1
+            if r["class"] == "fine":
+                self.exits.setdefault(cmd, Counter())[str(r.get("rc"))] += 1
         if rec["class"] in BAD:
             self.failures.append(rec)
 
@@ -42,6 +45,7 @@ class Summary:
             "machine": platform.machine(),
             "classes": {c: self.by_class.get(c, 0) for c in CLASSES},
             "by_command": {cmd: dict(sorted(c.items())) for cmd, c in sorted(self.by_command.items())},
+            "fine_exit_status": {cmd: dict(sorted(c.items())) for cmd, c in sorted(self.exits.items())},
             "failures": [_short(f) for f in self.failures],
             "harness_errors": self.harness_errors[:20],
         }
