@@ -107,7 +107,7 @@ class GGUFStore:
         """
         check_type(key, "GGUFStore.meta: key", str)
         if kind is not None:
-            check_choice(kind, "GGUFStore.meta: kind", KINDS)
+            check_choice(check_type(kind, "GGUFStore.meta: kind", str), "GGUFStore.meta: kind", KINDS)
         declared = self.header.keys.get(key)
         if declared is None:
             if default is not None:
