@@ -9,8 +9,7 @@ from typing import Any
 
 from ..errors import ModelFileError
 from ..model.gguf_store import GGUFStore
-from ..model.hparams import (INT32_MAX, MAX_EXPERTS, MAX_LAYERS, HParams, architecture, meta_int, meta_str,
-                             read_hparams)
+from ..model.hparams import INT32_MAX, MAX_EXPERTS, MAX_LAYERS, HParams, architecture, meta_int, meta_str, read_hparams
 from ..model.kv_cache import KVCache
 from ..units import format_bytes
 

@@ -106,15 +106,17 @@ class GGUFStore:
         the value is decoded.
         """
         check_type(key, "GGUFStore.meta: key", str)
+        kinds: tuple[str, ...] = ()
         if kind is not None:
-            check_choice(check_type(kind, "GGUFStore.meta: kind", str), "GGUFStore.meta: kind", KINDS)
+            kinds = (kind,) if isinstance(kind, str) else tuple(check_type(kind, "GGUFStore.meta: kind", tuple))
+            for k in kinds:
+                check_choice(check_type(k, "GGUFStore.meta: kind", str), "GGUFStore.meta: kind", KINDS)
         declared = self.header.keys.get(key)
         if declared is None:
             if default is not None:
                 return default
             raise ModelFileError(f"{self.path!r} lacks the metadata key {key!r}")
-        kinds = (kind,) if isinstance(kind, str) else kind
-        if kinds is not None and not any(KINDS[k](declared) for k in kinds):
+        if kinds and not any(KINDS[k](declared) for k in kinds):
             raise ModelFileError(f"{self.path!r}: metadata {key} is {_declared(declared)}, expected "
                                  f"{' or '.join(kinds)}")
         try:
