@@ -266,7 +266,7 @@ def test_unknown_value_type(base, tmp_path):
     ("tokenizer.ggml.model", U32, 2, "expected str"),
     ("tokenizer.ggml.tokens", ARR, (U32, [1, 2]), "expected strs"),
     ("qwen3moe.rope.freq_base", STR, "1e4", "expected number"),
-    ("qwen3moe.block_count", ARR, (U32, [1] * 600), "1..512 values"),
+    ("qwen3moe.block_count", ARR, (U32, [1] * 600), "600 per-layer entries; 1..512"),
 ])
 def test_declared_type_checked_before_use(base, tmp_path, key, vtype, value, kind):
     path = with_kv(base, tmp_path / "m.gguf", key, vtype, value)

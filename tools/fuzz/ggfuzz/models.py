@@ -24,6 +24,17 @@ SPECS = {
                          n_expert=4, n_used=2, n_ff_shexp=32, vocab_size=320, weight_type="f16", seed=7),
     "llama-q8_0": dict(arch="llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff_exp=32,
                        n_expert=4, n_used=2, vocab_size=320, weight_type="q8_0", seed=8),
+    # the later families, as tests/test_families.py writes them: their own keys, dense leading layers,
+    # next-token-prediction layers, latent attention, YaRN, sliding windows, MXFP4 experts, SentencePiece
+    "olmoe": dict(arch="olmoe", n_head_kv=4, head_dim=16, seed=11),
+    "glm4moe": dict(arch="glm4moe", n_layer=3, n_dense_lead=1, n_rot=16, gating="sigmoid", weights_scale=2.5,
+                    nextn=1, qk_norm=True, seed=12),
+    "deepseek2": dict(arch="deepseek2", n_layer=3, n_dense_lead=1, n_expert=16, n_used=4, gating="sigmoid",
+                      weights_scale=2.5, n_group=4, n_group_used=2, rope_scaling="yarn", rope_factor=40.0,
+                      rope_orig_ctx=512, yarn_log_mul=0.1, seed=13),
+    "gpt-oss": dict(arch="gpt-oss", n_layer=2, head_dim=32, expert_type="mxfp4", weight_type="q8_0",
+                    rope_scaling="yarn", rope_factor=8.0, rope_orig_ctx=256, n_swa=4, seed=14),
+    "llama-spm": dict(arch="llama", vocab="spm", vocab_size=512, seed=15),
 }
 STACKS = {"stack-q8_0": dict(n_layer=2, n_embd=32, n_ff=32, n_expert=4, n_used=2, expert_type="q8_0", seed=9)}
 # big enough that a run lasts seconds: Ctrl-C lands in loading, prompt, decode or shutdown
