@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import check_int, check_type
 from ..model.gguf_store import GGUFStore
 from ..model.hparams import HParams, NotMoEError, meta_int, read_hparams
 from ..model.moe_model import MoEModel
@@ -218,11 +219,17 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
 
     Nothing is written: a trace path in ``opts`` is checked, not opened.
     """
-    path = os.fspath(path)
-    opts = opts or SessionOptions()
-    if vram is not None and not 1 <= len(vram) <= MAX_DEVICES:
-        raise OptionError(f"vram: {len(vram)} device sizes given; a plan takes 1..{MAX_DEVICES} devices (a GGML "
-                          f"scheduler holds at most {MAX_DEVICES + 1} backends, the host CPU included)")
+    path = os.fspath(check_type(path, "plan: path", str, os.PathLike))
+    opts = SessionOptions() if opts is None else check_type(opts, "plan: opts", SessionOptions, error=OptionError)
+    if vram is not None:
+        if not isinstance(vram, (list, tuple)):
+            raise OptionError(f"vram: must be a list of device sizes in bytes, got {vram!r}")
+        if not 1 <= len(vram) <= MAX_DEVICES:
+            raise OptionError(f"vram: {len(vram)} device sizes given; a plan takes 1..{MAX_DEVICES} devices (a GGML "
+                              f"scheduler holds at most {MAX_DEVICES + 1} backends, the host CPU included)")
+        vram = [check_int(v, "vram: a device size in bytes", 0, error=OptionError) for v in vram]
+    if ram is not None:
+        ram = check_int(ram, "ram: host memory in bytes", 0, error=OptionError)
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise OptionError(f"parallel={parallel!r}: must be an integer >= 1")
     if opts.rpc is not None and vram is None:

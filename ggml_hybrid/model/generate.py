@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..checks import check_int
+from ..checks import check_callable, check_int
 from ..errors import ArgumentError, NonFiniteError
 from .moe_model import MoEModel
 from .sampling import Sampler
+from .tokenizer import check_ids
 
 
 @dataclass
@@ -69,9 +70,9 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
     the interrupt propagates.
     """
     check_int(n_predict, "generate: n_predict (-1 = until the end)", -1)
-    sampler = sampler or Sampler()
+    sampler = Sampler() if sampler is None else check_callable(sampler, "generate: sampler")
     st = stats if stats is not None else GenerationStats()
-    prompt = list(prompt_tokens)
+    prompt = check_ids(prompt_tokens, model.tokenizer.n_vocab, "generate: prompt_tokens")
     if not prompt:
         raise ArgumentError("generate: the prompt has no tokens")
     accept = getattr(sampler, "accept", None)

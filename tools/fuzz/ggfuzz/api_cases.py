@@ -167,19 +167,18 @@ def run_case(seed: int, index: int, model: str, stack: str, folder: str, timeout
     rng = random.Random(f"api:{seed}:{index}")
     os.makedirs(folder, exist_ok=True)
     pool = values(folder)
-    name = rng.choice(sorted(TARGETS))
+    target = rng.choice(sorted(TARGETS))
     label, make = rng.choice(pool)
     from ggml_hybrid.options import SessionOptions
 
     field = rng.choice([r[0] for r in SessionOptions.describe()])  # for the 'field=v' targets
-    if "field" in name:
-        name = name.replace("field", field)
+    name = target.replace("field=", field + "=")  # the label; ``target`` stays the key
 
     def child() -> int:
         from ggml_hybrid.errors import GgmlHybridError
 
         try:
-            TARGETS[name.replace(field, "field")](make(), Env(model, stack, field))
+            TARGETS[target](make(), Env(model, stack, field))
         except GgmlHybridError as exc:
             print(f"TYPED {type(exc).__name__}: {exc}"[:500])
             return 0
