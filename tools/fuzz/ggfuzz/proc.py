@@ -31,7 +31,7 @@ import numpy as np
 GiB = 1 << 30
 # what the classes mean; every case ends in exactly one
 CLASSES = {
-    "fine": "ran, or stopped with one 'error:' line and exit status 2",
+    "fine": "ran, or stopped with one 'error:' line and exit status 2 (interrupted: also exit 130 or SIGINT)",
     "traceback": "a Python traceback on stderr (uncaught, or 'Exception ignored')",
     "signal": "killed by a signal (SIGSEGV, SIGABRT, SIGBUS, ...)",
     "hang": "still running at the time limit (killed)",
@@ -212,7 +212,8 @@ def classify(o: Outcome, logits_path: str | None = None, interrupted: bool = Fal
     """The class of one command's outcome (see :data:`CLASSES`).
 
     ``interrupted``: the command was sent SIGINT, so dying of SIGINT (what Ctrl-C does to a process
-    that has not set up its handler yet) is fine, as is stopping with one 'error:' line.
+    that has not set up its handler yet) is fine, as are exit status 130 (the CLI's Ctrl-C exit, after
+    the stats of what ran, as llama.cpp) and stopping with one 'error:' line.
     """
     if o.timed_out:
         return "hang"
@@ -226,6 +227,8 @@ def classify(o: Outcome, logits_path: str | None = None, interrupted: bool = Fal
             return "nonfinite"
         return "fine"
     if o.rc == 2 and (one_error_line(o.stderr) or interrupted and "error: " in o.stderr):
+        return "fine"
+    if o.rc == 130 and interrupted:
         return "fine"
     return "unclear"
 

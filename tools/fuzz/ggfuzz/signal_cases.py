@@ -4,7 +4,8 @@ Each expert mode is first run undisturbed for its reference logits and duration.
 real ``ggml-hybrid run`` (a fresh interpreter: the signal may land in the imports too), waits a random
 time up to the reference duration and a little past it, sends SIGINT (and sometimes a second one),
 and gives the process ``grace`` seconds to end. Fine: it finished (with the reference logits), stopped
-with an ``error:`` line and exit status 2, or died of SIGINT itself. A traceback, another signal, a
+with exit status 130 (the CLI's Ctrl-C exit, after the stats of what ran) or with an ``error:`` line and
+exit status 2, or died of SIGINT itself. A traceback, another signal, a
 process still alive after ``grace`` (a deadlock), or an exit 0 whose logits differ from the reference
 (a swallowed Ctrl-C) is a failure.
 """
