@@ -307,8 +307,8 @@ def check_args(command: click.Command, args: list[str]) -> None:
             continue
         prev = seen.get(p.name)
         if prev is not None and prev[1] != value:
-            raise click.UsageError(f"{prev[0]} {prev[1]} and {name} {value}: one option given twice with different "
-                                   "values")
+            raise click.UsageError(f"{prev[0]} {prev[1]!r} and {name} {value!r}: one option given twice with "
+                                   "different values")
         seen[p.name] = (name, value)
 
 
