@@ -307,9 +307,15 @@ def check_args(command: click.Command, args: list[str]) -> None:
             continue
         prev = seen.get(p.name)
         if prev is not None and prev[1] != value:
-            raise click.UsageError(f"{prev[0]} {prev[1]!r} and {name} {value!r}: one option given twice with "
-                                   "different values")
+            raise click.UsageError(f"{prev[0]} {_shown(prev[1])} and {name} {_shown(value)}: one option given twice "
+                                   "with different values")
         seen[p.name] = (name, value)
+
+
+def _shown(value: str) -> str:
+    """A flag's value as typed (``512``), quoted when it holds spaces, quotes or unprintable characters."""
+    plain = value.isprintable() and value != "" and not any(c.isspace() or c in "'\"\\" for c in value)
+    return value if plain else repr(value)
 
 
 class Command(click.Command):
