@@ -100,4 +100,11 @@ def check_type(value: T, what: str, *types: type, error: ErrorClass = ArgumentTy
     return value
 
 
-__all__ = ["check_choice", "check_int", "check_real", "check_type", "int_rule", "real_rule"]
+def check_callable(value: T, what: str, *, error: ErrorClass = ArgumentTypeError) -> T:
+    """``value`` if it can be called (a callback checked when it is given, not when it is first called)."""
+    if not callable(value):
+        raise error(f"{what} must be callable, got {value!r} of type {type(value).__name__}")
+    return value
+
+
+__all__ = ["check_callable", "check_choice", "check_int", "check_real", "check_type", "int_rule", "real_rule"]

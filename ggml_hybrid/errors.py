@@ -62,6 +62,10 @@ class RPCError(BackendError):
     mid-run); the message names the endpoint and the reason."""
 
 
+class NonFiniteError(GgmlHybridError, FloatingPointError):
+    """A computation gave NaN or infinite values where a result must be finite (logits of broken weights)."""
+
+
 class RegionError(GgmlHybridError, ValueError):
     """A graph region registration that the scheduler rejects."""
 

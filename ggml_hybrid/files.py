@@ -38,6 +38,8 @@ def not_a_file(path: str | os.PathLike[str]) -> str | None:
         return "does not exist (a part of the path is not a directory)"
     except OSError as exc:
         return f"cannot be read: {exc.strerror or exc}"
+    except ValueError:  # os.stat refuses a path with a NUL byte
+        return "is not a valid path (it holds a NUL byte)"
     if stat.S_ISDIR(st.st_mode):
         return "is a directory, not a file"
     if not stat.S_ISREG(st.st_mode):

@@ -274,6 +274,9 @@ class SessionOptions:
         "Share of the offloaded layers per device, e.g. 3,1 (llama.cpp -ts); none = equal.", _proportions)
     no_kv_offload: bool = _opt(
         False, "bool", _BOOL_RULE, "KV cache in host memory and attention on the CPU (llama.cpp -nkvo).", _bool)
+    check_tensors: bool = _opt(
+        False, "bool", _BOOL_RULE, "Check every tensor's values at load (no NaN or infinity, as llama.cpp's "
+        "--check-tensors); reads the whole file.", _bool)
     virtual_devices: int = _opt(
         1, "int", f"an integer in 1..{MAX_DEVICES}",
         "Without a GPU or RPC server: how many CPU backend instances play the devices (DEV0, DEV1, ...).",

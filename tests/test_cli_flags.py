@@ -83,6 +83,12 @@ def test_expert_cache_slots_implies_disk_experts(model):
                expect=["disk_experts given twice"])
 
 
+def test_a_flag_twice_with_a_newline_in_its_value_is_one_error_line(model):
+    """Found by the CLI fuzzer: the message quoted the values raw, so '\n\n' split the error over lines."""
+    user_error("run", model, "-p", "Hello world", "-p", "\n\n", *T1,
+               expect=["-p 'Hello world' and -p '\\n\\n'", "given twice"])
+
+
 @pytest.mark.parametrize("args,expect", [
     (["-o", "expert_cache_slots=2"], ["expert_cache_slots=2", "disk_experts=true"]),
     (["-o", "expert_eviction=lfu"], ["expert_eviction=lfu", "disk_experts=true"]),

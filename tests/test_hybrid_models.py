@@ -336,7 +336,7 @@ REFUSALS = [
     ("qwen3next", dict(set_keys={"qwen3next.ssm.group_count": (3, U32)}), ["ssm.time_step_rank", "multiple"]),
     ("qwen3next", dict(set_keys={"qwen3next.ssm.conv_kernel": (1, U32)}), ["ssm.conv_kernel", "not supported"]),
     ("qwen3next", dict(set_keys={"qwen3next.full_attention_interval": (0, U32)}), ["full_attention_interval",
-                                                                                  ">= 1"]),
+                                                                                  "in 1.."]),
     ("qwen3next", dict(drop_keys=("qwen3next.ssm.state_size",)), ["ssm.state_size"]),
     ("qwen3next", dict(set_keys={"qwen3next.attention.recurrent_layers": (
         [True, False], gguf_type.ARRAY, gguf_type.BOOL)}), ["attention.recurrent_layers", "one per block"]),

@@ -402,6 +402,20 @@ def test_graph_cache_is_bounded(small):
         assert np.array_equal(m.eval(list(range(1, 4)), "all"), ref)  # rebuilt after eviction, same result
 
 
+def test_compute_memory_is_fixed_at_load_in_disk_experts_mode(small):
+    """Issue 18 item 5: new prompt lengths never grow the compute buffers (they grew to 1.9 GiB over 300 lengths
+    with disk experts and a CPU share); every buffer is sized for the largest ubatch at load."""
+    opts = SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=0.5", "n_threads=1",
+                                 "ubatch_size=64", "n_ctx=256"])
+    with MoEModel(small["qwen3moe"], opts) as m:
+        at_load = m.device_memory()["compute"]
+        for n in [*range(1, 40), 63, 64, 65, 130, 200]:
+            m.reset()
+            logits = m.eval(list(range(1, n + 1)))
+            m.eval([int(np.argmax(logits[-1]))])
+            assert m.device_memory()["compute"] == at_load, n
+
+
 def test_a_failed_eval_leaves_the_sequence_as_it_was(small):
     """A fault in ubatch 2 of 4 must not leave n_past half advanced: the retry is then exactly a clean run."""
     tokens = list(range(1, 33))

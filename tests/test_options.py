@@ -27,8 +27,8 @@ def test_defaults():
         "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "trace_path": None,
         "n_ctx": 0, "batch_size": 2048, "ubatch_size": 512, "cache_type_k": "f16", "cache_type_v": "f16",
         "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
-        "tensor_split": None, "no_kv_offload": False, "virtual_devices": 1, "moe_executor": "native", "rpc": None,
-        "n_threads_batch": None, "devices": None, "poll": 0, "repack": True}
+        "tensor_split": None, "no_kv_offload": False, "check_tensors": False, "virtual_devices": 1,
+        "moe_executor": "native", "rpc": None, "n_threads_batch": None, "devices": None, "poll": 0, "repack": True}
     assert DEFAULT.to_items() == []
     assert SessionOptions.parse([]) == DEFAULT
     assert SessionOptions.from_dict({}) == DEFAULT
@@ -257,7 +257,7 @@ def test_nothing_partially_applied():
 
 def test_describe_covers_every_field():
     rows = SessionOptions.describe()
-    assert [r[0] for r in rows] == NAMES and len(NAMES) == 26
+    assert [r[0] for r in rows] == NAMES and len(NAMES) == 27
     for name, type_, default, rule, doc in rows:
         assert default == getattr(DEFAULT, name)
         assert type_ and rule and doc.strip() and "\n" not in doc
@@ -283,7 +283,7 @@ options = st.builds(
     flash_attn=st.sampled_from([True, False, "auto"]), n_gpu_layers=st.integers(-1, 200),
     override_tensor=st.none() | st.sampled_from(["exps=CPU", r"blk\.[0-3]\.ffn=DEV1,attn=DEV0", "(q|k)_norm=CPU"]),
     split_mode=st.sampled_from(["layer", "none"]), tensor_split=st.none() | st.sampled_from(["1,1", "3,1", "0.5,0,2"]),
-    no_kv_offload=st.booleans(), virtual_devices=st.integers(1, MAX_DEVICES),
+    no_kv_offload=st.booleans(), check_tensors=st.booleans(), virtual_devices=st.integers(1, MAX_DEVICES),
     rpc=st.none() | st.sampled_from(["127.0.0.1:50052", "gpu-box:1,10.0.0.2:65535"]),
 )
 

@@ -170,6 +170,8 @@ SESSION_FLAGS: tuple[Flag, ...] = (
         "The devices to use, in order (see `ggml-hybrid devices`).")), _device),
     Flag(("--rpc", "rpc"), "rpc", dict(metavar="HOST:PORT[,...]", help=(
         "RPC servers (ggml-hybrid rpc-server) whose devices to use, named RPC0, RPC1, ... before any GPU."))),
+    Flag(("--check-tensors", "check_tensors"), "check_tensors", dict(is_flag=True, default=None, help=(
+        "Check every weight for NaN/inf at load, as llama.cpp's --check-tensors.")), lambda v: "true" if v else None),
     Flag(("--virtual-devices", "virtual_devices"), "virtual_devices", dict(
         type=click.IntRange(1, MAX_DEVICES), metavar="N", help="Without a GPU: N CPU instances play devices.")),
     Flag(("--disk-experts", "disk_experts"), "disk_experts", dict(is_flag=True, default=None, help=(
@@ -305,9 +307,15 @@ def check_args(command: click.Command, args: list[str]) -> None:
             continue
         prev = seen.get(p.name)
         if prev is not None and prev[1] != value:
-            raise click.UsageError(f"{prev[0]} {prev[1]} and {name} {value}: one option given twice with different "
-                                   "values")
+            raise click.UsageError(f"{prev[0]} {_shown(prev[1])} and {name} {_shown(value)}: one option given twice "
+                                   "with different values")
         seen[p.name] = (name, value)
+
+
+def _shown(value: str) -> str:
+    """A flag's value as typed (``512``), quoted when it holds spaces, quotes or unprintable characters."""
+    plain = value.isprintable() and value != "" and not any(c.isspace() or c in "'\"\\" for c in value)
+    return value if plain else repr(value)
 
 
 class Command(click.Command):

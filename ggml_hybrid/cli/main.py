@@ -47,8 +47,8 @@ class _Group(click.Group):
             sys.exit(2)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
-        except click.ClickException as exc:
-            click.echo(f"error: {exc.format_message()}", err=True)
+        except click.ClickException as exc:  # one line, even where a message quotes a value with newlines
+            click.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
             sys.exit(2)
         except click.exceptions.Abort as exc:
             if isinstance(exc.__cause__, KeyboardInterrupt):

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import ModelFileError
 from ..model.gguf_store import GGUFStore
-from ..model.hparams import HParams, architecture, meta_int, read_hparams
+from ..model.hparams import INT32_MAX, MAX_EXPERTS, MAX_LAYERS, HParams, architecture, meta_int, meta_str, read_hparams
 from ..model.kv_cache import KVCache
 from ..units import format_bytes
 
@@ -33,10 +33,10 @@ def describe(path) -> dict:
     try:
         arch = architecture(store)
 
-        def meta(key, d=0):
-            return meta_int(store, f"{arch}.{key}", d, lo=0, per_layer="max")
+        def meta(key, d=0, hi=INT32_MAX):
+            return meta_int(store, f"{arch}.{key}", d, lo=0, per_layer="max", hi=hi)
 
-        n_expert = meta("expert_count", 0)
+        n_expert = meta("expert_count", 0, MAX_EXPERTS)
         by_class = dict.fromkeys(CLASSES, 0)
         types: dict[str, Counter] = {c: Counter() for c in CLASSES}
         for info in store.tensors():
@@ -44,7 +44,7 @@ def describe(path) -> dict:
             by_class[c] += info.nbytes
             types[c][info.dtype.name] += 1
         # the layers the graph runs: next-token-prediction layers (after them) are skipped
-        trunk = meta("block_count", 0) - meta("nextn_predict_layers", 0)
+        trunk = meta("block_count", 0, MAX_LAYERS) - meta("nextn_predict_layers", 0)
         def layer(name: str) -> int:
             m = re.match(r"blk\.(\d+)\.", name)
             return int(m.group(1)) if m else -1
@@ -55,8 +55,8 @@ def describe(path) -> dict:
                      if tensor_class(t.name) == "routed_experts" and 0 <= layer(t.name) < trunk)
         is_moe = bool(n_expert) and bool(routers)
         out = {
-            "path": store.path, "architecture": arch, "name": str(store.meta("general.name", "")),
-            "moe": is_moe, "n_layer": meta("block_count", 0), "n_embd": meta("embedding_length", 0),
+            "path": store.path, "architecture": arch, "name": meta_str(store, "general.name", ""),
+            "moe": is_moe, "n_layer": meta("block_count", 0, MAX_LAYERS), "n_embd": meta("embedding_length", 0),
             "n_head": meta("attention.head_count", 0), "n_head_kv": meta("attention.head_count_kv", 0),
             "n_ctx_train": meta("context_length", 0),
             "n_vocab": store.info("token_embd.weight").shape[0] if "token_embd.weight" in store else 0,

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import check_int, check_type
 from ..model.gguf_store import GGUFStore
-from ..model.hparams import HParams, NotMoEError, read_hparams
+from ..model.hparams import HParams, NotMoEError, meta_int, read_hparams
 from ..model.moe_model import MoEModel
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..units import GiB, format_bytes
@@ -218,11 +219,17 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
 
     Nothing is written: a trace path in ``opts`` is checked, not opened.
     """
-    path = os.fspath(path)
-    opts = opts or SessionOptions()
-    if vram is not None and not 1 <= len(vram) <= MAX_DEVICES:
-        raise OptionError(f"vram: {len(vram)} device sizes given; a plan takes 1..{MAX_DEVICES} devices (a GGML "
-                          f"scheduler holds at most {MAX_DEVICES + 1} backends, the host CPU included)")
+    path = os.fspath(check_type(path, "plan: path", str, os.PathLike))
+    opts = SessionOptions() if opts is None else check_type(opts, "plan: opts", SessionOptions, error=OptionError)
+    if vram is not None:
+        if not isinstance(vram, (list, tuple)):
+            raise OptionError(f"vram: must be a list of device sizes in bytes, got {vram!r}")
+        if not 1 <= len(vram) <= MAX_DEVICES:
+            raise OptionError(f"vram: {len(vram)} device sizes given; a plan takes 1..{MAX_DEVICES} devices (a GGML "
+                              f"scheduler holds at most {MAX_DEVICES + 1} backends, the host CPU included)")
+        vram = [check_int(v, "vram: a device size in bytes", 0, error=OptionError) for v in vram]
+    if ram is not None:
+        ram = check_int(ram, "ram: host memory in bytes", 0, error=OptionError)
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise OptionError(f"parallel={parallel!r}: must be an integer >= 1")
     if opts.rpc is not None and vram is None:
@@ -471,12 +478,13 @@ def _plan_dense(info: dict[str, Any], store: GGUFStore, opts: SessionOptions, vr
     n_layer = max(1, info["n_layer"])
     per_layer: dict[int, int] = {}
     for t in store.tensors():
-        if t.name.startswith("blk."):
-            i = int(t.name.split(".")[1])
-            per_layer[i] = per_layer.get(i, 0) + t.nbytes
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isascii() and parts[1].isdigit():
+            per_layer[int(parts[1])] = per_layer.get(int(parts[1]), 0) + t.nbytes
     layer_bytes = max(per_layer.values()) if per_layer else 0
     head_kv = info["n_head_kv"] or info["n_head"]
-    head_dim = store.meta(f"{arch}.attention.key_length", (info["n_embd"] // max(1, info["n_head"])) or 1)
+    head_dim = meta_int(store, f"{arch}.attention.key_length", (info["n_embd"] // max(1, info["n_head"])) or 1,
+                        per_layer="max")
     n_ctx = opts.n_ctx or min(info["n_ctx_train"] or 4096, 4096)
     from ..model.kv_cache import KVCache
 

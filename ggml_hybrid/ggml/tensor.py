@@ -9,7 +9,16 @@ import numpy as np
 import numpy.typing as npt
 
 from .._native import CData, cstr, ffi, lib
-from ..errors import ArgumentError, BackendError, ClosedError, DTypeError, IndexRangeError, ShapeError
+from ..checks import check_int
+from ..errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    BackendError,
+    ClosedError,
+    DTypeError,
+    IndexRangeError,
+    ShapeError,
+)
 from .dtypes import GGMLType
 from .rpc import check_buffer
 
@@ -19,7 +28,10 @@ if TYPE_CHECKING:
 
 def ne_of(shape: Iterable[SupportsInt]) -> tuple[int, int, int, int]:
     """numpy-order shape -> GGML ne (innermost first), padded to 4 dims."""
-    dims = tuple(int(s) for s in shape)
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise ArgumentTypeError(f"a shape must be a sequence of ints, got {shape!r} of type {type(shape).__name__}")
+    # negative sizes are the callers' to refuse (with their own words); 2**62 keeps GGML's int64 sizes sane
+    dims = tuple(check_int(s, "a shape's size", hi=2**62, error=ShapeError) for s in shape)
     if not 1 <= len(dims) <= 4:
         raise ShapeError(f"GGML tensors have 1 to 4 dimensions, got shape {dims}")
     return cast("tuple[int, int, int, int]", tuple(reversed(dims)) + (1,) * (4 - len(dims)))

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..checks import check_int
-from ..errors import ArgumentError
+from ..checks import check_callable, check_int
+from ..errors import ArgumentError, NonFiniteError
 from .moe_model import MoEModel
 from .sampling import Sampler
+from .tokenizer import check_ids
 
 
 @dataclass
@@ -46,6 +47,18 @@ class GenerationStats:
         return np.concatenate(self.logits, axis=0).astype(np.float32) if self.logits else np.zeros((0, 0), np.float32)
 
 
+def check_finite(model: MoEModel, logits: np.ndarray) -> np.ndarray:
+    """``logits`` (the rows of the positions just evaluated) if all are finite; else a :class:`NonFiniteError`
+    naming the first bad position. NaN logits come from broken weights, and sampling would hide them."""
+    ok = np.isfinite(logits).all(axis=-1)
+    if not ok.all():
+        pos = model.n_past - len(logits) + int(np.argmin(ok))
+        raise NonFiniteError(f"the model computed non-finite logits (NaN or infinity) at position {pos}: its weights "
+                             "hold NaN or infinite values or overflow (session option check_tensors=true checks the "
+                             "weights at load)")
+    return logits
+
+
 def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
              stats: GenerationStats | None = None, keep_logits: bool = False,
              stop_at_eos: bool = True) -> Generator[str, None, None]:
@@ -57,9 +70,9 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
     the interrupt propagates.
     """
     check_int(n_predict, "generate: n_predict (-1 = until the end)", -1)
-    sampler = sampler or Sampler()
+    sampler = Sampler() if sampler is None else check_callable(sampler, "generate: sampler")
     st = stats if stats is not None else GenerationStats()
-    prompt = list(prompt_tokens)
+    prompt = check_ids(prompt_tokens, model.tokenizer.n_vocab, "generate: prompt_tokens")
     if not prompt:
         raise ArgumentError("generate: the prompt has no tokens")
     accept = getattr(sampler, "accept", None)
@@ -71,7 +84,7 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
     t0 = time.perf_counter()
     phase = "prompt"
     try:
-        logits = model.eval(prompt, "all" if keep_logits else "last")
+        logits = check_finite(model, model.eval(prompt, "all" if keep_logits else "last"))
         st.prompt_seconds = time.perf_counter() - t0
         st.prompt_tokens = len(prompt)  # counted once evaluated: an interrupted prompt reports none
         if keep_logits:
@@ -101,7 +114,7 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
             if model.n_past >= model.n_ctx:
                 st.stop_reason = "context"
                 break
-            logits = model.eval([tok], "last")
+            logits = check_finite(model, model.eval([tok], "last"))
             st.decode_steps += 1
             if keep_logits:
                 st.logits.append(logits)
@@ -126,4 +139,4 @@ def complete(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
     return text, st
 
 
-__all__ = ["GenerationStats", "complete", "generate"]
+__all__ = ["GenerationStats", "check_finite", "complete", "generate"]

@@ -1,37 +1,52 @@
 """A GGUF file read through the ``gguf`` package: metadata, and tensors memory-mapped, never read whole.
 
-Tensors can be *placed* on the mapped file (a CPU buffer over the mapping, as
+The header is checked first (``gguf_header``: every count, length, type, size and offset against the
+file), so everything here works on a file whose structure is sound. Metadata reads state the kind of
+value they expect, which is checked on the declared type before the value is decoded.
+Tensors can *placed* on the mapped file (a CPU buffer over the mapping, as
 llama.cpp's mmap does: zero copy, pages read from disk on first touch), *loaded*
 into a backend buffer, or read one expert at a time for an expert cache.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .._native import CData, ffi
+from .._native import CData, ffi, lib
+from ..checks import check_choice, check_int, check_type
 from ..errors import ModelFileError
 from ..files import not_a_file
 from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Context
-from ..ggml.dtypes import GGMLType
 from ..ggml.repack import repack_buffer_type
 from ..ggml.tensor import Tensor
+from .gguf_header import ARRAY, STRING, TYPE_NAMES, KeyInfo, TensorInfo, read_header
+
+_INTEGERS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
+_NUMBERS = _INTEGERS | {6, 12}
+_BOOL = 7
+# what a metadata read may expect, checked on the declared types before any value is decoded
+KINDS: dict[str, Callable[[KeyInfo], bool]] = {
+    "int": lambda k: k.type in _INTEGERS,
+    "number": lambda k: k.type in _NUMBERS,
+    "bool": lambda k: k.type == _BOOL,
+    "str": lambda k: k.type == STRING,
+    "ints": lambda k: k.type == ARRAY and k.item_type in _INTEGERS,
+    "numbers": lambda k: k.type == ARRAY and k.item_type in _NUMBERS,
+    "bools": lambda k: k.type == ARRAY and k.item_type == _BOOL,
+    "strs": lambda k: k.type == ARRAY and k.item_type == STRING,
+}
+Kind = str | tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: GGMLType
-    shape: tuple[int, ...]  # numpy order
-    offset: int             # absolute byte offset in the file
-    nbytes: int
+def _declared(k: KeyInfo) -> str:
+    if k.type == ARRAY:
+        return f"an array of {k.length} {TYPE_NAMES[k.item_type]}"
+    return TYPE_NAMES[k.type]
 
 
 def _identity(path: str) -> tuple[int, int, int, int]:
@@ -39,63 +54,25 @@ def _identity(path: str) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-@functools.cache
-def _reader_class() -> type:
-    """``gguf.GGUFReader`` that checks each tensor's bytes lie in the file before it maps them.
-
-    The reader itself would only fail to reshape a short slice ("cannot reshape array of size
-    45696 into shape (2000,272)"); this names the tensor and the bytes.
-    """
-    import gguf
-
-    class _Reader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list) -> None:
-            size = len(self.data)
-            for field in fields:
-                _, name, _, dims, raw_type, offset = field.parts
-                try:
-                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
-                except (ValueError, KeyError):
-                    continue  # an unknown type: the reader's own error names it
-                n_bytes = int(np.prod(dims.astype(object))) * type_size // block
-                start = int(start_offs) + int(offset[0])
-                if start + n_bytes > size:
-                    label = bytes(name).decode("utf-8", "replace")
-                    present = max(0, size - start)
-                    raise ModelFileError(f"{self.path!r}: tensor {label!r} needs {n_bytes} bytes from byte {start}, "
-                                         f"but the {size}-byte file holds {present} of them (truncated?)")
-            super()._build_tensors(start_offs, fields)
-
-        def __init__(self, path: str, mode: Any) -> None:
-            self.path = path
-            super().__init__(path, mode)
-
-    return _Reader
-
-
 class GGUFStore:
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
+        import gguf
+
+        self.path = os.fspath(check_type(path, "GGUFStore: path", str, os.PathLike))
+        if not isinstance(self.path, str):  # a PathLike may give bytes
+            raise ModelFileError(f"GGUFStore: path {path!r} must name a file as text, not bytes")
         why = not_a_file(self.path)
         if why is not None:
             raise ModelFileError(f"model file {self.path!r} {why}")
         self._identity = _identity(self.path)
+        # the header is walked and every tensor checked against the file before the gguf package reads it
+        self.header = header = read_header(self.path)
         try:
-            self._reader = _reader_class()(self.path, "r")
-        except ModelFileError:
-            raise
-        except Exception as exc:  # the gguf package raises several types for a bad file
+            self._reader = gguf.GGUFReader(self.path, "r")
+        except Exception as exc:  # the checked header leaves nothing it should refuse; kept as a backstop
             raise ModelFileError(f"{self.path!r} is not a readable GGUF file: {exc}") from exc
-        self._info: dict[str, TensorInfo] = {}
-        size = len(self._reader.data)
-        for t in self._reader.tensors:
-            info = TensorInfo(t.name, GGMLType(int(t.tensor_type)), tuple(int(n) for n in reversed(t.shape)),
-                              int(t.data_offset), int(t.n_bytes))
-            if info.offset + info.nbytes > size:
-                raise ModelFileError(f"{self.path!r}: tensor {t.name!r} ends at byte {info.offset + info.nbytes}, "
-                                     f"past the end of the {size}-byte file (truncated?)")
-            self._info[t.name] = info
-        self._data = {t.name: t.data for t in self._reader.tensors}
+        self._map: np.ndarray = self._reader.data
+        self._info: dict[str, TensorInfo] = {t.name: t for t in header.tensors}
         self._mapped: Buffer | None = None
 
     def check_unchanged(self) -> None:
@@ -117,20 +94,33 @@ class GGUFStore:
 
     @property
     def arch(self) -> str:
-        return self.meta("general.architecture")
+        return str(self.meta("general.architecture", kind="str"))
 
     def has(self, key: str) -> bool:
-        return key in self._reader.fields
+        return key in self.header.keys
 
-    def meta(self, key: str, default=None):
-        """A metadata value (int, float, str or list); ``default`` when given and the key is absent."""
-        f = self._reader.fields.get(key)
-        if f is None:
+    def meta(self, key: str, default: Any = None, kind: Kind | None = None) -> Any:
+        """A metadata value (int, float, bool, str or a list of them); ``default`` when given and the key is absent.
+
+        ``kind`` (one of :data:`KINDS`, or a tuple of them) is checked on the type the header declares, before
+        the value is decoded.
+        """
+        check_type(key, "GGUFStore.meta: key", str)
+        kinds: tuple[str, ...] = ()
+        if kind is not None:
+            kinds = (kind,) if isinstance(kind, str) else tuple(check_type(kind, "GGUFStore.meta: kind", tuple))
+            for k in kinds:
+                check_choice(check_type(k, "GGUFStore.meta: kind", str), "GGUFStore.meta: kind", KINDS)
+        declared = self.header.keys.get(key)
+        if declared is None:
             if default is not None:
                 return default
             raise ModelFileError(f"{self.path!r} lacks the metadata key {key!r}")
+        if kinds and not any(KINDS[k](declared) for k in kinds):
+            raise ModelFileError(f"{self.path!r}: metadata {key} is {_declared(declared)}, expected "
+                                 f"{' or '.join(kinds)}")
         try:
-            return f.contents()
+            return self._reader.fields[key].contents()
         except (UnicodeDecodeError, ValueError, IndexError) as exc:
             raise ModelFileError(f"{self.path!r}: metadata {key!r} cannot be read ({exc})") from None
 
@@ -144,6 +134,7 @@ class GGUFStore:
         return list(self._info.values())
 
     def info(self, name: str) -> TensorInfo:
+        check_type(name, "GGUFStore: tensor name", str)
         try:
             return self._info[name]
         except KeyError:
@@ -156,7 +147,7 @@ class GGUFStore:
     def mapped_buffer(self) -> Buffer:
         """One CPU buffer over the whole mapped file (weights usage)."""
         if self._mapped is None or self._mapped.closed:
-            self._mapped = Buffer.from_host_memory(self._reader.data, "weights")
+            self._mapped = Buffer.from_host_memory(self._map, "weights")
         return self._mapped
 
     def place(self, tensor: Tensor) -> None:
@@ -165,14 +156,39 @@ class GGUFStore:
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes (a read-only view of the mapping), shaped [..., row bytes]."""
-        return self._data[name].view(np.uint8).reshape(self._data[name].shape[:-1] + (-1,))
+        info = self.info(name)
+        row = info.dtype.row_size(info.shape[-1]) if info.shape else info.nbytes
+        return self._map[info.offset:info.offset + info.nbytes].reshape(info.shape[:-1] + (row,))
 
     def load(self, tensor: Tensor, source: str | None = None) -> None:
         """Copy the data of file tensor ``source`` (default: the tensor's name) into its memory, on any backend."""
-        name = source or tensor.name
-        self.info(name)
-        tensor.set(np.ascontiguousarray(self.raw(name)).reshape(-1) if tensor.dtype.is_quantized
-                   else np.ascontiguousarray(self._data[name]).reshape(tensor.shape))
+        raw = np.ascontiguousarray(self.raw(source or tensor.name))
+        tensor.set(raw.reshape(-1) if tensor.dtype.is_quantized
+                   else raw.view(tensor.dtype.numpy_dtype).reshape(tensor.shape))
+
+    def validate_data(self, names: list[str] | None = None, n_threads: int = 1) -> None:
+        """Check the tensors' values as llama.cpp's ``--check-tensors`` does (``ggml_validate_row_data``: no NaN
+        or infinity in a float, no NaN or infinite scale in a quantized block); reads every byte of them."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if names is not None:
+            check_type(names, "GGUFStore.validate_data: names", list, tuple)
+        infos = [self.info(n) for n in names] if names is not None else self.tensors()
+        n_threads = check_int(n_threads, "GGUFStore.validate_data: n_threads", 1, 512)
+
+        def valid(info: TensorInfo) -> bool:
+            if not info.nbytes:
+                return True
+            ptr = ffi.cast("void *", self._map[info.offset:info.offset + info.nbytes].ctypes.data)
+            return bool(lib.ggml_validate_row_data(info.dtype, ptr, info.nbytes))  # the GIL is released
+
+        # GGML prints the block it refused (on stderr, as in llama.cpp); the first bad tensor in file order is named
+        with ThreadPoolExecutor(max_workers=n_threads) as pool:
+            for info, ok in zip(infos, pool.map(valid, infos)):
+                if not ok:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise ModelFileError(f"{self.path!r}: tensor {info.name!r} ({info.dtype.name}) holds NaN or "
+                                         "infinite values (check_tensors)")
 
     def close(self) -> None:
         if self._mapped is not None:
@@ -232,3 +248,6 @@ def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "we
         if on_tensor is not None:
             on_tensor(n)
     return ctx, tensors
+
+
+__all__ = ["KINDS", "GGUFStore", "TensorInfo", "load_into"]

@@ -17,8 +17,9 @@ from ..ggml.dtypes import GGMLType
 from .gguf_store import GGUFStore
 from .rope import Rope
 
-MAX_LAYERS = 512   # LLAMA_MAX_LAYERS
+MAX_LAYERS = 512   # LLAMA_MAX_LAYERS: also the most entries a per-layer array may hold
 MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
+INT32_MAX = 2**31 - 1  # every other count reaches GGML as an int32
 GATINGS = {1: "softmax", 2: "sigmoid"}  # expert_gating_func values the families here use
 
 
@@ -172,30 +173,32 @@ class HParams:
 
 
 def meta_int(store: GGUFStore, key: str, default=None, lo: int = 1, per_layer: str = "uniform",
-             n: int | None = None) -> int:
-    """Integer metadata ``key`` (``default`` when absent; absent without default is an error), >= ``lo``.
+             n: int | None = None, hi: int = INT32_MAX) -> int:
+    """Integer metadata ``key`` in ``lo..hi`` (``default`` when absent; absent without default is an error).
 
-    Per-layer arrays (``n`` entries when given, llama.cpp's rule) are read as one value:
-    ``per_layer="uniform"`` requires every layer to agree (what the graphs support), ``"max"``
+    Per-layer arrays (``n`` entries when given, llama.cpp's rule; at most :data:`MAX_LAYERS`) are read as
+    one value: ``per_layer="uniform"`` requires every layer to agree (what the graphs support), ``"max"``
     takes the largest (for reports).
     """
-    v = store.meta(key, default)
+    v = store.meta(key, default, kind=("int", "ints"))
     if isinstance(v, list):
         if n is not None and len(v) != n:
             raise ModelFileError(f"{store.path!r}: {key} has {len(v)} entries, expected one per layer ({n})")
-        if not v or (per_layer == "uniform" and any(x != v[0] for x in v)):
-            raise ModelFileError(f"{store.path!r}: {key} = {v!r}: per-layer values that differ are not supported")
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            raise ModelFileError(f"{store.path!r}: {key} = {v!r} must hold integers")
+        if not v or len(v) > MAX_LAYERS:
+            raise ModelFileError(f"{store.path!r}: {key} has {len(v)} per-layer entries; 1..{MAX_LAYERS} are "
+                                 "allowed (llama.cpp's LLAMA_MAX_LAYERS)")
+        if per_layer == "uniform" and any(x != v[0] for x in v):
+            shown = v if len(v) <= 16 else f"[{len(v)} values]"
+            raise ModelFileError(f"{store.path!r}: {key} = {shown}: per-layer values that differ are not supported")
         v = v[0] if per_layer == "uniform" else max(v)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be an integer >= {lo}")
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be an integer in {lo}..{hi}")
     return v
 
 
 def meta_float(store: GGUFStore, key: str, default: float | None, lo: float, hi: float) -> float:
     """Real metadata ``key`` in ``[lo, hi]`` (``default`` when absent; absent without default is an error)."""
-    v = store.meta(key, default)
+    v = store.meta(key, default, kind="number")
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be a number in [{lo}, {hi}]")
     return float(v)
@@ -203,10 +206,15 @@ def meta_float(store: GGUFStore, key: str, default: float | None, lo: float, hi:
 
 def meta_bool(store: GGUFStore, key: str, default: bool) -> bool:
     """Boolean metadata ``key``: GGUF BOOL only, as llama.cpp's typed reader requires."""
-    v = store.meta(key, default)
+    v = store.meta(key, default, kind="bool")
     if not isinstance(v, bool):
         raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be a boolean")
     return v
+
+
+def meta_str(store: GGUFStore, key: str, default: str | None = None) -> str:
+    """Text metadata ``key`` (``default`` when absent; absent without default is an error)."""
+    return str(store.meta(key, default, kind="str"))
 
 
 def refuse(store: GGUFStore, arch: str, key: str, what: str) -> ModelFileError:
@@ -228,18 +236,15 @@ class StackHParams:
 
 def architecture(store: GGUFStore) -> str:
     """``general.architecture``, which must be a name."""
-    arch = store.meta("general.architecture", "")
-    if not isinstance(arch, str):
-        raise ModelFileError(f"{store.path!r}: general.architecture = {arch!r} is not a name")
-    return arch
+    return meta_str(store, "general.architecture", "")
 
 
 def read_stack_hparams(store: GGUFStore) -> StackHParams:
     """Hyperparameters of an FFN-only MoE stack, checked against its tensors before anything is allocated."""
     arch = architecture(store)
-    n_layer = meta_int(store, f"{arch}.block_count")
+    n_layer = meta_int(store, f"{arch}.block_count", hi=MAX_LAYERS)
     n_embd = meta_int(store, f"{arch}.embedding_length")
-    n_expert = meta_int(store, f"{arch}.expert_count")
+    n_expert = meta_int(store, f"{arch}.expert_count", hi=MAX_EXPERTS)
     n_used = meta_int(store, f"{arch}.expert_used_count")
     if n_used > n_expert:
         raise ModelFileError(f"{store.path!r}: {n_used} experts used per token but only {n_expert} exist")
@@ -284,9 +289,7 @@ def read_common(store: GGUFStore, arch: str, require_moe: bool = True) -> Common
     def key(k: str) -> str:
         return f"{arch}.{k}"
 
-    n_layer_all = meta_int(store, key("block_count"))
-    if n_layer_all > MAX_LAYERS:
-        raise ModelFileError(f"{store.path!r}: {key('block_count')} = {n_layer_all} exceeds llama.cpp's {MAX_LAYERS}")
+    n_layer_all = meta_int(store, key("block_count"), hi=MAX_LAYERS)
     nextn = meta_int(store, key("nextn_predict_layers"), 0, lo=0)
     if nextn >= n_layer_all:
         raise ModelFileError(f"{store.path!r}: {key('nextn_predict_layers')} = {nextn} leaves no layer of the "
@@ -301,15 +304,13 @@ def read_common(store: GGUFStore, arch: str, require_moe: bool = True) -> Common
     value_length = meta_int(store, key("attention.value_length"), n_embd // n_head)
     if "token_embd.weight" not in store:
         raise ModelFileError(f"{store.path!r} has no tensor 'token_embd.weight'")
-    n_expert = meta_int(store, key("expert_count"), 0, lo=0)
+    n_expert = meta_int(store, key("expert_count"), 0, lo=0, hi=MAX_EXPERTS)
     has_router = any(re.fullmatch(r"blk\.\d+\.ffn_gate_inp\.weight", t.name) for t in store.tensors())
     if n_expert == 0 or not has_router:
         if require_moe:
             raise NotMoEError(f"{store.path!r} is a dense {arch} model ({arch}.expert_count = {n_expert}, "
                               f"router tensor {'present' if has_router else 'absent'}); a MoE model is required")
         raise ModelFileError(f"{store.path!r}: dense models are not supported yet")
-    if n_expert > MAX_EXPERTS:
-        raise ModelFileError(f"{store.path!r}: {key('expert_count')} = {n_expert} exceeds llama.cpp's {MAX_EXPERTS}")
     n_used = meta_int(store, key("expert_used_count"), n=n)
     if n_used > n_expert:
         raise ModelFileError(f"{store.path!r}: {key('expert_used_count')} = {n_used} exceeds {key('expert_count')} = "
@@ -386,6 +387,6 @@ def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ..
                              "here, or a file llama.cpp refuses: 'wrong number of tensors')")
 
 
-__all__ = ["Common", "DeltaNet", "GATINGS", "HParams", "MLA", "Routing", "SWA", "StackHParams", "architecture",
-           "check_tensors", "meta_bool", "meta_float", "meta_int", "read_common", "read_hparams", "read_stack_hparams",
-           "refuse", "tensor_shapes"]
+__all__ = ["GATINGS", "INT32_MAX", "MAX_EXPERTS", "MAX_LAYERS", "Common", "DeltaNet", "HParams", "MLA", "Routing",
+           "SWA", "StackHParams", "architecture", "check_tensors", "meta_bool", "meta_float", "meta_int", "meta_str",
+           "read_common", "read_hparams", "read_stack_hparams", "refuse", "tensor_shapes"]

@@ -22,10 +22,19 @@ import numpy as np
 import numpy.typing as npt
 
 from .._native import CData, ffi
-from ..checks import check_choice
+from ..checks import check_callable, check_choice, check_type
 from ..deploy.devices import open_devices
 from ..deploy.layout import CPU, Layout, is_expert_tensor, plan_layout
-from ..errors import ClosedError, GgmlHybridError, IndexRangeError, ModelFileError, RPCError, ShapeError
+from ..errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ClosedError,
+    GgmlHybridError,
+    IndexRangeError,
+    ModelFileError,
+    RPCError,
+    ShapeError,
+)
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
@@ -36,7 +45,7 @@ from ..ggml.tensor import Tensor
 from ..machine import default_threads
 from ..moe.expert_layers import ExpertLayers, check_moe_options
 from ..moe.stack_session import SessionCounters
-from ..options import OptionError, SessionOptions
+from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..serial import Serial
 from .decoder import DecoderGraph, build_decoder, context_size, graph_size
 from .families.hybrid import check_cuda
@@ -68,6 +77,16 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
             raise OptionError(f"{key}=q8_0: the head size {head} is not a multiple of 32")
 
 
+def _device_names(names: object) -> list[str]:
+    """The planner's stand-in device names: a list of 1..MAX_DEVICES distinct non-empty strs."""
+    what = "MoEModel: dry_run_devices"
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
+        raise ArgumentTypeError(f"{what} must be a list of device names (non-empty strs), got {names!r}")
+    if not 1 <= len(names) <= MAX_DEVICES or len(set(names)) != len(names) or CPU in names:
+        raise ArgumentError(f"{what} must name 1..{MAX_DEVICES} distinct devices other than {CPU}, got {names!r}")
+    return list(names)
+
+
 class MoEModel:
     # set by _load; close() releases whichever of them a failed load got to
     devices: dict[str, Backend]
@@ -87,6 +106,12 @@ class MoEModel:
         instances standing in for the named devices, but read no tensor data; such a model
         must not be evaluated.
         """
+        if device is not None:
+            check_type(device, "MoEModel: device", Backend)
+        if progress is not None:
+            check_callable(progress, "MoEModel: progress")
+        if dry_run_devices is not None:
+            dry_run_devices = _device_names(dry_run_devices)
         self.dry_run = dry_run_devices is not None
         t0 = time.perf_counter()
         self.options = opts = options if options is not None else SessionOptions()
@@ -100,6 +125,8 @@ class MoEModel:
             if self.tokenizer.n_vocab != hp.n_vocab:
                 raise ModelFileError(f"{store.path!r}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
                                      f"token_embd.weight has {hp.n_vocab} rows; they must agree")
+            if opts.check_tensors and not self.dry_run:  # a plan reads no tensor data
+                store.validate_data(list(tensor_shapes(hp)), opts.n_threads or os.cpu_count() or 1)
         except Exception:
             store.close()
             raise
@@ -203,7 +230,17 @@ class MoEModel:
 
     def backend(self, name: str) -> Backend:
         """The backend of a device name of this session (``CPU``: the host backend)."""
-        return self.host if name == CPU else self.devices[name]
+        if isinstance(name, str) and name == CPU:
+            return self.host
+        return self.devices[self._device_name(name, "MoEModel.backend: name")]
+
+    def _device_name(self, name: object, what: str) -> str:
+        """``name`` if it names one of this session's devices."""
+        check_type(name, what, str)
+        if name not in self.devices:
+            raise ArgumentError(f"{what} {name!r} is not a device of this session; they are "
+                                f"{', '.join(self.devices)}")
+        return name
 
     def _repack_rule(self, backend: Backend) -> Callable[[str], CData | None]:
         """Which tensors on ``backend`` go to a CPU extra buffer type; recorded in ``self.repacked``."""
@@ -429,7 +466,8 @@ class MoEModel:
 
     def device_memory(self, device: str | None = None) -> dict[str, int]:
         """Bytes held on the devices (one device, if named) by purpose: what GPUs would hold."""
-        names = [device] if device is not None else list(self.devices)
+        names = [self._device_name(device, "MoEModel.device_memory: device")] if device is not None \
+            else list(self.devices)
         out = {"weights": 0, "experts": 0, "kv_cache": 0, "recurrent": 0, "compute": 0}
         for name in names:
             b = self.devices[name]

@@ -74,7 +74,7 @@ def read_rope(store: GGUFStore, arch: str, mode: str, n_rot: int, n_ctx_train: i
     from .hparams import meta_float, meta_int
 
     p = f"{arch}.rope."
-    scaling = store.meta(p + "scaling.type") if store.has(p + "scaling.type") else "linear"  # llama.cpp's default
+    scaling = store.meta(p + "scaling.type", "linear", kind="str")  # llama.cpp's default
     if not isinstance(scaling, str) or scaling not in SCALING_TYPES:
         raise ModelFileError(f"{store.path!r}: {arch}: {p}scaling.type = {scaling!r} is not supported; supported: "
                              f"{', '.join(SCALING_TYPES)}")

@@ -27,6 +27,19 @@ import numpy as np
 import numpy.typing as npt
 
 from ..checks import check_int, check_real
+from ..errors import ArgumentError, ArgumentTypeError
+
+
+def _logits(logits: npt.ArrayLike) -> np.ndarray:
+    """``logits`` as a flat float64 array of at least one value, none NaN (the sampler would draw from garbage)."""
+    try:
+        z = np.array(logits, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(f"Sampler: logits must be an array of numbers, got {type(logits).__name__}") from None
+    if z.size == 0 or np.isnan(z).any():
+        raise ArgumentError(f"Sampler: logits must hold at least one value and no NaN, got {z.size} values"
+                            f"{' with NaN' if z.size else ''}")
+    return z
 
 
 @dataclass
@@ -91,7 +104,7 @@ class Sampler:
 
     def penalized(self, logits: npt.ArrayLike) -> np.ndarray:
         """Stage 1: the logits (float64) with the penalties of the accepted tokens applied."""
-        z = np.array(logits, dtype=np.float64).reshape(-1)
+        z = _logits(logits)
         if not self.penalizes or not self._counts:
             return z
         ids = np.fromiter((t for t in self._counts if 0 <= t < z.size), dtype=np.int64)

@@ -34,6 +34,9 @@ from .tokenizer import (
     TOKEN_TYPE_UNKNOWN,
     TOKEN_TYPE_USER_DEFINED,
     TextStream,
+    check_add_bos,
+    check_ids,
+    check_token,
     special_ids,
     token_attributes,
     token_list,
@@ -79,14 +82,14 @@ class SPMTokenizer:
 
     @classmethod
     def from_gguf(cls, store: GGUFStore) -> SPMTokenizer:
-        scores = store.meta("tokenizer.ggml.scores", [])
+        scores = store.meta("tokenizer.ggml.scores", [], kind="numbers")
         if not isinstance(scores, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                    for x in scores):
             raise ModelFileError(f"{store.path!r}: tokenizer.ggml.scores must be a list of numbers")
         ids = special_ids(store)
 
         def flag(key: str, default: bool) -> bool:
-            v = store.meta(key, default)
+            v = store.meta(key, default, kind="bool")
             if not isinstance(v, bool):
                 raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be a boolean")
             return v
@@ -189,6 +192,7 @@ class SPMTokenizer:
         """llama.cpp's ``llama_tokenize(text, add_special, parse_special=false)``; add_bos: the file's by default."""
         if not isinstance(text, str):
             raise ArgumentTypeError(f"encode: text must be str, got {type(text).__name__}")
+        add_bos = check_add_bos(add_bos, "encode: add_bos")
         special = self.add_bos if add_bos is None else add_bos
         out: list[int] = [self.bos_id] if special and self.bos_id is not None else []
         after_token = True  # the start of the text counts as following a token
@@ -209,6 +213,7 @@ class SPMTokenizer:
 
     def token_bytes(self, tid: int) -> bytes:
         """llama.cpp's ``token_to_piece(special=false)``: what a token renders as in generated text."""
+        tid = check_token(tid, len(self.tokens), "token_bytes: token id")
         t = self.types[tid]
         if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN):
             return b""
@@ -223,8 +228,8 @@ class SPMTokenizer:
     def decode(self, ids: Iterable[SupportsInt]) -> str:
         """llama.cpp's ``llama_detokenize``: the pieces joined, the first one without its prefix space."""
         out = []
-        for k, i in enumerate(ids):
-            piece = self.token_bytes(int(i))
+        for k, i in enumerate(check_ids(ids, len(self.tokens), "decode: ids")):
+            piece = self.token_bytes(i)
             if k == 0 and self.add_space_prefix and piece.startswith(b" "):
                 piece = piece[1:]
             out.append(piece)

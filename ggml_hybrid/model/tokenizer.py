@@ -20,7 +20,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, SupportsInt
 
-from ..errors import ArgumentTypeError, ModelFileError
+from ..checks import check_int, check_type
+from ..errors import ArgumentTypeError, IndexRangeError, ModelFileError
 from .gguf_store import GGUFStore
 
 if TYPE_CHECKING:
@@ -73,6 +74,23 @@ _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "
 _RENDERED = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
 
 
+def check_token(tid: object, n_vocab: int, what: str) -> int:
+    """``tid`` as an int that names a token of an ``n_vocab`` vocabulary (negative ids never wrap around)."""
+    return check_int(tid, what, 0, n_vocab - 1, error=IndexRangeError, type_error=ArgumentTypeError)
+
+
+def check_add_bos(add_bos: object, what: str) -> bool | None:
+    """``add_bos`` if it is None (the file's choice) or a bool."""
+    return None if add_bos is None else check_type(add_bos, what, bool)  # type: ignore[return-value]
+
+
+def check_ids(ids: object, n_vocab: int, what: str) -> list[int]:
+    """Token ids of an iterable, each checked."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ArgumentTypeError(f"{what} must be an iterable of token ids, got {ids!r} of type {type(ids).__name__}")
+    return [check_token(t, n_vocab, what) for t in ids]
+
+
 def token_attributes(tokens: Sequence[str], types: Sequence[int], special: Iterable[int | None]
                      ) -> tuple[list[int], set[int]]:
     """llama.cpp's fix-ups of the file's token types, and the end-of-generation ids.
@@ -102,21 +120,21 @@ def token_attributes(tokens: Sequence[str], types: Sequence[int], special: Itera
 def special_ids(store: GGUFStore) -> dict[str, int | None]:
     """The file's bos/eos/eot/eom token ids (None when absent or negative)."""
     def opt_int(key: str) -> int | None:
-        v = store.meta(key, -1)
+        v = store.meta(key, -1, kind="int")
         return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
     return {n: opt_int(f"tokenizer.ggml.{n}_token_id") for n in ("bos", "eos", "eot", "eom")}
 
 
 def token_list(store: GGUFStore, key: str, default: list[str] | None = None) -> list[str]:
-    v = store.meta(key, default)
+    v = store.meta(key, default, kind="strs")
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise ModelFileError(f"{store.path!r}: {key} must be a list of strings, got {type(v).__name__}")
     return v
 
 
 def token_types(store: GGUFStore) -> list[int] | None:
-    types = store.meta("tokenizer.ggml.token_type", [])
+    types = store.meta("tokenizer.ggml.token_type", [], kind="ints")
     if not isinstance(types, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in types):
         raise ModelFileError(f"{store.path!r}: tokenizer.ggml.token_type must be a list of integers")
     return types or None
@@ -187,7 +205,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, store: GGUFStore) -> Tokenizer | SPMTokenizer:
         """The file's tokenizer: byte-level BPE (``gpt2``) or SentencePiece (``llama``)."""
-        model = store.meta("tokenizer.ggml.model", "")
+        model = store.meta("tokenizer.ggml.model", "", kind="str")
         if model == "llama":
             from .spm import SPMTokenizer
 
@@ -195,9 +213,9 @@ class Tokenizer:
         if model != "gpt2":
             raise ModelFileError(f"{store.path!r}: tokenizer.ggml.model = {model!r} is not supported; supported: "
                                  "'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
-        pre = store.meta("tokenizer.ggml.pre", "default")
+        pre = store.meta("tokenizer.ggml.pre", "default", kind="str")
         spec = PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
-        add_bos = store.meta("tokenizer.ggml.add_bos_token", spec.add_bos if spec is not None else False)
+        add_bos = store.meta("tokenizer.ggml.add_bos_token", spec.add_bos if spec is not None else False, kind="bool")
         ids = special_ids(store)
         return cls(token_list(store, "tokenizer.ggml.tokens"), token_list(store, "tokenizer.ggml.merges", []), pre,
                    token_types(store), ids["bos"], ids["eos"], bool(add_bos), store.path, ids["eot"], ids["eom"])
@@ -209,6 +227,7 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         if not isinstance(text, str):
             raise ArgumentTypeError(f"encode: text must be str, got {type(text).__name__}")
+        add_bos = check_add_bos(add_bos, "encode: add_bos")
         ids = self._hf.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
@@ -216,13 +235,15 @@ class Tokenizer:
 
     def token_bytes(self, tid: int) -> bytes:
         """The bytes a token stands for (control tokens: their text)."""
+        tid = check_token(tid, len(self.tokens), "token_bytes: token id")
         tok = self.tokens[tid]
         if tid in self._raw:
             return tok.encode()
         return bytes(self._bytes_of[ch] for ch in tok)
 
     def decode(self, ids: Iterable[SupportsInt]) -> str:
-        return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
+        return b"".join(self.token_bytes(i) for i in check_ids(ids, len(self.tokens), "decode: ids")).decode(
+            "utf-8", errors="replace")
 
     def stream(self) -> TextStream:
         return TextStream(self)
@@ -256,5 +277,5 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-__all__ = ["PRE_TOKENIZERS", "PreTokenizer", "TextStream", "Tokenizer", "special_ids", "token_attributes",
-           "token_list", "token_types"]
+__all__ = ["PRE_TOKENIZERS", "PreTokenizer", "TextStream", "Tokenizer", "check_add_bos", "check_ids", "check_token",
+           "special_ids", "token_attributes", "token_list", "token_types"]

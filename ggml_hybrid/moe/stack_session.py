@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ShapeError
+from ..checks import check_real, check_type
+from ..errors import OptionError, ShapeError
 from ..ggml.backend import Backend, cpu, cuda, cuda_available
 from ..ggml.context import Arena, Context
 from ..ggml.graph import Graph
@@ -79,13 +80,24 @@ MAX_GRAPHS = 8  # token-count graphs kept per session
 class MoEStackSession:
     def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
                  device: Backend | None = None, simulated_bus_bytes_per_s: float | None = None) -> None:
-        self.options = opts = options or SessionOptions()
+        self.options = opts = SessionOptions() if options is None else check_type(
+            options, "MoEStackSession: options", SessionOptions, error=OptionError)
+        if device is not None:
+            check_type(device, "MoEStackSession: device", Backend)
+        if simulated_bus_bytes_per_s is not None:
+            check_real(simulated_bus_bytes_per_s, "MoEStackSession: simulated_bus_bytes_per_s", 0, lo_open=True)
         self.store = store = GGUFStore(path)
-        hp = read_stack_hparams(store)
+        try:
+            hp = read_stack_hparams(store)
+        except BaseException:
+            store.close()
+            raise
         self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = (hp.n_layer, hp.n_embd, hp.n_expert,
                                                                             hp.n_used, hp.rms_eps)
         check_moe_options(opts, self.n_layer, self.n_expert)
         n_threads = opts.n_threads or default_threads()
+        if opts.check_tensors:
+            store.validate_data(n_threads=n_threads)
         self._own_device = device is None
         # without an accelerator a CPU backend instance plays the device, with its own buffers
         self.device = device or (cuda(0) if cuda_available() else cpu(n_threads, opts.poll))

@@ -24,7 +24,7 @@ from .base import Family, Shapes, base_hparams, dense_lead, ffn_tensors, globals
 
 def read(store: GGUFStore, c: Common) -> HParams:
     a = c.arch
-    vocab = meta_int(store, f"{a}.vocab_size", 0, lo=0) or len(store.meta("tokenizer.ggml.tokens", []))
+    vocab = meta_int(store, f"{a}.vocab_size", 0, lo=0) or len(store.meta("tokenizer.ggml.tokens", [], kind="strs"))
     # llama.cpp's "lite" heuristics (DeepSeek-V2-Lite and relatives): no q-LoRA, and the key is not even read
     is_lite = c.n_layer in (26, 27) or (c.n_layer == 48 and vocab == 128256)
     q_lora = 0 if is_lite else meta_int(store, f"{a}.attention.q_lora_rank", lo=0)

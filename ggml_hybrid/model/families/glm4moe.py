@@ -27,7 +27,7 @@ from .base import (
 def read(store: GGUFStore, c: Common) -> HParams:
     a = c.arch
     refuse_fused_qkv(store, a)
-    sections = store.meta(f"{a}.rope.dimension_sections", [0, 0, 0, 0])
+    sections = store.meta(f"{a}.rope.dimension_sections", [0, 0, 0, 0], kind="ints")
     if isinstance(sections, list) and len(sections) >= 2 and sections[0] > 0 and sections[1] > 0:
         raise refuse(store, a, f"{a}.rope.dimension_sections", "multimodal rope (M-RoPE)")
     if c.key_length != c.value_length:

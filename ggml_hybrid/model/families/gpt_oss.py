@@ -19,7 +19,7 @@ from .base import Family, attn_biases, base_hparams, expert_width, no_nextn, ref
 
 def _swa_layers(store: GGUFStore, c: Common) -> tuple[bool, ...]:
     key = f"{c.arch}.attention.sliding_window_pattern"
-    v = store.meta(key, 2)
+    v = store.meta(key, 2, kind=("int", "ints", "bools"))
     if isinstance(v, list):  # one flag per layer (missing ones: full attention)
         if len(v) > c.n_layer_all or not all(isinstance(x, (bool, int)) for x in v):
             raise refuse(store, c.arch, key, f"{v!r} (per-layer flags, at most one per layer)")

@@ -37,7 +37,7 @@ def recurrent_layers(store: GGUFStore, c: Common) -> tuple[bool, ...]:
     all) when present, else every ``full_attention_interval``-th layer is an attention layer."""
     key = f"{c.arch}.attention.recurrent_layers"
     if store.has(key):
-        v = store.meta(key)
+        v = store.meta(key, kind=("int", "ints", "bool", "bools"))
         if isinstance(v, list):
             if len(v) != c.n_layer_all or not all(isinstance(x, int) and x >= 0 for x in v):
                 raise bad_value(store, key, v, f"must be {c.n_layer_all} flags, one per block (block_count)")

@@ -20,7 +20,7 @@ from .base import Family
 def sections(store: GGUFStore, c: Common) -> tuple[int, ...]:
     """``rope.dimension_sections``: four counts (one value: four times that), checked as GGML's rope asserts."""
     key = f"{c.arch}.rope.dimension_sections"
-    v = store.meta(key)
+    v = store.meta(key, kind=("int", "ints"))
     vals = v if isinstance(v, list) else [meta_int(store, key, lo=0)] * 4
     if len(vals) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in vals):
         raise hybrid.bad_value(store, key, v, "must be 4 non-negative integers (pairs per position axis t, h, w, e)")
