@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from ggml_hybrid.model.gguf_store import ModelFileError
+from ggml_hybrid.model.gguf_store import GGUFStore, ModelFileError
 from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
@@ -136,6 +136,17 @@ def test_invalid_session_options_fail_before_loading(model):
                          (["n_cpu_moe=4"], "only 3 layers"), (["moe_cpu_share=0.5"], "needs disk_experts")):
         with pytest.raises(OptionError, match=match):
             MoEStackSession(model, SessionOptions.parse(items))
+
+
+def test_a_refused_session_closes_what_it_opened(model, monkeypatch):
+    opened, closed = [], []
+    real_init, real_close = GGUFStore.__init__, GGUFStore.close
+    monkeypatch.setattr(GGUFStore, "__init__", lambda self, *a, **k: (opened.append(self), real_init(self, *a, **k))[1])
+    monkeypatch.setattr(GGUFStore, "close", lambda self: (closed.append(self), real_close(self))[1])
+    for items in (["expert_cache_slots=17"], ["n_cpu_moe=4"], ["moe_cpu_share=0.5"]):
+        with pytest.raises(OptionError):
+            MoEStackSession(model, SessionOptions.parse(items))
+    assert len(opened) == 3 and all(s in closed for s in opened)
 
 
 def test_bad_model_files_are_clear_errors(tmp_path, model):

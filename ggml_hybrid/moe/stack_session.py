@@ -86,12 +86,16 @@ class MoEStackSession:
             check_type(device, "MoEStackSession: device", Backend)
         if simulated_bus_bytes_per_s is not None:
             check_real(simulated_bus_bytes_per_s, "MoEStackSession: simulated_bus_bytes_per_s", 0, lo_open=True)
-        self.store = store = GGUFStore(path)
+        self.store = GGUFStore(path)
         try:
-            hp = read_stack_hparams(store)
-        except BaseException:
-            store.close()
+            self._open(self.store, opts, device, simulated_bus_bytes_per_s)
+        except BaseException:  # a refused option or tensor must not leave the file or the buffers open
+            self.close()
             raise
+
+    def _open(self, store: GGUFStore, opts: SessionOptions, device: Backend | None,
+              simulated_bus_bytes_per_s: float | None) -> None:
+        hp = read_stack_hparams(store)
         self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = (hp.n_layer, hp.n_embd, hp.n_expert,
                                                                             hp.n_used, hp.rms_eps)
         check_moe_options(opts, self.n_layer, self.n_expert)
@@ -176,13 +180,16 @@ class MoEStackSession:
         return SessionCounters(self.layers.counters)
 
     def close(self) -> None:
-        self.layers.close()
-        self._graphs.clear()
-        self.sched.close()
-        self.dense_ctx.close()
-        self.store.close()
-        self.host.close()
-        if self._own_device:
+        # also after a failed __init__: only what was opened is there to close
+        parts = self.__dict__
+        if "layers" in parts:
+            self.layers.close()
+        if "_graphs" in parts:
+            self._graphs.clear()
+        for name in ("sched", "dense_ctx", "store", "host"):
+            if name in parts:
+                parts[name].close()
+        if parts.get("_own_device") and "device" in parts:
             self.device.close()
 
     def __enter__(self) -> MoEStackSession:
