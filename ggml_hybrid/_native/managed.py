@@ -47,12 +47,12 @@ def check_closable(obj: Managed) -> None:
     scheduler or weights would free memory GGML is about to read)."""
     if not _computing:
         return
+    # checked under the lock: a scheduler that leaves its compute meanwhile could close the graph being read
     with _computing_lock:
-        running = list(_computing)
-    for s in running:
-        reason = s.blocks_close(obj)
-        if reason is not None:
-            raise ClosedError(f"{type(obj).__name__}.close(): {reason}")
+        for s in _computing:
+            reason = s.blocks_close(obj)
+            if reason is not None:
+                raise ClosedError(f"{type(obj).__name__}.close(): {reason}")
 
 
 def _release(kind: str, free: Callable[[CData], object], ptr: CData) -> None:
