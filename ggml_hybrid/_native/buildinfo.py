@@ -24,6 +24,13 @@ VENDOR_DIR = REPO_DIR / "vendor"
 # The compiled cffi module: ggml_hybrid._native.<MODULE>
 MODULE = "_ggml"
 UPSTREAM_MODULE = "_ggml_upstream"
+# GGML's shared libraries next to the module: ggml-base, ggml (the registry) and the CPU backend (one
+# library built for this CPU, or one per x86-64 feature level in a portable build, the best loaded).
+LIB_DIR = NATIVE_DIR / "lib"
+# Optional backends (libggml-cuda.so, ...), loaded at run time when present and usable.
+BACKEND_DIR = NATIVE_DIR / "backends"
+# Bump when ggml-base's binary interface changes in a way the pin and the patch series do not show.
+ABI_SCHEME = "1"
 
 
 def _digest(parts: list[tuple[str, bytes]]) -> str:
@@ -61,6 +68,14 @@ def source_hash(patched: bool = True) -> str:
     """What the module's interface and our C depend on: the cdef headers and the C sources."""
     files = cdef_files(patched) + c_sources()
     return _digest([(p.relative_to(NATIVE_DIR).as_posix(), p.read_bytes()) for p in files])
+
+
+def abi_stamp(vendor_dir: Path = VENDOR_DIR) -> str:
+    """The binary interface of ggml-base: the pin and the patch series. Compiled into ggml-base, the module and
+    every backend library; a backend library is loaded only into the ggml-base it was built against."""
+    pin = (vendor_dir / "pin.json").read_bytes()
+    patches = patch_series_hash(vendor_dir).encode()
+    return _digest([("pin", pin), ("patches", patches), ("scheme", ABI_SCHEME.encode())])[:16]
 
 
 def load_pin(vendor_dir: Path = VENDOR_DIR) -> dict:
