@@ -212,7 +212,7 @@ def build_tree(kind: str, args: list[str], opts: Options, targets: tuple[str, ..
     where = cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args, opts.patched)}"
     stamp = where / "DONE"
     if stamp.exists():
-        log(f"GGML {kind} up to date in {where}")
+        log(f"GGML up to date in {where}")
         return where
     # an interrupted build resumes: the source is extracted whole or not at all, CMake and Ninja are incremental
     if not (where / "ggml").is_dir():

@@ -57,3 +57,11 @@ def test_stale_build_refuses_to_import(tmp_path, what):
     res = _import_in(root)
     assert res.returncode != 0
     assert "StaleBuildError" in res.stderr and "python build.py" in res.stderr
+
+
+def test_python_m_build_in_the_checkout_runs_pypa_build():
+    """``python -m build`` from the repository root finds build.py first; it hands over to PyPA's build."""
+    res = subprocess.run([sys.executable, "-m", "build", "--version"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("build ") and "ggml-hybrid" not in res.stdout + res.stderr

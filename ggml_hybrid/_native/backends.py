@@ -59,13 +59,14 @@ def optional_backends() -> dict[str, BackendStatus]:
         if _status is None:
             found = {}
             for path in sorted(buildinfo.BACKEND_DIR.glob("libggml-*.so")):
-                st = _load(path)
+                st = load_backend(path)
                 found[st.name] = st
             _status = found
         return dict(_status)
 
 
-def _load(path: Path) -> BackendStatus:
+def load_backend(path: Path) -> BackendStatus:
+    """Load one backend library (see the module docstring); never raises for a library that cannot load."""
     name = path.name[len("libggml-"):-len(".so")].upper()
     err = ffi.new("char[]", _ERR_BYTES)
     tried: set[str] = set()
@@ -122,4 +123,4 @@ def _preload(soname: str, seen: frozenset[str] = frozenset()) -> bool:
     return False
 
 
-__all__ = ["BackendStatus", "optional_backends", "runtime_dirs"]
+__all__ = ["BackendStatus", "load_backend", "optional_backends", "runtime_dirs"]

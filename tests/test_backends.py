@@ -1,0 +1,106 @@
+"""Optional backend libraries (GGML_BACKEND_DL): what is loaded, what is refused and why, and what the CPU build says.
+
+Stand-in backend libraries are compiled here with the system C compiler, so the loader's rules are checked on
+every machine: a library without ggml-hybrid's ABI stamp or with another one is refused before GGML runs any of
+its code; a missing vendor runtime is looked for where pip's NVIDIA wheels put it; GGML's own failure is
+reported with its log. The real CUDA backend, when this install has one, is checked in test_cuda_backend.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import ggml_hybrid as gh
+from ggml_hybrid import lib
+from ggml_hybrid._native import cstr
+from ggml_hybrid._native import buildinfo
+from ggml_hybrid._native.backends import load_backend, optional_backends
+from ggml_hybrid.cli import main
+from ggml_hybrid.errors import BackendError
+from ggml_hybrid.ggml.backend import cpu_features, cpu_library
+
+CC = shutil.which("cc") or shutil.which("gcc")
+needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
+
+
+def _shared(tmp: Path, name: str, code: str, *link: str, soname: str | None = None) -> Path:
+    src = tmp / f"{name}.c"
+    src.write_text(code)
+    out = tmp / name
+    args = [CC, "-shared", "-fPIC", "-o", str(out), str(src), *link]
+    if soname:
+        args.append(f"-Wl,-soname,{soname}")
+    subprocess.run(args, check=True, capture_output=True)
+    return out
+
+
+def _stamp(value: str) -> str:
+    return f'const char * ggml_hybrid_backend_abi(void) {{ return "{value}"; }}\n'
+
+
+def test_module_and_loaded_ggml_base_share_one_abi():
+    assert cstr(lib.ggml_hybrid_abi()) == cstr(lib.ggml_hybrid_base_abi())
+    if buildinfo.VENDOR_DIR.is_dir():  # a source checkout: the stamp is the pin and the patch series
+        assert cstr(lib.ggml_hybrid_abi()) == buildinfo.abi_stamp()
+
+
+def test_cpu_backend_is_one_of_the_shipped_libraries():
+    path = Path(cpu_library())
+    assert path.parent.resolve() == buildinfo.LIB_DIR.resolve()
+    assert path.name.startswith("libggml-cpu")
+    assert "AVX" in cpu_features().split() or "SSE3" in cpu_features().split() or cpu_features() == ""
+
+
+@needs_cc
+def test_library_without_stamp_is_refused(tmp_path):
+    so = _shared(tmp_path, "libggml-fake.so", "int ggml_hybrid_fake(void) { return 1; }\n")
+    st = load_backend(so)
+    assert not st.loaded and st.devices == 0
+    assert "no ABI stamp" in st.detail and str(so) in st.detail
+
+
+@needs_cc
+def test_library_of_another_ggml_base_is_refused(tmp_path):
+    so = _shared(tmp_path, "libggml-fake.so", _stamp("0123456789abcdef"))
+    st = load_backend(so)
+    assert not st.loaded
+    assert "0123456789abcdef" in st.detail and cstr(lib.ggml_hybrid_base_abi()) in st.detail
+    assert "rebuild" in st.detail
+
+
+@needs_cc
+def test_missing_runtime_is_named_then_found_in_a_pip_nvidia_folder(tmp_path, monkeypatch):
+    soname = f"libggmlhybridtestdep{tmp_path.name.replace('-', '_')}.so.1"  # unique: a loaded one stays loaded
+    site = tmp_path / "site"
+    dep_dir = site / "nvidia" / "fake" / "lib"
+    dep_dir.mkdir(parents=True)
+    _shared(dep_dir, soname, "int ggml_hybrid_test_dep(void) { return 7; }\n", soname=soname)
+    code = _stamp(cstr(lib.ggml_hybrid_base_abi())) + "int ggml_hybrid_test_dep(void);\n" \
+        "int ggml_hybrid_use_dep(void) { return ggml_hybrid_test_dep(); }\n"
+    so = _shared(tmp_path, "libggml-fake.so", code, str(dep_dir / soname))
+
+    st = load_backend(so)  # the dependency is on no search path yet
+    assert not st.loaded and soname in st.detail and "cannot open shared object file" in st.detail
+
+    monkeypatch.syspath_prepend(str(site))  # where pip puts nvidia-* wheels
+    st = load_backend(so)
+    # the dependency was found and loaded; the stand-in then fails where a real backend registers itself
+    assert not st.loaded
+    assert st.detail.startswith("GGML could not initialise") and soname not in st.detail
+
+
+def test_cpu_build_has_no_cuda(monkeypatch):
+    if any(buildinfo.BACKEND_DIR.glob("libggml-cuda.so")):
+        pytest.skip("this install has the CUDA backend (test_cuda_backend.py checks it)")
+    assert "CUDA" not in optional_backends()
+    assert not gh.cuda_available()
+    with pytest.raises(BackendError, match="no CUDA backend.*build.py --cuda"):
+        gh.cuda(0)
+    res = CliRunner().invoke(main, ["devices"])
+    assert res.exit_code == 0
+    assert "CUDA" not in res.output and res.output.splitlines()[-1].startswith("CPU")
