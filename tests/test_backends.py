@@ -17,8 +17,7 @@ from click.testing import CliRunner
 
 import ggml_hybrid as gh
 from ggml_hybrid import lib
-from ggml_hybrid._native import cstr
-from ggml_hybrid._native import buildinfo
+from ggml_hybrid._native import buildinfo, cstr
 from ggml_hybrid._native.backends import load_backend, optional_backends
 from ggml_hybrid.cli import main
 from ggml_hybrid.errors import BackendError
