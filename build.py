@@ -158,8 +158,12 @@ def run(cmd: list[str], **kw) -> None:
 def fetch_archive(pin: dict) -> Path:
     """The pinned sdist, downloaded once and checked against its sha256."""
     downloads = cache_root() / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
     archive = downloads / pin["archive"]
+    with _locked(archive):
+        return _fetch_archive(pin, archive)
+
+
+def _fetch_archive(pin: dict, archive: Path) -> Path:
     if not archive.exists() or _sha256(archive) != pin["sha256"]:
         with tempfile.TemporaryDirectory() as tmp:
             # `--no-binary NAME` rather than `:all:`: with `:all:` pip would also
@@ -210,10 +214,16 @@ def build_tree(kind: str, args: list[str], opts: Options, targets: tuple[str, ..
     ``out/`` holds the shared libraries it made, stripped."""
     pin = info.load_pin()
     where = cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args, opts.patched)}"
+    with _locked(where):
+        _build_tree(where, pin, args, opts, targets)
+    return where
+
+
+def _build_tree(where: Path, pin: dict, args: list[str], opts: Options, targets: tuple[str, ...]) -> None:
     stamp = where / "DONE"
     if stamp.exists():
         log(f"GGML up to date in {where}")
-        return where
+        return
     # an interrupted build resumes: the source is extracted whole or not at all, CMake and Ninja are incremental
     if not (where / "ggml").is_dir():
         where.mkdir(parents=True, exist_ok=True)
@@ -225,7 +235,6 @@ def build_tree(kind: str, args: list[str], opts: Options, targets: tuple[str, ..
     run(["cmake", "--build", str(where / "build"), "--parallel", str(opts.jobs), *only])
     collect_libraries(where / "build" / "bin", where / "out")
     stamp.write_text(" ".join(args) + "\n")
-    return where
 
 
 def collect_libraries(bin_dir: Path, out: Path) -> None:
@@ -282,6 +291,15 @@ def cublas_from_wheel(version: tuple[int, int]) -> list[str]:
     installed without cuBLAS); downloaded once into the cache. Returns the CMake options that point to it."""
     major, minor = version
     dest = cache_root() / f"cublas-{major}.{minor}"
+    with _locked(dest):
+        _fetch_cublas(major, minor, dest)
+    include = next(dest.glob("nvidia/*/include"))
+    libdir = include.parent / "lib"
+    return [f"-DGGML_HYBRID_CUBLAS_INCLUDE={include}", f"-DCUDA_cublas_LIBRARY={libdir / f'libcublas.so.{major}'}",
+            f"-DCUDA_cublasLt_LIBRARY={libdir / f'libcublasLt.so.{major}'}"]
+
+
+def _fetch_cublas(major: int, minor: int, dest: Path) -> None:
     if not (dest / "DONE").exists():
         downloads = cache_root() / "downloads"
         downloads.mkdir(parents=True, exist_ok=True)
@@ -296,10 +314,6 @@ def cublas_from_wheel(version: tuple[int, int]) -> list[str]:
         with zipfile.ZipFile(wheels[-1]) as z:
             z.extractall(dest, [n for n in z.namelist() if "/include/" in n or "/lib/libcublas" in n])
         (dest / "DONE").write_text(wheels[-1].name + "\n")
-    include = next(dest.glob("nvidia/*/include"))
-    libdir = include.parent / "lib"
-    return [f"-DGGML_HYBRID_CUBLAS_INCLUDE={include}", f"-DCUDA_cublas_LIBRARY={libdir / f'libcublas.so.{major}'}",
-            f"-DCUDA_cublasLt_LIBRARY={libdir / f'libcublasLt.so.{major}'}"]
 
 
 def static_libs(core: Path) -> list[str]:
@@ -330,8 +344,6 @@ def module_name(opts: Options) -> str:
 
 def build_cffi(core: Path, opts: Options) -> Path:
     """Compile the cffi extension (our C in ``_native/src``); cached next to the GGML build it links."""
-    import cffi
-
     pin = info.load_pin()
     name = module_name(opts)
     patch_hash = info.patch_series_hash() if opts.patched else "unpatched"
@@ -345,31 +357,38 @@ def build_cffi(core: Path, opts: Options) -> Path:
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     key = hashlib.sha256((cdef + preamble + repr(macros) + core.name + ext).encode()).hexdigest()[:16]
     cached = core / "cffi" / key / f"{name}{ext}"
-    if not cached.exists():
-        ffi = cffi.FFI()
-        ffi.cdef(cdef)
-        if opts.patched:
-            # ggml-base and ggml next to the module, in lib/ (its run path)
-            objects, link = shared_libs(core), ["-Wl,-rpath,$ORIGIN/lib", "-ldl"]
-        else:
-            objects, link = static_libs(core), ["-Wl,--exclude-libs,ALL", "-lstdc++", "-lm", "-lpthread", "-ldl"]
-        ffi.set_source(
-            f"ggml_hybrid._native.{name}",
-            preamble,
-            sources=[str(p) for p in info.c_sources() if p.suffix == ".c"],
-            include_dirs=[str(info.SRC_DIR), str(core / "ggml" / "include"), str(core / "ggml" / "src")],
-            define_macros=macros,
-            extra_objects=objects,
-            extra_link_args=link,
-            extra_compile_args=["-O2", "-Wall", "-Wno-unused-function", "-Werror=incompatible-pointer-types",
-                                "-Werror=int-conversion", "-Werror=implicit-function-declaration"],
-        )
-        with tempfile.TemporaryDirectory() as tmp:
-            log(f"compiling cffi module {name}")
-            built = Path(ffi.compile(tmpdir=tmp, verbose=False))
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(built, cached)
+    with _locked(cached.parent):
+        if not cached.exists():
+            _compile_cffi(core, opts, name, cdef, preamble, macros, cached)
     return cached
+
+
+def _compile_cffi(core: Path, opts: Options, name: str, cdef: str, preamble: str, macros: list, cached: Path) -> None:
+    import cffi
+
+    ffi = cffi.FFI()
+    ffi.cdef(cdef)
+    if opts.patched:
+        # ggml-base and ggml next to the module, in lib/ (its run path)
+        objects, link = shared_libs(core), ["-Wl,-rpath,$ORIGIN/lib", "-ldl"]
+    else:
+        objects, link = static_libs(core), ["-Wl,--exclude-libs,ALL", "-lstdc++", "-lm", "-lpthread", "-ldl"]
+    ffi.set_source(
+        f"ggml_hybrid._native.{name}",
+        preamble,
+        sources=[str(p) for p in info.c_sources() if p.suffix == ".c"],
+        include_dirs=[str(info.SRC_DIR), str(core / "ggml" / "include"), str(core / "ggml" / "src")],
+        define_macros=macros,
+        extra_objects=objects,
+        extra_link_args=link,
+        extra_compile_args=["-O2", "-Wall", "-Wno-unused-function", "-Werror=incompatible-pointer-types",
+                            "-Werror=int-conversion", "-Werror=implicit-function-declaration"],
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        log(f"compiling cffi module {name}")
+        built = Path(ffi.compile(tmpdir=tmp, verbose=False))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, cached)
 
 
 def _replace_file(src: Path, dst: Path) -> None:
@@ -423,11 +442,11 @@ def write_stub(module: Path, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _cache_lock():
-    """One build at a time per cache: a second one waits, then finds the first one's result."""
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as f:
+def _locked(path: Path):
+    """One build of ``path`` at a time: a second one waits, then finds the first one's result. Builds of other
+    folders (another option set, the CUDA backend) go on meanwhile."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -436,11 +455,10 @@ def _cache_lock():
 
 
 def build(opts: Options, out_dir: Path = NATIVE) -> Path:
-    with _cache_lock():
-        core = build_core(opts)
-        backends = [build_backend(name, opts) for name in opts.backends]
-        module = build_cffi(core, opts)
-        return install(module, core, backends, out_dir, opts.patched)
+    core = build_core(opts)
+    backends = [build_backend(name, opts) for name in opts.backends]
+    module = build_cffi(core, opts)
+    return install(module, core, backends, out_dir, opts.patched)
 
 
 def options_from_env() -> Options:

@@ -48,11 +48,30 @@ def test_module_and_loaded_ggml_base_share_one_abi():
         assert cstr(lib.ggml_hybrid_abi()) == buildinfo.abi_stamp()
 
 
-def test_cpu_backend_is_one_of_the_shipped_libraries():
+# GGML's feature names -> the flags /proc/cpuinfo shows for them
+_CPUINFO = {"SSE3": "pni", "SSSE3": "ssse3", "AVX": "avx", "AVX2": "avx2", "F16C": "f16c", "FMA": "fma",
+            "BMI2": "bmi2", "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+            "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16", "AMX_INT8": "amx_int8"}
+
+
+def _cpuinfo_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_cpu_backend_is_a_shipped_library_built_for_this_cpu():
     path = Path(cpu_library())
-    assert path.parent.resolve() == buildinfo.LIB_DIR.resolve()
-    assert path.name.startswith("libggml-cpu")
-    assert "AVX" in cpu_features().split() or "SSE3" in cpu_features().split() or cpu_features() == ""
+    assert path.parent.resolve() == buildinfo.LIB_DIR.resolve() and path.name.startswith("libggml-cpu")
+    isa = [f for f in cpu_features().split() if f in _CPUINFO]
+    flags = _cpuinfo_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    # the library in use was built for no instruction this CPU lacks (a native build, or the variant GGML chose)
+    assert [f for f in isa if _CPUINFO[f] not in flags] == []
+    if path.name == "libggml-cpu.so.0":  # -march=native: every listed extension this CPU has
+        assert [f for f, flag in _CPUINFO.items() if flag in flags and f not in isa] == []
 
 
 @needs_cc
