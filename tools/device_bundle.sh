@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, on a CPU machine with nvcc, what tools/device_check.sh installs on an NVIDIA machine that has no network:
 # the ggml-hybrid wheel for that machine's Python (portable CPU variants and the CUDA backend for sm_90), and the
-# wheels of the dependencies it lacks (cffi, gguf). Checks the total stays under 64 MiB (what the device tool
+# wheels of the dependencies it lacks (cffi, pycparser, gguf). Checks the total stays under 64 MiB (what the device tool
 # carries).
 #
 #   PYTHON=~/.pyenv/versions/3.12.1/bin/python bash tools/device_bundle.sh [OUT_DIR]   (default build/device_bundle)
@@ -34,7 +34,7 @@ echo "   built in $(( $(date +%s) - start )) s"
 echo "== dependency wheels the device lacks (no network there)"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$ver" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$OUT_DIR" "cffi>=1.16" "gguf>=0.10"
+    -d "$OUT_DIR" "cffi>=1.16" "pycparser" "gguf>=0.10"
 
 total=$(cat "$OUT_DIR"/*.whl | wc -c)
 ( cd "$OUT_DIR" && ls -l ./*.whl && sha256sum ./*.whl ) | tee "$OUT_DIR/MANIFEST.txt"
