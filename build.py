@@ -350,7 +350,8 @@ def build_cffi(core: Path, opts: Options) -> Path:
     source_hash = info.source_hash(opts.patched)
     abi = info.abi_stamp() if opts.patched else "upstream"
     cdef = cdef_source(opts.patched)
-    includes = ["ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h", "hybrid.h"]
+    includes = ["ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]
+    includes += [p.name for p in info.c_sources() if p.suffix == ".h"]  # ours: the cdef declares from them
     preamble = "\n".join(f'#include "{h}"' for h in includes) + "\n"
     macros = [("GGML_HYBRID_GGML_VERSION", f'"{pin["ggml_version"]}"'), ("GGML_HYBRID_PATCH_HASH", f'"{patch_hash}"'),
               ("GGML_HYBRID_SOURCE_HASH", f'"{source_hash}"'), ("GGML_HYBRID_ABI", f'"{abi}"')]
