@@ -8,7 +8,7 @@
 #
 # PYTHON is the interpreter the wheel is for (the device's python3 minor version; 3.12 on the H200 machines);
 # BUILD_PYTHON (default python3) makes the sdist and needs PyPA's build (pip install build).
-# The first run builds the CUDA backend (about an hour on 2 cores) and the portable CPU variants; later runs
+# The first run builds the CUDA backend (hours on 2 shared cores) and the portable CPU variants; later runs
 # take them from the build cache (python build.py --print-cache).
 set -euo pipefail
 
