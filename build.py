@@ -318,7 +318,7 @@ def _fetch_cublas(major: int, minor: int, dest: Path) -> None:
 
 def static_libs(core: Path) -> list[str]:
     # order matters for the static linker: users before what they use
-    names = ["libggml.a", "libggml-cpu.a", "libggml-base.a"]
+    names = ["libggml.a", "libggml-rpc.a", "libggml-cpu.a", "libggml-base.a"]
     found = {p.name: p for p in (core / "build").rglob("*.a")}
     missing = [n for n in names if n not in found]
     if missing:
@@ -327,7 +327,7 @@ def static_libs(core: Path) -> list[str]:
 
 
 def shared_libs(core: Path) -> list[str]:
-    """ggml-base and ggml, which the module links; the CPU backend is reached through ggml's registry."""
+    """ggml-base and ggml, which the module links; the CPU and RPC backends are reached through ggml's registry."""
     libs = [p for stem in ("libggml-base", "libggml") for p in sorted((core / "out").glob(f"{stem}.so.*"))]
     if len(libs) != 2:
         raise SystemExit(f"GGML build in {core} lacks libggml-base.so.N or libggml.so.N; delete it and rebuild")
@@ -350,7 +350,7 @@ def build_cffi(core: Path, opts: Options) -> Path:
     source_hash = info.source_hash(opts.patched)
     abi = info.abi_stamp() if opts.patched else "upstream"
     cdef = cdef_source(opts.patched)
-    includes = ["ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]
+    includes = ["math.h", "ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]  # math.h: libm's logf
     includes += [p.name for p in info.c_sources() if p.suffix == ".h"]  # ours: the cdef declares from them
     preamble = "\n".join(f'#include "{h}"' for h in includes) + "\n"
     macros = [("GGML_HYBRID_GGML_VERSION", f'"{pin["ggml_version"]}"'), ("GGML_HYBRID_PATCH_HASH", f'"{patch_hash}"'),
