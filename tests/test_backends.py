@@ -48,6 +48,42 @@ def test_module_and_loaded_ggml_base_share_one_abi():
         assert cstr(lib.ggml_hybrid_abi()) == buildinfo.abi_stamp()
 
 
+
+def _diff(*paths: str) -> str:
+    return "".join(f"--- a/{p}\n+++ b/{p}\n@@ -1 +1 @@\n-x\n+y\n" for p in paths)
+
+
+@pytest.mark.parametrize(("paths", "base"), [
+    (["include/ggml-rpc.h", "src/ggml-rpc/ggml-rpc.cpp"], False),
+    (["src/ggml-cuda/ggml-cuda.cu", "src/ggml-cuda/common.cuh"], False),
+    (["include/ggml-backend.h", "src/ggml-backend.cpp"], True),
+    (["src/ggml-rpc/ggml-rpc.cpp", "src/ggml.c"], True),  # one file of ggml-base is enough
+    (["include/ggml.h"], True), (["include/gguf.h"], True), (["src/ggml-alloc.c"], True),
+    (["CMakeLists.txt"], True), ([], True),  # a patch that names no file: assumed to touch it
+])
+def test_which_patches_touch_ggml_base(tmp_path, paths, base):
+    patch = tmp_path / "0001-x.patch"
+    patch.write_text("a description\n" + _diff(*paths))
+    assert buildinfo.patched_paths(patch) == sorted(paths)
+    assert buildinfo.touches_ggml_base(patch) is base
+
+
+@pytest.mark.skipif(not buildinfo.VENDOR_DIR.is_dir(), reason="needs the source checkout's vendor/")
+def test_abi_stamp_changes_with_ggml_base_patches_only(tmp_path):
+    vendor = tmp_path / "vendor"
+    shutil.copytree(buildinfo.VENDOR_DIR, vendor)
+    before = buildinfo.abi_stamp(vendor)
+    assert before == buildinfo.abi_stamp()
+    # a patch to one backend: a backend library built before it still loads into this ggml-base
+    (vendor / "patches" / "0900-rpc.patch").write_text(_diff("src/ggml-rpc/ggml-rpc.cpp"))
+    assert buildinfo.abi_stamp(vendor) == before
+    (vendor / "patches" / "0901-base.patch").write_text(_diff("src/ggml-backend.cpp"))
+    after = buildinfo.abi_stamp(vendor)
+    assert after != before
+    (vendor / "patches" / "0901-base.patch").write_text(_diff("src/ggml-backend.cpp") + "-z\n+w\n")
+    assert buildinfo.abi_stamp(vendor) not in (before, after)  # its content, not only its name
+
+
 # GGML's feature names -> the flags /proc/cpuinfo shows for them
 _CPUINFO = {"SSE3": "pni", "SSSE3": "ssse3", "AVX": "avx", "AVX2": "avx2", "F16C": "f16c", "FMA": "fma",
             "BMI2": "bmi2", "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
