@@ -259,12 +259,58 @@ def build_core(opts: Options) -> Path:
 
 
 def build_backend(name: str, opts: Options) -> Path:
-    """The backend's library (``libggml-NAME.so``), built in a tree of its own."""
-    where = build_tree(f"backend-{name}", opts.backend_args(name), opts, targets=(f"ggml-{name}",))
+    """The backend's library (``libggml-NAME.so``), built in a tree of its own, or adopted into that tree from a
+    library built elsewhere (``GGML_HYBRID_NAME_LIB``)."""
+    args = opts.backend_args(name)
+    prebuilt = os.environ.get(f"{BACKENDS[name].switch}_LIB")
+    if prebuilt:
+        where = adopt_backend(name, Path(prebuilt), args, opts)
+    else:
+        where = build_tree(f"backend-{name}", args, opts, targets=(f"ggml-{name}",))
     lib = where / "out" / f"libggml-{name}.so"
     if not lib.exists():
         raise SystemExit(f"the {name} build in {where} made no {lib.name}; delete that folder and rebuild")
     return lib
+
+
+def adopt_backend(name: str, lib: Path, args: list[str], opts: Options) -> Path:
+    """Put a backend library built elsewhere (another machine, or an earlier tree whose folder name no longer
+    matches) into the cache folder a build with ``args`` would use, so that later builds (a wheel from the
+    sdist, a rebuild) take it from there. It must carry this checkout's ABI stamp; the folder's own build, if
+    finished, is kept."""
+    pin = info.load_pin()
+    where = cache_root() / f"backend-{name}-{pin['ggml_version']}-{ggml_key(args, opts.patched)}"
+    with _locked(where):
+        if (where / "DONE").exists():
+            log(f"the {name} backend is already built in {where}; {lib} is not adopted")
+            return where
+        check_backend_library(name, lib)
+        out = where / "out"
+        out.mkdir(parents=True, exist_ok=True)
+        strip = shutil.which("strip")
+        target = out / f"libggml-{name}.so"
+        if strip:
+            run([strip, "--strip-unneeded", "-o", str(target), str(lib)])
+        else:
+            shutil.copy2(lib, target)
+        (where / "DONE").write_text(" ".join(args) + f"\nadopted from {lib.resolve()}\n")
+        log(f"adopted {lib} as the {name} backend of {where}")
+    return where
+
+
+def check_backend_library(name: str, lib: Path) -> None:
+    """A shared library that exports the stamp function with this checkout's ABI stamp in it (the loader checks
+    the stamp again by calling it, before GGML sees the library)."""
+    try:
+        data = lib.read_bytes()
+    except OSError as e:
+        raise SystemExit(f"{BACKENDS[name].switch}_LIB={lib}: cannot read it ({e.strerror})") from None
+    stamp = info.abi_stamp()
+    if not data.startswith(b"\x7fELF"):
+        raise SystemExit(f"{BACKENDS[name].switch}_LIB={lib}: not a shared library (no ELF header)")
+    if b"ggml_hybrid_backend_abi" not in data or stamp.encode() not in data:
+        raise SystemExit(f"{BACKENDS[name].switch}_LIB={lib}: not built against this checkout's ggml-base "
+                         f"(ABI stamp {stamp} not in it); build it with `python build.py --{name}`")
 
 
 def cuda_home() -> Path:
@@ -472,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, spec in BACKENDS.items():
         ap.add_argument(f"--{name}", action="store_true", help=f"add the {name} backend (also: {spec.switch}=1)")
+        ap.add_argument(f"--{name}-lib", type=Path, default=None, metavar="PATH",
+                        help=f"adopt a {name} backend library built elsewhere instead of building it "
+                             f"(also: {spec.switch}_LIB=PATH); implies --{name}")
     ap.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES (default 90)")
     ap.add_argument("--portable", action="store_true",
                     help="every x86-64 CPU variant, the best loaded at run time (also: GGML_HYBRID_PORTABLE=1)")
@@ -483,8 +532,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_cache:
         print(cache_root())
         return 0
+    for name, spec in BACKENDS.items():
+        prebuilt = getattr(ns, f"{name}_lib")
+        if prebuilt is not None:
+            os.environ[f"{spec.switch}_LIB"] = str(prebuilt.resolve())
     env = options_from_env()
-    backends = tuple(n for n in BACKENDS if getattr(ns, n) or n in env.backends)
+    backends = tuple(n for n in BACKENDS if getattr(ns, n) or getattr(ns, f"{n}_lib") or n in env.backends)
     if ns.upstream:
         opts = Options(patched=False)
     else:

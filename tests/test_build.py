@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -73,3 +74,70 @@ def test_python_m_build_in_the_checkout_runs_pypa_build():
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("build ") and "ggml-hybrid" not in res.stdout + res.stderr
+
+
+def _build_module():
+    name = "ggml_hybrid_build_script"
+    if name not in sys.modules:  # registered before it runs: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(name, ROOT / "build.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+@pytest.fixture
+def adopting(tmp_path, monkeypatch):
+    """build.py with a stand-in backend ("fake": no compiler needed for its arguments) and a scratch cache."""
+    mod = _build_module()
+    monkeypatch.setitem(mod.BACKENDS, "fake", mod.BackendSpec("GGML_HYBRID_FAKE", lambda opts: ["-DFAKE=ON"]))
+    monkeypatch.setenv("GGML_HYBRID_CACHE", str(tmp_path / "cache"))
+    return mod
+
+
+def _library(tmp_path: Path, stamp: str | None) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / f"fake_{stamp}.c"
+    src.write_text("int ggml_backend_init(void) { return 0; }\n" + (
+        "" if stamp is None else f'const char * ggml_hybrid_backend_abi(void) {{ return "{stamp}"; }}\n'))
+    out = tmp_path / f"libfake_{stamp}.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(src)], check=True, capture_output=True)
+    return out
+
+
+def test_a_backend_built_elsewhere_is_adopted_into_the_cache(adopting, tmp_path, monkeypatch):
+    lib = _library(tmp_path, adopting.info.abi_stamp())
+    monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(lib))
+    got = adopting.build_backend("fake", adopting.Options())
+    tree = got.parent.parent
+    assert got == tree / "out" / "libggml-fake.so" and got.exists()
+    assert tree.parent == tmp_path / "cache" and tree.name.startswith("backend-fake-")
+    assert "adopted from" in (tree / "DONE").read_text()
+    # a later build with the same options finds it there, with no library named
+    monkeypatch.delenv("GGML_HYBRID_FAKE_LIB")
+    logged = []
+    monkeypatch.setattr(adopting, "run", lambda cmd, **kw: logged.append(cmd))  # no CMake may run
+    assert adopting.build_backend("fake", adopting.Options()) == got
+    assert logged == []
+
+
+@pytest.mark.parametrize("stamp", [None, "0123456789abcdef"])
+def test_a_backend_of_another_ggml_base_is_not_adopted(adopting, tmp_path, monkeypatch, stamp):
+    monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(_library(tmp_path, stamp)))
+    with pytest.raises(SystemExit) as exc:
+        adopting.build_backend("fake", adopting.Options())
+    assert "not built against this checkout's ggml-base" in str(exc.value)
+    assert adopting.info.abi_stamp() in str(exc.value)
+    assert not list((tmp_path / "cache").glob("backend-fake-*/DONE"))
+
+
+def test_a_file_that_is_no_library_is_not_adopted(adopting, tmp_path, monkeypatch):
+    text = tmp_path / "libggml-fake.so"
+    text.write_text(adopting.info.abi_stamp())
+    monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(text))
+    with pytest.raises(SystemExit, match="no ELF header"):
+        adopting.build_backend("fake", adopting.Options())
+    monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(tmp_path / "missing.so"))
+    with pytest.raises(SystemExit, match="cannot read it"):
+        adopting.build_backend("fake", adopting.Options())
