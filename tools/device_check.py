@@ -21,7 +21,6 @@ Writes ``--out``/device_report.json and device_report.md. Without a GPU it stops
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -31,7 +30,9 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,19 +223,25 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--junit", type=Path, default=None, help="tests/test_gpu.py's JUnit XML, to include")
-    ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (logic check only)")
-    ap.add_argument("--small", action="store_true", help="a small benchmark model (logic check)")
-    ap.add_argument("--slots", type=int, default=6)
-    ap.add_argument("--threads", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--n-predict", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=1, help="repetitions of A,B,C,C,B,A")
-    ns = ap.parse_args()
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Folder for device_report.json, device_report.md and the scratch models.")
+@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="tests/test_gpu.py's JUnit XML, to include.")
+@click.option("--allow-cpu", is_flag=True, help="Run without a GPU (logic check only).")
+@click.option("--small", is_flag=True, help="A small benchmark model (logic check).")
+@click.option("--slots", default=6, show_default=True, type=click.IntRange(1), help="Cache slots per layer.")
+@click.option("--threads", default=8, show_default=True, type=click.IntRange(1), help="CPU threads.")
+@click.option("--prompt-tokens", default=32, show_default=True, type=click.IntRange(1))
+@click.option("--n-predict", default=32, show_default=True, type=click.IntRange(1))
+@click.option("--requests", default=3, show_default=True, type=click.IntRange(1),
+              help="Measured requests per block.")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(1), help="Repetitions of A,B,C,C,B,A.")
+def main(**kw: object) -> None:
+    sys.exit(_check(SimpleNamespace(**kw)))
+
+
+def _check(ns: SimpleNamespace) -> int:
     t0 = time.perf_counter()
     ns.out.mkdir(parents=True, exist_ok=True)
     work = ns.out / "work"
@@ -266,4 +273,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
