@@ -1,7 +1,7 @@
 """The CUDA backend library, when this install has one (``GGML_HYBRID_CUDA=1``): it loads into this ggml-base,
 registers its devices or says in one line why there are none, and the package runs on the CPU either way.
 
-Skipped without ``_native/backends/libggml-cuda.so`` (CI builds none: the CUDA compile takes an hour).
+Skipped without ``_native/backends/libggml-cuda.so`` (CI builds none: the CUDA compile takes hours on 2 cores).
 """
 
 from __future__ import annotations
