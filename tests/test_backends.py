@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,28 @@ def test_missing_runtime_is_named_then_found_in_a_pip_nvidia_folder(tmp_path, mo
     # the dependency was found and loaded; the stand-in then fails where a real backend registers itself
     assert not st.loaded
     assert st.detail.startswith("GGML could not initialise") and soname not in st.detail
+
+
+@needs_cc
+def test_loading_a_backend_puts_the_quiet_log_back(tmp_path):
+    # GGML's log is captured while a backend loads; afterwards the package's logger (debug lines dropped) is in
+    # place again, not GGML's default, which prints every level (one line per repacked tensor)
+    code = _stamp(cstr(lib.ggml_hybrid_base_abi())) + "void ggml_log_internal(int level, const char * fmt, ...);\n" \
+        'void ggml_hybrid_test_log(void) {\n' \
+        '    ggml_log_internal(1, "test-debug\\n");\n' \
+        '    ggml_log_internal(3, "test-warn\\n");\n' \
+        '}\n'
+    so = _shared(tmp_path, "libggml-fake.so", code, str(buildinfo.LIB_DIR / "libggml-base.so.0"))
+    script = ("import ctypes, sys\n"
+              "from pathlib import Path\n"
+              "from ggml_hybrid._native.backends import load_backend\n"
+              "st = load_backend(Path(sys.argv[1]))\n"
+              "assert st.detail.startswith('GGML could not initialise'), st.detail\n"
+              "ctypes.CDLL(sys.argv[1]).ggml_hybrid_test_log()\n")
+    res = subprocess.run([sys.executable, "-c", script, str(so)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "test-warn" in res.stderr and "test-debug" not in res.stderr
+    assert "ggml_backend_init" not in res.stderr  # GGML's complaint about the stand-in went to the capture
 
 
 def test_cpu_build_has_no_cuda(monkeypatch):
