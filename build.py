@@ -4,12 +4,19 @@
 Steps, each cached:
 1. fetch the registry archive named in ``vendor/pin.json`` with pip and check its sha256;
 2. extract GGML from it and apply ``vendor/patches/*.patch`` in order;
-3. build GGML with CMake (static, position independent) through ``vendor/CMakeLists.txt``;
-4. compile the cffi extension (API mode, out-of-line) against the patched headers.
+3. build GGML with CMake through ``vendor/CMakeLists.txt``: ggml-base, ggml (the backend registry) and the CPU
+   backend as shared libraries. The CPU backend is built for this CPU (``-march=native``) or, with
+   ``GGML_HYBRID_PORTABLE=1``, once per x86-64 feature level, GGML loading the best one for the CPU it runs on
+   (``GGML_CPU_ALL_VARIANTS``, as llama.cpp's release builds do);
+4. build each optional backend asked for (``BACKENDS``: CUDA with ``GGML_HYBRID_CUDA=1``) in a tree of its own,
+   as a library that GGML loads at run time (``GGML_BACKEND_DL``): an install with it still imports and runs
+   on a machine without the GPU, its driver or its runtime;
+5. compile the cffi extension (API mode, out-of-line) against the patched headers, linked to ggml-base and ggml;
+6. copy the module into ``ggml_hybrid/_native``, the GGML libraries into ``_native/lib`` and the optional
+   backends into ``_native/backends``.
 
-The GGML build lives in a cache folder keyed by the pin, the patch series, the
-wrapper CMake file and the build options, so reinstalling with nothing changed
-reuses it. ``python build.py --help`` lists the options.
+Each GGML build lives in a cache folder keyed by the pin, the patch series, the wrapper CMake file and its
+options, so reinstalling with nothing changed reuses it. ``python build.py --help`` lists the options.
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ import fcntl
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tarfile
 import tempfile
-from dataclasses import dataclass
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -34,7 +44,7 @@ VENDOR = ROOT / "vendor"
 PACKAGE = ROOT / "ggml_hybrid"
 NATIVE = PACKAGE / "_native"
 # Bump when the way GGML is configured or linked changes, to invalidate caches.
-BUILD_SCHEME = "3"
+BUILD_SCHEME = "4"
 
 
 def _load_buildinfo():
@@ -61,41 +71,81 @@ def cache_root() -> Path:
     return Path(base) / "ggml-hybrid"
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 @dataclass(frozen=True)
 class Options:
-    cuda: bool = False
+    backends: tuple[str, ...] = ()  # optional backends, names in BACKENDS
+    portable: bool = False  # every x86-64 CPU variant, the best chosen at run time (instead of -march=native)
     cuda_arch: str = "90"
-    patched: bool = True  # False builds upstream GGML, for the overhead benchmark
+    patched: bool = True  # False builds upstream GGML, static, for the overhead benchmark
     build_type: str = "Release"
     jobs: int = os.cpu_count() or 2
 
-    def cmake_args(self) -> list[str]:
-        args = [
-            f"-DCMAKE_BUILD_TYPE={self.build_type}",
+    def common_args(self) -> list[str]:
+        abi = info.abi_stamp() if self.patched else "upstream"
+        return [f"-DCMAKE_BUILD_TYPE={self.build_type}", "-DGGML_CCACHE=OFF", f"-DGGML_HYBRID_ABI={abi}"]
+
+    def core_args(self) -> list[str]:
+        """ggml-base, ggml and the CPU backend."""
+        args = self.common_args() + [
             # a persistent CPU worker needs its own threadpool; OpenMP would ignore it
             "-DGGML_OPENMP=OFF",
             # llama.cpp's default, so our CPU kernels match the reference
             "-DGGML_LLAMAFILE=ON",
-            "-DGGML_BACKEND_DL=OFF",
-            "-DGGML_NATIVE=ON",
-            "-DGGML_CCACHE=OFF",
-            f"-DGGML_CUDA={'ON' if self.cuda else 'OFF'}",
         ]
-        if self.cuda:
-            args += [
-                f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}",
-                # only the kernels the project uses: no FA for every head size
-                "-DGGML_CUDA_FA_ALL_QUANTS=OFF",
-            ]
-        return args
+        if not self.patched:
+            # linked into its own module, so that it loads next to the patched build in one process
+            return args + ["-DBUILD_SHARED_LIBS=OFF", "-DGGML_BACKEND_DL=OFF", "-DGGML_NATIVE=ON"]
+        if self.portable:
+            return args + ["-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON", "-DGGML_NATIVE=OFF",
+                           "-DGGML_CPU_ALL_VARIANTS=ON"]
+        # GGML refuses -march=native with dynamically loaded CPU backends: this one is linked to ggml
+        return args + ["-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=OFF", "-DGGML_NATIVE=ON"]
+
+    def backend_args(self, name: str) -> list[str]:
+        """One optional backend alone, as a library GGML loads at run time (no CPU backend in its tree)."""
+        return self.common_args() + ["-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU=OFF",
+                                     "-DGGML_NATIVE=OFF", *BACKENDS[name].cmake_args(self)]
 
 
-def ggml_key(opts: Options) -> str:
+@dataclass(frozen=True)
+class BackendSpec:
+    """An optional GGML backend: its switch and its CMake options; built by ``build_backend``."""
+
+    switch: str  # the environment variable that asks for it (also ``python build.py --NAME``)
+    cmake_args: Callable[[Options], list[str]] = field(repr=False)
+
+
+def _cuda_args(opts: Options) -> list[str]:
+    home = cuda_home()
+    version = nvcc_version(home / "bin" / "nvcc")
+    args = [f"-DCMAKE_CUDA_COMPILER={home / 'bin' / 'nvcc'}", f"-DCUDAToolkit_ROOT={home}", "-DGGML_CUDA=ON",
+            f"-DCMAKE_CUDA_ARCHITECTURES={opts.cuda_arch}",
+            # only the kernels the project uses: no FA for every head size and quant pair
+            "-DGGML_CUDA_FA_ALL_QUANTS=OFF", "-DGGML_CUDA_NCCL=OFF",
+            # no link to the driver library (libcuda.so.1): the library then loads where the driver is missing
+            # (the CUDA runtime reports "no device" instead), and a toolkit without its stubs can build it
+            "-DGGML_CUDA_NO_VMM=ON"]
+    if not (home / "include" / "cublas_v2.h").exists():
+        args += cublas_from_wheel(version)
+    return args
+
+
+# Optional backends by name. Adding one is one line: its switch and its CMake options.
+BACKENDS: dict[str, BackendSpec] = {
+    "cuda": BackendSpec("GGML_HYBRID_CUDA", _cuda_args),
+}
+
+
+def ggml_key(args: list[str], patched: bool) -> str:
     h = hashlib.sha256()
     h.update((VENDOR / "pin.json").read_bytes())
     h.update((VENDOR / "CMakeLists.txt").read_bytes())
-    h.update(info.patch_series_hash().encode() if opts.patched else b"unpatched")
-    h.update(" ".join(opts.cmake_args()).encode())
+    h.update(info.patch_series_hash().encode() if patched else b"unpatched")
+    h.update(" ".join(args).encode())
     h.update(BUILD_SCHEME.encode())
     return h.hexdigest()[:16]
 
@@ -108,8 +158,12 @@ def run(cmd: list[str], **kw) -> None:
 def fetch_archive(pin: dict) -> Path:
     """The pinned sdist, downloaded once and checked against its sha256."""
     downloads = cache_root() / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
     archive = downloads / pin["archive"]
+    with _locked(archive):
+        return _fetch_archive(pin, archive)
+
+
+def _fetch_archive(pin: dict, archive: Path) -> Path:
     if not archive.exists() or _sha256(archive) != pin["sha256"]:
         with tempfile.TemporaryDirectory() as tmp:
             # `--no-binary NAME` rather than `:all:`: with `:all:` pip would also
@@ -155,34 +209,175 @@ def prepare_source(pin: dict, dest: Path, patched: bool) -> None:
     tmp.rename(dest)
 
 
-def build_ggml(opts: Options) -> Path:
-    """Build (or reuse) GGML; returns its cache folder."""
+def build_tree(kind: str, args: list[str], opts: Options, targets: tuple[str, ...] = ()) -> Path:
+    """Configure and build GGML with ``args`` (or reuse that build); returns its cache folder, whose
+    ``out/`` holds the shared libraries it made, stripped."""
     pin = info.load_pin()
-    where = cache_root() / f"ggml-{pin['ggml_version']}-{ggml_key(opts)}"
-    stamp = where / "DONE"
-    if stamp.exists():
-        log(f"GGML up to date in {where}")
-        return where
-    shutil.rmtree(where, ignore_errors=True)
-    where.mkdir(parents=True)
-    prepare_source(pin, where / "ggml", opts.patched)
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    run(["cmake", "-S", str(VENDOR), "-B", str(where / "build"), *generator,
-         f"-DGGML_HYBRID_SOURCE={where / 'ggml'}", *opts.cmake_args()])
-    run(["cmake", "--build", str(where / "build"), "--parallel", str(opts.jobs)])
-    stamp.write_text(" ".join(opts.cmake_args()) + "\n")
+    where = cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args, opts.patched)}"
+    with _locked(where):
+        _build_tree(where, pin, args, opts, targets)
     return where
 
 
-def static_libs(ggml_dir: Path, opts: Options) -> list[str]:
+def _build_tree(where: Path, pin: dict, args: list[str], opts: Options, targets: tuple[str, ...]) -> None:
+    stamp = where / "DONE"
+    if stamp.exists():
+        log(f"GGML up to date in {where}")
+        return
+    # an interrupted build resumes: the source is extracted whole or not at all, CMake and Ninja are incremental
+    if not (where / "ggml").is_dir():
+        where.mkdir(parents=True, exist_ok=True)
+        prepare_source(pin, where / "ggml", opts.patched)
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    run(["cmake", "-S", str(VENDOR), "-B", str(where / "build"), *generator,
+         f"-DGGML_HYBRID_SOURCE={where / 'ggml'}", *args])
+    only = [a for t in targets for a in ("--target", t)]
+    run(["cmake", "--build", str(where / "build"), "--parallel", str(opts.jobs), *only])
+    collect_libraries(where / "build" / "bin", where / "out")
+    stamp.write_text(" ".join(args) + "\n")
+
+
+def collect_libraries(bin_dir: Path, out: Path) -> None:
+    """The shared libraries of a build, each under the name the loader looks for (its soname), stripped."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not bin_dir.is_dir():
+        return  # a static build
+    strip = shutil.which("strip")
+    for p in sorted(bin_dir.iterdir()):
+        # libggml-base.so.0 -> libggml-base.so.0.25.3 (a versioned shared library); libggml-cuda.so (a module)
+        versioned = p.is_symlink() and re.fullmatch(r"lib.+\.so\.\d+", p.name)
+        module = not p.is_symlink() and p.name.endswith(".so")
+        if versioned or module:
+            if strip:
+                run([strip, "--strip-unneeded", "-o", str(out / p.name), str(p.resolve())])
+            else:
+                shutil.copy2(p.resolve(), out / p.name)
+
+
+def build_core(opts: Options) -> Path:
+    return build_tree("ggml" if opts.patched else "ggml-upstream", opts.core_args(), opts)
+
+
+def build_backend(name: str, opts: Options) -> Path:
+    """The backend's library (``libggml-NAME.so``), built in a tree of its own, or adopted into that tree from a
+    library built elsewhere (``GGML_HYBRID_NAME_LIB``)."""
+    args = opts.backend_args(name)
+    prebuilt = os.environ.get(f"{BACKENDS[name].switch}_LIB")
+    if prebuilt:
+        where = adopt_backend(name, Path(prebuilt), args, opts)
+    else:
+        where = build_tree(f"backend-{name}", args, opts, targets=(f"ggml-{name}",))
+    lib = where / "out" / f"libggml-{name}.so"
+    if not lib.exists():
+        raise SystemExit(f"the {name} build in {where} made no {lib.name}; delete that folder and rebuild")
+    return lib
+
+
+def adopt_backend(name: str, lib: Path, args: list[str], opts: Options) -> Path:
+    """Put a backend library built elsewhere (another machine, or an earlier tree whose folder name no longer
+    matches) into the cache folder a build with ``args`` would use, so that later builds (a wheel from the
+    sdist, a rebuild) take it from there. It must carry this checkout's ABI stamp; the folder's own build, if
+    finished, is kept."""
+    pin = info.load_pin()
+    where = cache_root() / f"backend-{name}-{pin['ggml_version']}-{ggml_key(args, opts.patched)}"
+    with _locked(where):
+        if (where / "DONE").exists():
+            log(f"the {name} backend is already built in {where}; {lib} is not adopted")
+            return where
+        check_backend_library(name, lib)
+        out = where / "out"
+        out.mkdir(parents=True, exist_ok=True)
+        strip = shutil.which("strip")
+        target = out / f"libggml-{name}.so"
+        if strip:
+            run([strip, "--strip-unneeded", "-o", str(target), str(lib)])
+        else:
+            shutil.copy2(lib, target)
+        (where / "DONE").write_text(" ".join(args) + f"\nadopted from {lib.resolve()}\n")
+        log(f"adopted {lib} as the {name} backend of {where}")
+    return where
+
+
+def check_backend_library(name: str, lib: Path) -> None:
+    """A shared library that exports the stamp function with this checkout's ABI stamp in it (the loader checks
+    the stamp again by calling it, before GGML sees the library)."""
+    try:
+        data = lib.read_bytes()
+    except OSError as e:
+        raise SystemExit(f"{BACKENDS[name].switch}_LIB={lib}: cannot read it ({e.strerror})") from None
+    stamp = info.abi_stamp()
+    if not data.startswith(b"\x7fELF"):
+        raise SystemExit(f"{BACKENDS[name].switch}_LIB={lib}: not a shared library (no ELF header)")
+    if b"ggml_hybrid_backend_abi" not in data or stamp.encode() not in data:
+        raise SystemExit(f"{BACKENDS[name].switch}_LIB={lib}: not built against this checkout's ggml-base "
+                         f"(ABI stamp {stamp} not in it); build it with `python build.py --{name}`")
+
+
+def cuda_home() -> Path:
+    """The CUDA toolkit: $CUDA_HOME or $CUDA_PATH, else /usr/local/cuda, else the one of the nvcc on PATH."""
+    candidates = [Path(os.environ[e]) for e in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(e)]
+    nvcc = shutil.which("nvcc")
+    candidates += [Path("/usr/local/cuda")] + ([Path(nvcc).resolve().parent.parent] if nvcc else [])
+    for home in candidates:
+        if (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists():
+            return home.resolve()
+    raise SystemExit("the CUDA backend needs the CUDA toolkit (nvcc and its headers): set CUDA_HOME")
+
+
+def nvcc_version(nvcc: Path) -> tuple[int, int]:
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        raise SystemExit(f"cannot read the CUDA version from `{nvcc} --version`:\n{out}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def cublas_from_wheel(version: tuple[int, int]) -> list[str]:
+    """cuBLAS headers and libraries from the nvidia-cublas wheel of the toolkit's release (a toolkit
+    installed without cuBLAS); downloaded once into the cache. Returns the CMake options that point to it."""
+    major, minor = version
+    dest = cache_root() / f"cublas-{major}.{minor}"
+    with _locked(dest):
+        _fetch_cublas(major, minor, dest)
+    include = next(dest.glob("nvidia/*/include"))
+    libdir = include.parent / "lib"
+    return [f"-DGGML_HYBRID_CUBLAS_INCLUDE={include}", f"-DCUDA_cublas_LIBRARY={libdir / f'libcublas.so.{major}'}",
+            f"-DCUDA_cublasLt_LIBRARY={libdir / f'libcublasLt.so.{major}'}"]
+
+
+def _fetch_cublas(major: int, minor: int, dest: Path) -> None:
+    if not (dest / "DONE").exists():
+        downloads = cache_root() / "downloads"
+        downloads.mkdir(parents=True, exist_ok=True)
+        wheels = sorted(downloads.glob(f"nvidia_cublas-{major}.{minor}.*.whl"))
+        if not wheels:
+            run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                 f"nvidia-cublas=={major}.{minor}.*", "-d", str(downloads)])
+            wheels = sorted(downloads.glob(f"nvidia_cublas-{major}.{minor}.*.whl"))
+        if not wheels:
+            raise SystemExit(f"pip found no nvidia-cublas {major}.{minor} wheel for this CUDA toolkit")
+        shutil.rmtree(dest, ignore_errors=True)
+        with zipfile.ZipFile(wheels[-1]) as z:
+            z.extractall(dest, [n for n in z.namelist() if "/include/" in n or "/lib/libcublas" in n])
+        (dest / "DONE").write_text(wheels[-1].name + "\n")
+
+
+def static_libs(core: Path) -> list[str]:
     # order matters for the static linker: users before what they use
-    names = ["libggml.a"] + (["libggml-cuda.a"] if opts.cuda else []) + ["libggml-rpc.a", "libggml-cpu.a",
-                                                                         "libggml-base.a"]
-    found = {p.name: p for p in (ggml_dir / "build").rglob("*.a")}
+    names = ["libggml.a", "libggml-rpc.a", "libggml-cpu.a", "libggml-base.a"]
+    found = {p.name: p for p in (core / "build").rglob("*.a")}
     missing = [n for n in names if n not in found]
     if missing:
-        raise SystemExit(f"GGML build in {ggml_dir} lacks {missing}; delete that folder and rebuild")
+        raise SystemExit(f"GGML build in {core} lacks {missing}; delete that folder and rebuild")
     return [str(found[n]) for n in names]
+
+
+def shared_libs(core: Path) -> list[str]:
+    """ggml-base and ggml, which the module links; the CPU and RPC backends are reached through ggml's registry."""
+    libs = [p for stem in ("libggml-base", "libggml") for p in sorted((core / "out").glob(f"{stem}.so.*"))]
+    if len(libs) != 2:
+        raise SystemExit(f"GGML build in {core} lacks libggml-base.so.N or libggml.so.N; delete it and rebuild")
+    return [str(p) for p in libs]
 
 
 def cdef_source(patched: bool) -> str:
@@ -193,62 +388,93 @@ def module_name(opts: Options) -> str:
     return info.MODULE if opts.patched else info.UPSTREAM_MODULE
 
 
-def build_cffi(ggml_dir: Path, opts: Options, out_dir: Path) -> Path:
-    """Compile the cffi extension (our C in ``_native/src`` plus GGML); cached next to the GGML build it links."""
-    import cffi
-
+def build_cffi(core: Path, opts: Options) -> Path:
+    """Compile the cffi extension (our C in ``_native/src``); cached next to the GGML build it links."""
     pin = info.load_pin()
     name = module_name(opts)
     patch_hash = info.patch_series_hash() if opts.patched else "unpatched"
     source_hash = info.source_hash(opts.patched)
+    abi = info.abi_stamp() if opts.patched else "upstream"
     cdef = cdef_source(opts.patched)
     includes = ["math.h", "ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]  # math.h: libm's logf
     includes += [p.name for p in info.c_sources() if p.suffix == ".h"]  # ours: the cdef declares from them
     preamble = "\n".join(f'#include "{h}"' for h in includes) + "\n"
     macros = [("GGML_HYBRID_GGML_VERSION", f'"{pin["ggml_version"]}"'), ("GGML_HYBRID_PATCH_HASH", f'"{patch_hash}"'),
-              ("GGML_HYBRID_SOURCE_HASH", f'"{source_hash}"')]
-    if opts.cuda:
-        macros.append(("GGML_HYBRID_CUDA", "1"))
+              ("GGML_HYBRID_SOURCE_HASH", f'"{source_hash}"'), ("GGML_HYBRID_ABI", f'"{abi}"')]
     ext = sysconfig.get_config_var("EXT_SUFFIX")
-    key = hashlib.sha256((cdef + preamble + repr(macros) + ggml_dir.name + ext).encode()).hexdigest()[:16]
-    cached = ggml_dir / "cffi" / key / f"{name}{ext}"
-    if not cached.exists():
-        ffi = cffi.FFI()
-        ffi.cdef(cdef)
-        libs = static_libs(ggml_dir, opts)
-        extra_link = ["-Wl,--exclude-libs,ALL", "-lstdc++", "-lm", "-lpthread"]
-        if opts.cuda:
-            extra_link += _cuda_link_args()
-        ffi.set_source(
-            f"ggml_hybrid._native.{name}",
-            preamble,
-            sources=[str(p) for p in info.c_sources() if p.suffix == ".c"],
-            include_dirs=[str(info.SRC_DIR), str(ggml_dir / "ggml" / "include"), str(ggml_dir / "ggml" / "src")],
-            define_macros=macros,
-            extra_objects=libs,
-            extra_link_args=extra_link,
-            extra_compile_args=["-O2", "-Wall", "-Wno-unused-function", "-Werror=incompatible-pointer-types",
-                                "-Werror=int-conversion", "-Werror=implicit-function-declaration"],
-        )
-        with tempfile.TemporaryDirectory() as tmp:
-            log(f"compiling cffi module {name}")
-            built = Path(ffi.compile(tmpdir=tmp, verbose=False))
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(built, cached)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"{name}{ext}"
+    key = hashlib.sha256((cdef + preamble + repr(macros) + core.name + ext).encode()).hexdigest()[:16]
+    cached = core / "cffi" / key / f"{name}{ext}"
+    with _locked(cached.parent):
+        if not cached.exists():
+            _compile_cffi(core, opts, name, cdef, preamble, macros, cached)
+    return cached
+
+
+def _compile_cffi(core: Path, opts: Options, name: str, cdef: str, preamble: str, macros: list, cached: Path) -> None:
+    import cffi
+
+    ffi = cffi.FFI()
+    ffi.cdef(cdef)
+    if opts.patched:
+        # ggml-base and ggml next to the module, in lib/ (its run path)
+        objects, link = shared_libs(core), ["-Wl,-rpath,$ORIGIN/lib", "-ldl"]
+    else:
+        objects, link = static_libs(core), ["-Wl,--exclude-libs,ALL", "-lstdc++", "-lm", "-lpthread", "-ldl"]
+    ffi.set_source(
+        f"ggml_hybrid._native.{name}",
+        preamble,
+        sources=[str(p) for p in info.c_sources() if p.suffix == ".c"],
+        include_dirs=[str(info.SRC_DIR), str(core / "ggml" / "include"), str(core / "ggml" / "src")],
+        define_macros=macros,
+        extra_objects=objects,
+        extra_link_args=link,
+        extra_compile_args=["-O2", "-Wall", "-Wno-unused-function", "-Werror=incompatible-pointer-types",
+                            "-Werror=int-conversion", "-Werror=implicit-function-declaration"],
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        log(f"compiling cffi module {name}")
+        built = Path(ffi.compile(tmpdir=tmp, verbose=False))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, cached)
+
+
+def _replace_file(src: Path, dst: Path) -> None:
     # copy then rename, so a running interpreter never maps a half-written file
-    tmp_target = target.with_suffix(".tmp")
-    shutil.copy2(cached, tmp_target)
-    tmp_target.replace(target)
-    write_stub(cached, out_dir / f"{name}.pyi")
-    log(f"installed {target}")
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copy2(src, tmp)
+    tmp.replace(dst)
+
+
+def _sync_dir(files: list[Path], dest: Path) -> None:
+    """dest holds exactly ``files`` among GGML's libraries (libggml*), nothing else of ours."""
+    dest.mkdir(parents=True, exist_ok=True)
+    names = {f.name for f in files}
+    for old in dest.glob("libggml*"):
+        if old.name not in names:
+            old.unlink()
+    for f in files:
+        _replace_file(f, dest / f.name)
+
+
+def install(module: Path, core: Path, backends: list[Path], out_dir: Path, patched: bool) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if patched:
+        _sync_dir(sorted((core / "out").iterdir()), out_dir / "lib")
+        _sync_dir(backends, out_dir / "backends")
+    target = out_dir / module.name
+    _replace_file(module, target)
+    write_stub(target, out_dir / f"{module_name_of(target)}.pyi")
+    log(f"installed {target}" + "".join(f", {b.name}" for b in backends))
     return target
+
+
+def module_name_of(path: Path) -> str:
+    return path.name.split(".")[0]
 
 
 def write_stub(module: Path, out: Path) -> None:
     """A type stub of the compiled module, from what it exports: mypy then checks every ``lib.name``."""
-    spec = importlib.util.spec_from_file_location(module.name.split(".")[0], module)  # PyInit_<name>
+    spec = importlib.util.spec_from_file_location(module_name_of(module), module)  # PyInit_<name>
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     lines = ['"""Generated by build.py from the compiled cffi module; do not edit."""', "",
@@ -262,20 +488,12 @@ def write_stub(module: Path, out: Path) -> None:
     tmp.replace(out)
 
 
-def _cuda_link_args() -> list[str]:
-    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-    return [f"-L{cuda_home / 'lib64'}", "-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]
-
-
 @contextlib.contextmanager
-def _lock(path: Path):
-    """One build of a given thing at a time: a second one waits, then finds the first one's result.
-
-    Keyed by what is built (one GGML configuration): builds of different configurations, e.g. a long
-    CUDA build and a CPU one, never wait for each other.
-    """
+def _locked(path: Path):
+    """One build of ``path`` at a time: a second one waits, then finds the first one's result. Builds of other
+    folders (another option set, the CUDA backend) go on meanwhile."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    with open(path.with_name(path.name + ".lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -284,21 +502,28 @@ def _lock(path: Path):
 
 
 def build(opts: Options, out_dir: Path = NATIVE) -> Path:
-    pin = info.load_pin()
-    with _lock(cache_root() / f"ggml-{pin['ggml_version']}-{ggml_key(opts)}.lock"):
-        ggml_dir = build_ggml(opts)
-        return build_cffi(ggml_dir, opts, out_dir)
+    core = build_core(opts)
+    backends = [build_backend(name, opts) for name in opts.backends]
+    module = build_cffi(core, opts)
+    return install(module, core, backends, out_dir, opts.patched)
 
 
 def options_from_env() -> Options:
-    cuda = os.environ.get("GGML_HYBRID_CUDA", "0") not in ("", "0", "false", "no")
-    return Options(cuda=cuda, cuda_arch=os.environ.get("GGML_HYBRID_CUDA_ARCH", "90"))
+    return Options(backends=tuple(n for n, spec in BACKENDS.items() if _env_flag(spec.switch)),
+                   portable=_env_flag("GGML_HYBRID_PORTABLE"),
+                   cuda_arch=os.environ.get("GGML_HYBRID_CUDA_ARCH", "90"))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cuda", action="store_true", help="add the CUDA backend (also: GGML_HYBRID_CUDA=1)")
+    for name, spec in BACKENDS.items():
+        ap.add_argument(f"--{name}", action="store_true", help=f"add the {name} backend (also: {spec.switch}=1)")
+        ap.add_argument(f"--{name}-lib", type=Path, default=None, metavar="PATH",
+                        help=f"adopt a {name} backend library built elsewhere instead of building it "
+                             f"(also: {spec.switch}_LIB=PATH); implies --{name}")
     ap.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES (default 90)")
+    ap.add_argument("--portable", action="store_true",
+                    help="every x86-64 CPU variant, the best loaded at run time (also: GGML_HYBRID_PORTABLE=1)")
     ap.add_argument("--upstream", action="store_true",
                     help="build GGML without the patch series into --out (for benchmarks)")
     ap.add_argument("--out", type=Path, default=None, help="where to put the extension module")
@@ -307,12 +532,32 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_cache:
         print(cache_root())
         return 0
+    for name, spec in BACKENDS.items():
+        prebuilt = getattr(ns, f"{name}_lib")
+        if prebuilt is not None:
+            os.environ[f"{spec.switch}_LIB"] = str(prebuilt.resolve())
     env = options_from_env()
-    opts = Options(cuda=ns.cuda or env.cuda, cuda_arch=ns.cuda_arch or env.cuda_arch, patched=not ns.upstream)
+    backends = tuple(n for n in BACKENDS if getattr(ns, n) or getattr(ns, f"{n}_lib") or n in env.backends)
+    if ns.upstream:
+        opts = Options(patched=False)
+    else:
+        opts = Options(backends=backends, portable=ns.portable or env.portable,
+                       cuda_arch=ns.cuda_arch or env.cuda_arch)
     out = ns.out or (ROOT / "build" / "upstream" / "ggml_hybrid" / "_native" if ns.upstream else NATIVE)
     build(opts, out)
     return 0
 
 
+def _hand_over_to_pypa_build() -> None:
+    """``python -m build`` run here finds this file before PyPA's ``build`` package: run that one instead."""
+    import runpy
+
+    sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
+    runpy.run_module("build", run_name="__main__", alter_sys=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if __spec__ is not None and __spec__.name == "build":
+        _hand_over_to_pypa_build()
+    else:
+        sys.exit(main())

@@ -21,6 +21,20 @@ settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (builds, installs)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # slow tests (wheel and sdist builds into fresh environments) stay out of CI's default run
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def cpu_backend():
     backend = gh.cpu(2)

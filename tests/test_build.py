@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -15,8 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = Path(ggml_hybrid.__file__).resolve().parent
 
 
+def _installed_build_flags() -> list[str]:
+    """build.py's flags for what this checkout has installed, so the rebuild below keeps it as it is."""
+    native = PKG / "_native"
+    return ((["--cuda"] if (native / "backends" / "libggml-cuda.so").exists() else [])
+            + (["--portable"] if any((native / "lib").glob("libggml-cpu-*.so")) else []))
+
+
 def test_second_build_reuses_the_cached_ggml():
-    res = subprocess.run([sys.executable, str(ROOT / "build.py")], capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, str(ROOT / "build.py"), *_installed_build_flags()], capture_output=True,
+                         text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "GGML up to date" in res.stderr
     # neither CMake nor a compiler ran: the GGML build and the cffi module came from the cache
@@ -57,3 +66,78 @@ def test_stale_build_refuses_to_import(tmp_path, what):
     res = _import_in(root)
     assert res.returncode != 0
     assert "StaleBuildError" in res.stderr and "python build.py" in res.stderr
+
+
+def test_python_m_build_in_the_checkout_runs_pypa_build():
+    """``python -m build`` from the repository root finds build.py first; it hands over to PyPA's build."""
+    res = subprocess.run([sys.executable, "-m", "build", "--version"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("build ") and "ggml-hybrid" not in res.stdout + res.stderr
+
+
+def _build_module():
+    name = "ggml_hybrid_build_script"
+    if name not in sys.modules:  # registered before it runs: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(name, ROOT / "build.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+@pytest.fixture
+def adopting(tmp_path, monkeypatch):
+    """build.py with a stand-in backend ("fake": no compiler needed for its arguments) and a scratch cache."""
+    mod = _build_module()
+    monkeypatch.setitem(mod.BACKENDS, "fake", mod.BackendSpec("GGML_HYBRID_FAKE", lambda opts: ["-DFAKE=ON"]))
+    monkeypatch.setenv("GGML_HYBRID_CACHE", str(tmp_path / "cache"))
+    return mod
+
+
+def _library(tmp_path: Path, stamp: str | None) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / f"fake_{stamp}.c"
+    src.write_text("int ggml_backend_init(void) { return 0; }\n" + (
+        "" if stamp is None else f'const char * ggml_hybrid_backend_abi(void) {{ return "{stamp}"; }}\n'))
+    out = tmp_path / f"libfake_{stamp}.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(src)], check=True, capture_output=True)
+    return out
+
+
+def test_a_backend_built_elsewhere_is_adopted_into_the_cache(adopting, tmp_path, monkeypatch):
+    lib = _library(tmp_path, adopting.info.abi_stamp())
+    monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(lib))
+    got = adopting.build_backend("fake", adopting.Options())
+    tree = got.parent.parent
+    assert got == tree / "out" / "libggml-fake.so" and got.exists()
+    assert tree.parent == tmp_path / "cache" and tree.name.startswith("backend-fake-")
+    assert "adopted from" in (tree / "DONE").read_text()
+    # a later build with the same options finds it there, with no library named
+    monkeypatch.delenv("GGML_HYBRID_FAKE_LIB")
+    logged = []
+    monkeypatch.setattr(adopting, "run", lambda cmd, **kw: logged.append(cmd))  # no CMake may run
+    assert adopting.build_backend("fake", adopting.Options()) == got
+    assert logged == []
+
+
+@pytest.mark.parametrize("stamp", [None, "0123456789abcdef"])
+def test_a_backend_of_another_ggml_base_is_not_adopted(adopting, tmp_path, monkeypatch, stamp):
+    monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(_library(tmp_path, stamp)))
+    with pytest.raises(SystemExit) as exc:
+        adopting.build_backend("fake", adopting.Options())
+    assert "not built against this checkout's ggml-base" in str(exc.value)
+    assert adopting.info.abi_stamp() in str(exc.value)
+    assert not list((tmp_path / "cache").glob("backend-fake-*/DONE"))
+
+
+def test_a_file_that_is_no_library_is_not_adopted(adopting, tmp_path, monkeypatch):
+    text = tmp_path / "libggml-fake.so"
+    text.write_text(adopting.info.abi_stamp())
+    monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(text))
+    with pytest.raises(SystemExit, match="no ELF header"):
+        adopting.build_backend("fake", adopting.Options())
+    monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(tmp_path / "missing.so"))
+    with pytest.raises(SystemExit, match="cannot read it"):
+        adopting.build_backend("fake", adopting.Options())

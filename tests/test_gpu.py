@@ -1,13 +1,143 @@
-"""Checks that need an accelerator; skipped on CPU-only machines (CI never has one)."""
+"""Checks that need an accelerator; skipped on CPU-only machines (CI never has one).
+
+Run by tools/device_check.sh on an NVIDIA machine. Oracles: numpy for the region test; for the models, the
+same generated model resident on CUDA (the default path, bit-identical claims) and on the CPU (CPU-side arithmetic
+differs from CUDA's: within PARITY_RTOL, same greedy tokens).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from helpers import PARITY_RTOL, greedy_run, relative_diff
 
 import ggml_hybrid as gh
+from ggml_hybrid import lib
+from ggml_hybrid._native import ffi
+from ggml_hybrid._native.backends import optional_backends
+from ggml_hybrid.cli import main
+from ggml_hybrid.ggml.backend import Buffer, cpu_instance
+from ggml_hybrid.model.moe_model import MoEModel
+from ggml_hybrid.model.synthetic import write_model
+from ggml_hybrid.options import SessionOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gh.cuda_available(), reason="no CUDA device in this build")]
+
+PROMPT = [5, 17, 42, 101, 7, 250, 33, 64]
+N_PREDICT = 8
+
+
+@pytest.fixture(scope="module", params=["f32", "q8_0"])
+def model_path(request, tmp_path_factory):
+    # 4 layers, 16 experts top-4: 2 slots per layer cannot hold a token's experts, so every step loads
+    return write_model(tmp_path_factory.mktemp("gpu") / f"m_{request.param}.gguf", n_layer=4, n_expert=16, n_used=4,
+                       weight_type=request.param, seed=3)
+
+
+def _run(path, items=(), device=None):
+    """(greedy tokens, logits of every eval, the expert counters' total, the layout)."""
+    with MoEModel(path, SessionOptions.parse(list(items)), device=device) as m:
+        tokens, logits = greedy_run(m, PROMPT, N_PREDICT)
+        return tokens, logits, m.counters.total, m.layout
+
+
+@pytest.fixture(scope="module")
+def cuda_ref(model_path):
+    tokens, logits, _, _ = _run(model_path)
+    return tokens, logits
+
+
+@pytest.fixture(scope="module")
+def cpu_ref(model_path):
+    dev = cpu_instance(0, 2)
+    try:
+        tokens, logits, _, _ = _run(model_path, device=dev)
+    finally:
+        dev.close()
+    return tokens, logits
+
+
+def test_cuda_backend_registers_its_devices():
+    st = optional_backends()["CUDA"]
+    assert st.loaded and st.devices >= 1 and st.detail == ""
+    names = [d.name for d in gh.devices()]
+    assert "CUDA0" in names and "CPU" in names
+    out = CliRunner().invoke(main, ["devices"]).output
+    first = out.splitlines()[0].split()
+    assert first[:2] == ["CUDA0", "gpu"], out
+
+
+def test_default_path_runs_on_cuda(model_path, cuda_ref):
+    with MoEModel(model_path) as m:
+        assert m.device.name == "CUDA0" and set(m.layout.layer_device) == {"CUDA0"}
+        assert m.device_memory()["weights"] > 0
+        tokens, logits = greedy_run(m, PROMPT, N_PREDICT)
+    np.testing.assert_array_equal(logits, cuda_ref[1])  # deterministic: the same run twice is the same
+
+
+def test_cuda_matches_cpu(cuda_ref, cpu_ref):
+    assert cuda_ref[0] == cpu_ref[0]  # same greedy tokens
+    assert relative_diff(cuda_ref[1], cpu_ref[1]) <= PARITY_RTOL
+
+
+@pytest.mark.parametrize("share", ["0", "0.5", "auto"])
+def test_expert_cache_on_cuda(model_path, cuda_ref, share):
+    items = ["disk_experts=1", "expert_cache_slots=2", f"moe_cpu_share={share}"]
+    tokens, logits, total, _ = _run(model_path, items)
+    assert total.misses + total.cpu_misses > 0 and total.hits + total.misses + total.cpu_misses == total.distinct
+    if share == "0":
+        # the cache computes the same CUDA ops over slot tensors: bit-identical to every expert resident
+        assert total.cpu_misses == 0
+        np.testing.assert_array_equal(logits, cuda_ref[1])
+    else:
+        # the CPU's rows come from CPU arithmetic: within the CUDA-vs-CPU tolerance
+        assert share == "auto" or total.cpu_misses > 0
+        assert tokens == cuda_ref[0]
+        assert relative_diff(logits, cuda_ref[1]) <= PARITY_RTOL
+
+
+def test_cpu_moe_keeps_experts_on_the_host(model_path, cuda_ref):
+    tokens, logits, _, layout = _run(model_path, ["cpu_moe=1"])
+    assert set(layout.expert_mode) == {"cpu"} and set(layout.layer_device) == {"CUDA0"}
+    assert tokens == cuda_ref[0] and relative_diff(logits, cuda_ref[1]) <= PARITY_RTOL
+
+
+def test_no_kv_offload_keeps_the_cache_on_the_host(model_path, cuda_ref):
+    tokens, logits, _, layout = _run(model_path, ["no_kv_offload=1"])
+    assert set(layout.kv_device) == {"CPU"}
+    assert tokens == cuda_ref[0] and relative_diff(logits, cuda_ref[1]) <= PARITY_RTOL
+
+
+@pytest.mark.parametrize("items", [["n_gpu_layers=2"], [r"override_tensor=blk\.[01]\.=CPU"]],
+                         ids=["ngl", "override_tensor"])
+def test_layers_split_between_cuda_and_cpu(model_path, cuda_ref, items):
+    tokens, logits, _, layout = _run(model_path, items)
+    placed = set(layout.tensors.values())
+    assert {"CUDA0", "CPU"} <= placed
+    assert tokens == cuda_ref[0] and relative_diff(logits, cuda_ref[1]) <= PARITY_RTOL
+
+
+def test_pinned_host_buffer_uploads_to_the_device():
+    """The device's host buffer type (pinned memory): what pinned expert uploads go through."""
+    dev = lib.ggml_backend_dev_by_name(b"CUDA0")
+    buft = lib.ggml_backend_dev_host_buffer_type(dev)
+    assert buft != ffi.NULL
+    pinned = Buffer(lib.ggml_backend_buft_alloc_buffer(buft, 1 << 20))
+    assert pinned.is_host and "Host" in pinned.name
+    cuda = gh.cuda(0)
+    src_ctx, dst_ctx = gh.Context(n_tensors=2), gh.Context(n_tensors=2)
+    src = src_ctx.new_tensor("q8_0", (64, 256), "staged")
+    dst = dst_ctx.new_tensor("q8_0", (64, 256), "slot")
+    pinned.place(src, 0)
+    dst_ctx.allocate(cuda)
+    data = gh.quantize(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), "q8_0")
+    src.set(data)
+    lib.ggml_backend_tensor_copy(src.ptr, dst.ptr)
+    cuda.synchronize()
+    np.testing.assert_array_equal(dst.numpy(), src.numpy())
+    for x in (dst_ctx, src_ctx, pinned, cuda):
+        x.close()
 
 
 def test_region_on_the_device_gets_copies_of_host_inputs():

@@ -1,8 +1,10 @@
-"""The compiled cffi module (GGML, the patch series, our C), loaded once and checked against its sources.
+"""The compiled cffi module (our C over GGML's shared libraries), loaded once and checked against its sources.
 
 A build made from other cdef headers, C sources, GGML version or patch series
 refuses to import with :class:`~ggml_hybrid.errors.StaleBuildError`: a stale
-build must fail loudly, not run old code.
+build must fail loudly, not run old code. So does a module whose ggml-base
+library (``lib/``) is not the one it was built against. The CPU backend is
+loaded at import; optional backends (CUDA) on first use (``backends.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def _check_build() -> None:
         raise StaleBuildError(
             f"ggml_hybrid._native._ggml was compiled from other cdef headers or C sources (hash {built[:12]}, "
             f"sources {buildinfo.source_hash()[:12]}); {_REBUILD}")
+    loaded_abi, built_abi = cstr(lib.ggml_hybrid_base_abi()), cstr(lib.ggml_hybrid_abi())
+    if loaded_abi != built_abi:
+        raise StaleBuildError(f"ggml_hybrid._native._ggml was built for GGML ABI {built_abi}, but the ggml-base "
+                              f"library loaded is {loaded_abi} (another libggml-base.so in this process or on "
+                              f"LD_LIBRARY_PATH?); {_REBUILD}")
     # the pin and the patch series live in the source checkout, not in a wheel
     if buildinfo.VENDOR_DIR.is_dir():
         pin_version = buildinfo.load_pin()["ggml_version"]
@@ -50,8 +57,10 @@ def _check_build() -> None:
 
 
 _check_build()
-lib.ggml_cpu_init()
 lib.ggml_hybrid_log_quiet()
+if not lib.ggml_hybrid_load_cpu(str(buildinfo.LIB_DIR).encode()):
+    raise StaleBuildError(f"no usable GGML CPU backend in {buildinfo.LIB_DIR} (the libggml-cpu*.so files are missing, "
+                          f"or none suits this CPU); {_REBUILD}")
 
 GGML_VERSION = cstr(lib.ggml_hybrid_ggml_version())
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 NATIVE_DIR = Path(__file__).resolve().parent
@@ -24,6 +25,13 @@ VENDOR_DIR = REPO_DIR / "vendor"
 # The compiled cffi module: ggml_hybrid._native.<MODULE>
 MODULE = "_ggml"
 UPSTREAM_MODULE = "_ggml_upstream"
+# GGML's shared libraries next to the module: ggml-base, ggml (the registry) and the CPU backend (one
+# library built for this CPU, or one per x86-64 feature level in a portable build, the best loaded).
+LIB_DIR = NATIVE_DIR / "lib"
+# Optional backends (libggml-cuda.so, ...), loaded at run time when present and usable.
+BACKEND_DIR = NATIVE_DIR / "backends"
+# Bump when ggml-base's binary interface changes in a way the pin and the patch series do not show.
+ABI_SCHEME = "1"
 
 
 def _digest(parts: list[tuple[str, bytes]]) -> str:
@@ -61,6 +69,42 @@ def source_hash(patched: bool = True) -> str:
     """What the module's interface and our C depend on: the cdef headers and the C sources."""
     files = cdef_files(patched) + c_sources()
     return _digest([(p.relative_to(NATIVE_DIR).as_posix(), p.read_bytes()) for p in files])
+
+
+# GGML's own headers of ggml-base and the registry; any other include/ggml-NAME.h is a backend's
+_BASE_HEADERS = frozenset({"ggml.h", "gguf.h", "ggml-alloc.h", "ggml-backend.h", "ggml-cpp.h", "ggml-opt.h"})
+_BACKEND_FOLDER = re.compile(r"src/ggml-[a-z0-9_]+/.+")
+_HEADER = re.compile(r"include/[^/]+\.h")
+
+
+def patched_paths(patch: Path) -> list[str]:
+    """The files a patch changes, relative to GGML's folder (the patches are applied with -p1)."""
+    paths = []
+    for line in patch.read_text(errors="replace").splitlines():
+        if line.startswith(("--- ", "+++ ")):
+            path = line[4:].split("\t")[0].strip()
+            if path != "/dev/null":
+                paths.append(path.split("/", 1)[1] if "/" in path else path)
+    return sorted(set(paths))
+
+
+def touches_ggml_base(patch: Path) -> bool:
+    """False only for a patch confined to backends' own files (src/ggml-NAME/, include/ggml-NAME.h), which
+    leaves ggml-base's binary interface as it is; a patch that names no file counts as touching it."""
+    paths = patched_paths(patch)
+    backend_only = all(_BACKEND_FOLDER.fullmatch(p) or (_HEADER.fullmatch(p) and p[len("include/"):] not in
+                                                        _BASE_HEADERS) for p in paths)
+    return not (paths and backend_only)
+
+
+def abi_stamp(vendor_dir: Path = VENDOR_DIR) -> str:
+    """The binary interface of ggml-base: the pin and the patches that touch ggml-base (a patch confined to one
+    backend, such as the RPC client's, leaves it as it is). Compiled into ggml-base, the module and every
+    backend library; a backend library is loaded only into a ggml-base of the same stamp."""
+    pin = (vendor_dir / "pin.json").read_bytes()
+    base = [p for p in patch_files(vendor_dir) if touches_ggml_base(p)]
+    patches = _digest([(p.name, p.read_bytes()) for p in base]).encode()
+    return _digest([("pin", pin), ("patches", patches), ("scheme", ABI_SCHEME.encode())])[:16]
 
 
 def load_pin(vendor_dir: Path = VENDOR_DIR) -> dict:

@@ -30,7 +30,7 @@ def inspect(model, model_flag, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def devices(virtual_devices, rpc, as_json):
     """The device names that layout options accept (RPC0, ..., CUDA0, ... or DEV0, ... and CPU)."""
-    from ..deploy.devices import describe_devices
+    from ..deploy.devices import backend_notes, describe_devices
 
     items = [f"virtual_devices={virtual_devices}"] if virtual_devices else []
     opts = SessionOptions.parse(items + ([f"rpc={rpc}"] if rpc is not None else []))
@@ -41,6 +41,8 @@ def devices(virtual_devices, rpc, as_json):
     for r in rows:
         mem = f", {format_bytes(r['memory_total'])}" if r["memory_total"] else ""
         click.echo(f"{r['name']:<6} {r['kind']:<13} {r['description']}{mem}")
+    for note in backend_notes():
+        click.echo(note)
 
 
 @main.command()

@@ -10,21 +10,23 @@ is tested) anywhere.
 
 from __future__ import annotations
 
+import os
+
+from .._native.backends import optional_backends
 from ..ggml import rpc
-from ..ggml.backend import Backend, cpu_instance, cuda, cuda_available
+from ..ggml.backend import Backend, cpu_instance, cpu_library, cuda, cuda_device_count
 from ..options import MAX_DEVICES, OptionError, SessionOptions, device_list
 from .layout import CPU
 
 
 def _local_names(opts: SessionOptions, remote: int) -> list[str]:
-    real = "CUDA devices" if cuda_available() else "RPC devices" if remote else None
+    n_cuda = cuda_device_count()
+    real = "CUDA devices" if n_cuda else "RPC devices" if remote else None
     if real is not None and opts.virtual_devices != 1:  # it would do nothing: refused, not ignored
         raise OptionError(f"virtual_devices={opts.virtual_devices}: CPU instances play devices only on a machine "
                           f"without a GPU or RPC server; this session has {real} (select them with devices=, -dev)")
-    if cuda_available():
-        from .._native import lib
-
-        return [f"CUDA{i}" for i in range(lib.ggml_hybrid_cuda_device_count())]
+    if n_cuda:
+        return [f"CUDA{i}" for i in range(n_cuda)]
     if remote:
         return []  # real devices: no CPU instance plays one
     return [f"DEV{i}" for i in range(opts.virtual_devices)]
@@ -135,10 +137,17 @@ def describe_devices(opts: SessionOptions | None = None) -> list[dict]:
         rows.append({"name": name, "kind": "gpu" if g else "cpu-instance",
                      "description": g.description if g else "CPU backend instance playing a device (no GPU)",
                      "memory_total": g.memory_total if g else None, "memory_free": g.memory_free if g else None})
-    rows.append({"name": CPU, "kind": "host", "description": "host memory and the CPU backend",
+    cpu_lib = os.path.basename(cpu_library())
+    rows.append({"name": CPU, "kind": "host",
+                 "description": "host memory and the CPU backend" + (f" ({cpu_lib})" if cpu_lib else ""),
                  "memory_total": None, "memory_free": None})
     return rows
 
 
-__all__ = ["available_device_names", "describe_devices", "device_free_memory", "device_names", "open_devices",
-           "plan_device_names"]
+def backend_notes() -> list[str]:
+    """One line per optional backend of this install that gives no device (not loadable, or no GPU found)."""
+    return [st.summary() for st in optional_backends().values() if not st.devices]
+
+
+__all__ = ["available_device_names", "backend_notes", "describe_devices", "device_free_memory", "device_names",
+           "open_devices", "plan_device_names"]

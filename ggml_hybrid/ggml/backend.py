@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._native import CData, cstr, ffi, lib
+from .._native.backends import optional_backends
 from .._native.managed import Managed
 from ..checks import check_choice, check_int
 from ..errors import AllocationError, ArgumentError, BackendError
@@ -112,7 +113,7 @@ class Threadpool(Managed):
     def __init__(self, ptr: CData) -> None:
         if ptr == ffi.NULL:
             raise BackendError("could not create a CPU threadpool")
-        super().__init__(ptr, lib.ggml_threadpool_free)
+        super().__init__(ptr, lib.ggml_hybrid_threadpool_free)
 
 
 class Backend(Managed):
@@ -136,7 +137,7 @@ class Backend(Managed):
 
     @property
     def is_cpu(self) -> bool:
-        return bool(lib.ggml_backend_is_cpu(self.ptr))
+        return bool(lib.ggml_hybrid_is_cpu(self.ptr))
 
     @property
     def n_threads(self) -> int | None:
@@ -161,14 +162,14 @@ class Backend(Managed):
             raise BackendError(f"n_threads applies to the CPU backend, not {self.name}")
         check_int(n, "n_threads", 1, max_threads())
         check_int(poll, "poll", 0, 100)
-        lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
+        lib.ggml_hybrid_cpu_set_n_threads(self.ptr, n)
         pool = self._pools.get((n, poll))
         if pool is None:
             params = ffi.new("struct ggml_threadpool_params *")
             lib.ggml_threadpool_params_init(params, n)
             params.poll = poll
-            pool = self._pools[(n, poll)] = Threadpool(lib.ggml_threadpool_new(params))
-        lib.ggml_backend_cpu_set_threadpool(self.ptr, pool.ptr)
+            pool = self._pools[(n, poll)] = Threadpool(lib.ggml_hybrid_threadpool_new(params))
+        lib.ggml_hybrid_cpu_set_threadpool(self.ptr, pool.ptr)
         self._n_threads, self._poll = n, poll
 
     def close(self) -> None:
@@ -195,7 +196,7 @@ class Backend(Managed):
 def cpu(n_threads: int | None = None, poll: int = 0) -> Backend:
     """A CPU backend with its own persistent threadpool of ``n_threads`` (default: all cores); ``poll`` as in
     :meth:`Backend.set_threads`."""
-    b = Backend(lib.ggml_backend_cpu_init(), "CPU")
+    b = Backend(lib.ggml_hybrid_cpu_init(), "CPU")
     b.set_threads(n_threads if n_threads is not None else (os.cpu_count() or 1), poll)
     return b
 
@@ -212,17 +213,40 @@ def cpu_instance(index: int, n_threads: int | None = None, poll: int = 0) -> Bac
     return b
 
 
+def cuda_device_count() -> int:
+    """CUDA devices of this install: 0 without the CUDA backend, its runtime, a driver or a GPU."""
+    st = optional_backends().get("CUDA")
+    return st.devices if st is not None else 0
+
+
 def cuda_available() -> bool:
-    return bool(lib.ggml_hybrid_has_cuda()) and lib.ggml_hybrid_cuda_device_count() > 0
+    return cuda_device_count() > 0
 
 
 def cuda(device: int = 0) -> Backend:
-    if not lib.ggml_hybrid_has_cuda():
-        raise BackendError("this build has no CUDA backend; rebuild with `python build.py --cuda`")
-    n = lib.ggml_hybrid_cuda_device_count()
-    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < n:
-        raise BackendError(f"CUDA device {device!r} does not exist ({n} device(s) found)")
-    return Backend(lib.ggml_hybrid_cuda_init(device), f"CUDA{device}")
+    st = optional_backends().get("CUDA")
+    if st is None:
+        raise BackendError("this build has no CUDA backend; rebuild with `python build.py --cuda` "
+                           "(or GGML_HYBRID_CUDA=1 pip install -e .)")
+    if not st.devices:
+        raise BackendError(st.summary())
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < st.devices:
+        raise BackendError(f"CUDA device {device!r} does not exist ({st.devices} device(s) found)")
+    dev = lib.ggml_backend_dev_by_name(f"CUDA{device}".encode())
+    if dev == ffi.NULL:
+        raise BackendError(f"GGML registered no device named CUDA{device}")
+    return Backend(lib.ggml_backend_dev_init(dev, ffi.NULL), f"CUDA{device}")
+
+
+def cpu_features() -> str:
+    """The instruction-set features the loaded CPU backend library was built with ("SSE3 AVX AVX2 ...")."""
+    return cstr(lib.ggml_hybrid_cpu_features())
+
+
+def cpu_library() -> str:
+    """The file of the CPU backend in use (in a portable build, the variant GGML chose for this CPU)."""
+    dev = lib.ggml_backend_dev_by_name(b"CPU")
+    return cstr(lib.ggml_hybrid_reg_path(lib.ggml_backend_dev_backend_reg(dev))) if dev != ffi.NULL else ""
 
 
 @dataclass(frozen=True)
@@ -239,7 +263,8 @@ _DEV_TYPES = {lib.GGML_BACKEND_DEVICE_TYPE_CPU: "cpu", lib.GGML_BACKEND_DEVICE_T
 
 
 def devices() -> list[Device]:
-    """The devices GGML registered in this build."""
+    """The devices GGML registered: the CPU and those of the optional backends that loaded."""
+    optional_backends()
     out = []
     free, total = ffi.new("size_t *"), ffi.new("size_t *")
     for i in range(lib.ggml_backend_dev_count()):
@@ -250,5 +275,5 @@ def devices() -> list[Device]:
     return out
 
 
-__all__ = ["Backend", "Buffer", "Device", "cpu", "cpu_instance", "cuda", "cuda_available",
-           "devices"]
+__all__ = ["Backend", "Buffer", "Device", "cpu", "cpu_features", "cpu_instance", "cpu_library", "cuda",
+           "cuda_available", "cuda_device_count", "devices"]

@@ -9,18 +9,18 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-UPSTREAM_DIR = ROOT / "build" / "upstream" / "ggml_hybrid"
+UPSTREAM_DIR = ROOT / "build" / "upstream" / "ggml_hybrid" / "_native"  # where `build.py --upstream` puts it
 
 
 def load_upstream():
     """(ffi, lib) of GGML built without our patch series; built on first use (about a minute)."""
-    path = UPSTREAM_DIR / f"_native_upstream{sysconfig.get_config_var('EXT_SUFFIX')}"
+    path = UPSTREAM_DIR / f"_ggml_upstream{sysconfig.get_config_var('EXT_SUFFIX')}"
     if not path.exists():
         subprocess.run([sys.executable, str(ROOT / "build.py"), "--upstream"], check=True)
-    spec = importlib.util.spec_from_file_location("ggml_hybrid._native_upstream", path)
+    spec = importlib.util.spec_from_file_location("_ggml_upstream", path)  # its PyInit name
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.lib.ggml_cpu_init()
+    mod.lib.ggml_hybrid_load_cpu(b"")  # static: the CPU backend is registered at start-up
     return mod.ffi, mod.lib
 
 

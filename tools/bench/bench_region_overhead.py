@@ -30,8 +30,8 @@ from moe_graph import DEFAULTS, RawMoE
 class Arm:
     def __init__(self, name, ffi, lib, threads, shape):
         self.name, self.ffi, self.lib = name, ffi, lib
-        self.backend = lib.ggml_backend_cpu_init()
-        lib.ggml_backend_cpu_set_n_threads(self.backend, threads)
+        self.backend = lib.ggml_hybrid_cpu_init()
+        lib.ggml_hybrid_cpu_set_n_threads(self.backend, threads)
         self.model = RawMoE(ffi, lib, self.backend, **shape)
         self.graph, self.x, self.out = self.model.build()
         backends = ffi.new("ggml_backend_t[]", [self.backend])

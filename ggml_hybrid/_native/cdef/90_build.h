@@ -6,7 +6,24 @@
 const char * ggml_hybrid_ggml_version(void);
 const char * ggml_hybrid_patch_hash(void);
 const char * ggml_hybrid_source_hash(void);
-int ggml_hybrid_has_cuda(void);
+const char * ggml_hybrid_abi(void);
+// The ABI stamp of the ggml-base library actually loaded (vendor/CMakeLists.txt compiles it in).
+const char * ggml_hybrid_base_abi(void);
+
+// The CPU backend through GGML's registry: a portable build picks one of several CPU libraries at run time.
+int ggml_hybrid_load_cpu(const char * lib_dir);
+ggml_backend_t ggml_hybrid_cpu_init(void);
+bool ggml_hybrid_is_cpu(ggml_backend_t backend);
+void ggml_hybrid_cpu_set_n_threads(ggml_backend_t backend, int n_threads);
+ggml_threadpool_t ggml_hybrid_threadpool_new(struct ggml_threadpool_params * params);
+void ggml_hybrid_threadpool_free(ggml_threadpool_t threadpool);
+void ggml_hybrid_cpu_set_threadpool(ggml_backend_t backend, ggml_threadpool_t threadpool);
+const char * ggml_hybrid_cpu_features(void);
+
+// Optional backends (CUDA, ...): libraries loaded at run time if built against this ggml-base.
+const char * ggml_hybrid_reg_path(ggml_backend_reg_t reg);
+ggml_backend_reg_t ggml_hybrid_backend_load(const char * path, char * err, size_t n_err);
+const char * ggml_hybrid_backend_load_log(void);
 
 // Graph accessors over ggml-impl.h.
 int ggml_hybrid_graph_n_leafs(struct ggml_cgraph * g);
@@ -25,7 +42,3 @@ void ggml_hybrid_log_quiet(void);
 // tensors can be read back (repacked ones cannot).
 ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void);
 bool ggml_hybrid_buffer_readable(ggml_backend_buffer_t buf);
-
-// CUDA entry points: NULL / 0 when the CUDA backend is not compiled in.
-ggml_backend_t ggml_hybrid_cuda_init(int device);
-int ggml_hybrid_cuda_device_count(void);

@@ -1,21 +1,169 @@
+/* dladdr and Dl_info: which file a backend was loaded from */
+#define _GNU_SOURCE
+
 #include "hybrid.h"
 
+#include <dlfcn.h>
+#include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "ggml-cpu.h"
 #include "ggml-impl.h"
 #include "ggml-backend-impl.h"
-#ifdef GGML_HYBRID_CUDA
-#include "ggml-cuda.h"
-#endif
 
 #ifndef GGML_HYBRID_GGML_VERSION
-#error "build.py defines GGML_HYBRID_GGML_VERSION, GGML_HYBRID_PATCH_HASH and GGML_HYBRID_SOURCE_HASH"
+#error "build.py defines GGML_HYBRID_GGML_VERSION, GGML_HYBRID_PATCH_HASH, GGML_HYBRID_SOURCE_HASH and GGML_HYBRID_ABI"
 #endif
 
 const char * ggml_hybrid_ggml_version(void) { return GGML_HYBRID_GGML_VERSION; }
 const char * ggml_hybrid_patch_hash(void) { return GGML_HYBRID_PATCH_HASH; }
 const char * ggml_hybrid_source_hash(void) { return GGML_HYBRID_SOURCE_HASH; }
+const char * ggml_hybrid_abi(void) { return GGML_HYBRID_ABI; }
+
+/* The CPU backend through GGML's registry. A portable build loads one of several CPU libraries at run time
+   (the best for this CPU), so its functions are looked up, never linked; the native build registers its one
+   library at start-up and takes the same path. */
+static ggml_backend_reg_t cpu_reg(void) {
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    return dev != NULL ? ggml_backend_dev_backend_reg(dev) : NULL;
+}
+
+static void * cpu_proc(const char * name) {
+    ggml_backend_reg_t reg = cpu_reg();
+    return reg != NULL ? ggml_backend_reg_get_proc_address(reg, name) : NULL;
+}
+
+int ggml_hybrid_load_cpu(const char * lib_dir) {
+    if (cpu_reg() == NULL) {
+        ggml_backend_load_all_from_path(lib_dir);
+    }
+    /* every function the package calls must be there, or the first call would jump to NULL */
+    static const char * const procs[] = {"ggml_backend_set_n_threads", "ggml_threadpool_new",
+                                         "ggml_threadpool_free", "ggml_backend_cpu_set_threadpool"};
+    for (size_t i = 0; i < sizeof(procs) / sizeof(procs[0]); i++) {
+        if (cpu_proc(procs[i]) == NULL) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+ggml_backend_t ggml_hybrid_cpu_init(void) {
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    return dev != NULL ? ggml_backend_dev_init(dev, NULL) : NULL;
+}
+
+bool ggml_hybrid_is_cpu(ggml_backend_t backend) {
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+    return dev != NULL && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+}
+
+void ggml_hybrid_cpu_set_n_threads(ggml_backend_t backend, int n_threads) {
+    ((ggml_backend_set_n_threads_t) cpu_proc("ggml_backend_set_n_threads"))(backend, n_threads);
+}
+
+typedef struct ggml_threadpool * (*threadpool_new_t)(struct ggml_threadpool_params * params);
+typedef void (*threadpool_free_t)(struct ggml_threadpool * threadpool);
+typedef void (*set_threadpool_t)(ggml_backend_t backend, struct ggml_threadpool * threadpool);
+
+struct ggml_threadpool * ggml_hybrid_threadpool_new(struct ggml_threadpool_params * params) {
+    return ((threadpool_new_t) cpu_proc("ggml_threadpool_new"))(params);
+}
+
+void ggml_hybrid_threadpool_free(struct ggml_threadpool * threadpool) {
+    ((threadpool_free_t) cpu_proc("ggml_threadpool_free"))(threadpool);
+}
+
+void ggml_hybrid_cpu_set_threadpool(ggml_backend_t backend, struct ggml_threadpool * threadpool) {
+    ((set_threadpool_t) cpu_proc("ggml_backend_cpu_set_threadpool"))(backend, threadpool);
+}
+
+/* "AVX2 FMA ..." for the features the loaded CPU library was built with (value "1"), space separated. */
+const char * ggml_hybrid_cpu_features(void) {
+    static char out[512];
+    out[0] = '\0';
+    ggml_backend_get_features_t get = (ggml_backend_get_features_t) cpu_proc("ggml_backend_get_features");
+    if (get == NULL) {
+        return out;
+    }
+    size_t used = 0;
+    for (struct ggml_backend_feature * f = get(cpu_reg()); f->name != NULL; f++) {
+        if (strcmp(f->value, "1") != 0) {
+            continue;
+        }
+        int n = snprintf(out + used, sizeof(out) - used, "%s%s", used ? " " : "", f->name);
+        if (n < 0 || (size_t) n >= sizeof(out) - used) {
+            break;
+        }
+        used += (size_t) n;
+    }
+    return out;
+}
+
+/* The file a backend's code lives in (a registry entry's functions point into it). */
+const char * ggml_hybrid_reg_path(ggml_backend_reg_t reg) {
+    Dl_info dl;
+    if (reg == NULL || dladdr((void *) reg->iface.get_name, &dl) == 0 || dl.dli_fname == NULL) {
+        return "";
+    }
+    return dl.dli_fname;
+}
+
+/* What GGML logs while a backend loads is kept here instead of going to stderr: a CUDA backend on a
+   machine without a GPU explains why, once, in the package's own words. */
+static char load_log[2048];
+static size_t load_log_used;
+
+static void capture_log(enum ggml_log_level level, const char * text, void * user_data) {
+    (void) level;
+    (void) user_data;
+    size_t n = strlen(text);
+    if (load_log_used + n >= sizeof(load_log)) {
+        n = sizeof(load_log) - 1 - load_log_used;
+    }
+    memcpy(load_log + load_log_used, text, n);
+    load_log_used += n;
+    load_log[load_log_used] = '\0';
+}
+
+const char * ggml_hybrid_backend_load_log(void) { return load_log; }
+
+ggml_backend_reg_t ggml_hybrid_backend_load(const char * path, char * err, size_t n_err) {
+    err[0] = '\0';
+    load_log_used = 0;
+    load_log[0] = '\0';
+    void * handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (handle == NULL) {
+        const char * why = dlerror();
+        snprintf(err, n_err, "%s", why != NULL ? why : "dlopen failed");
+        return NULL;
+    }
+    const char * (*abi)(void) = (const char * (*)(void)) dlsym(handle, "ggml_hybrid_backend_abi");
+    if (abi == NULL) {
+        snprintf(err, n_err, "%s was not built by ggml-hybrid's build.py (it has no ABI stamp)", path);
+        dlclose(handle);
+        return NULL;
+    }
+    if (strcmp(abi(), ggml_hybrid_base_abi()) != 0) {
+        snprintf(err, n_err, "%s was built for GGML ABI %s, this ggml-base is %s; rebuild it", path, abi(),
+                 ggml_hybrid_base_abi());
+        dlclose(handle);
+        return NULL;
+    }
+    /* the logger in place before (the package's quiet one) is put back afterwards */
+    ggml_log_callback prev_log;
+    void * prev_data;
+    ggml_log_get(&prev_log, &prev_data);
+    ggml_log_set(capture_log, NULL);
+    ggml_backend_reg_t reg = ggml_backend_load(path); /* GGML's loader: API version check, registers the devices */
+    ggml_log_set(prev_log, prev_data);
+    dlclose(handle); /* GGML keeps a handle of its own */
+    if (reg == NULL) {
+        snprintf(err, n_err, "GGML could not initialise %s: %s", path, load_log);
+    }
+    return reg;
+}
 
 int ggml_hybrid_graph_n_leafs(struct ggml_cgraph * g) { return g->n_leafs; }
 struct ggml_tensor * ggml_hybrid_graph_leaf(struct ggml_cgraph * g, int i) { return g->leafs[i]; }
@@ -72,7 +220,7 @@ ggml_backend_t ggml_hybrid_cpu_instance(int index) {
     if (index < 0 || index >= GGML_HYBRID_MAX_INSTANCES) {
         return NULL;
     }
-    ggml_backend_t b = ggml_backend_cpu_init();
+    ggml_backend_t b = ggml_hybrid_cpu_init();
     if (b == NULL) {
         return NULL;
     }
@@ -107,9 +255,9 @@ void ggml_hybrid_log_quiet(void) { ggml_log_set(quiet_log, NULL); }
    weights there are repacked at load for faster CPU kernels (CPU_REPACK; AMX and KleidiAI where built). */
 ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void) {
     static ggml_backend_buffer_type_t none[1] = { NULL };
-    ggml_backend_reg_t reg = ggml_backend_cpu_reg();
-    ggml_backend_dev_get_extra_bufts_t fn = (ggml_backend_dev_get_extra_bufts_t)
-        ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+    ggml_backend_reg_t reg = cpu_reg();
+    ggml_backend_dev_get_extra_bufts_t fn =
+        (ggml_backend_dev_get_extra_bufts_t) cpu_proc("ggml_backend_dev_get_extra_bufts");
     if (fn == NULL || ggml_backend_reg_dev_count(reg) == 0) {
         return none;
     }
@@ -122,13 +270,3 @@ ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void) {
 bool ggml_hybrid_buffer_readable(ggml_backend_buffer_t buf) {
     return buf != NULL && buf->iface.get_tensor != NULL;
 }
-
-#ifdef GGML_HYBRID_CUDA
-int ggml_hybrid_has_cuda(void) { return 1; }
-ggml_backend_t ggml_hybrid_cuda_init(int device) { return ggml_backend_cuda_init(device); }
-int ggml_hybrid_cuda_device_count(void) { return ggml_backend_cuda_get_device_count(); }
-#else
-int ggml_hybrid_has_cuda(void) { return 0; }
-ggml_backend_t ggml_hybrid_cuda_init(int device) { (void) device; return NULL; }
-int ggml_hybrid_cuda_device_count(void) { return 0; }
-#endif

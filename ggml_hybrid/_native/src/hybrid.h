@@ -17,7 +17,24 @@
 const char * ggml_hybrid_ggml_version(void);
 const char * ggml_hybrid_patch_hash(void);
 const char * ggml_hybrid_source_hash(void);
-int ggml_hybrid_has_cuda(void);
+const char * ggml_hybrid_abi(void);
+/* the ABI stamp compiled into the ggml-base actually loaded (vendor/CMakeLists.txt adds it) */
+const char * ggml_hybrid_base_abi(void);
+
+/* the CPU backend, reached through GGML's registry (see hybrid.c) */
+int ggml_hybrid_load_cpu(const char * lib_dir);
+ggml_backend_t ggml_hybrid_cpu_init(void);
+bool ggml_hybrid_is_cpu(ggml_backend_t backend);
+void ggml_hybrid_cpu_set_n_threads(ggml_backend_t backend, int n_threads);
+struct ggml_threadpool * ggml_hybrid_threadpool_new(struct ggml_threadpool_params * params);
+void ggml_hybrid_threadpool_free(struct ggml_threadpool * threadpool);
+void ggml_hybrid_cpu_set_threadpool(ggml_backend_t backend, struct ggml_threadpool * threadpool);
+const char * ggml_hybrid_cpu_features(void);
+
+/* optional backends, loaded at run time (GGML_BACKEND_DL) */
+const char * ggml_hybrid_reg_path(ggml_backend_reg_t reg);
+ggml_backend_reg_t ggml_hybrid_backend_load(const char * path, char * err, size_t n_err);
+const char * ggml_hybrid_backend_load_log(void);
 
 /* graph internals that ggml.h does not expose but overflow checks need */
 int ggml_hybrid_graph_n_leafs(struct ggml_cgraph * g);
@@ -35,6 +52,3 @@ void ggml_hybrid_log_quiet(void);
 ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void);
 /* whether ggml_backend_tensor_get works on the buffer's tensors (not on repacked ones) */
 bool ggml_hybrid_buffer_readable(ggml_backend_buffer_t buf);
-
-ggml_backend_t ggml_hybrid_cuda_init(int device);
-int ggml_hybrid_cuda_device_count(void);

@@ -1,0 +1,126 @@
+"""Optional GGML backends (CUDA, ...): the libraries in ``_native/backends``, loaded on first use.
+
+``build.py --cuda`` builds the CUDA backend as a library GGML loads at run time (``GGML_BACKEND_DL``)
+rather than into the module, so the same install imports and runs everywhere:
+
+- no library (a CPU-only build): the package runs on the CPU;
+- the library cannot load (its vendor runtime, e.g. ``libcudart.so.13``, is missing): the CPU, and the
+  status says which file is missing. Before giving up, the runtime is looked for where pip's NVIDIA wheels
+  (``site-packages/nvidia/*/lib``) and the toolkit (``$CUDA_HOME/lib64``, ``/usr/local/cuda/lib64``) put it;
+- the library loads but finds no device (no GPU, no driver): the CPU, and the status carries GGML's reason;
+- a library built against another ggml-base (another pin or patch series) is refused, never loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import buildinfo
+from ._ggml import ffi, lib
+
+_ERR_BYTES = 2048
+_MISSING = re.compile(r"(lib[^\s:/]+\.so[.\d]*): cannot open shared object file")
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """What became of one optional backend library."""
+
+    name: str  # GGML's registry name ("CUDA"), or the file's ("CUDA" from libggml-cuda.so) when it did not load
+    path: str  # the library file
+    loaded: bool
+    devices: int  # devices it registered (0 when not loaded or none found)
+    detail: str  # why it did not load, or why it found no device; "" when it has devices
+
+    def summary(self) -> str:
+        """One line: what a user needs to know about this backend."""
+        if self.devices:
+            return f"{self.name}: {self.devices} device(s) ({self.path})"
+        if self.loaded:
+            return f"{self.name}: backend loaded, no device ({self.detail}); running on the CPU"
+        return f"{self.name}: backend not loaded ({self.detail}); running on the CPU"
+
+
+_lock = threading.Lock()
+_status: dict[str, BackendStatus] | None = None
+_preloaded: list[ctypes.CDLL] = []  # vendor runtime libraries loaded for a backend: kept for the process
+
+
+def optional_backends() -> dict[str, BackendStatus]:
+    """Every optional backend library of this install by name, loaded (once, on the first call) if usable."""
+    global _status
+    with _lock:
+        if _status is None:
+            found = {}
+            for path in sorted(buildinfo.BACKEND_DIR.glob("libggml-*.so")):
+                st = load_backend(path)
+                found[st.name] = st
+            _status = found
+        return dict(_status)
+
+
+def load_backend(path: Path) -> BackendStatus:
+    """Load one backend library (see the module docstring); never raises for a library that cannot load."""
+    name = path.name[len("libggml-"):-len(".so")].upper()
+    err = ffi.new("char[]", _ERR_BYTES)
+    tried: set[str] = set()
+    while True:
+        reg = lib.ggml_hybrid_backend_load(str(path).encode(), err, _ERR_BYTES)
+        if reg != ffi.NULL:
+            break
+        why = ffi.string(err).decode(errors="replace").strip()
+        missing = _MISSING.search(why)
+        # a vendor library the loader did not find on its own: load it from where pip or the toolkit put it
+        if missing is None or missing.group(1) in tried or not _preload(missing.group(1)):
+            return BackendStatus(name, str(path), False, 0, why)
+        tried.add(missing.group(1))
+    n = int(lib.ggml_backend_reg_dev_count(reg))
+    reg_name = ffi.string(lib.ggml_backend_reg_name(reg)).decode()
+    log = ffi.string(lib.ggml_hybrid_backend_load_log()).decode(errors="replace")
+    return BackendStatus(reg_name, str(path), True, n, "" if n else _reason(log))
+
+
+def _reason(log: str) -> str:
+    """GGML's last complaint while loading ("failed to initialize CUDA: no CUDA-capable device is detected")."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "fail" in ln.lower() or "error" in ln.lower()]
+    return (errors or lines or ["no device found"])[-1]
+
+
+def runtime_dirs() -> list[Path]:
+    """Where a vendor runtime may live besides the loader's own path: pip's NVIDIA wheels, then the toolkit."""
+    dirs = []
+    for entry in sys.path:
+        nvidia = Path(entry or os.curdir) / "nvidia"
+        if nvidia.is_dir():
+            dirs += sorted(nvidia.glob("*/lib"))
+    homes = [Path(os.environ[e]) for e in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(e)]
+    for home in [*homes, Path("/usr/local/cuda")]:
+        dirs += [home / "lib64", home / "lib"]
+    return [d for d in dirs if d.is_dir()]
+
+
+def _preload(soname: str, seen: frozenset[str] = frozenset()) -> bool:
+    """Load ``soname`` from :func:`runtime_dirs`, first what it needs in turn (libcublas needs libcublasLt)."""
+    if soname in seen:
+        return False
+    for d in runtime_dirs():
+        candidate = d / soname
+        while candidate.exists():
+            try:
+                _preloaded.append(ctypes.CDLL(str(candidate)))
+                return True
+            except OSError as exc:
+                needed = _MISSING.search(str(exc))
+                if needed is None or not _preload(needed.group(1), seen | {soname}):
+                    break
+    return False
+
+
+__all__ = ["BackendStatus", "load_backend", "optional_backends", "runtime_dirs"]

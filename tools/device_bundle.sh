@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Build, on a CPU machine with nvcc, what tools/device_check.sh installs on an NVIDIA machine that has no network:
+# the ggml-hybrid wheel for that machine's Python (portable CPU variants and the CUDA backend for sm_90), and the
+# wheels of the dependencies it lacks (cffi, pycparser, gguf). Checks the total stays under 64 MiB (what the device tool
+# carries).
+#
+#   PYTHON=~/.pyenv/versions/3.12.1/bin/python bash tools/device_bundle.sh [OUT_DIR]   (default build/device_bundle)
+#
+# PYTHON is the interpreter the wheel is for (the device's python3 minor version; 3.12 on the H200 machines);
+# BUILD_PYTHON (default python3) makes the sdist and needs PyPA's build (pip install build).
+# The first run builds the CUDA backend (hours on 2 shared cores) and the portable CPU variants; later runs
+# take them from the build cache (python build.py --print-cache).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+OUT_DIR="${1:-$REPO/build/device_bundle}"
+PY="${PYTHON:-python3.12}"
+BUILD_PY="${BUILD_PYTHON:-python3}"
+LIMIT=$((60 * 1024 * 1024))  # leaves room for the checkout itself within the 64 MiB carried
+ver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+echo "== sdist of $REPO"
+"$BUILD_PY" -m build --sdist --outdir "$tmp" "$REPO" >"$tmp/sdist.log" 2>&1 || { cat "$tmp/sdist.log"; exit 1; }
+rm -rf "$OUT_DIR"
+mkdir -p "$OUT_DIR"
+
+echo "== ggml-hybrid wheel for Python $ver: portable CPU variants + CUDA backend"
+start=$(date +%s)
+GGML_HYBRID_PORTABLE=1 GGML_HYBRID_CUDA=1 "$PY" -m pip wheel -q --no-deps -w "$OUT_DIR" "$tmp"/ggml_hybrid-*.tar.gz
+echo "   built in $(( $(date +%s) - start )) s"
+
+echo "== dependency wheels the device lacks (no network there)"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$ver" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$OUT_DIR" "cffi>=1.16" "pycparser" "gguf>=0.10"
+
+total=$(cat "$OUT_DIR"/*.whl | wc -c)
+( cd "$OUT_DIR" && ls -l ./*.whl && sha256sum ./*.whl ) | tee "$OUT_DIR/MANIFEST.txt"
+unzip -l "$OUT_DIR"/ggml_hybrid-*.whl | grep -E '_native/(lib|backends)/|_ggml\.' | tee -a "$OUT_DIR/MANIFEST.txt"
+echo "total $total bytes ($(( total / 1048576 )) MiB)" | tee -a "$OUT_DIR/MANIFEST.txt"
+if [ "$total" -gt "$LIMIT" ]; then
+    echo "error: the bundle is over $(( LIMIT / 1048576 )) MiB"
+    exit 1
+fi
+unzip -l "$OUT_DIR"/ggml_hybrid-*.whl | grep -q 'backends/libggml-cuda.so' || { echo "error: no CUDA backend in the wheel"; exit 1; }

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One-shot check on a machine with an NVIDIA GPU, in under 8 minutes, from a bundle built on a CPU machine
+# (tools/device_bundle.sh: the ggml-hybrid wheel with its CUDA backend, and the wheels of cffi and gguf).
+#
+#   bash tools/device_check.sh [BUNDLE_DIR] [OUT_DIR]        (defaults: build/device_bundle, $OUT or build/device_out)
+#
+# 1. installs the bundle's wheels into a scratch folder (no network: --no-index), on the machine's python3;
+# 2. runs tests/test_gpu.py from outside the checkout (so `import ggml_hybrid` is the installed wheel);
+# 3. runs tools/device_check.py: CUDA-vs-CPU parity and the hybrid benchmark (share 0, 0.5, auto);
+# 4. leaves device_report.json, device_report.md, test_gpu.xml and the logs in OUT_DIR.
+# Exit status: 0 when every test and parity check passed.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+BUNDLE="$(cd "${1:-$REPO/build/device_bundle}" && pwd)" || { echo "error: no bundle folder ${1:-build/device_bundle}"; exit 2; }
+OUT_DIR="${2:-${OUT:-$REPO/build/device_out}}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+PY="${PYTHON:-python3}"
+SITE="${GGML_HYBRID_DEVICE_SITE:-/tmp/ggml_hybrid_site}"
+SCRATCH="$(mktemp -d)"
+started=$(date +%s)
+say() { echo "[device_check.sh +$(( $(date +%s) - started ))s] $*"; }
+
+tag="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+wheel="$(ls "$BUNDLE"/ggml_hybrid-*-"$tag"-"$tag"-linux_x86_64.whl 2>/dev/null | head -1)"
+if [ -z "$wheel" ]; then
+    echo "error: the bundle has no ggml-hybrid wheel for $tag ($("$PY" --version)); it has:"; ls "$BUNDLE"; exit 2
+fi
+say "installing $(basename "$wheel") and $(ls "$BUNDLE"/*.whl | grep -vc ggml_hybrid) dependency wheel(s) into $SITE"
+rm -rf "$SITE"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$BUNDLE"/*.whl || exit 2
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+cd "$SCRATCH" || exit 2
+"$PY" -c 'import ggml_hybrid, sys; print("ggml_hybrid from", ggml_hybrid.__file__)' | tee "$OUT_DIR/devices.txt"
+"$PY" -c 'import sys; from ggml_hybrid.cli import main; sys.argv = ["ggml-hybrid", "devices"]; main()' 2>&1 \
+    | tee -a "$OUT_DIR/devices.txt"
+
+say "tests/test_gpu.py"
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --rootdir "$REPO" "$REPO/tests/test_gpu.py" \
+    --junitxml "$OUT_DIR/test_gpu.xml" 2>&1 | tee "$OUT_DIR/test_gpu.log"
+tests_rc=${PIPESTATUS[0]}
+
+say "parity and the hybrid benchmark"
+timeout 270 "$PY" "$REPO/tools/device_check.py" --out "$OUT_DIR" --junit "$OUT_DIR/test_gpu.xml" 2>&1 \
+    | tee "$OUT_DIR/device_check.log"
+check_rc=${PIPESTATUS[0]}
+rm -rf "$OUT_DIR/work" "$SCRATCH"
+
+say "done: pytest exit $tests_rc, device_check.py exit $check_rc"
+[ -f "$OUT_DIR/device_report.md" ] && cat "$OUT_DIR/device_report.md"
+[ "$tests_rc" -eq 0 ] && [ "$check_rc" -eq 0 ]
