@@ -15,7 +15,7 @@ import pytest
 from helpers import region_weights, rewrite_gguf
 
 from ggml_hybrid.errors import ArgumentError, GgmlHybridError, ModelFileError
-from ggml_hybrid.model.decoder import build_decoder
+from ggml_hybrid.model.decoder import SeqRows, build_decoder
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.recurrent_state import RecurrentState
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
@@ -197,7 +197,8 @@ class Slots:
     def eval(self, seq: int, tokens) -> np.ndarray:
         m, n = self.m, len(tokens)
         if n not in self.graphs:
-            g = build_decoder(m.hp, m.weights, m.experts.weights, m.kv, n, 256, n, False, rs=self.rs)
+            g = build_decoder(m.hp, m.weights, m.experts.weights, m.kv, (SeqRows(0, n, 256),), n, False,
+                              rs=self.rs)
             m.sched.set_pins(g.graph, m._pins(g))
             self.graphs[n] = g
         g = self.graphs[n]
