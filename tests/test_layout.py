@@ -254,17 +254,17 @@ def test_plan_parallel_equals_the_runtime(model, parallel, items):
     prompts and decode steps of all of them."""
     opts = SessionOptions.parse(items + ["n_threads=1"])
     p = plan(model, opts, parallel=parallel)
-    assert p["kv"]["parallel"] == parallel and p["kv"]["total"] == parallel * p["kv"]["per_sequence"]
+    assert p.kv.parallel == parallel and p.kv.total == parallel * p.kv.per_sequence
     one = plan(model, opts)
-    assert p["kv"]["per_sequence"] == one["kv"]["per_sequence"]
+    assert p.kv.per_sequence == one.kv.per_sequence
     with MoEModel(model, opts.merged(n_parallel=parallel)) as m:
-        assert m.kv.nbytes() == p["kv"]["total"]
+        assert m.kv.nbytes() == p.kv.total
         for name in m.devices:
             real = m.device_memory(name)
             for key in ("weights", "experts", "kv_cache", "compute"):
-                assert p["devices"][name][key] == real[key], (name, key)
-        assert p["host"]["kv_cache"] == m.kv.nbytes(m.host)
-        assert p["host"]["compute"] == m.sched.buffer_size(m.host)
+                assert getattr(p.devices[name], key) == real[key], (name, key)
+        assert p.host.kv_cache == m.kv.nbytes(m.host)
+        assert p.host.compute == m.sched.buffer_size(m.host)
         sched = {b: m.sched.buffer_size(b) for b in m.sched.backends}
         for seq in range(parallel):
             m.eval(list(range(1, 4 + 3 * seq)), seq=seq)
@@ -273,7 +273,7 @@ def test_plan_parallel_equals_the_runtime(model, parallel, items):
         # the decoder's buffers were sized at load for decode steps of every sequence (the expert caches' own
         # graphs still grow on first use of a row count, with one sequence as with several)
         assert {b: m.sched.buffer_size(b) for b in m.sched.backends} == sched
-        assert m.kv.nbytes() == p["kv"]["total"]
+        assert m.kv.nbytes() == p.kv.total
 
 
 def test_planner_kv_scales_with_context_and_parallel_sequences(model):

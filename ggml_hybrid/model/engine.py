@@ -278,16 +278,19 @@ class Engine:
     def _step(self, active: list[Request]) -> None:
         prompts = [r for r in active if r.state == PROMPT]
         decoding = [r for r in active if r.state == DECODE]
+        if prompts and (not decoding or self._last == DECODE):
+            self._last = PROMPT
+            step = [min(prompts, key=lambda r: r.queued_at)]
+        else:
+            self._last = DECODE
+            step = decoding
         try:
-            if prompts and (not decoding or self._last == DECODE):
-                self._last = PROMPT
-                self._prompt_step(min(prompts, key=lambda r: r.queued_at))
+            if self._last == PROMPT:
+                self._prompt_step(step[0])
             else:
-                self._last = DECODE
-                self._decode_step(decoding)
+                self._decode_step(step)
         except Exception as exc:  # the step's requests fail; the others go on
-            failed = prompts[:1] if self._last == PROMPT else decoding
-            for r in failed:
+            for r in step:
                 r.error = " ".join(str(exc).split()) or type(exc).__name__
                 self._finish(r, "error")
 

@@ -40,6 +40,7 @@ from .protocol import (
     new_id,
     now,
     parse_json,
+    timings,
     usage,
 )
 
