@@ -143,3 +143,7 @@ def test_run_conversation_flags_are_checked(models):
     assert r.exit_code == 2 and "-cnv" in r.output
     r = run(main, ["run", models["qwen3moe"], "-cnv", "--tokens", "1,2"])
     assert r.exit_code == 2 and "--tokens" in r.output
+    r = run(main, ["run", models["qwen3moe"], "-cnv", "-no-cnv"])
+    assert r.exit_code == 2 and "choose one" in r.output
+    r = run(main, ["run", models["qwen3moe"], "-p", "hi", "-np", "2"])
+    assert r.exit_code == 2 and "n_parallel=2" in r.output and "serve" in r.output
