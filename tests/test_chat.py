@@ -147,3 +147,39 @@ def test_run_conversation_flags_are_checked(models):
     assert r.exit_code == 2 and "choose one" in r.output
     r = run(main, ["run", models["qwen3moe"], "-p", "hi", "-np", "2"])
     assert r.exit_code == 2 and "n_parallel=2" in r.output and "serve" in r.output
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(models, monkeypatch):
+    """Ctrl-C during a reply ends that reply ("[interrupted]"); the next turn re-evaluates from what the cache
+    holds, so its reply is the one a fresh model gives for the same conversation."""
+    path = models["qwen3moe"]
+    real_eval = MoEModel.eval
+    calls = {"n": 0}
+
+    def eval_once_interrupted(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first reply: prompt, one token, then Ctrl-C
+            raise KeyboardInterrupt
+        return real_eval(self, *a, **kw)
+
+    monkeypatch.setattr(MoEModel, "eval", eval_once_interrupted)
+    r = CliRunner().invoke(main, ["run", path, "-cnv", "-n", "4", "-t", "1", "-c", "256"], input="Hi\nMore\n")
+    monkeypatch.setattr(MoEModel, "eval", real_eval)
+    assert r.exit_code == 0, r.output
+    first, second = [t for t in r.output.split("\n> ") if t.strip()]
+    assert first.endswith(" [interrupted]")
+    partial = first.removesuffix(" [interrupted]")
+    with MoEModel(path, SessionOptions(n_threads=1, n_ctx=256)) as m:
+        tok = m.tokenizer
+        t = ChatTemplate.from_gguf(m.store, tok.tokens, tok.bos_id, tok.eos_id)
+        msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": partial},
+                {"role": "user", "content": "More"}]
+        logits = m.eval(tok.encode(t.render(msgs), add_bos=tok.add_bos, special=True))
+        s, reply = Sampler(), []
+        for _ in range(4):
+            tid = s(logits[-1])
+            if tid in tok.eog_ids:
+                break
+            reply.append(tid)
+            logits = m.eval([tid])
+    assert second.rstrip("\n") == tok.decode(reply)

@@ -44,7 +44,11 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "ggml_hybrid.cli", "serve", *args, "--port",
                                       str(self.port)], stderr=subprocess.PIPE, text=True)
         if wait:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.stop()  # a server that never became ready is still stopped
+                raise
 
     def wait_ready(self, timeout: float = 60) -> None:
         end = time.monotonic() + timeout
@@ -68,8 +72,16 @@ class Server:
             rc = self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
             raise
         return rc, self.proc.stderr.read() if self.proc.stderr else ""
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:  # a test that failed half-way: the server goes too
+            self.stop()
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -132,9 +144,9 @@ moe_cpu_share = 0.5
 
 @pytest.fixture(scope="module")
 def server(files):
-    s = Server(["--config", files["config"], "--parallel", "4"])
-    yield s
-    rc, err = s.stop()
+    with Server(["--config", files["config"], "--parallel", "4"]) as s:
+        yield s
+        rc, err = s.stop()
     assert rc == 0, err
 
 
@@ -330,54 +342,52 @@ def test_other_bad_requests_and_the_server_survives(server):
 
 
 def test_sigterm_finishes_requests_in_flight_and_exits_0(files):
-    s = Server([files["slow"], "-np", "2", "-c", str(N_CTX), "-t", "1", "-a", "m"])
-    c = s.client()
-    results: dict[str, object] = {}
-    streaming = threading.Event()
+    with Server([files["slow"], "-np", "2", "-c", str(N_CTX), "-t", "1", "-a", "m"]) as s:
+        c = s.client()
+        results: dict[str, object] = {}
+        streaming = threading.Event()
 
-    def stream() -> None:
-        n, last = 0, None
-        for x in c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=100, temperature=0, stream=True,
-                                      extra_body={"ignore_eos": True}):
-            streaming.set()
-            n, last = n + 1, x.choices[0].finish_reason
-        results["stream"] = (last, time.monotonic())
+        def stream() -> None:
+            n, last = 0, None
+            for x in c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=100, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True}):
+                streaming.set()
+                n, last = n + 1, x.choices[0].finish_reason
+            results["stream"] = (last, time.monotonic())
 
-    def plain() -> None:
-        r = c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=100, temperature=0,
-                                 extra_body={"ignore_eos": True})
-        results["plain"] = (r.usage.completion_tokens, r.choices[0].finish_reason, time.monotonic())
+        def plain() -> None:
+            r = c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=100, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            results["plain"] = (r.usage.completion_tokens, r.choices[0].finish_reason, time.monotonic())
 
-    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
-    for t in threads:
-        t.start()
-    assert streaming.wait(30)
-    busy = ("ggml_hybrid_busy_slots", (("model", "slow"),))
-    end = time.monotonic() + 30
-    while scrape(s.url)[busy] < 2:  # both requests hold a slot
-        assert time.monotonic() < end
-        time.sleep(0.01)
-    s.proc.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    for t in threads:
-        t.join(60)
-    rc, err = s.stop()
-    assert rc == 0, err
-    assert results["plain"][:2] == (100, "length") and results["stream"][0] == "length"
-    assert results["stream"][1] > sent  # it was in flight when the signal came, and finished
-    with pytest.raises(OSError):
-        get(s.url + "/health")
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert streaming.wait(30)
+        busy = ("ggml_hybrid_busy_slots", (("model", "slow"),))
+        end = time.monotonic() + 30
+        while scrape(s.url)[busy] < 2:  # both requests hold a slot
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        for t in threads:
+            t.join(60)
+        rc, err = s.stop()
+        assert rc == 0, err
+        assert results["plain"][:2] == (100, "length") and results["stream"][0] == "length"
+        assert results["stream"][1] > sent  # it was in flight when the signal came, and finished
+        with pytest.raises(OSError):
+            get(s.url + "/health")
 
 
 def test_binds_to_loopback_by_default(files):
-    s = Server([files["q3"], "-c", str(N_CTX), "-t", "1"])
-    try:
+    with Server([files["q3"], "-c", str(N_CTX), "-t", "1"]) as s:
         others = {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}
         others = {a for a in others if not a.startswith("127.")}
         for addr in others:
             with pytest.raises(OSError):
                 socket.create_connection((addr, s.port), timeout=2).close()
-    finally:
         rc, err = s.stop()
     assert rc == 0 and f"http://127.0.0.1:{s.port}" in err
 

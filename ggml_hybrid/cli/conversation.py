@@ -4,7 +4,7 @@ Each turn renders the whole conversation with the model's chat template (the one
 :class:`~ggml_hybrid.model.chat.ChatTemplate`), evaluates only the tokens after the longest prefix
 already in the KV cache, and streams the reply until an end-of-generation token, ``-n`` tokens or
 a full context. End of input (Ctrl-D) ends the chat; Ctrl-C stops a reply and returns to the prompt
-(at the prompt it ends the chat).
+(at the prompt it ends the command, exit status 130, as Ctrl-C does everywhere).
 """
 
 from __future__ import annotations
@@ -40,10 +40,7 @@ def converse(m: MoEModel, sampler: Sampler, n_predict: int, system: str | None, 
     while True:
         if pending is None:
             click.echo("\n> ", nl=False)
-            try:
-                line = stdin.readline()
-            except KeyboardInterrupt:
-                break
+            line = stdin.readline()  # Ctrl-C here ends the command as everywhere (exit status 130)
             if not line:
                 break
             pending = line.rstrip("\n")
