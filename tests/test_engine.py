@@ -157,3 +157,32 @@ def test_a_failing_step_fails_its_requests_only(path, monkeypatch):
         b = e.submit(Request([3, 4], Sampler(), max_tokens=5, ignore_eos=True))
         assert b.done.wait(30) and b.finish_reason == "length" and b.completion_tokens == 5
         e.close()
+
+
+def test_finished_requests_leave_the_others_packed_in_the_lowest_slots(path):
+    """Requests of different lengths finish at different steps; the engine moves the highest busy slots down
+    (so decode steps meet few graphs), and every text is still the one-slot run's."""
+    lengths = [3, 12, 5, 9]
+    with _model(path, 1) as m:
+        e = Engine(m)
+        try:
+            one = []
+            for i, p in enumerate(PROMPTS[:4]):
+                r = e.submit(Request(m.tokenizer.encode(p), Sampler(), lengths[i], ignore_eos=True))
+                assert r.done.wait(60)
+                one.append(r.tokens)
+        finally:
+            e.close()
+    with _model(path, 4) as m:
+        e = Engine(m)
+        try:
+            reqs = [e.submit(Request(m.tokenizer.encode(p), Sampler(), lengths[i], ignore_eos=True))
+                    for i, p in enumerate(PROMPTS[:4])]
+            for r in reqs:
+                assert r.done.wait(60)
+            stats = e.stats
+        finally:
+            e.close()
+        assert [r.tokens for r in reqs] == one
+        assert stats.moves >= 1
+        assert all(m.position(s) == 0 for s in range(4))

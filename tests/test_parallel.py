@@ -282,3 +282,23 @@ def test_many_sequences_over_k_quant_disk_experts(tmp_path):
     got = batched(path, opts, seqs, [0] * 12)
     for i, (prompt, steps) in enumerate(seqs):
         assert got[i] == alone(path, opts, prompt, steps)
+
+
+@pytest.mark.parametrize("mode", ["resident", "disk_share"])
+def test_a_moved_sequence_goes_on_exactly_as_it_would_have(models, mode):
+    """move(src, dst) copies the slot's cells: the sequence's next logits are its lone run's, src is empty."""
+    path = models[("qwen3moe", "q8_0")]
+    opts = SessionOptions(n_threads=1, n_ctx=256, ubatch_size=4, **MODES[mode])
+    prompt, steps = [3, 1, 4, 1, 5, 9, 2], [6, 5, 3]
+    ref = alone(path, opts, prompt, steps)
+    with MoEModel(path, opts.merged(n_parallel=3)) as m:
+        m.eval([7, 7, 7], seq=0)
+        got = [m.eval(prompt, seq=2)[-1].tobytes(), m.decode([(0, 8), (2, steps[0])])[1].tobytes()]
+        m.move(2, 1)
+        assert (m.position(1), m.position(2)) == (len(prompt) + 1, 0)
+        got += [m.decode([(0, 9), (1, t)])[1].tobytes() for t in steps[1:]]
+        with pytest.raises(ArgumentError):
+            m.move(0, 1)  # slot 1 is not empty
+        with pytest.raises(ArgumentError):
+            m.move(0, 3)
+    assert got == ref

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._native import lib
 from ..errors import ContextFullError
 from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Context
@@ -179,6 +180,17 @@ class KVCache:
         for s in range(self.n_seq):
             if seq is None or s == seq:
                 self.used[s] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Sequence ``src`` into the empty slot ``dst``: every cell copied byte for byte (so the sequence
+        computes exactly as it did in ``src``), then ``src`` cleared."""
+        for layer in range(self.n_layer):
+            lib.ggml_backend_tensor_copy(self.k[src][layer].ptr, self.k[dst][layer].ptr)
+            v_src, v_dst = self.v[src][layer], self.v[dst][layer]
+            if v_src is not None and v_dst is not None:
+                lib.ggml_backend_tensor_copy(v_src.ptr, v_dst.ptr)
+        self.used[dst] = self.used[src]
+        self.clear(src)
 
     def close(self) -> None:
         for _, ctx, _, _ in self.parts:

@@ -62,6 +62,7 @@ from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per model (one per ubatch shape), least recently used dropped first
+MAX_STEP_GRAPHS = 64  # at most this many graphs of decode steps of several sequences
 GraphKey = tuple[tuple[SeqRows, ...], int]  # an ubatch's seq_rows and its number of outputs
 
 
@@ -170,10 +171,13 @@ class MoEModel:
         self._serial = Serial("MoEModel")
         self.weight_ctxs: list[tuple[str, Context]] = []
         self.repacked: set[str] = set()  # tensors in a CPU extra buffer type (llama.cpp's repacked weights)
-        # one decoder graph per ubatch shape, the least recently used dropped first (prompts of many lengths,
-        # decode steps of different sets of sequences)
-        self._graphs: GraphCache[DecoderGraph] = GraphCache(MAX_GRAPHS + opts.n_parallel - 1,
-                                                            context_size(hp, opts.n_parallel), self._forget_graph)
+        # one decoder graph per ubatch shape, the least recently used dropped first: ubatches of one sequence
+        # (prompts of many lengths, in any slot) and decode steps of several (one set of slots each; the
+        # engine keeps its sequences in the lowest slots, so about one graph per number of sequences)
+        self._graphs: GraphCache[DecoderGraph] = GraphCache(MAX_GRAPHS + opts.n_parallel - 1, context_size(hp),
+                                                            self._forget_graph)
+        self._step_graphs: GraphCache[DecoderGraph] = GraphCache(
+            min(2 * opts.n_parallel, MAX_STEP_GRAPHS), context_size(hp, opts.n_parallel), self._forget_graph)
         self._active: GraphKey | None = None  # key of the graph whose regions are registered
         try:
             self._load(opts, hp, n_threads, device, dry_run_devices, progress)
@@ -383,6 +387,18 @@ class MoEModel:
         with self._serial.turn("truncate"):
             self.kv.used[seq] = min(n_keep, self.kv.used[seq])
 
+    def move(self, src: int, dst: int) -> None:
+        """Move sequence ``src`` into the empty slot ``dst`` (its cells copied, ``src`` emptied): it goes on
+        from ``dst`` exactly as it would have from ``src``. A server packs its sequences into the lowest
+        slots this way, so decode steps keep meeting the same few graphs."""
+        self._check_seq(src, "move")
+        self._check_seq(dst, "move")
+        if src == dst or self.kv.used[dst]:
+            raise ArgumentError(f"move: slot {dst} must be empty and other than {src} (it holds "
+                                f"{self.kv.used[dst]} positions)")
+        with self._serial.turn("move"):
+            self.kv.move(src, dst)
+
     def _check_seq(self, seq: int, op: str) -> int:
         check_int(seq, f"{op}: seq", 0, self.kv.n_seq - 1)
         return seq
@@ -401,7 +417,7 @@ class MoEModel:
             self.sched.set_pins(entry.graph, self._pins(entry))
             return entry
 
-        entry = self._graphs.get(key, build)
+        entry = (self._graphs if len(seq_rows) == 1 else self._step_graphs).get(key, build)
         if self._active != key:
             self.sched.clear_regions()
             self.experts.register(self.sched, entry.regions)
@@ -659,6 +675,7 @@ class MoEModel:
         if hasattr(self, "experts"):
             self.experts.close()  # first: its CPU worker may still read the mapped experts
         self._graphs.clear()
+        self._step_graphs.clear()
         if hasattr(self, "sched"):
             self.sched.close()
         if hasattr(self, "kv"):
