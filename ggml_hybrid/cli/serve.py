@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
+from types import FrameType
 from typing import Any
 
 import click
@@ -64,7 +66,7 @@ def serve(model: str | None, model_flag: str | None, host: str, port: int, alias
     _run_server(entries, host, port, drain_timeout, log_level)
 
 
-def _precheck(e) -> None:
+def _precheck(e: ModelEntry) -> None:
     """What can be known without loading: the file is a GGUF model we run, and the options suit it."""
     from ..errors import GgmlHybridError
     from ..model.gguf_store import GGUFStore
@@ -81,7 +83,7 @@ def _precheck(e) -> None:
         raise ConfigError(f"model {e.name!r} ({e.path}): {' '.join(str(exc).split())}") from None
 
 
-def _run_server(entries, host: str, port: int, drain_timeout: float, log_level: str) -> None:
+def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: float, log_level: str) -> None:
     try:
         import uvicorn
 
@@ -96,7 +98,8 @@ def _run_server(entries, host: str, port: int, drain_timeout: float, log_level: 
     signals: list[int] = []
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: stop taking work, then uvicorn's graceful shutdown
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # SIGTERM/SIGINT: stop taking work, then uvicorn's graceful shutdown
             models.drain()
             super().handle_exit(sig, frame)
 
@@ -109,7 +112,7 @@ def _run_server(entries, host: str, port: int, drain_timeout: float, log_level: 
         click.echo(f"ggml-hybrid serve: {name} ready ({seconds:.1f} s)", err=True)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(app: object) -> AsyncIterator[None]:
         models.start_loading(failed, loaded)
         names = ", ".join(models.models)
         click.echo(f"ggml-hybrid serve: http://{host}:{port} ({names}; loading)", err=True)

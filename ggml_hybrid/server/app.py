@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -60,7 +60,8 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
     """The app over ``models``; ``lifespan`` (an async context manager factory) runs around serving."""
     reg = metrics.registry(models)
 
-    def counted(endpoint: str, fn: Callable[[HTTPRequest], Any]) -> Callable[[HTTPRequest], Any]:
+    def counted(endpoint: str, fn: Callable[[HTTPRequest], Awaitable[Response]]
+                ) -> Callable[[HTTPRequest], Awaitable[Response]]:
         async def handler(request: HTTPRequest) -> Response:
             try:
                 resp = await fn(request)
