@@ -381,6 +381,35 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(files):
             get(s.url + "/health")
 
 
+def test_sigterm_cancels_what_outlives_the_drain_timeout_and_exits_0(files):
+    """A stream far from its end when SIGTERM comes is cancelled after --drain-timeout (it ends early, with an
+    error event or a closed connection); the server still exits 0."""
+    with Server([files["slow"], "-np", "1", "-c", "2048", "-t", "1", "-a", "m", "--drain-timeout", "1"]) as s:
+        c = s.client(timeout=60)
+        got: dict[str, object] = {}
+        streaming = threading.Event()
+
+        def stream() -> None:
+            n = 0
+            try:
+                for _ in c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=2000, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True}):
+                    streaming.set()
+                    n += 1
+            except Exception as exc:  # the connection closed under it, or the error event
+                got["error"] = type(exc).__name__
+            got["n"] = n
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert streaming.wait(30)
+        s.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        rc, err = s.stop()
+    assert rc == 0, err
+    assert not t.is_alive() and 0 < int(got["n"]) < 2000  # type: ignore[call-overload]
+
+
 def test_binds_to_loopback_by_default(files):
     with Server([files["q3"], "-c", str(N_CTX), "-t", "1"]) as s:
         others = {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}
