@@ -384,7 +384,7 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(files):
 def test_sigterm_cancels_what_outlives_the_drain_timeout_and_exits_0(files):
     """A stream far from its end when SIGTERM comes is cancelled after --drain-timeout (it ends early, with an
     error event or a closed connection); the server still exits 0."""
-    with Server([files["slow"], "-np", "1", "-c", "2048", "-t", "1", "-a", "m", "--drain-timeout", "1"]) as s:
+    with Server([files["slow"], "-np", "2", "-c", "2048", "-t", "1", "-a", "m", "--drain-timeout", "1"]) as s:
         c = s.client(timeout=60)
         got: dict[str, object] = {}
         streaming = threading.Event()
@@ -400,14 +400,30 @@ def test_sigterm_cancels_what_outlives_the_drain_timeout_and_exits_0(files):
                 got["error"] = type(exc).__name__
             got["n"] = n
 
-        t = threading.Thread(target=stream)
-        t.start()
+        def plain() -> None:
+            try:
+                c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=2000, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            except openai.APIStatusError as exc:
+                got["plain"] = (exc.status_code, exc.body)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
         assert streaming.wait(30)
+        busy = ("ggml_hybrid_busy_slots", (("model", "slow"),))
+        end = time.monotonic() + 30
+        while scrape(s.url)[busy] < 2:  # both requests hold a slot
+            assert time.monotonic() < end
+            time.sleep(0.01)
         s.proc.send_signal(signal.SIGTERM)
-        t.join(60)
+        for t in threads:
+            t.join(60)
         rc, err = s.stop()
     assert rc == 0, err
-    assert not t.is_alive() and 0 < int(got["n"]) < 2000  # type: ignore[call-overload]
+    assert not any(t.is_alive() for t in threads) and 0 < int(got["n"]) < 2000  # type: ignore[call-overload]
+    status, body = got["plain"]  # type: ignore[misc]
+    assert status == 503 and body["code"] == "shutting_down"
 
 
 def test_binds_to_loopback_by_default(files):

@@ -168,6 +168,8 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
                 if await request.is_disconnected():
                     _cancel(reqs)
                     return Response(status_code=499)
+                if models.drain_expired(drain_seconds):
+                    _cancel(reqs)  # SIGTERM came --drain-timeout seconds ago: it ends now, with a 503
         finally:
             _cancel(reqs)  # a handler cancelled (shutdown) leaves no request running
         failed = [r for r in reqs if r.finish_reason in ("error", "cancelled")]

@@ -99,6 +99,7 @@ class ModelSet:
             for n in (sm.name, *sm.aliases):
                 self.names[n] = sm
         self.draining = False
+        self.drain_started = 0.0
         self.failed: str | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -135,10 +136,16 @@ class ModelSet:
 
     def drain(self) -> None:
         """Stop taking new requests (SIGTERM): ``/health`` answers 503, engines refuse new work."""
+        if not self.draining:
+            self.drain_started = time.monotonic()
         self.draining = True
         for sm in self.models.values():
             if sm.engine is not None:
                 sm.engine.stop_accepting()
+
+    def drain_expired(self, seconds: float) -> bool:
+        """Whether a drain began more than ``seconds`` ago (what is still running is then cancelled)."""
+        return self.draining and time.monotonic() - self.drain_started > seconds
 
     def count(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)
