@@ -11,6 +11,7 @@ last). Rounds alternate the servers and the order of the levels (up, then down);
 is dropped; medians over rounds are printed, with the ratio of each level's aggregate to C=1's.
 
     python tools/bench/bench_serve.py [--model small|large|PATH] [--rounds 4] [--n 32] [--threads 1]
+    python tools/bench/bench_serve.py --part steps   # MoEModel.decode of S sequences per step, no server
 
 ``small``: 4 layers, embd 256, 16 experts top-4, Q8_0 (per-step overhead is a visible part of a
 token); ``large``: the llama.cpp benchmark's model (8 layers, embd 1024, 64 experts top-8, Q8_0, 857
@@ -110,6 +111,52 @@ class Server:
         self.proc.wait(120)
 
 
+def steps(path: str, vocab: int, levels: list[int], configs: list[str], slots: int, threads: int, rounds: int,
+          n: int) -> None:
+    """The engine's floor without HTTP: ``MoEModel.decode`` of S sequences per step, in this process.
+
+    Every config's model is open at once; per round, each (config, S) decodes ``n`` steps of S sequences
+    (their prompts evaluated first, cells truncated back after), configs and levels alternating as above."""
+    from ggml_hybrid.model.moe_model import MoEModel
+    from ggml_hybrid.options import SessionOptions
+
+    extra = {"resident": {}, "disk": {"disk_experts": True, "expert_cache_slots": slots}}
+    rng = np.random.default_rng(1)
+    top = max(levels)
+    prompts = [rng.integers(0, vocab, 16).tolist() for _ in range(top)]
+    models = {c: MoEModel(path, SessionOptions(n_threads=threads, n_ctx=256, n_parallel=top, **extra[c]))
+              for c in configs}
+    out: dict[tuple[str, int], list[float]] = {}
+    try:
+        for m in models.values():
+            for s, p in enumerate(prompts):
+                m.eval(p, seq=s)
+        for rnd in range(rounds + 1):
+            for c in (configs if rnd % 2 == 0 else configs[::-1]):
+                m = models[c]
+                for lvl in (levels if rnd % 2 == 0 else levels[::-1]):
+                    batches = [[(s, int(t)) for s, t in enumerate(rng.integers(0, vocab, lvl))] for _ in range(n)]
+                    t0 = time.perf_counter()
+                    for batch in batches:
+                        m.decode(batch)
+                    dt = time.perf_counter() - t0
+                    for s in range(lvl):
+                        m.truncate(16, seq=s)
+                    if rnd:
+                        out.setdefault((c, lvl), []).append(lvl * n / dt)
+    finally:
+        for m in models.values():
+            m.close()
+    print(f"\nMoEModel.decode, {n} steps per measure, threads {threads}, rounds {rounds}")
+    print("| config | sequences per step | tok/s | vs 1 |")
+    print("| --- | --- | --- | --- |")
+    for c in configs:
+        one = statistics.median(out[(c, levels[0])])
+        for lvl in levels:
+            v = statistics.median(out[(c, lvl)])
+            print(f"| {c} | {lvl} | {v:.1f} | {v / one:.2f} |")
+
+
 @click.command(help=__doc__)
 @click.option("--model", default="small", show_default=True, help="small, large, or a GGUF path.")
 @click.option("--rounds", default=4, show_default=True, type=click.IntRange(1))
@@ -119,9 +166,14 @@ class Server:
 @click.option("--slots", default=8, show_default=True, type=click.IntRange(1), help="Expert cache slots (disk).")
 @click.option("--levels", default="1,2,4,8", show_default=True, help="Concurrent requests, comma-separated.")
 @click.option("--configs", default="resident,disk", show_default=True)
-def main(model, rounds, n, prompt_len, threads, slots, levels, configs) -> None:
+@click.option("--part", type=click.Choice(["server", "steps"]), default="server", show_default=True,
+              help="steps: MoEModel.decode in this process (no HTTP, no engine), the floor the server works on.")
+def main(model, rounds, n, prompt_len, threads, slots, levels, configs, part) -> None:
     path, vocab = model_path(model)
     levels_ = [int(x) for x in levels.split(",")]
+    if part == "steps":
+        steps(path, vocab, levels_, configs.split(","), slots, threads, rounds, n)
+        return
     n_ctx = max(256, -(-(prompt_len + n) // 256) * 256)
     base = ["-np", str(max(levels_)), "-t", str(threads), "-c", str(n_ctx)]
     extra = {"resident": [], "disk": ["-o", "disk_experts=true", "--expert-cache-slots", str(slots)]}
