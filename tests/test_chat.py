@@ -22,7 +22,11 @@ MSGS = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("chat")
-    return {arch: write_model(d / f"{arch}.gguf", arch=arch, seed=2) for arch in ("qwen3moe", "glm4moe", "gpt-oss")}
+    out = {arch: write_model(d / f"{arch}.gguf", arch=arch, seed=2) for arch in ("qwen3moe", "glm4moe", "gpt-oss")}
+    # recurrent states (delta-net layers): a turn cannot go back to the shared prefix, it starts over
+    out["qwen35moe"] = write_model(d / "qwen35moe.gguf", arch="qwen35moe", n_layer=4, n_rot=8, attn_interval=2,
+                                   seed=2)
+    return out
 
 
 def test_default_template_is_chatml():
@@ -106,10 +110,11 @@ def test_spm_control_tokens_are_parsed_only_when_asked(tmp_path):
         assert eos not in tok.encode(text, add_bos=False)
 
 
-def test_run_conversation_mode(models):
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe"])
+def test_run_conversation_mode(models, arch):
     """-cnv: each turn renders the conversation with the template; the replies are what greedy generation of
-    the rendered conversation gives."""
-    path = models["qwen3moe"]
+    the rendered conversation gives (a recurrent model's too: it re-evaluates each turn from the start)."""
+    path = models[arch]
     r = CliRunner().invoke(main, ["run", path, "-cnv", "-sys", "be brief", "-n", "5", "-t", "1", "-c", "256"],
                            input="Hello there\nAnd again\n")
     assert r.exit_code == 0, r.output

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -114,7 +115,7 @@ def test_every_mode_equals_llama_cpp(tmp_path, fixture):
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_region_covers_exactly_the_routed_experts(models, name):
     with MoEModel(models[name], SessionOptions(n_threads=1, disk_experts=True, expert_cache_slots=4)) as m:
-        g = m._graph(4, 256, 4)
+        g = m._graph((SeqRows(0, 4, 256),), 4)
         for il in range(m.hp.n_layer):  # delta-net and attention layers alike
             kinds = {n.split(".")[2] for n in region_weights(g.regions[il])}
             assert kinds == {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}, (il, kinds)
@@ -300,16 +301,16 @@ def test_inspect_and_plan_count_the_recurrent_state(models, name):
     per_seq = 2 * 4 * (3 * 128 + 16 * 64)
     assert f["recurrent_bytes_per_sequence"] == per_seq
     assert "recurrent state per sequence" in format_text(d)
-    p = plan(models[name], SessionOptions(n_ctx=256), parallel=2)
+    p = plan(models[name], SessionOptions(n_ctx=256), parallel=PLAN_PARALLEL)
     assert p.kv.per_token == f["kv_bytes_per_token"]["f16"]
     r = p.recurrent
-    assert r is not None and r.per_sequence == per_seq and r.parallel == 2
+    assert r is not None and r.per_sequence == per_seq and r.parallel == PLAN_PARALLEL
     # two rows per slot and one zero row, measured on the dry run's buffers; counted in the host's resident total
-    assert r.total >= (2 * 2 + 1) * per_seq and r.total == sum(v.recurrent for v in p.devices.values()) \
+    assert r.total >= (2 * PLAN_PARALLEL + 1) * per_seq and r.total == sum(v.recurrent for v in p.devices.values()) \
         + p.host.recurrent
     assert p.host.resident_total == p.host.kv_cache + p.host.recurrent + p.host.compute
     assert "recurrent state" in plan_text(p) and p.to_dict()["recurrent"] == {
-        "per_sequence": per_seq, "parallel": 2, "total": r.total}
+        "per_sequence": per_seq, "parallel": PLAN_PARALLEL, "total": r.total}
     one = plan(models[name], SessionOptions(n_ctx=256), parallel=1)
     assert one.recurrent is not None and one.recurrent.total >= 3 * per_seq
     # for one sequence, exactly what a load allocates (run stats count it too)
@@ -390,3 +391,51 @@ def test_cuda_limits_are_refused_before_ggml_would_abort(models):
         check_cuda("m.gguf", odd, ["CUDA0"])
     with pytest.raises(ModelFileError, match="ssm.conv_kernel = 6"):
         check_cuda("m.gguf", replace(hp, delta_net=replace(hp.delta_net, d_conv=6)), ["CUDA0"])
+
+
+# concurrent sequences of a recurrent model are refused (test_concurrent_sequences_of_a_recurrent_model_are_refused)
+PLAN_PARALLEL = 1
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_concurrent_sequences_of_a_recurrent_model_are_refused(models, name):
+    """n_parallel > 1 on a model with recurrent states is one OptionError naming the architecture and the rule,
+    from the model, the planner and ``serve`` (before it listens), and nothing is allocated."""
+    from click.testing import CliRunner
+
+    from ggml_hybrid.cli import main
+    from ggml_hybrid.deploy.planner import plan
+    from ggml_hybrid.options import OptionError
+
+    path = models[name]
+    arch = SPECS[name]["arch"]
+    with pytest.raises(OptionError, match=rf"n_parallel=2: {arch} keeps recurrent states.*n_parallel=1"):
+        MoEModel(path, SessionOptions(n_threads=1, n_parallel=2))
+    with pytest.raises(OptionError, match=rf"n_parallel=3: {arch} keeps recurrent states"):
+        plan(path, SessionOptions(n_threads=1), parallel=3)
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "serve", path, "-np", "2", "--port", "9"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    line, = r.stderr.strip().splitlines()
+    assert line.startswith("error: ") and f"{arch} keeps recurrent states" in line and "n_parallel=1" in line
+    r = CliRunner().invoke(main, ["plan", path, "-np", "2"])
+    assert r.exit_code == 2 and f"{arch} keeps recurrent states" in r.output
+
+
+def test_a_recurrent_sequence_goes_forward_only(models):
+    """``truncate`` cannot take a recurrent state back: it refuses, and the sequence is untouched; keeping
+    everything is allowed; one-sequence ``decode`` steps equal evals token by token (states committed per step)."""
+    path = models["qwen35moe"]
+    tokens = _tokens(path)
+    with MoEModel(path, SessionOptions(n_threads=1, n_ctx=128)) as m:
+        assert m.recurrent
+        want = m.eval(tokens, "all")
+        m.reset()
+        m.eval(tokens[:4])
+        with pytest.raises(ArgumentError, match=r"truncate: n_keep=2 < the 4 positions.*reset the sequence"):
+            m.truncate(2)
+        m.truncate(4)
+        m.truncate(9)
+        assert m.n_past == 4
+        got = [m.decode([(0, t)])[0] for t in tokens[4:]]
+        assert np.array_equal(np.stack(got), want[4:])

@@ -53,6 +53,10 @@ def converse(m: MoEModel, sampler: Sampler, n_predict: int, system: str | None, 
             raise ContextFullError(f"the conversation is {len(ids)} tokens; the context holds {m.n_ctx} "
                                    "(give a larger -c)")
         keep = min(_common_prefix(history, ids), len(ids) - 1)  # at least one token to evaluate
+        if m.recurrent and keep < m.n_past:
+            # a recurrent state cannot go back to the shared prefix: evaluate the conversation anew
+            keep = 0
+            m.reset()
         m.truncate(keep)
         del history[keep:]
         reply: list[int] = []

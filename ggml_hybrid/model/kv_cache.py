@@ -184,8 +184,10 @@ class KVCache:
     def move(self, src: int, dst: int) -> None:
         """Sequence ``src`` into the empty slot ``dst``: every cell copied byte for byte (so the sequence
         computes exactly as it did in ``src``), then ``src`` cleared."""
-        for layer in range(self.n_layer):
-            lib.ggml_backend_tensor_copy(self.k[src][layer].ptr, self.k[dst][layer].ptr)
+        for layer in self.layers:
+            k_src, k_dst = self.k[src][layer], self.k[dst][layer]
+            assert k_src is not None and k_dst is not None
+            lib.ggml_backend_tensor_copy(k_src.ptr, k_dst.ptr)
             v_src, v_dst = self.v[src][layer], self.v[dst][layer]
             if v_src is not None and v_dst is not None:
                 lib.ggml_backend_tensor_copy(v_src.ptr, v_dst.ptr)
