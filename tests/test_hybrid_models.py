@@ -8,15 +8,16 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 from helpers import region_weights, rewrite_gguf
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from ggml_hybrid.errors import ArgumentError, GgmlHybridError, ModelFileError
-from ggml_hybrid.model.decoder import SeqRows, build_decoder
+from ggml_hybrid.model.decoder import SeqRows, build_decoder, seq_input
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.recurrent_state import RecurrentState
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
@@ -205,7 +206,7 @@ class Slots:
         g = self.graphs[n]
         self.rs.begin(seq)
         m.sched.alloc(g.graph)
-        feed = {"tokens": np.asarray(tokens, np.int32), **self.rs.inputs(seq)}
+        feed = {"tokens": np.asarray(tokens, np.int32), **{seq_input(k, 0): v for k, v in self.rs.inputs(seq).items()}}
         for name, t in g.inputs.items():
             t.set(feed[name])
         m.sched.compute(g.graph)
@@ -393,33 +394,98 @@ def test_cuda_limits_are_refused_before_ggml_would_abort(models):
         check_cuda("m.gguf", replace(hp, delta_net=replace(hp.delta_net, d_conv=6)), ["CUDA0"])
 
 
-# concurrent sequences of a recurrent model are refused (test_concurrent_sequences_of_a_recurrent_model_are_refused)
-PLAN_PARALLEL = 1
+PLAN_PARALLEL = 2
+
+
+@pytest.fixture(scope="module")
+def slotted(models):
+    """One model per (family, n_parallel), loaded once for the hypothesis examples."""
+    held: dict[tuple[str, int], MoEModel] = {}
+
+    def get(name: str, n_parallel: int, ubatch: int) -> MoEModel:
+        key = (name, n_parallel, ubatch)
+        if key not in held:
+            held[key] = MoEModel(models[name], SessionOptions(n_threads=1, n_ctx=64, n_parallel=n_parallel,
+                                                             ubatch_size=ubatch))
+        return held[key]
+
+    yield get
+    for m in held.values():
+        m.close()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: each example costs model evals
+@given(data=st.data(), name=st.sampled_from(sorted(SPECS)), n_parallel=st.integers(2, 3),
+       ubatch=st.sampled_from([3, 512]))
+def test_each_sequence_of_a_recurrent_model_is_as_if_alone(slotted, data, name, n_parallel, ubatch):
+    """Sequences of a qwen35moe / qwen3next model sharing one model, their prompts evaluated in their slots and
+    their tokens decoded together (several per ubatch), arriving at drawn steps, finished slots reused, a
+    sequence moved to a lower slot: each sequence's logits are bit for bit those of running it alone."""
+    n_seqs = data.draw(st.integers(n_parallel, n_parallel + 2), "sequences")
+    seqs = [(data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=9), f"prompt {j}"),
+             data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=5), f"tokens {j}")) for j in range(n_seqs)]
+    alone_m = slotted(name, 1, ubatch)
+    alone = []
+    for prompt, more in seqs:
+        alone_m.reset()
+        rows = [alone_m.eval(prompt)[-1]]
+        rows += [alone_m.eval([t])[-1] for t in more[:-1]]
+        alone.append(rows)
+    m = slotted(name, n_parallel, ubatch)
+    m.reset()
+    got: list[list[np.ndarray]] = [[] for _ in seqs]
+    waiting = list(range(n_seqs))
+    slot_of: dict[int, int] = {}     # sequence -> slot
+    done: dict[int, int] = {}        # sequence -> tokens fed after its prompt
+    while waiting or slot_of:
+        free = [s for s in range(n_parallel) if s not in slot_of.values()]
+        if waiting and free and data.draw(st.booleans(), "arrive"):
+            j, slot = waiting.pop(0), free[0]
+            m.reset(slot)
+            got[j].append(m.eval(seqs[j][0], seq=slot)[-1])
+            slot_of[j], done[j] = slot, 0
+            continue
+        if slot_of and free and min(free) < max(slot_of.values()) and data.draw(st.booleans(), "move"):
+            j = max(slot_of, key=lambda k: slot_of[k])
+            m.move(slot_of[j], min(free))
+            slot_of[j] = min(free)
+            continue
+        step = [(j, seqs[j][1][done[j]]) for j in slot_of if done[j] < len(seqs[j][1]) - 1]
+        if step:
+            out = m.decode([(slot_of[j], t) for j, t in step])
+            for (j, _), row in zip(step, out):
+                got[j].append(row)
+                done[j] += 1
+        for j in [j for j in slot_of if done[j] == len(seqs[j][1]) - 1]:
+            m.reset(slot_of.pop(j))  # as the engine frees a finished request's slot
+        if not step and waiting and not slot_of:
+            j, slot = waiting.pop(0), 0
+            m.reset(slot)
+            got[j].append(m.eval(seqs[j][0], seq=slot)[-1])
+            slot_of[j], done[j] = slot, 0
+    for j in range(n_seqs):
+        assert len(got[j]) == len(alone[j])
+        assert all(np.array_equal(a, b) for a, b in zip(got[j], alone[j])), (j, seqs[j])
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_concurrent_sequences_of_a_recurrent_model_are_refused(models, name):
-    """n_parallel > 1 on a model with recurrent states is one OptionError naming the architecture and the rule,
-    from the model, the planner and ``serve`` (before it listens), and nothing is allocated."""
-    from click.testing import CliRunner
-
-    from ggml_hybrid.cli import main
+def test_plan_parallel_recurrent_bytes_equal_the_runtime(models, name):
+    """``plan --parallel N`` of a recurrent model: its recurrent (and KV) bytes per device and host are what a
+    model loaded with ``n_parallel=N`` allocates."""
     from ggml_hybrid.deploy.planner import plan
-    from ggml_hybrid.options import OptionError
 
-    path = models[name]
-    arch = SPECS[name]["arch"]
-    with pytest.raises(OptionError, match=rf"n_parallel=2: {arch} keeps recurrent states.*n_parallel=1"):
-        MoEModel(path, SessionOptions(n_threads=1, n_parallel=2))
-    with pytest.raises(OptionError, match=rf"n_parallel=3: {arch} keeps recurrent states"):
-        plan(path, SessionOptions(n_threads=1), parallel=3)
-    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "serve", path, "-np", "2", "--port", "9"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stdout == ""
-    line, = r.stderr.strip().splitlines()
-    assert line.startswith("error: ") and f"{arch} keeps recurrent states" in line and "n_parallel=1" in line
-    r = CliRunner().invoke(main, ["plan", path, "-np", "2"])
-    assert r.exit_code == 2 and f"{arch} keeps recurrent states" in r.output
+    for items in ([], ["virtual_devices=2", "disk_experts=1", "expert_cache_slots=2"], ["no_kv_offload=true"]):
+        opts = SessionOptions.parse(items + ["n_ctx=256", "n_threads=1"])
+        q = plan(models[name], opts, parallel=3)
+        with MoEModel(models[name], opts.merged(n_parallel=3)) as m:
+            assert m.rs is not None and m.rs.n_seq == 3
+            for dev in m.devices:
+                mem = m.device_memory(dev)
+                assert (q.devices[dev].recurrent, q.devices[dev].kv_cache) == (mem["recurrent"], mem["kv_cache"])
+            assert q.host.recurrent == m.rs.nbytes(m.host)
+            assert q.recurrent is not None and q.recurrent.total == m.rs.nbytes()
+            assert q.recurrent.total >= 7 * q.recurrent.per_sequence
 
 
 def test_a_recurrent_sequence_goes_forward_only(models):

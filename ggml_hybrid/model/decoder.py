@@ -31,6 +31,8 @@ from .recurrent_state import RecurrentState
 NODES_PER_LAYER = 96
 # and per layer for each further sequence of an ubatch: its row views, KV stores, attention, the join
 NODES_PER_SEGMENT = 40
+# and, for a model with delta-net layers, its state reads and writes, convolution and delta rule per sequence
+NODES_PER_RECURRENT_SEGMENT = 64
 
 
 @dataclass
@@ -60,7 +62,8 @@ def graph_size(hp: HParams, n_seq: int = 1) -> int:
     """Nodes of the largest decoder graph of a model whose ubatches hold up to ``n_seq`` sequences."""
     from .families import FAMILIES
 
-    per_layer = NODES_PER_LAYER + FAMILIES[hp.arch].extra_nodes + 2 * hp.n_used + NODES_PER_SEGMENT * (n_seq - 1)
+    per_segment = NODES_PER_SEGMENT + (NODES_PER_RECURRENT_SEGMENT if hp.delta_net is not None else 0)
+    per_layer = NODES_PER_LAYER + FAMILIES[hp.arch].extra_nodes + 2 * hp.n_used + per_segment * (n_seq - 1)
     return per_layer * hp.n_layer + 64
 
 
@@ -74,7 +77,7 @@ def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights
                   seq_rows: tuple[SeqRows, ...], n_out: int, flash: bool, arena: Arena | None = None,
                   rs: RecurrentState | None = None) -> DecoderGraph:
     """Logits [n_out, n_vocab] of the last ``n_out`` rows of an ubatch of ``seq_rows`` (rows in that order;
-    ``rs``: the recurrent states of a hybrid model's delta-net layers, one sequence per ubatch)."""
+    ``rs``: the recurrent states of a hybrid model's delta-net layers)."""
     from .families import FAMILIES
 
     family = FAMILIES[hp.arch]
@@ -96,9 +99,11 @@ def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights
                                                                  f"inp_kq_mask_swa{tag}")
             if kv.v_trans and kv.n_embd_v:
                 inp[seq_input("v_idxs", i)] = c.new_tensor("i64", (s.n_tokens * kv.n_embd_v,), f"inp_v_idxs{tag}")
-    if rs is not None:  # the rows delta-net layers read their states from and write them to
-        inp.update({"rs_read": c.new_tensor("i32", (1,), "inp_rs_read"),
-                    "rs_write": c.new_tensor("i32", (1,), "inp_rs_write")})
+    if rs is not None:  # per sequence: the rows its delta-net layers read their states from and write them to
+        for i in range(len(seq_rows)):
+            tag = f"_s{i}" if len(seq_rows) > 1 else ""
+            for name in ("rs_read", "rs_write"):
+                inp[seq_input(name, i)] = c.new_tensor("i32", (1,), f"inp_{name}{tag}")
     for name, n in (("k_rot", kv.rot_k), ("v_rot", kv.rot_v)):
         if n and kv.layers:
             inp[name] = c.new_tensor("f32", (n, n), f"attn_inp_{name}")

@@ -87,21 +87,27 @@ class Builder:
         swa = self.hp.swa
         return self.inp[seq_input("mask_swa" if swa is not None and swa.layers[il] else "mask", i)]
 
-    def _per_sequence(self, xs: tuple[Tensor, ...], attend: Callable[..., Tensor]) -> Tensor:
-        """``attend(i, seq_rows, *their rows of xs)`` for each sequence of the ubatch, the results' rows
-        joined in order.
+    def _rows(self, x: Tensor, r0: int, n: int) -> Tensor:
+        """Rows r0 .. r0 + n of x [T, ...] (2 or 3 dimensions), a view."""
+        c = self.c
+        if x.ndim == 2:
+            return c.view(x, (n, x.ne[0]), (x.nb[1],), r0 * x.nb[1])
+        return c.view(x, (n, x.ne[1], x.ne[0]), (x.nb[2], x.nb[1]), r0 * x.nb[2])
 
-        xs are [T, heads, d] over all rows of the ubatch; a single sequence gets them whole, so a
+    def per_sequence(self, xs: tuple[Tensor, ...], one: Callable[..., Tensor]) -> Tensor:
+        """``one(i, seq_rows, *their rows of xs)`` for each sequence of the ubatch, the results' rows
+        ([T_i, n] each) joined in order.
+
+        xs are [T, ...] over all rows of the ubatch; a single sequence gets them whole, so a
         one-sequence graph is exactly what it always was.
         """
         c = self.c
         if len(self.seq_rows) == 1:
-            return attend(0, self.seq_rows[0], *xs)
+            return one(0, self.seq_rows[0], *xs)
         out: Tensor | None = None
         r0 = 0
         for i, seg in enumerate(self.seq_rows):
-            rows = tuple(c.view(x, (seg.n_tokens, x.ne[1], x.ne[0]), (x.nb[2], x.nb[1]), r0 * x.nb[2]) for x in xs)
-            part = attend(i, seg, *rows)
+            part = one(i, seg, *(self._rows(x, r0, seg.n_tokens) for x in xs))
             out = part if out is None else c.concat(out, part, axis=0, ndim=2)
             r0 += seg.n_tokens
         assert out is not None
@@ -115,7 +121,7 @@ class Builder:
         v = self._hadamard(v, "v_rot")
         # store this ubatch's K and V; the reads below come later in the graph
         self.mark("attn", il)  # from here to the output projection: where the KV cache lives
-        out = self._per_sequence((q, k, v), lambda i, seg, q, k, v: self._attend_one(il, i, seg, q, k, v, sinks))
+        out = self.per_sequence((q, k, v), lambda i, seg, q, k, v: self._attend_one(il, i, seg, q, k, v, sinks))
         out = self._hadamard(out, "v_rot")
         self.mark("layer", il)
         return out
@@ -154,7 +160,7 @@ class Builder:
         [T, H, R + r] with the first R values of each cached row as the value, decompress through v_mla
         [H, dv, R]; returns [T, H * dv]. ``build_attn`` with ``llm_graph_input_attn_k`` and ``v_mla``."""
         self.mark("attn", il)
-        out = self._per_sequence((q, k), lambda i, seg, q, k: self._attend_latent_one(il, i, seg, q, k, v_mla))
+        out = self.per_sequence((q, k), lambda i, seg, q, k: self._attend_latent_one(il, i, seg, q, k, v_mla))
         self.mark("layer", il)
         return out
 

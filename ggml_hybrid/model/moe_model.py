@@ -81,16 +81,6 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
     for key, head in (("cache_type_k", hp.head_dim), ("cache_type_v", hp.head_dim_v)):
         if getattr(opts, key) == "q8_0" and head % 32:
             raise OptionError(f"{key}=q8_0: the head size {head} is not a multiple of 32")
-    check_recurrent(opts, hp)
-
-
-def check_recurrent(opts: SessionOptions, hp: HParams) -> None:
-    """Concurrent sequences of a model with recurrent states (delta-net layers) are not supported yet: its
-    delta-net layers run one sequence per ubatch, so ``n_parallel`` must be 1."""
-    if hp.delta_net is not None and opts.n_parallel > 1:
-        raise OptionError(f"n_parallel={opts.n_parallel}: {hp.arch} keeps recurrent states (gated delta-net "
-                          "layers), and concurrent sequences of such a model are not supported yet; "
-                          "it runs one sequence at a time (n_parallel=1)")
 
 
 def _pairs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -398,6 +388,8 @@ class MoEModel:
                                 f"{self.kv.used[dst]} positions)")
         with self._serial.turn("move"):
             self.kv.move(src, dst)
+            if self.rs is not None:
+                self.rs.move(src, dst)
 
     def _check_seq(self, seq: int, op: str) -> int:
         check_int(seq, f"{op}: seq", 0, self.kv.n_seq - 1)
@@ -515,8 +507,8 @@ class MoEModel:
         # M-RoPE lays its four rows out over the whole ubatch: built from every sequence's positions at once
         feed["pos"] = positions(self.hp.rope, np.concatenate(pos))
         if self.rs is not None:
-            assert len(parts) == 1  # check_recurrent: one sequence per ubatch
-            feed.update(self.rs.inputs(parts[0][0]))
+            for i, (seq, _) in enumerate(parts):
+                feed.update({seq_input(name, i): arr for name, arr in self.rs.inputs(seq).items()})
         n = len(feed["tokens"])
         if "out_ids" in g.inputs:
             feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)
