@@ -155,7 +155,7 @@ class Graph:
         """Make every matrix product of the graph compute each row of its second operand as a product of
         that one row would: the CPU then never takes a kernel chosen by the number of rows (llamafile's
         sgemm from 2 rows, the tiled K-quant kernels from 8), so a row's result does not depend on the
-        rows batched with it. ``GGML_HINT_ROWWISE`` of our patch series (0003); products with another
+        rows batched with it. ``GGML_HINT_ROWWISE`` of our patch series (0004); products with another
         hint (the Hadamard rotation) keep theirs. Returns how many products were marked."""
         n = 0
         for node in self.nodes:
