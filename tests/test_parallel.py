@@ -302,3 +302,20 @@ def test_a_moved_sequence_goes_on_exactly_as_it_would_have(models, mode):
         with pytest.raises(ArgumentError):
             m.move(0, 3)
     assert got == ref
+
+
+@pytest.mark.parametrize("repack", [True, False])
+def test_repacked_dense_weights_keep_a_decode_step_below_their_gemm_rows(models, repack):
+    """GGML's repacked CPU products (not steered by the rowwise hint) take gemm from 4 rows, whose Q4_K bits differ
+    from a lone row's: with repacked dense weights a decode step holds at most 3 sequences (more run as several
+    steps); without repacking the rowwise products take the whole step. Either way every sequence is its lone run."""
+    path = models[("qwen3moe", "q4_K")]
+    opts = SessionOptions(n_threads=1, n_ctx=256, repack=repack)
+    with MoEModel(path, opts.merged(n_parallel=8)) as m:
+        assert bool(m.repacked) == repack
+        assert m.decode_rows == (3 if repack else opts.ubatch_size)
+    rng = np.random.default_rng(3)
+    seqs = [(rng.integers(0, 384, k).tolist(), rng.integers(0, 384, 3).tolist()) for k in (3, 5, 2, 7, 4, 6, 1, 8)]
+    got = batched(path, opts, seqs, [0] * 8)
+    for i, (prompt, steps) in enumerate(seqs):
+        assert got[i] == alone(path, opts, prompt, steps), f"sequence {i} differs from its lone run"

@@ -252,7 +252,7 @@ def test_metrics_count_what_was_served(server):
     for name in ("busy_slots", "queue_depth", "tokens_per_second", "model_loaded"):
         assert ("ggml_hybrid_" + name, (("model", "q3"),)) in after
     mem = {k[1]: v for k, v in after.items() if k[0] == "ggml_hybrid_device_memory_bytes"}
-    assert {dict(lab)["purpose"] for lab in mem} == {"weights", "experts", "kv_cache", "compute"}
+    assert {dict(lab)["purpose"] for lab in mem} == {"weights", "experts", "kv_cache", "recurrent", "compute"}
     assert all(v >= 0 for v in mem.values()) and any(v > 0 for v in mem.values())
 
 

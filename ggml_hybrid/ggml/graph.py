@@ -55,6 +55,8 @@ def _tensor_upper_bound() -> int:
 # ggml_tiled_min_batch and its type list); rows of an unmarked product are bit-identical to one-row products only
 # below the threshold
 TILED_MIN_ROWS = 8
+# GGML's repacked CPU products (ggml-cpu/repack.cpp forward_mul_mat) take gemm from this many rows, gemv below
+REPACK_GEMM_MIN_ROWS = 4
 TILED_TYPES = frozenset({GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q4_K, GGMLType.Q3_K, GGMLType.Q2_K, GGMLType.IQ4_XS,
                          GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
                          GGMLType.IQ1_S, GGMLType.IQ1_M})

@@ -41,7 +41,7 @@ from ..errors import (
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
-from ..ggml.graph import TILED_MIN_ROWS, TILED_TYPES
+from ..ggml.graph import REPACK_GEMM_MIN_ROWS, TILED_MIN_ROWS, TILED_TYPES
 from ..ggml.graph_cache import GraphCache
 from ..ggml.repack import repack_buffer_type
 from ..ggml.sched import Scheduler
@@ -243,10 +243,18 @@ class MoEModel:
     def _decode_rows(self) -> int:
         """Most sequences one decode ubatch takes: ``ubatch_size``, and fewer than GGML's tiled threshold when an
         expert cache computes experts of a tiled type: its graphs (and its CPU worker's) are not rowwise, so at
-        the threshold rows of one expert would take another kernel than a lone sequence's one row."""
+        the threshold rows of one expert would take another kernel than a lone sequence's one row. Likewise
+        fewer than GGML's repacked gemm threshold when dense weights are repacked: the repacked CPU products
+        (ggml-cpu/repack.cpp, not the path GGML_HINT_ROWWISE steers) take gemm from that many rows, whose bits
+        differ from a lone row's gemv (measured on Q4_K); their expert products are gemv per row already."""
+        rows = self.options.ubatch_size
         tiled = any(ex is not None and w is not None and any(t.dtype in TILED_TYPES for t in w.kinds.values())
                     for ex, w in zip(self.experts.executors, self.experts.weights))
-        return min(self.options.ubatch_size, TILED_MIN_ROWS - 1) if tiled else self.options.ubatch_size
+        if tiled:
+            rows = min(rows, TILED_MIN_ROWS - 1)
+        if self.repacked:
+            rows = min(rows, REPACK_GEMM_MIN_ROWS - 1)
+        return rows
 
     def _resolve_flash_attn(self, opts: SessionOptions, hp: HParams) -> bool:
         """``flash_attn`` as a bool; ``auto`` is llama.cpp's rule: on when every backend that runs

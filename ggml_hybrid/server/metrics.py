@@ -6,7 +6,7 @@ cancelled, error), ``prompt_tokens``, ``generated_tokens``, ``expert_cache_hits`
 ``expert_cache_cpu_misses``, ``expert_cache_bytes_loaded``. Gauges: ``model_loaded``, ``slots``,
 ``busy_slots``, ``queue_depth``, ``tokens_per_second`` (generated tokens per second of decode steps
 over the last 10 s), ``moe_cpu_share_applied``, ``hybrid_offload_active`` (0/1) and
-``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, compute). docs/serve.md lists them.
+``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute). docs/serve.md lists them.
 """
 
 from __future__ import annotations
