@@ -270,14 +270,16 @@ def test_one_sequence_model_is_unchanged(models):
 
 def test_many_sequences_over_k_quant_disk_experts(tmp_path):
     """12 sequences, 4 experts: rows of one expert in a step would reach GGML's tiled threshold (8) in the expert
-    cache's own graphs, which are not rowwise; decode steps of such a model take at most 7 sequences."""
+    cache's own graphs, which are not rowwise; decode steps of such a model take at most 7 sequences. (Without
+    repacking: repacked dense weights cap a step at 3, test_repacked_dense_weights_keep_...)"""
     path = write_model(tmp_path / "k.gguf", arch="qwen3moe", weight_type="q4_K", n_expert=4, n_used=2, seed=3, **K_SPEC)
-    opts = SessionOptions(n_threads=1, n_ctx=256, disk_experts=True, expert_cache_slots=2, moe_cpu_share=0.5)
+    opts = SessionOptions(n_threads=1, n_ctx=256, disk_experts=True, expert_cache_slots=2, moe_cpu_share=0.5,
+                          repack=False)
     rng = np.random.default_rng(0)
     seqs = [(rng.integers(0, 300, 3).tolist(), rng.integers(0, 300, 3).tolist()) for _ in range(12)]
     with MoEModel(path, opts.merged(n_parallel=12)) as m:
         assert m.decode_rows == 7
-    with MoEModel(path, SessionOptions(n_threads=1, n_ctx=256, n_parallel=12)) as m:
+    with MoEModel(path, SessionOptions(n_threads=1, n_ctx=256, n_parallel=12, repack=False)) as m:
         assert m.decode_rows == 512  # resident experts are rowwise in the decoder's own graph
     got = batched(path, opts, seqs, [0] * 12)
     for i, (prompt, steps) in enumerate(seqs):
