@@ -133,3 +133,11 @@ class ContextFullError(GgmlHybridError, ValueError):
 
 class ConfigError(GgmlHybridError, ValueError):
     """A configuration file that is missing, not TOML, or has a bad entry."""
+
+
+class ChatTemplateError(GgmlHybridError, ValueError):
+    """Chat messages a template cannot render (bad shape, refused by the template, a template that fails)."""
+
+
+class MissingDependencyError(GgmlHybridError, ImportError):
+    """An optional dependency a feature needs is not installed; the message names the extra to install."""

@@ -244,6 +244,10 @@ class SessionOptions:
     n_ctx: int = _opt(
         0, "int", "an integer >= 0", "Context size (KV cache cells); 0 = the model's training context, at most 4096.",
         _int(0))
+    n_parallel: int = _opt(
+        1, "int", "an integer in 1..256",
+        "Sequences held at once, one KV slot of n_ctx cells each (llama.cpp -np, which splits n_ctx instead).",
+        _int(1, 256))
     batch_size: int = _opt(
         2048, "int", "an integer >= 1", "Logical batch: most tokens handed to one eval step (llama.cpp -b).", _int(1))
     ubatch_size: int = _opt(

@@ -107,8 +107,9 @@ def test_a_flag_twice_with_a_newline_in_its_value_is_one_error_line(model):
     (["--mlock"], ["--mlock", "not supported"]),
     (["-lm", "dio"], ["-lm dio", "not supported"]),
     (["-mg", "1"], ["-mg", "-dev"]),
-    (["-cnv"], ["-cnv", "not supported", "conversation"]),
-    (["-sys", "be brief"], ["-sys", "not supported"]),
+    (["-cnv"], ["--tokens does not go with -cnv"]),
+    (["-sys", "be brief"], ["-sys/--system-prompt needs -cnv"]),
+    (["-np", "2"], ["n_parallel=2", "one sequence", "serve"]),
 ])
 def test_idle_or_unsupported_flags_are_errors(model, args, expect):
     user_error("run", model, "--tokens", "1,2", "-n", 2, *T1, *args, expect=expect)

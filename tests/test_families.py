@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.errors import ModelFileError, OptionError
+from ggml_hybrid.model.kv_cache import SeqRows
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.synthetic import write_model
 from ggml_hybrid.moe.traces import read_trace
@@ -81,7 +82,7 @@ def test_disk_experts_with_each_cpu_share_for_every_family(models, name, share):
 @pytest.mark.parametrize("name", ["glm4moe", "deepseek2", "gpt-oss"])
 def test_region_covers_exactly_the_routed_experts(models, name):
     with MoEModel(models[name], SessionOptions(n_threads=1, disk_experts=True, expert_cache_slots=4)) as m:
-        g = m._graph(4, 256, 4)
+        g = m._graph((SeqRows(0, 4, 256),), 4)
         hp = m.hp
         for il in range(hp.n_layer):
             r = g.regions[il]

@@ -13,9 +13,11 @@ import sys
 import numpy as np
 import pytest
 from helpers import region_weights, rewrite_gguf
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from ggml_hybrid.errors import ArgumentError, GgmlHybridError, ModelFileError
-from ggml_hybrid.model.decoder import build_decoder
+from ggml_hybrid.model.decoder import SeqRows, build_decoder, seq_input
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.recurrent_state import RecurrentState
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
@@ -114,7 +116,7 @@ def test_every_mode_equals_llama_cpp(tmp_path, fixture):
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_region_covers_exactly_the_routed_experts(models, name):
     with MoEModel(models[name], SessionOptions(n_threads=1, disk_experts=True, expert_cache_slots=4)) as m:
-        g = m._graph(4, 256, 4)
+        g = m._graph((SeqRows(0, 4, 256),), 4)
         for il in range(m.hp.n_layer):  # delta-net and attention layers alike
             kinds = {n.split(".")[2] for n in region_weights(g.regions[il])}
             assert kinds == {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}, (il, kinds)
@@ -197,13 +199,14 @@ class Slots:
     def eval(self, seq: int, tokens) -> np.ndarray:
         m, n = self.m, len(tokens)
         if n not in self.graphs:
-            g = build_decoder(m.hp, m.weights, m.experts.weights, m.kv, n, 256, n, False, rs=self.rs)
+            g = build_decoder(m.hp, m.weights, m.experts.weights, m.kv, (SeqRows(0, n, 256),), n, False,
+                              rs=self.rs)
             m.sched.set_pins(g.graph, m._pins(g))
             self.graphs[n] = g
         g = self.graphs[n]
         self.rs.begin(seq)
         m.sched.alloc(g.graph)
-        feed = {"tokens": np.asarray(tokens, np.int32), **self.rs.inputs(seq)}
+        feed = {"tokens": np.asarray(tokens, np.int32), **{seq_input(k, 0): v for k, v in self.rs.inputs(seq).items()}}
         for name, t in g.inputs.items():
             t.set(feed[name])
         m.sched.compute(g.graph)
@@ -299,16 +302,16 @@ def test_inspect_and_plan_count_the_recurrent_state(models, name):
     per_seq = 2 * 4 * (3 * 128 + 16 * 64)
     assert f["recurrent_bytes_per_sequence"] == per_seq
     assert "recurrent state per sequence" in format_text(d)
-    p = plan(models[name], SessionOptions(n_ctx=256), parallel=2)
+    p = plan(models[name], SessionOptions(n_ctx=256), parallel=PLAN_PARALLEL)
     assert p.kv.per_token == f["kv_bytes_per_token"]["f16"]
     r = p.recurrent
-    assert r is not None and r.per_sequence == per_seq and r.parallel == 2
+    assert r is not None and r.per_sequence == per_seq and r.parallel == PLAN_PARALLEL
     # two rows per slot and one zero row, measured on the dry run's buffers; counted in the host's resident total
-    assert r.total >= (2 * 2 + 1) * per_seq and r.total == sum(v.recurrent for v in p.devices.values()) \
+    assert r.total >= (2 * PLAN_PARALLEL + 1) * per_seq and r.total == sum(v.recurrent for v in p.devices.values()) \
         + p.host.recurrent
     assert p.host.resident_total == p.host.kv_cache + p.host.recurrent + p.host.compute
     assert "recurrent state" in plan_text(p) and p.to_dict()["recurrent"] == {
-        "per_sequence": per_seq, "parallel": 2, "total": r.total}
+        "per_sequence": per_seq, "parallel": PLAN_PARALLEL, "total": r.total}
     one = plan(models[name], SessionOptions(n_ctx=256), parallel=1)
     assert one.recurrent is not None and one.recurrent.total >= 3 * per_seq
     # for one sequence, exactly what a load allocates (run stats count it too)
@@ -389,3 +392,116 @@ def test_cuda_limits_are_refused_before_ggml_would_abort(models):
         check_cuda("m.gguf", odd, ["CUDA0"])
     with pytest.raises(ModelFileError, match="ssm.conv_kernel = 6"):
         check_cuda("m.gguf", replace(hp, delta_net=replace(hp.delta_net, d_conv=6)), ["CUDA0"])
+
+
+PLAN_PARALLEL = 2
+
+
+@pytest.fixture(scope="module")
+def slotted(models):
+    """One model per (family, n_parallel), loaded once for the hypothesis examples."""
+    held: dict[tuple[str, int], MoEModel] = {}
+
+    def get(name: str, n_parallel: int, ubatch: int) -> MoEModel:
+        key = (name, n_parallel, ubatch)
+        if key not in held:
+            held[key] = MoEModel(models[name], SessionOptions(n_threads=1, n_ctx=64, n_parallel=n_parallel,
+                                                             ubatch_size=ubatch))
+        return held[key]
+
+    yield get
+    for m in held.values():
+        m.close()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: each example costs model evals
+@given(data=st.data(), name=st.sampled_from(sorted(SPECS)), n_parallel=st.integers(2, 3),
+       ubatch=st.sampled_from([3, 512]))
+def test_each_sequence_of_a_recurrent_model_is_as_if_alone(slotted, data, name, n_parallel, ubatch):
+    """Sequences of a qwen35moe / qwen3next model sharing one model, their prompts evaluated in their slots and
+    their tokens decoded together (several per ubatch), arriving at drawn steps, finished slots reused, a
+    sequence moved to a lower slot: each sequence's logits are bit for bit those of running it alone."""
+    n_seqs = data.draw(st.integers(n_parallel, n_parallel + 2), "sequences")
+    seqs = [(data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=9), f"prompt {j}"),
+             data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=5), f"tokens {j}")) for j in range(n_seqs)]
+    alone_m = slotted(name, 1, ubatch)
+    alone = []
+    for prompt, more in seqs:
+        alone_m.reset()
+        rows = [alone_m.eval(prompt)[-1]]
+        rows += [alone_m.eval([t])[-1] for t in more[:-1]]
+        alone.append(rows)
+    m = slotted(name, n_parallel, ubatch)
+    m.reset()
+    got: list[list[np.ndarray]] = [[] for _ in seqs]
+    waiting = list(range(n_seqs))
+    slot_of: dict[int, int] = {}     # sequence -> slot
+    done: dict[int, int] = {}        # sequence -> tokens fed after its prompt
+    while waiting or slot_of:
+        free = [s for s in range(n_parallel) if s not in slot_of.values()]
+        if waiting and free and data.draw(st.booleans(), "arrive"):
+            j, slot = waiting.pop(0), free[0]
+            m.reset(slot)
+            got[j].append(m.eval(seqs[j][0], seq=slot)[-1])
+            slot_of[j], done[j] = slot, 0
+            continue
+        if slot_of and free and min(free) < max(slot_of.values()) and data.draw(st.booleans(), "move"):
+            j = max(slot_of, key=lambda k: slot_of[k])
+            m.move(slot_of[j], min(free))
+            slot_of[j] = min(free)
+            continue
+        step = [(j, seqs[j][1][done[j]]) for j in slot_of if done[j] < len(seqs[j][1]) - 1]
+        if step:
+            out = m.decode([(slot_of[j], t) for j, t in step])
+            for (j, _), row in zip(step, out):
+                got[j].append(row)
+                done[j] += 1
+        for j in [j for j in slot_of if done[j] == len(seqs[j][1]) - 1]:
+            m.reset(slot_of.pop(j))  # as the engine frees a finished request's slot
+        if not step and waiting and not slot_of:
+            j, slot = waiting.pop(0), 0
+            m.reset(slot)
+            got[j].append(m.eval(seqs[j][0], seq=slot)[-1])
+            slot_of[j], done[j] = slot, 0
+    for j in range(n_seqs):
+        assert len(got[j]) == len(alone[j])
+        assert all(np.array_equal(a, b) for a, b in zip(got[j], alone[j])), (j, seqs[j])
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_plan_parallel_recurrent_bytes_equal_the_runtime(models, name):
+    """``plan --parallel N`` of a recurrent model: its recurrent (and KV) bytes per device and host are what a
+    model loaded with ``n_parallel=N`` allocates."""
+    from ggml_hybrid.deploy.planner import plan
+
+    for items in ([], ["virtual_devices=2", "disk_experts=1", "expert_cache_slots=2"], ["no_kv_offload=true"]):
+        opts = SessionOptions.parse(items + ["n_ctx=256", "n_threads=1"])
+        q = plan(models[name], opts, parallel=3)
+        with MoEModel(models[name], opts.merged(n_parallel=3)) as m:
+            assert m.rs is not None and m.rs.n_seq == 3
+            for dev in m.devices:
+                mem = m.device_memory(dev)
+                assert (q.devices[dev].recurrent, q.devices[dev].kv_cache) == (mem["recurrent"], mem["kv_cache"])
+            assert q.host.recurrent == m.rs.nbytes(m.host)
+            assert q.recurrent is not None and q.recurrent.total == m.rs.nbytes()
+            assert q.recurrent.total >= 7 * q.recurrent.per_sequence
+
+
+def test_a_recurrent_sequence_goes_forward_only(models):
+    """``truncate`` cannot take a recurrent state back: it refuses, and the sequence is untouched; keeping
+    everything is allowed; one-sequence ``decode`` steps equal evals token by token (states committed per step)."""
+    path = models["qwen35moe"]
+    tokens = _tokens(path)
+    with MoEModel(path, SessionOptions(n_threads=1, n_ctx=128)) as m:
+        assert m.recurrent
+        want = m.eval(tokens, "all")
+        m.reset()
+        m.eval(tokens[:4])
+        with pytest.raises(ArgumentError, match=r"truncate: n_keep=2 < the 4 positions.*reset the sequence"):
+            m.truncate(2)
+        m.truncate(4)
+        m.truncate(9)
+        assert m.n_past == 4
+        got = [m.decode([(0, t)])[0] for t in tokens[4:]]
+        assert np.array_equal(np.stack(got), want[4:])

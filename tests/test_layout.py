@@ -245,6 +245,37 @@ def test_planner_equals_what_a_load_allocates(model, items):
         assert p.layout.layers == list(m.layout.layer_device)
 
 
+@pytest.mark.parametrize("parallel, items", [
+    (2, []), (3, ["virtual_devices=2", "no_kv_offload=true"]), (4, ["n_ctx=300", "cache_type_k=q8_0", "flash_attn=1"]),
+    (3, ["virtual_devices=2", "disk_experts=1", "expert_cache_slots=3", "moe_cpu_share=0.5", "ubatch_size=2"]),
+])
+def test_plan_parallel_equals_the_runtime(model, parallel, items):
+    """plan --parallel N: the KV bytes (and every other figure) of a model holding N sequences, exactly, also after
+    prompts and decode steps of all of them."""
+    opts = SessionOptions.parse(items + ["n_threads=1"])
+    p = plan(model, opts, parallel=parallel)
+    assert p.kv.parallel == parallel and p.kv.total == parallel * p.kv.per_sequence
+    one = plan(model, opts)
+    assert p.kv.per_sequence == one.kv.per_sequence
+    with MoEModel(model, opts.merged(n_parallel=parallel)) as m:
+        assert m.kv.nbytes() == p.kv.total
+        for name in m.devices:
+            real = m.device_memory(name)
+            for key in ("weights", "experts", "kv_cache", "compute"):
+                assert getattr(p.devices[name], key) == real[key], (name, key)
+        assert p.host.kv_cache == m.kv.nbytes(m.host)
+        assert p.host.compute == m.sched.buffer_size(m.host)
+        sched = {b: m.sched.buffer_size(b) for b in m.sched.backends}
+        for seq in range(parallel):
+            m.eval(list(range(1, 4 + 3 * seq)), seq=seq)
+        for step in range(3):
+            m.decode([(seq, 5 + step) for seq in range(parallel)])
+        # the decoder's buffers were sized at load for decode steps of every sequence (the expert caches' own
+        # graphs still grow on first use of a row count, with one sequence as with several)
+        assert {b: m.sched.buffer_size(b) for b in m.sched.backends} == sched
+        assert m.kv.nbytes() == p.kv.total
+
+
 def test_planner_kv_scales_with_context_and_parallel_sequences(model):
     a = plan(model, SessionOptions(n_ctx=512))
     b = plan(model, SessionOptions(n_ctx=1024), parallel=3)
@@ -324,13 +355,25 @@ def test_planner_warnings(model):
     assert p.recommendations[0].options.startswith("no_kv_offload=true")
 
 
-def test_k8s_format_parses_with_the_expected_fields(model):
-    r = CliRunner().invoke(main, ["plan", model, "--vram", "24G,24G", "--format", "k8s"])
+def test_k8s_format_is_a_deployment_that_runs_serve(model):
+    r = CliRunner().invoke(main, ["plan", model, "--vram", "24G,24G", "--format", "k8s", "-c", "512", "--parallel",
+                                  "3", "--port", "9000", "--image", "reg/ggml-hybrid:1"])
     assert r.exit_code == 0, r.output
     doc = yaml.safe_load(r.output)
-    res = doc["resources"]
+    assert doc["apiVersion"] == "apps/v1" and doc["kind"] == "Deployment"
+    assert doc["spec"]["selector"]["matchLabels"] == doc["spec"]["template"]["metadata"]["labels"]
+    (c,) = doc["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "reg/ggml-hybrid:1" and c["command"] == ["ggml-hybrid"]
+    assert c["args"][:6] == ["serve", model, "--host", "0.0.0.0", "--port", "9000"]
+    opts = [c["args"][i + 1] for i in range(6, len(c["args"]), 2)]
+    assert all(c["args"][i] == "-o" for i in range(6, len(c["args"]), 2))
+    assert SessionOptions.parse(opts) == SessionOptions(n_ctx=512, n_parallel=3)  # the plan's options, exactly
+    assert c["ports"] == [{"name": "http", "containerPort": 9000}]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": 9000}
+    res = c["resources"]
     assert res["limits"]["nvidia.com/gpu"] == 2 and res["requests"]["nvidia.com/gpu"] == 2
-    p = plan(model, SessionOptions(), vram=[24 * 2 ** 30] * 2)
+    p = plan(model, SessionOptions(n_ctx=512), vram=[24 * 2 ** 30] * 2, parallel=3)
     assert res == k8s_resources(p)["resources"]
     mem = int(res["requests"]["memory"].removesuffix("Gi")) * 2 ** 30
     assert mem >= p.host.mapped_total + p.host.resident_total

@@ -25,8 +25,8 @@ def test_defaults():
     assert DEFAULT.to_dict() == {
         "moe_cpu_share": 0.0, "expert_cache_slots": 0, "expert_eviction": "lru", "n_threads": None,
         "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "trace_path": None,
-        "n_ctx": 0, "batch_size": 2048, "ubatch_size": 512, "cache_type_k": "f16", "cache_type_v": "f16",
-        "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
+        "n_ctx": 0, "n_parallel": 1, "batch_size": 2048, "ubatch_size": 512, "cache_type_k": "f16",
+        "cache_type_v": "f16", "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
         "tensor_split": None, "no_kv_offload": False, "check_tensors": False, "virtual_devices": 1,
         "moe_executor": "native", "rpc": None, "n_threads_batch": None, "devices": None, "poll": 0, "repack": True}
     assert DEFAULT.to_items() == []
@@ -257,7 +257,7 @@ def test_nothing_partially_applied():
 
 def test_describe_covers_every_field():
     rows = SessionOptions.describe()
-    assert [r[0] for r in rows] == NAMES and len(NAMES) == 27
+    assert [r[0] for r in rows] == NAMES and len(NAMES) == 28
     for name, type_, default, rule, doc in rows:
         assert default == getattr(DEFAULT, name)
         assert type_ and rule and doc.strip() and "\n" not in doc
@@ -278,7 +278,8 @@ options = st.builds(
     cpu_moe=st.booleans(),
     n_cpu_moe=st.integers(0, 1000),
     trace_path=st.none() | paths,
-    n_ctx=st.integers(0, 10 ** 6), batch_size=st.integers(1, 8192), ubatch_size=st.integers(1, 8192),
+    n_ctx=st.integers(0, 10 ** 6), n_parallel=st.integers(1, 256), batch_size=st.integers(1, 8192),
+    ubatch_size=st.integers(1, 8192),
     cache_type_k=st.sampled_from(["f32", "f16", "q8_0"]), cache_type_v=st.sampled_from(["f32", "f16", "q8_0"]),
     flash_attn=st.sampled_from([True, False, "auto"]), n_gpu_layers=st.integers(-1, 200),
     override_tensor=st.none() | st.sampled_from(["exps=CPU", r"blk\.[0-3]\.ffn=DEV1,attn=DEV0", "(q|k)_norm=CPU"]),

@@ -18,6 +18,7 @@ from ggml_hybrid.deploy.planner import plan
 from ggml_hybrid.errors import BackendError
 from ggml_hybrid.ggml.quant import quantize
 from ggml_hybrid.ggml.repack import buffer_type_name, extra_buffer_types, repack_buffer_type
+from ggml_hybrid.model.decoder import SeqRows
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import SessionOptions
@@ -151,7 +152,7 @@ def test_repacked_weights_are_exactly_the_products_matrices(tmp_path, family):
     has a repacked kernel for its type and shape."""
     path = write_model(tmp_path / "m.gguf", ModelSpec(**FAMILIES[family], weight_type=REPACKED[0], seed=5))
     with MoEModel(path, SessionOptions(n_threads=1, n_ctx=64, n_gpu_layers=0)) as m:
-        g = m._graph(4, 64, 4)
+        g = m._graph((SeqRows(0, 4, 64),), 4)
         weights = {int(ffi.cast("uintptr_t", t.ptr)): name for name, t in m.weights.items()}
         for ew in m.experts.weights:
             if ew is not None:

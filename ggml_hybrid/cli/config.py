@@ -3,6 +3,7 @@
     [models.qwen3]
     path = "models/Qwen3-30B-A3B-Q4_K_M.gguf"
     role = "main"
+    aliases = ["qwen", "gpt-4o-mini"]  # other names ``serve`` answers to
     [models.qwen3.session_options]
     disk_experts = true
     expert_cache_slots = 32
@@ -36,6 +37,7 @@ class ModelEntry:
     path: str
     role: str | None
     options: SessionOptions
+    aliases: tuple[str, ...] = ()
 
 
 def _read_bounded(path: str) -> bytes:
@@ -103,18 +105,28 @@ def load_config(path) -> dict[str, ModelEntry]:
         raise ConfigError(f"{path}: needs a [models.NAME] table with at least one model")
     base = os.path.dirname(os.path.abspath(path))
     out = {}
+    taken: dict[str, str] = {}  # alias -> model
     for name, m in models.items():
         where = f"{path}: [models.{name}]"
         if not isinstance(m, dict):
             raise ConfigError(f"{where} must be a table")
-        unknown = set(m) - {"path", "role", "session_options"}
+        unknown = set(m) - {"path", "role", "aliases", "session_options"}
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: path, role, session_options")
+            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: path, role, aliases, "
+                              "session_options")
         if not isinstance(m.get("path"), str) or not m["path"]:
             raise ConfigError(f"{where}: 'path' must be a non-empty string")
         role = m.get("role")
         if role is not None and not isinstance(role, str):
             raise ConfigError(f"{where}: 'role' must be a string")
+        aliases = m.get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+            raise ConfigError(f"{where}: 'aliases' must be a list of non-empty strings")
+        for a in aliases:
+            if a in models or a in taken:
+                other = a if a in models else taken[a]
+                raise ConfigError(f"{where}: aliases: {a!r} already names model {other!r}")
+            taken[a] = name
         raw = m.get("session_options", {})
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: 'session_options' must be a table")
@@ -123,7 +135,7 @@ def load_config(path) -> dict[str, ModelEntry]:
             opts = SessionOptions.from_dict(raw, role=role)
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
-        out[name] = ModelEntry(name, os.path.join(base, m["path"]), role, opts)
+        out[name] = ModelEntry(name, os.path.join(base, m["path"]), role, opts, tuple(aliases))
     return out
 
 

@@ -136,6 +136,8 @@ SESSION_FLAGS: tuple[Flag, ...] = (
         "Keep CPU weights as in the file (no repacking).")), lambda v: "false" if v else None),
     Flag(("-c", "--ctx-size", "--ctx", "ctx_size"), "n_ctx", dict(type=click.IntRange(0), metavar="N", help=(
         "Context size, KV cache cells (default 0: the model's, at most 4096)."))),
+    Flag(("-np", "--parallel", "parallel"), "n_parallel", dict(type=click.IntRange(1, 256), metavar="N", help=(
+        "Sequences held at once, each with its own -c cells (llama.cpp splits -c among them) (default 1)."))),
     Flag(("-b", "--batch-size", "batch_size"), "batch_size", dict(type=click.IntRange(1), metavar="N", help=(
         "Logical batch: most tokens handed to one eval step (default 2048)."))),
     Flag(("-ub", "--ubatch-size", "ubatch_size"), "ubatch_size", dict(type=click.IntRange(1), metavar="N", help=(
@@ -241,12 +243,17 @@ class Session(NamedTuple):
     options: SessionOptions
 
 
+def session_items(values: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """(--config, the ``key=value`` items of -o and the session flags), popped from ``values``."""
+    shared = {k: values.pop(k) for k in list(values) if k in SESSION_DESTS}
+    return shared["config"], _dedupe(list(shared["session_options"]) + flag_items(shared))
+
+
 def session_from_flags(model: str, values: dict[str, Any]) -> Session:
     """(model path, role, options) from the model argument and the shared flags (popped from ``values``)."""
-    shared = {k: values.pop(k) for k in list(values) if k in SESSION_DESTS}
-    path, role, base = resolve_model(model, shared["config"])
-    items = list(shared["session_options"]) + flag_items(shared)
-    return Session(path, role, SessionOptions.parse(_dedupe(items), role=role, base=base))
+    config, items = session_items(values)
+    path, role, base = resolve_model(model, config)
+    return Session(path, role, SessionOptions.parse(items, role=role, base=base))
 
 
 def _dedupe(items: list[str]) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from ..deploy.k8s import DEFAULT_IMAGE, DEFAULT_PORT
 from .flags import model_argument, pick_model, session_flags, session_from_flags
 from .main import main
 
@@ -20,11 +21,14 @@ from .main import main
 @click.option("--vram", help="Device memory, one size per device: 24G or 80G,80G (plans for CUDA0, CUDA1, ... or the "
               "devices of -dev).")
 @click.option("--ram", help="Host memory for the warnings, e.g. 64G.")
-@click.option("-np", "--parallel", default=1, show_default=True, type=click.IntRange(1), help="Parallel sequences.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json", "k8s"]), default="text", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "k8s"]), default="text", show_default=True,
+              help="k8s: a Deployment running `ggml-hybrid serve` with these options, resources and probes.")
 @click.option("--json", "as_json", is_flag=True, help="The same as --format json.")
-def plan(model: str | None, model_flag: str | None, vram: str | None, ram: str | None, parallel: int, fmt: str,
-         as_json: bool, **flags: Any) -> None:
+@click.option("--image", default=DEFAULT_IMAGE, show_default=True, help="Container image (--format k8s).")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(1, 65535),
+              help="The server's port (--format k8s).")
+def plan(model: str | None, model_flag: str | None, vram: str | None, ram: str | None, fmt: str, as_json: bool,
+         image: str, port: int, **flags: Any) -> None:
     """What MODEL needs per device and in host memory under the given options, from metadata alone."""
     from ..deploy.planner import format_k8s, format_text
     from ..deploy.planner import plan as make_plan
@@ -36,10 +40,10 @@ def plan(model: str | None, model_flag: str | None, vram: str | None, ram: str |
         fmt = "json"
     path, _, opts = session_from_flags(pick_model(model, model_flag), flags)
     sizes = [parse_size(x) for x in vram.split(",")] if vram else None
-    p = make_plan(path, opts, vram=sizes, ram=parse_size(ram) if ram else None, parallel=parallel)
+    p = make_plan(path, opts, vram=sizes, ram=parse_size(ram) if ram else None)
     if fmt == "json":
         click.echo(json.dumps(p.to_dict()))
     elif fmt == "k8s":
-        click.echo(format_k8s(p))
+        click.echo(format_k8s(p, image=image, port=port), nl=False)
     else:
         click.echo(format_text(p))

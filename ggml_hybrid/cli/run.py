@@ -1,9 +1,11 @@
-"""``ggml-hybrid run``: generate text from a model, as llama.cpp's ``llama-completion -no-cnv`` does."""
+"""``ggml-hybrid run``: generate text from a model, as llama.cpp's ``llama-completion -no-cnv`` does, or chat
+in the terminal with the model's chat template (``-cnv``, :mod:`.conversation`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import click
@@ -62,18 +64,6 @@ def read_prompt_file(path: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
-def _unsupported(flag: str, why: str):
-    def cb(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
-        if value:
-            raise click.UsageError(f"{flag} is not supported by ggml-hybrid: {why}")
-        return value
-    return cb
-
-
-_NO_CONVERSATION = ("conversation mode (chat templates, turns read from the terminal) is not implemented; `run` "
-                    "completes the prompt as llama-completion -no-cnv does")
-
-
 @main.command()
 @model_argument
 @click.option("-p", "--prompt", help="Prompt text (escapes such as \\n are processed; see --no-escape).")
@@ -99,12 +89,11 @@ _NO_CONVERSATION = ("conversation mode (chat templates, turns read from the term
 @click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="Presence penalty (0 = off).")
 @click.option("--frequency-penalty", default=0.0, show_default=True, type=float, help="Frequency penalty (0 = off).")
 @click.option("--ignore-eos", is_flag=True, help="Generate past end-of-generation tokens.")
+@click.option("-cnv", "--conversation", "conversation", is_flag=True,
+              help="Chat in the terminal with the model's chat template (-p/-f: the first message; -n: per reply).")
 @click.option("-no-cnv", "--no-conversation", "no_conversation", is_flag=True,
-              help="Completion, not conversation (what `run` always does).")
-@click.option("-cnv", "--conversation", "conversation", is_flag=True, hidden=True,
-              callback=_unsupported("-cnv", _NO_CONVERSATION), expose_value=False)
-@click.option("-sys", "--system-prompt", "system_prompt", hidden=True, expose_value=False,
-              callback=_unsupported("-sys", f"a system prompt needs a chat template: {_NO_CONVERSATION}"))
+              help="Complete the prompt (the default).")
+@click.option("-sys", "--system-prompt", "system_prompt", help="The system message of a conversation (-cnv).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streamed text and stats.")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="Write every evaluated position's logits, float32 [positions, vocab], to this .npy file.")
@@ -112,7 +101,8 @@ _NO_CONVERSATION = ("conversation mode (chat templates, turns read from the term
 def run(ctx: click.Context, model: str | None, model_flag: str | None, prompt: str | None, prompt_file: str | None,
         tokens: str | None, escape: bool, n_predict: int, seed: int | None, temp: float, top_k: int, top_p: float,
         min_p: float, repeat_penalty: float, repeat_last_n: int, presence_penalty: float, frequency_penalty: float,
-        ignore_eos: bool, no_conversation: bool, as_json: bool, logits_out: str | None, **flags: Any) -> None:
+        ignore_eos: bool, conversation: bool, no_conversation: bool, system_prompt: str | None, as_json: bool,
+        logits_out: str | None, **flags: Any) -> None:
     """Generate text from MODEL (a GGUF file, or a model name or role in --config)."""
     from ..files import check_output
     from ..model.generate import GenerationStats, generate
@@ -122,7 +112,13 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, prompt: s
 
     model = pick_model(model, model_flag)
     given = [x for x, v in (("-p/--prompt", prompt), ("-f/--file", prompt_file), ("--tokens", tokens)) if v is not None]
-    if len(given) != 1:
+    if conversation:
+        _check_conversation(no_conversation, tokens, as_json, logits_out)
+        if len(given) > 1:
+            raise click.UsageError(f"give at most one of -p/--prompt and -f/--file (got {', '.join(given)})")
+    elif system_prompt is not None:
+        raise click.UsageError("-sys/--system-prompt needs -cnv (a system message is part of a conversation)")
+    elif len(given) != 1:
         raise click.UsageError("give exactly one of -p/--prompt, -f/--file and --tokens"
                                + (f" (got {', '.join(given)})" if given else ""))
     _refuse_ignored(ctx, temp, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, tokens)
@@ -136,6 +132,9 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, prompt: s
         if escape:
             prompt = process_escapes(prompt)
     path, _, opts = session_from_flags(model, flags)
+    if opts.n_parallel > 1:
+        raise click.UsageError(f"n_parallel={opts.n_parallel}: `run` generates one sequence; several share a model "
+                               "in `ggml-hybrid serve`, and `plan -np N` sizes their KV cache")
     if logits_out is not None:
         logits_out = check_output(logits_out, [path], "--logits-out")
     sampler = Sampler(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
@@ -147,6 +146,12 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, prompt: s
         m = MoEModel(path, opts, progress=cb)
     finally:
         finish()
+    if conversation:
+        from .conversation import converse
+
+        with m:
+            converse(m, sampler, n_predict, system_prompt, prompt, ignore_eos, sys.stdin)
+        return
     with m:
         if ids is None:
             assert prompt is not None
@@ -202,6 +207,14 @@ def _refuse_ignored(ctx: click.Context, temp: float, repeat_penalty: float, repe
                                "some tokens")
     if tokens is not None and explicit(ctx, "escape"):
         raise click.UsageError("-e/--no-escape: no effect with --tokens (escapes apply to prompt text)")
+
+
+def _check_conversation(no_conversation: bool, tokens: str | None, as_json: bool, logits_out: str | None) -> None:
+    if no_conversation:
+        raise click.UsageError("-cnv and -no-cnv: choose one")
+    for flag, given in (("--tokens", tokens), ("--json", as_json), ("--logits-out", logits_out)):
+        if given:
+            raise click.UsageError(f"{flag} does not go with -cnv (a conversation is text in the terminal)")
 
 
 def _token_ids(tokens: str) -> list[int]:

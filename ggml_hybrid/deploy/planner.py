@@ -22,6 +22,7 @@ from ..model.hparams import HParams, NotMoEError, meta_int, read_hparams
 from ..model.moe_model import MoEModel
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..units import GiB, format_bytes
+from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .layout import CPU
 from .model_info import describe
 
@@ -207,17 +208,13 @@ def _measure(path: str, opts: SessionOptions, devices: list[str]) -> _Measured:
                          m.layout_report(), m.hp, m.n_ctx)
 
 
-def recurrent_for(measured: int, parallel: int) -> int:
-    """Recurrent-state bytes for ``parallel`` sequences from those a dry run measured for one: the memory holds two
-    rows per sequence slot and one zero row (:mod:`ggml_hybrid.model.recurrent_state`), 3 rows for one sequence."""
-    return -(-measured * (2 * parallel + 1) // 3)
-
-
 def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram: list[int] | None = None,
-         ram: int | None = None, parallel: int = 1) -> Plan | DensePlan:
+         ram: int | None = None, parallel: int | None = None) -> Plan | DensePlan:
     """The plan for ``path``: bytes per device and host, KV for ``parallel`` sequences, advice, warnings.
 
-    Nothing is written: a trace path in ``opts`` is checked, not opened.
+    ``parallel`` sets ``n_parallel`` (None: the options' own): the dry run holds that many sequence
+    slots, so its KV and compute figures are the runtime's. Nothing is written: a trace path in
+    ``opts`` is checked, not opened.
     """
     path = os.fspath(check_type(path, "plan: path", str, os.PathLike))
     opts = SessionOptions() if opts is None else check_type(opts, "plan: opts", SessionOptions, error=OptionError)
@@ -230,8 +227,11 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
         vram = [check_int(v, "vram: a device size in bytes", 0, error=OptionError) for v in vram]
     if ram is not None:
         ram = check_int(ram, "ram: host memory in bytes", 0, error=OptionError)
-    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-        raise OptionError(f"parallel={parallel!r}: must be an integer >= 1")
+    if parallel is not None:
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise OptionError(f"parallel={parallel!r}: must be an integer >= 1")
+        opts = opts.merged(n_parallel=parallel)
+    parallel = opts.n_parallel
     if opts.rpc is not None and vram is None:
         from .devices import device_free_memory
 
@@ -260,27 +260,27 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
     devices = plan_device_names(opts, vram)
     meas = _measure(path, opts, devices)
     hp = meas.hp
-    kv_seq = sum(meas.devices[d]["kv_cache"] for d in devices) + meas.host_kv
+    # the dry run holds every sequence's slot, each exactly one sequence's bytes
+    kv_total = sum(meas.devices[d]["kv_cache"] for d in devices) + meas.host_kv
+    kv_seq = kv_total // parallel
     out_devices = {}
     for i, d in enumerate(devices):
         m = meas.devices[d]
-        kv, rs = m["kv_cache"] * parallel, recurrent_for(m["recurrent"], parallel)
-        total = m["weights"] + m["experts"] + kv + rs + m["compute"]
-        out_devices[d] = DevicePlan(m["weights"], m["experts"], kv, rs, m["compute"], total,
+        total = m["weights"] + m["experts"] + m["kv_cache"] + m["recurrent"] + m["compute"]
+        out_devices[d] = DevicePlan(m["weights"], m["experts"], m["kv_cache"], m["recurrent"], m["compute"], total,
                                     vram[i] if vram else None, None if not vram else total <= vram[i])
     mapped = meas.layout["tensors"].get("mapped", {})
-    host_rs = recurrent_for(meas.host_recurrent, parallel)
     copies = meas.layout["tensors"].get(CPU, {})  # CPU weights copied into RAM: the repacked ones (repack=true)
-    host_resident = meas.host_kv * parallel + host_rs + meas.host_compute + sum(copies.values())
+    host_resident = meas.host_kv + meas.host_recurrent + meas.host_compute + sum(copies.values())
     dn = hp.delta_net
     p = Plan(
         model=path, architecture=hp.arch, moe=True, options=opts.to_items(), devices=out_devices,
-        host=HostPlan(mapped, sum(mapped.values()), copies, sum(copies.values()), meas.host_kv * parallel, host_rs,
+        host=HostPlan(mapped, sum(mapped.values()), copies, sum(copies.values()), meas.host_kv, meas.host_recurrent,
                       meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram),
         kv=KVPlan(meas.n_ctx, opts.cache_type_k, opts.cache_type_v, kv_seq, kv_seq // meas.n_ctx, parallel,
-                  kv_seq * parallel),
+                  kv_total),
         recurrent=None if dn is None else RecurrentPlan(
-            dn.state_bytes(), parallel, host_rs + sum(v.recurrent for v in out_devices.values())),
+            dn.state_bytes(), parallel, meas.host_recurrent + sum(v.recurrent for v in out_devices.values())),
         layout=LayoutPlan(*(meas.layout[k] for k in ("layers", "kv", "experts", "output"))),
         experts=ExpertPlan(hp.n_expert, hp.n_used, info["experts"]["bytes_per_expert"],
                            info["experts"]["bytes_per_layer"]),
@@ -565,14 +565,12 @@ def k8s_resources(p: Plan | DensePlan, overhead: int = GiB) -> dict[str, Any]:
     return {"resources": res}
 
 
-def format_k8s(p: Plan | DensePlan) -> str:
-    r = k8s_resources(p)["resources"]
-    lines = ["resources:"]
-    for section in ("requests", "limits"):
-        lines.append(f"  {section}:")
-        for k, v in r[section].items():
-            lines.append(f"    {k}: {v if isinstance(v, int) else repr(str(v)).replace(chr(39), chr(34))}")
-    return "\n".join(lines)
+def format_k8s(p: Plan | DensePlan, image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT,
+               name: str | None = None) -> str:
+    """A Deployment running ``ggml-hybrid serve`` under the plan's options, resources and probes (YAML)."""
+    if not isinstance(p, Plan):
+        raise OptionError(f"{p.model}: a dense model cannot be served by ggml-hybrid (MoE models only)")
+    return to_yaml(deployment(p, k8s_resources(p)["resources"], image, port, name))
 
 
 __all__ = ["DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan", "Plan", "Recommendation",

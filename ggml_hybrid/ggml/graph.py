@@ -11,6 +11,7 @@ from .._native import CData, ffi, lib
 from .._native.status import check_status
 from ..checks import check_int
 from ..errors import AllocationError, BackendError, IndexRangeError
+from .dtypes import GGMLType
 from .tensor import Tensor, _buffer_of
 
 if TYPE_CHECKING:
@@ -47,6 +48,18 @@ def _tensor_upper_bound() -> int:
     """More than the number of tensors alive in every context (each takes at least one overhead)."""
     overhead = lib.ggml_tensor_overhead()
     return sum(c.used // overhead + 1 for c in all_contexts() if not c.closed)
+
+
+# GGML's CPU computes products of these weight types with tiled kernels from this many rows of the second
+# operand (per expert in mul_mat_id), and with the one-row path below (ggml-cpu/tiled/tiled.cpp:
+# ggml_tiled_min_batch and its type list); rows of an unmarked product are bit-identical to one-row products only
+# below the threshold
+TILED_MIN_ROWS = 8
+# GGML's repacked CPU products (ggml-cpu/repack.cpp forward_mul_mat) take gemm from this many rows, gemv below
+REPACK_GEMM_MIN_ROWS = 4
+TILED_TYPES = frozenset({GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q4_K, GGMLType.Q3_K, GGMLType.Q2_K, GGMLType.IQ4_XS,
+                         GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
+                         GGMLType.IQ1_S, GGMLType.IQ1_M})
 
 
 class Graph:
@@ -139,6 +152,20 @@ class Graph:
             seen.add(key)
             stack.extend(t.src[i] for i in range(lib.GGML_MAX_SRC) if t.src[i] != ffi.NULL)
         return len(seen)
+
+    def set_rowwise(self) -> int:
+        """Make every matrix product of the graph compute each row of its second operand as a product of
+        that one row would: the CPU then never takes a kernel chosen by the number of rows (llamafile's
+        sgemm from 2 rows, the tiled K-quant kernels from 8), so a row's result does not depend on the
+        rows batched with it. ``GGML_HINT_ROWWISE`` of our patch series (0004); products with another
+        hint (the Hadamard rotation) keep theirs. Returns how many products were marked."""
+        n = 0
+        for node in self.nodes:
+            p = node.ptr
+            if p.op in (lib.GGML_OP_MUL_MAT, lib.GGML_OP_MUL_MAT_ID) and p.op_params[1] == lib.GGML_HINT_NONE:
+                lib.ggml_mul_mat_set_hint(p, lib.GGML_HINT_ROWWISE)
+                n += 1
+        return n
 
     def check_supported(self, backends: Sequence[Backend], key: int) -> None:
         """Raise unless every node can run on at least one of ``backends`` (GGML would abort)."""

@@ -4,9 +4,13 @@ Matching llama.cpp's op sequence (including its quirks: the shared-expert gate
 as ``silu(x)/x``, the ``argsort`` expert order, the transposed V cache read by
 ``mul_mat``) is what makes the logits agree with llama.cpp's to rounding. Each
 family (:mod:`ggml_hybrid.model.families`) builds its layers from the shared
-pieces of :mod:`ggml_hybrid.model.layers`. A graph is built once per
-``(n_tokens, n_kv, n_outputs)`` and reused: only its inputs change from one
-ubatch to the next.
+pieces of :mod:`ggml_hybrid.model.layers`. A graph is built once per shape
+(its :class:`SeqRows` and the number of outputs) and reused: only its inputs
+change from one ubatch to the next.
+
+An ubatch holds the tokens of one or more sequences, one :class:`SeqRows` each, in that
+order. Everything but attention runs over all rows at once; each sequence attends to its
+own KV slot with the very ops (and shapes) a one-sequence graph of its tokens has.
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ from ..ggml.graph import Graph
 from ..ggml.tensor import Tensor
 from ..moe.ffn import ExpertWeights, MoERegion
 from .hparams import HParams
-from .kv_cache import KVCache
+from .kv_cache import KVCache, SeqRows, seq_input
 from .layers import Builder
 from .recurrent_state import RecurrentState
 
 # nodes and leafs per layer besides the weighted sum (two per expert used) and the family's own
 NODES_PER_LAYER = 96
+# and per layer for each further sequence of an ubatch: its row views, KV stores, attention, the join
+NODES_PER_SEGMENT = 40
+# and, for a model with delta-net layers, its state reads and writes, convolution and delta rule per sequence
+NODES_PER_RECURRENT_SEGMENT = 64
 
 
 @dataclass
@@ -50,43 +58,52 @@ class DecoderGraph:
         self.ctx.close()
 
 
-def graph_size(hp: HParams) -> int:
+def graph_size(hp: HParams, n_seq: int = 1) -> int:
+    """Nodes of the largest decoder graph of a model whose ubatches hold up to ``n_seq`` sequences."""
     from .families import FAMILIES
 
-    return (NODES_PER_LAYER + FAMILIES[hp.arch].extra_nodes + 2 * hp.n_used) * hp.n_layer + 64
+    per_segment = NODES_PER_SEGMENT + (NODES_PER_RECURRENT_SEGMENT if hp.delta_net is not None else 0)
+    per_layer = NODES_PER_LAYER + FAMILIES[hp.arch].extra_nodes + 2 * hp.n_used + per_segment * (n_seq - 1)
+    return per_layer * hp.n_layer + 64
 
 
-def context_size(hp: HParams) -> int:
+def context_size(hp: HParams, n_seq: int = 1) -> int:
     """Bytes of the context a decoder graph is built in."""
-    size = graph_size(hp)
+    size = graph_size(hp, n_seq)
     return Context.size_for(2 * size, graph_size=size)  # views are tensors too
 
 
-def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights | None], kv: KVCache, n_tokens: int,
-                  n_kv: int, n_out: int, flash: bool, arena: Arena | None = None,
+def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights | None], kv: KVCache,
+                  seq_rows: tuple[SeqRows, ...], n_out: int, flash: bool, arena: Arena | None = None,
                   rs: RecurrentState | None = None) -> DecoderGraph:
-    """Logits [n_out, n_vocab] of the last ``n_out`` tokens of an ubatch of ``n_tokens`` (of one sequence; ``rs``:
-    the recurrent states of a hybrid model's delta-net layers)."""
+    """Logits [n_out, n_vocab] of the last ``n_out`` rows of an ubatch of ``seq_rows`` (rows in that order;
+    ``rs``: the recurrent states of a hybrid model's delta-net layers)."""
     from .families import FAMILIES
 
     family = FAMILIES[hp.arch]
-    size = graph_size(hp)
+    size = graph_size(hp, len(seq_rows))
+    n_tokens = sum(s.n_tokens for s in seq_rows)
     c = Context(n_tensors=2 * size, graph_size=size, arena=arena)  # views are tensors too
     g = c.new_graph(size)
     mask_type = "f16" if flash else "f32"
     n_pos = 4 * n_tokens if hp.rope.sections else n_tokens  # M-RoPE: four positions per token
     inp = {"tokens": c.new_tensor("i32", (n_tokens,), "inp_tokens")}
     if kv.layers:
-        inp.update({"pos": c.new_tensor("i32", (n_pos,), "inp_pos"),
-                    "k_idxs": c.new_tensor("i64", (n_tokens,), "inp_k_idxs"),
-                    "mask": c.new_tensor(mask_type, (n_tokens, n_kv), "inp_kq_mask")})
-    if rs is not None:  # the rows delta-net layers read their states from and write them to
-        inp.update({"rs_read": c.new_tensor("i32", (1,), "inp_rs_read"),
-                    "rs_write": c.new_tensor("i32", (1,), "inp_rs_write")})
-    if kv.n_swa:
-        inp["mask_swa"] = c.new_tensor(mask_type, (n_tokens, n_kv), "inp_kq_mask_swa")
-    if kv.layers and kv.v_trans and kv.n_embd_v:
-        inp["v_idxs"] = c.new_tensor("i64", (n_tokens * kv.n_embd_v,), "inp_v_idxs")
+        inp["pos"] = c.new_tensor("i32", (n_pos,), "inp_pos")
+        for i, s in enumerate(seq_rows):
+            tag = f"_s{i}" if len(seq_rows) > 1 else ""
+            inp[seq_input("k_idxs", i)] = c.new_tensor("i64", (s.n_tokens,), f"inp_k_idxs{tag}")
+            inp[seq_input("mask", i)] = c.new_tensor(mask_type, (s.n_tokens, s.n_kv), f"inp_kq_mask{tag}")
+            if kv.n_swa:
+                inp[seq_input("mask_swa", i)] = c.new_tensor(mask_type, (s.n_tokens, s.n_kv),
+                                                                 f"inp_kq_mask_swa{tag}")
+            if kv.v_trans and kv.n_embd_v:
+                inp[seq_input("v_idxs", i)] = c.new_tensor("i64", (s.n_tokens * kv.n_embd_v,), f"inp_v_idxs{tag}")
+    if rs is not None:  # per sequence: the rows its delta-net layers read their states from and write them to
+        for i in range(len(seq_rows)):
+            tag = f"_s{i}" if len(seq_rows) > 1 else ""
+            for name in ("rs_read", "rs_write"):
+                inp[seq_input(name, i)] = c.new_tensor("i32", (1,), f"inp_{name}{tag}")
     for name, n in (("k_rot", kv.rot_k), ("v_rot", kv.rot_v)):
         if n and kv.layers:
             inp[name] = c.new_tensor("f32", (n, n), f"attn_inp_{name}")
@@ -94,7 +111,7 @@ def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights
         inp["out_ids"] = c.new_tensor("i32", (n_out,), "inp_out_ids")
     for t in inp.values():
         t.set_input()
-    b = Builder(c, g, hp, w, experts, kv, inp, n_kv, flash, rs)
+    b = Builder(c, g, hp, w, experts, kv, inp, seq_rows, flash, rs)
     b.mark("embd", -1)
     cur = c.get_rows(w["token_embd.weight"], inp["tokens"])
     for il in range(hp.n_layer):
@@ -111,4 +128,4 @@ def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights
     return DecoderGraph(c, g, inp, logits, b.regions, b.segments)
 
 
-__all__ = ["DecoderGraph", "build_decoder", "context_size", "graph_size"]
+__all__ = ["DecoderGraph", "SeqRows", "build_decoder", "context_size", "graph_size", "seq_input"]

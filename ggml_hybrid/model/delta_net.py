@@ -21,6 +21,7 @@ import numpy as np
 
 from ..ggml.tensor import Tensor
 from .hparams import DeltaNet
+from .kv_cache import seq_input
 from .layers import Builder, decoder_layer
 
 f32 = np.float32
@@ -70,18 +71,29 @@ def _beta_gate(b: Builder, il: int, x: Tensor, dn: DeltaNet) -> tuple[Tensor, Te
 
 
 def delta_net(b: Builder, il: int, x: Tensor) -> Tensor:
-    """A gated delta-net layer's mixer over the normed x [T, n_embd]; returns [T, n_embd]."""
+    """A gated delta-net layer's mixer over the normed x [T, n_embd]; returns [T, n_embd].
+
+    The projections take every row of the ubatch; the convolution and the delta rule run once per sequence,
+    over its own rows and state (as its attention does), so each sequence computes what it would alone."""
+    dn = b.hp.delta_net
+    assert dn is not None
+    qkv, z = _qkvz(b, il, x, dn)
+    beta, gate = _beta_gate(b, il, x, dn)
+    normed = b.per_sequence((qkv, z, beta, gate), lambda i, seg, *xs: _recurrent(b, il, i, *xs))
+    return b.linear(f"blk.{il}.ssm_out", normed)
+
+
+def _recurrent(b: Builder, il: int, i: int, qkv: Tensor, z: Tensor, beta: Tensor, gate: Tensor) -> Tensor:
+    """The ``i``-th sequence's convolution, delta rule and gated norm over its rows (qkv [T, channels], z
+    [T, value_dim], beta and gate [T, n_v_heads, 1]) from and to its state rows; returns [T, value_dim]."""
     c, g, hp, p, rs = b.c, b.g, b.hp, f"blk.{il}.", b.rs
     dn = hp.delta_net
     assert dn is not None and rs is not None
     conv_all, ssm_all = rs.conv[il], rs.ssm[il]
     assert conv_all is not None and ssm_all is not None
-    T = x.ne[1]
+    T = qkv.ne[1]
     d, nk, nv, C, K = dn.d_state, dn.n_k_heads, dn.n_v_heads, dn.conv_channels, dn.d_conv
-    read, write = b.inp["rs_read"], b.inp["rs_write"]
-
-    qkv, z = _qkvz(b, il, x, dn)
-    beta, gate = _beta_gate(b, il, x, dn)
+    read, write = b.inp[seq_input("rs_read", i)], b.inp[seq_input("rs_write", i)]
 
     # the convolution's input: the sequence's last K - 1 inputs per channel, then this ubatch's
     b.mark("attn", il)  # state reads and writes live with the layer's memory, as KV stores do
@@ -115,7 +127,7 @@ def delta_net(b: Builder, il: int, x: Tensor) -> Tensor:
 
     # the RMS norm of each head's output, gated by SiLU(z); then the output projection
     normed = c.mul(c.mul(c.rms_norm(o, hp.rms_eps), b.w[p + "ssm_norm.weight"]), c.silu(c.reshape(z, (T, nv, d))))
-    return b.linear(p + "ssm_out", c.reshape(normed, (T, dn.value_dim)))
+    return c.reshape(normed, (T, dn.value_dim))
 
 
 def gated_attention(b: Builder, il: int, x: Tensor) -> Tensor:

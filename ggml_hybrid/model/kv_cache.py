@@ -1,4 +1,4 @@
-"""A single-sequence KV cache laid out as llama.cpp lays it out.
+"""The KV cache laid out as llama.cpp lays it out, with one slot per sequence.
 
 Per layer, K is ``[n_ctx, n_embd_k]`` (one row per cell). V is ``[n_ctx, n_embd_v]``
 without flash attention but read transposed (``[n_embd_v, n_ctx]``: each head
@@ -20,14 +20,22 @@ matrices are inputs of each graph.
 
 Only the layers given (``layers``, default every layer) have a cache: a hybrid model's
 delta-net layers keep a recurrent state instead (:mod:`ggml_hybrid.model.recurrent_state`).
+
+A cache of ``n_seq`` sequences (``n_parallel``) holds one slot per sequence: its own K and V
+tensors of ``n_ctx`` cells in a buffer of its own, laid out exactly as a one-sequence cache, so
+cell = position holds in every slot, a slot is cleared on its own, and the cache is ``n_seq``
+times the bytes of one sequence's (what ``plan --parallel`` counts). A sequence's attention reads
+only its slot, through the same views a one-sequence graph uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from .._native import lib
 from ..errors import ContextFullError
 from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Context
@@ -35,6 +43,20 @@ from ..ggml.dtypes import as_ggml_type
 from ..ggml.tensor import Tensor
 
 KV_PAD = 256
+
+
+@dataclass(frozen=True)
+class SeqRows:
+    """The tokens of one sequence in an ubatch: its KV slot, how many, and the cells its attention sees."""
+
+    seq: int
+    n_tokens: int
+    n_kv: int
+
+
+def seq_input(name: str, i: int) -> str:
+    """The name of the ``i``-th sequence's own input ``name`` (``k_idxs``, ``mask``, ``mask_swa``, ``v_idxs``)."""
+    return f"{name}.{i}"
 
 
 def rotation_sizes(type_k, type_v, head_k: int, head_v: int) -> tuple[int, int]:
@@ -64,38 +86,53 @@ def hadamard(n: int) -> np.ndarray:
 class KVCache:
     def __init__(self, n_layer: int, n_ctx: int, n_embd_k: int, n_embd_v: int, type_k: str, type_v: str, backends,
                  v_trans: bool, clear: bool = True, *, rot: tuple[int, int] = (0, 0), n_swa: int = 0,
-                 layers: Sequence[int] | None = None):
+                 layers: Sequence[int] | None = None, n_seq: int = 1):
         """``backends``: one Backend for every layer, or a list giving each layer's; ``layers``: the layers
         that have a cache (default: all).
 
         ``rot``: the Hadamard rotation sizes (:func:`rotation_sizes`); ``n_swa``: the sliding window of
-        the layers that have one (0: none). ``clear=False`` (planning: nothing is ever computed) only
-        reserves the memory.
+        the layers that have one (0: none); ``n_seq``: sequence slots. ``clear=False`` (planning: nothing
+        is ever computed) only reserves the memory.
         """
         self.n_layer, self.n_ctx, self.v_trans = n_layer, n_ctx, v_trans
         self.n_embd_k, self.n_embd_v = n_embd_k, n_embd_v
         self.type_k, self.type_v = as_ggml_type(type_k), as_ggml_type(type_v)
         self.rot_k, self.rot_v = rot
         self.n_swa = n_swa
+        self.n_seq = n_seq
         per_layer = list(backends) if isinstance(backends, (list, tuple)) else [backends] * n_layer
         self.layers = list(range(n_layer)) if layers is None else sorted(layers)
-        k: dict[int, Tensor] = {}
-        v: dict[int, Tensor] = {}
-        self.parts: list[tuple[Backend, Context, Buffer]] = []  # one context and buffer per backend
-        for b in {id(per_layer[i]): per_layer[i] for i in self.layers}.values():
-            on_b = [i for i in self.layers if per_layer[i] is b]
-            ctx = Context(n_tensors=2 * len(on_b))
-            for i in on_b:
-                k[i] = ctx.new_tensor(self.type_k, (n_ctx, n_embd_k), f"cache_k_l{i}")
-                if n_embd_v:
-                    v[i] = ctx.new_tensor(self.type_v, (n_ctx, n_embd_v), f"cache_v_l{i}")
-            buf = ctx.allocate(b, "any", virtual=not clear)
-            if clear:
-                buf.clear(0)  # masked cells are multiplied by 0: they must not hold NaN
-            self.parts.append((b, ctx, buf))
-        self.k: list[Tensor | None] = [k.get(i) for i in range(n_layer)]
-        self.v: list[Tensor | None] = [v.get(i) for i in range(n_layer)]
-        self.n_past = 0
+        # per slot: one context and buffer per backend, as a one-sequence cache has them
+        self.parts: list[tuple[Backend, Context, Buffer, int]] = []
+        self.k: list[list[Tensor | None]] = []    # [seq][layer]; None: no cache (delta-net layer)
+        self.v: list[list[Tensor | None]] = []    # [seq][layer]; None: no V (latent attention) or no cache
+        for seq in range(n_seq):
+            suffix = f"_s{seq}" if n_seq > 1 else ""
+            k: dict[int, Tensor] = {}
+            v: dict[int, Tensor] = {}
+            for b in {id(per_layer[i]): per_layer[i] for i in self.layers}.values():
+                on_b = [i for i in self.layers if per_layer[i] is b]
+                ctx = Context(n_tensors=2 * len(on_b))
+                for i in on_b:
+                    k[i] = ctx.new_tensor(self.type_k, (n_ctx, n_embd_k), f"cache_k_l{i}{suffix}")
+                    if n_embd_v:
+                        v[i] = ctx.new_tensor(self.type_v, (n_ctx, n_embd_v), f"cache_v_l{i}{suffix}")
+                buf = ctx.allocate(b, "any", virtual=not clear)
+                if clear:
+                    buf.clear(0)  # masked cells are multiplied by 0: they must not hold NaN
+                self.parts.append((b, ctx, buf, seq))
+            self.k.append([k.get(i) for i in range(n_layer)])
+            self.v.append([v.get(i) for i in range(n_layer)])
+        self.used = [0] * n_seq  # cells (= positions) held per slot
+
+    @property
+    def n_past(self) -> int:
+        """Positions held by slot 0 (the one sequence of a one-sequence cache)."""
+        return self.used[0]
+
+    @n_past.setter
+    def n_past(self, value: int) -> None:
+        self.used[0] = value
 
     @staticmethod
     def layer_bytes(n_ctx: int, n_embd_k: int, type_k: str, type_v: str, n_embd_v: int | None = None) -> int:
@@ -105,19 +142,20 @@ class KVCache:
                         (as_ggml_type(type_v).row_size(n_embd_v) if n_embd_v else 0))
 
     def nbytes(self, backend: Backend | None = None) -> int:
-        return sum(buf.size for b, _, buf in self.parts if backend is None or b is backend)
+        return sum(buf.size for b, _, buf, _ in self.parts if backend is None or b is backend)
 
-    def n_kv_for(self, n_tokens: int) -> int:
-        """Cells a graph over the next ``n_tokens`` tokens must see."""
-        end = self.n_past + n_tokens
+    def n_kv_for(self, n_tokens: int, seq: int = 0) -> int:
+        """Cells a graph over the next ``n_tokens`` tokens of sequence ``seq`` must see."""
+        end = self.used[seq] + n_tokens
         if end > self.n_ctx:
             raise ContextFullError(f"{end} tokens do not fit the context of {self.n_ctx} cells "
-                                   f"(n_ctx={self.n_ctx}; {self.n_past} already used)")
+                                   f"(n_ctx={self.n_ctx}; {self.used[seq]} already used)")
         return min(self.n_ctx, -(-end // KV_PAD) * KV_PAD)
 
-    def inputs(self, n_tokens: int, n_kv: int, mask_dtype) -> dict[str, np.ndarray]:
-        """Positions, write indices, the causal masks and rotations for the next ``n_tokens`` tokens."""
-        pos = np.arange(self.n_past, self.n_past + n_tokens, dtype=np.int32)
+    def inputs(self, n_tokens: int, n_kv: int, mask_dtype, seq: int = 0) -> dict[str, np.ndarray]:
+        """Positions, write indices, the causal masks and rotations for the next ``n_tokens`` tokens of ``seq``."""
+        start = self.used[seq]
+        pos = np.arange(start, start + n_tokens, dtype=np.int32)
         cells = np.arange(n_kv)[None, :]
         seen = cells <= pos[:, None]
         mask = np.where(seen, 0.0, -np.inf).astype(mask_dtype)
@@ -134,14 +172,31 @@ class KVCache:
             out["v_rot"] = hadamard(self.rot_v)
         return out
 
-    def clear(self) -> None:
-        for _, _, buf in self.parts:
-            buf.clear(0)
-        self.n_past = 0
+    def clear(self, seq: int | None = None) -> None:
+        """Empty one slot (``seq``) or all of them: zeroed cells, position 0."""
+        for _, _, buf, s in self.parts:
+            if seq is None or s == seq:
+                buf.clear(0)
+        for s in range(self.n_seq):
+            if seq is None or s == seq:
+                self.used[s] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Sequence ``src`` into the empty slot ``dst``: every cell copied byte for byte (so the sequence
+        computes exactly as it did in ``src``), then ``src`` cleared."""
+        for layer in self.layers:
+            k_src, k_dst = self.k[src][layer], self.k[dst][layer]
+            assert k_src is not None and k_dst is not None
+            lib.ggml_backend_tensor_copy(k_src.ptr, k_dst.ptr)
+            v_src, v_dst = self.v[src][layer], self.v[dst][layer]
+            if v_src is not None and v_dst is not None:
+                lib.ggml_backend_tensor_copy(v_src.ptr, v_dst.ptr)
+        self.used[dst] = self.used[src]
+        self.clear(src)
 
     def close(self) -> None:
-        for _, ctx, _ in self.parts:
+        for _, ctx, _, _ in self.parts:
             ctx.close()
 
 
-__all__ = ["ContextFullError", "KVCache", "KV_PAD", "hadamard", "rotation_sizes"]
+__all__ = ["ContextFullError", "KVCache", "KV_PAD", "SeqRows", "hadamard", "rotation_sizes", "seq_input"]

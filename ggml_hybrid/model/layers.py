@@ -21,16 +21,16 @@ from ..ggml.graph import Graph
 from ..ggml.tensor import Tensor
 from ..moe.ffn import ExpertWeights, MoERegion, build_moe_ffn
 from .hparams import HParams
-from .kv_cache import KVCache
+from .kv_cache import KVCache, SeqRows, seq_input
 from .recurrent_state import RecurrentState
 
 
 class Builder:
     def __init__(self, c: Context, g: Graph, hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights | None],
-                 kv: KVCache, inp: dict[str, Tensor], n_kv: int, flash: bool, rs: RecurrentState | None = None
-                 ) -> None:
+                 kv: KVCache, inp: dict[str, Tensor], seq_rows: tuple[SeqRows, ...], flash: bool,
+                 rs: RecurrentState | None = None) -> None:
         self.c, self.g, self.hp, self.w, self.experts, self.kv = c, g, hp, w, experts, kv
-        self.inp, self.n_kv, self.flash = inp, n_kv, flash
+        self.inp, self.seq_rows, self.flash = inp, seq_rows, flash
         self.rs = rs  # the recurrent states of delta-net layers (None: a model without them)
         self.regions: list[MoERegion | None] = [None] * hp.n_layer
         # (first tensor-struct offset in c's pool, kind, layer): which part of the model built a node
@@ -83,62 +83,98 @@ class Builder:
         rot = self.inp.get(which)
         return x if rot is None else self.c.mul_mat_hadamard(rot, x)
 
-    def _mask(self, il: int) -> Tensor:
+    def _mask(self, il: int, i: int) -> Tensor:
         swa = self.hp.swa
-        return self.inp["mask_swa"] if swa is not None and swa.layers[il] else self.inp["mask"]
+        return self.inp[seq_input("mask_swa" if swa is not None and swa.layers[il] else "mask", i)]
+
+    def _rows(self, x: Tensor, r0: int, n: int) -> Tensor:
+        """Rows r0 .. r0 + n of x [T, ...] (2 or 3 dimensions), a view."""
+        c = self.c
+        if x.ndim == 2:
+            return c.view(x, (n, x.ne[0]), (x.nb[1],), r0 * x.nb[1])
+        return c.view(x, (n, x.ne[1], x.ne[0]), (x.nb[2], x.nb[1]), r0 * x.nb[2])
+
+    def per_sequence(self, xs: tuple[Tensor, ...], one: Callable[..., Tensor]) -> Tensor:
+        """``one(i, seq_rows, *their rows of xs)`` for each sequence of the ubatch, the results' rows
+        ([T_i, n] each) joined in order.
+
+        xs are [T, ...] over all rows of the ubatch; a single sequence gets them whole, so a
+        one-sequence graph is exactly what it always was.
+        """
+        c = self.c
+        if len(self.seq_rows) == 1:
+            return one(0, self.seq_rows[0], *xs)
+        out: Tensor | None = None
+        r0 = 0
+        for i, seg in enumerate(self.seq_rows):
+            part = one(i, seg, *(self._rows(x, r0, seg.n_tokens) for x in xs))
+            out = part if out is None else c.concat(out, part, axis=0, ndim=2)
+            r0 += seg.n_tokens
+        assert out is not None
+        return out
 
     def attend(self, il: int, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None) -> Tensor:
         """Store k [T, Hkv, dk] and v [T, Hkv, dv] in the layer's cache, attend q [T, H, dk] to every cell
-        the mask allows; returns [T, H * dv] (before the output projection)."""
-        c, g, kv, hp, n_kv = self.c, self.g, self.kv, self.hp, self.n_kv
-        T, hd, hdv = q.ne[2], q.ne[0], v.ne[0]
+        the mask allows; returns [T, H * dv] (before the output projection). Each sequence of the ubatch
+        stores to and attends over its own slot."""
         q, k = self._hadamard(q, "k_rot"), self._hadamard(k, "k_rot")
         v = self._hadamard(v, "v_rot")
         # store this ubatch's K and V; the reads below come later in the graph
         self.mark("attn", il)  # from here to the output projection: where the KV cache lives
-        kc, vc = kv.k[il], kv.v[il]
-        assert kc is not None and vc is not None
-        ek, ev = kv.n_embd_k, kv.n_embd_v
-        g.expand(c.set_rows(kc, c.reshape(k, (T, ek)), self.inp["k_idxs"]))
-        if kv.v_trans:
-            flat = c.reshape(v, (T * ev, 1))
-            g.expand(c.set_rows(c.reshape(vc, (kv.n_ctx * ev, 1)), flat, self.inp["v_idxs"]))
-        else:
-            g.expand(c.set_rows(vc, c.reshape(v, (T, ev)), self.inp["k_idxs"]))
-        keys = c.view(kc, (n_kv, hp.n_head_kv, hd), (kc.nb[1], kc.dtype.row_size(hd)))
-        qp = c.permute(q, (1, 0, 2))                                  # [H, T, hd]
-        kp = c.permute(keys, (1, 0, 2))                               # [Hkv, n_kv, hd]
-        mask = self._mask(il)
-        if self.flash:
-            vp = c.permute(c.view(vc, (n_kv, hp.n_head_kv, hdv), (vc.nb[1], vc.dtype.row_size(hdv))), (1, 0, 2))
-            out = self._flash(qp, kp, vp, mask, sinks)                 # [T, H, hdv]
-            out = c.reshape(out, (T, hp.n_head * hdv))
-        else:
-            kq = c.soft_max(c.mul_mat_f32(kp, qp), mask, hp.kq_scale, sinks=sinks)  # [H, T, n_kv]
-            el = vc.dtype.type_size
-            # the transposed cache: [hdv, Hkv, n_kv] with cells contiguous
-            vt = c.view(vc, (hdv, hp.n_head_kv, n_kv), (kv.n_ctx * el, kv.n_ctx * hdv * el))
-            kqv = c.mul_mat(c.permute(vt, (1, 0, 2)), kq)             # [H, T, hdv]
-            out = c.reshape(c.cont(c.permute(kqv, (1, 0, 2))), (T, hp.n_head * hdv))
+        out = self.per_sequence((q, k, v), lambda i, seg, q, k, v: self._attend_one(il, i, seg, q, k, v, sinks))
         out = self._hadamard(out, "v_rot")
         self.mark("layer", il)
         return out
+
+    def _attend_one(self, il: int, i: int, seg: SeqRows, q: Tensor, k: Tensor, v: Tensor,
+                    sinks: Tensor | None) -> Tensor:
+        c, g, kv, hp, n_kv = self.c, self.g, self.kv, self.hp, seg.n_kv
+        T, hd, hdv = q.ne[2], q.ne[0], v.ne[0]
+        kc, vc = kv.k[seg.seq][il], kv.v[seg.seq][il]
+        assert kc is not None and vc is not None
+        ek, ev = kv.n_embd_k, kv.n_embd_v
+        k_idxs = self.inp[seq_input("k_idxs", i)]
+        g.expand(c.set_rows(kc, c.reshape(k, (T, ek)), k_idxs))
+        if kv.v_trans:
+            flat = c.reshape(v, (T * ev, 1))
+            g.expand(c.set_rows(c.reshape(vc, (kv.n_ctx * ev, 1)), flat, self.inp[seq_input("v_idxs", i)]))
+        else:
+            g.expand(c.set_rows(vc, c.reshape(v, (T, ev)), k_idxs))
+        keys = c.view(kc, (n_kv, hp.n_head_kv, hd), (kc.nb[1], kc.dtype.row_size(hd)))
+        qp = c.permute(q, (1, 0, 2))                                  # [H, T, hd]
+        kp = c.permute(keys, (1, 0, 2))                               # [Hkv, n_kv, hd]
+        mask = self._mask(il, i)
+        if self.flash:
+            vp = c.permute(c.view(vc, (n_kv, hp.n_head_kv, hdv), (vc.nb[1], vc.dtype.row_size(hdv))), (1, 0, 2))
+            out = self._flash(qp, kp, vp, mask, sinks)                 # [T, H, hdv]
+            return c.reshape(out, (T, hp.n_head * hdv))
+        kq = c.soft_max(c.mul_mat_f32(kp, qp), mask, hp.kq_scale, sinks=sinks)  # [H, T, n_kv]
+        el = vc.dtype.type_size
+        # the transposed cache: [hdv, Hkv, n_kv] with cells contiguous
+        vt = c.view(vc, (hdv, hp.n_head_kv, n_kv), (kv.n_ctx * el, kv.n_ctx * hdv * el))
+        kqv = c.mul_mat(c.permute(vt, (1, 0, 2)), kq)             # [H, T, hdv]
+        return c.reshape(c.cont(c.permute(kqv, (1, 0, 2))), (T, hp.n_head * hdv))
 
     def attend_latent(self, il: int, q: Tensor, k: Tensor, v_mla: Tensor) -> Tensor:
         """Multi-head latent attention (absorbed): store k [T, 1, R + r] in the layer's K-only cache, attend q
         [T, H, R + r] with the first R values of each cached row as the value, decompress through v_mla
         [H, dv, R]; returns [T, H * dv]. ``build_attn`` with ``llm_graph_input_attn_k`` and ``v_mla``."""
-        c, g, kv, hp, n_kv = self.c, self.g, self.kv, self.hp, self.n_kv
-        T, dk, R = q.ne[2], q.ne[0], v_mla.ne[0]
         self.mark("attn", il)
-        kc = kv.k[il]
+        out = self.per_sequence((q, k), lambda i, seg, q, k: self._attend_latent_one(il, i, seg, q, k, v_mla))
+        self.mark("layer", il)
+        return out
+
+    def _attend_latent_one(self, il: int, i: int, seg: SeqRows, q: Tensor, k: Tensor, v_mla: Tensor) -> Tensor:
+        c, g, kv, hp, n_kv = self.c, self.g, self.kv, self.hp, seg.n_kv
+        T, dk, R = q.ne[2], q.ne[0], v_mla.ne[0]
+        kc = kv.k[seg.seq][il]
         assert kc is not None
-        g.expand(c.set_rows(kc, c.reshape(k, (T, dk)), self.inp["k_idxs"]))
+        g.expand(c.set_rows(kc, c.reshape(k, (T, dk)), self.inp[seq_input("k_idxs", i)]))
         row = kc.dtype.row_size(dk)
         keys = c.view(kc, (n_kv, 1, dk), (kc.nb[1], row))
         vals = c.view(kc, (n_kv, 1, R), (kc.nb[1], row))             # the same rows: their latent part
         qp, kp, vp = (c.permute(t, (1, 0, 2)) for t in (q, keys, vals))
-        mask = self._mask(il)
+        mask = self._mask(il, i)
         if self.flash:
             out = self._flash(qp, kp, vp, mask, None)                   # [T, H, R]
             out = c.mul_mat(v_mla, c.permute(out, (1, 0, 2)))          # [H, T, dv]
@@ -146,9 +182,7 @@ class Builder:
             kq = c.soft_max(c.mul_mat_f32(kp, qp), mask, hp.kq_scale)  # [H, T, n_kv]
             vt = c.cont(c.transpose(vp))                               # [1, R, n_kv], copied out of the cache
             out = c.mul_mat(v_mla, c.mul_mat(vt, kq))                  # [H, T, R] -> [H, T, dv]
-        out = c.reshape(c.cont(c.permute(out, (1, 0, 2))), (T, hp.n_head * v_mla.ne[1]))
-        self.mark("layer", il)
-        return out
+        return c.reshape(c.cont(c.permute(out, (1, 0, 2))), (T, hp.n_head * v_mla.ne[1]))
 
     def _flash(self, qp: Tensor, kp: Tensor, vp: Tensor, mask: Tensor, sinks: Tensor | None) -> Tensor:
         """``flash_attn_ext`` as llama.cpp calls it: K and V of an F32 cache are first cast to F16."""

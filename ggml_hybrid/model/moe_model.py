@@ -7,22 +7,25 @@
 Dense weights (attention, norms, routers, shared experts, embeddings, output)
 go to the device; routed experts are placed by :class:`ExpertLayers` (resident,
 ``cpu_moe``/``n_cpu_moe``, or disk-backed with the expert cache and the hybrid
-CPU share). One sequence: ``eval`` appends tokens to the KV cache, ``reset``
-starts over.
+CPU share). ``eval`` appends tokens to a sequence's KV slot (sequence 0 unless
+``seq`` is given), ``reset`` starts over. With ``n_parallel=N`` the model holds N
+sequences (one KV slot each) and ``decode`` computes one token of each of several
+of them in one ubatch; each sequence's logits are bit-identical to evaluating it
+alone on the CPU (docs/serve.md, "Concurrent sequences").
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from .._native import CData, ffi
-from ..checks import check_callable, check_choice, check_type
+from ..checks import check_callable, check_choice, check_int, check_type
 from ..deploy.devices import open_devices
 from ..deploy.layout import CPU, Layout, is_expert_tensor, plan_layout
 from ..errors import (
@@ -38,6 +41,7 @@ from ..errors import (
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
+from ..ggml.graph import REPACK_GEMM_MIN_ROWS, TILED_MIN_ROWS, TILED_TYPES
 from ..ggml.graph_cache import GraphCache
 from ..ggml.repack import repack_buffer_type
 from ..ggml.sched import Scheduler
@@ -51,13 +55,15 @@ from .decoder import DecoderGraph, build_decoder, context_size, graph_size
 from .families.hybrid import check_cuda
 from .gguf_store import GGUFStore, load_into, repack_rule
 from .hparams import HParams, read_hparams, tensor_shapes
-from .kv_cache import KVCache, rotation_sizes
+from .kv_cache import KVCache, SeqRows, rotation_sizes, seq_input
 from .recurrent_state import RecurrentState
 from .rope import positions
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per model (one per ubatch shape), least recently used dropped first
+MAX_STEP_GRAPHS = 64  # at most this many graphs of decode steps of several sequences
+GraphKey = tuple[tuple[SeqRows, ...], int]  # an ubatch's seq_rows and its number of outputs
 
 
 def check_options(opts: SessionOptions, hp: HParams) -> None:
@@ -75,6 +81,20 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
     for key, head in (("cache_type_k", hp.head_dim), ("cache_type_v", hp.head_dim_v)):
         if getattr(opts, key) == "q8_0" and head % 32:
             raise OptionError(f"{key}=q8_0: the head size {head} is not a multiple of 32")
+
+
+def _pairs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``decode``'s batch as checked (seq, token) integer pairs."""
+    def integer(x: object) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    try:
+        items = [tuple(p) for p in batch]
+    except TypeError:
+        items = []
+    if not items or not all(len(p) == 2 and integer(p[0]) and integer(p[1]) for p in items):
+        raise ShapeError("decode: batch must be a non-empty sequence of (seq, token) integer pairs")
+    return [(int(p[0]), int(p[1])) for p in items]
 
 
 def _device_names(names: object) -> list[str]:
@@ -141,9 +161,14 @@ class MoEModel:
         self._serial = Serial("MoEModel")
         self.weight_ctxs: list[tuple[str, Context]] = []
         self.repacked: set[str] = set()  # tensors in a CPU extra buffer type (llama.cpp's repacked weights)
-        # one decoder graph per ubatch shape, the least recently used dropped first (prompts of many lengths)
-        self._graphs: GraphCache[DecoderGraph] = GraphCache(MAX_GRAPHS, context_size(hp), self._forget_graph)
-        self._active: tuple[int, int, int] | None = None  # key of the graph whose regions are registered
+        # one decoder graph per ubatch shape, the least recently used dropped first: ubatches of one sequence
+        # (prompts of many lengths, in any slot) and decode steps of several (one set of slots each; the
+        # engine keeps its sequences in the lowest slots, so about one graph per number of sequences)
+        self._graphs: GraphCache[DecoderGraph] = GraphCache(MAX_GRAPHS + opts.n_parallel - 1, context_size(hp),
+                                                            self._forget_graph)
+        self._step_graphs: GraphCache[DecoderGraph] = GraphCache(
+            min(2 * opts.n_parallel, MAX_STEP_GRAPHS), context_size(hp, opts.n_parallel), self._forget_graph)
+        self._active: GraphKey | None = None  # key of the graph whose regions are registered
         try:
             self._load(opts, hp, n_threads, device, dry_run_devices, progress)
             rpc.raise_if_lost(self.devices.values())  # a server lost while loading: the weights are not there
@@ -173,7 +198,8 @@ class MoEModel:
         check_cuda(store.path, hp, list(self.devices))
         required = list(tensor_shapes(hp))
         self.layout = plan_layout(required, hp.n_layer, opts, list(self.devices), hp.tied_output)
-        self.sched = Scheduler(list(self.devices.values()) + [self.host], graph_size=2 * graph_size(hp))
+        self.sched = Scheduler(list(self.devices.values()) + [self.host],
+                               graph_size=2 * graph_size(hp, opts.n_parallel))
         dense = [n for n in required if not is_expert_tensor(n)]
         total = len(required) + (1 if hp.tied_output else 0)
         done = [0]
@@ -196,16 +222,39 @@ class MoEModel:
         kv_backends = [self.backend(d) for d in lay.kv_device]
         self.kv = KVCache(hp.n_layer, n_ctx, hp.kv_k, hp.kv_v, opts.cache_type_k, opts.cache_type_v, kv_backends,
                           v_trans=not self.flash_attn, clear=not self.dry_run, rot=rot,
-                          n_swa=hp.swa.n_swa if hp.swa is not None else 0, layers=hp.kv_layers)
+                          n_swa=hp.swa.n_swa if hp.swa is not None else 0, layers=hp.kv_layers,
+                          n_seq=opts.n_parallel)
         dn = hp.delta_net
         # a hybrid model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule)
         self.rs = None if dn is None else RecurrentState(hp.n_layer, dn.layers, dn.conv_state, dn.ssm_state,
-                                                         kv_backends, clear=not self.dry_run)
+                                                         kv_backends, n_seq=opts.n_parallel, clear=not self.dry_run)
         # like llama.cpp: size the compute buffers for the largest ubatch once, at load; the expert caches'
-        # own graphs too, so that a run never allocates more than the load (and the planner's dry run) did
+        # own graphs too, so that a run never allocates more than the load (and the planner's dry run) did;
+        # with several sequences also for a decode step of as many of them as one ubatch takes, each at a
+        # full context
         ub = min(opts.ubatch_size, n_ctx)
-        self.sched.reserve(self._graph(ub, n_ctx, ub).graph)
+        self.sched.reserve(self._graph((SeqRows(0, ub, n_ctx),), ub).graph)
         self.experts.reserve(ub)
+        self.decode_rows = self._decode_rows()
+        n_step = min(opts.n_parallel, self.decode_rows)
+        if n_step > 1:
+            self.sched.reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)), n_step).graph)
+
+    def _decode_rows(self) -> int:
+        """Most sequences one decode ubatch takes: ``ubatch_size``, and fewer than GGML's tiled threshold when an
+        expert cache computes experts of a tiled type: its graphs (and its CPU worker's) are not rowwise, so at
+        the threshold rows of one expert would take another kernel than a lone sequence's one row. Likewise
+        fewer than GGML's repacked gemm threshold when dense weights are repacked: the repacked CPU products
+        (ggml-cpu/repack.cpp, not the path GGML_HINT_ROWWISE steers) take gemm from that many rows, whose bits
+        differ from a lone row's gemv (measured on Q4_K); their expert products are gemv per row already."""
+        rows = self.options.ubatch_size
+        tiled = any(ex is not None and w is not None and any(t.dtype in TILED_TYPES for t in w.kinds.values())
+                    for ex, w in zip(self.experts.executors, self.experts.weights))
+        if tiled:
+            rows = min(rows, TILED_MIN_ROWS - 1)
+        if self.repacked:
+            rows = min(rows, REPACK_GEMM_MIN_ROWS - 1)
+        return rows
 
     def _resolve_flash_attn(self, opts: SessionOptions, hp: HParams) -> bool:
         """``flash_attn`` as a bool; ``auto`` is llama.cpp's rule: on when every backend that runs
@@ -291,31 +340,84 @@ class MoEModel:
 
     @property
     def n_ctx(self) -> int:
+        """Cells of one sequence's context (every sequence slot has as many)."""
         return self.kv.n_ctx
 
     @property
-    def n_past(self) -> int:
-        return self.kv.n_past
+    def n_parallel(self) -> int:
+        return self.kv.n_seq
 
-    def reset(self) -> None:
-        """Forget the sequence: the next eval starts at position 0."""
+    @property
+    def n_past(self) -> int:
+        """Positions held by sequence 0 (see :meth:`position` for the others)."""
+        return self.kv.used[0]
+
+    def position(self, seq: int = 0) -> int:
+        """Positions held by sequence ``seq``: where its next token goes."""
+        return self.kv.used[self._check_seq(seq, "position")]
+
+    def reset(self, seq: int | None = None) -> None:
+        """Forget one sequence (``seq``), or all of them: its next eval starts at position 0."""
+        if seq is not None:
+            self._check_seq(seq, "reset")
         with self._serial.turn("reset"):
-            self.kv.clear()
+            self.kv.clear(seq)
             if self.rs is not None:
-                self.rs.clear()
+                for s in range(self.rs.n_seq) if seq is None else (seq,):
+                    self.rs.clear(s)
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model keeps recurrent states (delta-net layers): a sequence can be reset, not truncated."""
+        return self.rs is not None
+
+    def truncate(self, n_keep: int, seq: int = 0) -> None:
+        """Keep the first ``n_keep`` positions of sequence ``seq`` and drop the rest (a conversation that
+        re-renders its history evaluates only what changed). The dropped cells are masked from here on
+        and overwritten by the next eval. A recurrent model (:attr:`recurrent`) holds no state of earlier
+        positions to go back to: it keeps everything or nothing (``reset``)."""
+        self._check_seq(seq, "truncate")
+        check_int(n_keep, "truncate: n_keep", 0)
+        if self.rs is not None and n_keep < self.kv.used[seq]:
+            raise ArgumentError(f"truncate: n_keep={n_keep} < the {self.kv.used[seq]} positions of sequence {seq}: "
+                                f"{self.hp.arch}'s recurrent state cannot go back to an earlier position "
+                                "(reset the sequence instead)")
+        with self._serial.turn("truncate"):
+            self.kv.used[seq] = min(n_keep, self.kv.used[seq])
+
+    def move(self, src: int, dst: int) -> None:
+        """Move sequence ``src`` into the empty slot ``dst`` (its cells copied, ``src`` emptied): it goes on
+        from ``dst`` exactly as it would have from ``src``. A server packs its sequences into the lowest
+        slots this way, so decode steps keep meeting the same few graphs."""
+        self._check_seq(src, "move")
+        self._check_seq(dst, "move")
+        if src == dst or self.kv.used[dst]:
+            raise ArgumentError(f"move: slot {dst} must be empty and other than {src} (it holds "
+                                f"{self.kv.used[dst]} positions)")
+        with self._serial.turn("move"):
+            self.kv.move(src, dst)
+            if self.rs is not None:
+                self.rs.move(src, dst)
+
+    def _check_seq(self, seq: int, op: str) -> int:
+        check_int(seq, f"{op}: seq", 0, self.kv.n_seq - 1)
+        return seq
 
     # -- evaluation -----------------------------------------------------------
 
-    def _graph(self, n_tokens: int, n_kv: int, n_out: int) -> DecoderGraph:
-        key = (n_tokens, n_kv, n_out)
+    def _graph(self, seq_rows: tuple[SeqRows, ...], n_out: int) -> DecoderGraph:
+        key: GraphKey = (seq_rows, n_out)
 
         def build(arena: Arena) -> DecoderGraph:
-            entry = build_decoder(self.hp, self.weights, self.experts.weights, self.kv, n_tokens, n_kv, n_out,
+            entry = build_decoder(self.hp, self.weights, self.experts.weights, self.kv, seq_rows, n_out,
                                   self.flash_attn, arena, self.rs)
+            if len(seq_rows) > 1:
+                # a decode step of several sequences: each row as the one-row product of its sequence alone
+                entry.graph.set_rowwise()
             self.sched.set_pins(entry.graph, self._pins(entry))
             return entry
 
-        entry = self._graphs.get(key, build)
+        entry = (self._graphs if len(seq_rows) == 1 else self._step_graphs).get(key, build)
         if self._active != key:
             self.sched.clear_regions()
             self.experts.register(self.sched, entry.regions)
@@ -392,17 +494,30 @@ class MoEModel:
                 b.set_threads(n, self.options.poll)
         self._threads_now = n
 
-    def _ubatch(self, tokens: np.ndarray, n_out: int) -> np.ndarray:
-        n = len(tokens)
-        self._use_threads(n > 1)
-        n_kv = self.kv.n_kv_for(n)
-        g = self._graph(n, n_kv, n_out)
+    def _ubatch(self, parts: list[tuple[int, np.ndarray]], n_out: int) -> np.ndarray:
+        """Compute one ubatch of ``(seq, tokens)`` parts (rows in that order); the last ``n_out`` rows' logits."""
+        kv = self.kv
+        self._use_threads(sum(len(toks) for _, toks in parts) > 1)
+        seq_rows = tuple(SeqRows(seq, len(toks), kv.n_kv_for(len(toks), seq)) for seq, toks in parts)
+        g = self._graph(seq_rows, n_out)
         self.sched.prepare(g.graph)
-        feed = self.kv.inputs(n, n_kv, np.float16 if self.flash_attn else np.float32)
-        feed["pos"] = positions(self.hp.rope, feed["pos"])
-        feed["tokens"] = tokens
+        mask_dtype = np.float16 if self.flash_attn else np.float32
+        feed: dict[str, np.ndarray] = {}
+        pos = []
+        for i, seg in enumerate(seq_rows):
+            one = kv.inputs(seg.n_tokens, seg.n_kv, mask_dtype, seg.seq)
+            pos.append(one.pop("pos"))
+            for name in ("k_rot", "v_rot"):
+                if name in one:
+                    feed[name] = one.pop(name)
+            feed.update({seq_input(name, i): arr for name, arr in one.items()})
+        feed["tokens"] = np.concatenate([toks for _, toks in parts])
+        # M-RoPE lays its four rows out over the whole ubatch: built from every sequence's positions at once
+        feed["pos"] = positions(self.hp.rope, np.concatenate(pos))
         if self.rs is not None:
-            feed.update(self.rs.inputs())
+            for i, (seq, _) in enumerate(parts):
+                feed.update({seq_input(name, i): arr for name, arr in self.rs.inputs(seq).items()})
+        n = len(feed["tokens"])
         if "out_ids" in g.inputs:
             feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)
         # every input was built here from checked tokens and the cache's own positions
@@ -410,53 +525,114 @@ class MoEModel:
             t._set_trusted(feed[name])
         self.sched.compute(g.graph)
         self.experts.flush_traces()
-        self.kv.n_past += n
-        if self.rs is not None:
-            self.rs.advance()
+        for seq, toks in parts:
+            kv.used[seq] += len(toks)
+            if self.rs is not None:
+                self.rs.advance(seq)
         return g.logits.numpy().reshape(n_out, self.hp.n_vocab)
 
-    def eval(self, tokens: npt.ArrayLike, logits: str = "last") -> np.ndarray:
-        """Append ``tokens`` to the sequence; the logits of the last (``"last"``) or every (``"all"``) one."""
-        check_choice(logits, "eval: logits", ("last", "all"))
+    def _check_open(self, op: str) -> None:
         if self.dry_run:
-            raise ClosedError("eval: this model was opened for planning (dry run) and holds no weights")
+            raise ClosedError(f"{op}: this model was opened for planning (dry run) and holds no weights")
         if getattr(self, "_closed", False):
-            raise ClosedError("eval: the model is closed")
+            raise ClosedError(f"{op}: the model is closed")
+
+    def eval(self, tokens: npt.ArrayLike, logits: str = "last", seq: int = 0) -> np.ndarray:
+        """Append ``tokens`` to sequence ``seq``; the logits of the last (``"last"``) or every (``"all"``) one."""
+        check_choice(logits, "eval: logits", ("last", "all"))
+        self._check_open("eval")
+        self._check_seq(seq, "eval")
         arr = self._check_tokens(tokens)
         with self._serial.turn("eval"):
-            self.kv.n_kv_for(len(arr))  # the whole call fits, or nothing is evaluated
-            start = self.kv.n_past
+            self.kv.n_kv_for(len(arr), seq)  # the whole call fits, or nothing is evaluated
+            start = self.kv.used[seq]
             if self.rs is not None:
-                self.rs.begin()
+                self.rs.begin(seq)
             try:
-                out = self._eval(arr, logits)
+                out = self._eval(arr, logits, seq)
             except BaseException:
                 # all or nothing: a failed ubatch leaves the sequence as it was (the cells written past
-                # n_past are masked out and overwritten by the next eval; the recurrent states were
+                # its position are masked out and overwritten by the next eval; the recurrent states were
                 # written to rows the sequence does not read)
-                self.kv.n_past = start
+                self.kv.used[seq] = start
                 if self.rs is not None:
-                    self.rs.abandon()
+                    self.rs.abandon(seq)
                 raise
             if self.rs is not None:
-                self.rs.commit()
+                self.rs.commit(seq)
             return out
 
-    def _eval(self, arr: np.ndarray, logits: str) -> np.ndarray:
-        ub = self.options.ubatch_size
+    def ubatch_ends(self, n_tokens: int) -> list[int]:
+        """Where ``eval`` of ``n_tokens`` tokens cuts them into ubatches: the end of each, in order.
+
+        The logical batch (``batch_size``) first, then the physical one (``ubatch_size``), as llama.cpp.
+        A caller that feeds a prompt in pieces cut here computes exactly the ubatches of one ``eval``.
+        """
+        bs, ub = self.options.batch_size, self.options.ubatch_size
+        return [min(b0 + u0 + ub, b0 + bs, n_tokens) for b0 in range(0, n_tokens, bs)
+                for u0 in range(0, min(bs, n_tokens - b0), ub)]
+
+    def _eval(self, arr: np.ndarray, logits: str, seq: int) -> np.ndarray:
         out = []
-        for b0 in range(0, len(arr), self.options.batch_size):
-            batch = arr[b0:b0 + self.options.batch_size]
-            for u0 in range(0, len(batch), ub):
-                part = batch[u0:u0 + ub]
-                last = b0 + u0 + len(part) == len(arr)
-                if logits == "all":
-                    out.append(self._ubatch(part, len(part)))
-                elif last:
-                    out.append(self._ubatch(part, 1))
-                else:
-                    self._ubatch(part, 1)  # the logits of a prompt's inner positions are not needed
+        start = 0
+        for end in self.ubatch_ends(len(arr)):
+            part = arr[start:end]
+            if logits == "all":
+                out.append(self._ubatch([(seq, part)], len(part)))
+            elif end == len(arr):
+                out.append(self._ubatch([(seq, part)], 1))
+            else:
+                self._ubatch([(seq, part)], 1)  # the logits of a prompt's inner positions are not needed
+            start = end
         return np.concatenate(out, axis=0)
+
+    def decode(self, batch: Sequence[tuple[int, int]]) -> np.ndarray:
+        """One token for each of several sequences, ``(seq, token)`` pairs, computed together.
+
+        Returns the logits [len(batch), n_vocab] in batch order; row i is bit-identical to
+        ``eval([token_i], seq=seq_i)`` on its own (the products of a step of several sequences
+        compute each row as a one-row product: ``Graph.set_rowwise``). A batch larger than
+        :attr:`decode_rows` runs as several ubatches. All or nothing: if any sequence has no room
+        left, or a step fails, no sequence moves.
+        """
+        self._check_open("decode")
+        pairs = _pairs(batch)
+        seqs = [s for s, _ in pairs]
+        for s in seqs:
+            self._check_seq(s, "decode")
+        if len(set(seqs)) != len(seqs):
+            raise ArgumentError(f"decode: a sequence appears more than once in the batch {seqs}; "
+                                "give each sequence one token per step")
+        toks = self._check_tokens([t for _, t in pairs])
+        # seq_rows in sequence order: the same set of sequences always meets the same cached graph
+        order = sorted(range(len(pairs)), key=lambda i: seqs[i])
+        with self._serial.turn("decode"):
+            for s in seqs:
+                self.kv.n_kv_for(1, s)  # every sequence has room, or nothing is evaluated
+            start = list(self.kv.used)
+            rs = self.rs
+            if rs is not None:
+                for s in seqs:
+                    rs.begin(s)
+            try:
+                rows = []
+                step = self.decode_rows
+                for u0 in range(0, len(order), step):
+                    part = order[u0:u0 + step]
+                    rows.append(self._ubatch([(seqs[i], toks[i:i + 1]) for i in part], len(part)))
+                out = np.concatenate(rows, axis=0)
+            except BaseException:
+                self.kv.used[:] = start
+                if rs is not None:
+                    for s in seqs:
+                        rs.abandon(s)
+                raise
+            if rs is not None:
+                for s in seqs:
+                    rs.commit(s)
+        res = np.empty_like(out)
+        res[order] = out
+        return res
 
     # -- reporting ------------------------------------------------------------
 
@@ -499,6 +675,7 @@ class MoEModel:
         if hasattr(self, "experts"):
             self.experts.close()  # first: its CPU worker may still read the mapped experts
         self._graphs.clear()
+        self._step_graphs.clear()
         if hasattr(self, "sched"):
             self.sched.close()
         if hasattr(self, "kv"):

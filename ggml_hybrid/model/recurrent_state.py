@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .._native import ffi, lib
 from ..checks import check_int
 from ..errors import ArgumentError
 from ..ggml.backend import Backend, Buffer
@@ -108,6 +109,27 @@ class RecurrentState:
         seq = self._slot(seq)
         self._src[seq] = self.zero_row
         self._work[seq], self._started[seq] = None, False
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``src``'s committed state into slot ``dst`` (its rows copied byte for byte, so the sequence
+        goes on from ``dst`` exactly as from ``src``), then ``src`` cleared. No eval of either may be in
+        progress."""
+        src, dst = self._slot(src), self._slot(dst)
+        if self._work[src] is not None or self._work[dst] is not None:
+            raise ArgumentError(f"RecurrentState.move: slot {src} or {dst} has an eval in progress")
+        row = self._src[src]
+        if row == self.zero_row:
+            self._src[dst] = self.zero_row
+        else:
+            to = 2 * dst
+            for t in (*self.conv, *self.ssm):
+                if t is not None:
+                    size = t.nb[1]
+                    buf = ffi.new("char[]", size)
+                    lib.ggml_backend_tensor_get(t.ptr, buf, row * size, size)
+                    lib.ggml_backend_tensor_set(t.ptr, buf, to * size, size)
+            self._src[dst] = to
+        self.clear(src)
 
     def state(self, seq: int = 0) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Slot ``seq``'s committed state per delta-net layer: (conv [channels, d_conv - 1] flat, ssm) copies."""

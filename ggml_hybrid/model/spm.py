@@ -79,6 +79,10 @@ class SPMTokenizer:
         # only user-defined tokens are cut out of plain text (parse_special=false); longest first
         self._user = sorted((i for i, t in enumerate(self.types) if t == TOKEN_TYPE_USER_DEFINED and self._bytes[i]),
                             key=lambda i: -len(self._bytes[i]))
+        # with parse_special, control and unknown tokens too
+        kinds = (TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)
+        self._special = sorted((i for i, t in enumerate(self.types) if t in kinds and self._bytes[i]),
+                               key=lambda i: -len(self._bytes[i]))
 
     @classmethod
     def from_gguf(cls, store: GGUFStore) -> SPMTokenizer:
@@ -168,10 +172,11 @@ class SPMTokenizer:
             emit(i)
             i = nxt[i]
 
-    def _fragments(self, raw: bytes) -> list[bytes | int]:
-        """``raw`` cut at every user-defined token: text pieces and token ids, in order."""
+    def _fragments(self, raw: bytes, special: bool = False) -> list[bytes | int]:
+        """``raw`` cut at every user-defined token (and control token, if ``special``): text pieces and
+        token ids, in order; the longest tokens are matched first, as llama.cpp does."""
         parts: list[bytes | int] = [raw] if raw else []
-        for tid in self._user:
+        for tid in self._special if special else self._user:
             needle, cut = self._bytes[tid], list[bytes | int]()
             for part in parts:
                 if isinstance(part, int):
@@ -188,15 +193,19 @@ class SPMTokenizer:
             parts = cut
         return parts
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """llama.cpp's ``llama_tokenize(text, add_special, parse_special=false)``; add_bos: the file's by default."""
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """llama.cpp's ``llama_tokenize(text, add_special, parse_special)``; add_bos: the file's by default.
+
+        ``special``: control tokens written in the text (``<s>``, a chat template's markers) are those
+        tokens, not their characters (llama.cpp's ``parse_special``, what its server does with prompts).
+        """
         if not isinstance(text, str):
             raise ArgumentTypeError(f"encode: text must be str, got {type(text).__name__}")
         add_bos = check_add_bos(add_bos, "encode: add_bos")
-        special = self.add_bos if add_bos is None else add_bos
-        out: list[int] = [self.bos_id] if special and self.bos_id is not None else []
+        bos = self.add_bos if add_bos is None else add_bos
+        out: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
         after_token = True  # the start of the text counts as following a token
-        for part in self._fragments(text.encode()):
+        for part in self._fragments(text.encode(), special):
             if isinstance(part, int):
                 out.append(part)
                 after_token = True
@@ -205,7 +214,7 @@ class SPMTokenizer:
                 part = b" " + part
             self._merge(part.replace(b" ", _SPACE), out)
             after_token = False
-        if special and self.add_eos and self.eos_id is not None:
+        if bos and self.add_eos and self.eos_id is not None:
             out.append(self.eos_id)
         return out
 

@@ -16,6 +16,7 @@ the token types (end-of-generation texts, gpt-oss's rendered markers).
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, SupportsInt
@@ -201,6 +202,8 @@ class Tokenizer:
         if user:
             hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         self._hf = hf
+        self._special_re: re.Pattern[str] | None = None  # control-token matcher, built on first use
+        self._special_ids: dict[str, int] = {}
 
     @classmethod
     def from_gguf(cls, store: GGUFStore) -> Tokenizer | SPMTokenizer:
@@ -224,14 +227,39 @@ class Tokenizer:
     def n_vocab(self) -> int:
         return len(self.tokens)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Token ids of ``text`` (llama.cpp's ``llama_tokenize``); add_bos: the file's rule by default.
+
+        ``special``: control tokens written in the text (a chat template's ``<|im_start|>``) are those
+        tokens, not their characters (llama.cpp's ``parse_special``, what its server does with prompts);
+        the text between them is encoded as usual.
+        """
         if not isinstance(text, str):
             raise ArgumentTypeError(f"encode: text must be str, got {type(text).__name__}")
         add_bos = check_add_bos(add_bos, "encode: add_bos")
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for part in self._split_special(text) if special else [text]:
+            if isinstance(part, int):
+                ids.append(part)
+            elif part:
+                ids += self._hf.encode(part, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def _split_special(self, text: str) -> list[str | int]:
+        """``text`` cut at the control tokens written in it, the longest first: text pieces and ids."""
+        if self._special_re is None:
+            texts = sorted((self.tokens[i] for i in self.control if self.tokens[i]), key=len, reverse=True)
+            self._special_ids = {self.tokens[i]: i for i in sorted(self.control, reverse=True) if self.tokens[i]}
+            self._special_re = re.compile("|".join(re.escape(t) for t in texts)) if texts else re.compile(r"(?!)")
+        out: list[str | int] = []
+        at = 0
+        for m in self._special_re.finditer(text):
+            out += [text[at:m.start()], self._special_ids[m.group()]]
+            at = m.end()
+        out.append(text[at:])
+        return out
 
     def token_bytes(self, tid: int) -> bytes:
         """The bytes a token stands for (control tokens: their text)."""

@@ -1,0 +1,147 @@
+"""``ggml-hybrid serve``: the OpenAI-compatible server (docs/serve.md).
+
+``serve MODEL [session flags]`` serves one model; ``serve --config server.toml`` serves every model of
+the file, each with its own ``session_options`` (the command line's session flags apply on top, to
+every model). The server listens at once and loads the models in the background (``/health``: 503,
+then 200). SIGTERM stops accepting, lets in-flight requests finish for ``--drain-timeout`` seconds,
+cancels what is left and exits 0. It binds to 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from types import FrameType
+from typing import Any
+
+import click
+
+from ..errors import ConfigError, MissingDependencyError
+from ..options import SessionOptions
+from .config import ModelEntry, load_config
+from .flags import model_argument, session_flags, session_items
+from .main import main
+
+
+@main.command()
+@model_argument
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface; the default is loopback only).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
+@click.option("-a", "--alias", "aliases", multiple=True, help="Another name the model answers to (repeatable).")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds in-flight requests get to finish after SIGTERM.")
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
+@session_flags
+def serve(model: str | None, model_flag: str | None, host: str, port: int, aliases: tuple[str, ...],
+          drain_timeout: float, log_level: str, **flags: Any) -> None:
+    """Serve MODEL (a GGUF file), or every model of --config, over OpenAI's HTTP API."""
+    if model is not None and model_flag is not None:
+        raise click.UsageError(f"give the model once: as MODEL ({model!r}) or as -m/--model ({model_flag!r})")
+    model = model if model is not None else model_flag
+    config, items = session_items(flags)
+    if config is not None:
+        if model is not None:
+            raise click.UsageError("give MODEL or --config, not both (--config serves every model of the file)")
+        if aliases:
+            raise click.UsageError("--alias names the model of MODEL; with --config, give 'aliases' in the file")
+        entries = []
+        for e in load_config(config).values():
+            try:
+                opts = SessionOptions.parse(items, role=e.role, base=e.options)
+            except ValueError as exc:
+                raise ConfigError(f"{config}: [models.{e.name}]: {exc}") from None
+            entries.append(ModelEntry(e.name, e.path, e.role, opts, e.aliases))
+    elif model is None:
+        raise click.UsageError("give MODEL (a GGUF file) or --config FILE")
+    else:
+        opts = SessionOptions.parse(items)
+        name = os.path.splitext(os.path.basename(model))[0]
+        entries = [ModelEntry(name, model, None, opts, tuple(a for a in aliases if a != name))]
+    for e in entries:
+        _precheck(e)
+    _run_server(entries, host, port, drain_timeout, log_level)
+
+
+def _precheck(e: ModelEntry) -> None:
+    """What can be known without loading: the file is a GGUF model we run, and the options suit it."""
+    from ..errors import GgmlHybridError
+    from ..model.gguf_store import GGUFStore
+    from ..model.hparams import read_hparams
+    from ..model.moe_model import check_options
+
+    try:
+        store = GGUFStore(e.path)
+        try:
+            check_options(e.options, read_hparams(store))
+        finally:
+            store.close()
+    except (GgmlHybridError, OSError) as exc:
+        raise ConfigError(f"model {e.name!r} ({e.path}): {' '.join(str(exc).split())}") from None
+
+
+def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: float, log_level: str) -> None:
+    try:
+        import uvicorn
+
+        from ..server.app import create_app
+        from ..server.models import ModelSet
+    except ImportError as exc:
+        raise MissingDependencyError(f"serve needs the server extra ({exc.name} is missing): "
+                                     "pip install 'ggml-hybrid[server]'") from None
+    import contextlib
+
+    models = ModelSet(entries)
+    signals: list[int] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # SIGTERM/SIGINT: stop taking work, then uvicorn's graceful shutdown
+            models.drain()
+            super().handle_exit(sig, frame)
+
+    server: Server
+
+    def failed(message: str) -> None:
+        server.should_exit = True
+
+    def loaded(name: str, seconds: float) -> None:
+        click.echo(f"ggml-hybrid serve: {name} ready ({seconds:.1f} s)", err=True)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: object) -> AsyncIterator[None]:
+        models.start_loading(failed, loaded)
+        names = ", ".join(models.models)
+        click.echo(f"ggml-hybrid serve: http://{host}:{port} ({names}; loading)", err=True)
+        try:
+            yield
+        finally:
+            models.close()
+
+    app = create_app(models, drain_timeout, lifespan=lifespan)
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                   timeout_graceful_shutdown=int(drain_timeout) + 5))
+    # uvicorn re-raises the signal that stopped it once it is done; these take it instead, so a drained
+    # SIGTERM exits 0 and a Ctrl-C exits 130
+    old = {s: signal.signal(s, lambda sig, frame: signals.append(sig)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's own exit when it cannot bind
+        if server.started:
+            raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        models.close()
+    if models.failed:
+        raise ConfigError(f"model {models.failed}")
+    if not server.started:
+        raise ConfigError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
+    if signal.SIGINT in signals:
+        sys.exit(130)
+
+
+__all__ = ["serve"]

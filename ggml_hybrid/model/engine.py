@@ -1,0 +1,395 @@
+"""Continuous batching: requests share a model's sequence slots and generate together.
+
+One thread, the engine's, runs *steps* on the model (it alone calls it while the engine is open):
+
+- a **decode step** computes the next token of every sequence that is generating, all in one
+  ubatch (:meth:`MoEModel.decode`);
+- a **prompt step** evaluates the next piece of one waiting prompt, cut where a lone ``eval`` of
+  the whole prompt cuts its ubatches (:meth:`MoEModel.ubatch_ends`), so the prompt's logits and KV
+  cells are the lone run's.
+
+When prompts wait while sequences generate, prompt and decode steps alternate, so a long prompt
+delays the others' tokens by one prompt step at a time, not by the whole prompt. Between steps,
+queued requests take free slots (first come, first served) and finished or cancelled ones give
+theirs back, their cells cleared. Since every sequence's logits are bit-identical to running it
+alone, so is its text for the same sampler seed: batching changes when a request's tokens come,
+never which.
+
+A :class:`Request` is filled from the engine thread: text pieces as they become final (a piece
+that may be the start of a stop string is held back until it is not), then the finish reason.
+``listener`` (if given) is called, from the engine thread, after each change.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..checks import check_int
+from ..errors import ArgumentError, ClosedError, ContextFullError
+from .moe_model import MoEModel
+from .sampling import Sampler
+from .tokenizer import TextStream
+
+QUEUED, PROMPT, DECODE, DONE = "queued", "prompt", "decode", "done"
+RATE_WINDOW = 10.0  # seconds of decode steps the tokens-per-second figure covers
+
+
+class StopText:
+    """Text after the stop strings: what may be the start of one is held back until it is not.
+
+    ``push`` returns the text that is final and whether a stop string ended it (the stop string and
+    anything after it are dropped, as OpenAI's ``stop`` does).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        text = self.held + piece
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held = ""
+            return text[:cut], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), keep, -1):
+                if text.endswith(s[:k]):
+                    keep = k
+                    break
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: a prompt, its sampler and limits; filled in by the engine as it runs."""
+
+    prompt: list[int]
+    sampler: Sampler
+    max_tokens: int | None = None      # None: until an end-of-generation token or a full context
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    listener: Callable[[], object] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    # -- filled in by the engine (read them after ``done`` is set, or under ``lock``) --
+    state: str = QUEUED
+    seq: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None   # "stop", "length", "cancelled" or "error"
+    error: str | None = None
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None    # took a slot
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    done: threading.Event = field(init=False, repr=False, default_factory=threading.Event)
+    _pieces: list[str] = field(init=False, repr=False, default_factory=list)  # final, not yet taken
+    _text: list[str] = field(init=False, repr=False, default_factory=list)    # all final text
+    _cancelled: bool = field(init=False, repr=False, default=False)
+    _n_prompt_done: int = field(init=False, repr=False, default=0)
+    _pending: int = field(init=False, repr=False, default=-1)  # sampled, not yet evaluated
+    _stops: StopText = field(init=False, repr=False)
+    _stream: TextStream | None = field(init=False, repr=False, default=None)
+    _engine: Engine | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None:
+            check_int(self.max_tokens, "Request: max_tokens", 1)
+        if not self.prompt:
+            raise ArgumentError("Request: the prompt has no tokens")
+        self._stops = StopText(self.stop)
+
+    # -- the caller's side ----------------------------------------------------
+
+    def cancel(self) -> None:
+        """Stop generating: the engine frees the slot before its next step (``finish_reason`` "cancelled")."""
+        self._cancelled = True
+        if self._engine is not None:
+            self._engine._wake()
+
+    def take(self) -> list[str]:
+        """The text pieces that became final since the last call."""
+        with self.lock:
+            out, self._pieces = self._pieces, []
+        return out
+
+    @property
+    def text(self) -> str:
+        with self.lock:
+            return "".join(self._text)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    # -- the engine's side ----------------------------------------------------
+
+    def _post(self, text: str) -> None:
+        if text:
+            with self.lock:
+                self._pieces.append(text)
+                self._text.append(text)
+
+    def _notify(self) -> None:
+        if self.listener is not None:
+            self.listener()
+
+
+@dataclass
+class EngineStats:
+    """What the engine has done, for metrics: totals since start and the state now."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    prompt_steps: int = 0
+    moves: int = 0  # sequences moved to a lower slot (:meth:`Engine._pack`)
+    queued: int = 0
+    busy_slots: int = 0
+    tokens_per_second: float = 0.0  # generated tokens per second of decode steps, over the last RATE_WINDOW s
+
+
+class Engine:
+    """Runs requests on ``model``'s sequence slots (``n_parallel``) from a thread of its own."""
+
+    def __init__(self, model: MoEModel, name: str = "model",
+                 after_step: Callable[[Engine], object] | None = None) -> None:
+        self.model = model
+        self.name = name
+        self.n_slots = model.n_parallel
+        self._slots: list[Request | None] = [None] * self.n_slots
+        self._queue: deque[Request] = deque()
+        self._cond = threading.Condition()
+        self._accepting = True
+        self._stop = False
+        self._last = DECODE
+        self._eog = model.tokenizer.eog_ids
+        self._steps: deque[tuple[float, float, int]] = deque()  # (end, seconds, tokens) of recent decode steps
+        self.stats = EngineStats()
+        self._after_step = after_step
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+        self._thread.start()
+
+    # -- the callers' side ----------------------------------------------------
+
+    def submit(self, req: Request) -> Request:
+        """Queue ``req``; it starts when a slot is free. Refused once the engine stops accepting."""
+        n_ctx = self.model.n_ctx
+        if len(req.prompt) >= n_ctx:
+            raise ContextFullError(f"the prompt has {len(req.prompt)} tokens; a sequence's context holds {n_ctx} "
+                                   "(the prompt and at least one generated token must fit)")
+        bad = [t for t in req.prompt if not 0 <= t < self.model.hp.n_vocab]
+        if bad:
+            raise ArgumentError(f"token id {bad[0]} is outside the vocabulary 0..{self.model.hp.n_vocab - 1}")
+        with self._cond:
+            if not self._accepting:
+                raise ClosedError(f"{self.name}: the server is shutting down and takes no new requests")
+            req._engine = self
+            self._queue.append(req)
+            self.stats.queued = len(self._queue)
+            self._cond.notify()
+        return req
+
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._accepting = False
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queue and not any(self._slots)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting, cancel what is queued or running, and wait for the engine thread to end."""
+        with self._cond:
+            self._accepting = False
+            self._stop = True
+            for r in list(self._queue) + [r for r in self._slots if r is not None]:
+                r._cancelled = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # -- the engine thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    gone = self._take_cancelled_queued()
+                    self._admit()
+                    active = [r for r in self._slots if r is not None]
+                    if active or gone:
+                        break
+                    if self._stop:
+                        return
+                    self._cond.wait()
+            for r in gone:
+                self._finish(r, "cancelled")
+            for r in active:
+                if r._cancelled:
+                    self._finish(r, "cancelled")  # its slot is free before the next step
+            self._pack()
+            active = [r for r in self._slots if r is not None]
+            if active:
+                self._step(active)
+            self._publish()
+
+    def _take_cancelled_queued(self) -> list[Request]:
+        gone = [r for r in self._queue if r._cancelled]
+        for r in gone:
+            self._queue.remove(r)
+        return gone
+
+    def _admit(self) -> None:
+        for seq in range(self.n_slots):
+            if self._slots[seq] is None and self._queue:
+                r = self._queue.popleft()
+                r.seq, r.state, r.started_at = seq, PROMPT, time.perf_counter()
+                r.sampler.reset()
+                for t in r.prompt:
+                    r.sampler.accept(t)
+                r._stream = self.model.tokenizer.stream()
+                self._slots[seq] = r
+        self.stats.queued = len(self._queue)
+
+    def _pack(self) -> None:
+        """Move the sequences of the highest slots into free lower ones (when no request waits for those).
+
+        A decoder graph is built per set of slots a step decodes; with holes left by finished requests
+        every mix of slots would be a graph of its own (a build costs tens of ms). Packed, the busy
+        slots are 0..k-1 and decode steps meet about one graph per k. A moved sequence computes
+        exactly as before (:meth:`MoEModel.move` copies its cells)."""
+        with self._cond:
+            if self._queue:
+                return  # the free slots are about to be taken
+        while True:
+            free = [s for s, r in enumerate(self._slots) if r is None]
+            busy = [s for s, r in enumerate(self._slots) if r is not None]
+            if not free or not busy or free[0] > busy[-1]:
+                return
+            src, dst = busy[-1], free[0]
+            r = self._slots[src]
+            assert r is not None
+            try:
+                self.model.move(src, dst)
+            except Exception as exc:  # (a device lost mid-copy): this request fails, the others go on
+                r.error = " ".join(str(exc).split()) or type(exc).__name__
+                self._finish(r, "error")
+                return
+            with self._cond:
+                self._slots[dst], self._slots[src], r.seq = r, None, dst
+            self.stats.moves += 1
+
+    def _step(self, active: list[Request]) -> None:
+        prompts = [r for r in active if r.state == PROMPT]
+        decoding = [r for r in active if r.state == DECODE]
+        if prompts and (not decoding or self._last == DECODE):
+            self._last = PROMPT
+            step = [min(prompts, key=lambda r: r.queued_at)]
+        else:
+            self._last = DECODE
+            step = decoding
+        try:
+            if self._last == PROMPT:
+                self._prompt_step(step[0])
+            else:
+                self._decode_step(step)
+        except Exception as exc:  # the step's requests fail; the others go on
+            for r in step:
+                r.error = " ".join(str(exc).split()) or type(exc).__name__
+                self._finish(r, "error")
+
+    def _prompt_step(self, r: Request) -> None:
+        start = r._n_prompt_done
+        end = next(e for e in self.model.ubatch_ends(len(r.prompt)) if e > start)
+        assert r.seq is not None
+        logits = self.model.eval(r.prompt[start:end], "last", seq=r.seq)
+        r._n_prompt_done = end
+        self.stats.prompt_steps += 1
+        if end == len(r.prompt):
+            self.stats.prompt_tokens += len(r.prompt)
+            r.state = DECODE
+            self._next(r, logits[-1])
+
+    def _decode_step(self, rs: list[Request]) -> None:
+        t0 = time.perf_counter()
+        logits = self.model.decode([(r.seq, r._pending) for r in rs if r.seq is not None])
+        dt = time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        self._steps.append((t0 + dt, dt, len(rs)))
+        for r, row in zip(rs, logits):
+            self._next(r, row)
+
+    def _next(self, r: Request, logits: np.ndarray) -> None:
+        """Sample r's next token from ``logits`` and decide whether it goes on."""
+        tok = r.sampler(logits)
+        if r.first_token_at is None:
+            r.first_token_at = time.perf_counter()
+        if not r.ignore_eos and tok in self._eog:
+            self._finish(r, "stop")
+            return
+        r.sampler.accept(tok)
+        r.tokens.append(tok)
+        self.stats.generated_tokens += 1
+        assert r._stream is not None and r.seq is not None
+        text, hit = r._stops.push(r._stream.push(tok))
+        r._post(text)
+        if hit:
+            self._finish(r, "stop", flush=False)
+        elif r.max_tokens is not None and len(r.tokens) >= r.max_tokens:
+            self._finish(r, "length")
+        elif self.model.position(r.seq) >= self.model.n_ctx:
+            self._finish(r, "length")  # no cell left for this token
+        else:
+            r._pending = tok
+            r._notify()
+
+    def _finish(self, r: Request, reason: str, flush: bool = True) -> None:
+        if flush and r._stream is not None and reason in ("stop", "length"):
+            text, hit = r._stops.push(r._stream.flush())
+            r._post(text if hit else text + r._stops.flush())
+        if r.seq is not None and self._slots[r.seq] is r:
+            self._slots[r.seq] = None
+            self.model.reset(r.seq)  # zeroed cells: the next request in this slot starts as a lone run does
+        r.state, r.finish_reason, r.finished_at = DONE, reason, time.perf_counter()
+        self.stats.requests[reason] = self.stats.requests.get(reason, 0) + 1
+        r.done.set()
+        r._notify()
+
+    def _publish(self) -> None:
+        now = time.perf_counter()
+        while self._steps and self._steps[0][0] < now - RATE_WINDOW:
+            self._steps.popleft()
+        busy = sum(s for _, s, _ in self._steps)
+        self.stats.tokens_per_second = sum(n for _, _, n in self._steps) / busy if busy else 0.0
+        self.stats.busy_slots = sum(1 for r in self._slots if r is not None)
+        if self._after_step is not None:
+            self._after_step(self)
+
+
+__all__ = ["Engine", "EngineStats", "Request", "StopText"]

@@ -1,0 +1,161 @@
+"""The models a server holds: each loaded in the background, then served by its own engine.
+
+``/health`` says 503 until every model is loaded (and again while draining), 200 when they all are.
+A model that fails to load stops the server (the ``serve`` command prints the error and exits 2).
+After each engine step the engine thread copies the model's counters here, so a metrics scrape
+never touches a model another thread is computing with.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cli.config import ModelEntry
+from ..model.chat import ChatTemplate
+from ..model.engine import Engine
+from ..model.moe_model import MoEModel
+
+MEMORY_EVERY = 5.0  # seconds between device-memory readings after load
+
+
+@dataclass
+class Snapshot:
+    """A model's figures as of the engine's last step (or its load)."""
+
+    hits: int = 0
+    misses: int = 0
+    cpu_misses: int = 0
+    bytes_loaded: int = 0
+    share_applied: float = 0.0
+    hybrid_offload_active: bool = False
+    device_memory: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> purpose -> bytes
+
+
+class ServedModel:
+    """One model entry: its load state, and once loaded its model, engine and chat template."""
+
+    def __init__(self, entry: ModelEntry) -> None:
+        self.name, self.aliases, self.path, self.options = entry.name, entry.aliases, entry.path, entry.options
+        self.created = int(time.time())
+        self.model: MoEModel | None = None
+        self.engine: Engine | None = None
+        self.template: ChatTemplate | None = None
+        self.template_error: str | None = None
+        self.error: str | None = None
+        self.snapshot = Snapshot()
+        self._memory_at = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def load(self) -> None:
+        model = MoEModel(self.path, self.options)
+        try:
+            tok = model.tokenizer
+            try:
+                self.template = ChatTemplate.from_gguf(model.store, tok.tokens, tok.bos_id, tok.eos_id)
+            except Exception as exc:  # completions still work; chat answers with this error
+                self.template_error = " ".join(str(exc).split())
+            self.model = model
+            self._snap(None)
+            self.engine = Engine(model, self.name, after_step=self._snap)
+        except BaseException:
+            model.close()
+            raise
+
+    def _snap(self, _engine: Engine | None) -> None:
+        from ..cli.report import hybrid_offload_active
+
+        m = self.model
+        assert m is not None
+        total = m.counters.total
+        now = time.monotonic()
+        memory = self.snapshot.device_memory
+        if _engine is None or now - self._memory_at >= MEMORY_EVERY:  # it walks every tensor: not every step
+            memory, self._memory_at = {d: m.device_memory(d) for d in m.devices}, now
+        self.snapshot = Snapshot(total.hits, total.misses, total.cpu_misses, total.bytes_loaded, total.share_applied,
+                                 hybrid_offload_active(m), memory)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.model is not None:
+            self.model.close()
+            self.model = None
+
+
+class ModelSet:
+    """Every served model by name and alias, loaded one after another by a background thread."""
+
+    def __init__(self, entries: list[ModelEntry]) -> None:
+        self.models = {e.name: ServedModel(e) for e in entries}
+        self.names: dict[str, ServedModel] = {}
+        for sm in self.models.values():
+            for n in (sm.name, *sm.aliases):
+                self.names[n] = sm
+        self.draining = False
+        self.drain_started = 0.0
+        self.failed: str | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self.http_requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
+
+    @property
+    def ready(self) -> bool:
+        return all(sm.ready for sm in self.models.values())
+
+    def start_loading(self, on_failure: Callable[[str], Any],
+                      on_loaded: Callable[[str, float], Any] | None = None) -> None:
+        def run() -> None:
+            for sm in self.models.values():
+                with self._lock:
+                    if self._closed:
+                        return
+                t0 = time.perf_counter()
+                try:
+                    sm.load()
+                except Exception as exc:
+                    sm.error = self.failed = f"{sm.name}: {' '.join(str(exc).split())}"
+                    on_failure(self.failed)
+                    return
+                with self._lock:
+                    if self._closed:  # shut down while this one loaded
+                        sm.close()
+                        return
+                if on_loaded is not None:
+                    on_loaded(sm.name, time.perf_counter() - t0)
+
+        self._thread = threading.Thread(target=run, name="model-loader", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Stop taking new requests (SIGTERM): ``/health`` answers 503, engines refuse new work."""
+        if not self.draining:
+            self.drain_started = time.monotonic()
+        self.draining = True
+        for sm in self.models.values():
+            if sm.engine is not None:
+                sm.engine.stop_accepting()
+
+    def drain_expired(self, seconds: float) -> bool:
+        """Whether a drain began more than ``seconds`` ago (what is still running is then cancelled)."""
+        return self.draining and time.monotonic() - self.drain_started > seconds
+
+    def count(self, endpoint: str, status: int) -> None:
+        key = (endpoint, status)
+        self.http_requests[key] = self.http_requests.get(key, 0) + 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        for sm in self.models.values():
+            sm.close()
+
+
+__all__ = ["ModelSet", "ServedModel", "Snapshot"]

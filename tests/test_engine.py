@@ -1,0 +1,188 @@
+"""The continuous-batching engine: texts equal to one request at a time, stops, cancellation, limits."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ggml_hybrid.errors import ArgumentError, ClosedError, ContextFullError
+from ggml_hybrid.model.engine import Engine, Request, StopText
+from ggml_hybrid.model.generate import complete
+from ggml_hybrid.model.moe_model import MoEModel
+from ggml_hybrid.model.sampling import Sampler
+from ggml_hybrid.model.synthetic import write_model
+from ggml_hybrid.options import SessionOptions
+
+PROMPTS = ["The cache runs the hits first", "a", "Once upon a time in a land far away there lived a", "misses",
+           "then the", "CPU share of", "experts, in rounds", "slots"]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("eng") / "m.gguf", arch="qwen3moe", weight_type="q8_0", seed=4)
+
+
+def _model(path, n_parallel, **kw):
+    return MoEModel(path, SessionOptions(n_threads=1, n_ctx=128, n_parallel=n_parallel, ubatch_size=4, **kw))
+
+
+def _run(m: MoEModel, prompts, temp=0.0, max_tokens=12, **kw):
+    e = Engine(m)
+    try:
+        reqs = [e.submit(Request(m.tokenizer.encode(p), Sampler(temperature=temp, seed=i), max_tokens, **kw))
+                for i, p in enumerate(prompts)]
+        for r in reqs:
+            assert r.done.wait(60)
+        return [(r.text, r.tokens, r.finish_reason) for r in reqs], e.stats
+    finally:
+        e.close()
+
+
+def test_concurrent_requests_give_the_texts_of_one_at_a_time(path):
+    """Greedy and seeded: 8 requests over 3 slots (queueing, joining, leaving) equal one-slot runs, which equal
+    generate() on a fresh model."""
+    with _model(path, 1) as m:
+        one, _ = _run(m, PROMPTS)
+        seeded_one, _ = _run(m, PROMPTS, temp=0.9)
+        ref = [complete(m, m.tokenizer.encode(p), 12, Sampler(temperature=0.0)) for p in PROMPTS[:3]]
+    with _model(path, 3) as m:
+        many, stats = _run(m, PROMPTS)
+        seeded_many, _ = _run(m, PROMPTS, temp=0.9)
+    assert many == one and seeded_many == seeded_one
+    assert [t for t, _, _ in one[:3]] == [text for text, _ in ref]
+    assert stats.decode_steps < sum(len(toks) for _, toks, _ in many)  # steps were shared
+    assert sum(stats.requests.values()) == 8 and set(stats.requests) <= {"length", "stop"}
+    assert stats.busy_slots == 0 and stats.queued == 0
+
+
+def test_stop_strings_end_the_text_before_them(path):
+    with _model(path, 2) as m:
+        (full, _, _), = _run(m, [PROMPTS[0]], max_tokens=24)[0]
+        cut = full[len(full) // 3: len(full) // 3 + 2]
+        assert cut and cut in full
+        (text, _, reason), = _run(m, [PROMPTS[0]], max_tokens=24, stop=[cut, "never-there"])[0]
+    assert text == full[:full.index(cut)] and reason == "stop"
+
+
+@given(pieces=st.lists(st.text("ab", max_size=3), max_size=8), stops=st.lists(st.text("ab", min_size=1, max_size=3),
+                                                                                 max_size=3))
+def test_stop_text_releases_exactly_the_text_before_the_first_stop(pieces, stops):
+    s = StopText(stops)
+    out, hit = [], False
+    for p in pieces:
+        text, hit = s.push(p)
+        out.append(text)
+        if hit:
+            break
+    if not hit:
+        out.append(s.flush())
+    # the oracle: the first prefix of pieces that contains a stop string is cut at the earliest stop in it
+    for k in range(1, len(pieces) + 1):
+        acc = "".join(pieces[:k])
+        found = [acc.find(x) for x in stops if x in acc]
+        if found:
+            assert hit and "".join(out) == acc[:min(found)]
+            return
+    assert not hit and "".join(out) == "".join(pieces)
+
+
+def test_cancel_frees_the_slot_before_the_next_step(path):
+    with _model(path, 1) as m:
+        e = Engine(m)
+        started = threading.Event()
+        long = Request(m.tokenizer.encode(PROMPTS[0]), Sampler(), max_tokens=100, ignore_eos=True,
+                       listener=started.set)
+        waiting = Request(m.tokenizer.encode(PROMPTS[1]), Sampler(), max_tokens=3, ignore_eos=True)
+        e.submit(long)
+        e.submit(waiting)
+        assert started.wait(30)
+        long.cancel()
+        assert long.done.wait(30) and waiting.done.wait(30)
+        assert long.finish_reason == "cancelled" and long.completion_tokens < 100
+        assert waiting.finish_reason == "length" and waiting.completion_tokens == 3
+        queued = Request([1, 2], Sampler(), max_tokens=3)
+        queued.cancel()
+        e.submit(queued)
+        assert queued.done.wait(30) and queued.finish_reason == "cancelled" and not queued.tokens
+        e.close()
+        assert e.stats.requests == {"cancelled": 2, "length": 1}
+
+
+def test_limits_and_refusals(path):
+    with _model(path, 2) as m:
+        e = Engine(m)
+        with pytest.raises(ContextFullError):
+            e.submit(Request(list(range(1, 129)), Sampler()))
+        with pytest.raises(ArgumentError):
+            e.submit(Request([384], Sampler()))
+        with pytest.raises(ArgumentError):
+            Request([], Sampler())
+        with pytest.raises(ArgumentError):
+            Request([1], Sampler(), max_tokens=0)
+        # a full context ends the generation with "length"
+        r = e.submit(Request(list(range(1, 120)), Sampler(), max_tokens=None, ignore_eos=True))
+        assert r.done.wait(60) and r.finish_reason == "length" and len(r.prompt) + r.completion_tokens == 129
+        e.close()
+        with pytest.raises(ClosedError):
+            e.submit(Request([1], Sampler()))
+
+
+def test_close_cancels_what_runs_and_what_waits(path):
+    with _model(path, 1) as m:
+        e = Engine(m)
+        reqs = [e.submit(Request([1, 2, 3], Sampler(), max_tokens=None, ignore_eos=True)) for _ in range(3)]
+        e.close(timeout=30)
+        assert all(r.done.is_set() and r.finish_reason in ("cancelled", "length") for r in reqs)
+        assert any(r.finish_reason == "cancelled" for r in reqs)
+
+
+def test_a_failing_step_fails_its_requests_only(path, monkeypatch):
+    with _model(path, 2) as m:
+        e = Engine(m)
+        calls = {"n": 0}
+        real = m.decode
+
+        def flaky(batch):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected failure")
+            return real(batch)
+
+        monkeypatch.setattr(m, "decode", flaky)
+        a = e.submit(Request([1, 2], Sampler(), max_tokens=5, ignore_eos=True))
+        assert a.done.wait(30) and a.finish_reason == "error" and "injected" in (a.error or "")
+        b = e.submit(Request([3, 4], Sampler(), max_tokens=5, ignore_eos=True))
+        assert b.done.wait(30) and b.finish_reason == "length" and b.completion_tokens == 5
+        e.close()
+
+
+def test_finished_requests_leave_the_others_packed_in_the_lowest_slots(path):
+    """Requests of different lengths finish at different steps; the engine moves the highest busy slots down
+    (so decode steps meet few graphs), and every text is still the one-slot run's."""
+    lengths = [3, 12, 5, 9]
+    with _model(path, 1) as m:
+        e = Engine(m)
+        try:
+            one = []
+            for i, p in enumerate(PROMPTS[:4]):
+                r = e.submit(Request(m.tokenizer.encode(p), Sampler(), lengths[i], ignore_eos=True))
+                assert r.done.wait(60)
+                one.append(r.tokens)
+        finally:
+            e.close()
+    with _model(path, 4) as m:
+        e = Engine(m)
+        try:
+            reqs = [e.submit(Request(m.tokenizer.encode(p), Sampler(), lengths[i], ignore_eos=True))
+                    for i, p in enumerate(PROMPTS[:4])]
+            for r in reqs:
+                assert r.done.wait(60)
+            stats = e.stats
+        finally:
+            e.close()
+        assert [r.tokens for r in reqs] == one
+        assert stats.moves >= 1
+        assert all(m.position(s) == 0 for s in range(4))
