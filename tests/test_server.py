@@ -360,16 +360,7 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(files):
                                      extra_body={"ignore_eos": True})
             results["plain"] = (r.usage.completion_tokens, r.choices[0].finish_reason, time.monotonic())
 
-        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
-        for t in threads:
-            t.start()
-        assert streaming.wait(30)
-        busy = ("ggml_hybrid_busy_slots", (("model", "slow"),))
-        end = time.monotonic() + 30
-        while scrape(s.url)[busy] < 2:  # both requests hold a slot
-            assert time.monotonic() < end
-            time.sleep(0.01)
-        s.proc.send_signal(signal.SIGTERM)
+        threads = _sigterm_with_both_in_flight(s, stream, plain, streaming)
         sent = time.monotonic()
         for t in threads:
             t.join(60)
@@ -407,16 +398,7 @@ def test_sigterm_cancels_what_outlives_the_drain_timeout_and_exits_0(files):
             except openai.APIStatusError as exc:
                 got["plain"] = (exc.status_code, exc.body)
 
-        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
-        for t in threads:
-            t.start()
-        assert streaming.wait(30)
-        busy = ("ggml_hybrid_busy_slots", (("model", "slow"),))
-        end = time.monotonic() + 30
-        while scrape(s.url)[busy] < 2:  # both requests hold a slot
-            assert time.monotonic() < end
-            time.sleep(0.01)
-        s.proc.send_signal(signal.SIGTERM)
+        threads = _sigterm_with_both_in_flight(s, stream, plain, streaming)
         for t in threads:
             t.join(60)
         rc, err = s.stop()
@@ -499,3 +481,18 @@ def test_bad_config_is_one_error_line_naming_file_model_and_key(files, tmp_path)
     r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "serve", "--config", str(missing)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "'m'" in r.stderr
+
+
+def _sigterm_with_both_in_flight(s, stream, plain, streaming):
+    """Start a streamed and a plain request, SIGTERM the server once both hold a slot; the threads."""
+    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    assert streaming.wait(30)
+    busy = ("ggml_hybrid_busy_slots", (("model", "slow"),))
+    end = time.monotonic() + 30
+    while scrape(s.url)[busy] < 2:  # both requests hold a slot
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    s.proc.send_signal(signal.SIGTERM)
+    return threads
