@@ -42,6 +42,7 @@ from ggml_hybrid.options import SessionOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _alternate import alternate  # noqa: E402
 from bench_expert_cache import model_path  # noqa: E402
 
 BIG = dict(n_layer=1, n_embd=2048, n_ff=768, n_expert=32, n_used=8, expert_type="q4_K")
@@ -187,26 +188,12 @@ def shares(threads: int, steps: int, warmup: int, bus_gbps: float, plot: bool) -
             ["disk_experts=1", "expert_cache_slots=8", f"moe_cpu_share={s}", f"n_threads={threads}"]),
             simulated_bus_bytes_per_s=bus_gbps * 1e9) for s in share_values}
         ref = MoEStackSession(path, SessionOptions.parse([f"n_threads={threads}"]))
-        rng = np.random.default_rng(7 + n_tokens)
-        times = {s: [] for s in sessions}
-        base = {}
-        for i in range(warmup + steps):
-            x = rng.standard_normal((n_tokens, 256)).astype(np.float32)
-            want = ref.forward(x)
-            if i == warmup:
-                base = {s: ss.counters.total for s, ss in sessions.items()}
-            order = list(sessions.items()) if i % 2 == 0 else list(sessions.items())[::-1]
-            for s, ss in order:
-                t0 = time.perf_counter()
-                got = ss.forward(x)
-                if i >= warmup:
-                    times[s].append(time.perf_counter() - t0)
-                assert np.array_equal(got, want), f"share {s} differs from the default path"
-        t0ms = statistics.median(times["0"]) * 1e3 / n_layer
+        med, base = alternate(sessions, ref, n_tokens, 256, steps, warmup, seed=7 + n_tokens)
+        t0ms = med["0"] * 1e3 / n_layer
         for s, ss in sessions.items():
             tot, b = ss.counters.total, base[s]
             calls = tot.calls - b.calls
-            ms = statistics.median(times[s]) * 1e3 / n_layer
+            ms = med[s] * 1e3 / n_layer
             applied = (tot.share_sum - b.share_sum) / max(1, tot.share_calls - b.share_calls)
             overlap = (tot.overlap_ns - b.overlap_ns) / max(1, tot.cpu_ns - b.cpu_ns) * 100
             print(f"{n_tokens:>6} {s:>6} {ms:>9.3f} {ms / t0ms:>6.2f} {applied:>8.2f} "

@@ -18,9 +18,7 @@
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -31,6 +29,7 @@ from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _alternate import alternate
 from bench_expert_cache import SHAPE, model_path
 from bench_rpc import start_server
 
@@ -48,25 +47,8 @@ def _delta(s: MoEStackSession, base) -> dict[str, float]:
 
 def _run(sessions: dict[str, MoEStackSession], ref: MoEStackSession | None, n_tokens: int, steps: int, warmup: int,
          seed: int) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    rng = np.random.default_rng(seed)
-    times: dict[str, list[float]] = {k: [] for k in sessions}
-    base = {}
-    for i in range(warmup + steps):
-        x = rng.standard_normal((n_tokens, SHAPE["n_embd"])).astype(np.float32)
-        want = ref.forward(x) if ref is not None else None
-        if i == warmup:
-            base = {k: s.counters.total for k, s in sessions.items()}
-        order = list(sessions.items()) if i % 2 == 0 else list(sessions.items())[::-1]
-        for k, s in order:
-            t0 = time.perf_counter()
-            got = s.forward(x)
-            if i >= warmup:
-                times[k].append(time.perf_counter() - t0)
-            if want is None:
-                want = got
-            assert np.array_equal(got, want), f"{k} differs"
-    return ({k: statistics.median(v) for k, v in times.items()},
-            {k: _delta(s, base[k]) for k, s in sessions.items() if k != "resident"})
+    med, base = alternate(sessions, ref, n_tokens, SHAPE["n_embd"], steps, warmup, seed)
+    return med, {k: _delta(s, base[k]) for k, s in sessions.items() if k != "resident"}
 
 
 def orchestration(steps: int, warmup: int) -> None:
@@ -107,12 +89,13 @@ def loads(steps: int, warmup: int) -> None:
               f"{'MB/s':>7}")
         for n_tokens in (1, 64):
             backends = {k: rpc.open_device(dev) for k in ("queued", "copy")}
-            items = ["disk_experts=1", "expert_cache_slots=8", "n_threads=1"]
+            # repack off on every side: the RPC server's slots hold plain weights, and parity needs the same kernels
+            items = ["disk_experts=1", "expert_cache_slots=8", "n_threads=1", "repack=false"]
             sessions = {k: MoEStackSession(path, SessionOptions.parse(items), device=b) for k, b in backends.items()}
             for ex in sessions["copy"].executors:
                 ex.use_plain_loads()
             assert {ex.load_mode for ex in sessions["queued"].executors} == {"queued"}
-            ref = MoEStackSession(path, SessionOptions.parse(["n_threads=1"]))
+            ref = MoEStackSession(path, SessionOptions.parse(["n_threads=1", "repack=false"]))
             med, d = _run(sessions, ref, n_tokens, steps, warmup, seed=5 + n_tokens)
             for k in sessions:
                 row = d[k]

@@ -38,6 +38,7 @@ from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _alternate import alternate
 from bench_expert_cache import SHAPE, model_path
 
 SHARES = ["0", "0.25", "0.5", "0.75", "1", "auto"]
@@ -69,26 +70,12 @@ def shares(endpoint: str, steps: int, warmup: int, executor: str) -> None:
           f"{'loads/call':>10} {'load ms/call':>12} {'MB/s loaded':>11}")
     for n_tokens in (1, 64):
         backends = {s: rpc.open_device(dev) for s in SHARES}
-        items = ["disk_experts=1", "expert_cache_slots=8", "n_threads=1", f"moe_executor={executor}"]
+        # repack off on every side: the RPC server's slots hold plain weights, and parity needs the same kernels
+        items = ["disk_experts=1", "expert_cache_slots=8", "n_threads=1", "repack=false", f"moe_executor={executor}"]
         sessions = {s: MoEStackSession(path, SessionOptions.parse([*items, f"moe_cpu_share={s}"]), device=backends[s])
                     for s in SHARES}
-        ref = MoEStackSession(path, SessionOptions.parse(["n_threads=1"]))
-        rng = np.random.default_rng(11 + n_tokens)
-        times: dict[str, list[float]] = {s: [] for s in SHARES}
-        base = {}
-        for i in range(warmup + steps):
-            x = rng.standard_normal((n_tokens, SHAPE["n_embd"])).astype(np.float32)
-            want = ref.forward(x)
-            if i == warmup:
-                base = {s: ss.counters.total for s, ss in sessions.items()}
-            order = list(sessions.items()) if i % 2 == 0 else list(sessions.items())[::-1]
-            for s, ss in order:
-                t0 = time.perf_counter()
-                got = ss.forward(x)
-                if i >= warmup:
-                    times[s].append(time.perf_counter() - t0)
-                assert np.array_equal(got, want), f"share {s} differs from the resident run"
-        med = {s: statistics.median(v) for s, v in times.items()}
+        ref = MoEStackSession(path, SessionOptions.parse(["n_threads=1", "repack=false"]))
+        med, base = alternate(sessions, ref, n_tokens, SHAPE["n_embd"], steps, warmup, seed=11 + n_tokens)
         best = min(v for s, v in med.items() if s != "auto")
         for s, ss in sessions.items():
             tot, b = ss.counters.total, base[s]
