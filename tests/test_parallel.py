@@ -270,8 +270,7 @@ def test_one_sequence_model_is_unchanged(models):
 
 def test_many_sequences_over_k_quant_disk_experts(tmp_path):
     """12 sequences, 4 experts: rows of one expert in a step would reach GGML's tiled threshold (8) in the expert
-    cache's own graphs, which are not rowwise; decode steps of such a model take at most 7 sequences. (Without
-    repacking: repacked dense weights cap a step at 3, test_repacked_dense_weights_keep_...)"""
+    cache's own graphs, which are not rowwise; decode steps of such a model take at most 7 sequences."""
     path = write_model(tmp_path / "k.gguf", arch="qwen3moe", weight_type="q4_K", n_expert=4, n_used=2, seed=3, **K_SPEC)
     opts = SessionOptions(n_threads=1, n_ctx=256, disk_experts=True, expert_cache_slots=2, moe_cpu_share=0.5,
                           repack=False)
@@ -307,15 +306,16 @@ def test_a_moved_sequence_goes_on_exactly_as_it_would_have(models, mode):
 
 
 @pytest.mark.parametrize("repack", [True, False])
-def test_repacked_dense_weights_keep_a_decode_step_below_their_gemm_rows(models, repack):
-    """GGML's repacked CPU products (not steered by the rowwise hint) take gemm from 4 rows, whose Q4_K bits differ
-    from a lone row's: with repacked dense weights a decode step holds at most 3 sequences (more run as several
-    steps); without repacking the rowwise products take the whole step. Either way every sequence is its lone run."""
+def test_repacked_dense_weights_take_whole_decode_steps(models, repack):
+    """GGML's repacked CPU products take gemm from 4 rows, whose Q4_K bits differ from a lone row's; patch 0005
+    makes them honour the rowwise hint (gemv per row), so a decode step of 8 sequences is one step with repacked
+    dense weights as without, and every sequence is its lone run."""
     path = models[("qwen3moe", "q4_K")]
     opts = SessionOptions(n_threads=1, n_ctx=256, repack=repack)
     with MoEModel(path, opts.merged(n_parallel=8)) as m:
         assert bool(m.repacked) == repack
-        assert m.decode_rows == (3 if repack else opts.ubatch_size)
+        assert m.repack_types == ({"CPU_REPACK"} if repack else set())
+        assert m.decode_rows == opts.ubatch_size
     rng = np.random.default_rng(3)
     seqs = [(rng.integers(0, 384, k).tolist(), rng.integers(0, 384, 3).tolist()) for k in (3, 5, 2, 7, 4, 6, 1, 8)]
     got = batched(path, opts, seqs, [0] * 8)

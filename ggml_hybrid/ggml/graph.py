@@ -55,8 +55,10 @@ def _tensor_upper_bound() -> int:
 # ggml_tiled_min_batch and its type list); rows of an unmarked product are bit-identical to one-row products only
 # below the threshold
 TILED_MIN_ROWS = 8
-# GGML's repacked CPU products (ggml-cpu/repack.cpp forward_mul_mat) take gemm from this many rows, gemv below
+# GGML's repacked CPU products (ggml-cpu/repack.cpp forward_mul_mat) take gemm from this many rows, gemv below;
+# those of this extra buffer type take gemv for every row of a rowwise product (patch 0005)
 REPACK_GEMM_MIN_ROWS = 4
+ROWWISE_REPACK_TYPE = "CPU_REPACK"
 TILED_TYPES = frozenset({GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q4_K, GGMLType.Q3_K, GGMLType.Q2_K, GGMLType.IQ4_XS,
                          GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
                          GGMLType.IQ1_S, GGMLType.IQ1_M})
@@ -156,8 +158,9 @@ class Graph:
     def set_rowwise(self) -> int:
         """Make every matrix product of the graph compute each row of its second operand as a product of
         that one row would: the CPU then never takes a kernel chosen by the number of rows (llamafile's
-        sgemm from 2 rows, the tiled K-quant kernels from 8), so a row's result does not depend on the
-        rows batched with it. ``GGML_HINT_ROWWISE`` of our patch series (0004); products with another
+        sgemm from 2 rows, the tiled K-quant kernels from 8, the repacked gemm from 4), so a row's result does
+        not depend on the rows batched with it. ``GGML_HINT_ROWWISE`` of our patch series (0004, and 0005 for
+        repacked weights); products with another
         hint (the Hadamard rotation) keep theirs. Returns how many products were marked."""
         n = 0
         for node in self.nodes:

@@ -41,9 +41,9 @@ from ..errors import (
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
-from ..ggml.graph import REPACK_GEMM_MIN_ROWS, TILED_MIN_ROWS, TILED_TYPES
+from ..ggml.graph import REPACK_GEMM_MIN_ROWS, ROWWISE_REPACK_TYPE, TILED_MIN_ROWS, TILED_TYPES
 from ..ggml.graph_cache import GraphCache
-from ..ggml.repack import repack_buffer_type
+from ..ggml.repack import buffer_type_name, repack_buffer_type
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
 from ..machine import default_threads
@@ -161,6 +161,7 @@ class MoEModel:
         self._serial = Serial("MoEModel")
         self.weight_ctxs: list[tuple[str, Context]] = []
         self.repacked: set[str] = set()  # tensors in a CPU extra buffer type (llama.cpp's repacked weights)
+        self.repack_types: set[str] = set()  # the names of those buffer types
         # one decoder graph per ubatch shape, the least recently used dropped first: ubatches of one sequence
         # (prompts of many lengths, in any slot) and decode steps of several (one set of slots each; the
         # engine keeps its sequences in the lowest slots, so about one graph per number of sequences)
@@ -244,15 +245,16 @@ class MoEModel:
         """Most sequences one decode ubatch takes: ``ubatch_size``, and fewer than GGML's tiled threshold when an
         expert cache computes experts of a tiled type: its graphs (and its CPU worker's) are not rowwise, so at
         the threshold rows of one expert would take another kernel than a lone sequence's one row. Likewise
-        fewer than GGML's repacked gemm threshold when dense weights are repacked: the repacked CPU products
-        (ggml-cpu/repack.cpp, not the path GGML_HINT_ROWWISE steers) take gemm from that many rows, whose bits
-        differ from a lone row's gemv (measured on Q4_K); their expert products are gemv per row already."""
+        fewer than GGML's repacked gemm threshold when dense weights are in an extra buffer type other than
+        ``CPU_REPACK`` (AMX, KleidiAI): those products take gemm from that many rows, whose bits differ from a
+        lone row's gemv, and no patch of ours steers them. ``CPU_REPACK`` products honour GGML_HINT_ROWWISE
+        (patch 0005: gemv for every row); their expert products are gemv per row already."""
         rows = self.options.ubatch_size
         tiled = any(ex is not None and w is not None and any(t.dtype in TILED_TYPES for t in w.kinds.values())
                     for ex, w in zip(self.experts.executors, self.experts.weights))
         if tiled:
             rows = min(rows, TILED_MIN_ROWS - 1)
-        if self.repacked:
+        if self.repack_types - {ROWWISE_REPACK_TYPE}:
             rows = min(rows, REPACK_GEMM_MIN_ROWS - 1)
         return rows
 
@@ -299,6 +301,7 @@ class MoEModel:
             buft = rule(name)
             if buft is not None:
                 self.repacked.add(name)
+                self.repack_types.add(buffer_type_name(buft))
             return buft
 
         return record
@@ -328,6 +331,7 @@ class MoEModel:
             if buft is not None:
                 ctx.allocate_group([t], buft, "weights", virtual=self.dry_run)
                 self.repacked.add("output.weight(tied)")
+                self.repack_types.add(buffer_type_name(buft))
             else:
                 ctx.allocate(backend, "weights", virtual=self.dry_run)
             if not self.dry_run:
