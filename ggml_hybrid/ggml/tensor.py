@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, SupportsInt, cast
 
 import numpy as np
@@ -308,6 +308,28 @@ class Tensor:
             raise BackendError(f"Tensor._set_trusted: tensor {self.name!r} is not in a backend buffer")
         self._ctx._mark_set(self)
         lib.ggml_backend_tensor_set(p, ffi.from_buffer(arr), 0, arr.nbytes)
+
+    def feeder(self, arr: np.ndarray) -> Callable[[], None]:
+        """For a graph input that the library rewrites in place before every compute: a function that sets
+        this tensor from ``arr``'s current contents, with nothing looked up again (the pointers are taken
+        now; the function keeps ``arr`` alive). As :meth:`_set_trusted`, the caller guarantees the values
+        and that the tensor is allocated when the function is called; the array's dtype and size are
+        checked here, once."""
+        if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or arr.dtype != self.dtype.numpy_dtype \
+                or arr.nbytes != self.nbytes:
+            raise ShapeError(f"Tensor.feeder: tensor {self.name!r} ({self.dtype.name} {self.shape}) needs a "
+                             f"C-contiguous array of its dtype and size, got {getattr(arr, 'dtype', type(arr))} "
+                             f"{getattr(arr, 'shape', '')}")
+        p, data, nbytes, ctx = self.ptr, ffi.from_buffer(arr), arr.nbytes, self._ctx
+
+        def feed() -> None:
+            if p.buffer == ffi.NULL:  # GGML would abort
+                self._require_data("Tensor.feeder")
+                raise BackendError(f"Tensor.feeder: tensor {self.name!r} is not in a backend buffer")
+            ctx._mark_set(self)
+            lib.ggml_backend_tensor_set(p, data, 0, nbytes)
+
+        return feed
 
     def numpy(self) -> np.ndarray:
         """A copy of the data as numpy (uint8 raw bytes for quantized types)."""

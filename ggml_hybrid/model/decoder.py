@@ -26,6 +26,7 @@ from .hparams import HParams
 from .kv_cache import KVCache, SeqRows, seq_input
 from .layers import Builder
 from .recurrent_state import RecurrentState
+from .step_feed import StepFeed
 
 # nodes and leafs per layer besides the weighted sum (two per expert used) and the family's own
 NODES_PER_LAYER = 96
@@ -44,6 +45,7 @@ class DecoderGraph:
     regions: list[MoERegion | None] = field(default_factory=list)  # per layer; None for a dense layer
     # (first tensor-struct offset in ctx's pool, kind, layer): which part of the model built a node
     segments: list[tuple[int, str, int]] = field(default_factory=list)
+    feed: StepFeed | None = None  # a decode step's inputs, written in place (MoEModel sets it)
 
     def owner(self, t: Tensor) -> tuple[str, int]:
         """("embd" | "layer" | "attn" | "output", layer) of a node of this graph."""

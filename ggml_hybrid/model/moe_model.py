@@ -58,6 +58,7 @@ from .hparams import HParams, read_hparams, tensor_shapes
 from .kv_cache import KVCache, SeqRows, rotation_sizes, seq_input
 from .recurrent_state import RecurrentState
 from .rope import positions
+from .step_feed import StepFeed
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
@@ -217,6 +218,7 @@ class MoEModel:
                                     load=not self.dry_run, moe_layers=hp.moe_layers, glu=hp.routing.glu)
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
         self.flash_attn = self._resolve_flash_attn(opts, hp)
+        self._mask_dtype = np.float16 if self.flash_attn else np.float32  # flash attention takes an F16 mask
         # latent attention has no Hadamard rotation (llama.cpp's K-only cache input has none)
         rot = (0, 0) if hp.mla is not None else rotation_sizes(opts.cache_type_k, opts.cache_type_v, hp.head_dim,
                                                                hp.head_dim_v)
@@ -419,6 +421,7 @@ class MoEModel:
                 # a decode step of several sequences: each row as the one-row product of its sequence alone
                 entry.graph.set_rowwise()
             self.sched.set_pins(entry.graph, self._pins(entry))
+            entry.feed = StepFeed.of(self.kv, self.rs, self.hp.rope, seq_rows, n_out, entry.inputs, self._mask_dtype)
             return entry
 
         entry = (self._graphs if len(seq_rows) == 1 else self._step_graphs).get(key, build)
@@ -477,6 +480,9 @@ class MoEModel:
         return pins
 
     def _check_tokens(self, tokens: npt.ArrayLike) -> np.ndarray:
+        if isinstance(tokens, list) and len(tokens) == 1 and type(tokens[0]) is int \
+                and 0 <= tokens[0] < self.hp.n_vocab:
+            return np.array(tokens, np.int32)  # a decode step's one token, as the checks below would pass it
         arr = np.asarray(tokens)
         if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
             raise ShapeError(f"eval: tokens must be a non-empty 1-D sequence of integers, got {arr.dtype} "
@@ -505,7 +511,26 @@ class MoEModel:
         seq_rows = tuple(SeqRows(seq, len(toks), kv.n_kv_for(len(toks), seq)) for seq, toks in parts)
         g = self._graph(seq_rows, n_out)
         self.sched.prepare(g.graph)
-        mask_dtype = np.float16 if self.flash_attn else np.float32
+        if g.feed is not None:
+            g.feed.write([toks[0] for _, toks in parts])
+        else:
+            # every input was built here from checked tokens and the cache's own positions
+            feed = self._inputs(parts, seq_rows, n_out, "out_ids" in g.inputs)
+            for name, t in g.inputs.items():
+                t._set_trusted(feed[name])
+        self.sched.compute(g.graph)
+        self.experts.flush_traces()
+        for seq, toks in parts:
+            kv.used[seq] += len(toks)
+            if self.rs is not None:
+                self.rs.advance(seq)
+        return g.logits.numpy().reshape(n_out, self.hp.n_vocab)
+
+    def _inputs(self, parts: list[tuple[int, np.ndarray]], seq_rows: tuple[SeqRows, ...], n_out: int,
+                out_ids: bool) -> dict[str, np.ndarray]:
+        """The inputs of any ubatch, built anew (prompts); decode steps write theirs in place (:class:`StepFeed`)."""
+        kv = self.kv
+        mask_dtype = self._mask_dtype
         feed: dict[str, np.ndarray] = {}
         pos = []
         for i, seg in enumerate(seq_rows):
@@ -522,18 +547,9 @@ class MoEModel:
             for i, (seq, _) in enumerate(parts):
                 feed.update({seq_input(name, i): arr for name, arr in self.rs.inputs(seq).items()})
         n = len(feed["tokens"])
-        if "out_ids" in g.inputs:
+        if out_ids:
             feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)
-        # every input was built here from checked tokens and the cache's own positions
-        for name, t in g.inputs.items():
-            t._set_trusted(feed[name])
-        self.sched.compute(g.graph)
-        self.experts.flush_traces()
-        for seq, toks in parts:
-            kv.used[seq] += len(toks)
-            if self.rs is not None:
-                self.rs.advance(seq)
-        return g.logits.numpy().reshape(n_out, self.hp.n_vocab)
+        return feed
 
     def _check_open(self, op: str) -> None:
         if self.dry_run:
@@ -577,6 +593,8 @@ class MoEModel:
                 for u0 in range(0, min(bs, n_tokens - b0), ub)]
 
     def _eval(self, arr: np.ndarray, logits: str, seq: int) -> np.ndarray:
+        if len(arr) <= min(self.options.batch_size, self.options.ubatch_size):  # one ubatch: a decode step
+            return self._ubatch([(seq, arr)], len(arr) if logits == "all" else 1)
         out = []
         start = 0
         for end in self.ubatch_ends(len(arr)):

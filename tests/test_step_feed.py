@@ -1,0 +1,108 @@
+"""A decode step's inputs written in place (StepFeed) are the inputs the general path builds, byte for byte.
+
+The oracle is ``MoEModel._inputs`` (KVCache.inputs, the recurrent states' rows, M-RoPE positions, output
+ids), built anew for the same step; and end to end, logits of a decode with the feeds equal those of the
+same decode with every feed taken away.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ggml_hybrid.model.kv_cache import SeqRows
+from ggml_hybrid.model.moe_model import MoEModel
+from ggml_hybrid.model.step_feed import StepFeed
+from ggml_hybrid.model.synthetic import write_model
+from ggml_hybrid.options import SessionOptions
+
+# (arch, options): plain attention, flash attention (F16 masks), sliding windows, latent attention, recurrent
+# states with M-RoPE sections
+CASES = {
+    "qwen3moe": ("qwen3moe", {}),
+    "qwen3moe_fa": ("qwen3moe", {"flash_attn": True}),
+    "gpt-oss": ("gpt-oss", {}),
+    "deepseek2": ("deepseek2", {}),
+    "qwen35moe": ("qwen35moe", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("feed")
+    return {arch: write_model(d / f"{arch}.gguf", arch=arch, seed=3) for arch in {a for a, _ in CASES.values()}}
+
+
+def _opts(extra, **kw):
+    return SessionOptions(n_threads=1, n_ctx=512, **extra, **kw)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_feed_arrays_equal_the_general_inputs(paths, case, data):
+    arch, extra = CASES[case]
+    with MoEModel(paths[arch], _opts(extra, n_parallel=3)) as m:
+        lens = data.draw(st.lists(st.integers(1, 300), min_size=3, max_size=3), label="prompt lengths")
+        for seq, n in enumerate(lens):
+            m.eval(list(range(1, n + 1)), seq=seq)
+        seqs = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True).map(sorted), label="step")
+        tokens = data.draw(st.lists(st.integers(0, m.hp.n_vocab - 1), min_size=len(seqs), max_size=len(seqs)))
+        seq_rows = tuple(SeqRows(s, 1, m.kv.n_kv_for(1, s)) for s in seqs)
+        entry = m._graph(seq_rows, len(seqs))
+        assert entry.feed is not None, f"{case}: a decode step of {seqs} keeps the general path"
+        m.sched.prepare(entry.graph)
+        if m.rs is not None:
+            for s in seqs:
+                m.rs.begin(s)
+        entry.feed.write(tokens)
+        parts = [(s, np.array([t], np.int32)) for s, t in zip(seqs, tokens)]
+        want = m._inputs(parts, seq_rows, len(seqs), "out_ids" in entry.inputs)
+        assert set(entry.feed.arrays) == set(entry.inputs)
+        for name in entry.inputs:
+            got, exp = entry.feed.arrays[name], want[name]
+            assert got.dtype == exp.dtype and got.shape == exp.shape, name
+            assert got.tobytes() == exp.tobytes(), f"{case}: input {name} differs"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_decoding_through_the_feeds_is_bit_identical_to_the_general_path(paths, case, monkeypatch):
+    arch, extra = CASES[case]
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 300, 9).tolist()
+
+    def run() -> list[bytes]:
+        with MoEModel(paths[arch], _opts(extra)) as m:
+            rows = [m.eval(prompt)[-1]]
+            for _ in range(6):
+                rows.append(m.eval([int(np.argmax(rows[-1]))])[-1])
+            return [r.tobytes() for r in rows]
+
+    fed = run()
+    monkeypatch.setattr(StepFeed, "of", classmethod(lambda cls, *a: None))
+    assert run() == fed
+
+
+def test_prompts_keep_the_general_path(paths):
+    arch, extra = CASES["qwen3moe"]
+    with MoEModel(paths[arch], _opts(extra)) as m:
+        m.eval([1, 2, 3])
+        assert m._graph((SeqRows(0, 3, 256),), 1).feed is None  # three tokens: not a decode step
+        assert m._graph((SeqRows(0, 1, 256),), 1).feed is not None
+
+
+def test_feeder_refuses_an_array_of_another_dtype_or_size_and_an_unallocated_tensor(paths):
+    from ggml_hybrid.errors import BackendError, ShapeError
+
+    with MoEModel(paths["qwen3moe"], _opts({})) as m:
+        t = m._graph((SeqRows(0, 1, 256),), 1).inputs["tokens"]
+        with pytest.raises(ShapeError, match="tokens"):
+            t.feeder(np.zeros(1, np.int64))
+        with pytest.raises(ShapeError, match="tokens"):
+            t.feeder(np.zeros(2, np.int32))
+        # a step graph of another shape, never allocated: refused, not an abort inside GGML
+        g = m._graph((SeqRows(0, 1, 512),), 1)
+        with pytest.raises(BackendError, match="no memory|not in a backend buffer"):
+            g.inputs["tokens"].feeder(np.zeros(1, np.int32))()
