@@ -106,3 +106,25 @@ def test_feeder_refuses_an_array_of_another_dtype_or_size_and_an_unallocated_ten
         g = m._graph((SeqRows(0, 1, 512),), 1)
         with pytest.raises(BackendError, match="no memory|not in a backend buffer"):
             g.inputs["tokens"].feeder(np.zeros(1, np.int32))()
+
+
+def test_logits_reader_reads_what_numpy_reads_and_refuses_what_it_cannot(paths):
+    from ggml_hybrid.errors import ShapeError
+
+    with MoEModel(paths["qwen3moe"], _opts({})) as m:
+        m.eval([1, 2, 3])
+        entry = m._graph((SeqRows(0, 1, 256),), 1)
+        m.eval([4])
+        got = entry.read_logits()
+        assert got.dtype == np.float32 and got.shape == entry.logits.shape
+        assert got.tobytes() == entry.logits.numpy().tobytes()
+        assert got is not entry.read_logits()  # a fresh copy every call
+    import ggml_hybrid as gh
+
+    cpu = gh.cpu(1)
+    with gh.Context() as ctx:
+        w = ctx.new_tensor("q8_0", (4, 32), "w")
+        ctx.allocate(cpu)
+        with pytest.raises(ShapeError, match="quantized"):
+            w.reader()
+    cpu.close()

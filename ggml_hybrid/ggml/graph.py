@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .._native import CData, ffi, lib
 from .._native.status import check_status
@@ -78,6 +78,7 @@ class Graph:
         self._p = lib.ggml_new_graph_custom(ctx.ptr, size, False)
         self._checked_for: set[int] = set()  # backends whose support was verified, by sched pointer
         self._inputs: tuple[int, list[Tensor]] | None = None
+        self._input_marks: tuple[int, list[tuple[set[int], int, str]]] | None = None
         self.version = 0  # bumped by expand(), so a scheduler knows to split again
         self._alloc_token = 0  # bumped whenever a scheduler (re)allocates this graph
 
@@ -121,6 +122,17 @@ class Graph:
             flag = lib.GGML_TENSOR_FLAG_INPUT
             self._inputs = (self.version, [t for t in self.leafs if t.ptr.flags & flag])
         return self._inputs[1]
+
+    @property
+    def input_marks(self) -> list[tuple[set[int], int, str]]:
+        """For each input: the set of its context's freshly set inputs, its key there, its name (the
+        scheduler's check that every input was set since the last compute, without a lookup per input)."""
+        if self._input_marks is None or self._input_marks[0] != self.version:
+            # graph inputs belong to a Context
+            marks = [(cast("Context", t.context)._fresh, int(ffi.cast("uintptr_t", t.ptr)), t.name or "<unnamed>")
+                     for t in self.inputs]
+            self._input_marks = (self.version, marks)
+        return self._input_marks[1]
 
     def contains(self, t: Tensor) -> bool:
         return bool(lib.ggml_hybrid_graph_contains(self.ptr, t.ptr))

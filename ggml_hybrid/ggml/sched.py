@@ -137,16 +137,13 @@ class Scheduler(Managed):
     def _check_inputs_set(self, graph: Graph) -> None:
         # GGML reuses the memory of graph inputs once their last consumer ran, so an input
         # holds garbage after a compute; stale expert or row ids would crash a kernel
-        stale = []
-        for t in graph.inputs:
-            key = int(ffi.cast("uintptr_t", t.ptr))
-            if key not in cast("Context", t.context)._fresh:  # graph inputs belong to a Context
-                stale.append(t.name or "<unnamed>")
+        marks = graph.input_marks
+        stale = [name for fresh, key, name in marks if key not in fresh]
         if stale:
             raise BackendError(f"graph inputs {stale} were not set since the last compute (or alloc); a compute "
                                "consumes its inputs, so set every input before each compute")
-        for t in graph.inputs:
-            cast("Context", t.context)._fresh.discard(int(ffi.cast("uintptr_t", t.ptr)))
+        for fresh, key, _ in marks:
+            fresh.discard(key)
 
     def _forget_allocation(self, graph: Graph) -> None:
         # tensors a scheduler allocated point into its compute buffers, which may be freed

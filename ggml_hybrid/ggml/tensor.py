@@ -331,6 +331,26 @@ class Tensor:
 
         return feed
 
+    def reader(self) -> Callable[[], np.ndarray]:
+        """For a contiguous, readable result of plain type that the library reads after every compute (the
+        logits): a function that returns a copy as :meth:`numpy` does, with the dtype, shape and size taken
+        now. Each call still refuses a tensor without memory and a lost RPC server's zeros."""
+        dt = self.dtype
+        if dt.is_quantized or not self.is_contiguous:
+            raise ShapeError(f"Tensor.reader: tensor {self.name!r} is quantized or not contiguous; use numpy()")
+        p, shape, np_dtype, nbytes = self.ptr, self.shape, dt.numpy_dtype, self.nbytes
+
+        def read() -> np.ndarray:
+            buf = _buffer_of(p)
+            if buf == ffi.NULL:
+                return self.numpy()  # says why, or reads host data the way numpy() does
+            out = np.empty(shape, np_dtype)
+            lib.ggml_backend_tensor_get(p, ffi.from_buffer(out), 0, nbytes)
+            check_buffer(buf)  # from a lost RPC server the data reads as zeros
+            return out
+
+        return read
+
     def numpy(self) -> np.ndarray:
         """A copy of the data as numpy (uint8 raw bytes for quantized types)."""
         self._require_data("Tensor.numpy")

@@ -16,7 +16,10 @@ own KV slot with the very ops (and shapes) a one-sequence graph of its tokens ha
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..ggml.context import Arena, Context
 from ..ggml.graph import Graph
@@ -46,6 +49,7 @@ class DecoderGraph:
     # (first tensor-struct offset in ctx's pool, kind, layer): which part of the model built a node
     segments: list[tuple[int, str, int]] = field(default_factory=list)
     feed: StepFeed | None = None  # a decode step's inputs, written in place (MoEModel sets it)
+    read_logits: Callable[[], np.ndarray] | None = None  # Tensor.reader of the logits (MoEModel sets it)
 
     def owner(self, t: Tensor) -> tuple[str, int]:
         """("embd" | "layer" | "attn" | "output", layer) of a node of this graph."""

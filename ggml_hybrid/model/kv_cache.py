@@ -31,7 +31,7 @@ only its slot, through the same views a one-sequence graph uses.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,9 +45,10 @@ from ..ggml.tensor import Tensor
 KV_PAD = 256
 
 
-@dataclass(frozen=True)
-class SeqRows:
-    """The tokens of one sequence in an ubatch: its KV slot, how many, and the cells its attention sees."""
+class SeqRows(NamedTuple):
+    """The tokens of one sequence in an ubatch: its KV slot, how many, and the cells its attention sees.
+
+    A named tuple: graph keys are made of these every ubatch, and a tuple hashes and compares in C."""
 
     seq: int
     n_tokens: int

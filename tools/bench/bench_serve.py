@@ -12,6 +12,7 @@ is dropped; medians over rounds are printed, with the ratio of each level's aggr
 
     python tools/bench/bench_serve.py [--model small|large|PATH] [--rounds 4] [--n 32] [--threads 1]
     python tools/bench/bench_serve.py --part steps   # MoEModel.decode of S sequences per step, no server
+    python tools/bench/bench_serve.py --part steps --configs resident,plain,disk --llama-python /opt/llref/bin/python
 
 ``small``: 4 layers, embd 256, 16 experts top-4, Q8_0 (per-step overhead is a visible part of a
 token); ``large``: the llama.cpp benchmark's model (8 layers, embd 1024, 64 experts top-8, Q8_0, 857
@@ -111,46 +112,91 @@ class Server:
         self.proc.wait(120)
 
 
+class LlamaSteps:
+    """llama.cpp's decode of S sequences per step (``_llama_steps_worker.py``, under --llama-python)."""
+
+    def __init__(self, python: str, path: str, threads: int, n_seq: int, n_ctx: int, prompt: int) -> None:
+        worker = Path(__file__).with_name("_llama_steps_worker.py")
+        self.p = subprocess.Popen([python, str(worker), path, str(threads), str(n_seq), str(n_ctx), str(prompt)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if not json.loads(self.p.stdout.readline()).get("ready"):
+            raise SystemExit("llama.cpp worker failed to start")
+        self.seed = 0
+
+    def run(self, level: int, n: int) -> float:
+        self.seed += 1
+        self.p.stdin.write(json.dumps({"level": level, "n": n, "seed": self.seed}) + "\n")
+        self.p.stdin.flush()
+        return float(json.loads(self.p.stdout.readline())["tok_s"])
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait()
+
+
 def steps(path: str, vocab: int, levels: list[int], configs: list[str], slots: int, threads: int, rounds: int,
-          n: int) -> None:
+          n: int, llama_python: str | None) -> None:
     """The engine's floor without HTTP: ``MoEModel.decode`` of S sequences per step, in this process.
 
     Every config's model is open at once; per round, each (config, S) decodes ``n`` steps of S sequences
-    (their prompts evaluated first, cells truncated back after), configs and levels alternating as above."""
+    (their prompts evaluated first, cells truncated back after), configs and levels alternating as above.
+    ``plain`` is ``resident`` with the row-wise products switched off (what bit-identity to a lone run costs:
+    its rows are not each sequence's lone bits); with --llama-python, ``llama.cpp`` is the same decode steps
+    in llama.cpp (one llama_batch of S sequences per step)."""
+    from ggml_hybrid.ggml.graph import Graph
     from ggml_hybrid.model.moe_model import MoEModel
     from ggml_hybrid.options import SessionOptions
 
-    extra = {"resident": {}, "disk": {"disk_experts": True, "expert_cache_slots": slots}}
+    extra = {"resident": {}, "plain": {}, "disk": {"disk_experts": True, "expert_cache_slots": slots}}
     rng = np.random.default_rng(1)
     top = max(levels)
     prompts = [rng.integers(0, vocab, 16).tolist() for _ in range(top)]
-    models = {c: MoEModel(path, SessionOptions(n_threads=threads, n_ctx=256, n_parallel=top, **extra[c]))
-              for c in configs}
+    rowwise = Graph.set_rowwise
+    models: dict[str, MoEModel] = {}
+    llama = LlamaSteps(llama_python, path, threads, top, 256, 16) if llama_python else None
+    names = configs + (["llama.cpp"] if llama else [])
     out: dict[tuple[str, int], list[float]] = {}
     try:
-        for m in models.values():
+        for c in configs:
+            # graphs take their products' hint when built: build every step graph of ``plain`` now, unmarked
+            Graph.set_rowwise = (lambda self: 0) if c == "plain" else rowwise  # type: ignore[method-assign]
+            m = models[c] = MoEModel(path, SessionOptions(n_threads=threads, n_ctx=256, n_parallel=top, **extra[c]))
             for s, p in enumerate(prompts):
                 m.eval(p, seq=s)
+            for lvl in levels:
+                m.decode([(s, 1) for s in range(lvl)])
+                for s in range(lvl):
+                    m.truncate(16, seq=s)
+        Graph.set_rowwise = rowwise  # type: ignore[method-assign]
         for rnd in range(rounds + 1):
-            for c in (configs if rnd % 2 == 0 else configs[::-1]):
-                m = models[c]
+            for c in (names if rnd % 2 == 0 else names[::-1]):
                 for lvl in (levels if rnd % 2 == 0 else levels[::-1]):
-                    batches = [[(s, int(t)) for s, t in enumerate(rng.integers(0, vocab, lvl))] for _ in range(n)]
-                    t0 = time.perf_counter()
-                    for batch in batches:
-                        m.decode(batch)
-                    dt = time.perf_counter() - t0
-                    for s in range(lvl):
-                        m.truncate(16, seq=s)
+                    if c == "llama.cpp":
+                        assert llama is not None
+                        rate = llama.run(lvl, n)
+                    else:
+                        m = models[c]
+                        batches = [[(s, int(t)) for s, t in enumerate(rng.integers(0, vocab, lvl))]
+                                   for _ in range(n)]
+                        t0 = time.perf_counter()
+                        for batch in batches:
+                            m.decode(batch)
+                        rate = lvl * n / (time.perf_counter() - t0)
+                        for s in range(lvl):
+                            m.truncate(16, seq=s)
                     if rnd:
-                        out.setdefault((c, lvl), []).append(lvl * n / dt)
+                        out.setdefault((c, lvl), []).append(rate)
     finally:
+        Graph.set_rowwise = rowwise  # type: ignore[method-assign]
         for m in models.values():
             m.close()
-    print(f"\nMoEModel.decode, {n} steps per measure, threads {threads}, rounds {rounds}")
+        if llama is not None:
+            llama.close()
+    print(f"\nMoEModel.decode, {n} steps per measure, threads {threads}, rounds {rounds}, load average "
+          f"{os.getloadavg()[0]:.1f}")
     print("| config | sequences per step | tok/s | vs 1 |")
     print("| --- | --- | --- | --- |")
-    for c in configs:
+    for c in names:
         one = statistics.median(out[(c, levels[0])])
         for lvl in levels:
             v = statistics.median(out[(c, lvl)])
@@ -168,11 +214,12 @@ def steps(path: str, vocab: int, levels: list[int], configs: list[str], slots: i
 @click.option("--configs", default="resident,disk", show_default=True)
 @click.option("--part", type=click.Choice(["server", "steps"]), default="server", show_default=True,
               help="steps: MoEModel.decode in this process (no HTTP, no engine), the floor the server works on.")
-def main(model, rounds, n, prompt_len, threads, slots, levels, configs, part) -> None:
+@click.option("--llama-python", help="steps: a Python with llama-cpp-python==0.3.36, to run llama.cpp's steps too")
+def main(model, rounds, n, prompt_len, threads, slots, levels, configs, part, llama_python) -> None:
     path, vocab = model_path(model)
     levels_ = [int(x) for x in levels.split(",")]
     if part == "steps":
-        steps(path, vocab, levels_, configs.split(","), slots, threads, rounds, n)
+        steps(path, vocab, levels_, configs.split(","), slots, threads, rounds, n, llama_python)
         return
     n_ctx = max(256, -(-(prompt_len + n) // 256) * 256)
     base = ["-np", str(max(levels_)), "-t", str(threads), "-c", str(n_ctx)]
