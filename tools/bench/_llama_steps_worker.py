@@ -18,8 +18,14 @@ import llama_cpp as L
 import numpy as np
 
 
+@L.llama_log_callback
+def _quiet(level, text, user_data) -> None:
+    """llama.cpp's load log would bury the benchmark's table (the worker's stderr is the benchmark's)."""
+
+
 def main() -> int:
     path, threads, n_seq, n_ctx_seq, prompt = sys.argv[1], *map(int, sys.argv[2:6])
+    L.llama_log_set(_quiet, None)
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = 0
     model = L.llama_model_load_from_file(path.encode(), mp)

@@ -5,8 +5,9 @@
 
 Runs under a Python with llama-cpp-python==0.3.36 (it does not import ggml_hybrid).
 Request (one JSON line): {"tokens": [...], "n": N}. Reply: {"prompt_s", "decode_s", "prompt_cpu", "decode_cpu",
-"tokens"}: the prompt is evaluated in one call, then N-1 greedy tokens one eval each, as the ggml-hybrid side
-does; wall seconds and this process's CPU seconds of each.
+"tokens", "decode_c"}: the prompt is evaluated in one call, then N-1 greedy tokens one eval each, as the
+ggml-hybrid side does; wall seconds and this process's CPU seconds of each, and the wall seconds of the decode
+spent inside ``llama_decode`` (the rest is llama-cpp-python's own per-step Python).
 
 ``--cpu-moe`` is llama.cpp's ``-cmoe``: the routed experts' tensors overridden to the CPU buffer type
 (``LLM_FFN_EXPS_REGEX``), which llama.cpp resolves over the CPU's extra buffer types first (so they are
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import llama_cpp
+import llama_cpp._internals
 import numpy as np
 from llama_cpp import Llama
 
@@ -72,6 +74,18 @@ def main() -> int:
         return p
 
     llama_cpp.llama_cpp.llama_model_default_params = with_settings
+    inside = [0.0]  # seconds in llama_decode since the last reset
+    binding = llama_cpp._internals.llama_cpp  # the name llama-cpp-python's context calls llama_decode through
+    real_decode = binding.llama_decode
+
+    def timed_decode(ctx, batch):
+        t = time.perf_counter()
+        try:
+            return real_decode(ctx, batch)
+        finally:
+            inside[0] += time.perf_counter() - t
+
+    binding.llama_decode = timed_decode
     llm = Llama(ns.model, n_ctx=ns.n_ctx, n_batch=512, n_ubatch=512, n_threads=ns.threads,
                 n_threads_batch=ns.threads_batch or ns.threads, logits_all=False, flash_attn=False, verbose=False,
                 n_gpu_layers=0)
@@ -82,13 +96,14 @@ def main() -> int:
         t0, c0 = time.perf_counter(), time.process_time()
         llm.eval(req["tokens"])
         t1, c1 = time.perf_counter(), time.process_time()
+        inside[0] = 0.0
         out = [int(np.argmax(last_logits(llm)))]
         for _ in range(req["n"] - 1):
             llm.eval([out[-1]])
             out.append(int(np.argmax(last_logits(llm))))
         t2, c2 = time.perf_counter(), time.process_time()
         print(json.dumps({"prompt_s": t1 - t0, "decode_s": t2 - t1, "prompt_cpu": c1 - c0, "decode_cpu": c2 - c1,
-                          "tokens": out}), flush=True)
+                          "tokens": out, "decode_c": inside[0]}), flush=True)
     return 0
 
 

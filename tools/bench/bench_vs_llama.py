@@ -35,6 +35,7 @@ from types import SimpleNamespace
 import click
 import numpy as np
 
+from ggml_hybrid.ggml import sched as _sched
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import SessionOptions
@@ -76,11 +77,33 @@ class LlamaWorker:
         self.p.stdin.write(json.dumps({"tokens": [int(t) for t in tokens], "n": n}) + "\n")
         self.p.stdin.flush()
         r = json.loads(self.p.stdout.readline())
-        return r["prompt_s"], r["decode_s"], r["tokens"], r["prompt_cpu"], r["decode_cpu"]
+        return r["prompt_s"], r["decode_s"], r["tokens"], r["prompt_cpu"], r["decode_cpu"], r["decode_c"]
 
     def close(self):
         self.p.stdin.close()
         self.p.wait()
+
+
+class _TimedLib:
+    """The scheduler module's view of the native library, timing its graph computes (this side's counterpart of
+    the worker's time inside ``llama_decode``): what a step spends outside them is ggml-hybrid's own Python."""
+
+    def __init__(self, real) -> None:
+        self._real, self.inside = real, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def ggml_backend_sched_graph_compute(self, sched, graph):
+        t = time.perf_counter()
+        try:
+            return self._real.ggml_backend_sched_graph_compute(sched, graph)
+        finally:
+            self.inside += time.perf_counter() - t
+
+
+_timed = _TimedLib(_sched.lib)
+_sched.lib = _timed  # type: ignore[assignment]
 
 
 def run_ours(model: MoEModel, tokens, n):
@@ -89,10 +112,11 @@ def run_ours(model: MoEModel, tokens, n):
     t0, c0 = time.perf_counter(), time.process_time()
     out = [int(np.argmax(model.eval(tokens)[-1]))]
     t1, c1 = time.perf_counter(), time.process_time()
+    _timed.inside = 0.0
     for _ in range(n - 1):
         out.append(int(np.argmax(model.eval([out[-1]])[-1])))
     t2, c2 = time.perf_counter(), time.process_time()
-    return t1 - t0, t2 - t1, out, c1 - c0, c2 - c1
+    return t1 - t0, t2 - t1, out, c1 - c0, c2 - c1, _timed.inside
 
 
 def compare(ns: SimpleNamespace, wtype: str, config: str) -> dict:
@@ -128,10 +152,15 @@ def compare(ns: SimpleNamespace, wtype: str, config: str) -> dict:
     for name, r in rows.items():
         print(f"{name:<12}{r[0]:>14.1f}{r[1]:>14.2f}{r[2]:>14.1f}{r[3]:>14.2f}")
     ratio = [x / y for x, y in zip(a, b)]
+    # a decode step: the compute (GGML's, or llama_decode with llama.cpp's graph set-up) and the Python around it
+    step = {k: (statistics.median(r[5] / (ns.n - 1) for r in res[k]) * 1e3,
+                statistics.median((r[1] - r[5]) / (ns.n - 1) for r in res[k]) * 1e3) for k in "AB"}
     print(f"{'ratio':<12}{ratio[0]:>14.3f}{ratio[1]:>14.3f}{ratio[2]:>14.3f}{ratio[3]:>14.3f}   "
           "(ggml-hybrid / llama.cpp, medians)")
+    print(f"per decode step, ms: ggml-hybrid {step['A'][0]:.3f} in GGML's compute + {step['A'][1]:.3f} around it; "
+          f"llama.cpp {step['B'][0]:.3f} in llama_decode + {step['B'][1]:.3f} around it")
     print(f"same greedy tokens: {same}", flush=True)
-    return {"type": wtype, "config": config, "ours": a, "llama": b, "ratio": ratio, "same": same}
+    return {"type": wtype, "config": config, "ours": a, "llama": b, "ratio": ratio, "same": same, "step": step}
 
 
 @click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
