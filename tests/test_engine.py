@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ggml_hybrid.errors import ArgumentError, ClosedError, ContextFullError
-from ggml_hybrid.model.engine import Engine, Request, StopText
+from ggml_hybrid.model.engine import Engine, Request, StepRate, StopText
 from ggml_hybrid.model.generate import complete
 from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.sampling import Sampler
@@ -186,3 +186,21 @@ def test_finished_requests_leave_the_others_packed_in_the_lowest_slots(path):
         assert [r.tokens for r in reqs] == one
         assert stats.moves >= 1
         assert all(m.position(s) == 0 for s in range(4))
+
+
+@given(st.lists(st.tuples(st.integers(0, 3 * 10**9), st.integers(1, 10**8), st.integers(1, 8)), max_size=60),
+       st.lists(st.integers(0, 4 * 10**9), min_size=1, max_size=8))
+def test_step_rate_is_the_rate_of_the_steps_in_its_window(gaps, reads):
+    """The running sums give exactly what a fresh sum over the window's steps gives, read at any times."""
+    rate = StepRate(window=1.0)
+    steps, now, reads = [], 0, sorted(reads)
+    for gap, dur, n in gaps:
+        now += gap
+        while reads and reads[0] <= now:
+            t = reads.pop(0)
+            kept = [(d, k) for e, d, k in steps if e >= t - 10**9]
+            busy = sum(d for d, _ in kept)
+            assert rate.rate(t) == (sum(k for _, k in kept) / (busy / 1e9) if busy else 0.0)
+            steps = [(e, d, k) for e, d, k in steps if e >= t - 10**9]
+        rate.add(now, dur, n)
+        steps.append((now, dur, n))

@@ -130,6 +130,10 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
         wake = asyncio.Event()
 
         def listener() -> None:
+            # a stream wakes for every piece; a plain answer only once its requests are done (a wake-up per
+            # token would cost the event loop, which shares the interpreter with the engine, every step)
+            if not g.stream and not all(r.done.is_set() for r in reqs):
+                return
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
                 loop.call_soon_threadsafe(wake.set)
 
