@@ -6,8 +6,9 @@ checked ``set`` per tensor) cost about 5% of it, right after a compute has pushe
 working set out of the caches: most of ggml-hybrid's decode gap to llama.cpp (docs/benchmarks.md, section
 8). A :class:`StepFeed` belongs to one cached decode graph: it holds one array per input of that graph,
 rewrites only the values that move from step to step (the token, the position, one mask row, the V
-cache's write indices), and hands each array to its tensor with one ``ggml_backend_tensor_set`` (``Tensor.feeder``). The
-values are those ``KVCache.inputs`` gives for the same step, bit for bit (tests/test_step_feed.py).
+cache's write indices), and hands each array to its tensor with one ``ggml_backend_tensor_set``
+(``Tensor.feeder``). The values are those ``KVCache.inputs`` gives for the same step, bit for bit
+(tests/test_step_feed.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class StepFeed:
                 a[seq_input("rs_read", i)] = np.zeros(1, np.int32)
                 a[seq_input("rs_write", i)] = np.zeros(1, np.int32)
         self.arrays = a
+        # per sequence of the step: its slot and the rows of its own inputs (None where the model has none)
+        self._rows = [(seq, a[seq_input("k_idxs", i)], a[seq_input("mask", i)][0],
+                       a[seq_input("mask_swa", i)][0] if kv.n_swa else None, a.get(seq_input("v_idxs", i)),
+                       a.get(seq_input("rs_read", i)), a.get(seq_input("rs_write", i)))
+                      for i, seq in enumerate(self.seqs)]
         # a family whose graph takes inputs of its own keeps the general path
         self.complete = set(a) == set(inputs)
         if not self.complete:
@@ -67,24 +73,21 @@ class StepFeed:
 
     def write(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Fill the arrays for the step that appends ``tokens[i]`` to the i-th sequence, and set every input."""
-        a, kv = self.arrays, self.kv
-        a["tokens"][:] = tokens
-        pos = a["pos"]
-        for i, seq in enumerate(self.seqs):
+        kv, n_swa = self.kv, self.kv.n_swa
+        self.arrays["tokens"][:] = tokens
+        pos = self.arrays["pos"]
+        for i, (seq, k_idx, mask, swa, v_idx, rs_read, rs_write) in enumerate(self._rows):
             p = kv.used[seq]
-            pos[i] = p
-            a[f"k_idxs.{i}"][0] = p
-            mask = a[f"mask.{i}"][0]
+            pos[i] = k_idx[0] = p
             mask[:p + 1] = 0
             mask[p + 1:] = -np.inf
-            if kv.n_swa:
-                swa = a[f"mask_swa.{i}"][0]
+            if swa is not None:
                 swa[:] = -np.inf
-                swa[max(p - kv.n_swa + 1, 0):p + 1] = 0
-            if self._v_cols is not None:
-                np.add(self._v_cols, p, out=a[f"v_idxs.{i}"])
-            if self.rs is not None:
-                a[f"rs_read.{i}"][0], a[f"rs_write.{i}"][0] = self.rs.rows(seq)
+                swa[max(p - n_swa + 1, 0):p + 1] = 0
+            if v_idx is not None and self._v_cols is not None:
+                np.add(self._v_cols, p, out=v_idx)
+            if self.rs is not None and rs_read is not None and rs_write is not None:
+                rs_read[0], rs_write[0] = self.rs.rows(seq)
         if self.sections:
             n = len(self.seqs)
             pos[n:3 * n] = np.tile(pos[:n], 2)
