@@ -303,11 +303,16 @@ class Tensor:
         index range, and that the tensor is allocated in a backend buffer.
         """
         p = self.ptr
-        if p.buffer == ffi.NULL:  # GGML would abort
-            self._require_data("Tensor._set_trusted")
-            raise BackendError(f"Tensor._set_trusted: tensor {self.name!r} is not in a backend buffer")
+        self._require_buffer(p, "Tensor._set_trusted")
         self._ctx._mark_set(self)
         lib.ggml_backend_tensor_set(p, ffi.from_buffer(arr), 0, arr.nbytes)
+
+    def _require_buffer(self, p: CData, what: str) -> None:
+        """The graph input ``p`` (this tensor) is in a backend buffer, where ``ggml_backend_tensor_set`` would
+        abort on any other."""
+        if p.buffer == ffi.NULL:
+            self._require_data(what)
+            raise BackendError(f"{what}: tensor {self.name!r} is not in a backend buffer")
 
     def feeder(self, arr: np.ndarray) -> Callable[[], None]:
         """For a graph input that the library rewrites in place before every compute: a function that sets
@@ -323,9 +328,7 @@ class Tensor:
         p, data, nbytes, ctx = self.ptr, ffi.from_buffer(arr), arr.nbytes, self._ctx
 
         def feed() -> None:
-            if p.buffer == ffi.NULL:  # GGML would abort
-                self._require_data("Tensor.feeder")
-                raise BackendError(f"Tensor.feeder: tensor {self.name!r} is not in a backend buffer")
+            self._require_buffer(p, "Tensor.feeder")
             ctx._mark_set(self)
             lib.ggml_backend_tensor_set(p, data, 0, nbytes)
 
@@ -334,7 +337,8 @@ class Tensor:
     def reader(self) -> Callable[[], np.ndarray]:
         """For a contiguous, readable result of plain type that the library reads after every compute (the
         logits): a function that returns a copy as :meth:`numpy` does, with the dtype, shape and size taken
-        now. Each call still refuses a tensor without memory and a lost RPC server's zeros."""
+        now. Each call still refuses a tensor without memory and a lost RPC server's zeros, and leaves anything
+        unusual (host memory of a data-owning context, a buffer that cannot be read back) to :meth:`numpy`."""
         dt = self.dtype
         if dt.is_quantized or not self.is_contiguous:
             raise ShapeError(f"Tensor.reader: tensor {self.name!r} is quantized or not contiguous; use numpy()")
@@ -342,8 +346,8 @@ class Tensor:
 
         def read() -> np.ndarray:
             buf = _buffer_of(p)
-            if buf == ffi.NULL:
-                return self.numpy()  # says why, or reads host data the way numpy() does
+            if buf == ffi.NULL or not lib.ggml_hybrid_buffer_readable(buf):
+                return self.numpy()  # says why, or reads the data the way numpy() does
             out = np.empty(shape, np_dtype)
             lib.ggml_backend_tensor_get(p, ffi.from_buffer(out), 0, nbytes)
             check_buffer(buf)  # from a lost RPC server the data reads as zeros

@@ -49,7 +49,7 @@ class DecoderGraph:
     # (first tensor-struct offset in ctx's pool, kind, layer): which part of the model built a node
     segments: list[tuple[int, str, int]] = field(default_factory=list)
     feed: StepFeed | None = None  # a decode step's inputs, written in place (MoEModel sets it)
-    read_logits: Callable[[], np.ndarray] | None = None  # Tensor.reader of the logits (MoEModel sets it)
+    read_logits: Callable[[], np.ndarray] = field(init=False)  # a copy of the logits after a compute
 
     def owner(self, t: Tensor) -> tuple[str, int]:
         """("embd" | "layer" | "attn" | "output", layer) of a node of this graph."""
@@ -59,6 +59,7 @@ class DecoderGraph:
 
     def __post_init__(self):
         self._starts = [start for start, _, _ in self.segments]
+        self.read_logits = self.logits.reader()
 
     def close(self) -> None:
         self.ctx.close()

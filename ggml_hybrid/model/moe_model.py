@@ -422,7 +422,6 @@ class MoEModel:
                 entry.graph.set_rowwise()
             self.sched.set_pins(entry.graph, self._pins(entry))
             entry.feed = StepFeed.of(self.kv, self.rs, self.hp.rope, seq_rows, n_out, entry.inputs, self._mask_dtype)
-            entry.read_logits = entry.logits.reader()
             return entry
 
         entry = (self._graphs if len(seq_rows) == 1 else self._step_graphs).get(key, build)
@@ -525,7 +524,7 @@ class MoEModel:
             kv.used[seq] += len(toks)
             if self.rs is not None:
                 self.rs.advance(seq)
-        return (g.read_logits or g.logits.numpy)().reshape(n_out, self.hp.n_vocab)
+        return g.read_logits().reshape(n_out, self.hp.n_vocab)
 
     def _inputs(self, parts: list[tuple[int, np.ndarray]], seq_rows: tuple[SeqRows, ...], n_out: int,
                 out_ids: bool) -> dict[str, np.ndarray]:

@@ -30,7 +30,6 @@ class StepFeed:
                  inputs: dict[str, Tensor], mask_dtype: type) -> None:
         n = len(seq_rows)
         self.kv, self.rs = kv, rs
-        self.seqs = [s.seq for s in seq_rows]
         self.sections = bool(rope.sections)  # M-RoPE: four position rows (p, p, p, 0)
         a: dict[str, np.ndarray] = {"tokens": np.zeros(n, np.int32),
                                     "pos": np.zeros(4 * n if self.sections else n, np.int32)}
@@ -55,7 +54,7 @@ class StepFeed:
         self._rows = [(seq, a[seq_input("k_idxs", i)], a[seq_input("mask", i)][0],
                        a[seq_input("mask_swa", i)][0] if kv.n_swa else None, a.get(seq_input("v_idxs", i)),
                        a.get(seq_input("rs_read", i)), a.get(seq_input("rs_write", i)))
-                      for i, seq in enumerate(self.seqs)]
+                      for i, seq in enumerate(s.seq for s in seq_rows)]
         # a family whose graph takes inputs of its own keeps the general path
         self.complete = set(a) == set(inputs)
         if not self.complete:
@@ -89,7 +88,7 @@ class StepFeed:
             if self.rs is not None and rs_read is not None and rs_write is not None:
                 rs_read[0], rs_write[0] = self.rs.rows(seq)
         if self.sections:
-            n = len(self.seqs)
+            n = len(self._rows)
             pos[n:3 * n] = np.tile(pos[:n], 2)
         for feed in self._feeders:
             feed()

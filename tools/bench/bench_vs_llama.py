@@ -102,8 +102,7 @@ class _TimedLib:
             self.inside += time.perf_counter() - t
 
 
-_timed = _TimedLib(_sched.lib)
-_sched.lib = _timed  # type: ignore[assignment]
+_timed = _TimedLib(_sched.lib)  # installed by _main only: importing this module (bench_threads) changes nothing
 
 
 def run_ours(model: MoEModel, tokens, n):
@@ -181,6 +180,7 @@ def main(**options) -> None:
 
 
 def _main(ns: SimpleNamespace) -> int:
+    _sched.lib = _timed  # type: ignore[assignment]
     results = [compare(ns, t, c) for t in ns.types or ["Q8_0"] for c in ns.configs or CONFIGS]
     print(f"\n{os.cpu_count()} cores, {ns.threads} thread(s), {ns.rounds} x ABBA; ratios ggml-hybrid / llama.cpp "
           "of the median tok/s, from wall time (CPU time)")
