@@ -9,8 +9,6 @@ evaluating its own model) would deadlock on a plain lock, so it is refused with 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from .errors import BackendError
 
@@ -21,18 +19,33 @@ class Serial:
         self._lock = threading.Lock()
         self._owner: int | None = None
 
-    @contextmanager
-    def turn(self, op: str) -> Iterator[None]:
+    def turn(self, op: str) -> _Turn:
+        """``with serial.turn("eval"): ...``: the body runs alone among this session's calls."""
+        return _Turn(self, op)
+
+
+class _Turn:
+    """One call's turn (a plain context manager: a decode step takes one, and a generator-based one costs
+    that step several microseconds more, run cold after each compute)."""
+
+    __slots__ = ("_serial", "_op")
+
+    def __init__(self, serial: Serial, op: str) -> None:
+        self._serial, self._op = serial, op
+
+    def __enter__(self) -> None:
+        s = self._serial
         me = threading.get_ident()
-        if self._owner == me:
-            raise BackendError(f"{self._what}.{op}: called from inside its own {op} (a region executor or eval "
-                               "callback using the session it runs in)")
-        with self._lock:
-            self._owner = me
-            try:
-                yield
-            finally:
-                self._owner = None
+        if s._owner == me:
+            raise BackendError(f"{s._what}.{self._op}: called from inside its own {self._op} (a region executor "
+                               "or eval callback using the session it runs in)")
+        s._lock.acquire()
+        s._owner = me
+
+    def __exit__(self, *exc: object) -> None:
+        s = self._serial
+        s._owner = None
+        s._lock.release()
 
 
 __all__ = ["Serial"]

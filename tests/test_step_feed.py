@@ -57,14 +57,23 @@ def test_feed_arrays_equal_the_general_inputs(paths, case, data):
         if m.rs is not None:
             for s in seqs:
                 m.rs.begin(s)
-        entry.feed.write(tokens)
-        parts = [(s, np.array([t], np.int32)) for s, t in zip(seqs, tokens)]
-        want = m._inputs(parts, seq_rows, len(seqs), "out_ids" in entry.inputs)
-        assert set(entry.feed.arrays) == set(entry.inputs)
-        for name in entry.inputs:
-            got, exp = entry.feed.arrays[name], want[name]
-            assert got.dtype == exp.dtype and got.shape == exp.shape, name
-            assert got.tobytes() == exp.tobytes(), f"{case}: input {name} differs"
+        # then further steps on the same graph: the next position (the masks updated cell by cell), the same
+        # one again (a failed step), or a jump (a truncation, a moved sequence)
+        moves = data.draw(st.lists(st.sampled_from(["next", "same", "jump"]), max_size=6), label="moves")
+        for move in ["first", *moves]:
+            for s, rows in zip(seqs, seq_rows):
+                if move == "next":
+                    m.kv.used[s] = min(m.kv.used[s] + 1, rows.n_kv - 1)
+                elif move == "jump":
+                    m.kv.used[s] = data.draw(st.integers(1, rows.n_kv - 1), label="position")
+            entry.feed.write(tokens)
+            parts = [(s, np.array([t], np.int32)) for s, t in zip(seqs, tokens)]
+            want = m._inputs(parts, seq_rows, len(seqs), "out_ids" in entry.inputs)
+            assert set(entry.feed.arrays) == set(entry.inputs)
+            for name in entry.inputs:
+                got, exp = entry.feed.arrays[name], want[name]
+                assert got.dtype == exp.dtype and got.shape == exp.shape, name
+                assert got.tobytes() == exp.tobytes(), f"{case}: input {name} differs after {move}"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -93,19 +102,73 @@ def test_prompts_keep_the_general_path(paths):
         assert m._graph((SeqRows(0, 1, 256),), 1).feed is not None
 
 
-def test_feeder_refuses_an_array_of_another_dtype_or_size_and_an_unallocated_tensor(paths):
-    from ggml_hybrid.errors import BackendError, ShapeError
+def test_step_io_refuses_an_array_of_another_dtype_or_size(paths):
+    from ggml_hybrid.errors import ShapeError
+    from ggml_hybrid.ggml.step_io import StepIO
 
     with MoEModel(paths["qwen3moe"], _opts({})) as m:
-        t = m._graph((SeqRows(0, 1, 256),), 1).inputs["tokens"]
-        with pytest.raises(ShapeError, match="tokens"):
-            t.feeder(np.zeros(1, np.int64))
-        with pytest.raises(ShapeError, match="tokens"):
-            t.feeder(np.zeros(2, np.int32))
-        # a step graph of another shape, never allocated: refused, not an abort inside GGML
-        g = m._graph((SeqRows(0, 1, 512),), 1)
-        with pytest.raises(BackendError, match="no memory|not in a backend buffer"):
-            g.inputs["tokens"].feeder(np.zeros(1, np.int32))()
+        g = m._graph((SeqRows(0, 1, 256),), 1)
+        t = g.inputs["tokens"]
+        with pytest.raises(ShapeError, match="tokens'.*int64"):
+            StepIO([(t, np.zeros(1, np.int64))], g.logits)
+        with pytest.raises(ShapeError, match="tokens'"):
+            StepIO([(t, np.zeros(2, np.int32))], g.logits)
+        name, arr = next((k, a) for k, a in g.feed.arrays.items() if a.size > 1)
+        strided = np.zeros(2 * arr.size, arr.dtype)[::2].reshape(arr.shape)  # its size, not contiguous
+        with pytest.raises(ShapeError, match="C-contiguous"):
+            StepIO([(g.inputs[name], strided)], g.logits)
+        w = next(iter(m.weights.values()))
+        if w.dtype.is_quantized:
+            with pytest.raises(ShapeError, match="quantized"):
+                StepIO([(t, np.zeros(1, np.int32))], w)
+
+
+def test_step_refuses_a_tensor_without_memory_before_computing(paths):
+    """A StepIO with a tensor outside the graph's allocation: a clear error, nothing set, no abort in GGML."""
+    import ggml_hybrid as gh
+    from ggml_hybrid.errors import BackendError
+    from ggml_hybrid.ggml.step_io import StepIO
+
+    with MoEModel(paths["qwen3moe"], _opts({})) as m:
+        m.eval([1, 2, 3])
+        m.eval([4])
+        g = m._graph((SeqRows(0, 1, 256),), 1)
+        with gh.Context() as ctx:
+            loose = ctx.new_tensor("i32", (1,), "loose")  # in no buffer
+            io = StepIO([(loose, np.zeros(1, np.int32))], g.logits)
+            with pytest.raises(BackendError, match="step, input: tensor 'loose' has no memory"):
+                m.sched.step(g.graph, io)
+            io = StepIO([(g.inputs["tokens"], np.zeros(1, np.int32))], loose)
+            with pytest.raises(BackendError, match="step, output: tensor 'loose' has no memory"):
+                m.sched.step(g.graph, io)
+        # the model goes on as if nothing happened
+        assert np.isfinite(m.eval([5])).all()
+
+
+def test_step_sets_every_input_computes_and_returns_a_fresh_copy_of_the_output(paths):
+    """Scheduler.step against the same graph computed the general way (set, compute, numpy)."""
+    with MoEModel(paths["qwen3moe"], _opts({})) as m:
+        m.eval([1, 2, 3])
+        m.eval([4])  # the decode graph cached and allocated
+        g = m._graph((SeqRows(0, 1, 256),), 1)
+        assert g.feed is not None
+        g.feed.write([7])
+        first = m.sched.step(g.graph, g.feed.io)
+        assert first.dtype == np.float32 and first.shape == g.logits.shape
+        again = m.sched.step(g.graph, g.feed.io)  # the same inputs: the same logits, in a new array
+        assert again is not first and again.tobytes() == first.tobytes()
+        for name, t in g.inputs.items():
+            t._set_trusted(g.feed.arrays[name])
+        m.sched.compute(g.graph)
+        assert g.logits.numpy().tobytes() == first.tobytes()
+        # a step consumes the inputs as a compute does: a compute without setting them again is refused
+        from ggml_hybrid.errors import BackendError
+
+        for name, t in g.inputs.items():
+            t._set_trusted(g.feed.arrays[name])
+        m.sched.step(g.graph, g.feed.io)
+        with pytest.raises(BackendError, match="not set since the last compute"):
+            m.sched.compute(g.graph)
 
 
 def test_logits_reader_reads_what_numpy_reads_and_refuses_what_it_cannot(paths):
@@ -128,3 +191,20 @@ def test_logits_reader_reads_what_numpy_reads_and_refuses_what_it_cannot(paths):
         with pytest.raises(ShapeError, match="quantized"):
             w.reader()
     cpu.close()
+
+
+def test_feed_refuses_a_position_outside_its_graph_and_writes_nothing_past_the_arrays(paths):
+    from ggml_hybrid.errors import IndexRangeError
+
+    with MoEModel(paths["qwen3moe"], _opts({})) as m:
+        m.eval([1, 2, 3])
+        g = m._graph((SeqRows(0, 1, 256),), 1)
+        before = {k: a.copy() for k, a in g.feed.arrays.items()}
+        for p in (256, 10_000, -1):
+            m.kv.used[0] = p
+            with pytest.raises(IndexRangeError, match=f"sequence 0 is at position {p}, outside the 256 cells"):
+                g.feed.write([5])
+            assert all(a.tobytes() == before[k].tobytes() for k, a in g.feed.arrays.items())
+        m.kv.used[0] = 3
+        g.feed.write([5])
+        assert g.feed.arrays["tokens"][0] == 5 and g.feed.arrays["pos"][0] == 3

@@ -79,6 +79,8 @@ class Graph:
         self._checked_for: set[int] = set()  # backends whose support was verified, by sched pointer
         self._inputs: tuple[int, list[Tensor]] | None = None
         self._input_marks: tuple[int, list[tuple[set[int], int, str]]] | None = None
+        # per context of the inputs: its set of freshly set inputs, and this graph's keys there
+        self._consumed: tuple[int, list[tuple[set[int], set[int]]]] | None = None
         self.version = 0  # bumped by expand(), so a scheduler knows to split again
         self._alloc_token = 0  # bumped whenever a scheduler (re)allocates this graph
 
@@ -133,6 +135,17 @@ class Graph:
                      for t in self.inputs]
             self._input_marks = (self.version, marks)
         return self._input_marks[1]
+
+    def consume_inputs(self) -> None:
+        """Forget that the inputs were set (a compute consumed them): the next compute needs them set again."""
+        if self._consumed is None or self._consumed[0] != self.version:
+            by_set: dict[int, tuple[set[int], set[int]]] = {}
+            for fresh, key, _ in self.input_marks:
+                by_set.setdefault(id(fresh), (fresh, set()))[1].add(key)
+            self._consumed = (self.version, list(by_set.values()))
+        for fresh, keys in self._consumed[1]:
+            if fresh:
+                fresh -= keys
 
     def contains(self, t: Tensor) -> bool:
         return bool(lib.ggml_hybrid_graph_contains(self.ptr, t.ptr))

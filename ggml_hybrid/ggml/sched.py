@@ -6,6 +6,8 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+
 from .._native import CData, ffi, lib
 from .._native.callbacks import escaped, take_escaped
 from .._native.managed import Managed, check_closable, enter_compute, leave_compute
@@ -17,6 +19,7 @@ from .context import Context
 from .graph import Graph, live_pools
 from .regions import NativeExecutor, Region, RegionCall, raise_region_status
 from .rpc import raise_if_lost
+from .step_io import StepIO
 from .tensor import BorrowedScope, Tensor
 
 if TYPE_CHECKING:
@@ -61,6 +64,7 @@ class Scheduler(Managed):
         ptr = lib.ggml_backend_sched_new(arr, ffi.NULL, len(backends), graph_size, bool(parallel), bool(op_offload))
         super().__init__(ptr, lib.ggml_backend_sched_free)
         self._backends = backends  # kept alive for as long as the scheduler
+        self._remote = [b for b in backends if b.endpoint is not None]  # RPC devices, whose server may be lost
         self.graph_size = graph_size
         self._eval_fn: Callable[[Tensor, bool], object] | None = None
         self._eval_handle: CData = None
@@ -142,8 +146,7 @@ class Scheduler(Managed):
         if stale:
             raise BackendError(f"graph inputs {stale} were not set since the last compute (or alloc); a compute "
                                "consumes its inputs, so set every input before each compute")
-        for fresh, key, _ in marks:
-            fresh.discard(key)
+        graph.consume_inputs()
 
     def _forget_allocation(self, graph: Graph) -> None:
         # tensors a scheduler allocated point into its compute buffers, which may be freed
@@ -221,23 +224,53 @@ class Scheduler(Managed):
         if self._allocated != (graph, graph.version, graph._alloc_token):
             self.alloc(graph)
         self._check_inputs_set(graph)
+        self._run(graph, "Scheduler.compute", None, lib.ggml_backend_sched_graph_compute, self.ptr, graph.ptr)
+
+    def step(self, graph: Graph, io: StepIO) -> np.ndarray:
+        """:meth:`compute` for a graph whose every input ``io`` sets: the inputs set from ``io``'s arrays,
+        the graph computed and a copy of ``io``'s output returned, in one native call (a decode step).
+
+        A tensor without memory raises :class:`BackendError` before anything is set or computed.
+        """
+        if self._computing:
+            self._idle("step")
+        if self._allocated != (graph, graph.version, graph._alloc_token):
+            self.alloc(graph)
+        out = np.empty(io.out_shape, io.out_dtype)
+        io.c_out.data = buf = ffi.from_buffer(out)
+        try:
+            self._run(graph, "Scheduler.step", io.raise_refused, lib.ggml_hybrid_sched_step, self.ptr, graph.ptr,
+                      io.c_in, io.n_in, io.c_out, io.bad)
+        finally:
+            io.c_out.data = ffi.NULL  # ``out`` is the caller's now: no later call writes into it
+            del buf
+        graph.consume_inputs()  # the step consumed every input, set through it or before it
+        return out
+
+    def _run(self, graph: Graph, what: str, refused: Callable[[], None] | None, fn: Callable[..., int],
+             *args: Any) -> None:
+        """Call ``fn(*args)``, a native compute of ``graph``, as this scheduler's one compute in progress; raise
+        what its region executors or eval callback raised, then ``refused()``'s error, then its status."""
         take_escaped()  # a stray exception of an earlier call on this thread is not this compute's
         self._computing = graph
         enter_compute(self)
         try:
-            status = lib.ggml_backend_sched_graph_compute(self.ptr, graph.ptr)
+            status = fn(*args)
         finally:
             leave_compute(self)
             self._computing = None
         try:
             self._raise_pending()
             if status != lib.GGML_STATUS_SUCCESS:
+                if refused is not None:
+                    refused()
                 raise_region_status(self)
-                check_status(status, "Scheduler.compute")
+                check_status(status, what)
         except Exception as exc:
-            raise_if_lost(self._backends, exc)  # a lost RPC server is why it failed: say so
+            raise_if_lost(self._remote, exc)  # a lost RPC server is why it failed: say so
             raise
-        raise_if_lost(self._backends)  # lost after its last reply: the results never came
+        if self._remote:
+            raise_if_lost(self._remote)  # lost after its last reply: the results never came
 
     def reset(self) -> None:
         self._idle("reset")

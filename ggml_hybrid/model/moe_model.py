@@ -127,6 +127,7 @@ class MoEModel:
         instances standing in for the named devices, but read no tensor data; such a model
         must not be evaluated.
         """
+        self._closed = False
         if device is not None:
             check_type(device, "MoEModel: device", Backend)
         if progress is not None:
@@ -171,6 +172,7 @@ class MoEModel:
         self._step_graphs: GraphCache[DecoderGraph] = GraphCache(
             min(2 * opts.n_parallel, MAX_STEP_GRAPHS), context_size(hp, opts.n_parallel), self._forget_graph)
         self._active: GraphKey | None = None  # key of the graph whose regions are registered
+        self._active_entry: DecoderGraph | None = None  # and that graph
         try:
             self._load(opts, hp, n_threads, device, dry_run_devices, progress)
             rpc.raise_if_lost(self.devices.values())  # a server lost while loading: the weights are not there
@@ -421,20 +423,25 @@ class MoEModel:
                 # a decode step of several sequences: each row as the one-row product of its sequence alone
                 entry.graph.set_rowwise()
             self.sched.set_pins(entry.graph, self._pins(entry))
-            entry.feed = StepFeed.of(self.kv, self.rs, self.hp.rope, seq_rows, n_out, entry.inputs, self._mask_dtype)
+            entry.feed = StepFeed.of(self.kv, self.rs, self.hp.rope, seq_rows, n_out, entry.inputs, entry.logits,
+                                     self._mask_dtype)
             return entry
 
+        if key == self._active and self._active_entry is not None:
+            return self._active_entry  # the graph of the last call (a decode step's), most recently used already
         entry = (self._graphs if len(seq_rows) == 1 else self._step_graphs).get(key, build)
         if self._active != key:
             self.sched.clear_regions()
             self.experts.register(self.sched, entry.regions)
             self._active = key
+        self._active_entry = entry
         return entry
 
     def _forget_graph(self, key: Hashable, entry: DecoderGraph) -> None:
         if self._active == key:  # its regions are registered with the scheduler
             self.sched.clear_regions()
             self._active = None
+            self._active_entry = None
 
     def _pins(self, entry: DecoderGraph) -> list[tuple[Tensor, Backend]]:
         """Each node's backend: where its weight lives, else its layer's device (attention: its KV's)."""
@@ -507,24 +514,28 @@ class MoEModel:
     def _ubatch(self, parts: list[tuple[int, np.ndarray]], n_out: int) -> np.ndarray:
         """Compute one ubatch of ``(seq, tokens)`` parts (rows in that order); the last ``n_out`` rows' logits."""
         kv = self.kv
-        self._use_threads(sum(len(toks) for _, toks in parts) > 1)
-        seq_rows = tuple(SeqRows(seq, len(toks), kv.n_kv_for(len(toks), seq)) for seq, toks in parts)
+        batch = (len(parts[0][1]) if len(parts) == 1 else sum(len(toks) for _, toks in parts)) > 1
+        if self._threads[batch] != self._threads_now:
+            self._use_threads(batch)
+        seq_rows = tuple([SeqRows(seq, len(toks), kv.n_kv_for(len(toks), seq)) for seq, toks in parts])
         g = self._graph(seq_rows, n_out)
-        self.sched.prepare(g.graph)
         if g.feed is not None:
             g.feed.write([toks[0] for _, toks in parts])
+            logits = self.sched.step(g.graph, g.feed.io)
         else:
+            self.sched.prepare(g.graph)
             # every input was built here from checked tokens and the cache's own positions
             feed = self._inputs(parts, seq_rows, n_out, "out_ids" in g.inputs)
             for name, t in g.inputs.items():
                 t._set_trusted(feed[name])
-        self.sched.compute(g.graph)
+            self.sched.compute(g.graph)
+            logits = g.read_logits()
         self.experts.flush_traces()
         for seq, toks in parts:
             kv.used[seq] += len(toks)
             if self.rs is not None:
                 self.rs.advance(seq)
-        return g.read_logits().reshape(n_out, self.hp.n_vocab)
+        return logits.reshape(n_out, self.hp.n_vocab)
 
     def _inputs(self, parts: list[tuple[int, np.ndarray]], seq_rows: tuple[SeqRows, ...], n_out: int,
                 out_ids: bool) -> dict[str, np.ndarray]:
@@ -554,14 +565,17 @@ class MoEModel:
     def _check_open(self, op: str) -> None:
         if self.dry_run:
             raise ClosedError(f"{op}: this model was opened for planning (dry run) and holds no weights")
-        if getattr(self, "_closed", False):
+        if self._closed:
             raise ClosedError(f"{op}: the model is closed")
 
     def eval(self, tokens: npt.ArrayLike, logits: str = "last", seq: int = 0) -> np.ndarray:
         """Append ``tokens`` to sequence ``seq``; the logits of the last (``"last"``) or every (``"all"``) one."""
-        check_choice(logits, "eval: logits", ("last", "all"))
-        self._check_open("eval")
-        self._check_seq(seq, "eval")
+        if logits != "last":
+            check_choice(logits, "eval: logits", ("last", "all"))
+        if self.dry_run or self._closed:
+            self._check_open("eval")
+        if type(seq) is not int or not 0 <= seq < self.kv.n_seq:
+            self._check_seq(seq, "eval")
         arr = self._check_tokens(tokens)
         with self._serial.turn("eval"):
             self.kv.n_kv_for(len(arr), seq)  # the whole call fits, or nothing is evaluated

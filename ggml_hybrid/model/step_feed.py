@@ -1,14 +1,14 @@
 """The inputs of a decode step, written in place: one token for each sequence of the step.
 
-A decode step of a one-thread CPU run takes a few milliseconds, and the general path that builds an
-ubatch's inputs (``KVCache.inputs``: fresh masks, index ranges and dictionaries every step, then one
-checked ``set`` per tensor) cost about 5% of it, right after a compute has pushed the interpreter's
-working set out of the caches: most of ggml-hybrid's decode gap to llama.cpp (docs/benchmarks.md, section
-8). A :class:`StepFeed` belongs to one cached decode graph: it holds one array per input of that graph,
-rewrites only the values that move from step to step (the token, the position, one mask row, the V
-cache's write indices), and hands each array to its tensor with one ``ggml_backend_tensor_set``
-(``Tensor.feeder``). The values are those ``KVCache.inputs`` gives for the same step, bit for bit
-(tests/test_step_feed.py).
+A decode step of a one-thread CPU run takes a few milliseconds, and the general path that builds an ubatch's
+inputs (``KVCache.inputs``: fresh masks, index ranges and dictionaries every step, then one checked ``set``
+per tensor) cost about 5% of it, right after a compute has pushed the interpreter's working set out of the
+caches: most of ggml-hybrid's decode gap to llama.cpp (docs/benchmarks.md, section 8). A :class:`StepFeed`
+belongs to one cached decode graph: it holds one array per input of that graph and rewrites only the values
+that move from step to step (the token, the position, the mask cells that come into view or leave a sliding
+window, the V cache's write indices); the arrays and the logits are bound to their tensors once (a
+:class:`StepIO`), so that ``Scheduler.step`` sets every input, computes and reads the logits in one native
+call. The values are those ``KVCache.inputs`` gives for the same step, bit for bit (tests/test_step_feed.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .._native import ffi, lib
+from ..errors import DTypeError, IndexRangeError
+from ..ggml.step_io import StepIO
 from ..ggml.tensor import Tensor
 from .kv_cache import KVCache, SeqRows, hadamard, seq_input
 from .recurrent_state import RecurrentState
@@ -27,7 +30,7 @@ class StepFeed:
     """The inputs of one decode graph (``seq_rows``: one token per sequence, every row an output)."""
 
     def __init__(self, kv: KVCache, rs: RecurrentState | None, rope: Rope, seq_rows: tuple[SeqRows, ...],
-                 inputs: dict[str, Tensor], mask_dtype: type) -> None:
+                 inputs: dict[str, Tensor], logits: Tensor, mask_dtype: type) -> None:
         n = len(seq_rows)
         self.kv, self.rs = kv, rs
         self.sections = bool(rope.sections)  # M-RoPE: four position rows (p, p, p, 0)
@@ -38,60 +41,74 @@ class StepFeed:
         for name, size in (("k_rot", kv.rot_k), ("v_rot", kv.rot_v)):
             if size:
                 a[name] = hadamard(size)
-        self._v_cols = np.arange(kv.n_embd_v, dtype=np.int64) * kv.n_ctx if kv.v_trans and kv.n_embd_v else None
+        v_trans = bool(kv.v_trans and kv.n_embd_v)  # V written column by column: n_embd_v indices per token
         for i, seg in enumerate(seq_rows):
             a[seq_input("k_idxs", i)] = np.zeros(1, np.int64)
             a[seq_input("mask", i)] = np.zeros((1, seg.n_kv), mask_dtype)
             if kv.n_swa:
                 a[seq_input("mask_swa", i)] = np.zeros((1, seg.n_kv), mask_dtype)
-            if self._v_cols is not None:
+            if v_trans:
                 a[seq_input("v_idxs", i)] = np.zeros(kv.n_embd_v, np.int64)
             if rs is not None:
                 a[seq_input("rs_read", i)] = np.zeros(1, np.int32)
                 a[seq_input("rs_write", i)] = np.zeros(1, np.int32)
         self.arrays = a
-        # per sequence of the step: its slot and the rows of its own inputs (None where the model has none)
-        self._rows = [(seq, a[seq_input("k_idxs", i)], a[seq_input("mask", i)][0],
-                       a[seq_input("mask_swa", i)][0] if kv.n_swa else None, a.get(seq_input("v_idxs", i)),
-                       a.get(seq_input("rs_read", i)), a.get(seq_input("rs_write", i)))
-                      for i, seq in enumerate(s.seq for s in seq_rows)]
+        self.seqs = [s.seq for s in seq_rows]
+        # the native writer's view of the arrays (kept alive by self.arrays): it writes each step's values
+        if np.dtype(mask_dtype) not in (np.float32, np.float16):
+            raise DTypeError(f"StepFeed: masks are f32 or f16, got {np.dtype(mask_dtype)}")
+        c = self._c = ffi.new("struct ggml_hybrid_feed *")
+        self._c_rows = ffi.new("struct ggml_hybrid_feed_row[]", n)
+        c.n_rows, c.sections, c.mask_f16, c.n_swa = n, self.sections, np.dtype(mask_dtype) == np.float16, kv.n_swa
+        c.n_embd_v, c.n_ctx, c.rows = kv.n_embd_v, kv.n_ctx, self._c_rows
+        c.tokens, c.pos = ffi.from_buffer("int32_t[]", a["tokens"]), ffi.from_buffer("int32_t[]", a["pos"])
+        self._views = [c.tokens, c.pos]
+        for i, (row, seg) in enumerate(zip(self._c_rows, seq_rows)):
+            views = [ffi.from_buffer("int64_t[]", a[seq_input("k_idxs", i)]), ffi.from_buffer(a[seq_input("mask", i)])]
+            row.k_idx, row.mask = views
+            if kv.n_swa:
+                views.append(ffi.from_buffer(a[seq_input("mask_swa", i)]))
+                row.mask_swa = views[-1]
+            if v_trans:
+                views.append(ffi.from_buffer("int64_t[]", a[seq_input("v_idxs", i)]))
+                row.v_idx = views[-1]
+            row.n_kv, row.at = seg.n_kv, -2  # -2: never written, so the first write is whole
+            self._views += views
+        # the recurrent states' rows each sequence reads and writes (set by the interpreter: RecurrentState's)
+        self._rs_rows = [(a[seq_input("rs_read", i)], a[seq_input("rs_write", i)]) for i in range(n)] \
+            if rs is not None else []
+        self._c_tok = ffi.new("int32_t[]", n)
+        self._c_pos = ffi.new("int64_t[]", n)
         # a family whose graph takes inputs of its own keeps the general path
         self.complete = set(a) == set(inputs)
         if not self.complete:
             return
-        self._feeders = [inputs[k].feeder(v) for k, v in a.items()]
+        self.io = StepIO([(inputs[k], v) for k, v in a.items()], logits)
 
     @classmethod
     def of(cls, kv: KVCache, rs: RecurrentState | None, rope: Rope, seq_rows: tuple[SeqRows, ...], n_out: int,
-           inputs: dict[str, Tensor], mask_dtype: type) -> StepFeed | None:
+           inputs: dict[str, Tensor], logits: Tensor, mask_dtype: type) -> StepFeed | None:
         """The feed of a decode step's graph (one token per sequence, the logits of every row), else None."""
         if n_out != len(seq_rows) or any(s.n_tokens != 1 for s in seq_rows):
             return None
-        feed = cls(kv, rs, rope, seq_rows, inputs, mask_dtype)
+        feed = cls(kv, rs, rope, seq_rows, inputs, logits, mask_dtype)
         return feed if feed.complete else None
 
     def write(self, tokens: Sequence[int] | np.ndarray) -> None:
-        """Fill the arrays for the step that appends ``tokens[i]`` to the i-th sequence, and set every input."""
-        kv, n_swa = self.kv, self.kv.n_swa
-        self.arrays["tokens"][:] = tokens
-        pos = self.arrays["pos"]
-        for i, (seq, k_idx, mask, swa, v_idx, rs_read, rs_write) in enumerate(self._rows):
-            p = kv.used[seq]
-            pos[i] = k_idx[0] = p
-            mask[:p + 1] = 0
-            mask[p + 1:] = -np.inf
-            if swa is not None:
-                swa[:] = -np.inf
-                swa[max(p - n_swa + 1, 0):p + 1] = 0
-            if v_idx is not None and self._v_cols is not None:
-                np.add(self._v_cols, p, out=v_idx)
-            if self.rs is not None and rs_read is not None and rs_write is not None:
-                rs_read[0], rs_write[0] = self.rs.rows(seq)
-        if self.sections:
-            n = len(self._rows)
-            pos[n:3 * n] = np.tile(pos[:n], 2)
-        for feed in self._feeders:
-            feed()
+        """Fill the arrays for the step that appends ``tokens[i]`` to the i-th sequence (``Scheduler.step``
+        with :attr:`io` sets them)."""
+        c_tok, c_pos, used = self._c_tok, self._c_pos, self.kv.used
+        for i, seq in enumerate(self.seqs):
+            c_tok[i] = tokens[i]
+            c_pos[i] = used[seq]
+        bad = lib.ggml_hybrid_feed_write(self._c, c_tok, c_pos)
+        if bad:
+            seq = self.seqs[bad - 1]
+            raise IndexRangeError(f"StepFeed.write: sequence {seq} is at position {used[seq]}, outside the "
+                                  f"{self._c_rows[bad - 1].n_kv} cells of this step's graph")
+        if self.rs is not None:
+            for seq, (read, write) in zip(self.seqs, self._rs_rows):
+                read[0], write[0] = self.rs.rows(seq)
 
 
 __all__ = ["StepFeed"]

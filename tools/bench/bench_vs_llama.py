@@ -86,7 +86,8 @@ class LlamaWorker:
 
 class _TimedLib:
     """The scheduler module's view of the native library, timing its graph computes (this side's counterpart of
-    the worker's time inside ``llama_decode``): what a step spends outside them is ggml-hybrid's own Python."""
+    the worker's time inside ``llama_decode``; a decode step's native call also sets its inputs and reads the
+    logits, as ``llama_decode`` does): what a step spends outside them is ggml-hybrid's own Python."""
 
     def __init__(self, real) -> None:
         self._real, self.inside = real, 0.0
@@ -94,12 +95,18 @@ class _TimedLib:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def ggml_backend_sched_graph_compute(self, sched, graph):
+    def _timed(self, fn, *args):
         t = time.perf_counter()
         try:
-            return self._real.ggml_backend_sched_graph_compute(sched, graph)
+            return fn(*args)
         finally:
             self.inside += time.perf_counter() - t
+
+    def ggml_backend_sched_graph_compute(self, *args):
+        return self._timed(self._real.ggml_backend_sched_graph_compute, *args)
+
+    def ggml_hybrid_sched_step(self, *args):
+        return self._timed(self._real.ggml_hybrid_sched_step, *args)
 
 
 _timed = _TimedLib(_sched.lib)  # installed by _main only: importing this module (bench_threads) changes nothing
@@ -158,8 +165,24 @@ def compare(ns: SimpleNamespace, wtype: str, config: str) -> dict:
           "(ggml-hybrid / llama.cpp, medians)")
     print(f"per decode step, ms: ggml-hybrid {step['A'][0]:.3f} in GGML's compute + {step['A'][1]:.3f} around it; "
           f"llama.cpp {step['B'][0]:.3f} in llama_decode + {step['B'][1]:.3f} around it")
+    # each A,B,B,A block on its own: the machine's speed drifts over minutes, and within one block both sides
+    # meet about the same machine, so the blocks' ratios spread less than the sides' medians do
+    paired = [block_ratios(res, i, ns.n - 1 if i else ns.prompt) for i in (0, 1)]
+    print(f"{'per block':<12}" + "".join(f"{statistics.median(q):>14.3f}" for q in paired)
+          + "   (median of the blocks' ratios; range " + ", ".join(f"{min(q):.3f}-{max(q):.3f}" for q in paired) + ")")
     print(f"same greedy tokens: {same}", flush=True)
-    return {"type": wtype, "config": config, "ours": a, "llama": b, "ratio": ratio, "same": same, "step": step}
+    return {"type": wtype, "config": config, "ours": a, "llama": b, "ratio": ratio, "same": same, "step": step,
+            "paired": paired}
+
+
+def block_ratios(res: dict[str, list], i: int, n: int) -> list[float]:
+    """Per A,B,B,A block: ggml-hybrid's tok/s over llama.cpp's (field ``i`` of each run: seconds for n tokens)."""
+    out = []
+    for j in range(0, len(res["A"]), 2):
+        ours = sum(n / r[i] for r in res["A"][j:j + 2]) / 2
+        theirs = sum(n / r[i] for r in res["B"][j:j + 2]) / 2
+        out.append(ours / theirs)
+    return out
 
 
 @click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
@@ -185,12 +208,13 @@ def _main(ns: SimpleNamespace) -> int:
     print(f"\n{os.cpu_count()} cores, {ns.threads} thread(s), {ns.rounds} x ABBA; ratios ggml-hybrid / llama.cpp "
           "of the median tok/s, from wall time (CPU time)")
     print("| type | configuration | prompt tok/s (ours, llama.cpp) | decode tok/s (ours, llama.cpp) | prompt ratio "
-          "| decode ratio | same tokens |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| decode ratio | per block: prompt, decode (range) | same tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         q = r["ratio"]
+        blocks = ", ".join(f"{statistics.median(b):.3f} ({min(b):.3f}-{max(b):.3f})" for b in r["paired"])
         print(f"| {r['type']} | {r['config']} | {r['ours'][0]:.1f}, {r['llama'][0]:.1f} | {r['ours'][1]:.2f}, "
-              f"{r['llama'][1]:.2f} | {q[0]:.3f} ({q[2]:.3f}) | {q[1]:.3f} ({q[3]:.3f}) | {r['same']} |")
+              f"{r['llama'][1]:.2f} | {q[0]:.3f} ({q[2]:.3f}) | {q[1]:.3f} ({q[3]:.3f}) | {blocks} | {r['same']} |")
     return 0
 
 

@@ -42,3 +42,12 @@ void ggml_hybrid_log_quiet(void);
 // tensors can be read back (repacked ones cannot).
 ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void);
 bool ggml_hybrid_buffer_readable(ggml_backend_buffer_t buf);
+
+// One compute with every input set and one result read in the same call (a decode step).
+struct ggml_hybrid_io {
+    struct ggml_tensor * tensor;
+    void * data;
+    size_t size;
+};
+enum ggml_status ggml_hybrid_sched_step(ggml_backend_sched_t sched, struct ggml_cgraph * graph,
+        const struct ggml_hybrid_io * in, int n_in, const struct ggml_hybrid_io * out, int * bad);

@@ -270,3 +270,38 @@ ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void) {
 bool ggml_hybrid_buffer_readable(ggml_backend_buffer_t buf) {
     return buf != NULL && buf->iface.get_tensor != NULL;
 }
+
+/* Where a tensor's memory lives, by GGML's own rule (a view's is its source's). */
+static ggml_backend_buffer_t buffer_of(const struct ggml_tensor * t) {
+    return t->view_src != NULL ? t->view_src->buffer : t->buffer;
+}
+
+/* Whether ggml_backend_tensor_set/get would take io whole, rather than abort. */
+static bool io_fits(const struct ggml_hybrid_io * io, bool read) {
+    ggml_backend_buffer_t buf = buffer_of(io->tensor);
+    return buf != NULL && io->tensor->data != NULL && io->size == ggml_nbytes(io->tensor) &&
+           (!read || buf->iface.get_tensor != NULL);
+}
+
+enum ggml_status ggml_hybrid_sched_step(ggml_backend_sched_t sched, struct ggml_cgraph * graph,
+        const struct ggml_hybrid_io * in, int n_in, const struct ggml_hybrid_io * out, int * bad) {
+    *bad = 0;
+    for (int i = 0; i < n_in; i++) {
+        if (!io_fits(&in[i], false)) {
+            *bad = i + 1;
+            return GGML_STATUS_FAILED;
+        }
+    }
+    if (!io_fits(out, true)) {
+        *bad = n_in + 1;
+        return GGML_STATUS_FAILED;
+    }
+    for (int i = 0; i < n_in; i++) {
+        ggml_backend_tensor_set(in[i].tensor, in[i].data, 0, in[i].size);
+    }
+    enum ggml_status status = ggml_backend_sched_graph_compute(sched, graph);
+    if (status == GGML_STATUS_SUCCESS) {
+        ggml_backend_tensor_get(out->tensor, out->data, 0, out->size);
+    }
+    return status;
+}
