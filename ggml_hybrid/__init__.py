@@ -28,6 +28,7 @@ from .ggml.graph import Graph
 from .ggml.quant import dequantize, quantize
 from .ggml.regions import DECLINE, Region, RegionCall
 from .ggml.sched import Scheduler
+from .ggml.step_io import StepIO
 from .ggml.tensor import Tensor
 from .model.generate import GenerationStats, complete, generate
 from .model.moe_model import MoEModel
@@ -41,6 +42,6 @@ __version__ = "0.1.0"
 __all__ = [
     "DECLINE", "GGML_VERSION", "Backend", "Buffer", "Context", "Device", "GGMLType", "GenerationStats",
     "GgmlHybridError", "Graph", "MoEModel", "MoEStackSession", "Region", "RegionCall", "Sampler", "Scheduler",
-    "SessionOptions", "Tensor", "Tokenizer", "__version__", "as_ggml_type", "complete", "cpu", "cuda",
+    "SessionOptions", "StepIO", "Tensor", "Tokenizer", "__version__", "as_ggml_type", "complete", "cpu", "cuda",
     "cuda_available", "dequantize", "devices", "errors", "ffi", "generate", "lib", "live_objects", "quantize",
 ]

@@ -503,3 +503,33 @@ def test_an_executor_cannot_close_or_recompute_what_is_running(cpu):
     assert not cpu.closed and not net.wctx.closed
     net.wctx.close()
     net.ctx.close()
+
+
+@settings(max_examples=10)
+@given(**net_params)
+def test_a_step_computes_what_compute_does_and_raises_what_an_executor_raises(cpu, T, n, pre_ops, region_ops,
+                                                                             post_ops, seed):
+    """Scheduler.step (inputs, compute and the output in one native call) against set + compute + numpy, with a
+    region replaced: the same bits, and an executor's exception surfaces from the step as from a compute."""
+    xv, zv = _data(T, n, seed)
+    net = Net(cpu, T, n, pre_ops, region_ops, post_ops, seed)
+    with gh.Scheduler([cpu], graph_size=1024) as plain:
+        ref = net.run(plain, xv, zv)
+    fail = {"now": False}
+
+    def executor(call):
+        if fail["now"]:
+            raise ValueError("executor says no")
+        call.compute_own_nodes()
+
+    with gh.Scheduler([cpu], graph_size=1024) as s:
+        s.add_region(net.inputs, [net.y], executor)
+        x_in, z_in = np.empty_like(xv), np.empty_like(zv)
+        io = gh.StepIO([(net.x, x_in), (net.z, z_in)], net.out)
+        x_in[:], z_in[:] = xv, zv  # rewritten in place after binding, as a decode step does
+        np.testing.assert_array_equal(s.step(net.g, io), ref)
+        fail["now"] = True
+        with pytest.raises(ValueError, match="executor says no"):
+            s.step(net.g, io)
+        fail["now"] = False
+        np.testing.assert_array_equal(s.step(net.g, io), ref)

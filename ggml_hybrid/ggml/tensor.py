@@ -314,26 +314,6 @@ class Tensor:
             self._require_data(what)
             raise BackendError(f"{what}: tensor {self.name!r} is not in a backend buffer")
 
-    def feeder(self, arr: np.ndarray) -> Callable[[], None]:
-        """For a graph input that the library rewrites in place before every compute: a function that sets
-        this tensor from ``arr``'s current contents, with nothing looked up again (the pointers are taken
-        now; the function keeps ``arr`` alive). As :meth:`_set_trusted`, the caller guarantees the values
-        and that the tensor is allocated when the function is called; the array's dtype and size are
-        checked here, once."""
-        if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or arr.dtype != self.dtype.numpy_dtype \
-                or arr.nbytes != self.nbytes:
-            raise ShapeError(f"Tensor.feeder: tensor {self.name!r} ({self.dtype.name} {self.shape}) needs a "
-                             f"C-contiguous array of its dtype and size, got {getattr(arr, 'dtype', type(arr))} "
-                             f"{getattr(arr, 'shape', '')}")
-        p, data, nbytes, ctx = self.ptr, ffi.from_buffer(arr), arr.nbytes, self._ctx
-
-        def feed() -> None:
-            self._require_buffer(p, "Tensor.feeder")
-            ctx._mark_set(self)
-            lib.ggml_backend_tensor_set(p, data, 0, nbytes)
-
-        return feed
-
     def reader(self) -> Callable[[], np.ndarray]:
         """For a contiguous, readable result of plain type that the library reads after every compute (the
         logits): a function that returns a copy as :meth:`numpy` does, with the dtype, shape and size taken
