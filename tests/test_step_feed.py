@@ -141,6 +141,12 @@ def test_step_refuses_a_tensor_without_memory_before_computing(paths):
             io = StepIO([(g.inputs["tokens"], np.zeros(1, np.int32))], loose)
             with pytest.raises(BackendError, match="step, output: tensor 'loose' has no memory"):
                 m.sched.step(g.graph, io)
+            io = StepIO([(loose, np.zeros(1, np.int32))], g.logits)
+        # its context closed since: refused before any pointer of it is read
+        from ggml_hybrid.errors import ClosedError
+
+        with pytest.raises(ClosedError, match="StepIO belongs to a closed context"):
+            m.sched.step(g.graph, io)
         # the model goes on as if nothing happened
         assert np.isfinite(m.eval([5])).all()
 

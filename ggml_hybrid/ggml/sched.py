@@ -234,6 +234,9 @@ class Scheduler(Managed):
         """
         if self._computing:
             self._idle("step")
+        for ctx in io.contexts:
+            if ctx.closed:
+                raise ClosedError("Scheduler.step: a tensor of the StepIO belongs to a closed context")
         if self._allocated != (graph, graph.version, graph._alloc_token):
             self.alloc(graph)
         out = np.empty(io.out_shape, io.out_dtype)

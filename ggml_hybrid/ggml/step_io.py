@@ -36,6 +36,9 @@ class StepIO:
         if dt.is_quantized or not output.is_contiguous:
             raise ShapeError(f"StepIO: output {output.name!r} is quantized or not contiguous")
         self.tensors = [t for t, _ in inputs] + [output]  # kept alive with their contexts
+        # the pointers below are the tensors' structs, which go with their contexts' memory: each step checks
+        # that none of these was closed
+        self.contexts = list({id(t.context): t.context for t in self.tensors}.values())
         self._buffers = [ffi.from_buffer(arr) for _, arr in inputs]  # the arrays, kept alive by these
         self.c_in: CData = ffi.new("struct ggml_hybrid_io[]", max(len(inputs), 1))
         for c, (t, arr), buf in zip(self.c_in, inputs, self._buffers):
