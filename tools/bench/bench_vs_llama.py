@@ -13,16 +13,20 @@ alternate A,B,B,A (A = ggml-hybrid, B = llama.cpp); each run is a prompt of --pr
 tokens. Both use the same thread count, no flash attention, F16 KV cache, ubatch 512. Each side times its runs
 in wall time and in its own process's CPU time (on a machine shared with other work, CPU time is what each
 side's own work cost, less sensitive to either being descheduled). Medians and the ratios ggml-hybrid /
-llama.cpp are printed, then one Markdown table of every ratio.
+llama.cpp are printed, each A,B,B,A block's ratio (median and range), then one Markdown table of every ratio.
+``--sessions K`` loads both sides afresh K times and pools their rounds: a side can run a few percent fast or
+slow for its whole life (where its memory landed, what shared the host then), which more rounds in one
+session do not average out.
 
     python tools/bench/bench_vs_llama.py --llama-python /opt/llref/bin/python \\
-        [--type Q8_0 --type Q4_0 --type Q4_K --type Q6_K] [--threads 1] [--rounds 4] [--config default]
-        [--arch qwen35moe]
+        [--type Q8_0 --type Q4_0 --type Q4_K --type Q6_K] [--threads 1] [--rounds 4] [--sessions 1]
+        [--config default] [--arch qwen35moe]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -130,19 +134,29 @@ def compare(ns: SimpleNamespace, wtype: str, config: str) -> dict:
     n_ctx = 512
     tokens = np.random.default_rng(0).integers(0, 8000, ns.prompt).tolist()
     cpu_moe = config == "cpu-moe"
-    ours = MoEModel(path, SessionOptions(n_threads=ns.threads, n_ctx=n_ctx, cpu_moe=cpu_moe, repack=not ns.no_repack))
-    theirs = LlamaWorker(ns.llama_python, path, ns.threads, n_ctx, cpu_moe, not ns.no_repack)
-    sides = {"A": lambda: run_ours(ours, tokens, ns.n), "B": lambda: theirs.run(tokens, ns.n)}
     res: dict[str, list] = {"A": [], "B": []}
-    try:
-        warm = {k: f() for k, f in sides.items()}
-        same = warm["A"][2] == warm["B"][2]
-        for _ in range(ns.rounds):
-            for k in "ABBA":
-                res[k].append(sides[k]())
-    finally:
-        theirs.close()
-        ours.close()
+    same = True
+    # a session: both sides loaded afresh. How fast a side runs for its whole life can depend on where its
+    # memory landed and what shares the host then, so several sessions are pooled, each one's ratio printed
+    session_ratios = []
+    for _ in range(ns.sessions):
+        ours = MoEModel(path, SessionOptions(n_threads=ns.threads, n_ctx=n_ctx, cpu_moe=cpu_moe,
+                                             repack=not ns.no_repack))
+        theirs = LlamaWorker(ns.llama_python, path, ns.threads, n_ctx, cpu_moe, not ns.no_repack)
+        sides = {"A": functools.partial(run_ours, ours, tokens, ns.n), "B": functools.partial(theirs.run, tokens, ns.n)}
+        one: dict[str, list] = {"A": [], "B": []}
+        try:
+            warm = {k: f() for k, f in sides.items()}
+            same = same and warm["A"][2] == warm["B"][2]
+            for _ in range(ns.rounds):
+                for k in "ABBA":
+                    one[k].append(sides[k]())
+        finally:
+            theirs.close()
+            ours.close()
+        session_ratios.append([statistics.median(block_ratios(one, i, ns.n - 1 if i else ns.prompt)) for i in (0, 1)])
+        for k in "AB":
+            res[k] += one[k]
 
     def tps(runs, i, n):
         return statistics.median(n / r[i] for r in runs)
@@ -153,7 +167,7 @@ def compare(ns: SimpleNamespace, wtype: str, config: str) -> dict:
                    tps(res[k], 4, ns.n - 1)) for k, name in (("A", "ggml-hybrid"), ("B", "llama.cpp"))}
     a, b = rows["ggml-hybrid"], rows["llama.cpp"]
     print(f"\n{wtype}, {config}: {Path(path).name}; {ns.threads} thread(s); prompt {ns.prompt} tok, decode "
-          f"{ns.n - 1} tok; {ns.rounds} x ABBA; load average {os.getloadavg()[0]:.1f}")
+          f"{ns.n - 1} tok; {ns.sessions} session(s) x {ns.rounds} x ABBA; load average {os.getloadavg()[0]:.1f}")
     print(f"{'':<12}{'prompt tok/s':>14}{'decode tok/s':>14}{'prompt, CPU':>14}{'decode, CPU':>14}")
     for name, r in rows.items():
         print(f"{name:<12}{r[0]:>14.1f}{r[1]:>14.2f}{r[2]:>14.1f}{r[3]:>14.2f}")
@@ -170,9 +184,13 @@ def compare(ns: SimpleNamespace, wtype: str, config: str) -> dict:
     paired = [block_ratios(res, i, ns.n - 1 if i else ns.prompt) for i in (0, 1)]
     print(f"{'per block':<12}" + "".join(f"{statistics.median(q):>14.3f}" for q in paired)
           + "   (median of the blocks' ratios; range " + ", ".join(f"{min(q):.3f}-{max(q):.3f}" for q in paired) + ")")
+    if ns.sessions > 1:
+        print(f"{'per session':<12}" + "".join(f"{statistics.median(q):>14.3f}" for q in zip(*session_ratios))
+              + "   (median of the sessions' block medians; each: "
+              + ", ".join(f"{p:.3f}/{d:.3f}" for p, d in session_ratios) + ")")
     print(f"same greedy tokens: {same}", flush=True)
     return {"type": wtype, "config": config, "ours": a, "llama": b, "ratio": ratio, "same": same, "step": step,
-            "paired": paired}
+            "paired": paired, "sessions": session_ratios}
 
 
 def block_ratios(res: dict[str, list], i: int, n: int) -> list[float]:
@@ -193,7 +211,10 @@ def block_ratios(res: dict[str, list], i: int, n: int) -> list[float]:
               help="weight type; repeatable [default: Q8_0]")
 @click.option("--config", "configs", multiple=True, type=click.Choice(CONFIGS), help="repeatable [default: both]")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True)
-@click.option("--rounds", type=click.IntRange(1), default=4, help="blocks of A,B,B,A", show_default=True)
+@click.option("--rounds", type=click.IntRange(1), default=4, help="blocks of A,B,B,A per session",
+              show_default=True)
+@click.option("--sessions", type=click.IntRange(1), default=1, show_default=True,
+              help="times both sides are loaded afresh, their rounds pooled")
 @click.option("--prompt", type=click.IntRange(1), default=128, help="prompt tokens", show_default=True)
 @click.option("--n", type=click.IntRange(2), default=32, help="generated tokens (the first comes from the prompt)",
               show_default=True)
@@ -205,8 +226,8 @@ def main(**options) -> None:
 def _main(ns: SimpleNamespace) -> int:
     _sched.lib = _timed  # type: ignore[assignment]
     results = [compare(ns, t, c) for t in ns.types or ["Q8_0"] for c in ns.configs or CONFIGS]
-    print(f"\n{os.cpu_count()} cores, {ns.threads} thread(s), {ns.rounds} x ABBA; ratios ggml-hybrid / llama.cpp "
-          "of the median tok/s, from wall time (CPU time)")
+    print(f"\n{os.cpu_count()} cores, {ns.threads} thread(s), {ns.sessions} x {ns.rounds} x ABBA; ratios ggml-hybrid / "
+          "llama.cpp of the median tok/s, from wall time (CPU time)")
     print("| type | configuration | prompt tok/s (ours, llama.cpp) | decode tok/s (ours, llama.cpp) | prompt ratio "
           "| decode ratio | per block: prompt, decode (range) | same tokens |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
