@@ -78,9 +78,8 @@ class Graph:
         self._p = lib.ggml_new_graph_custom(ctx.ptr, size, False)
         self._checked_for: set[int] = set()  # backends whose support was verified, by sched pointer
         self._inputs: tuple[int, list[Tensor]] | None = None
-        self._input_marks: tuple[int, list[tuple[set[int], int, str]]] | None = None
-        # per context of the inputs: its set of freshly set inputs, and this graph's keys there
-        self._consumed: tuple[int, list[tuple[set[int], set[int]]]] | None = None
+        # (version, input_marks, per context of the inputs: its set of freshly set inputs and this graph's keys)
+        self._input_marks: tuple[int, list[tuple[set[int], int, str]], list[tuple[set[int], set[int]]]] | None = None
         self.version = 0  # bumped by expand(), so a scheduler knows to split again
         self._alloc_token = 0  # bumped whenever a scheduler (re)allocates this graph
 
@@ -129,23 +128,24 @@ class Graph:
     def input_marks(self) -> list[tuple[set[int], int, str]]:
         """For each input: the set of its context's freshly set inputs, its key there, its name (the
         scheduler's check that every input was set since the last compute, without a lookup per input)."""
+        return self._marks()[1]
+
+    def consume_inputs(self) -> None:
+        """Forget that the inputs were set (a compute consumed them): the next compute needs them set again."""
+        for fresh, keys in self._marks()[2]:
+            if fresh:
+                fresh -= keys
+
+    def _marks(self) -> tuple[int, list[tuple[set[int], int, str]], list[tuple[set[int], set[int]]]]:
         if self._input_marks is None or self._input_marks[0] != self.version:
             # graph inputs belong to a Context
             marks = [(cast("Context", t.context)._fresh, int(ffi.cast("uintptr_t", t.ptr)), t.name or "<unnamed>")
                      for t in self.inputs]
-            self._input_marks = (self.version, marks)
-        return self._input_marks[1]
-
-    def consume_inputs(self) -> None:
-        """Forget that the inputs were set (a compute consumed them): the next compute needs them set again."""
-        if self._consumed is None or self._consumed[0] != self.version:
             by_set: dict[int, tuple[set[int], set[int]]] = {}
-            for fresh, key, _ in self.input_marks:
+            for fresh, key, _ in marks:
                 by_set.setdefault(id(fresh), (fresh, set()))[1].add(key)
-            self._consumed = (self.version, list(by_set.values()))
-        for fresh, keys in self._consumed[1]:
-            if fresh:
-                fresh -= keys
+            self._input_marks = (self.version, marks, list(by_set.values()))
+        return self._input_marks
 
     def contains(self, t: Tensor) -> bool:
         return bool(lib.ggml_hybrid_graph_contains(self.ptr, t.ptr))

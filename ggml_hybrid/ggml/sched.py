@@ -240,13 +240,8 @@ class Scheduler(Managed):
         if self._allocated != (graph, graph.version, graph._alloc_token):
             self.alloc(graph)
         out = np.empty(io.out_shape, io.out_dtype)
-        io.c_out.data = buf = ffi.from_buffer(out)
-        try:
-            self._run(graph, "Scheduler.step", io.raise_refused, lib.ggml_hybrid_sched_step, self.ptr, graph.ptr,
-                      io.c_in, io.n_in, io.c_out, io.bad)
-        finally:
-            io.c_out.data = ffi.NULL  # ``out`` is the caller's now: no later call writes into it
-            del buf
+        self._run(graph, "Scheduler.step", io.raise_refused, lib.ggml_hybrid_sched_step, self.ptr, graph.ptr,
+                  io.c_in, io.n_in, io.out_ptr, ffi.from_buffer(out), io.out_size, io.bad)
         graph.consume_inputs()  # the step consumed every input, set through it or before it
         return out
 

@@ -44,8 +44,7 @@ class StepIO:
         for c, (t, arr), buf in zip(self.c_in, inputs, self._buffers):
             c.tensor, c.data, c.size = t.ptr, buf, arr.nbytes
         self.n_in = len(inputs)
-        self.c_out: CData = ffi.new("struct ggml_hybrid_io *")
-        self.c_out.tensor, self.c_out.size = output.ptr, output.nbytes
+        self.out_ptr, self.out_size = output.ptr, output.nbytes
         self.out_shape, self.out_dtype = output.shape, dt.numpy_dtype
         self.bad: CData = ffi.new("int *")
 

@@ -303,16 +303,11 @@ class Tensor:
         index range, and that the tensor is allocated in a backend buffer.
         """
         p = self.ptr
-        self._require_buffer(p, "Tensor._set_trusted")
+        if p.buffer == ffi.NULL:  # GGML would abort
+            self._require_data("Tensor._set_trusted")
+            raise BackendError(f"Tensor._set_trusted: tensor {self.name!r} is not in a backend buffer")
         self._ctx._mark_set(self)
         lib.ggml_backend_tensor_set(p, ffi.from_buffer(arr), 0, arr.nbytes)
-
-    def _require_buffer(self, p: CData, what: str) -> None:
-        """The graph input ``p`` (this tensor) is in a backend buffer, where ``ggml_backend_tensor_set`` would
-        abort on any other."""
-        if p.buffer == ffi.NULL:
-            self._require_data(what)
-            raise BackendError(f"{what}: tensor {self.name!r} is not in a backend buffer")
 
     def reader(self) -> Callable[[], np.ndarray]:
         """For a contiguous, readable result of plain type that the library reads after every compute (the

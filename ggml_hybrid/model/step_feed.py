@@ -33,56 +33,58 @@ class StepFeed:
                  inputs: dict[str, Tensor], logits: Tensor, mask_dtype: type) -> None:
         n = len(seq_rows)
         self.kv, self.rs = kv, rs
-        self.sections = bool(rope.sections)  # M-RoPE: four position rows (p, p, p, 0)
+        self.seqs = [s.seq for s in seq_rows]
+        sections = bool(rope.sections)  # M-RoPE: four position rows (p, p, p, 0)
         a: dict[str, np.ndarray] = {"tokens": np.zeros(n, np.int32),
-                                    "pos": np.zeros(4 * n if self.sections else n, np.int32)}
+                                    "pos": np.zeros(4 * n if sections else n, np.int32)}
         if "out_ids" in inputs:
             a["out_ids"] = np.arange(n, dtype=np.int32)
         for name, size in (("k_rot", kv.rot_k), ("v_rot", kv.rot_v)):
             if size:
                 a[name] = hadamard(size)
         v_trans = bool(kv.v_trans and kv.n_embd_v)  # V written column by column: n_embd_v indices per token
+        # per row: its K index, masks and V indices (None where the model has none), then its cells
+        rows: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, int]] = []
+        self._rs_rows: list[tuple[np.ndarray, np.ndarray]] = []  # the recurrent states' rows (set here, not in C)
         for i, seg in enumerate(seq_rows):
-            a[seq_input("k_idxs", i)] = np.zeros(1, np.int64)
-            a[seq_input("mask", i)] = np.zeros((1, seg.n_kv), mask_dtype)
-            if kv.n_swa:
-                a[seq_input("mask_swa", i)] = np.zeros((1, seg.n_kv), mask_dtype)
-            if v_trans:
-                a[seq_input("v_idxs", i)] = np.zeros(kv.n_embd_v, np.int64)
+            k_idx = a[seq_input("k_idxs", i)] = np.zeros(1, np.int64)
+            mask = a[seq_input("mask", i)] = np.zeros((1, seg.n_kv), mask_dtype)
+            swa: np.ndarray | None = np.zeros((1, seg.n_kv), mask_dtype) if kv.n_swa else None
+            v_idx = np.zeros(kv.n_embd_v, np.int64) if v_trans else None
+            if swa is not None:
+                a[seq_input("mask_swa", i)] = swa
+            if v_idx is not None:
+                a[seq_input("v_idxs", i)] = v_idx
+            rows.append((k_idx, mask, swa, v_idx, seg.n_kv))
             if rs is not None:
-                a[seq_input("rs_read", i)] = np.zeros(1, np.int32)
-                a[seq_input("rs_write", i)] = np.zeros(1, np.int32)
+                self._rs_rows.append((np.zeros(1, np.int32), np.zeros(1, np.int32)))
+                a[seq_input("rs_read", i)], a[seq_input("rs_write", i)] = self._rs_rows[-1]
         self.arrays = a
-        self.seqs = [s.seq for s in seq_rows]
-        # the native writer's view of the arrays (kept alive by self.arrays): it writes each step's values
-        if np.dtype(mask_dtype) not in (np.float32, np.float16):
-            raise DTypeError(f"StepFeed: masks are f32 or f16, got {np.dtype(mask_dtype)}")
-        c = self._c = ffi.new("struct ggml_hybrid_feed *")
-        self._c_rows = ffi.new("struct ggml_hybrid_feed_row[]", n)
-        c.n_rows, c.sections, c.mask_f16, c.n_swa = n, self.sections, np.dtype(mask_dtype) == np.float16, kv.n_swa
-        c.n_embd_v, c.n_ctx, c.rows = kv.n_embd_v, kv.n_ctx, self._c_rows
-        c.tokens, c.pos = ffi.from_buffer("int32_t[]", a["tokens"]), ffi.from_buffer("int32_t[]", a["pos"])
-        self._views = [c.tokens, c.pos]
-        for i, (row, seg) in enumerate(zip(self._c_rows, seq_rows)):
-            views = [ffi.from_buffer("int64_t[]", a[seq_input("k_idxs", i)]), ffi.from_buffer(a[seq_input("mask", i)])]
-            row.k_idx, row.mask = views
-            if kv.n_swa:
-                views.append(ffi.from_buffer(a[seq_input("mask_swa", i)]))
-                row.mask_swa = views[-1]
-            if v_trans:
-                views.append(ffi.from_buffer("int64_t[]", a[seq_input("v_idxs", i)]))
-                row.v_idx = views[-1]
-            row.n_kv, row.at = seg.n_kv, -2  # -2: never written, so the first write is whole
-            self._views += views
-        # the recurrent states' rows each sequence reads and writes (set by the interpreter: RecurrentState's)
-        self._rs_rows = [(a[seq_input("rs_read", i)], a[seq_input("rs_write", i)]) for i in range(n)] \
-            if rs is not None else []
-        self._c_tok = ffi.new("int32_t[]", n)
-        self._c_pos = ffi.new("int64_t[]", n)
         # a family whose graph takes inputs of its own keeps the general path
         self.complete = set(a) == set(inputs)
         if not self.complete:
             return
+        if np.dtype(mask_dtype) not in (np.float32, np.float16):
+            raise DTypeError(f"StepFeed: masks are f32 or f16, got {np.dtype(mask_dtype)}")
+        # the native writer's view of the arrays; the cdata views keep them alive
+        c = self._c = ffi.new("struct ggml_hybrid_feed *")
+        c_rows = self._c_rows = ffi.new("struct ggml_hybrid_feed_row[]", n)
+        self._views = [ffi.from_buffer("int32_t[]", a["tokens"]), ffi.from_buffer("int32_t[]", a["pos"])]
+        c.n_rows, c.sections, c.mask_f16, c.n_swa = n, sections, np.dtype(mask_dtype) == np.float16, kv.n_swa
+        c.n_embd_v, c.n_ctx, c.rows, c.tokens, c.pos = kv.n_embd_v, kv.n_ctx, c_rows, *self._views
+        for row, (k_idx, mask, swa, v_idx, n_kv) in zip(c_rows, rows):
+            views = [ffi.from_buffer("int64_t[]", k_idx), ffi.from_buffer(mask)]
+            row.k_idx, row.mask = views
+            if swa is not None:
+                views.append(ffi.from_buffer(swa))
+                row.mask_swa = views[-1]
+            if v_idx is not None:
+                views.append(ffi.from_buffer("int64_t[]", v_idx))
+                row.v_idx = views[-1]
+            row.n_kv, row.at = n_kv, -2  # -2: never written, so the first write is whole
+            self._views += views
+        self._c_tok = ffi.new("int32_t[]", n)
+        self._c_pos = ffi.new("int64_t[]", n)
         self.io = StepIO([(inputs[k], v) for k, v in a.items()], logits)
 
     @classmethod

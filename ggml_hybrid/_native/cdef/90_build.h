@@ -50,4 +50,5 @@ struct ggml_hybrid_io {
     size_t size;
 };
 enum ggml_status ggml_hybrid_sched_step(ggml_backend_sched_t sched, struct ggml_cgraph * graph,
-        const struct ggml_hybrid_io * in, int n_in, const struct ggml_hybrid_io * out, int * bad);
+        const struct ggml_hybrid_io * in, int n_in, struct ggml_tensor * out, void * out_data, size_t out_size,
+        int * bad);

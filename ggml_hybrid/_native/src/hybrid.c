@@ -276,23 +276,23 @@ static ggml_backend_buffer_t buffer_of(const struct ggml_tensor * t) {
     return t->view_src != NULL ? t->view_src->buffer : t->buffer;
 }
 
-/* Whether ggml_backend_tensor_set/get would take io whole, rather than abort. */
-static bool io_fits(const struct ggml_hybrid_io * io, bool read) {
-    ggml_backend_buffer_t buf = buffer_of(io->tensor);
-    return buf != NULL && io->tensor->data != NULL && io->size == ggml_nbytes(io->tensor) &&
-           (!read || buf->iface.get_tensor != NULL);
+/* Whether ggml_backend_tensor_set/get would take size bytes of t whole, rather than abort. */
+static bool fits(const struct ggml_tensor * t, size_t size, bool read) {
+    ggml_backend_buffer_t buf = buffer_of(t);
+    return buf != NULL && t->data != NULL && size == ggml_nbytes(t) && (!read || buf->iface.get_tensor != NULL);
 }
 
 enum ggml_status ggml_hybrid_sched_step(ggml_backend_sched_t sched, struct ggml_cgraph * graph,
-        const struct ggml_hybrid_io * in, int n_in, const struct ggml_hybrid_io * out, int * bad) {
+        const struct ggml_hybrid_io * in, int n_in, struct ggml_tensor * out, void * out_data, size_t out_size,
+        int * bad) {
     *bad = 0;
     for (int i = 0; i < n_in; i++) {
-        if (!io_fits(&in[i], false)) {
+        if (!fits(in[i].tensor, in[i].size, false)) {
             *bad = i + 1;
             return GGML_STATUS_FAILED;
         }
     }
-    if (!io_fits(out, true)) {
+    if (!fits(out, out_size, true)) {
         *bad = n_in + 1;
         return GGML_STATUS_FAILED;
     }
@@ -301,7 +301,7 @@ enum ggml_status ggml_hybrid_sched_step(ggml_backend_sched_t sched, struct ggml_
     }
     enum ggml_status status = ggml_backend_sched_graph_compute(sched, graph);
     if (status == GGML_STATUS_SUCCESS) {
-        ggml_backend_tensor_get(out->tensor, out->data, 0, out->size);
+        ggml_backend_tensor_get(out, out_data, 0, out_size);
     }
     return status;
 }

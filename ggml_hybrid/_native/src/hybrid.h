@@ -54,7 +54,7 @@ ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void);
 bool ggml_hybrid_buffer_readable(ggml_backend_buffer_t buf);
 
 /* One compute of a graph with all of its inputs given: each input set whole from host memory, the graph
-   computed, one result copied out whole. A decode step then crosses from the interpreter once, not once
+   computed, one result (out, out_size bytes) copied out whole into out_data. A decode step then crosses from the interpreter once, not once
    per tensor. Every tensor is checked first (in a buffer, allocated, of the given size; the output in a
    buffer that can be read back): on the first that is not, nothing is set or computed, *bad is its number
    (the inputs from 1, then the output) and the status GGML_STATUS_FAILED; else *bad is 0 and the status
@@ -65,4 +65,5 @@ struct ggml_hybrid_io {
     size_t size;
 };
 enum ggml_status ggml_hybrid_sched_step(ggml_backend_sched_t sched, struct ggml_cgraph * graph,
-        const struct ggml_hybrid_io * in, int n_in, const struct ggml_hybrid_io * out, int * bad);
+        const struct ggml_hybrid_io * in, int n_in, struct ggml_tensor * out, void * out_data, size_t out_size,
+        int * bad);
