@@ -54,6 +54,17 @@ def _identity(path: str) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def same_shape(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """llama.cpp's shape rule: a tensor matches when both shapes, padded with 1s to GGML's four dimensions, are
+    equal (``llama_model_loader::check_tensor_dims``). Shapes here are numpy-order (``ne`` reversed), so the 1s go
+    in front: the converter's ``(1, n_embd)`` shared-expert gate matches ``(n_embd,)``, and GGML sees the same
+    ``ne = (n_embd, 1, 1, 1)`` either way."""
+    def padded(s: tuple[int, ...]) -> tuple[int, ...]:
+        return (1,) * (4 - len(s)) + tuple(s) if len(s) <= 4 else tuple(s)
+
+    return padded(have) == padded(want)
+
+
 class GGUFStore:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         import gguf
@@ -250,4 +261,4 @@ def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "we
     return ctx, tensors
 
 
-__all__ = ["KINDS", "GGUFStore", "TensorInfo", "load_into"]
+__all__ = ["KINDS", "GGUFStore", "TensorInfo", "load_into", "same_shape"]

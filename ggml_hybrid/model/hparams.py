@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import ModelFileError, NotMoEError
 from ..ggml.dtypes import GGMLType
-from .gguf_store import GGUFStore
+from .gguf_store import GGUFStore, same_shape
 from .rope import Rope
 
 MAX_LAYERS = 512   # LLAMA_MAX_LAYERS: also the most entries a per-layer array may hold
@@ -256,7 +256,7 @@ def read_stack_hparams(store: GGUFStore) -> StackHParams:
         for name, want in ((f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd)),
                            (f"blk.{i}.ffn_norm.weight", (n_embd,))):
             shape = store.info(name).shape
-            if shape != want:
+            if not same_shape(shape, want):
                 raise ModelFileError(f"{store.path!r}: {name} has shape {shape}, expected {want} from the metadata")
     eps = meta_float(store, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, 0.0, 0.5)
     return StackHParams(arch, n_layer, n_embd, n_expert, n_used, eps)
@@ -363,7 +363,7 @@ def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ..
         if name not in store:
             raise ModelFileError(f"{store.path!r}: {hp.arch} needs tensor {name!r}, which the file lacks")
         info = store.info(name)
-        if info.shape != want:
+        if not same_shape(info.shape, want):
             raise ModelFileError(f"{store.path!r}: {name} has shape {info.shape}, expected {want} from the metadata")
         # norms, biases, sinks and the shared-expert gate are added or multiplied in F32, as llama.cpp stores
         # them; matrices go through mul_mat / get_rows, which take the float and quantized weight types

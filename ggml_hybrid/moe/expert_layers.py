@@ -23,7 +23,7 @@ from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
 from ..machine import available_memory
-from ..model.gguf_store import GGUFStore, ModelFileError, load_into, repack_rule
+from ..model.gguf_store import GGUFStore, ModelFileError, load_into, repack_rule, same_shape
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
@@ -75,7 +75,7 @@ def check_expert_shapes(store: GGUFStore, layers: Sequence[int], n_expert: int, 
                 "up": (n_expert, n_ff, n_embd), "gate_up": (n_expert, 2 * n_ff, n_embd),
                 "gate_b": (n_expert, n_ff), "up_b": (n_expert, n_ff), "down_b": (n_expert, n_embd)}
         for kind, shape in shapes.items():
-            if shape != want[kind]:
+            if not same_shape(shape, want[kind]):
                 raise ModelFileError(f"{store.path!r}: {names[kind]} has shape {shape}, expected {want[kind]} "
                                      f"for {n_expert} experts of width {n_embd}")
 
