@@ -153,6 +153,27 @@ def test_shared_expert_gate_as_the_converter_writes_it(base_models, tmp_path):
     _hparams_error(bad, ["blk.0.ffn_gate_inp_shexp.weight", "(2, 64)", "(64,)"])
 
 
+def test_add_eos_token_is_followed_by_the_bpe_tokenizer(base_models, tmp_path):
+    """``tokenizer.ggml.add_eos_token`` (written by the converter from tokenizer_config.json): llama.cpp's tokenize
+    appends EOS after the text when special tokens are added at all."""
+    from ggml_hybrid.model.tokenizer import Tokenizer
+
+    B = gguf.GGUFValueType.BOOL
+    path = rewrite_gguf(base_models["q3"], tmp_path / "eos.gguf", set_keys={"tokenizer.ggml.add_eos_token": (True, B)})
+    stores = [GGUFStore(base_models["q3"]), GGUFStore(path)]
+    try:
+        plain, eos = (Tokenizer.from_gguf(s) for s in stores)
+    finally:
+        for s in stores:
+            s.close()
+    text = "Hello there, world"
+    ids = plain.encode(text)
+    assert not plain.add_eos and eos.add_eos and eos.eos_id is not None
+    assert eos.encode(text) == ids + [eos.eos_id]
+    assert eos.encode(text, add_bos=True) == ([eos.bos_id] if eos.bos_id is not None else []) + ids + [eos.eos_id]
+    assert eos.encode(text, add_bos=False) == plain.encode(text, add_bos=False)
+
+
 def test_extra_layer_beyond_block_count(base_models):
     path = rewrite_gguf(base_models["q3"], base_models["dir"] / "extra.gguf",
                         tensors={"blk.2.attn_norm.weight": np.ones(64, np.float32)})
