@@ -36,8 +36,8 @@ TYPES = ("f32", "f16", "q8_0", "q4_k_m")
 # Q4_K_M, whose quantized weights (and activations, quantized for GGML's products) move a random-weight model far
 # from the float one at the few positions where a router picks other experts (a loose bound on the largest there).
 # Measured over the ten families: see docs/models.md ("Converter-made files"); the bounds leave about 2x
-HF_MAX = {"f32": 5e-3, "f16": 1e-2, "q8_0": 1.0, "q4_k_m": 2.0}
-HF_MEDIAN = {"f32": 2e-3, "f16": 4e-3, "q8_0": 0.08, "q4_k_m": 0.4}
+HF_MAX = {"f32": 5e-3, "f16": 5e-2, "q8_0": 1.5, "q4_k_m": 4.0}
+HF_MEDIAN = {"f32": 2e-3, "f16": 6e-3, "q8_0": 0.15, "q4_k_m": 1.0}
 # where the recording machine's kernels are not this one's: llama.cpp parity within this instead of bit for bit
 OTHER_CPU = {"f32": 1e-3, "f16": 1e-3, "q8_0": 1e-3, "q4_k_m": 2e-2}
 
@@ -96,7 +96,9 @@ def test_logits_match_llama_cpp(fam, t):
         _parity(m.eval(tokens, "all"), fx[f"{t}_logits"], fx, t)
         m.reset()
         _parity(m.eval(tokens, "last"), fx[f"{t}_last"], fx, t)
-        # a prompt, then one eval per token, as llama.cpp decoded it
+        if f"{t}_decode" not in fx:
+            return
+        # a prompt, then one eval per token, as llama.cpp decoded it (recorded for F32 and Q4_K_M)
         m.reset()
         n = int(fx["decode_from"])
         rows = [m.eval(tokens[:n], "all")] + [m.eval(tokens[i:i + 1], "all") for i in range(n, len(tokens))]
