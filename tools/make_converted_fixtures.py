@@ -36,10 +36,10 @@ import click
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_reference_fixtures import TEXTS, Case, reference, sha256, simd_tag  # noqa: E402
+from make_reference_fixtures import Case, reference, sha256, simd_tag
 
-from ggml_hybrid.model.gguf_store import GGUFStore  # noqa: E402
-from ggml_hybrid.model.tokenizer import Tokenizer  # noqa: E402
+from ggml_hybrid.model.gguf_store import GGUFStore
+from ggml_hybrid.model.tokenizer import Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ("qwen2moe", "qwen3moe", "mixtral", "olmoe", "deepseek2", "deepseek3", "glm4moe", "gpt-oss",

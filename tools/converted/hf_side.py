@@ -83,9 +83,9 @@ FAMILIES: dict[str, dict] = {
         config=dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
                     num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
-                    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, topk_method="greedy", scoring_func="softmax",
-                    n_group=1,
-                    topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, moe_layer_freq=1,
+                    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, topk_method="greedy",
+                    scoring_func="softmax", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                    norm_topk_prob=False, moe_layer_freq=1,
                     max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
                     rms_norm_eps=1e-6)),
     # V3's: q-LoRA, sigmoid gating with the selection bias, grouped routing, routed scaling
@@ -245,7 +245,8 @@ def _mtp_tensors(fam: dict, cfg, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed + 1)
     layer = {k[len(f"model.layers.{n}."):]: v for k, v in sd.items() if k.startswith(f"model.layers.{n}.")}
     extra = {"eh_proj.weight": torch.randn(E, 2 * E, generator=g) / (2 * E) ** 0.5,
-             "enorm.weight": 1 + 0.1 * torch.randn(E, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(E, generator=g),
+             "enorm.weight": 1 + 0.1 * torch.randn(E, generator=g),
+             "hnorm.weight": 1 + 0.1 * torch.randn(E, generator=g),
              "shared_head.norm.weight": 1 + 0.1 * torch.randn(E, generator=g)}
     if fam["mtp"] == "glm":  # GLM-4.5: model.layers.N.{layer, eh_proj, enorm, hnorm, shared_head.norm}
         return {f"model.layers.{n}.{k}": v for k, v in {**layer, **extra}.items()}
