@@ -21,12 +21,12 @@ from helpers import rewrite_gguf
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.cli.report import RUN_SCHEMA_KEYS
-from ggml_hybrid.model.gguf_store import GGUFStore
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.sampling import Sampler
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
-from ggml_hybrid.model.tokenizer import Tokenizer
+from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.runtime.sampling import Sampler
+from ggml_hybrid.synthetic import ModelSpec, write_model
+from ggml_hybrid.text.tokenizer import Tokenizer
 from ggml_hybrid.units import format_bytes
 
 SPEC = ModelSpec()  # qwen3moe, 2 layers, embd 64, 8 experts, top-2, F32, vocab 384
@@ -680,7 +680,7 @@ def test_context_stop(models):
 
 
 def test_config_unquoted_role_key_is_a_role_scope(models, tmp_path):
-    from ggml_hybrid.cli.config import load_config
+    from ggml_hybrid.server.config import load_config
 
     p = tmp_path / "nested.toml"
     p.write_text(f'[models.a]\npath = "{models["m"]}"\nrole = "main"\n[models.a.session_options]\n'

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import ggml_hybrid as gh
-from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.cpu_worker import CPUWorker
 from ggml_hybrid.moe.ffn import ExpertWeights
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.synthetic import write_moe_stack
 
 
 def _x(n_tokens, n_embd, seed):
@@ -328,7 +328,7 @@ def test_ctrl_c_during_a_hybrid_run_always_ends_the_process(tmp_path):
     import subprocess
     import sys
 
-    from ggml_hybrid.model.synthetic import ModelSpec, write_model
+    from ggml_hybrid.synthetic import ModelSpec, write_model
 
     path = write_model(tmp_path / "m.gguf", ModelSpec(n_layer=4, n_embd=64, n_expert=16, n_used=4,
                                                       weight_type="q8_0"))

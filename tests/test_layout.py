@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.deploy.layout import CPU, plan_layout
-from ggml_hybrid.deploy.planner import k8s_resources, plan
-from ggml_hybrid.model.gguf_store import GGUFStore
-from ggml_hybrid.model.hparams import read_hparams, tensor_shapes
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import write_model
+from ggml_hybrid.gguf.store import GGUFStore
+from ggml_hybrid.model.families import read_hparams, tensor_shapes
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.plan.planner import k8s_resources, plan
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model
 from ggml_hybrid.units import parse_size
 
 PROMPT = "Placement never changes a single bit of the logits."

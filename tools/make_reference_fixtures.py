@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import click
 import numpy as np
 
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 PROMPT = "Hello, world! The quick brown fox jumps over the lazy dog."
 TEXTS = ["Hello, world! The quick brown fox", "It's 2026-11-29; naïve café 東京   x\n\ny 12345678",
@@ -155,8 +155,8 @@ def sha256(path) -> str:
 
 
 def prompt_tokens(path) -> list[int]:
-    from ggml_hybrid.model.gguf_store import GGUFStore
-    from ggml_hybrid.model.tokenizer import Tokenizer
+    from ggml_hybrid.gguf.store import GGUFStore
+    from ggml_hybrid.text.tokenizer import Tokenizer
 
     store = GGUFStore(path)
     try:

@@ -15,13 +15,12 @@ import tempfile
 import click
 import numpy as np
 
-from ..model.generate import complete
-from ..model.moe_model import MoEModel
-from ..model.synthetic import ModelSpec, write_model
 from ..options import SessionOptions
+from ..runtime.generate import complete
+from ..runtime.moe_model import MoEModel
+from ..synthetic import ModelSpec, write_model
 from ..units import format_bytes
 from .main import main
-from .report import hybrid_offload_active
 
 DEMO_SPEC = ModelSpec(arch="qwen3moe", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=128,
                       n_expert=32, n_used=4, weight_type="q8_0", seed=7)
@@ -52,7 +51,7 @@ def run_demo(n_predict: int = 24, n_threads: int | None = None, echo=print) -> d
                              "seconds": st.prompt_seconds + st.decode_seconds, "prompt_tps": st.prompt_tps,
                              "decode_tps": st.decode_tps, "hits": c.hits, "misses": c.misses,
                              "cpu_misses": c.cpu_misses, "share_applied": c.share_applied,
-                             "hybrid_offload_active": hybrid_offload_active(m)})
+                             "hybrid_offload_active": m.cpu_experts_active})
                 texts.append(text)
                 logits.append(st.all_logits())
         identical = [bool(np.array_equal(lg, logits[0])) for lg in logits]

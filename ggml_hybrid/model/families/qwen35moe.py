@@ -10,9 +10,10 @@ See :mod:`.hybrid` for the keys both hybrid families read.
 
 from __future__ import annotations
 
+from ...gguf.metadata import meta_int
+from ...gguf.store import GGUFStore
 from ..delta_net import layer
-from ..gguf_store import GGUFStore
-from ..hparams import Common, HParams, meta_int
+from ..hparams import Common, HParams
 from . import hybrid
 from .base import Family
 

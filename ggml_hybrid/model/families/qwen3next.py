@@ -10,8 +10,8 @@ See :mod:`.hybrid` for the keys both hybrid families read.
 
 from __future__ import annotations
 
+from ...gguf.store import GGUFStore
 from ..delta_net import layer
-from ..gguf_store import GGUFStore
 from ..hparams import Common, HParams
 from . import hybrid
 from .base import Family

@@ -47,7 +47,7 @@ SIGNAL_SPEC = {"signal-qwen3moe": dict(arch="qwen3moe", n_layer=4, n_embd=128, n
 
 
 def _write_all(folder: str) -> dict[str, str]:
-    from ggml_hybrid.model.synthetic import ModelSpec, write_model, write_moe_stack
+    from ggml_hybrid.synthetic import ModelSpec, write_model, write_moe_stack
 
     out = {}
     for name, spec in {**SPECS, **SIGNAL_SPEC}.items():
@@ -62,13 +62,16 @@ def ensure_models(folder: str) -> dict[str, str]:
     os.makedirs(folder, exist_ok=True)
     index = os.path.join(folder, "models.json")
     if not os.path.exists(index):
-        code = ("import json, sys; sys.path.insert(0, sys.argv[2]); from ggfuzz.models import _write_all; "
-                "json.dump(_write_all(sys.argv[1]), open(sys.argv[1] + '/models.json', 'w'))")
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        subprocess.run([sys.executable, "-c", code, folder, here], check=True, env=child_env())
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `-m` from here finds ggfuzz
+        subprocess.run([sys.executable, "-m", "ggfuzz.models", os.path.abspath(folder)], cwd=here, check=True,
+                       env=child_env())
     with open(index) as f:
         models: dict[str, str] = json.load(f)
     return models
 
 
 __all__ = ["SIGNAL_SPEC", "SPECS", "STACKS", "ensure_models"]
+
+if __name__ == "__main__":  # ensure_models' child: writes the models and their index
+    with open(os.path.join(sys.argv[1], "models.json"), "w") as index_file:
+        json.dump(_write_all(sys.argv[1]), index_file)

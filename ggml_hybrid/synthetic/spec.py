@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import ArgumentError
-from ...ggml.dtypes import GGMLType, as_ggml_type
+from ..errors import ArgumentError
+from ..ggml.dtypes import GGMLType, as_ggml_type
 
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "deepseek2", "gpt-oss", "qwen3next", "qwen35moe")
 HYBRID = ("qwen3next", "qwen35moe")  # gated delta-net layers between attention layers
