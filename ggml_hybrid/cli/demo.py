@@ -1,4 +1,4 @@
-"""The ``demo`` command: a generated MoE model run resident, from disk through the cache, and hybrid.
+"""The ``demo`` command: a generated MoE model run resident, from disk through the cache, and with CPU offload.
 
 Nothing is downloaded: a small qwen3moe is written to a temporary folder, the
 same prompt is run greedily under four configurations, and every evaluated
@@ -81,7 +81,7 @@ def format_demo(r: dict) -> str:
               help="CPU threads (default: all cores; N <= 0 = all).")
 @click.option("--json", "as_json", is_flag=True)
 def demo(n_predict, threads, as_json):
-    """Generate a small MoE model and run it resident, cached and hybrid; check the logits agree."""
+    """Generate a small MoE model and run it resident, cached and with CPU offload; check the logits agree."""
 
     r = run_demo(n_predict=n_predict, n_threads=threads if threads and threads > 0 else None,
                  echo=(lambda s: None) if as_json else click.echo)

@@ -83,7 +83,7 @@ def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights
                   seq_rows: tuple[SeqRows, ...], n_out: int, flash: bool, arena: Arena | None = None,
                   rs: RecurrentState | None = None) -> DecoderGraph:
     """Logits [n_out, n_vocab] of the last ``n_out`` rows of an ubatch of ``seq_rows`` (rows in that order;
-    ``rs``: the recurrent states of a hybrid model's delta-net layers)."""
+    ``rs``: the recurrent states of a recurrent model's delta-net layers)."""
     family = FAMILIES[hp.arch]
     size = graph_size(hp, len(seq_rows))
     n_tokens = sum(s.n_tokens for s in seq_rows)

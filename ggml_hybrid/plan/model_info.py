@@ -70,7 +70,7 @@ def describe(path) -> dict:
 
 
 def kv_bytes_per_token(hp: HParams, type_k: str = "f16", type_v: str = "f16") -> int:
-    """KV cache bytes per token over the layers that have one (latent attention: the compressed KV only; hybrid
+    """KV cache bytes per token over the layers that have one (latent attention: the compressed KV only; recurrent
     models: the attention layers, not the delta-net ones)."""
     return len(hp.kv_layers) * KVCache.layer_bytes(1, hp.kv_k, type_k, type_v, hp.kv_v)
 

@@ -66,7 +66,7 @@ class DevicePlan(_ToDict):
     weights: int
     experts: int
     kv_cache: int
-    recurrent: int  # the recurrent states of a hybrid model's delta-net layers (0 for other models)
+    recurrent: int  # the recurrent states of a recurrent model's delta-net layers (0 for other models)
     compute: int
     total: int
     vram: int | None = None
@@ -103,7 +103,7 @@ class KVPlan(_ToDict):
 
 @dataclass
 class RecurrentPlan(_ToDict):
-    """A hybrid model's recurrent states (F32, whatever the context): one sequence's, and what the memory holds
+    """A recurrent model's recurrent states (F32, whatever the context): one sequence's, and what the memory holds
     for ``parallel`` of them (two rows per sequence slot and one of zeros, :mod:`ggml_hybrid.model.recurrent_state`)."""
 
     per_sequence: int

@@ -6,7 +6,7 @@
 
 Dense weights (attention, norms, routers, shared experts, embeddings, output)
 go to the device; routed experts are placed by :class:`ExpertLayers` (resident,
-``cpu_moe``/``n_cpu_moe``, or disk-backed with the expert cache and the hybrid
+``cpu_moe``/``n_cpu_moe``, or disk-backed with the expert cache and its
 CPU share). ``eval`` appends tokens to a sequence's KV slot (sequence 0 unless
 ``seq`` is given), ``reset`` starts over. With ``n_parallel=N`` the model holds N
 sequences (one KV slot each) and ``decode`` computes one token of each of several
@@ -51,7 +51,7 @@ from ..gguf.store import GGUFStore, load_into, repack_rule
 from ..machine import default_threads
 from ..model.decoder import DecoderGraph, build_decoder, context_size, graph_size
 from ..model.families import read_hparams, tensor_shapes
-from ..model.families.hybrid import check_cuda
+from ..model.families.recurrent import check_cuda
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache, SeqRows, rotation_sizes, seq_input
 from ..model.recurrent_state import RecurrentState
@@ -118,7 +118,7 @@ class MoEModel:
     sched: Scheduler
     experts: ExpertLayers
     kv: KVCache
-    rs: RecurrentState | None = None  # the delta-net layers' states (hybrid models)
+    rs: RecurrentState | None = None  # the delta-net layers' states (recurrent models)
     layout: Layout
     def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
                  device: Backend | None = None, progress: Callable[[int, int], object] | None = None,
@@ -233,7 +233,7 @@ class MoEModel:
                           n_swa=hp.swa.n_swa if hp.swa is not None else 0, layers=hp.kv_layers,
                           n_seq=opts.n_parallel)
         dn = hp.delta_net
-        # a hybrid model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule)
+        # a recurrent model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule)
         self.rs = None if dn is None else RecurrentState(hp.n_layer, dn.layers, dn.conv_state, dn.ssm_state,
                                                          kv_backends, n_seq=opts.n_parallel, clear=not self.dry_run)
         # like llama.cpp: size the compute buffers for the largest ubatch once, at load; the expert caches'

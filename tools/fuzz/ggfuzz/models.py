@@ -35,7 +35,7 @@ SPECS = {
     "gpt-oss": dict(arch="gpt-oss", n_layer=2, head_dim=32, expert_type="mxfp4", weight_type="q8_0",
                     rope_scaling="yarn", rope_factor=8.0, rope_orig_ctx=256, n_swa=4, seed=14),
     "llama-spm": dict(arch="llama", vocab="spm", vocab_size=512, seed=15),
-    # the hybrid families (gated delta-net layers with recurrent states), as tests/test_hybrid_models.py writes them
+    # the recurrent families (gated delta-net layers, recurrent states), as tests/test_recurrent_families.py writes them
     "qwen3next": dict(arch="qwen3next", n_layer=4, n_rot=8, attn_interval=2, seed=16),
     "qwen35moe": dict(arch="qwen35moe", n_layer=4, n_rot=8, attn_interval=2, weight_type="q8_0", seed=17),
 }

@@ -13,7 +13,7 @@
    machine. Modes alternate per step after a warm-up; every output is checked bit-identical.
    Writes docs/hybrid_share.png when matplotlib is installed (pip install -e '.[bench]').
 
-    python tools/bench/bench_hybrid.py [--steps 8] [--bus-gbps 2] [--threads 1]
+    python tools/bench/bench_cpu_offload.py [--steps 8] [--bus-gbps 2] [--threads 1]
 """
 
 from __future__ import annotations

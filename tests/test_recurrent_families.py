@@ -372,7 +372,7 @@ def test_bad_files_are_one_clear_error(models, tmp_path, name, edit, words):
 def test_cuda_limits_are_refused_before_ggml_would_abort(models):
     from ggml_hybrid.gguf.store import GGUFStore
     from ggml_hybrid.model.families import read_hparams
-    from ggml_hybrid.model.families.hybrid import check_cuda
+    from ggml_hybrid.model.families.recurrent import check_cuda
 
     store = GGUFStore(models["qwen3next"])
     try:
