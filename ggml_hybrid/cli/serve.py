@@ -89,8 +89,8 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
         from ..server.app import create_app
         from ..server.models import ModelSet
     except ImportError as exc:
-        raise MissingDependencyError(f"serve needs the server extra ({exc.name} is missing): "
-                                     "pip install 'ggml-hybrid[server]'") from None
+        raise MissingDependencyError(f"serve needs the server extra ({exc.name} is missing): pip install -e "
+                                     "'.[server]' in the ggml-hybrid checkout (it is not on PyPI)") from None
     import contextlib
 
     models = ModelSet(entries)
