@@ -304,6 +304,9 @@ def test_missing_repo_and_tag(hub, tmp_path):
     user_error(env, "pull", f"{REPO}:Q5_K_M", expect=["Q5_K_M", "its tags: Q8_0, Q4_K_M, F32"])
     user_error(env, "pull", REPO, "--hf-file", "nope.gguf", expect=["no such file", "tiny-moe-Q8_0.gguf"])
     user_error(env, "pull", "not-a-repo", expect=["OWNER/NAME"])
+    user_error(env, "serve", "-hf", "tester/no-such-repo", expect=["no such model repository"])
+    user_error(env, "serve", "-hf", REPO, "--config", tmp_path / "none.toml", expect=["--config, not both"])
+    user_error(env, "bench", "-hf", f"{REPO}:Q5_K_M", expect=["its tags"])
     assert not any("/resolve/" in p for _, p, _ in hub.log)  # nothing was downloaded
 
 
