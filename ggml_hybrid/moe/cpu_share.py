@@ -156,13 +156,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from .._native.cstruct import enum_names
 from ..checks import check_int, check_real
 from ..errors import CpuShareError
 
-__all__ = ["COEFFICIENTS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit", "makespans", "n_cpu_for_share",
-           "split_misses"]
+__all__ = ["COEFFICIENTS", "PRIOR_KEYS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit", "makespans",
+           "n_cpu_for_share", "split_misses"]
 
-
+#: The cost model's coefficients, in the order of every array of them (estimates, fixed coefficients, priors,
+#: a synthetic clock): the C enum ``hy_cost_coef`` (``_native/src/moe_policy.h``) is their one list.
+COEFFICIENTS: tuple[str, ...] = enum_names("enum hy_cost_coef", "HY_COST_")
+#: The prior of each coefficient, in that order; the per-row costs are given per row and expert weight byte.
+PRIOR_KEYS: tuple[str, ...] = tuple(f"{k}_per_byte" if k.endswith("_per_row") else k for k in COEFFICIENTS)
 
 DEFAULT_PRIOR: dict[str, float] = {
     "cpu_per_byte": 1.0 / 30e9,
@@ -316,8 +321,6 @@ def makespans(c: Mapping[str, float], expert_bytes: int, hit_rows: int, miss_row
         spans.append(max(_times(c, expert_bytes, k, cpu_rows, n - k, total - cpu_rows)))
     return spans
 
-
-COEFFICIENTS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row", "cpu_per_job")
 
 
 class CostModel:

@@ -65,7 +65,8 @@ not in its slot. An emptied slot is not an eviction; ``invalidated`` counts them
 
 Counters. :class:`CacheCounters` accumulates, over all calls since construction
 or :meth:`SlotCache.reset`: ``calls``, ``distinct`` (requested experts),
-``hits``, ``misses`` (== loads), ``evictions``, ``rounds`` and ``invalidated``.
+``hits``, ``misses`` (== loads), ``evictions``, ``rounds`` and ``invalidated`` (slots
+emptied because their load was never committed); the fields are the C struct's.
 
 Cost. One call costs O(len(experts) log len(experts) + rounds * n_slots log n_slots).
 """
@@ -73,8 +74,9 @@ Cost. One call costs O(len(experts) log len(experts) + rounds * n_slots log n_sl
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from .._native.cstruct import Counters
 from ..checks import check_int
 from ..errors import IndexRangeError, SlotCacheError, SlotCacheTypeError
 
@@ -99,20 +101,9 @@ class Round:
     evicted: tuple[int, ...]
 
 
-@dataclass
-class CacheCounters:
-    """Cumulative counters of a :class:`SlotCache`."""
-
-    calls: int = 0
-    distinct: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    rounds: int = 0
-    invalidated: int = 0  # slots emptied because their load was never committed
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+class CacheCounters(Counters, struct="hy_cache_counters"):
+    """Cumulative counters of a :class:`SlotCache`: the fields of the C struct ``hy_cache_counters``
+    (``_native/src/moe_policy.h``), which the C port keeps too; the module docstring says what each counts."""
 
 
 def _as_int(value, what: str) -> int:
