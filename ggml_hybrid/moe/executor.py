@@ -13,6 +13,11 @@ the scratch slot); otherwise each round computes only its own rows, compacted (s
 expert sees exactly the rows, in the same order, as in the resident ``mul_mat_id``,
 which makes the result bit-identical on the CPU. The weighted sum over the selected
 experts is then built with the same ops as the resident graph.
+
+A call runs as a list of steps (:meth:`ExpertCacheExecutor.__call__`), one method each; the native
+executor (``_native/src/moe_exec.c``) has a function of the same name for each, so that the two read
+side by side: ``read_ids``, ``count_rows``, ``cpu_split``, ``submit_cpu``, ``plan``, ``run_round`` (``load``,
+``compute_full`` or ``compute_rows``), ``merge``, ``weighted_sum``, ``count_call``.
 """
 
 from __future__ import annotations
