@@ -13,13 +13,14 @@
    while the next expert is read) against plain ``tensor_set`` (same executor, ``use_plain_loads``), at 1
    and 64 tokens: time per layer, load time per call, MB/s.
 
-3. ``ab``: the native executor's orchestration against another build of the package (``--against DIR``: a
+3. ``ab``: the native executor's orchestration against another build of the package (``--base DIR``: a
    checkout built with ``python build.py``, e.g. ``git worktree add /tmp/base COMMIT``), alternated in one run:
    each of ``--rounds`` rounds runs the stack of part 1 (resident, native with 64 and 16 slots) once in a fresh
-   process of each build, in alternating order; medians over the rounds and their ratio, after / before.
+   process of each build (``_native_stack_worker.py``), in alternating order; medians over the rounds and
+   their ratio, head / base (bench_commits.py does the same for a whole model's tok/s).
 
     python tools/bench/bench_native_executor.py [--part orchestration|loads|all] [--steps 40] [--warmup 10]
-    python tools/bench/bench_native_executor.py --part ab --against /tmp/base [--rounds 6]
+    python tools/bench/bench_native_executor.py --part ab --base /tmp/base [--rounds 6]
 """
 
 from __future__ import annotations
@@ -33,15 +34,13 @@ from pathlib import Path
 
 import click
 import numpy as np
+from _alternate import alternate
+from bench_expert_cache import SHAPE, model_path
+from bench_rpc import start_server
 
 from ggml_hybrid.ggml import rpc
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _alternate import alternate
-from bench_expert_cache import SHAPE, model_path
-from bench_rpc import start_server
 
 
 def _delta(s: MoEStackSession, base) -> dict[str, float]:
@@ -89,48 +88,32 @@ def orchestration(steps: int, warmup: int) -> None:
         s.close()
 
 
-def native_stack(steps: int, warmup: int) -> dict[str, object]:
-    """Part 1's stack, the native executor only: µs per layer and orchestration µs per call (a round of ``ab``)."""
-    import ggml_hybrid
-
-    path, n_layer = model_path(), SHAPE["n_layer"]
-    modes = {"resident": [], **{f"native {n} slots": ["disk_experts=1", f"expert_cache_slots={n}",
-                                                       "moe_executor=native"] for n in (64, 16)}}
-    sessions = {k: MoEStackSession(path, SessionOptions.parse([*v, "n_threads=1"])) for k, v in modes.items()}
-    warm = np.random.default_rng(0).standard_normal((256, SHAPE["n_embd"])).astype(np.float32)
-    for s in sessions.values():
-        s.forward(warm)
-    med, d = _run(sessions, None, 1, steps, warmup, seed=1)
-    for s in sessions.values():
-        s.close()
-    return {"package": str(Path(ggml_hybrid.__file__).resolve().parents[1]),
-            "us_layer": {k: m * 1e6 / n_layer for k, m in med.items()},
-            "orch_us": {k: row["orch_us"] for k, row in d.items()}}
-
-
-def ab(against: str, rounds: int, steps: int, warmup: int) -> None:
-    builds = {"before": Path(against).resolve(), "after": Path(__file__).resolve().parents[2]}
+def ab(base: str, rounds: int, steps: int, warmup: int) -> None:
+    builds = {"base": Path(base).resolve(), "head": Path(__file__).resolve().parents[2]}
+    worker = [sys.executable, str(Path(__file__).with_name("_native_stack_worker.py")), model_path(),
+              *map(str, (SHAPE["n_layer"], SHAPE["n_embd"], steps, warmup))]
     runs: dict[str, list[dict]] = {k: [] for k in builds}
     for r in range(rounds):
         for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
-            env = {**os.environ, "PYTHONPATH": str(builds[name])}
-            out = subprocess.run([sys.executable, __file__, "--part", "native-stack", "--steps", str(steps),
-                                  "--warmup", str(warmup)], env=env, check=True, capture_output=True, text=True)
+            out = subprocess.run(worker, env={**os.environ, "PYTHONPATH": str(builds[name])}, check=True,
+                                 capture_output=True, text=True)
             got = json.loads(out.stdout.splitlines()[-1])
-            assert Path(got["package"]) == builds[name], f"{name} ran the package in {got['package']}"
+            if builds[name] not in Path(got["where"]).resolve().parents:
+                raise SystemExit(f"the worker for {builds[name]} imported ggml_hybrid from {got['where']}")
             runs[name].append(got)
     print(f"native executor, {rounds} rounds (a fresh process of each build per round, alternating), each {steps} "
-          f"decode steps after {warmup}; before = {builds['before']}, after = {builds['after']}")
-    print(f"{'mode':<16} {'figure':<22} {'before':>8} {'after':>8} {'after/before':>12}  per-round ratios")
-    for mode in runs["after"][0]["us_layer"]:
+          f"decode steps after {warmup}; base = {builds['base']}, head = {builds['head']}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':<16} {'figure':<22} {'base':>8} {'head':>8} {'head/base':>10}  per-round ratios")
+    for mode in runs["head"][0]["us_layer"]:
         for key, label in (("us_layer", "us/layer"), ("orch_us", "orchestration us/call")):
-            if mode not in runs["after"][0][key]:
+            if mode not in runs["head"][0][key]:
                 continue
-            b = [x[key][mode] for x in runs["before"]]
-            a = [x[key][mode] for x in runs["after"]]
+            b = [x[key][mode] for x in runs["base"]]
+            a = [x[key][mode] for x in runs["head"]]
             ratios = " ".join(f"{y / x:.2f}" for x, y in zip(b, a))
             print(f"{mode:<16} {label:<22} {statistics.median(b):>8.1f} {statistics.median(a):>8.1f} "
-                  f"{statistics.median(a) / statistics.median(b):>12.3f}  {ratios}")
+                  f"{statistics.median(a) / statistics.median(b):>10.3f}  {ratios}")
 
 
 def loads(steps: int, warmup: int) -> None:
@@ -166,20 +149,16 @@ def loads(steps: int, warmup: int) -> None:
 
 
 @click.command(help=__doc__)
-@click.option("--part", type=click.Choice(["orchestration", "loads", "all", "ab", "native-stack"]), default="all",
-              show_default=True, help="native-stack: one round of ab (prints JSON)")
+@click.option("--part", type=click.Choice(["orchestration", "loads", "all", "ab"]), default="all", show_default=True)
 @click.option("--steps", type=click.IntRange(1), default=40, show_default=True, help="measured steps per mode")
 @click.option("--warmup", type=click.IntRange(0), default=10, show_default=True)
-@click.option("--against", type=click.Path(exists=True, file_okay=False), help="ab: the other build's checkout")
+@click.option("--base", type=click.Path(exists=True, file_okay=False), help="ab: the other build's checkout")
 @click.option("--rounds", type=click.IntRange(1), default=6, show_default=True, help="ab: processes per build")
-def main(part: str, steps: int, warmup: int, against: str | None, rounds: int) -> None:
-    if part == "native-stack":
-        print(json.dumps(native_stack(steps, warmup)))
-        return
+def main(part: str, steps: int, warmup: int, base: str | None, rounds: int) -> None:
     if part == "ab":
-        if against is None:
-            raise click.UsageError("--part ab needs --against DIR, a built checkout to compare with")
-        ab(against, rounds, steps, warmup)
+        if base is None:
+            raise click.UsageError("--part ab needs --base DIR, a built checkout to compare with")
+        ab(base, rounds, steps, warmup)
         return
     if part in ("orchestration", "all"):
         orchestration(steps, warmup)

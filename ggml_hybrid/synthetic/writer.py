@@ -6,9 +6,9 @@ from dataclasses import asdict
 
 import numpy as np
 
-from ...errors import ArgumentError
-from ...ggml.dtypes import GGMLType, as_ggml_type
-from ...ggml.quant import quantize
+from ..errors import ArgumentError
+from ..ggml.dtypes import GGMLType, as_ggml_type
+from ..ggml.quant import quantize
 from .spec import GATINGS, PRE, ModelSpec
 from .vocab import bpe_vocab, spm_vocab
 
