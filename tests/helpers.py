@@ -14,11 +14,13 @@ the helper creates is closed before it returns.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 
@@ -266,3 +268,13 @@ def relative_diff(got: np.ndarray, ref: np.ndarray) -> float:
     """max|got - ref| / max|ref| over logits, in float64."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def build_script():
+    """The repository's build.py as a module (its stub writer, its cdef), loaded once."""
+    name = "ggml_hybrid_build_script"
+    if name not in sys.modules:  # registered before it runs: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "build.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]

@@ -71,11 +71,11 @@ class Region:
 @runtime_checkable
 class NativeExecutor(Protocol):
     """An executor written in C: the scheduler calls ``c_function(..., c_user_data)`` (a
-    ``ggml_backend_sched_region_exec_t``) with no Python frame; when it fails, :meth:`error` gives the
-    typed exception to raise."""
+    ``ggml_backend_sched_region_exec_t``: a cdata function pointer or a function of ``lib``) with no Python
+    frame; when it fails, :meth:`error` gives the typed exception to raise."""
 
     @property
-    def c_function(self) -> CData: ...
+    def c_function(self) -> CData | Callable[..., int]: ...
 
     @property
     def c_user_data(self) -> CData: ...

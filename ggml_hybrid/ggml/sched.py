@@ -67,7 +67,7 @@ class Scheduler(Managed):
         self._remote = [b for b in backends if b.endpoint is not None]  # RPC devices, whose server may be lost
         self.graph_size = graph_size
         self._eval_fn: Callable[[Tensor, bool], object] | None = None
-        self._eval_handle: CData = None
+        self._eval_handle: CData | None = None
         self._pending_error: BaseException | None = None
         self._computing: Graph | None = None  # the graph of the compute in progress
         self._regions: list[Region] = []
