@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .._native import CData, ffi, lib
 from .._native.status import check_status
@@ -31,11 +33,14 @@ from ..ggml.regions import RegionCall
 from ..ggml.repack import repack_buffer_type
 from ..ggml.tensor import Tensor
 from ..model.gguf_store import GGUFStore
-from .cpu_share import CostModel, split_misses
+from .cpu_share import CostModel, MissSplit, split_misses
 from .cpu_worker import CPUWorker
 from .ffn import ExpertWeights, expert_ffn, weighted_sum
 from .row_graphs import RowGraphs
 from .slot_cache import SlotCache
+
+if TYPE_CHECKING:
+    from .traces.format import TraceWriter
 
 
 @dataclass
@@ -75,7 +80,7 @@ class LayerCounters:
         for k, v in asdict(other).items():  # fields only, not the derived values
             setattr(self, k, getattr(self, k) + v)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "share_applied": self.share_applied, "orchestration_ns": self.orchestration_ns}
 
 
@@ -181,12 +186,12 @@ def allocate_slots(ctx: Context, slots: dict[str, Tensor], device: Backend, repa
     return buffers
 
 
-def _compute(backend_ptr, graph_ptr) -> None:
+def _compute(backend_ptr: CData, graph_ptr: CData) -> None:
     status = lib.ggml_backend_graph_compute(backend_ptr, graph_ptr)
     check_status(status, "expert cache graph")
 
 
-def _read_rows(t, n_rows: int, n_cols: int, dtype) -> np.ndarray:
+def _read_rows(t: Tensor, n_rows: int, n_cols: int, dtype: npt.DTypeLike) -> np.ndarray:
     """A [rows, cols] tensor that may be a strided view (top-k ids are one), read from any backend."""
     p = t.ptr
     nb1 = p.nb[1]
@@ -206,8 +211,8 @@ class ExpertCacheExecutor:
     def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
                  policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None,
-                 simulated_bus_bytes_per_s: float | None = None, trace=None, clear: bool = True,
-                 shared: tuple[SharedBuffer, SharedBuffer] | None = None, repack: bool = True):
+                 simulated_bus_bytes_per_s: float | None = None, trace: TraceWriter | None = None, clear: bool = True,
+                 shared: tuple[SharedBuffer, SharedBuffer] | None = None, repack: bool = True) -> None:
         """``clear=False`` (planning only: nothing will run) only reserves the slot memory.
 
         ``shared``: the compute buffers (slot graphs, row graphs) to place the graphs in, shared with the
@@ -299,7 +304,7 @@ class ExpertCacheExecutor:
             return measured_ns / 1e9
         return self.clock.seconds(kind, nbytes, rows)
 
-    def _cpu_split(self, experts: np.ndarray, rows: np.ndarray):
+    def _cpu_split(self, experts: np.ndarray, rows: np.ndarray) -> MissSplit | None:
         """Which misses the CPU computes; None when every expert goes through the cache."""
         if self.worker is None or self.share == 0.0:
             return None
@@ -309,7 +314,7 @@ class ExpertCacheExecutor:
         assert isinstance(self.share, float)  # "auto" has a model
         return split_misses(experts.tolist(), rows.tolist(), resident, self.share)
 
-    def __call__(self, call: RegionCall):
+    def __call__(self, call: RegionCall) -> None:
         t0 = time.perf_counter_ns()
         x3, ids_t, w_t = call.inputs
         n_tokens = x3.ptr.ne[2]
@@ -399,6 +404,7 @@ class ExpertCacheExecutor:
             c.cpu_ns += c1 - c0
             c.overlap_ns += max(0, min(d1, c1) - max(d0, c0)) if rounds else 0
             if self.model is not None:
+                assert split is not None  # a CPU job comes from a split
                 cpu_bytes = len(split.cpu_misses) * self.expert_bytes
                 cpu_s = self._seconds("cpu", cpu_bytes, len(rows_out), c1 - c0)
                 self.model.observe_cpu(cpu_bytes, len(rows_out), cpu_s)
