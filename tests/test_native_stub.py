@@ -1,6 +1,7 @@
 """The type stub of the compiled module (``_native/_ggml.pyi``, written by build.py from the cdef) against the
 module itself: every name ``lib`` exports, each function's arity and the kind of each argument and result, as
-cffi's compiled module describes them (``ffi.typeof``). And the stub's argument types against what cffi accepts."""
+cffi's compiled module describes them (``ffi.typeof``); the typed part of ``ffi`` against cffi's; and the stub's
+argument types against what cffi accepts."""
 
 from __future__ import annotations
 
@@ -104,6 +105,16 @@ def _callable(ann: ast.expr | None) -> tuple[list[str], str]:
     assert isinstance(ann, ast.BinOp) and isinstance(ann.right, ast.Subscript)
     params, result = ann.right.slice.elts  # type: ignore[attr-defined]
     return [ast.unparse(a) for a in params.elts], ast.unparse(result)
+
+
+def test_the_typed_part_of_ffi_is_cffis():
+    tree = ast.parse(STUB.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "_FFI")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    names |= {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert {"new", "cast", "from_buffer", "string", "NULL"} <= names
+    assert [n for n in sorted(names) if not hasattr(ffi, n)] == []
+    assert isinstance(ffi.string(ffi.new("char[]", b"ab")), bytes)  # the stub's result type for char arrays
 
 
 def test_the_stub_is_the_one_the_cdef_gives():

@@ -383,7 +383,7 @@ class Scheduler(Managed):
 
 
 # error=False: an escaped exception stops the computation (or skips the node's data when GGML only asks)
-@ffi.def_extern(error=False, onerror=escaped)  # type: ignore[untyped-decorator]  # cffi ships no type information
+@ffi.def_extern(error=False, onerror=escaped)
 def _ggml_hybrid_eval_callback(t: CData, ask: CData, user_data: CData) -> bool:
     sched: Scheduler = ffi.from_handle(user_data)
     if sched._pending_error is not None:
