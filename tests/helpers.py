@@ -248,27 +248,7 @@ def region_weights(region) -> set[str]:
     return names
 
 
-# -- CUDA against the CPU (tests/test_gpu.py, tools/device_check.py) -----------------------------------
-
-#: the largest relative difference allowed between two backends' logits: max|a - b| / max|b|
-PARITY_RTOL = 1e-3
-
-
-def greedy_run(model, prompt, n: int) -> tuple[list[int], np.ndarray]:
-    """The prompt, then ``n`` greedy tokens one eval each: (the tokens, the logits of every eval, [n + 1, vocab])."""
-    logits = [model.eval(prompt)[-1]]
-    tokens = []
-    for _ in range(n):
-        tokens.append(int(np.argmax(logits[-1])))
-        logits.append(model.eval([tokens[-1]])[-1])
-    return tokens, np.stack(logits)
-
-
-def relative_diff(got: np.ndarray, ref: np.ndarray) -> float:
-    """max|got - ref| / max|ref| over logits, in float64."""
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
-
+# -- build.py (tests/test_build.py, tests/test_native_stub.py) ---------------------------------------------
 
 def build_script():
     """The repository's build.py as a module (its stub writer, its cdef), loaded once."""
@@ -278,3 +258,6 @@ def build_script():
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
+
+
+# -- CUDA against the CPU (tests/test_gpu.py, tools/device_check.py) -----------------------------------

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.executor import SyntheticClock
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.synthetic import write_moe_stack
 
 # per byte loaded, per device row, per CPU byte, per CPU row, per job: a CPU that reads fast but computes slowly,
 # so the choice depends on the rows of each expert

@@ -32,7 +32,7 @@ from ..ggml.graph_cache import GraphCache, SharedBuffer
 from ..ggml.regions import RegionCall
 from ..ggml.repack import repack_buffer_type
 from ..ggml.tensor import Tensor
-from ..model.gguf_store import GGUFStore
+from ..gguf.store import GGUFStore
 from .cpu_share import CostModel, MissSplit, split_misses
 from .cpu_worker import CPUWorker
 from .ffn import ExpertWeights, expert_ffn, weighted_sum

@@ -22,8 +22,8 @@ from ..files import check_output
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
+from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule
 from ..machine import available_memory
-from ..model.gguf_store import GGUFStore, ModelFileError, load_into, repack_rule
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters

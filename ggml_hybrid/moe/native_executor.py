@@ -27,7 +27,7 @@ from ..errors import (
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.ops import GLU_OPS
-from ..model.gguf_store import GGUFStore
+from ..gguf.store import GGUFStore
 from .cpu_share import CostModel, n_cpu_for_share
 from .executor import LayerCounters, SyntheticClock, allocate_slots
 from .ffn import ExpertWeights

@@ -18,20 +18,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import click
 import numpy as np
+from _alternate import alternate
+from bench_expert_cache import SHAPE, model_path
+from bench_rpc import start_server
 
 from ggml_hybrid.ggml import rpc
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _alternate import alternate
-from bench_expert_cache import SHAPE, model_path
-from bench_rpc import start_server
 
 
 def _delta(s: MoEStackSession, base) -> dict[str, float]:

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import ArgumentError
-from ...ggml.dtypes import GGMLType, GGMLTypeLike, as_ggml_type
-from ...ggml.quant import quantize
+from ..errors import ArgumentError
+from ..ggml.dtypes import GGMLType, GGMLTypeLike, as_ggml_type
+from ..ggml.quant import quantize
 from .spec import GATINGS, PRE, ModelSpec
 from .vocab import bpe_vocab, spm_vocab
 
