@@ -258,6 +258,3 @@ def build_script():
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
-
-
-# -- CUDA against the CPU (tests/test_gpu.py, tools/device_check.py) -----------------------------------
