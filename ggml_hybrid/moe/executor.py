@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .._native import CData, ffi, lib
 from .._native.cstruct import Counters
@@ -46,6 +47,9 @@ from .ffn import ExpertWeights, expert_ffn, weighted_sum
 from .row_graphs import RowGraphs
 from .slot_cache import Round, SlotCache
 
+if TYPE_CHECKING:
+    from .traces.format import TraceWriter
+
 
 class LayerCounters(Counters, struct="hy_moe_counters"):
     """A layer's counters, summed over its calls, kept by both executors: the fields of the C struct
@@ -59,7 +63,7 @@ class LayerCounters(Counters, struct="hy_moe_counters"):
     @property
     def orchestration_ns(self) -> int:
         """Executor time that is neither loading nor computing: the Python side."""
-        return self.device_ns - self.load_ns - self.compute_ns
+        return int(self.device_ns - self.load_ns - self.compute_ns)
 
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "share_applied": self.share_applied, "orchestration_ns": self.orchestration_ns}
@@ -170,12 +174,12 @@ def allocate_slots(ctx: Context, slots: dict[str, Tensor], device: Backend, repa
     return buffers
 
 
-def _compute(backend_ptr, graph_ptr) -> None:
+def _compute(backend_ptr: CData, graph_ptr: CData) -> None:
     status = lib.ggml_backend_graph_compute(backend_ptr, graph_ptr)
     check_status(status, "expert cache graph")
 
 
-def _read_rows(t, n_rows: int, n_cols: int, dtype) -> np.ndarray:
+def _read_rows(t: Tensor, n_rows: int, n_cols: int, dtype: npt.DTypeLike) -> np.ndarray:
     """A [rows, cols] tensor that may be a strided view (top-k ids are one), read from any backend."""
     p = t.ptr
     nb1 = p.nb[1]
@@ -214,7 +218,7 @@ class _Call:
         self.n_tokens: int = self.x.ptr.ne[2]
         self.checked = False  # the model file was found unchanged in this call
         self.xv: np.ndarray | None = None  # x on the host, [T, n_embd]
-        self.job: cf.Future | None = None  # the CPU worker's
+        self.job: cf.Future[tuple[np.ndarray, int, int]] | None = None  # the CPU worker's: rows, start, end
 
 
 class ExpertCacheExecutor:
@@ -223,8 +227,8 @@ class ExpertCacheExecutor:
     def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
                  policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None,
-                 simulated_bus_bytes_per_s: float | None = None, trace=None, clear: bool = True,
-                 shared: tuple[SharedBuffer, SharedBuffer] | None = None, repack: bool = True):
+                 simulated_bus_bytes_per_s: float | None = None, trace: TraceWriter | None = None, clear: bool = True,
+                 shared: tuple[SharedBuffer, SharedBuffer] | None = None, repack: bool = True) -> None:
         """``clear=False`` (planning only: nothing will run) only reserves the slot memory.
 
         ``shared``: the compute buffers (slot graphs, row graphs) to place the graphs in, shared with the

@@ -9,6 +9,7 @@ the reference: ``tests/test_native_executor.py`` compares them call by call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -172,7 +173,7 @@ class NativeExpertExecutor:
     # -- the region -----------------------------------------------------------------------------
 
     @property
-    def c_function(self) -> CData:
+    def c_function(self) -> Callable[..., int]:
         return lib.hy_moe_exec_run
 
     @property

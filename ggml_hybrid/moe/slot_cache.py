@@ -106,7 +106,7 @@ class CacheCounters(Counters, struct="hy_cache_counters"):
     (``_native/src/moe_policy.h``), which the C port keeps too; the module docstring says what each counts."""
 
 
-def _as_int(value, what: str) -> int:
+def _as_int(value: object, what: str) -> int:
     return check_int(value, what, error=SlotCacheError, type_error=SlotCacheTypeError)
 
 
@@ -146,7 +146,7 @@ class SlotCache:
         self._uncommitted: dict[int, int] = {}  # slot -> the expert its last planned load puts there
         self.counters = CacheCounters()
 
-    def slot_of(self, expert) -> int | None:
+    def slot_of(self, expert: int) -> int | None:
         """The slot holding ``expert``, or None when it is not resident."""
         s = self._where.get(self._check_expert(expert, "SlotCache.slot_of"))
         return None if s is None or self._uncommitted.get(s) == expert else s
@@ -161,13 +161,13 @@ class SlotCache:
 
     # -- validation ------------------------------------------------------------------------------
 
-    def _check_expert(self, expert, where: str) -> int:
+    def _check_expert(self, expert: object, where: str) -> int:
         e = _as_int(expert, f"{where}: expert id")
         if not 0 <= e < self.n_experts:
             raise IndexRangeError(f"{where}: expert id {e} is out of range [0, {self.n_experts})")
         return e
 
-    def _check_call(self, experts, rows) -> tuple[list[int], list[int]]:
+    def _check_call(self, experts: Sequence[int], rows: Sequence[int] | None) -> tuple[list[int], list[int]]:
         if isinstance(experts, (str, bytes)) or not hasattr(experts, "__len__") or not hasattr(experts, "__iter__"):
             raise SlotCacheTypeError(
                 f"SlotCache.plan: experts must be a sequence of int expert ids, got {type(experts).__name__}")
@@ -205,7 +205,7 @@ class SlotCache:
         assert e is not None, f"slot {slot} is empty"
         return e
 
-    def _victim_key(self, slot: int):
+    def _victim_key(self, slot: int) -> tuple[int, ...]:
         e = self._expert_in(slot)
         if self.policy == "lru":
             return (self._recency[e], slot)
