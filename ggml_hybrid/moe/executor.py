@@ -1,6 +1,6 @@
 """The device expert cache as a region executor: one MoE layer's routed experts.
 
-Each layer owns ``n_slots`` expert slots on the device (plus one zeroed scratch
+Each layer owns ``n_slots`` expert slots on the device (plus one zeroed pad
 slot) for each expert tensor (gate, up, down or the fused gate_up). A call reads
 the routed expert ids and places them: with ``moe_cpu_share`` > 0 a share of the
 misses goes to the session's CPU worker (started first, so it overlaps the device
@@ -8,7 +8,7 @@ work); the rest asks the :class:`~ggml_hybrid.expert_cache.SlotCache` for a plan
 (hits first, then misses loaded into slots, in rounds when the call needs more
 experts than there are slots). A single round with no CPU rows runs ``mul_mat_id``
 over the slot tensors with the ids remapped to slots (rows of other experts point at
-the scratch slot); otherwise each round computes only its own rows, compacted (see
+the pad slot); otherwise each round computes only its own rows, compacted (see
 :mod:`ggml_hybrid.row_graphs`), and the rows merge on the host. Either way every
 expert sees exactly the rows, in the same order, as in the resident ``mul_mat_id``,
 which makes the result bit-identical on the CPU. The weighted sum over the selected
@@ -152,7 +152,7 @@ class _HostScratch:
 
 def allocate_slots(ctx: Context, slots: dict[str, Tensor], device: Backend, repack: bool, virtual: bool,
                    clear: bool) -> list[Buffer]:
-    """Memory for a layer's slot tensors on ``device``, zeroed when ``clear`` (the scratch slot's zeros absorb
+    """Memory for a layer's slot tensors on ``device``, zeroed when ``clear`` (the pad slot's zeros absorb
     padding rows). On a CPU device with ``repack`` (the session's option), a kind whose experts GGML's CPU
     extra buffer types take goes there, as its resident experts would: a slot then computes with the same
     kernels, and a load repacks one expert (vendor patch 0003)."""
@@ -249,7 +249,7 @@ class ExpertCacheExecutor:
         self.n_expert = infos["down"].shape[0]
         self.n_embd = infos["down"].shape[1]
         self.cache = SlotCache(self.n_expert, n_slots, policy)
-        self.scratch = n_slots  # the extra, zeroed slot that absorbs rows outside a round
+        self.pad_slot = n_slots  # the extra, zeroed slot that absorbs rows outside a round
         self.ctx = Context(n_tensors=len(names))
         self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
                              for k, info in infos.items()}
@@ -286,7 +286,7 @@ class ExpertCacheExecutor:
 
     @property
     def slot_bytes(self) -> int:
-        """Device bytes of the slots, scratch included."""
+        """Device bytes of the slots, the pad slot included."""
         return sum(t.nbytes for t in self.slot_tensors.values())
 
     def reserve(self, n_tokens: int) -> None:
@@ -391,9 +391,9 @@ class ExpertCacheExecutor:
             c.bytes_loaded += self._load(expert, slot)
             self.cache.commit(slot, expert)  # only now does the cache count it as resident
         t2 = time.perf_counter_ns()
-        # each expert's slot in this round; experts of other rounds (and the CPU's) read the scratch slot
+        # each expert's slot in this round; experts of other rounds (and the CPU's) read the pad slot
         slot_of = self._slot_of
-        slot_of.fill(self.scratch)
+        slot_of.fill(self.pad_slot)
         for expert, slot in rnd.hits + rnd.loads:
             slot_of[expert] = slot
         np.take(slot_of, call.ids, out=call.bucket.slot_ids)
@@ -433,12 +433,12 @@ class ExpertCacheExecutor:
 
     def _compute_rows(self, call: _Call) -> tuple[int, int]:
         """This round's rows only, compacted (:class:`RowGraphs` pads them to their row bucket, the padding on the
-        zeroed scratch slot); the results go to their places in ``merged``. Its rows, and the nanoseconds."""
+        zeroed pad slot); the results go to their places in ``merged``. Its rows, and the nanoseconds."""
         b = call.bucket
         assert call.xv is not None  # read by _plan for every call that computes on the host
-        sel = b.slot_ids != self.scratch
+        sel = b.slot_ids != self.pad_slot
         t = time.perf_counter_ns()
-        b.merged[sel] = self._slot_rows.compute(call.xv[np.nonzero(sel)[0]], b.slot_ids[sel], self.scratch)
+        b.merged[sel] = self._slot_rows.compute(call.xv[np.nonzero(sel)[0]], b.slot_ids[sel], self.pad_slot)
         return int(np.count_nonzero(sel)), time.perf_counter_ns() - t
 
     def _merge(self, call: _Call) -> None:

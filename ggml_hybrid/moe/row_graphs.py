@@ -74,7 +74,7 @@ def bucket_rows(n: int, ids: np.ndarray, n_expert: int, pad_id: int | None = Non
     """Graph row count for n rows (:func:`row_bucket`), and the expert id its padding rows use.
 
     Padding must never add rows to an expert the graph computes, so padding rows go to
-    ``pad_id`` (e.g. a scratch slot) or to an expert absent from ``ids``; when there is
+    ``pad_id`` (e.g. a cache's pad slot) or to an expert absent from ``ids``; when there is
     none, the graph has exactly n rows.
     """
     bucket = row_bucket(n)

@@ -513,15 +513,15 @@ static int compute_full(hy_moe_exec * ex, hy_call * call) {
     return HY_OK;
 }
 
-/* This round's rows only, compacted and padded to their row bucket (padding rows go to the zeroed scratch
+/* This round's rows only, compacted and padded to their row bucket (padding rows go to the zeroed pad
    slot); the results go to their places in merged. */
 static int compute_rows(hy_moe_exec * ex, hy_call * call) {
     const hy_moe_config * cfg = &ex->cfg;
-    const int k = cfg->n_used, E = cfg->n_embd, scratch = cfg->n_slots;
+    const int k = cfg->n_used, E = cfg->n_embd, pad_slot = cfg->n_slots;
     int n = 0;
     for (int i = 0; i < call->n_rows; i++) {
         const int s = ex->slot_of[ex->ids[i]];
-        if (s != scratch) {
+        if (s != pad_slot) {
             memcpy(ex->rows_x + (size_t) n * E, ex->x + (size_t) (i / k) * E, sizeof(float) * E);
             ex->rows_ids[n] = s;
             ex->rows_pos[n] = i;
@@ -538,7 +538,7 @@ static int compute_rows(hy_moe_exec * ex, hy_call * call) {
         }
         for (int i = n; i < rows; i++) {
             memset(ex->rows_x + (size_t) i * E, 0, sizeof(float) * E);
-            ex->rows_ids[i] = scratch;
+            ex->rows_ids[i] = pad_slot;
         }
         ggml_backend_tensor_set(g->x, ex->rows_x, 0, sizeof(float) * (size_t) rows * E);
         ggml_backend_tensor_set(g->ids, ex->rows_ids, 0, sizeof(int32_t) * rows);
@@ -580,7 +580,7 @@ static int run_round(hy_moe_exec * ex, hy_call * call, int r) {
         hy_cache_commit(ex->cache, p->load_slot[i], p->load_expert[i]);
     }
     const int64_t t2 = hy_now_ns();
-    /* each expert's slot in this round; experts of other rounds (and the CPU's) read the scratch slot */
+    /* each expert's slot in this round; experts of other rounds (and the CPU's) read the pad slot */
     for (int e = 0; e < cfg->n_expert; e++) {
         ex->slot_of[e] = cfg->n_slots;
     }

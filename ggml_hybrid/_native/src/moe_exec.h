@@ -57,7 +57,7 @@ typedef struct hy_moe_config {
     int n_expert, n_used, n_embd;
     int n_slots, policy;
     int glu;                          /* enum ggml_glu_op */
-    hy_experts slots;                 /* [n_slots + 1, ...] on the device; the last slot is zeroed scratch */
+    hy_experts slots;                 /* [n_slots + 1, ...] on the device; the last, zeroed, is the pad slot */
     hy_experts host;                  /* the experts on the mapped file (the CPU share) */
     int n_kinds;                      /* the expert tensors: what a load copies */
     struct ggml_tensor * slot_tensor[HY_MAX_KINDS];
