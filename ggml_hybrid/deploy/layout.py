@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..gguf.names import LAYER as _LAYER
 from ..gguf.names import is_expert_tensor, layer_of, tensor_class
+from ..moe.expert_layers import ExpertMode
 from ..options import OptionError, SessionOptions, override_items, tensor_split_parts
 
 CPU = "CPU"
@@ -58,7 +59,7 @@ class Layout:
     tensors: dict[str, str]        # tensor name -> device name (or CPU)
     layer_device: tuple[str, ...]  # where each layer's own compute runs
     kv_device: tuple[str, ...]     # where each layer's KV cache lives
-    expert_mode: tuple[str, ...]   # per layer: resident | cpu | disk (dense: a layer without routed experts)
+    expert_mode: tuple[ExpertMode, ...]  # per layer
     output_device: str
 
     def classes(self, infos: Mapping[str, int],
@@ -144,7 +145,7 @@ def plan_layout(names: Iterable[str], n_layer: int, opts: SessionOptions, device
         tensors[name] = dev
     if tied_output:
         tensors["output.weight(tied)"] = output_device
-    modes = []
+    modes: list[ExpertMode] = []
     for i in range(n_layer):
         devs = {d for n, d in tensors.items() if is_expert_tensor(n) and n.startswith(f"blk.{i}.")}
         if not devs:
