@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import build_script
 
 import ggml_hybrid
 
@@ -80,19 +80,10 @@ def test_python_m_build_in_the_checkout_runs_pypa_build():
     assert str(ROOT / "build.py") not in res.stdout + res.stderr and "unrecognized arguments" not in res.stderr
 
 
-def _build_module():
-    name = "ggml_hybrid_build_script"
-    if name not in sys.modules:  # registered before it runs: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location(name, ROOT / "build.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
 @pytest.fixture
 def adopting(tmp_path, monkeypatch):
     """build.py with a stand-in backend ("fake": no compiler needed for its arguments) and a scratch cache."""
-    mod = _build_module()
+    mod = build_script()
     monkeypatch.setitem(mod.BACKENDS, "fake", mod.BackendSpec("GGML_HYBRID_FAKE", lambda opts: ["-DFAKE=ON"]))
     monkeypatch.setenv("GGML_HYBRID_CACHE", str(tmp_path / "cache"))
     return mod

@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from ..gguf.names import LAYER as _LAYER
 from ..gguf.names import is_expert_tensor, layer_of, tensor_class
+from ..moe.expert_layers import ExpertMode
 from ..options import OptionError, SessionOptions, override_items, tensor_split_parts
 
 CPU = "CPU"
-def parse_overrides(text: str | None) -> list[tuple[str, re.Pattern, str]]:
+def parse_overrides(text: str | None) -> list[tuple[str, re.Pattern[str], str]]:
     """``"re1=DEV,re2=DEV"`` -> [(pattern text, compiled, device)]; bad items raise OptionError."""
     try:
         return override_items(text)
@@ -56,13 +59,14 @@ def parse_split(text: str | None, n_devices: int) -> list[float]:
 @dataclass(frozen=True)
 class Layout:
     devices: tuple[str, ...]       # accelerator names, in order
-    tensors: dict                  # tensor name -> device name (or CPU)
+    tensors: dict[str, str]        # tensor name -> device name (or CPU)
     layer_device: tuple[str, ...]  # where each layer's own compute runs
     kv_device: tuple[str, ...]     # where each layer's KV cache lives
-    expert_mode: tuple[str, ...]   # per layer: resident | cpu | disk (dense: a layer without routed experts)
+    expert_mode: tuple[ExpertMode, ...]  # per layer
     output_device: str
 
-    def classes(self, infos, host_copies=frozenset()) -> dict[str, dict[str, int]]:
+    def classes(self, infos: Mapping[str, int],
+                host_copies: AbstractSet[str] = frozenset()) -> dict[str, dict[str, int]]:
         """Bytes per device, ``CPU`` (host RAM) or ``mapped`` per tensor class, from ``{name: nbytes}`` (with the
         tied copy). Tensors on the CPU and the routed experts of cpu and disk layers are used in place from the
         memory-mapped file, but for ``host_copies``, copied into host RAM (repacked weights)."""
@@ -80,7 +84,8 @@ class Layout:
         return out
 
 
-def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], tied_output: bool) -> Layout:
+def plan_layout(names: Iterable[str], n_layer: int, opts: SessionOptions, devices: list[str],
+                tied_output: bool) -> Layout:
     """Place every tensor in ``names`` (GGUF names) on one of ``devices`` or the CPU."""
     devices = list(devices)
     known = set(devices) | {CPU}
@@ -145,7 +150,7 @@ def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], t
         tensors[name] = dev
     if tied_output:
         tensors["output.weight(tied)"] = output_device
-    modes = []
+    modes: list[ExpertMode] = []
     for i in range(n_layer):
         devs = {d for n, d in tensors.items() if is_expert_tensor(n) and n.startswith(f"blk.{i}.")}
         if not devs:

@@ -394,7 +394,8 @@ class BorrowedScope:
 
 def _buffer_of(p: CData) -> CData:
     # GGML's own rule: a view's memory belongs to the buffer of its source
-    return p.view_src.buffer if p.view_src != ffi.NULL else p.buffer
+    buf: CData = p.view_src.buffer if p.view_src != ffi.NULL else p.buffer
+    return buf
 
 
 class _ArrayView:

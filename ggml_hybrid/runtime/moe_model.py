@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -571,7 +571,7 @@ class MoEModel:
         if self._closed:
             raise ClosedError(f"{op}: the model is closed")
 
-    def eval(self, tokens: npt.ArrayLike, logits: str = "last", seq: int = 0) -> np.ndarray:
+    def eval(self, tokens: npt.ArrayLike, logits: Literal["last", "all"] = "last", seq: int = 0) -> np.ndarray:
         """Append ``tokens`` to sequence ``seq``; the logits of the last (``"last"``) or every (``"all"``) one."""
         if logits != "last":
             check_choice(logits, "eval: logits", ("last", "all"))
