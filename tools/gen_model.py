@@ -25,7 +25,7 @@ from ggml_hybrid.cli.main import main as _group
 def main() -> None:
     import ggml_hybrid.cli  # noqa: F401  (registers the commands, gen among them)
 
-    _group(["gen", *sys.argv[1:]], prog_name="gen_model.py")
+    _group(["gen", *sys.argv[1:]], prog_name="ggml-hybrid")  # its usage line names the command it is
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ stderr and exit status 2, never a traceback.
 
 from __future__ import annotations
 
-from . import bench, demo, gen, hub, info, plan_cmd, rpc_server, run, serve  # noqa: F401  (each module registers its command)
+from . import bench, demo, gen, info, plan_cmd, pull, rpc_server, run, serve  # noqa: F401  (each module registers its command)
 from .main import main
 
 __all__ = ["main"]

@@ -21,10 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import click
-
 from ..errors import HubError
-from .main import main
 
 DEFAULT_TAGS = ("Q4_K_M", "Q8_0")
 _SIDE_FILES = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
@@ -203,15 +200,4 @@ def fetch(spec: str, hf_file: str | None = None, *, progress: bool = True,
     return paths[0]
 
 
-@main.command()
-@click.argument("repo", metavar="REPO[:QUANT]")
-@click.option("-hff", "--hf-file", "hf_file", metavar="FILE", help="The file of REPO to download (instead of a tag).")
-def pull(repo: str, hf_file: str | None) -> None:
-    """Download a GGUF model from the Hugging Face Hub into its cache; print the path to load.
-
-    The quant tag picks the file as llama.cpp's -hf does (default Q4_K_M, then Q8_0, then the first GGUF).
-    """
-    click.echo(fetch(repo, hf_file, note=lambda s: click.echo(s, err=True)))
-
-
-__all__ = ["available_tags", "choose", "fetch", "parse_repo", "pull", "quant_tag", "split_info"]
+__all__ = ["available_tags", "choose", "fetch", "parse_repo", "quant_tag", "split_info"]

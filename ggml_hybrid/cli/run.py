@@ -11,7 +11,15 @@ from typing import Any
 import click
 import numpy as np
 
-from .flags import explicit, model_argument, pick_model, progress_bar, session_flags, session_from_flags
+from .flags import (
+    check_model_args,
+    explicit,
+    model_argument,
+    pick_model,
+    progress_bar,
+    session_flags,
+    session_from_flags,
+)
 from .main import EXIT_INTERRUPTED, ignore_interrupts, main
 
 _SEED_MAX = 2**32 - 1
@@ -111,6 +119,7 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
     from ..runtime.sampling import Sampler
     from .report import format_stats, run_report
 
+    check_model_args(model, model_flag, hf_repo, hf_file)  # before the other checks; -hf downloads after them
     given = [x for x, v in (("-p/--prompt", prompt), ("-f/--file", prompt_file), ("--tokens", tokens)) if v is not None]
     if conversation:
         _check_conversation(no_conversation, tokens, as_json, logits_out)
