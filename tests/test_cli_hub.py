@@ -59,6 +59,7 @@ class FakeHub:
         self.repos = repos
         self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self.cut_once: dict[str, int] = {}  # repo path -> bytes after which the first full GET drops the connection
+        self.cut_always: dict[str, int] = {}  # the same for every GET
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -131,6 +132,7 @@ class FakeHub:
         if head:
             return
         cut = self.cut_once.pop(m[3], None) if not rng else None
+        cut = self.cut_always.get(m[3], cut)
         if cut is not None:  # the connection breaks off after `cut` bytes of the body
             h.wfile.write(data[:cut])
             h.wfile.flush()
@@ -295,6 +297,16 @@ def test_interrupted_download_resumes(hub, tmp_path):
     assert _sha(path.read_bytes()) == _sha(data)
     gets = [rng for m, p, rng in hub.log if m == "GET" and p.endswith(name)]
     assert gets == [None, f"bytes={10 << 20}-"], gets
+
+
+def test_a_download_that_keeps_failing_is_one_error_and_leaves_nothing(hub, repo_files, tmp_path):
+    name = "tiny-moe-Q8_0.gguf"
+    hub.cut_always[name] = 1000
+    user_error(_env(hub, tmp_path), "pull", f"{REPO}:Q8_0", expect=[f"downloading {name} failed", "run again"])
+    gets = [p for m, p, _ in hub.log if m == "GET" and p.endswith(name)]
+    assert len(gets) > 1  # huggingface_hub retried before giving up
+    left = [p for p in (tmp_path / "hub").rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    assert not any(p.suffix == ".incomplete" or p.name.endswith(name) for p in left), left
 
 
 def test_missing_repo_and_tag(hub, tmp_path):

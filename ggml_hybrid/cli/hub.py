@@ -170,7 +170,7 @@ def fetch(spec: str, hf_file: str | None = None, *, progress: bool = True,
           note: Callable[[str], Any] | None = None) -> str:
     """Download the GGUF that ``-hf spec [--hf-file hf_file]`` names (every part) and return the path to load."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
     from huggingface_hub.utils import disable_progress_bars
 
     repo, tag = parse_repo(spec)
@@ -187,6 +187,12 @@ def fetch(spec: str, hf_file: str | None = None, *, progress: bool = True,
         except (LocalEntryNotFoundError, OfflineModeIsEnabled):
             raise HubError(f"-hf {repo}: {name} is not in the hub cache and the hub cannot be reached "
                            f"({'offline, HF_HUB_OFFLINE=1' if from_cache else _endpoint()})") from None
+        except HfHubHTTPError as exc:
+            status = exc.response.status_code if exc.response is not None else "?"
+            raise HubError(f"-hf {repo}: downloading {name}: {_endpoint()} answered HTTP {status}") from None
+        except Exception as exc:  # a connection that failed for good (huggingface_hub retried): httpx's errors
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            raise HubError(f"-hf {repo}: downloading {name} failed ({why}); run again to retry") from None
     if note is not None:
         size = sum(os.path.getsize(p) for p in paths)
         from ..units import format_bytes
