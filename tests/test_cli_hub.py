@@ -258,7 +258,9 @@ def test_hf_on_the_model_commands(hub, repo_files, tmp_path):
     local = tmp_path / "local.gguf"
     local.write_bytes(repo_files["tiny-moe-Q8_0.gguf"])
     want = json.loads(ok(env, "inspect", local, "--json").stdout)
-    got = json.loads(ok(env, "inspect", "-hf", f"{REPO}:Q8_0", "--json").stdout)
+    r = ok(env, "inspect", "-hf", f"{REPO}:Q8_0", "--json")
+    assert r.stderr == ""  # --json: no progress bar and no note
+    got = json.loads(r.stdout)
     assert got.pop("path").endswith("tiny-moe-Q8_0.gguf") and want.pop("path") == str(local)
     assert got == want
     a = json.loads(ok(env, "run", "-hf", f"{REPO}:Q8_0", "--tokens", "1,2,3", "-n", "3", "-t", "1", "--json").stdout)
@@ -270,6 +272,37 @@ def test_hf_on_the_model_commands(hub, repo_files, tmp_path):
     user_error(env, "inspect", local, "-hf", REPO, expect=["give the model once"])
     user_error(env, "inspect", "--hf-file", "x.gguf", expect=["give -hf REPO too"])
     user_error(env, "inspect", "-hf", f"{REPO}:Q8_0", "--hf-file", "tiny-moe-Q8_0.gguf", expect=["not both"])
+
+
+def test_progress_bar_on_a_terminal(hub, repo_files, tmp_path):
+    # huggingface_hub's own bar, on stderr when it is a terminal (here a pseudo-terminal); stdout keeps the path
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # tqdm draws nothing in 0 columns
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "ggml_hybrid_cli", "pull", f"{REPO}:Q8_0"], env=_env(hub, tmp_path),
+                             stdout=subprocess.PIPE, stderr=slave, text=True)
+        os.close(slave)
+        out, _ = p.communicate(timeout=300)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's other end is closed
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(master)
+    assert p.returncode == 0 and Path(out.strip()).read_bytes() == repo_files["tiny-moe-Q8_0.gguf"]
+    size = len(repo_files["tiny-moe-Q8_0.gguf"])
+    assert b"100%" in seen and b"tiny-moe-Q8_0.gguf" in seen, seen[-500:]
+    assert f"{size / 1e3:.0f}k/{size / 1e3:.0f}k".encode() in seen, seen[-500:]  # tqdm's count: 329k/329k
 
 
 def test_split_gguf_downloaded_whole_then_refused(hub, repo_files, tmp_path):
