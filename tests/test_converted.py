@@ -19,10 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.model.gguf_store import GGUFStore
-from ggml_hybrid.model.hparams import read_hparams
-from ggml_hybrid.model.moe_model import MoEModel
+from ggml_hybrid.gguf.store import GGUFStore
+from ggml_hybrid.model.families import read_hparams
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "fixtures", "converted")
@@ -235,7 +235,7 @@ def test_serve_converted_files(tmp_path):
     pytest.importorskip("openai")
     from test_server import Server
 
-    from ggml_hybrid.model.chat import ChatTemplate
+    from ggml_hybrid.text.chat import ChatTemplate
 
     picks = {"glm": ("glm4moe", "f32"), "q35": ("qwen35moe", "q4_k_m")}
     cfg = tmp_path / "server.toml"

@@ -25,11 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.model.gguf_store import GGUFStore, ModelFileError, same_shape
-from ggml_hybrid.model.hparams import NotMoEError, read_hparams
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
+from ggml_hybrid.errors import NotMoEError
+from ggml_hybrid.gguf.store import GGUFStore, ModelFileError, same_shape
+from ggml_hybrid.model.families import read_hparams
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 U32 = gguf.GGUFValueType.UINT32
 
@@ -156,7 +157,7 @@ def test_shared_expert_gate_as_the_converter_writes_it(base_models, tmp_path):
 def test_add_eos_token_is_followed_by_the_bpe_tokenizer(base_models, tmp_path):
     """``tokenizer.ggml.add_eos_token`` (written by the converter from tokenizer_config.json): llama.cpp's tokenize
     appends EOS after the text when special tokens are added at all."""
-    from ggml_hybrid.model.tokenizer import Tokenizer
+    from ggml_hybrid.text.tokenizer import Tokenizer
 
     B = gguf.GGUFValueType.BOOL
     path = rewrite_gguf(base_models["q3"], tmp_path / "eos.gguf", set_keys={"tokenizer.ggml.add_eos_token": (True, B)})
@@ -257,8 +258,8 @@ CHILD = r"""
 import json, sys, traceback
 from click.testing import CliRunner
 from ggml_hybrid.cli import main
-from ggml_hybrid.model.generate import generate
-from ggml_hybrid.model.moe_model import MoEModel
+from ggml_hybrid.runtime.generate import generate
+from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.options import SessionOptions
 
 def cli(args):

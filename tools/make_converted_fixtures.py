@@ -38,8 +38,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_reference_fixtures import Case, reference, sha256, simd_tag
 
-from ggml_hybrid.model.gguf_store import GGUFStore
-from ggml_hybrid.model.tokenizer import Tokenizer
+from ggml_hybrid.gguf.store import GGUFStore
+from ggml_hybrid.text.tokenizer import Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ("qwen2moe", "qwen3moe", "mixtral", "olmoe", "deepseek2", "deepseek3", "glm4moe", "gpt-oss",
