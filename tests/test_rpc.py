@@ -372,6 +372,45 @@ def test_server_argument_errors(args, expect):
     assert r.exit_code == 2 and expect in r.output, r.output
 
 
+def test_server_threads_follow_the_one_thread_rule():
+    """Issue 28 item 19: --threads 512 was accepted; every other thread flag stops at 4 x the cores."""
+    from ggml_hybrid.ggml.backend import max_threads
+
+    n = max_threads()
+    r = CliRunner().invoke(main, ["rpc-server", "--threads", str(n + 1)])
+    assert r.exit_code == 2 and f"1..{n}" in r.output and "4 x the cores" in r.output, r.output
+    r = CliRunner().invoke(main, ["rpc-server", "--threads", "0"])
+    assert r.exit_code == 2 and f"1..{n}" in r.output, r.output
+
+
+def test_server_mem_beyond_64_bits_is_one_error_line_not_a_silent_hang():
+    """Issue 28 item 5: --mem 2^60 raised an OverflowError in the server thread, and the command then waited for
+    ever without listening. Now it is refused up front, and any failure of the server thread ends the command."""
+    port = free_port()
+    p = subprocess.run([*CLI, "rpc-server", "--port", str(port), "--mem", str(2**60)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "--mem" in p.stderr and "1..17592186044415 MiB" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    # the largest accepted size starts a server that reports it
+    with rpc_server("--mem", str((2**64 - 1) // MiB)) as s:
+        rows = describe_devices(opts(f"rpc={s.endpoint}"))
+        assert rows[0]["memory_total"] == (2**64 - 1) // MiB * MiB
+
+
+def test_a_server_thread_that_fails_ends_the_command(monkeypatch):
+    def broken(*args, **kwargs):
+        raise OverflowError("int too big to convert")
+
+    monkeypatch.setattr(rpc, "serve", broken)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        r = CliRunner().invoke(main, ["rpc-server", "--port", str(free_port())])
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    assert r.exit_code == 2 and "could not start: int too big to convert" in r.output, r.output
+
+
 def test_server_on_a_port_in_use_is_one_error_line():
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]

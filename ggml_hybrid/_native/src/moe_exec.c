@@ -1,5 +1,7 @@
 #include "moe_exec.h"
 
+#include "map_guard.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -636,6 +638,12 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
                                 seconds(ex, 2, bytes, (double) n_cpu_rows, job.t_end - job.t_start));
             hy_cost_observe_job(&ex->model, seconds(ex, 3, 0, 0, job.t_start - t_submit));
         }
+    }
+    /* the worker and the loads read the mapping: a read past the end of a file truncated meanwhile gave
+       zeros (the mapping's guard), which must not reach the output */
+    if (cfg->map_guard > 0 && ggml_hybrid_map_guard_faults(cfg->map_guard - 1) > 0) {
+        rc = fail(ex, HY_ERR_FILE, ERR_FILE, " (truncated: a read went past its end)");
+        goto done;
     }
     if (on_host) {
         hy_graph * g = hy_graph_get(&ex->graphs, HY_GRAPH_SUM, T, NULL, NULL, k, E, (enum ggml_glu_op) cfg->glu);
