@@ -431,3 +431,39 @@ def test_the_mapping_guard_reads_zeros_past_the_end_and_counts_the_fault(tmp_pat
             "    sys.exit(3)\n")
     p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 3 and "truncated while it was in use" in p.stdout, (p.returncode, p.stdout, p.stderr)
+
+
+_RESIDENT_TRUNCATED = """
+import os
+import sys
+import ggml_hybrid as gh
+from ggml_hybrid.model.moe_model import MoEModel
+from ggml_hybrid.options import SessionOptions
+
+path = sys.argv[1]
+with MoEModel(path, SessionOptions.parse(["n_threads=1", "repack=false"])) as m:
+    m.eval([1, 2, 3])
+    os.truncate(path, os.path.getsize(path) // 8)
+    try:
+        m.eval([4, 5, 6])
+    except gh.errors.ModelFileError as exc:
+        print(exc)
+        sys.exit(3)
+print("no error")
+"""
+
+
+def test_a_resident_model_file_truncated_under_a_run_is_a_clear_error_not_sigbus(tmp_path):
+    """Weights used in place from the mapping (resident mode, CPU, not repacked): GGML's own reads of a page past
+    the new end used to kill the process with SIGBUS; now the eval raises and its logits are never returned."""
+    import subprocess
+    import sys
+
+    from ggml_hybrid.model.synthetic import ModelSpec, write_model
+
+    path = write_model(tmp_path / "m.gguf", ModelSpec(n_layer=2, n_embd=64, n_expert=8, n_used=2, weight_type="f32"))
+    script = tmp_path / "resident.py"
+    script.write_text(_RESIDENT_TRUNCATED)
+    p = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, (p.returncode, p.stdout, p.stderr)
+    assert "truncated while it was in use" in p.stdout, p.stdout

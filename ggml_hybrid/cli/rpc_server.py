@@ -84,8 +84,9 @@ def _served_devices() -> list:
 def rpc_server(host: str, port: int, threads: int | None, mem: int | None) -> None:
     """Serve this machine's device (its GPUs, else its CPU) to sessions started with --rpc HOST:PORT.
 
-    Runs in the foreground until Ctrl-C. One client at a time: a second one waits until the first
-    disconnects.
+    Runs in the foreground until Ctrl-C. Each client is served by a thread of its own (the devices run one
+    command at a time); a client has 10 s to say hello, and a malformed message drops its client, not the
+    server (docs/rpc.md).
     """
     from ..ggml import rpc
 
