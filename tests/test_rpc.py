@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -54,13 +55,15 @@ class Server:
     def __init__(self, *extra: str) -> None:
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
+        # output to files: pipes nobody reads while it runs would fill up (with a hostile client's refusals)
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([*CLI, "rpc-server", "--port", str(self.port), "--threads", "1", *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=self._out, stderr=self._err, text=True)
         deadline = time.monotonic() + START_S
         while True:
             if self.proc.poll() is not None:
-                out, err = self.proc.communicate()
-                raise RuntimeError(f"rpc-server exited with {self.proc.returncode}: {out}{err}")
+                _, err = self.stop()
+                raise RuntimeError(f"rpc-server exited with {self.proc.returncode}: {err}")
             try:
                 # the probe is a client too: the server accepts it, reads nothing and waits for the next
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
@@ -80,11 +83,12 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         try:
-            _, err = self.proc.communicate(timeout=20)
+            self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return self.proc.returncode, err
+            self.proc.wait()
+        self._err.seek(0)
+        return self.proc.returncode, self._err.read()
 
 
 @contextmanager
