@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import ggml_hybrid as gh
-from ggml_hybrid.deploy.planner import plan
 from ggml_hybrid.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -21,7 +20,8 @@ from ggml_hybrid.errors import (
     OptionError,
     ShapeError,
 )
-from ggml_hybrid.model.synthetic import ModelSpec, write_model, write_moe_stack
+from ggml_hybrid.plan.planner import plan
+from ggml_hybrid.synthetic import ModelSpec, write_model, write_moe_stack
 
 ONE = gh.SessionOptions(n_threads=1)
 SPEC = ModelSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff_exp=32, n_expert=4, n_used=2,

@@ -9,11 +9,11 @@ pytest.importorskip("jinja2")
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.errors import ChatTemplateError
-from ggml_hybrid.model.chat import DEFAULT_TEMPLATE, MAX_OUTPUT_CHARS, ChatTemplate
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.sampling import Sampler
-from ggml_hybrid.model.synthetic import TEMPLATES, write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.runtime.sampling import Sampler
+from ggml_hybrid.synthetic import TEMPLATES, write_model
+from ggml_hybrid.text.chat import DEFAULT_TEMPLATE, MAX_OUTPUT_CHARS, ChatTemplate
 
 MSGS = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "A"},
         {"role": "user", "content": [{"type": "text", "text": "U"}, {"type": "text", "text": "2"}]}]

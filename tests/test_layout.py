@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.deploy.layout import CPU, plan_layout
-from ggml_hybrid.deploy.planner import k8s_resources, plan
-from ggml_hybrid.model.gguf_store import GGUFStore
-from ggml_hybrid.model.hparams import read_hparams, tensor_shapes
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import write_model
+from ggml_hybrid.gguf.store import GGUFStore
+from ggml_hybrid.model.families import read_hparams, tensor_shapes
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.plan.planner import k8s_resources, plan
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model
 from ggml_hybrid.units import parse_size
 
 PROMPT = "Placement never changes a single bit of the logits."
@@ -125,6 +125,8 @@ def test_no_kv_offload_keeps_the_cache_on_the_cpu(names):
     (dict(n_gpu_layers=-2), "n_gpu_layers=-2"),
     (dict(devices=["DEV0", "DEV1"], tensor_split="1,1,1"), "tensor_split=1,1,1"),
     (dict(devices=["DEV0", "DEV1"], tensor_split="1,1", split_mode="none"), "split_mode=layer"),
+    (dict(devices=["DEV0"], tensor_split="3,1"), r"tensor_split=3,1: needs 1 proportion.*nothing to split"),
+    (dict(devices=["DEV0"], tensor_split="3,1", split_mode="none"), r"needs 1 proportion"),
     (dict(n_cpu_moe=5), "n_cpu_moe=5"),
     (dict(disk_experts=True, expert_cache_slots=2, override_tensor="ffn_down_exps=CPU"), "split over"),
     (dict(devices=[], n_gpu_layers=1), "no device"),
@@ -335,7 +337,7 @@ def test_plan_json_schema_is_stable(model):
     assert list(d["host"]) == ["mapped", "mapped_total", "repacked", "repacked_total", "kv_cache", "recurrent",
                                "compute", "resident_total", "ram", "fits"]
     assert list(d["kv"]) == ["n_ctx", "type_k", "type_v", "per_sequence", "per_token", "parallel", "total"]
-    assert d["recurrent"] is None  # no delta-net layers (a hybrid model's: test_hybrid_models)
+    assert d["recurrent"] is None  # no delta-net layers (a recurrent model's: test_recurrent_families)
     assert list(d["layout"]) == ["layers", "kv", "experts", "output"]
     assert list(d["experts"]) == ["count", "used", "bytes_per_expert", "bytes_per_layer"]
     assert d["recommendations"] and all(list(r) == ["options", "buys", "device_total"] for r in d["recommendations"])

@@ -15,15 +15,15 @@ are ``None`` and they are never traced (trace layer i is the model's i-th MoE la
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Literal, cast
 
 from .._native import CData, ffi
 from ..files import check_output
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
+from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule
 from ..machine import available_memory
-from ..model.gguf_store import GGUFStore, ModelFileError, load_into, repack_rule
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
@@ -31,11 +31,25 @@ from .ffn import ExpertWeights
 from .native_executor import NativeExpertExecutor, NativeWorker, Scratch
 from .traces import TraceWriter
 
+# where a layer's routed experts live and run: on the device (resident), in place on the mapped file (cpu), streamed
+# into the device's expert cache (disk); a dense layer has none
+ExpertMode = Literal["resident", "cpu", "disk", "dense"]
 
-def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int) -> None:
+
+def suggested_slots(n_expert: int, n_used: int = 0) -> int:
+    """A first expert cache size to try: a quarter of the experts, at least the experts used per token."""
+    return min(n_expert, max(n_expert // 4, n_used, 1))
+
+
+def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used: int = 0) -> None:
     """Reject option combinations that cannot work for this model, before anything is loaded."""
     if opts.disk_experts and opts.expert_cache_slots < 1:
-        raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts needs at least 1 slot")
+        s = suggested_slots(n_expert, n_used)
+        used = f", at least the {n_used} used per token" if n_used else ""
+        raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts=true (--disk-experts; a "
+                          "non-zero --moe-cpu-share implies it) needs expert cache slots per layer: give "
+                          f"--expert-cache-slots N (-o expert_cache_slots=N), e.g. {s} (a quarter of the model's "
+                          f"{n_expert} experts{used}; `ggml-hybrid plan --vram ...` sizes it)")
     if opts.expert_cache_slots > n_expert:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the model has only "
                           f"{n_expert} experts per layer")
@@ -92,7 +106,7 @@ class ExpertLayers:
 
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
                  n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
-                 modes: list[str] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
+                 modes: list[ExpertMode] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
                  load: bool = True, moe_layers: Sequence[int] | None = None, glu: str = "swiglu"):
         self.store, self.options, self.device = store, options, device
         opts = options
@@ -291,4 +305,4 @@ class ExpertLayers:
         self.mapped_ctx.close()
 
 
-__all__ = ["ExpertLayers", "check_expert_shapes", "check_moe_options", "expert_names"]
+__all__ = ["ExpertLayers", "ExpertMode", "check_expert_shapes", "check_moe_options", "expert_names", "suggested_slots"]

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import ChatTemplateError, ClosedError, ContextFullError, GgmlHybridError
-from ..model.engine import Request
+from ..runtime.engine import Request
 from . import metrics
 from .models import ModelSet, ServedModel
 from .protocol import (

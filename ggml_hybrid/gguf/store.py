@@ -25,7 +25,8 @@ from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Context
 from ..ggml.repack import repack_buffer_type
 from ..ggml.tensor import Tensor
-from .gguf_header import ARRAY, STRING, TYPE_NAMES, KeyInfo, TensorInfo, read_header
+from .header import ARRAY, STRING, TYPE_NAMES, KeyInfo, TensorInfo, read_header
+from .names import weight_op
 
 _INTEGERS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
 _NUMBERS = _INTEGERS | {6, 12}
@@ -75,6 +76,11 @@ class GGUFStore:
         self._map: np.ndarray = self._reader.data
         self._info: dict[str, TensorInfo] = {t.name: t for t in header.tensors}
         self._mapped: Buffer | None = None
+        n_split = self.meta("split.count", 0, kind="int") if self.has("split.count") else 0
+        if n_split > 1:
+            raise ModelFileError(f"{self.path!r} is part {self.meta('split.no', 0, kind='int') + 1} of a GGUF split "
+                                 f"in {n_split} parts (split.count); ggml-hybrid loads single-file GGUFs only: merge "
+                                 "the parts with llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`")
         # a read past the end of the file, truncated under us, reads zeros and counts a fault instead of
         # killing the process with SIGBUS (src/map_guard.h); check_reads() and check_unchanged() report it
         self._guard = -1
@@ -221,8 +227,6 @@ def repack_rule(store: GGUFStore, enabled: bool = True) -> Callable[[str], CData
     """``rule(name)``: the CPU extra buffer type that tensor ``name`` of ``store`` goes to when it lives on a CPU
     backend (its weights repacked for GGML's faster kernels, as llama.cpp does), or ``None``; always ``None``
     when not ``enabled`` (``repack=false``, llama.cpp's ``--no-repack``)."""
-    from ..deploy.layout import weight_op  # the layout imports the options, which import the native module
-
     def rule(name: str) -> CData | None:
         if not enabled:
             return None
