@@ -301,6 +301,10 @@ class SessionOptions:
         None, "str | None", "HOST:PORT items separated by commas, or none",
         "RPC servers (ggml-hybrid rpc-server) whose devices the session uses, named RPC0, RPC1, ... in this "
         "order, before any GPU (llama.cpp --rpc).", _endpoints)
+    rpc_timeout: int = _opt(
+        120, "int", "an integer >= 0 (seconds; 0 = no limit)",
+        "Seconds an RPC server may take to accept a connection, take a message or send a reply before the "
+        "session gives up on it (an RPCError); 0 waits for ever.", _int(0))
     n_threads_batch: Optional[int] = _opt(
         None, "int | None", _THREADS_RULE,
         "CPU threads of the CPU backends for batches of more than one token (the prompt); none = n_threads "

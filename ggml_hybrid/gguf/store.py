@@ -11,6 +11,7 @@ into a backend buffer, or read one expert at a time for an expert cache.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -91,14 +92,32 @@ class GGUFStore:
             raise ModelFileError(f"{self.path!r} is part {self.meta('split.no', 0, kind='int') + 1} of a GGUF split "
                                  f"in {n_split} parts (split.count); ggml-hybrid loads single-file GGUFs only: merge "
                                  "the parts with llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`")
+        # a read past the end of the file, truncated under us, reads zeros and counts a fault instead of
+        # killing the process with SIGBUS (src/map_guard.h); check_reads() and check_unchanged() report it
+        self._guard = -1
+        if self._map.nbytes:
+            at = ffi.cast("void *", self._map.ctypes.data)
+            self._guard = int(lib.ggml_hybrid_map_guard_add(at, self._map.nbytes))
+        self._unguard = weakref.finalize(self, lib.ggml_hybrid_map_guard_remove, self._guard)
+
+    def check_reads(self) -> None:
+        """Raise :class:`ModelFileError` if a read of the mapping since the file was opened went past the end of
+        the file (it was truncated under us): that read gave zeros, and what was computed from it is wrong.
+
+        Cheap (one counter): callers check it after the reads whose results they are about to use."""
+        if self._guard >= 0 and lib.ggml_hybrid_map_guard_faults(self._guard):
+            raise ModelFileError(f"model file {self.path!r} was truncated while it was in use (a read went past "
+                                 "its end); reload the model")
 
     def check_unchanged(self) -> None:
         """Raise :class:`ModelFileError` if the file was truncated, rewritten or replaced since it was opened.
 
         Tensors are used from a memory mapping: reading a page of a file truncated underneath kills the
         process with SIGBUS. Readers of mapped experts call this before they copy, which makes the common
-        case (a model file overwritten while a run streams its experts) a clear error instead.
+        case (a model file overwritten while a run streams its experts) a clear error instead; a read that
+        races a truncation past this check is caught by the mapping's guard (:meth:`check_reads`).
         """
+        self.check_reads()
         try:
             now = _identity(self.path)
         except OSError:
@@ -211,6 +230,8 @@ class GGUFStore:
         if self._mapped is not None:
             self._mapped.close()
         self._mapped = None
+        self._unguard()
+        self._guard = -1
 
 
 def repack_rule(store: GGUFStore, enabled: bool = True) -> Callable[[str], CData | None]:

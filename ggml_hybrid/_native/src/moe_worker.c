@@ -118,6 +118,12 @@ static void * worker_main(void * arg) {
     /* signals are the main thread's (Python handles Ctrl-C there) */
     sigset_t all;
     sigfillset(&all);
+    /* but for the faults the thread itself raises, which a blocked mask turns into death: SIGBUS from a
+       model file truncated under its reads goes to the mapping's guard (map_guard.h) */
+    sigdelset(&all, SIGBUS);
+    sigdelset(&all, SIGSEGV);
+    sigdelset(&all, SIGFPE);
+    sigdelset(&all, SIGILL);
     pthread_sigmask(SIG_BLOCK, &all, NULL);
     pthread_mutex_lock(&w->mu);
     for (;;) {

@@ -1,5 +1,9 @@
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include "rpc_server.h"
 
+#include <signal.h>
 #include <stdio.h>
 
 #include "ggml-backend-impl.h"
@@ -64,4 +68,53 @@ int ggml_hybrid_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_
     setvbuf(stdout, NULL, _IOLBF, 0);
     start(endpoint, NULL, n_threads, n_devices, use);
     return 0;
+}
+
+/* ---- the client side: Ctrl-C ends a wait for a server ---------------------------------------------------
+   Python runs its SIGINT handler only in the main thread between bytecodes, never while that thread waits
+   inside GGML for a server's reply: a frozen server would make Ctrl-C do nothing. This handler goes before
+   the one installed (Python's): it tells GGML's RPC client to give up the waits in progress, then calls it. */
+
+typedef void (*rpc_interrupt_t)(void);
+
+static struct sigaction sigint_before;
+static rpc_interrupt_t rpc_interrupt;
+
+static void on_sigint(int sig, siginfo_t * info, void * uctx) {
+    if (rpc_interrupt != NULL) {
+        rpc_interrupt();
+    }
+    if ((sigint_before.sa_flags & SA_SIGINFO) && sigint_before.sa_sigaction != NULL) {
+        sigint_before.sa_sigaction(sig, info, uctx);
+    } else if (sigint_before.sa_handler != SIG_DFL && sigint_before.sa_handler != SIG_IGN) {
+        sigint_before.sa_handler(sig);
+    } else if (sigint_before.sa_handler == SIG_DFL) {
+        signal(SIGINT, SIG_DFL);
+        raise(SIGINT);
+    }
+}
+
+int ggml_hybrid_rpc_watch_interrupts(void) {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
+    rpc_interrupt_t fn = reg != NULL ? (rpc_interrupt_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_interrupt")
+                                     : NULL;
+    if (fn == NULL) {
+        return -1;
+    }
+    struct sigaction now;
+    if (sigaction(SIGINT, NULL, &now) != 0) {
+        return -1;
+    }
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigint) {
+        return 0;  /* already in place */
+    }
+    if (!(now.sa_flags & SA_SIGINFO) && now.sa_handler == SIG_IGN) {
+        return 0;  /* Ctrl-C is ignored: nothing to end */
+    }
+    rpc_interrupt = fn;
+    sigint_before = now;
+    struct sigaction act = now;
+    act.sa_sigaction = on_sigint;
+    act.sa_flags = now.sa_flags | SA_SIGINFO;
+    return sigaction(SIGINT, &act, NULL) == 0 ? 1 : -1;
 }

@@ -15,3 +15,9 @@
    could not listen: GGML said why on stderr). */
 int ggml_hybrid_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
                           size_t mem);
+
+/* Make Ctrl-C (SIGINT) end the waits for RPC servers in progress (GGML's RPC client gives up their
+   connections), then run the handler that was installed (Python's). Returns 1 when installed, 0 when it
+   already was or SIGINT is ignored, -1 when this build has no RPC client or it failed. Python replacing its
+   SIGINT handler later removes it. */
+int ggml_hybrid_rpc_watch_interrupts(void);
