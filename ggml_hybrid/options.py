@@ -25,7 +25,7 @@ from .ggml.rpc import endpoint_list
 __all__ = ["EvictionPolicy", "ExecutorKind", "KVCacheType", "OptionError", "SessionOptions", "SplitMode"]
 
 # a GGML scheduler takes at most GGML_SCHED_MAX_BACKENDS backends, the host CPU included
-MAX_DEVICES: int = lib.GGML_HYBRID_MAX_INSTANCES
+MAX_DEVICES: int = lib.HY_MAX_INSTANCES
 _ROLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _INT_RE = re.compile(r"[+-]?[0-9]+")  # int() alone also takes "1_000" and non-ASCII digits
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}

@@ -116,7 +116,7 @@ def set_timeout(seconds: float) -> None:
 def watch_interrupts() -> None:
     """Make Ctrl-C end a wait for a server in progress (its connection fails), so that the interrupt reaches
     Python even when the server is frozen (``rpc_server.h``)."""
-    lib.ggml_hybrid_rpc_watch_interrupts()
+    lib.hy_rpc_watch_interrupts()
 
 
 def server_devices(text: str, timeout: float = DEFAULT_TIMEOUT_S) -> list[RPCDevice]:
@@ -184,7 +184,7 @@ def check_buffer(buffer: CData) -> None:
 def serve(endpoint: str, n_threads: int, devices: list[CData], mem: int = 0) -> int:
     """Run GGML's RPC server on ``endpoint`` over ``devices`` (blocks while it runs; see ``rpc_server.h``)."""
     arr = ffi.new("ggml_backend_dev_t[]", devices)
-    return int(lib.ggml_hybrid_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem))
+    return int(lib.hy_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem))
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RPCDevice", "check_buffer", "connection_error", "lost", "open_device",

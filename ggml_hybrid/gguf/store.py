@@ -97,15 +97,15 @@ class GGUFStore:
         self._guard = -1
         if self._map.nbytes:
             at = ffi.cast("void *", self._map.ctypes.data)
-            self._guard = int(lib.ggml_hybrid_map_guard_add(at, self._map.nbytes))
-        self._unguard = weakref.finalize(self, lib.ggml_hybrid_map_guard_remove, self._guard)
+            self._guard = int(lib.hy_map_guard_add(at, self._map.nbytes))
+        self._unguard = weakref.finalize(self, lib.hy_map_guard_remove, self._guard)
 
     def check_reads(self) -> None:
         """Raise :class:`ModelFileError` if a read of the mapping since the file was opened went past the end of
         the file (it was truncated under us): that read gave zeros, and what was computed from it is wrong.
 
         Cheap (one counter): callers check it after the reads whose results they are about to use."""
-        if self._guard >= 0 and lib.ggml_hybrid_map_guard_faults(self._guard):
+        if self._guard >= 0 and lib.hy_map_guard_faults(self._guard):
             raise ModelFileError(f"model file {self.path!r} was truncated while it was in use (a read went past "
                                  "its end); reload the model")
 

@@ -18,7 +18,7 @@ struct guarded {
     _Atomic uint64_t faults;
 };
 
-static struct guarded ranges[GGML_HYBRID_MAP_GUARD_MAX];
+static struct guarded ranges[HY_MAP_GUARD_MAX];
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct sigaction previous;
 static int installed;
@@ -45,7 +45,7 @@ static void pass_on(int sig, siginfo_t * info, void * uctx) {
 static void on_sigbus(int sig, siginfo_t * info, void * uctx) {
     if (info != NULL && info->si_code == BUS_ADRERR) {
         const uintptr_t at = (uintptr_t) info->si_addr;
-        for (int i = 0; i < GGML_HYBRID_MAP_GUARD_MAX; i++) {
+        for (int i = 0; i < HY_MAP_GUARD_MAX; i++) {
             const uintptr_t end = atomic_load(&ranges[i].end);
             const uintptr_t begin = atomic_load(&ranges[i].begin);
             if (end == 0 || at < begin || at >= end) {
@@ -65,7 +65,7 @@ static void on_sigbus(int sig, siginfo_t * info, void * uctx) {
     pass_on(sig, info, uctx);
 }
 
-int ggml_hybrid_map_guard_add(const void * addr, size_t size) {
+int hy_map_guard_add(const void * addr, size_t size) {
     if (addr == NULL || size == 0) {
         return -1;
     }
@@ -83,7 +83,7 @@ int ggml_hybrid_map_guard_add(const void * addr, size_t size) {
         }
     }
     if (installed) {
-        for (int i = 0; i < GGML_HYBRID_MAP_GUARD_MAX; i++) {
+        for (int i = 0; i < HY_MAP_GUARD_MAX; i++) {
             if (atomic_load(&ranges[i].end) == 0) {
                 atomic_store(&ranges[i].faults, 0);
                 atomic_store(&ranges[i].begin, (uintptr_t) addr);
@@ -97,8 +97,8 @@ int ggml_hybrid_map_guard_add(const void * addr, size_t size) {
     return id;
 }
 
-void ggml_hybrid_map_guard_remove(int id) {
-    if (id < 0 || id >= GGML_HYBRID_MAP_GUARD_MAX) {
+void hy_map_guard_remove(int id) {
+    if (id < 0 || id >= HY_MAP_GUARD_MAX) {
         return;
     }
     pthread_mutex_lock(&lock);
@@ -107,8 +107,8 @@ void ggml_hybrid_map_guard_remove(int id) {
     pthread_mutex_unlock(&lock);
 }
 
-uint64_t ggml_hybrid_map_guard_faults(int id) {
-    if (id < 0 || id >= GGML_HYBRID_MAP_GUARD_MAX) {
+uint64_t hy_map_guard_faults(int id) {
+    if (id < 0 || id >= HY_MAP_GUARD_MAX) {
         return 0;
     }
     return atomic_load(&ranges[id].faults);

@@ -11,14 +11,14 @@
 #include <stdint.h>
 
 /* Guarded ranges at once (one per open model file). */
-#define GGML_HYBRID_MAP_GUARD_MAX 64
+#define HY_MAP_GUARD_MAX 64
 
 /* Guard [addr, addr + size) (installs the handler on first use). Returns the range's id (>= 0), or -1
    when every slot is taken or the handler could not be installed. */
-int ggml_hybrid_map_guard_add(const void * addr, size_t size);
+int hy_map_guard_add(const void * addr, size_t size);
 
 /* Stop guarding range `id` (before its mapping goes away). */
-void ggml_hybrid_map_guard_remove(int id);
+void hy_map_guard_remove(int id);
 
 /* Faults the guard caught in range `id` since it was added. */
-uint64_t ggml_hybrid_map_guard_faults(int id);
+uint64_t hy_map_guard_faults(int id);

@@ -652,7 +652,7 @@ static int weighted_sum(hy_moe_exec * ex, hy_call * call) {
     const hy_moe_config * cfg = &ex->cfg;
     /* the worker and the loads read the mapping: a read past the end of a file truncated meanwhile gave
        zeros (the mapping's guard), which must not reach the output */
-    if (cfg->map_guard > 0 && ggml_hybrid_map_guard_faults(cfg->map_guard - 1) > 0) {
+    if (cfg->map_guard > 0 && hy_map_guard_faults(cfg->map_guard - 1) > 0) {
         return fail(ex, HY_ERR_FILE, ERR_FILE, " (truncated: a read went past its end)");
     }
     if (!call->on_host) {

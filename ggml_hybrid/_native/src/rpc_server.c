@@ -9,8 +9,8 @@
 #include "ggml-backend-impl.h"
 
 /* Copies of the served devices (same functions, except the memory they report) and their originals. */
-static struct ggml_backend_device served[GGML_HYBRID_RPC_SERVER_MAX_DEVICES];
-static ggml_backend_dev_t served_base[GGML_HYBRID_RPC_SERVER_MAX_DEVICES];
+static struct ggml_backend_device served[HY_RPC_SERVER_MAX_DEVICES];
+static ggml_backend_dev_t served_base[HY_RPC_SERVER_MAX_DEVICES];
 static size_t served_mem;
 
 static ggml_backend_dev_t base_of(ggml_backend_dev_t dev) {
@@ -43,15 +43,15 @@ static ggml_backend_t served_init(ggml_backend_dev_t dev, const char * params) {
 typedef void (*start_server_t)(const char * endpoint, const char * cache_dir, size_t n_threads, size_t n_devices,
                                ggml_backend_dev_t * devices);
 
-int ggml_hybrid_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
+int hy_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
                           size_t mem) {
     ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
     start_server_t start = reg != NULL ? (start_server_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_start_server")
                                        : NULL;
-    if (start == NULL || n_devices == 0 || n_devices > GGML_HYBRID_RPC_SERVER_MAX_DEVICES) {
+    if (start == NULL || n_devices == 0 || n_devices > HY_RPC_SERVER_MAX_DEVICES) {
         return -1;
     }
-    ggml_backend_dev_t use[GGML_HYBRID_RPC_SERVER_MAX_DEVICES];
+    ggml_backend_dev_t use[HY_RPC_SERVER_MAX_DEVICES];
     for (size_t i = 0; i < n_devices; i++) {
         use[i] = devices[i];
         if (mem > 0) {
@@ -94,7 +94,7 @@ static void on_sigint(int sig, siginfo_t * info, void * uctx) {
     }
 }
 
-int ggml_hybrid_rpc_watch_interrupts(void) {
+int hy_rpc_watch_interrupts(void) {
     ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
     rpc_interrupt_t fn = reg != NULL ? (rpc_interrupt_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_interrupt")
                                      : NULL;
