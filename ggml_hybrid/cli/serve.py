@@ -135,7 +135,11 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        models.close()
+        if not models.close():
+            # the loader is still inside one tensor's load: ending the interpreter normally would free the
+            # buffers it writes into (a crash); end without finalizers instead
+            sys.stderr.flush()
+            os._exit(130 if signal.SIGINT in signals else 0)
     if models.failed:
         raise ConfigError(f"model {models.failed}")
     if not server.started:

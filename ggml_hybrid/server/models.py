@@ -20,6 +20,7 @@ from ..model.engine import Engine
 from ..model.moe_model import MoEModel
 
 MEMORY_EVERY = 5.0  # seconds between device-memory readings after load
+LOADER_JOIN = 60.0  # seconds close() waits for a cancelled load to let go (it stops at the next tensor)
 
 
 @dataclass
@@ -33,6 +34,10 @@ class Snapshot:
     share_applied: float = 0.0
     hybrid_offload_active: bool = False
     device_memory: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> purpose -> bytes
+
+
+class LoadCancelled(Exception):
+    """A load stopped because the server is stopping (not a failure of the model)."""
 
 
 class ServedModel:
@@ -53,8 +58,14 @@ class ServedModel:
     def ready(self) -> bool:
         return self.engine is not None
 
-    def load(self) -> None:
-        model = MoEModel(self.path, self.options)
+    def load(self, cancelled: Callable[[], bool] | None = None) -> None:
+        """Load the model; ``cancelled()`` is asked after every tensor, and when it says so the load stops
+        (:class:`LoadCancelled`) and frees what it had loaded."""
+        def progress(done: int, total: int) -> None:
+            if cancelled is not None and cancelled():
+                raise LoadCancelled(f"{self.name}: the load was cancelled (the server is stopping)")
+
+        model = MoEModel(self.path, self.options, progress=progress)
         try:
             tok = model.tokenizer
             try:
@@ -119,7 +130,9 @@ class ModelSet:
                         return
                 t0 = time.perf_counter()
                 try:
-                    sm.load()
+                    sm.load(lambda: self._closed)
+                except LoadCancelled:
+                    return  # stopped while loading: nothing failed
                 except Exception as exc:
                     sm.error = self.failed = f"{sm.name}: {' '.join(str(exc).split())}"
                     on_failure(self.failed)
@@ -151,11 +164,25 @@ class ModelSet:
         key = (endpoint, status)
         self.http_requests[key] = self.http_requests.get(key, 0) + 1
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = LOADER_JOIN) -> bool:
+        """Cancel a load in progress and wait for the loader thread (it writes into GGML buffers that exit-time
+        finalizers free: it must be gone before the interpreter ends), then close every model. False if the
+        loader was still inside one tensor's load after ``timeout`` seconds (the caller must then end the
+        process without finalizers)."""
         with self._lock:
             self._closed = True
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+            if t.is_alive():
+                return False
         for sm in self.models.values():
             sm.close()
+        return True
+
+    @property
+    def loader_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
 
-__all__ = ["ModelSet", "ServedModel", "Snapshot"]
+__all__ = ["LoadCancelled", "ModelSet", "ServedModel", "Snapshot"]
