@@ -8,6 +8,16 @@ derives from the built-in exception a Python user would expect (``ValueError``,
 
 from __future__ import annotations
 
+MESSAGE_CHARS = 400  # a value quoted in a message is cut to this many characters (it may be an attacker's)
+
+
+def shorten(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were left out (values in messages come from files
+    and requests: a 1 MiB metadata string must not become a 1 MiB error line)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
 
 class GgmlHybridError(Exception):
     """Base class of every error raised by ggml-hybrid."""
@@ -137,6 +147,15 @@ class ConfigError(GgmlHybridError, ValueError):
 
 class ChatTemplateError(GgmlHybridError, ValueError):
     """Chat messages a template cannot render (bad shape, refused by the template, a template that fails)."""
+
+
+class ChatTemplateLimitError(ChatTemplateError):
+    """A chat template stopped at a bound: ``kind`` is ``time``, ``memory``, ``output`` (too long a prompt) or
+    ``stopped`` (its renderer was closed: the process is stopping)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class MissingDependencyError(GgmlHybridError, ImportError):

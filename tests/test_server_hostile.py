@@ -6,7 +6,6 @@ stopped by the test; every request loop is bounded."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -16,9 +15,9 @@ import time
 import pytest
 
 pytest.importorskip("openai")
-from test_server import N_CTX, Server, get, post, scrape  # noqa: E402
+from test_server import N_CTX, Server, get, post, scrape
 
-from ggml_hybrid.model.synthetic import write_model  # noqa: E402
+from ggml_hybrid.model.synthetic import write_model
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +27,45 @@ def files(tmp_path_factory):
     # enough tensors and bytes that a load lasts a while (a signal lands inside it)
     big = write_model(d / "big.gguf", arch="qwen3moe", weight_type="q8_0", seed=4, n_layer=8, n_embd=256,
                       n_ff_exp=256, head_dim=64, n_expert=32, n_used=4)
-    return {"q3": q3, "big": big, "dir": d}
+    from gguf import GGUFValueType
+    from helpers import rewrite_gguf
+
+    def templated(name: str, source: str) -> str:
+        return rewrite_gguf(q3, d / f"{name}.gguf", set_keys={"tokenizer.chat_template": (source,
+                                                                                          GGUFValueType.STRING)})
+
+    out = {"q3": q3, "big": big, "dir": d,
+           # rendered at request time (nothing to fold at load): a gigabyte, a loop of 10^10, a 10^5-fold echo
+           "memory": templated("memory", "{% for m in messages %}{{ m.content * (10 ** 10) }}{% endfor %}"),
+           "time": templated("time", "{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                                     "{% endfor %}{% endfor %}{% endfor %}"),
+           "echo": templated("echo", "{% for m in messages %}{% for i in range(100000) %}{{ m.content }}{% endfor %}"
+                                     "{% endfor %}")}
+    cfg = d / "server.toml"
+    cfg.write_text("".join(f'''
+[models.{name}]
+path = "{out[name]}"
+[models.{name}.session_options]
+n_ctx = {N_CTX}
+n_threads = 1
+n_parallel = 2
+''' for name in ("q3", "memory", "time", "echo")))
+    out["config"] = str(cfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(files):
+    with Server(["--config", files["config"]]) as s:
+        yield s
+        rc, err = s.stop()
+    assert rc == 0, err
+    assert "Traceback" not in err, err
+
+
+def _delta(before, after, name, **labels):
+    k = (name, tuple(sorted(labels.items())))
+    return after.get(k, 0) - before.get(k, 0)
 
 
 def _serve(args: list[str]) -> tuple[subprocess.Popen, int]:
@@ -78,3 +115,100 @@ def test_a_stop_while_the_model_loads_cancels_the_load_and_exits_cleanly(files, 
         assert rc == (0 if sig == signal.SIGTERM else 130), (delay, rc, err)
         assert "Traceback" not in err and "Segmentation" not in err, err
     assert any(loading for _, loading, _ in outcomes), outcomes  # some signals did land inside the load
+
+
+# -- item 6: templates bounded in time, memory and output ---------------------------------------------------
+
+@pytest.mark.parametrize("model, status, code", [("memory", 500, "chat_template_limit"),
+                                                 ("time", 500, "chat_template_limit"),
+                                                 ("echo", 400, "context_length_exceeded")])
+def test_a_hostile_template_is_a_clear_error_and_the_server_goes_on(server, model, status, code):
+    before = scrape(server.url)
+    t0 = time.monotonic()
+    got, doc = post(server.url + "/v1/chat/completions",
+                    json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * 100}], "max_tokens": 2}))
+    took = time.monotonic() - t0
+    assert (got, doc["error"]["code"]) == (status, code), doc
+    assert doc["error"]["type"] == ("server_error" if status == 500 else "invalid_request_error")
+    assert took < 5.0 + 10.0  # the render's time bound (5 s), with room for a loaded machine
+    after = scrape(server.url)
+    assert _delta(before, after, "ggml_hybrid_http_requests_total", endpoint="/v1/chat/completions",
+                  status=str(status)) == 1
+    assert get(server.url + "/health")[0] == 200
+    ok, doc = post(server.url + "/v1/chat/completions",
+                   json.dumps({"model": "q3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+    assert ok == 200, doc
+
+
+def test_sigterm_during_a_long_render_stops_the_server(files):
+    """A render that would run for hours (10^10 iterations) holds no thread past its bound: SIGTERM stops the
+    server (it could not: the render pinned its thread for good)."""
+    with Server([files["time"], "-c", str(N_CTX), "-t", "1", "-a", "m"]) as s:
+        import threading
+
+        got: dict[str, object] = {}
+
+        def chat() -> None:
+            try:
+                got["r"] = post(s.url + "/v1/chat/completions",
+                                json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+            except OSError as exc:
+                got["r"] = exc
+
+        th = threading.Thread(target=chat)
+        th.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        rc, err = s.stop()
+        th.join(30)
+    assert rc == 0 and time.monotonic() - t0 < 20, err
+    assert not th.is_alive()
+    r = got["r"]
+    assert isinstance(r, OSError) or r[0] in (500, 503), r  # type: ignore[index]
+
+
+# -- items 8 and 12: prompts too long to tokenize, text that is not Unicode ---------------------------------
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(server):
+    """A 4 MB prompt cannot fit in 128 tokens whatever its tokens: refused at once (it was tokenized in full
+    first, holding the interpreter: the server froze)."""
+    import threading
+
+    body = json.dumps({"model": "q3", "prompt": "the cache runs the hits first " * 140_000, "max_tokens": 1})
+    health: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            assert get(server.url + "/health")[0] == 200
+            health.append(time.monotonic() - t)
+            time.sleep(0.05)
+
+    th = threading.Thread(target=poll)
+    th.start()
+    try:
+        t0 = time.monotonic()
+        code, doc = post(server.url + "/v1/completions", body)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        th.join(30)
+    assert code == 400 and doc["error"]["code"] == "context_length_exceeded" and doc["error"]["param"] == "prompt"
+    assert "characters" in doc["error"]["message"]
+    assert took < 10, took
+    assert health and max(health) < 5, health
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"model": "q3", "prompt": "a \\ud800 b", "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "q3", "prompt": ["ok", "\\udfff"], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"model": "q3", "messages": [{"role": "user", "content": "x\\ud83d"}]}'),
+])
+def test_a_lone_surrogate_is_a_counted_400(server, path, body):
+    before = scrape(server.url)
+    code, doc = post(server.url + path, body)
+    assert code == 400 and "surrogate" in doc["error"]["message"], doc
+    assert doc["error"]["type"] == "invalid_request_error"
+    after = scrape(server.url)
+    assert _delta(before, after, "ggml_hybrid_http_requests_total", endpoint=path, status="400") == 1

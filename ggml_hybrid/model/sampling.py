@@ -29,7 +29,6 @@ import numpy.typing as npt
 from ..checks import check_int, check_real
 from ..errors import ArgumentError, ArgumentTypeError
 
-
 _FMAX = float(np.finfo(np.float64).max)
 
 
@@ -48,7 +47,8 @@ def _logits(logits: npt.ArrayLike) -> np.ndarray:
 
 
 def _bounded(x: np.ndarray) -> np.ndarray:
-    return np.clip(x, -_FMAX, _FMAX)
+    out: np.ndarray = np.clip(x, -_FMAX, _FMAX)
+    return out
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, SupportsInt
 
 from ..checks import check_int, check_type
-from ..errors import ArgumentTypeError, IndexRangeError, ModelFileError
+from ..errors import ArgumentError, ArgumentTypeError, IndexRangeError, ModelFileError
 from .gguf_store import GGUFStore
 
 if TYPE_CHECKING:
@@ -78,6 +78,18 @@ _RENDERED = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
 def check_token(tid: object, n_vocab: int, what: str) -> int:
     """``tid`` as an int that names a token of an ``n_vocab`` vocabulary (negative ids never wrap around)."""
     return check_int(tid, what, 0, n_vocab - 1, error=IndexRangeError, type_error=ArgumentTypeError)
+
+
+def check_text(text: object, what: str) -> str:
+    """``text`` if it is a str that is valid Unicode text (no lone surrogate: UTF-8 cannot carry it)."""
+    if not isinstance(text, str):
+        raise ArgumentTypeError(f"{what} must be str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ArgumentError(f"{what} holds a lone surrogate ({text[exc.start]!a}) at character {exc.start}: it is not "
+                            "valid Unicode text") from None
+    return text
 
 
 def check_add_bos(add_bos: object, what: str) -> bool | None:
@@ -234,8 +246,7 @@ class Tokenizer:
         tokens, not their characters (llama.cpp's ``parse_special``, what its server does with prompts);
         the text between them is encoded as usual.
         """
-        if not isinstance(text, str):
-            raise ArgumentTypeError(f"encode: text must be str, got {type(text).__name__}")
+        check_text(text, "encode: text")
         add_bos = check_add_bos(add_bos, "encode: add_bos")
         ids: list[int] = []
         for part in self._split_special(text) if special else [text]:

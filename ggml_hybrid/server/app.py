@@ -20,13 +20,15 @@ import anyio
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import ChatTemplateError, ClosedError, ContextFullError, GgmlHybridError
+from ..errors import ChatTemplateError, ChatTemplateLimitError, ClosedError, ContextFullError, GgmlHybridError
 from ..model.engine import Request
 from . import metrics
+from .logs import log_once, shorten
 from .models import ModelSet, ServedModel
 from .protocol import (
     MAX_BODY_BYTES,
@@ -45,6 +47,8 @@ from .protocol import (
 )
 
 WAIT_POLL = 0.25  # seconds between disconnect checks of a non-streamed request
+BODY_SECONDS = 30.0  # a request body not received whole within this is refused (408): no drip-fed bodies
+TEXT_THREADS = 4  # prompts tokenized and templates rendered at once (the others wait their turn)
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -59,6 +63,7 @@ def _not_loaded(sm: ServedModel) -> APIError:
 def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = None) -> Starlette:
     """The app over ``models``; ``lifespan`` (an async context manager factory) runs around serving."""
     reg = metrics.registry(models)
+    text_limiter = anyio.CapacityLimiter(TEXT_THREADS)
 
     def counted(endpoint: str, fn: Callable[[HTTPRequest], Awaitable[Response]]
                 ) -> Callable[[HTTPRequest], Awaitable[Response]]:
@@ -67,6 +72,11 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
                 resp = await fn(request)
             except APIError as e:
                 resp = _error(e)
+            except ClientDisconnect:  # the client left before its body was whole: nobody to answer
+                resp = Response(status_code=499)
+            except Exception as exc:  # a bug: still OpenAI's shape, still counted, one log line per cause
+                log_once(f"internal error on {endpoint}: {type(exc).__name__}", exc)
+                resp = _error(APIError(500, f"Internal error: {type(exc).__name__}: {shorten(str(exc))}"))
             models.count(endpoint, resp.status_code)
             return resp
         return handler
@@ -91,12 +101,21 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
             raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-        chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > MAX_BODY_BYTES:
-                raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-            chunks.append(chunk)
+        chunks: list[bytes] = []
+
+        async def receive() -> None:
+            n = 0
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > MAX_BODY_BYTES:
+                    raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(receive(), BODY_SECONDS)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"The request body did not arrive within {BODY_SECONDS:g} seconds.",
+                           code="request_timeout") from None
         return parse_json(b"".join(chunks))
 
     def lookup(name: str) -> ServedModel:
@@ -111,13 +130,13 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
     async def completions(request: HTTPRequest) -> Response:
         g = completion_request(await read_body(request))
         sm = lookup(g.model)
-        prompts = await anyio.to_thread.run_sync(_tokenize_prompts, sm, g)
+        prompts = await anyio.to_thread.run_sync(_tokenize_prompts, sm, g, limiter=text_limiter)
         return await generate(request, sm, g, prompts, "completion")
 
     async def chat(request: HTTPRequest) -> Response:
         g = chat_request(await read_body(request))
         sm = lookup(g.model)
-        prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g)
+        prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=text_limiter)
         return await generate(request, sm, g, [prompt], "chat")
 
     async def generate(request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
@@ -234,7 +253,9 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
         return _error(APIError(exc.status_code, f"{msg} ({request.method} {request.url.path})"))
 
     async def server_error(request: HTTPRequest, exc: Exception) -> Response:
-        return _error(APIError(500, f"Internal error: {type(exc).__name__}: {exc}"))
+        models.count("other", 500)  # outside the routes (every route answers its own errors): still counted
+        log_once(f"internal error: {type(exc).__name__}", exc)
+        return _error(APIError(500, f"Internal error: {type(exc).__name__}: {shorten(str(exc))}"))
 
     routes = [
         Route("/health", counted("/health", health), methods=["GET"]),
@@ -253,12 +274,24 @@ def _cancel(reqs: list[Request]) -> None:
             r.cancel()
 
 
+def _too_long(what: str, chars: int, sm: ServedModel, param: str) -> APIError:
+    assert sm.model is not None
+    return bad(f"{what} has {chars} characters: more tokens than a sequence's context holds ({sm.model.n_ctx}), "
+               "whatever they are.", param, "context_length_exceeded")
+
+
 def _tokenize_prompts(sm: ServedModel, g: Generation) -> list[list[int]]:
     assert sm.model is not None
     tok = sm.model.tokenizer
     out = []
     for i, p in enumerate(g.prompts):
-        ids = tok.encode(p, special=True) if isinstance(p, str) else list(p)
+        # a text too long for the context whatever its tokens is refused before the (costly) tokenization
+        if isinstance(p, str) and len(p) > sm.max_prompt_chars:
+            raise _too_long(f"prompt {i}", len(p), sm, "prompt")
+        try:
+            ids = tok.encode(p, special=True) if isinstance(p, str) else list(p)
+        except GgmlHybridError as exc:  # text that is not valid Unicode (a lone surrogate)
+            raise bad(f"prompt {i}: {exc}.", "prompt") from None
         bad_ids = [t for t in ids if not 0 <= t < tok.n_vocab]
         if bad_ids:
             raise bad(f"prompt {i}: token id {bad_ids[0]} is outside the vocabulary 0..{tok.n_vocab - 1}.", "prompt")
@@ -270,16 +303,32 @@ def _tokenize_prompts(sm: ServedModel, g: Generation) -> list[list[int]]:
 
 def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
     if sm.template is None:
-        raise APIError(500, f"The model's chat template cannot be used: {sm.template_error}")
+        raise APIError(500, f"The model's chat template cannot be used: {shorten(sm.template_error or '')}",
+                       code="chat_template_unusable")
     assert sm.model is not None
+    chars = sum(len(c) for m in g.messages if isinstance(m, dict) for c in (m.get("content"),) if isinstance(c, str))
+    if chars > sm.max_prompt_chars:
+        raise _too_long("the messages' content", chars, sm, "messages")
     try:
-        text = sm.template.render(g.messages, add_generation_prompt=True)
+        text = sm.template.render(g.messages, add_generation_prompt=True, max_chars=sm.max_prompt_chars)
+    except ChatTemplateLimitError as exc:
+        if exc.kind == "output":
+            raise bad(f"the messages render to a prompt longer than a sequence's context holds "
+                      f"({sm.model.n_ctx} tokens): {exc}", "messages", "context_length_exceeded") from None
+        if exc.kind == "stopped":
+            raise APIError(503, "The server is shutting down and takes no new requests.",
+                           code="shutting_down") from None
+        raise APIError(500, f"The model's chat template failed at a limit: {exc}", code="chat_template_limit") \
+            from None
     except ChatTemplateError as exc:
-        raise bad(str(exc), "messages") from None
+        raise bad(shorten(str(exc)), "messages") from None
     tok = sm.model.tokenizer
     # the template writes BOS itself when it wants one (most do); otherwise the model's rule adds it
     add_bos = tok.add_bos and not (sm.template.bos_token and text.startswith(sm.template.bos_token))
-    ids = tok.encode(text, add_bos=add_bos, special=True)
+    try:
+        ids = tok.encode(text, add_bos=add_bos, special=True)
+    except GgmlHybridError as exc:  # text that is not valid Unicode (a lone surrogate in a message)
+        raise bad(f"the messages: {exc}.", "messages") from None
     if not ids:
         raise bad("the messages render to an empty prompt.", "messages")
     return ids

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cli.config import ModelEntry
-from ..model.chat import ChatTemplate
+from ..model.chat import ChatTemplate, RenderPool
 from ..model.engine import Engine
 from ..model.moe_model import MoEModel
 
@@ -52,13 +52,14 @@ class ServedModel:
         self.template_error: str | None = None
         self.error: str | None = None
         self.snapshot = Snapshot()
+        self.max_prompt_chars = 0
         self._memory_at = 0.0
 
     @property
     def ready(self) -> bool:
         return self.engine is not None
 
-    def load(self, cancelled: Callable[[], bool] | None = None) -> None:
+    def load(self, cancelled: Callable[[], bool] | None = None, pool: RenderPool | None = None) -> None:
         """Load the model; ``cancelled()`` is asked after every tensor, and when it says so the load stops
         (:class:`LoadCancelled`) and frees what it had loaded."""
         def progress(done: int, total: int) -> None:
@@ -69,9 +70,13 @@ class ServedModel:
         try:
             tok = model.tokenizer
             try:
-                self.template = ChatTemplate.from_gguf(model.store, tok.tokens, tok.bos_id, tok.eos_id)
+                self.template = ChatTemplate.from_gguf(model.store, tok.tokens, tok.bos_id, tok.eos_id, pool=pool)
             except Exception as exc:  # completions still work; chat answers with this error
                 self.template_error = " ".join(str(exc).split())
+            # the longest text a token stands for: a text of more than max_prompt_chars characters cannot fit in
+            # the context, whatever its tokens (it is refused before it is tokenized or rendered)
+            longest = max((len(t) for t in tok.tokens), default=1)
+            self.max_prompt_chars = model.n_ctx * max(longest, 8) * 2
             self.model = model
             self._snap(None)
             self.engine = Engine(model, self.name, after_step=self._snap)
@@ -116,6 +121,7 @@ class ModelSet:
         self._closed = False
         self._lock = threading.Lock()
         self.http_requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
+        self.render_pool = RenderPool()  # the chat templates' renderer processes (killed at close)
 
     @property
     def ready(self) -> bool:
@@ -130,7 +136,7 @@ class ModelSet:
                         return
                 t0 = time.perf_counter()
                 try:
-                    sm.load(lambda: self._closed)
+                    sm.load(lambda: self._closed, self.render_pool)
                 except LoadCancelled:
                     return  # stopped while loading: nothing failed
                 except Exception as exc:
@@ -171,6 +177,7 @@ class ModelSet:
         process without finalizers)."""
         with self._lock:
             self._closed = True
+        self.render_pool.close()  # a render in progress ends now
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
