@@ -212,3 +212,141 @@ def test_a_lone_surrogate_is_a_counted_400(server, path, body):
     assert doc["error"]["type"] == "invalid_request_error"
     after = scrape(server.url)
     assert _delta(before, after, "ggml_hybrid_http_requests_total", endpoint=path, status="400") == 1
+
+
+# -- item 9: idle and drip-fed connections --------------------------------------------------------------------
+
+def _limit_fds() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+
+def test_idle_connections_never_lock_out_health_at_a_256_descriptor_limit(files):
+    """260 idle sockets at a descriptor limit of 256 made /health unreachable and filled the log with accept()
+    tracebacks (80 MB in 30 s); now the oldest idle connection makes room, and the log stays short."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ggml_hybrid.cli", "serve", files["q3"], "-c", str(N_CTX), "-t",
+                             "1", "--port", str(port)], stderr=subprocess.PIPE, text=True, preexec_fn=_limit_fds)
+    socks: list[socket.socket] = []
+    try:
+        end = time.monotonic() + 60
+        while _health(port) != 200:
+            assert proc.poll() is None and time.monotonic() < end
+            time.sleep(0.05)
+        for _ in range(260):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        answers = [_health(port) for _ in range(5)]
+        assert answers == [200] * 5 and time.monotonic() - t0 < 10, answers
+        time.sleep(2.0)
+    finally:
+        for s in socks:
+            s.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = proc.stderr.read() if proc.stderr else ""
+    assert rc == 0, err[-3000:]
+    assert "Traceback" not in err and len(err) < 20_000, err[-3000:]
+
+
+def _recv_all(sock: socket.socket, limit: float) -> bytes:
+    sock.settimeout(limit)
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except TimeoutError:
+        out += b"<timeout>"
+    return out
+
+
+def test_drip_fed_headers_and_bodies_are_timed_out(server):
+    """A request whose headers never end is closed after the header deadline (10 s); a body that never ends is a
+    408 after the body deadline (30 s); they stayed open for good."""
+    import threading
+
+    got: dict[str, bytes] = {}
+
+    def headers() -> None:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            got["headers"] = _recv_all(s, 25)
+
+    def body() -> None:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            got["body"] = _recv_all(s, 50)
+
+    before = scrape(server.url)
+    threads = [threading.Thread(target=headers), threading.Thread(target=body)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(70)
+    assert got["headers"] == b"", got["headers"]  # closed, nothing sent
+    assert got["body"].startswith(b"HTTP/1.1 408") and b"request_timeout" in got["body"], got["body"]
+    after = scrape(server.url)
+    assert _delta(before, after, "ggml_hybrid_http_requests_total", endpoint="/v1/completions", status="408") == 1
+
+
+# -- item 18: a client that leaves mid-body ---------------------------------------------------------------------
+
+def test_a_client_that_leaves_mid_body_is_counted_without_a_traceback(server):
+    before = scrape(server.url)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        time.sleep(0.3)
+    end = time.monotonic() + 10
+    while True:
+        after = scrape(server.url)
+        if _delta(before, after, "ggml_hybrid_http_requests_total", endpoint="/v1/completions", status="499") == 1:
+            break
+        assert time.monotonic() < end, "the disconnect was not counted"
+        time.sleep(0.1)
+    # (the module's server fixture checks its log for tracebacks when it stops)
+
+
+# -- item 14: the warning for every interface ---------------------------------------------------------------
+
+def test_a_non_loopback_address_warns_that_there_is_no_authentication(files):
+    # an address of no interface here (TEST-NET-1): the warning comes before the bind, which then fails
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "serve", files["q3"], "-c", str(N_CTX), "-t", "1",
+                        "--host", "192.0.2.1", "--port", str(_free_port())], capture_output=True, text=True,
+                       timeout=120)
+    assert "warning" in r.stderr and "no authentication" in r.stderr and "192.0.2.1" in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    with Server([files["q3"], "-c", str(N_CTX), "-t", "1"]) as s:
+        rc, err = s.stop()
+    assert rc == 0 and "warning" not in err  # loopback: no warning
+
+
+# -- item 15: command lines that gave tracebacks --------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [["--temp", "1e-320"], ["--temp", "0.8", "--presence-penalty", "-1e308"],
+                                   ["--temp", "0.8", "--frequency-penalty", "1e308"],
+                                   ["--presence-penalty", "1e308"], ["--temp", "5e-324", "--frequency-penalty",
+                                                                      "-1e308", "--presence-penalty", "1e308"]])
+def test_extreme_sampling_flags_run_or_give_one_error_line(files, flags):
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "run", files["q3"], "-p", "the cache runs", "-n",
+                        "6", "-t", "1", "-c", str(N_CTX), "--ignore-eos", *flags], capture_output=True, text=True,
+                       timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 0 or (r.returncode == 2 and r.stderr.startswith("error: ")
+                                 and len(r.stderr.strip().splitlines()) == 1), r.stderr
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400"])
+def test_drain_timeout_must_be_finite(files, value):
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "serve", files["q3"], "--drain-timeout", value],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "--drain-timeout" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -242,6 +242,13 @@ class Engine:
         with self._cond:
             self._accepting = False
 
+    def cancel_all(self) -> None:
+        """Cancel every request queued or running (a drain that ran out of time); the engine goes on."""
+        with self._cond:
+            for r in list(self._queue) + [r for r in self._slots if r is not None]:
+                r._cancelled = True
+            self._cond.notify()
+
     def idle(self) -> bool:
         with self._cond:
             return not self._queue and not any(self._slots)

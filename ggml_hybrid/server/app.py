@@ -174,10 +174,21 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
             raise bad(str(exc), "prompt") from None
         rid, created = new_id(kind), now()
         n_prompt = sum(len(p) for p in prompts)
+        models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
         if g.stream:
-            return EventSourceResponse(_stream(reqs, wake, kind, rid, created, g, n_prompt), ping=600, sep="\n",
-                                       shutdown_grace_period=drain_seconds)
-        return await _wait(request, reqs, wake, kind, rid, created, g, n_prompt)
+            return EventSourceResponse(_counted_stream(_stream(reqs, wake, kind, rid, created, g, n_prompt)),
+                                       ping=600, sep="\n", shutdown_grace_period=drain_seconds)
+        try:
+            return await _wait(request, reqs, wake, kind, rid, created, g, n_prompt)
+        finally:
+            models.end()
+
+    async def _counted_stream(events: AsyncIterator[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
+        try:
+            async for e in events:
+                yield e
+        finally:
+            models.end()
 
     async def _wait(request: HTTPRequest, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str,
                     created: int, g: Generation, n_prompt: int) -> Response:

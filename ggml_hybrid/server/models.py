@@ -20,6 +20,7 @@ from ..model.engine import Engine
 from ..model.moe_model import MoEModel
 
 MEMORY_EVERY = 5.0  # seconds between device-memory readings after load
+FINAL_GRACE = 3.0  # seconds cancelled requests get to answer once a drain has run out of time
 LOADER_JOIN = 60.0  # seconds close() waits for a cancelled load to let go (it stops at the next tensor)
 
 
@@ -121,6 +122,7 @@ class ModelSet:
         self._closed = False
         self._lock = threading.Lock()
         self.http_requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
+        self.in_flight = 0  # generation handlers that have not answered yet
         self.render_pool = RenderPool()  # the chat templates' renderer processes (killed at close)
 
     @property
@@ -161,6 +163,38 @@ class ModelSet:
         for sm in self.models.values():
             if sm.engine is not None:
                 sm.engine.stop_accepting()
+
+    def expire_drain(self) -> None:
+        """End the drain now (a second signal): every request still running is cancelled."""
+        self.drain()
+        self.drain_started = min(self.drain_started, time.monotonic() - 1e9)
+        self.cancel_all()
+
+    def cancel_all(self) -> None:
+        for sm in self.models.values():
+            if sm.engine is not None:
+                sm.engine.cancel_all()
+
+    def begin(self) -> None:
+        """A generation handler starts (it answers before the server may stop)."""
+        with self._lock:
+            self.in_flight += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def drained(self, seconds: float) -> bool:
+        """Whether a drain is over: every generation answered, or ``seconds`` passed (what still runs is then
+        cancelled, and gets :data:`FINAL_GRACE` seconds to send its error event or 503)."""
+        if not self.draining:
+            return False
+        if self.in_flight <= 0:
+            return True
+        if self.drain_expired(seconds):
+            self.cancel_all()
+            return time.monotonic() - self.drain_started > max(seconds, 0.0) + FINAL_GRACE
+        return False
 
     def drain_expired(self, seconds: float) -> bool:
         """Whether a drain began more than ``seconds`` ago (what is still running is then cancelled)."""
