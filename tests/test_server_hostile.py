@@ -332,12 +332,12 @@ def test_a_non_loopback_address_warns_that_there_is_no_authentication(files):
 # -- item 15: command lines that gave tracebacks --------------------------------------------------------------
 
 @pytest.mark.parametrize("flags", [["--temp", "1e-320"], ["--temp", "0.8", "--presence-penalty", "-1e308"],
-                                   ["--temp", "0.8", "--frequency-penalty", "1e308"],
+                                   ["--temp", "0.8", "--frequency-penalty", "-1e308"],
                                    ["--presence-penalty", "1e308"], ["--temp", "5e-324", "--frequency-penalty",
                                                                       "-1e308", "--presence-penalty", "1e308"]])
 def test_extreme_sampling_flags_run_or_give_one_error_line(files, flags):
-    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "run", files["q3"], "-p", "the cache runs", "-n",
-                        "6", "-t", "1", "-c", str(N_CTX), "--ignore-eos", *flags], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "run", files["q3"], "-p", "the the the cache runs",
+                        "-n", "6", "-t", "1", "-c", str(N_CTX), "--ignore-eos", *flags], capture_output=True, text=True,
                        timeout=120)
     assert "Traceback" not in r.stderr, r.stderr
     assert r.returncode == 0 or (r.returncode == 2 and r.stderr.startswith("error: ")
@@ -350,3 +350,88 @@ def test_drain_timeout_must_be_finite(files, value):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "--drain-timeout" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# -- item 13: the drain contract ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slow(files):
+    return write_model(files["dir"] / "slow.gguf", arch="qwen3moe", weight_type="q8_0", seed=4, n_layer=4,
+                       n_embd=256, n_ff_exp=256, head_dim=64, n_expert=16, n_used=4)
+
+
+def _open_stream(port: int, body: dict):
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    return c, r
+
+
+def _events(r) -> list[str]:
+    """Every `data:` payload of an SSE response until it ends."""
+    out = []
+    while line := r.readline():
+        line = line.decode().rstrip("\r\n")
+        if line.startswith("data: "):
+            out.append(line[6:])
+    return out
+
+
+def test_drain_keeps_listening_and_ends_a_cut_stream_with_an_error_and_done(files, slow):
+    """After SIGTERM /health answers the documented 503 "draining" and new work a 503 (the listener closed at
+    once); a stream that outlives --drain-timeout ends with an error event and [DONE] (it was cut bare)."""
+    with Server([slow, "-np", "2", "-c", "2048", "-t", "1", "-a", "m", "--drain-timeout", "2"]) as s:
+        c, r = _open_stream(s.port, {"model": "m", "prompt": "a", "max_tokens": 2000, "stream": True,
+                                     "ignore_eos": True})
+        first = r.readline()
+        while not first.startswith(b"data: "):
+            first = r.readline()
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert get(s.url + "/health") == (503, b'{"status":"draining"}')
+        code, doc = post(s.url + "/v1/completions", json.dumps({"model": "m", "prompt": "a", "max_tokens": 2}))
+        assert code == 503 and doc["error"]["code"] == "shutting_down", doc
+        rest = _events(r)
+        c.close()
+        rc, err = s.stop()
+    assert rc == 0, err
+    assert rest[-1] == "[DONE]", rest[-3:]
+    err_event = json.loads(rest[-2])
+    assert err_event["error"]["code"] == "shutting_down" and err_event["error"]["type"] == "server_error"
+    assert len(rest) < 2000
+
+
+def test_a_second_ctrl_c_ends_the_drain_with_json_answers(files, slow):
+    """Two Ctrl-C: the first drains, the second cancels what runs at once; a plain request gets the JSON 503 (it
+    got uvicorn's plain-text 500), and the process exits 130."""
+    import threading
+
+    with Server([slow, "-np", "2", "-c", "2048", "-t", "1", "-a", "m", "--drain-timeout", "600"]) as s:
+        got: dict[str, object] = {}
+
+        def plain() -> None:
+            got["r"] = post(s.url + "/v1/completions", json.dumps({"model": "m", "prompt": "a", "max_tokens": 2000,
+                                                                   "ignore_eos": True}))
+
+        th = threading.Thread(target=plain)
+        th.start()
+        busy = ("ggml_hybrid_busy_slots", (("model", "slow"),))
+        end = time.monotonic() + 30
+        while scrape(s.url).get(busy, 0) < 1:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert th.is_alive()  # draining: it goes on
+        s.proc.send_signal(signal.SIGINT)
+        th.join(30)
+        assert not th.is_alive()
+        rc = s.proc.wait(30)
+        err = s.proc.stderr.read() if s.proc.stderr else ""
+    assert rc == 130, err
+    code, doc = got["r"]  # type: ignore[misc]
+    assert code == 503 and doc["error"]["code"] == "shutting_down", doc
+    assert "Traceback" not in err

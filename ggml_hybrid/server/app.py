@@ -248,7 +248,8 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
                         else:
                             msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
                                 "The server shut down before the request finished."
-                            yield {"data": json.dumps(APIError(500 if r.error else 503, msg).body())}
+                            yield {"data": json.dumps(APIError(500 if r.error else 503, msg, code=None if r.error
+                                                               else "shutting_down").body())}
                 if len(ended) < len(reqs):
                     await wake.wait()
             if g.include_usage:
