@@ -8,15 +8,17 @@ derives from the built-in exception a Python user would expect (``ValueError``,
 
 from __future__ import annotations
 
-MESSAGE_CHARS = 400  # a value quoted in a message is cut to this many characters (it may be an attacker's)
+MESSAGE_CHARS = 1000  # an error message is cut to about this many characters (it may quote an attacker's value)
 
 
 def shorten(text: str, limit: int = MESSAGE_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, saying how many were left out (values in messages come from files
-    and requests: a 1 MiB metadata string must not become a 1 MiB error line)."""
+    """``text`` cut to about ``limit`` characters: its start (what failed, the value) and its end (the rule), with
+    how much was left out between them. Values in messages come from files and requests: a 1 MiB metadata
+    string must not become a 1 MiB error line."""
     if len(text) <= limit:
         return text
-    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]} ... ({len(text) - head - tail} characters left out) ... {text[len(text) - tail:]}"
 
 
 class GgmlHybridError(Exception):

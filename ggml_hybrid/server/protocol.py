@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import GgmlHybridError
+from ..errors import GgmlHybridError, shorten
 from ..model.engine import Request
 from ..model.sampling import Sampler
 
@@ -34,6 +34,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str | None = None) -> None:
+        message = shorten(message)  # it may quote what the client sent
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
