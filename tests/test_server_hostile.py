@@ -6,6 +6,7 @@ stopped by the test; every request loop is bounded."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -435,3 +436,32 @@ def test_a_second_ctrl_c_ends_the_drain_with_json_answers(files, slow):
     code, doc = got["r"]  # type: ignore[misc]
     assert code == 503 and doc["error"]["code"] == "shutting_down", doc
     assert "Traceback" not in err
+
+
+# -- item 11: a model file replaced by rename under a disk-experts server ----------------------------------
+
+@pytest.mark.parametrize("share", ["0", "0.5"])
+def test_replacing_the_model_file_by_rename_is_safe_in_disk_experts_mode(files, tmp_path, share):
+    """The docs call an atomic rename over the model safe: it is now (every later request was a 500 while
+    /health answered 200). The process goes on with the file it opened; a rewrite in place is still refused
+    (tests/test_hybrid.py)."""
+    import shutil
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(files["q3"], path)
+    with Server([str(path), "-c", str(N_CTX), "-t", "1", "-a", "m", "--disk-experts", "--expert-cache-slots", "2",
+                 "--moe-cpu-share", share]) as s:
+        body = json.dumps({"model": "m", "prompt": "the cache runs the hits first", "max_tokens": 8,
+                           "temperature": 0, "ignore_eos": True})
+        code, first = post(s.url + "/v1/completions", body)
+        assert code == 200, first
+        for i in range(2):
+            new = tmp_path / f"new{i}.gguf"
+            shutil.copy(files["q3"], new)  # the same bytes, a new file
+            os.replace(new, path)
+            code, again = post(s.url + "/v1/completions", body)
+            assert code == 200, again
+            assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert get(s.url + "/health")[0] == 200
+        rc, err = s.stop()
+    assert rc == 0, err

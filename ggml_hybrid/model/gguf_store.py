@@ -49,8 +49,7 @@ def _declared(k: KeyInfo) -> str:
     return TYPE_NAMES[k.type]
 
 
-def _identity(path: str) -> tuple[int, int, int, int]:
-    st = os.stat(path)
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -64,7 +63,18 @@ class GGUFStore:
         why = not_a_file(self.path)
         if why is not None:
             raise ModelFileError(f"model file {self.path!r} {why}")
-        self._identity = _identity(self.path)
+        # the file as opened: a file renamed over this path later is another file, and this one (which the
+        # mapping keeps) is unchanged; a truncation or a rewrite in place changes it
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            self._identity = _identity(os.fstat(self._fd))
+        except BaseException:
+            self._close_fd()
+            raise
+        # what the native executor stats before its loads: this process's descriptor of the file (Linux, and
+        # other systems with /dev/fd), else the path
+        fd_path = f"/proc/self/fd/{self._fd}"
+        self.watch_path = fd_path if os.path.exists(fd_path) else self.path
         # the header is walked and every tensor checked against the file before the gguf package reads it
         self.header = header = read_header(self.path)
         try:
@@ -83,12 +93,13 @@ class GGUFStore:
         case (a model file overwritten while a run streams its experts) a clear error instead.
         """
         try:
-            now = _identity(self.path)
+            now = _identity(os.fstat(self._fd)) if self._fd is not None else None
         except OSError:
             now = None
         if now != self._identity:
-            raise ModelFileError(f"model file {self.path!r} changed on disk while it was in use (size, time or "
-                                 "inode differ from when it was opened); reload the model")
+            raise ModelFileError(f"model file {self.path!r} changed on disk while it was in use (truncated or "
+                                 "rewritten in place: its size or time differ from when it was opened); reload "
+                                 "the model")
 
     # -- metadata -------------------------------------------------------------
 
@@ -194,6 +205,15 @@ class GGUFStore:
         if self._mapped is not None:
             self._mapped.close()
         self._mapped = None
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self._close_fd()
 
 
 def repack_rule(store: GGUFStore, enabled: bool = True) -> Callable[[str], CData | None]:

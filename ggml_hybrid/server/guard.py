@@ -52,7 +52,7 @@ def protocol_class(max_connections: int, header_seconds: float = HEADER_SECONDS)
     class GuardedH11Protocol(H11Protocol):
         """uvicorn's h11 protocol with a header deadline and a connection bound (module docs)."""
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             self._header_timer: asyncio.TimerHandle | None = None
             self._waiting_since = time.monotonic()
             super().connection_made(transport)
