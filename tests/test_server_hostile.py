@@ -465,3 +465,17 @@ def test_replacing_the_model_file_by_rename_is_safe_in_disk_experts_mode(files, 
         assert get(s.url + "/health")[0] == 200
         rc, err = s.stop()
     assert rc == 0, err
+
+
+# -- item 7: sampling values in OpenAI's ranges; a failing sequence never ends the others' streams -------------
+
+@pytest.mark.parametrize("field, value, ok", [("presence_penalty", -1e308, False), ("frequency_penalty", 1e308, False),
+                                              ("presence_penalty", 2.5, False), ("temperature", 2.5, False),
+                                              ("temperature", 1e-320, True), ("frequency_penalty", -2, True)])
+def test_sampling_values_outside_openais_ranges_are_refused(server, field, value, ok):
+    code, doc = post(server.url + "/v1/completions", json.dumps({"model": "q3", "prompt": "the the the", field: value,
+                                                                 "max_tokens": 4, "ignore_eos": True}))
+    if ok:
+        assert code == 200 and doc["usage"]["completion_tokens"] == 4, doc
+    else:
+        assert code == 400 and doc["error"]["param"] == field and "must be a number in" in doc["error"]["message"]
