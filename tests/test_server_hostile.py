@@ -207,12 +207,15 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(server):
     ("/v1/chat/completions", '{"model": "q3", "messages": [{"role": "user", "content": "x\\ud83d"}]}'),
 ])
 def test_a_lone_surrogate_is_a_counted_400(server, path, body):
+    """(and an unknown model named with one is a 404 that quotes it escaped: found by the server fuzzer, a 500)"""
     before = scrape(server.url)
     code, doc = post(server.url + path, body)
     assert code == 400 and "surrogate" in doc["error"]["message"], doc
     assert doc["error"]["type"] == "invalid_request_error"
     after = scrape(server.url)
     assert _delta(before, after, "ggml_hybrid_http_requests_total", endpoint=path, status="400") == 1
+    code, doc = post(server.url + path, body.replace('"q3"', '"x\\udfff"'))
+    assert code == 404 and "\\udfff" in doc["error"]["message"], doc
 
 
 # -- item 9: idle and drip-fed connections --------------------------------------------------------------------

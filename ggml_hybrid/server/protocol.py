@@ -36,7 +36,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str | None = None) -> None:
-        message = shorten(message)  # it may quote what the client sent
+        # it may quote what the client sent: cut, and a lone surrogate (which UTF-8 cannot carry) escaped
+        message = shorten(message).encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
