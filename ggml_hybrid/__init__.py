@@ -30,12 +30,12 @@ from .ggml.regions import DECLINE, Region, RegionCall
 from .ggml.sched import Scheduler
 from .ggml.step_io import StepIO
 from .ggml.tensor import Tensor
-from .model.generate import GenerationStats, complete, generate
-from .model.moe_model import MoEModel
-from .model.sampling import Sampler
-from .model.tokenizer import Tokenizer
 from .moe.stack_session import MoEStackSession
 from .options import SessionOptions
+from .runtime.generate import GenerationStats, complete, generate
+from .runtime.moe_model import MoEModel
+from .runtime.sampling import Sampler
+from .text.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 

@@ -15,13 +15,14 @@ import difflib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Union, cast
+from typing import Any, Literal, Optional, Union, cast, get_args
 
 from ._native import lib
 from .errors import OptionError
 from .ggml.backend import THREADS_PER_CORE, max_threads
+from .ggml.rpc import endpoint_list
 
-__all__ = ["OptionError", "SessionOptions"]
+__all__ = ["EvictionPolicy", "ExecutorKind", "KVCacheType", "OptionError", "SessionOptions", "SplitMode"]
 
 # a GGML scheduler takes at most GGML_SCHED_MAX_BACKENDS backends, the host CPU included
 MAX_DEVICES: int = lib.GGML_HYBRID_MAX_INSTANCES
@@ -118,13 +119,27 @@ def _device_list(v: Any) -> Optional[str]:
     return ",".join(device_list(text))
 
 
-def _choice(*choices: str) -> Callable[[Any], str]:
+# the options whose value is one of a few names: each Literal is the one list of its names
+EvictionPolicy = Literal["lru", "lfu"]
+KVCacheType = Literal["f32", "f16", "q8_0"]
+SplitMode = Literal["layer", "none"]
+ExecutorKind = Literal["native", "python"]
+
+
+def _choice(choices: Any) -> Callable[[Any], str]:
+    names = get_args(choices)
+
     def conv(v: Any) -> str:
         _typed(v, str)
-        if v.strip().lower() not in choices:
+        if v.strip().lower() not in names:
             raise _Bad()
         return cast(str, v.strip().lower())
     return conv
+
+
+def _one_of(choices: Any) -> str:
+    """The rule text of a choice option: ``one of 'a', 'b'``."""
+    return "one of " + ", ".join(repr(n) for n in get_args(choices))
 
 
 def _path(v: Any) -> Optional[str]:
@@ -181,21 +196,15 @@ def _proportions(v: Any) -> Optional[str]:
     return text
 
 
-_ENDPOINT_RE = re.compile(r"([^\s:,]+):([0-9]+)")
 
 
 def rpc_endpoints(text: Optional[str]) -> list[str]:
-    """``"host:50052,10.0.0.2:50052"`` -> ["host:50052", "10.0.0.2:50052"]: HOST:PORT items, each once
-    (llama.cpp's --rpc; IPv4 addresses or host names, as GGML's RPC client takes them)."""
-    out: list[str] = []
-    for item in (x.strip() for x in (text or "").split(",")):
-        m = _ENDPOINT_RE.fullmatch(item)
-        if not m or not 1 <= int(m.group(2)) <= 65535:
-            raise _Bad(f"{item!r} is not HOST:PORT with a port in 1..65535")
-        endpoint = f"{m.group(1)}:{int(m.group(2))}"
-        if endpoint in out:
-            raise _Bad(f"{endpoint} is given twice")
-        out.append(endpoint)
+    """The ``rpc`` option's rule: GGML's RPC endpoint list (:func:`ggml_hybrid.ggml.rpc.endpoint_list`), at most
+    :data:`MAX_DEVICES` servers."""
+    try:
+        out = endpoint_list(text or "")
+    except ValueError as exc:
+        raise _Bad(str(exc)) from None
     if len(out) > MAX_DEVICES:
         raise _Bad(f"{len(out)} servers; a session has at most {MAX_DEVICES} devices")
     return out
@@ -226,10 +235,10 @@ class SessionOptions:
     expert_cache_slots: int = _opt(
         0, "int", "an integer >= 0", "Expert slots in the device cache per layer; 0 = no cache, experts resident.",
         _int(0))
-    expert_eviction: str = _opt(
-        "lru", "str", "one of 'lru', 'lfu'",
+    expert_eviction: EvictionPolicy = _opt(
+        "lru", "str", _one_of(EvictionPolicy),
         "Expert cache victim order: least recently used ('lru') or least frequently used ('lfu').",
-        _choice("lru", "lfu"))
+        _choice(EvictionPolicy))
     n_threads: Optional[int] = _opt(
         None, "int | None", _THREADS_RULE,
         "CPU threads for CPU-side work (llama.cpp -t); none = the cores other processes leave idle, measured at "
@@ -253,12 +262,11 @@ class SessionOptions:
     ubatch_size: int = _opt(
         512, "int", "an integer >= 1", "Physical batch: most tokens in one graph computation (llama.cpp -ub).",
         _int(1))
-    cache_type_k: str = _opt(
-        "f16", "str", "one of 'f32', 'f16', 'q8_0'", "KV cache type of K (llama.cpp -ctk).",
-        _choice("f32", "f16", "q8_0"))
-    cache_type_v: str = _opt(
-        "f16", "str", "one of 'f32', 'f16', 'q8_0'", "KV cache type of V (llama.cpp -ctv); q8_0 needs flash_attn.",
-        _choice("f32", "f16", "q8_0"))
+    cache_type_k: KVCacheType = _opt(
+        "f16", "str", _one_of(KVCacheType), "KV cache type of K (llama.cpp -ctk).", _choice(KVCacheType))
+    cache_type_v: KVCacheType = _opt(
+        "f16", "str", _one_of(KVCacheType), "KV cache type of V (llama.cpp -ctv); q8_0 needs flash_attn.",
+        _choice(KVCacheType))
     flash_attn: Union[bool, str] = _opt(
         False, "bool | 'auto'", f"{_BOOL_RULE} or 'auto'",
         "Fused flash attention (llama.cpp -fa on|off); 'auto' = on when every backend that runs attention "
@@ -270,9 +278,9 @@ class SessionOptions:
         None, "str | None", "REGEX=DEVICE items separated by commas, or none",
         "Tensor layout by regular expression over GGUF names, searched, first match wins (llama.cpp -ot).",
         _overrides)
-    split_mode: str = _opt(
-        "layer", "str", "one of 'layer', 'none'", "How layers are spread over several devices (llama.cpp -sm).",
-        _choice("layer", "none"))
+    split_mode: SplitMode = _opt(
+        "layer", "str", _one_of(SplitMode), "How layers are spread over several devices (llama.cpp -sm).",
+        _choice(SplitMode))
     tensor_split: Optional[str] = _opt(
         None, "str | None", "comma-separated proportions or none",
         "Share of the offloaded layers per device, e.g. 3,1 (llama.cpp -ts); none = equal.", _proportions)
@@ -285,10 +293,10 @@ class SessionOptions:
         1, "int", f"an integer in 1..{MAX_DEVICES}",
         "Without a GPU or RPC server: how many CPU backend instances play the devices (DEV0, DEV1, ...).",
         _int(1, MAX_DEVICES))
-    moe_executor: str = _opt(
-        "native", "str", "one of 'native', 'python'",
+    moe_executor: ExecutorKind = _opt(
+        "native", "str", _one_of(ExecutorKind),
         "Who runs a disk layer's calls: the native executor (C, no Python per call) or the Python reference.",
-        _choice("native", "python"))
+        _choice(ExecutorKind))
     rpc: Optional[str] = _opt(
         None, "str | None", "HOST:PORT items separated by commas, or none",
         "RPC servers (ggml-hybrid rpc-server) whose devices the session uses, named RPC0, RPC1, ... in this "

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
-from hypothesis import HealthCheck, settings
-
-sys.path.insert(0, os.path.dirname(__file__))  # `import helpers` from every test module
-
 from helpers import compute
+from hypothesis import HealthCheck, settings
 
 import ggml_hybrid as gh
 

@@ -14,11 +14,13 @@ the helper creates is closed before it returns.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 
@@ -246,23 +248,13 @@ def region_weights(region) -> set[str]:
     return names
 
 
-# -- CUDA against the CPU (tests/test_gpu.py, tools/device_check.py) -----------------------------------
+# -- build.py (tests/test_build.py, tests/test_native_stub.py) ---------------------------------------------
 
-#: the largest relative difference allowed between two backends' logits: max|a - b| / max|b|
-PARITY_RTOL = 1e-3
-
-
-def greedy_run(model, prompt, n: int) -> tuple[list[int], np.ndarray]:
-    """The prompt, then ``n`` greedy tokens one eval each: (the tokens, the logits of every eval, [n + 1, vocab])."""
-    logits = [model.eval(prompt)[-1]]
-    tokens = []
-    for _ in range(n):
-        tokens.append(int(np.argmax(logits[-1])))
-        logits.append(model.eval([tokens[-1]])[-1])
-    return tokens, np.stack(logits)
-
-
-def relative_diff(got: np.ndarray, ref: np.ndarray) -> float:
-    """max|got - ref| / max|ref| over logits, in float64."""
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+def build_script():
+    """The repository's build.py as a module (its stub writer, its cdef), loaded once."""
+    name = "ggml_hybrid_build_script"
+    if name not in sys.modules:  # registered before it runs: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "build.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import ggml_hybrid as gh
-from ggml_hybrid.deploy.planner import plan
 from ggml_hybrid.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -21,7 +20,8 @@ from ggml_hybrid.errors import (
     OptionError,
     ShapeError,
 )
-from ggml_hybrid.model.synthetic import ModelSpec, write_model, write_moe_stack
+from ggml_hybrid.plan.planner import plan
+from ggml_hybrid.synthetic import ModelSpec, write_model, write_moe_stack
 
 ONE = gh.SessionOptions(n_threads=1)
 SPEC = ModelSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff_exp=32, n_expert=4, n_used=2,
@@ -143,7 +143,7 @@ def test_new_tensor_shapes(shape):
 def test_encode_refuses_a_lone_surrogate_with_one_typed_error(tmp_path, vocab, text):
     """Issue 28 item 16: text that UTF-8 cannot carry is one ArgumentError naming where (it was a bare
     UnicodeEncodeError, or whatever the tokenizer library raised)."""
-    from ggml_hybrid.model.synthetic import write_model as write
+    from ggml_hybrid.synthetic import write_model as write
 
     kw = dict(arch="llama", vocab="spm", vocab_size=512) if vocab == "spm" else dict(arch="qwen3moe")
     p = write(tmp_path / f"{vocab}.gguf", seed=15, **kw)

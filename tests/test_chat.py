@@ -9,11 +9,11 @@ pytest.importorskip("jinja2")
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.errors import ChatTemplateError
-from ggml_hybrid.model.chat import DEFAULT_TEMPLATE, MAX_OUTPUT_CHARS, ChatTemplate
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.sampling import Sampler
-from ggml_hybrid.model.synthetic import TEMPLATES, write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.runtime.sampling import Sampler
+from ggml_hybrid.synthetic import TEMPLATES, write_model
+from ggml_hybrid.text.chat import DEFAULT_TEMPLATE, MAX_OUTPUT_CHARS, ChatTemplate
 
 MSGS = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "A"},
         {"role": "user", "content": [{"type": "text", "text": "U"}, {"type": "text", "text": "2"}]}]
@@ -194,7 +194,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(models, monkeypatch):
 
 @pytest.fixture
 def pool():
-    from ggml_hybrid.model.chat import RenderPool
+    from ggml_hybrid.text.chat import RenderPool
 
     p = RenderPool(size=1, seconds=2.0)
     yield p

@@ -21,16 +21,16 @@ from helpers import rewrite_gguf
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.cli.report import RUN_SCHEMA_KEYS
-from ggml_hybrid.model.gguf_store import GGUFStore
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.sampling import Sampler
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
-from ggml_hybrid.model.tokenizer import Tokenizer
+from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.runtime.sampling import Sampler
+from ggml_hybrid.synthetic import ModelSpec, write_model
+from ggml_hybrid.text.tokenizer import Tokenizer
 from ggml_hybrid.units import format_bytes
 
 SPEC = ModelSpec()  # qwen3moe, 2 layers, embd 64, 8 experts, top-2, F32, vocab 384
-HYBRID = ["-o", "disk_experts=1", "-o", "expert_cache_slots=2"]
+DISK_CACHE = ["-o", "disk_experts=1", "-o", "expert_cache_slots=2"]
 PROMPT_IDS = [5, 17, 42, 101]
 
 
@@ -185,14 +185,14 @@ def test_run_tokens_matches_the_reference(models, tokenizer):
 
 @pytest.mark.parametrize("name,arch", [("q2", "qwen2moe"), ("llama", "llama")])
 def test_run_other_architectures_match_the_reference(models, name, arch):
-    d = run_json(models[name], "--tokens", ",".join(map(str, PROMPT_IDS)), "-n", 5, "-t", 1, *HYBRID,
+    d = run_json(models[name], "--tokens", ",".join(map(str, PROMPT_IDS)), "-n", 5, "-t", 1, *DISK_CACHE,
                  "--moe-cpu-share", "0.5")
     toks, _, stop = reference(models[name], PROMPT_IDS, 5)
     assert d["architecture"] == arch and d["tokens"] == toks and d["stop_reason"] == stop
 
 
-def test_run_stats_block_reports_the_hybrid_counters(models):
-    args = (models["m"], "--tokens", "3,4,5", "-n", 5, "--ignore-eos", "-t", 1, *HYBRID, "--moe-cpu-share", 0.5)
+def test_run_stats_block_reports_the_cpu_offload_counters(models):
+    args = (models["m"], "--tokens", "3,4,5", "-n", 5, "--ignore-eos", "-t", 1, *DISK_CACHE, "--moe-cpu-share", 0.5)
     d = run_json(*args)
     r = ok("run", *args)
     assert r.stdout == d["text"] + "\n"
@@ -254,7 +254,7 @@ def test_run_json_counters_follow_the_routing(models, tmp_path, all_logits):
     n = 5
     extra = ["--logits-out", tmp_path / "l.npy"] if all_logits else []
     d = run_json(models["m"], "--tokens", ",".join(map(str, PROMPT_IDS)), "-n", n, "--ignore-eos", "-t", 1,
-                 *HYBRID, "--moe-cpu-share", "0.5", *extra)
+                 *DISK_CACHE, "--moe-cpu-share", "0.5", *extra)
     c = d["counters"]
     evaluated = len(PROMPT_IDS) + n - 1
     pruned = 0 if all_logits else len(PROMPT_IDS) - 1
@@ -312,11 +312,11 @@ def test_logits_out_writes_the_named_file(models, tmp_path):
 
 
 @pytest.mark.parametrize("share", ["0.5", "auto"])
-def test_hybrid_logits_are_bit_identical_through_the_cli(models, plain_run, tmp_path, share):
+def test_cpu_offload_logits_are_bit_identical_through_the_cli(models, plain_run, tmp_path, share):
     d0, l0 = plain_run
     out = tmp_path / "hybrid.npy"
     d = run_json(models["m"], "--tokens", ",".join(map(str, PROMPT_IDS)), "-n", 6, "--ignore-eos", "-t", 1,
-                 *HYBRID, "--moe-cpu-share", share, "--logits-out", out)
+                 *DISK_CACHE, "--moe-cpu-share", share, "--logits-out", out)
     assert d["tokens"] == d0["tokens"] and d["text"] == d0["text"]
     assert np.array_equal(np.load(out), l0)
     c = d["counters"]
@@ -339,10 +339,10 @@ def test_seeded_sampling_is_deterministic(models):
 
 
 def test_moe_cpu_share_shorthand_conflicting_with_session_option(models):
-    base = (models["m"], "--tokens", "1,2", "-n", 2, "-t", 1, *HYBRID)
+    base = (models["m"], "--tokens", "1,2", "-n", 2, "-t", 1, *DISK_CACHE)
     user_error("run", *base, "--moe-cpu-share", "0.5", "-o", "moe_cpu_share=0.25", expect=["moe_cpu_share"])
     user_error("run", *base, "--moe-cpu-share", "auto", "-o", "moe_cpu_share=0", expect=["moe_cpu_share"])
-    user_error("run", *base, "--expert-cache-slots", 3, expect=["expert_cache_slots"])  # HYBRID gives 2
+    user_error("run", *base, "--expert-cache-slots", 3, expect=["expert_cache_slots"])  # DISK_CACHE gives 2
     user_error("run", *base, "-o", "n_threads=2", expect=["n_threads"])  # -t 1 in base
     assert run_json(*base, "--expert-cache-slots", 2, "-o", "n_threads=1")["options"]["expert_cache_slots"] == 2
     for x, y in (("0.5", "0.5"), ("0.5", "0.50"), ("auto", "AUTO")):
@@ -680,7 +680,7 @@ def test_context_stop(models):
 
 
 def test_config_unquoted_role_key_is_a_role_scope(models, tmp_path):
-    from ggml_hybrid.cli.config import load_config
+    from ggml_hybrid.server.config import load_config
 
     p = tmp_path / "nested.toml"
     p.write_text(f'[models.a]\npath = "{models["m"]}"\nrole = "main"\n[models.a.session_options]\n'

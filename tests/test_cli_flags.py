@@ -20,10 +20,10 @@ import pytest
 from test_cli import ok, run_json, user_error
 from test_sampling import oracle
 
-from ggml_hybrid.deploy.planner import plan
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.plan.planner import plan
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 SPEC = ModelSpec()  # qwen3moe, 2 layers, 8 experts, top-2, vocab 384
 T1 = ["-t", "1"]

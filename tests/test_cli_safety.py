@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 from test_cli import run_json, user_error
 
-from ggml_hybrid.cli.config import MAX_CONFIG_BYTES, load_config
-from ggml_hybrid.deploy.planner import plan
 from ggml_hybrid.errors import ArgumentError, ConfigError, OptionError
 from ggml_hybrid.files import atomic_write, check_output
 from ggml_hybrid.ggml.backend import cpu, max_threads
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.moe.traces import read_trace
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.plan.planner import plan
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.server.config import MAX_CONFIG_BYTES, load_config
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 T1 = ["-t", "1"]
 DISK = ["--expert-cache-slots", "2"]

@@ -9,12 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ggml_hybrid.errors import ArgumentError, ClosedError, ContextFullError
-from ggml_hybrid.model.engine import Engine, Request, StepRate, StopText
-from ggml_hybrid.model.generate import complete
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.sampling import Sampler
-from ggml_hybrid.model.synthetic import write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.engine import Engine, Request, StepRate, StopText
+from ggml_hybrid.runtime.generate import complete
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.runtime.sampling import Sampler
+from ggml_hybrid.synthetic import write_model
 
 PROMPTS = ["The cache runs the hits first", "a", "Once upon a time in a land far away there lived a", "misses",
            "then the", "CPU share of", "experts, in rounds", "slots"]

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from ggml_hybrid.errors import ModelFileError, OptionError
 from ggml_hybrid.model.kv_cache import SeqRows
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import write_model
 from ggml_hybrid.moe.traces import read_trace
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model
 
 # small models of each family, with what makes it different switched on (dense leading layers, groups, MXFP4...)
 SPECS = {
@@ -149,8 +149,8 @@ def test_unsupported_family_names_the_architecture(tmp_path):
 
 @pytest.mark.parametrize("name", ["deepseek2", "gpt-oss", "glm4moe"])
 def test_inspect_and_plan_know_the_family(models, name):
-    from ggml_hybrid.deploy.model_info import describe
-    from ggml_hybrid.deploy.planner import plan
+    from ggml_hybrid.plan.model_info import describe
+    from ggml_hybrid.plan.planner import plan
 
     d = describe(models[name])
     f, spec = d["family"], SPECS[name]

@@ -17,9 +17,9 @@ import ggml_hybrid as gh
 from ggml_hybrid.errors import ModelFileError
 from ggml_hybrid.model.families.deepseek2 import mla_kq_scale
 from ggml_hybrid.model.rope import attn_factor, f32, kq_scale, logf
-from ggml_hybrid.model.spm import SPMTokenizer
-from ggml_hybrid.model.synthetic.vocab import SPM_USER, spm_vocab
 from ggml_hybrid.moe.ffn import ExpertWeights, build_moe_ffn
+from ggml_hybrid.synthetic.vocab import SPM_USER, spm_vocab
+from ggml_hybrid.text.spm import SPMTokenizer
 
 # -- float32 scalars ---------------------------------------------------------------------------------------------
 

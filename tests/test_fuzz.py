@@ -21,7 +21,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "tools" / "fuzz" / "run.py"
-sys.path.insert(0, str(RUN.parent))
 from ggfuzz.proc import Outcome, classify, run_forked  # noqa: E402
 
 SEED = 0

@@ -18,19 +18,17 @@ import gguf
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from ggfuzz.gguf_cases import FileMap, encode_value, map_file, splice_kv
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.errors import ArgumentError, ModelFileError, NonFiniteError
-from ggml_hybrid.model.generate import complete
-from ggml_hybrid.model.gguf_header import read_header
-from ggml_hybrid.model.gguf_store import GGUFStore
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import ModelSpec, write_model, write_moe_stack
+from ggml_hybrid.gguf.header import read_header
+from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "fuzz"))
-from ggfuzz.gguf_cases import FileMap, encode_value, map_file, splice_kv
+from ggml_hybrid.runtime.generate import complete
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import ModelSpec, write_model, write_moe_stack
 
 SPEC = ModelSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff_exp=32, n_expert=4, n_used=2,
                  vocab_size=320, weight_type="q8_0", seed=5)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import PARITY_RTOL, greedy_run, relative_diff
+from parity import PARITY_RTOL, greedy_run, relative_diff
 
 import ggml_hybrid as gh
 from ggml_hybrid import lib
@@ -18,9 +18,9 @@ from ggml_hybrid._native import ffi
 from ggml_hybrid._native.backends import optional_backends
 from ggml_hybrid.cli import main
 from ggml_hybrid.ggml.backend import Buffer, cpu_instance
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gh.cuda_available(), reason="no CUDA device in this build")]
 

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.deploy.layout import CPU, plan_layout
-from ggml_hybrid.deploy.planner import k8s_resources, plan
-from ggml_hybrid.model.gguf_store import GGUFStore
-from ggml_hybrid.model.hparams import read_hparams, tensor_shapes
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import write_model
+from ggml_hybrid.gguf.store import GGUFStore
+from ggml_hybrid.model.families import read_hparams, tensor_shapes
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.plan.planner import k8s_resources, plan
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model
 from ggml_hybrid.units import parse_size
 
 PROMPT = "Placement never changes a single bit of the logits."
@@ -335,7 +335,7 @@ def test_plan_json_schema_is_stable(model):
     assert list(d["host"]) == ["mapped", "mapped_total", "repacked", "repacked_total", "kv_cache", "recurrent",
                                "compute", "resident_total", "ram", "fits"]
     assert list(d["kv"]) == ["n_ctx", "type_k", "type_v", "per_sequence", "per_token", "parallel", "total"]
-    assert d["recurrent"] is None  # no delta-net layers (a hybrid model's: test_hybrid_models)
+    assert d["recurrent"] is None  # no delta-net layers (a recurrent model's: test_recurrent_families)
     assert list(d["layout"]) == ["layers", "kv", "experts", "output"]
     assert list(d["experts"]) == ["count", "used", "bytes_per_expert", "bytes_per_layer"]
     assert d["recommendations"] and all(list(r) == ["options", "buys", "device_total"] for r in d["recommendations"])

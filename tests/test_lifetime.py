@@ -252,7 +252,7 @@ def test_models_dropped_without_close_release_everything(tmp_path, opts):
     the model alive through the last job it ran)."""
     import threading
 
-    from ggml_hybrid.model.synthetic import ModelSpec, write_model
+    from ggml_hybrid.synthetic import ModelSpec, write_model
 
     path = write_model(tmp_path / "m.gguf", ModelSpec(n_layer=2, n_expert=8, n_used=2, weight_type="q8_0"))
     gc.collect()

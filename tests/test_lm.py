@@ -16,16 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from ggml_hybrid.model.generate import GenerationStats, generate
 from ggml_hybrid.model.kv_cache import ContextFullError
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.sampling import Sampler
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.runtime.generate import GenerationStats, generate
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.runtime.sampling import Sampler
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = sorted(glob.glob(os.path.join(HERE, "fixtures", "llama_ref", "*.npz")))
-sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 from make_reference_fixtures import simd_tag  # noqa: E402
 
 # every fixture is bit-identical to llama.cpp on a CPU with the SIMD features of the one that recorded it (the
@@ -341,8 +340,8 @@ def test_console_script_runs_demo():
 
 
 def test_user_defined_tokens_are_matched_in_text():
-    from ggml_hybrid.model.synthetic import train_vocab
-    from ggml_hybrid.model.tokenizer import Tokenizer
+    from ggml_hybrid.synthetic import train_vocab
+    from ggml_hybrid.text.tokenizer import Tokenizer
 
     tokens, types, merges = train_vocab("qwen2", 384)
     tokens = tokens + ["<think>"]
@@ -390,7 +389,7 @@ def test_a_failed_load_releases_everything(small, tmp_path):
 
 
 def test_graph_cache_is_bounded(small):
-    from ggml_hybrid.model.moe_model import MAX_GRAPHS
+    from ggml_hybrid.runtime.moe_model import MAX_GRAPHS
 
     with MoEModel(small["qwen3moe"], SessionOptions(n_threads=1)) as m:
         ref = m.eval(list(range(1, 4)), "all")

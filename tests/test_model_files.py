@@ -25,11 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.model.gguf_store import GGUFStore, ModelFileError
-from ggml_hybrid.model.hparams import NotMoEError, read_hparams
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
+from ggml_hybrid.errors import NotMoEError
+from ggml_hybrid.gguf.store import GGUFStore, ModelFileError
+from ggml_hybrid.model.families import read_hparams
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 U32 = gguf.GGUFValueType.UINT32
 
@@ -198,8 +199,8 @@ CHILD = r"""
 import json, sys, traceback
 from click.testing import CliRunner
 from ggml_hybrid.cli import main
-from ggml_hybrid.model.generate import generate
-from ggml_hybrid.model.moe_model import MoEModel
+from ggml_hybrid.runtime.generate import generate
+from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.options import SessionOptions
 
 def cli(args):

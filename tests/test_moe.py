@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from ggml_hybrid.model.gguf_store import GGUFStore, ModelFileError
-from ggml_hybrid.model.synthetic import write_moe_stack
+from ggml_hybrid.gguf.store import GGUFStore, ModelFileError
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.synthetic import write_moe_stack
 
 TYPES = ["f32", "f16", "q8_0", "q4_K", "q6_K"]
 

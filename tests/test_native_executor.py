@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ggml_hybrid as gh
-from ggml_hybrid.model.synthetic import write_moe_stack
+from ggml_hybrid.moe.cpu_share import COEFFICIENTS
 from ggml_hybrid.moe.executor import SyntheticClock
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.synthetic import write_moe_stack
 
 # per byte loaded, per device row, per CPU byte, per CPU row, per job: a CPU that reads fast but computes slowly,
 # so the choice depends on the rows of each expert
@@ -99,9 +100,6 @@ def test_native_decisions_counters_and_outputs_equal_the_python_executor(tmp_pat
                 assert _native_estimate(n_ex) == [want[k] for k in COEFFICIENTS]
 
 
-COEFFICIENTS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row", "cpu_per_job")
-
-
 def _native_estimate(ex) -> list[float]:
     from ggml_hybrid._native import ffi, lib
 
@@ -161,3 +159,12 @@ def test_native_trace_records_equal_the_routing(model, tmp_path):
     assert [layer for layer, _ in nat.calls] == [layer for layer, _ in py.calls] == [0, 1, 2] * 3
     for (_, a), (_, b) in zip(nat.calls, py.calls):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_synthetic_clock_takes_exactly_the_cost_models_coefficients():
+    with pytest.raises(gh.errors.CpuShareError, match="cpu_per_job"):
+        SyntheticClock(load_per_byte=1e-9, device_per_row=1e-7, cpu_per_byte=5e-10, cpu_per_row=2e-6)
+    with pytest.raises(gh.errors.CpuShareError, match="load_per_byte"):
+        SyntheticClock(**{**CLOCK.coefficients, "load_per_byte": -1.0})
+    assert CLOCK.seconds("cpu", 10, 3) == 5e-10 * 10 + 2e-6 * 3
+    assert CLOCK.seconds("load", 7, 0) == 1e-9 * 7 and CLOCK.seconds("job", 0, 0) == 3e-6

@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid._native import ffi, lib
-from ggml_hybrid.moe.cpu_share import DEFAULT_PRIOR, CostModel, n_cpu_for_share
-from ggml_hybrid.moe.slot_cache import SlotCache
+from ggml_hybrid.moe.cpu_share import COEFFICIENTS, DEFAULT_PRIOR, PRIOR_KEYS, CostModel, n_cpu_for_share, split_misses
+from ggml_hybrid.moe.row_graphs import row_bucket
+from ggml_hybrid.moe.slot_cache import CacheCounters, SlotCache
 
 POLICIES = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU}
 
@@ -41,9 +42,7 @@ class NativeCache:
         return [tuple(map(tuple, r)) for r in rounds]
 
     def counters(self):
-        c = self.p.counters
-        return dict(calls=c.calls, distinct=c.distinct, hits=c.hits, misses=c.misses, evictions=c.evictions,
-                    rounds=c.rounds, invalidated=c.invalidated)
+        return CacheCounters.from_c(self.p.counters).to_dict()
 
     def resident(self, n_experts):
         out = {}
@@ -101,8 +100,9 @@ def test_the_share_rule_has_no_floating_point_error():
     assert lib.hy_n_cpu_for_share(10 ** 17 - 1, 10 ** 17, 65536) == 65536
 
 
-_KEYS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row", "cpu_per_job")
-_PRIOR = ("cpu_per_byte", "cpu_per_row_per_byte", "load_per_byte", "device_per_row_per_byte", "cpu_per_job")
+def test_the_coefficients_are_the_c_enum_and_every_one_has_a_prior():
+    assert [getattr(lib, f"HY_COST_{k.upper()}") for k in COEFFICIENTS] == list(range(lib.HY_COST_N))
+    assert set(DEFAULT_PRIOR) == set(PRIOR_KEYS) and len(PRIOR_KEYS) == len(COEFFICIENTS)
 
 
 @st.composite
@@ -127,7 +127,7 @@ def test_the_c_cost_model_learns_and_chooses_as_the_python_one(case):
     B, hysteresis, events = case
     py = CostModel(hysteresis=hysteresis)
     c = ffi.new("hy_cost_model *")
-    lib.hy_cost_init(c, 0.25, hysteresis, [DEFAULT_PRIOR[k] for k in _PRIOR])
+    lib.hy_cost_init(c, 0.25, hysteresis, [DEFAULT_PRIOR[k] for k in PRIOR_KEYS])
     out = ffi.new("double[5]")
     for ev in events:
         kind = ev[0]
@@ -153,7 +153,7 @@ def test_the_c_cost_model_learns_and_chooses_as_the_python_one(case):
             assert k == len(split.cpu_misses)
         lib.hy_cost_estimate(c, B, out)
         est = py.estimate(B)
-        assert [out[i] for i in range(5)] == [est[k] for k in _KEYS]  # bit for bit
+        assert [out[i] for i in range(5)] == [est[k] for k in COEFFICIENTS]  # bit for bit
     assert (c.has_share, Fraction(c.share_num, c.share_den) if c.has_share else None) == \
         (py.share is not None, py._share)
 
@@ -163,7 +163,7 @@ def test_a_fixed_c_cost_model_is_the_python_fixed_one():
             "cpu_per_job": 3e-5}
     py = CostModel.fixed(coef, 0.05)
     c = ffi.new("hy_cost_model *")
-    lib.hy_cost_init_fixed(c, 0.05, [coef[k] for k in _KEYS])
+    lib.hy_cost_init_fixed(c, 0.05, [coef[k] for k in COEFFICIENTS])
     rng = np.random.default_rng(0)
     for _ in range(200):
         miss = sorted(rng.integers(1, 6, size=int(rng.integers(0, 9))).tolist())
@@ -179,3 +179,57 @@ def test_the_c_cache_refuses_impossible_shapes(policy):
     assert lib.hy_cache_new(0, 1, POLICIES[policy]) == ffi.NULL
     assert lib.hy_cache_new(4, 0, POLICIES[policy]) == ffi.NULL
     assert lib.hy_cache_new(4, 2, 7) == ffi.NULL
+
+@st.composite
+def split_calls(draw):
+    n_experts = draw(st.integers(1, 24))
+    n_slots = draw(st.integers(1, n_experts))
+    warm = draw(st.lists(st.integers(0, n_experts - 1), unique=True, max_size=n_slots))
+    calls = []
+    for _ in range(draw(st.integers(1, 12))):
+        experts = sorted(draw(st.lists(st.integers(0, n_experts - 1), unique=True, max_size=n_experts)))
+        calls.append((experts, [draw(st.integers(1, 9)) for _ in experts]))
+    share = draw(st.sampled_from([0.0, 0.25, 0.3, 0.5, 0.75, 1.0, "auto"]))
+    return n_experts, n_slots, warm, calls, share, draw(st.sampled_from([0.0, 0.05]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(split_calls())
+def test_the_c_split_of_misses_is_the_python_one(case):
+    """hy_split_misses (what the native executor's cpu_split calls) against split_misses and CostModel.choose:
+    the misses in the CPU's order and the ones it takes, over calls that move the cache's residency."""
+    n_experts, n_slots, warm, calls, share, hysteresis = case
+    py_cache, c_cache = SlotCache(n_experts, n_slots), NativeCache(n_experts, n_slots, "lru")
+    py_cache.plan(warm)
+    c_cache.plan(warm, [1] * len(warm), False)
+    B = 1 << 20
+    py_model = CostModel(hysteresis=hysteresis)
+    c_model = ffi.new("hy_cost_model *")
+    lib.hy_cost_init(c_model, py_model.alpha, hysteresis, [DEFAULT_PRIOR[k] for k in PRIOR_KEYS])
+    auto = share == "auto"
+    table = ffi.NULL if auto else ffi.new("int32_t[]", [n_cpu_for_share(share, n) for n in range(n_experts + 1)])
+    miss_e, miss_r, n_miss = ffi.new("int32_t[]", n_experts), ffi.new("int32_t[]", n_experts), ffi.new("int *")
+    for i, (experts, rows) in enumerate(calls):
+        resident = py_cache.resident()
+        want = py_model.choose(experts, rows, resident, B) if auto else split_misses(experts, rows, resident, share)
+        n_cpu = lib.hy_split_misses(c_cache.p, ffi.new("int32_t[]", experts or [0]), ffi.new("int32_t[]", rows or [0]),
+                                    len(experts), table, c_model if auto else ffi.NULL, B, miss_e, miss_r, n_miss)
+        row_of = dict(zip(experts, rows))
+        misses = [(int(miss_r[j]), int(miss_e[j])) for j in range(n_miss[0])]
+        assert misses == sorted((row_of[e], e) for e in want.device_misses + want.cpu_misses)  # fewest rows first
+        assert tuple(sorted(e for _, e in misses[:n_cpu])) == want.cpu_misses
+        # the models learn between calls, the same on both sides; the residency moves on
+        py_model.observe_load(B, 1e-4 * (i + 1))
+        py_model.observe_cpu(B, sum(rows), 3e-5 * (i + 1))
+        lib.hy_cost_observe_load(c_model, float(B), 1e-4 * (i + 1))
+        lib.hy_cost_observe_cpu(c_model, float(B), float(sum(rows)), 3e-5 * (i + 1))
+        py_cache.plan(experts, rows)
+        c_cache.plan(experts, rows, False)
+        assert c_cache.resident(n_experts) == py_cache.resident()
+
+
+def test_the_row_bucket_is_exact_up_to_32_rows_then_a_power_of_two():
+    for n in range(0, 33):
+        assert row_bucket(n) == n
+    for n, want in ((33, 64), (64, 64), (65, 128), (100, 128), (128, 128), (129, 256), (1000, 1024), (4096, 4096)):
+        assert row_bucket(n) == want

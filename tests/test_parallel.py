@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 import ggml_hybrid as gh
 from ggml_hybrid.errors import ArgumentError, ContextFullError, IndexRangeError, ShapeError
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model
 
 K_SPEC = dict(n_embd=256, n_ff_exp=256, head_dim=64, n_ff_shexp=256)  # block sizes of the K-quants
 MODES = {

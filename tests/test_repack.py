@@ -13,15 +13,15 @@ import pytest
 
 import ggml_hybrid as gh
 from ggml_hybrid._native import cstr, ffi, lib
-from ggml_hybrid.deploy.layout import weight_op
-from ggml_hybrid.deploy.planner import plan
 from ggml_hybrid.errors import BackendError
 from ggml_hybrid.ggml.quant import quantize
 from ggml_hybrid.ggml.repack import buffer_type_name, extra_buffer_types, repack_buffer_type
+from ggml_hybrid.gguf.names import weight_op
 from ggml_hybrid.model.decoder import SeqRows
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.plan.planner import plan
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the types GGML repacks on this CPU (AVX2: Q4_0, Q4_K, IQ4_NL, MXFP4; ARM and AVX-512 differ)
@@ -293,9 +293,7 @@ def test_llama_cpp_logits_need_the_repacked_weights(tmp_path, name):
 
 
 def _simd() -> str:
-    import sys
 
-    sys.path.insert(0, os.path.join(HERE, "..", "tools"))
     from make_reference_fixtures import simd_tag
 
     return simd_tag()
@@ -347,10 +345,10 @@ def test_native_worker_rows_equal_mul_mat_id(tmp_path, repack):
     """The worker's job (one token's experts: the decode path, x quantized once; rows of several tokens)
     equals GGML's mul_mat_id over the same experts, repacked or used in place from the mapping."""
     from ggml_hybrid.ggml.ops import GLU_OPS
-    from ggml_hybrid.model.gguf_store import GGUFStore, load_into, repack_rule
-    from ggml_hybrid.model.synthetic import write_moe_stack
+    from ggml_hybrid.gguf.store import GGUFStore, load_into, repack_rule
     from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
     from ggml_hybrid.moe.native_executor import NativeWorker
+    from ggml_hybrid.synthetic import write_moe_stack
 
     dtype = REPACKED[0] if REPACKED else "q8_0"
     path = write_moe_stack(tmp_path / "s.gguf", n_layer=1, n_embd=256, n_ff=256, n_expert=8, n_used=4,

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.errors import ArgumentError
-from ggml_hybrid.model.sampling import Sampler
+from ggml_hybrid.runtime.sampling import Sampler
 
 
 def oracle(logits, history, temp, top_k, top_p, min_p, rp, last_n, presence, frequency) -> dict[int, float]:

@@ -19,10 +19,10 @@ import pytest
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from ggml_hybrid.model.chat import ChatTemplate  # noqa: E402
-from ggml_hybrid.model.moe_model import MoEModel  # noqa: E402
-from ggml_hybrid.model.synthetic import TEMPLATES, write_model  # noqa: E402
 from ggml_hybrid.options import SessionOptions  # noqa: E402
+from ggml_hybrid.runtime.moe_model import MoEModel  # noqa: E402
+from ggml_hybrid.synthetic import TEMPLATES, write_model  # noqa: E402
+from ggml_hybrid.text.chat import ChatTemplate  # noqa: E402
 
 N_CTX = 128
 PROMPTS = ["The cache runs the hits first", "a", "Once upon a time in a land far away", "misses", "then the",
@@ -443,8 +443,8 @@ def _asgi_get(app, path: str) -> tuple[int, bytes]:
 
 
 def test_health_is_503_while_loading_and_while_draining(files):
-    from ggml_hybrid.cli.config import ModelEntry
     from ggml_hybrid.server.app import create_app
+    from ggml_hybrid.server.config import ModelEntry
     from ggml_hybrid.server.models import ModelSet
 
     ms = ModelSet([ModelEntry("q3", files["q3"], None, SessionOptions(n_threads=1, n_ctx=N_CTX))])

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("openai")
 from test_server import N_CTX, Server, get, post, scrape
 
-from ggml_hybrid.model.synthetic import write_model
+from ggml_hybrid.synthetic import write_model
 
 
 @pytest.fixture(scope="module")

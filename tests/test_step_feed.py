@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.model.kv_cache import SeqRows
-from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.step_feed import StepFeed
-from ggml_hybrid.model.synthetic import write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model
 
 # (arch, options): plain attention, flash attention (F16 masks), sliding windows, latent attention, recurrent
 # states with M-RoPE sections

@@ -9,13 +9,13 @@ import pytest
 from click.testing import CliRunner
 
 import ggml_hybrid.machine as machine
-import ggml_hybrid.model.moe_model as moe_model
+import ggml_hybrid.runtime.moe_model as moe_model
 from ggml_hybrid.cli import main
 from ggml_hybrid.errors import ArgumentError, OptionError
 from ggml_hybrid.ggml.backend import cpu
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 
 @pytest.fixture(scope="module")

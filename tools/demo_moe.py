@@ -17,9 +17,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.synthetic import write_moe_stack
 
 SHAPE = dict(n_layer=4, n_embd=256, n_ff=256, n_expert=16, n_used=4, expert_type="q4_K")
 MODES = [("resident", []), ("cache, share 0", ["moe_cpu_share=0"]), ("cache, share 0.5", ["moe_cpu_share=0.5"]),

@@ -36,16 +36,15 @@ import click
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the parity rule and the greedy loop: one place, shared with test_gpu.py
-from helpers import PARITY_RTOL, greedy_run, relative_diff  # noqa: E402
+from parity import PARITY_RTOL, greedy_run, relative_diff  # noqa: E402  (tools/parity.py, shared with test_gpu.py)
 
 import ggml_hybrid as gh  # noqa: E402
 from ggml_hybrid._native.backends import optional_backends  # noqa: E402
 from ggml_hybrid.ggml.backend import cpu_features, cpu_instance, cpu_library  # noqa: E402
-from ggml_hybrid.model.generate import complete  # noqa: E402
-from ggml_hybrid.model.moe_model import MoEModel  # noqa: E402
-from ggml_hybrid.model.synthetic import write_model  # noqa: E402
 from ggml_hybrid.options import SessionOptions  # noqa: E402
+from ggml_hybrid.runtime.generate import complete  # noqa: E402
+from ggml_hybrid.runtime.moe_model import MoEModel  # noqa: E402
+from ggml_hybrid.synthetic import write_model  # noqa: E402
 
 ARMS = ["0", "0.5", "auto"]
 # experts do not fit the cache: 64 experts per layer, 6 slots (a token routes to 8)

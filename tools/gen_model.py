@@ -20,7 +20,7 @@ import sys
 
 import click
 
-from ggml_hybrid.model.synthetic import ARCHS, ModelSpec, write_model
+from ggml_hybrid.synthetic import ARCHS, ModelSpec, write_model
 
 
 @click.command(help=__doc__)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from ggml_hybrid.model.synthetic import write_moe_stack
+from ggml_hybrid.synthetic import write_moe_stack
 
 
 @click.command(help=__doc__)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import click
 import numpy as np
 
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 PROMPT = "Hello, world! The quick brown fox jumps over the lazy dog."
 TEXTS = ["Hello, world! The quick brown fox", "It's 2026-11-29; naïve café 東京   x\n\ny 12345678",
@@ -55,7 +55,7 @@ _DS_V3 = dict(arch="deepseek2", n_layer=3, n_dense_lead=1, n_expert=16, n_used=4
 _OSS = dict(arch="gpt-oss", n_layer=4, head_dim=32, rope_scaling="yarn", rope_factor=8.0, rope_orig_ctx=256, n_swa=8,
             rope_freq_base=150000.0)
 _Q8 = {"cache_type_k": "q8_0", "cache_type_v": "q8_0", "flash_attn": True}
-# hybrid models: 4 layers (attention every 2nd), 2 key and 4 value heads of the delta rule, partial rope
+# recurrent models: 4 layers (attention every 2nd), 2 key and 4 value heads of the delta rule, partial rope
 _NEXT = dict(arch="qwen3next", n_layer=4, n_rot=8, attn_interval=2)
 _Q35 = dict(arch="qwen35moe", n_layer=4, n_rot=8, attn_interval=2)
 # combining marks: qwen35's pre-tokenizer keeps them with their letters, qwen2's does not
@@ -117,7 +117,7 @@ CASES = {
     "gpt_oss_q8_0": Case(_s(**_OSS, weight_type="q8_0", seed=75)),
     "gpt_oss_mxfp4_fa_kv_q8_0_hd64": Case(_s(**{**_OSS, "head_dim": 64}, weight_type="q8_0", expert_type="mxfp4",
                                              seed=76), options=_Q8),
-    # hybrid models: prompts in one ubatch, in ubatches of 5 and 7, and token-by-token decode after a prompt
+    # recurrent models: prompts in one ubatch, in ubatches of 5 and 7, and token-by-token decode after a prompt
     "qwen3next_f32": Case(_s(**_NEXT, seed=81), decode_from=20),
     "qwen3next_q8_0_ubatch5": Case(_s(**_NEXT, weight_type="q8_0", seed=82), 5, decode_from=20),
     # files converted before llama.cpp split ssm_in; per-layer flags; a next-token-prediction block (skipped)
@@ -155,8 +155,8 @@ def sha256(path) -> str:
 
 
 def prompt_tokens(path) -> list[int]:
-    from ggml_hybrid.model.gguf_store import GGUFStore
-    from ggml_hybrid.model.tokenizer import Tokenizer
+    from ggml_hybrid.gguf.store import GGUFStore
+    from ggml_hybrid.text.tokenizer import Tokenizer
 
     store = GGUFStore(path)
     try:

@@ -32,11 +32,7 @@ import sys
 
 import click
 
-try:
-    from ggml_hybrid.moe.traces import POLICIES, LinkCost, TraceError, parse_share, read_trace, replay, synthetic_trace
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ggml_hybrid.moe.traces import POLICIES, LinkCost, TraceError, parse_share, read_trace, replay, synthetic_trace
+from ggml_hybrid.moe.traces import POLICIES, LinkCost, TraceError, parse_share, read_trace, replay, synthetic_trace
 
 PROG = "replay_trace"
 Q4K_EXPERT_BYTES = 3 * 2048 * 768 * 144 // 256  # Q4_K stores 256 weights in 144 bytes

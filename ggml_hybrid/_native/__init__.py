@@ -9,13 +9,17 @@ loaded at import; optional backends (CUDA) on first use (``backends.py``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StaleBuildError
 from . import buildinfo
 
-#: a cffi pointer or other native value (cdata): cffi ships no type information
-CData = Any
+if TYPE_CHECKING:
+    # a cffi pointer or other native value (cdata): a class of the generated stub (_ggml.pyi), which types every
+    # ``lib`` function's arguments and result from the cdef
+    from ._ggml import CData as CData
+else:
+    CData = Any
 
 _REBUILD = "rebuild it with `python build.py` (or `pip install -e .`) from the repository root"
 

@@ -73,7 +73,7 @@ class Managed:
     _kind = "object"
 
     def __init__(self, ptr: CData, free: Callable[[CData], object], owned: bool = True) -> None:
-        self._ptr = ptr
+        self._ptr: CData | None = ptr
         self._finalizer: weakref.finalize[..., object] | None = None
         if owned:
             with _live_lock:

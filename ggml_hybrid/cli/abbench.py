@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks import check_int
-from ..model.generate import complete
-from ..model.moe_model import MoEModel
 from ..options import SessionOptions
+from ..runtime.generate import complete
+from ..runtime.moe_model import MoEModel
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``run -cnv``: llama.cpp's conversation mode, a chat in the terminal.
 
 Each turn renders the whole conversation with the model's chat template (the one the server uses,
-:class:`~ggml_hybrid.model.chat.ChatTemplate`), evaluates only the tokens after the longest prefix
+:class:`~ggml_hybrid.text.chat.ChatTemplate`), evaluates only the tokens after the longest prefix
 already in the KV cache, and streams the reply until an end-of-generation token, ``-n`` tokens or
 a full context. End of input (Ctrl-D) ends the chat; Ctrl-C stops a reply and returns to the prompt
 (at the prompt it ends the command, exit status 130, as Ctrl-C does everywhere).
@@ -14,9 +14,9 @@ from typing import TextIO
 import click
 
 from ..errors import ContextFullError
-from ..model.chat import ChatTemplate
-from ..model.moe_model import MoEModel
-from ..model.sampling import Sampler
+from ..runtime.moe_model import MoEModel
+from ..runtime.sampling import Sampler
+from ..text.chat import ChatTemplate
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,4 +1,4 @@
-"""The ``demo`` command: a generated MoE model run resident, from disk through the cache, and hybrid.
+"""The ``demo`` command: a generated MoE model run resident, from disk through the cache, and with CPU offload.
 
 Nothing is downloaded: a small qwen3moe is written to a temporary folder, the
 same prompt is run greedily under four configurations, and every evaluated
@@ -15,13 +15,12 @@ import tempfile
 import click
 import numpy as np
 
-from ..model.generate import complete
-from ..model.moe_model import MoEModel
-from ..model.synthetic import ModelSpec, write_model
 from ..options import SessionOptions
+from ..runtime.generate import complete
+from ..runtime.moe_model import MoEModel
+from ..synthetic import ModelSpec, write_model
 from ..units import format_bytes
 from .main import main
-from .report import hybrid_offload_active
 
 DEMO_SPEC = ModelSpec(arch="qwen3moe", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=128,
                       n_expert=32, n_used=4, weight_type="q8_0", seed=7)
@@ -52,7 +51,7 @@ def run_demo(n_predict: int = 24, n_threads: int | None = None, echo=print) -> d
                              "seconds": st.prompt_seconds + st.decode_seconds, "prompt_tps": st.prompt_tps,
                              "decode_tps": st.decode_tps, "hits": c.hits, "misses": c.misses,
                              "cpu_misses": c.cpu_misses, "share_applied": c.share_applied,
-                             "hybrid_offload_active": hybrid_offload_active(m)})
+                             "hybrid_offload_active": m.cpu_experts_active})
                 texts.append(text)
                 logits.append(st.all_logits())
         identical = [bool(np.array_equal(lg, logits[0])) for lg in logits]
@@ -82,7 +81,7 @@ def format_demo(r: dict) -> str:
               help="CPU threads (default: all cores; N <= 0 = all).")
 @click.option("--json", "as_json", is_flag=True)
 def demo(n_predict, threads, as_json):
-    """Generate a small MoE model and run it resident, cached and hybrid; check the logits agree."""
+    """Generate a small MoE model and run it resident, cached and with CPU offload; check the logits agree."""
 
     r = run_demo(n_predict=n_predict, n_threads=threads if threads and threads > 0 else None,
                  echo=(lambda s: None) if as_json else click.echo)

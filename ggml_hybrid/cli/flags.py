@@ -19,7 +19,7 @@ import click
 
 from ..errors import OptionError
 from ..options import MAX_DEVICES, SessionOptions
-from .config import load_config, pick
+from ..server.config import load_config, pick
 
 # -- the model: a positional argument or -m/--model, as llama.cpp users type it ------------------
 

@@ -17,7 +17,7 @@ from .main import main
 @click.option("--json", "as_json", is_flag=True)
 def inspect(model, model_flag, as_json):
     """Architecture, experts, bytes per tensor class and quant types of MODEL (header only)."""
-    from ..deploy.model_info import describe, format_text
+    from ..plan.model_info import describe, format_text
 
     d = describe(pick_model(model, model_flag))
     click.echo(json.dumps(d) if as_json else format_text(d))

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ..deploy.k8s import DEFAULT_IMAGE, DEFAULT_PORT
+from ..plan.k8s import DEFAULT_IMAGE, DEFAULT_PORT
 from .flags import model_argument, pick_model, session_flags, session_from_flags
 from .main import main
 
@@ -30,8 +30,8 @@ from .main import main
 def plan(model: str | None, model_flag: str | None, vram: str | None, ram: str | None, fmt: str, as_json: bool,
          image: str, port: int, **flags: Any) -> None:
     """What MODEL needs per device and in host memory under the given options, from metadata alone."""
-    from ..deploy.planner import format_k8s, format_text
-    from ..deploy.planner import plan as make_plan
+    from ..plan.planner import format_k8s, format_text
+    from ..plan.planner import plan as make_plan
     from ..units import parse_size
 
     if as_json:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..model.generate import GenerationStats
-from ..model.moe_model import MoEModel
+from ..runtime.generate import GenerationStats
+from ..runtime.moe_model import MoEModel
 from ..units import format_bytes
 
 RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
@@ -22,25 +22,10 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
         "decode_seconds": st.decode_seconds, "prompt_tps": st.prompt_tps, "decode_tps": st.decode_tps,
         "decode_steps": st.decode_steps,
         "counters": total.to_dict(), "share_applied": total.share_applied,
-        "hybrid_offload_active": hybrid_offload_active(model), "device_memory": mem,
+        "hybrid_offload_active": model.cpu_experts_active, "device_memory": mem,
         "peak_device_bytes": sum(mem.values()), "layout": model.layout_report(),
         "options": model.options.to_dict(),
     }
-
-
-def hybrid_offload_active(model: MoEModel) -> bool:
-    """Whether hybrid offload is configured and active: routed experts run on the CPU.
-
-    True when some routed expert weights are placed on the CPU (``cpu_moe``, ``n_cpu_moe``,
-    ``-ot ...=CPU``), or when a CPU share of cache misses is set for layers that use the cache.
-    How much the CPU actually ran is reported apart (``share_applied``, ``cpu_misses``).
-    """
-    from ..deploy.layout import CPU, is_expert_tensor
-
-    lay = model.layout
-    on_cpu = any(dev == CPU for name, dev in lay.tensors.items() if is_expert_tensor(name))
-    shared = model.options.moe_cpu_share != 0.0 and "disk" in lay.expert_mode
-    return on_cpu or shared
 
 
 def _decode_rate(r: dict) -> str:
@@ -68,4 +53,4 @@ def format_stats(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["RUN_SCHEMA_KEYS", "format_stats", "hybrid_offload_active", "run_report"]
+__all__ = ["RUN_SCHEMA_KEYS", "format_stats", "run_report"]

@@ -105,9 +105,9 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, prompt: s
         logits_out: str | None, **flags: Any) -> None:
     """Generate text from MODEL (a GGUF file, or a model name or role in --config)."""
     from ..files import check_output
-    from ..model.generate import GenerationStats, generate
-    from ..model.moe_model import MoEModel
-    from ..model.sampling import Sampler
+    from ..runtime.generate import GenerationStats, generate
+    from ..runtime.moe_model import MoEModel
+    from ..runtime.sampling import Sampler
     from .report import format_stats, run_report
 
     model = pick_model(model, model_flag)

@@ -20,7 +20,7 @@ import click
 
 from ..errors import ConfigError, MissingDependencyError
 from ..options import SessionOptions
-from .config import ModelEntry, load_config
+from ..server.config import ModelEntry, load_config
 from .flags import model_argument, session_flags, session_items
 from .main import main
 
@@ -70,9 +70,9 @@ def serve(model: str | None, model_flag: str | None, host: str, port: int, alias
 def _precheck(e: ModelEntry) -> None:
     """What can be known without loading: the file is a GGUF model we run, and the options suit it."""
     from ..errors import GgmlHybridError
-    from ..model.gguf_store import GGUFStore
-    from ..model.hparams import read_hparams
-    from ..model.moe_model import check_options
+    from ..gguf.store import GGUFStore
+    from ..model.families import read_hparams
+    from ..runtime.moe_model import check_options
 
     try:
         store = GGUFStore(e.path)

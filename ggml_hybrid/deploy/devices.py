@@ -15,6 +15,7 @@ import os
 from .._native.backends import optional_backends
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu_instance, cpu_library, cuda, cuda_device_count
+from ..ggml.backend import devices as ggml_devices
 from ..options import MAX_DEVICES, OptionError, SessionOptions, device_list
 from .layout import CPU
 
@@ -108,8 +109,6 @@ def plan_device_names(opts: SessionOptions, vram: list[int] | None) -> list[str]
 def device_free_memory(opts: SessionOptions) -> list[int] | None:
     """Free bytes of each device of a session with ``rpc`` (the servers asked now); None when some device
     cannot say (a CPU instance playing one)."""
-    from ..ggml.backend import devices as ggml_devices
-
     gpus = {d.name: d.memory_free for d in ggml_devices() if d.type == "gpu"}
     remote = {d.name: d.memory()[0] for d in _rpc_devices(opts)}
     out = []
@@ -122,8 +121,6 @@ def device_free_memory(opts: SessionOptions) -> list[int] | None:
 
 
 def describe_devices(opts: SessionOptions | None = None) -> list[dict]:
-    from ..ggml.backend import devices as ggml_devices
-
     opts = opts or SessionOptions()
     rows = []
     remote = _rpc_devices(opts)

@@ -25,38 +25,17 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from ..gguf.names import LAYER as _LAYER
+from ..gguf.names import is_expert_tensor, layer_of, tensor_class
+from ..moe.expert_layers import ExpertMode
 from ..options import OptionError, SessionOptions, override_items, tensor_split_parts
 
 CPU = "CPU"
-# the routed experts' tensors (llama.cpp's LLM_FFN_EXPS_REGEX, anchored): matrices and their biases
-_EXPERT_WEIGHT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|bias)$")
-_LAYER = re.compile(r"^blk\.(\d+)\.")
-
-
-def is_expert_tensor(name: str) -> bool:
-    """Whether ``name`` is a routed expert's tensor (what the expert modes place), as opposed to a dense one."""
-    return _EXPERT_WEIGHT.match(name) is not None
-
-
-def weight_op(name: str, n_dims: int) -> str | None:
-    """The GGML op that uses weight ``name`` (of ``n_dims`` dimensions) in the decoder graph, as llama.cpp
-    declares one per tensor: the routed experts' matrices ``mul_mat_id``, the token embeddings ``get_rows``,
-    other matrices ``mul_mat``; norms, biases and other vectors ``None``. It decides whether a CPU extra
-    buffer type may hold the weight (:func:`ggml_hybrid.ggml.repack.repack_buffer_type`); a tied output head
-    uses ``token_embd.weight`` through ``get_rows`` too, and so is never repacked on the CPU.
-    """
-    if not name.endswith(".weight"):
-        return None
-    if is_expert_tensor(name):
-        return "mul_mat_id" if n_dims == 3 else None
-    if name == "token_embd.weight":
-        return "get_rows"
-    return "mul_mat" if n_dims == 2 else None
-
-
-def parse_overrides(text: str | None) -> list[tuple[str, re.Pattern, str]]:
+def parse_overrides(text: str | None) -> list[tuple[str, re.Pattern[str], str]]:
     """``"re1=DEV,re2=DEV"`` -> [(pattern text, compiled, device)]; bad items raise OptionError."""
     try:
         return override_items(text)
@@ -77,18 +56,17 @@ def parse_split(text: str | None, n_devices: int) -> list[float]:
 @dataclass(frozen=True)
 class Layout:
     devices: tuple[str, ...]       # accelerator names, in order
-    tensors: dict                  # tensor name -> device name (or CPU)
+    tensors: dict[str, str]        # tensor name -> device name (or CPU)
     layer_device: tuple[str, ...]  # where each layer's own compute runs
     kv_device: tuple[str, ...]     # where each layer's KV cache lives
-    expert_mode: tuple[str, ...]   # per layer: resident | cpu | disk (dense: a layer without routed experts)
+    expert_mode: tuple[ExpertMode, ...]  # per layer
     output_device: str
 
-    def classes(self, infos, host_copies=frozenset()) -> dict[str, dict[str, int]]:
+    def classes(self, infos: Mapping[str, int],
+                host_copies: AbstractSet[str] = frozenset()) -> dict[str, dict[str, int]]:
         """Bytes per device, ``CPU`` (host RAM) or ``mapped`` per tensor class, from ``{name: nbytes}`` (with the
         tied copy). Tensors on the CPU and the routed experts of cpu and disk layers are used in place from the
         memory-mapped file, but for ``host_copies``, copied into host RAM (repacked weights)."""
-        from .model_info import tensor_class
-
         out: dict[str, dict[str, int]] = {}
         for name, nbytes in infos.items():
             dev = self.tensors[name]
@@ -103,7 +81,8 @@ class Layout:
         return out
 
 
-def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], tied_output: bool) -> Layout:
+def plan_layout(names: Iterable[str], n_layer: int, opts: SessionOptions, devices: list[str],
+                tied_output: bool) -> Layout:
     """Place every tensor in ``names`` (GGUF names) on one of ``devices`` or the CPU."""
     devices = list(devices)
     known = set(devices) | {CPU}
@@ -161,15 +140,14 @@ def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], t
                 dev = target
                 break
         else:
-            e = _EXPERT_WEIGHT.match(name)
-            if e and (cpu_moe or int(e.group(1)) < opts.n_cpu_moe):
+            if is_expert_tensor(name) and (cpu_moe or (layer_of(name) or 0) < opts.n_cpu_moe):
                 dev = CPU
         tensors[name] = dev
     if tied_output:
         tensors["output.weight(tied)"] = output_device
-    modes = []
+    modes: list[ExpertMode] = []
     for i in range(n_layer):
-        devs = {d for n, d in tensors.items() if _EXPERT_WEIGHT.match(n) and n.startswith(f"blk.{i}.")}
+        devs = {d for n, d in tensors.items() if is_expert_tensor(n) and n.startswith(f"blk.{i}.")}
         if not devs:
             modes.append("dense")  # a leading dense layer: no routed experts
         elif devs == {CPU}:
@@ -188,4 +166,4 @@ def plan_layout(names, n_layer: int, opts: SessionOptions, devices: list[str], t
     return Layout(tuple(devices), tensors, tuple(layer_device), kv, tuple(modes), output_device)
 
 
-__all__ = ["CPU", "Layout", "is_expert_tensor", "parse_overrides", "parse_split", "plan_layout", "weight_op"]
+__all__ = ["CPU", "Layout", "parse_overrides", "parse_split", "plan_layout"]

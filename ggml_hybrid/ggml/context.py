@@ -58,7 +58,8 @@ class Arena:
         if need > self.size:
             raise AllocationError(f"Arena.claim: a {need}-byte context does not fit the {self.size}-byte arena")
         self.in_use = True
-        return ffi.from_buffer(self._mem)
+        mem: CData = ffi.from_buffer(self._mem)
+        return mem
 
     def release(self) -> None:
         self.in_use = False

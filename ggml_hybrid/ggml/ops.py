@@ -17,7 +17,7 @@ from .._native import CData, ffi, lib
 from ..checks import ErrorClass, check_choice, check_int, check_real
 from ..errors import ArgumentError, DTypeError, ShapeError
 from .dtypes import GGMLType, GGMLTypeLike, as_ggml_type
-from .tensor import Tensor, ne_of
+from .tensor import Tensor, can_repeat, ne_of
 
 F32, F16, BF16, I32 = GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32
 FLOATS = frozenset({F32, F16, BF16})
@@ -69,11 +69,6 @@ def _rows_contiguous(op: str, *tensors: Tensor) -> None:
 def _padded_1d(t: Tensor) -> bool:
     ne, nb = t.ne, t.nb
     return nb[0] == t.dtype.type_size and nb[2] == nb[1] * ne[1] and nb[3] == nb[2] * ne[2]
-
-
-def _can_repeat(b: Tensor, a: Tensor) -> bool:
-    """GGML broadcasting: every dim of b divides the same dim of a."""
-    return all(bn > 0 and an % bn == 0 for an, bn in zip(a.ne, b.ne)) if b.nelements else a.nelements == 0
 
 
 def _check_sinks(op: str, sinks: Tensor, scores: Tensor) -> None:
@@ -194,7 +189,7 @@ class OpsMixin:
         if (a.dtype, b.dtype) not in BINARY_TYPES:
             raise DTypeError(f"{op}: type pair ({a.dtype.name}, {b.dtype.name}) is not supported; "
                              f"supported: {sorted((x.name, y.name) for x, y in BINARY_TYPES)}")
-        _need(_can_repeat(b, a), op, "b must broadcast to a (each dim of b divides a's)", a, b)
+        _need(can_repeat(b, a), op, "b must broadcast to a (each dim of b divides a's)", a, b)
         _rows_contiguous(op, a, b)
         return self._node(fn(self.ptr, a.ptr, b.ptr))
 

@@ -71,11 +71,11 @@ class Region:
 @runtime_checkable
 class NativeExecutor(Protocol):
     """An executor written in C: the scheduler calls ``c_function(..., c_user_data)`` (a
-    ``ggml_backend_sched_region_exec_t``) with no Python frame; when it fails, :meth:`error` gives the
-    typed exception to raise."""
+    ``ggml_backend_sched_region_exec_t``: a cdata function pointer or a function of ``lib``) with no Python
+    frame; when it fails, :meth:`error` gives the typed exception to raise."""
 
     @property
-    def c_function(self) -> CData: ...
+    def c_function(self) -> CData | Callable[..., int]: ...
 
     @property
     def c_user_data(self) -> CData: ...
@@ -130,7 +130,7 @@ def raise_region_status(sched: Scheduler) -> None:
 
 
 # error=-1: an exception that escapes the try below (Ctrl-C at the first or last bytecode) fails the region
-@ffi.def_extern(error=-1, onerror=escaped)  # type: ignore[untyped-decorator]  # cffi ships no type information
+@ffi.def_extern(error=-1, onerror=escaped)
 def _ggml_hybrid_region_exec(region_id: int, backend: CData, inputs: CData, n_inputs: int, outputs: CData,
                              n_outputs: int, user_data: CData) -> int:
     sched: Scheduler = ffi.from_handle(user_data)

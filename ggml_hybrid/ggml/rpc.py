@@ -14,13 +14,13 @@ closed; the next session connects afresh.
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .._native import CData, cstr, ffi, lib
 from ..errors import OptionError, RPCError
-from ..options import rpc_endpoints
 from .backend import Backend
 
 _ERROR_BYTES = 512
@@ -79,11 +79,30 @@ def _resolve(endpoint: str) -> None:
         raise RPCError(f"RPC server {endpoint}: cannot resolve host {host!r} ({exc})") from None
 
 
+_ENDPOINT_RE = re.compile(r"([^\s:,]+):([0-9]+)")
+
+
+def endpoint_list(text: str) -> list[str]:
+    """``"host:50052,10.0.0.2:50052"`` -> ["host:50052", "10.0.0.2:50052"]: HOST:PORT items, each once
+    (llama.cpp's --rpc; IPv4 addresses or host names, as GGML's RPC client takes them). A bad item raises
+    ValueError naming it and the rule."""
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",")):
+        m = _ENDPOINT_RE.fullmatch(item)
+        if not m or not 1 <= int(m.group(2)) <= 65535:
+            raise ValueError(f"{item!r} is not HOST:PORT with a port in 1..65535")
+        endpoint = f"{m.group(1)}:{int(m.group(2))}"
+        if endpoint in out:
+            raise ValueError(f"{endpoint} is given twice")
+        out.append(endpoint)
+    return out
+
+
 def parse_endpoints(text: str) -> list[str]:
-    """``"HOST:PORT,..."`` -> the endpoints (the ``rpc`` option's rule); bad text raises OptionError."""
+    """``"HOST:PORT,..."`` -> the endpoints; bad text raises OptionError."""
     try:
-        return rpc_endpoints(text)
-    except Exception as exc:  # the options module's internal rejection
+        return endpoint_list(text)
+    except ValueError as exc:
         raise OptionError(f"rpc={text}: {exc}") from None
 
 

@@ -67,7 +67,7 @@ class Scheduler(Managed):
         self._remote = [b for b in backends if b.endpoint is not None]  # RPC devices, whose server may be lost
         self.graph_size = graph_size
         self._eval_fn: Callable[[Tensor, bool], object] | None = None
-        self._eval_handle: CData = None
+        self._eval_handle: CData | None = None
         self._pending_error: BaseException | None = None
         self._computing: Graph | None = None  # the graph of the compute in progress
         self._regions: list[Region] = []
@@ -383,7 +383,7 @@ class Scheduler(Managed):
 
 
 # error=False: an escaped exception stops the computation (or skips the node's data when GGML only asks)
-@ffi.def_extern(error=False, onerror=escaped)  # type: ignore[untyped-decorator]  # cffi ships no type information
+@ffi.def_extern(error=False, onerror=escaped)
 def _ggml_hybrid_eval_callback(t: CData, ask: CData, user_data: CData) -> bool:
     sched: Scheduler = ffi.from_handle(user_data)
     if sched._pending_error is not None:

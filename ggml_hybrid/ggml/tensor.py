@@ -159,10 +159,8 @@ class Tensor:
 
     def _ops(self, op: str, *others: object) -> Context:
         """The context the operator builds in: this tensor's, which every operand must share."""
-        from .context import Context
-
         ctx = self._ctx
-        if not isinstance(ctx, Context):
+        if isinstance(ctx, BorrowedScope):
             raise ArgumentError(f"{op}: {self!r} belongs to GGML (a scheduler copy or a region argument), not to a "
                                 "Context; operators build nodes in the operands' context")
         for o in others:
@@ -173,11 +171,9 @@ class Tensor:
 
     def _broadcast(self, op: str, other: Tensor, commutative: bool) -> tuple[Tensor, Tensor]:
         # GGML broadcasts the second operand into the first; numpy broadcasts either way
-        from .ops import _can_repeat
-
-        if _can_repeat(other, self):
+        if can_repeat(other, self):
             return self, other
-        if commutative and _can_repeat(self, other):
+        if commutative and can_repeat(self, other):
             return other, self
         raise ShapeError(f"{op}: shapes {self.shape} and {other.shape} do not broadcast (GGML repeats the second "
                          "operand: each of its sizes must divide the first's)")
@@ -372,6 +368,11 @@ class Tensor:
         return np.asarray(_ArrayView(self, shape, strides, dt.numpy_dtype.str, writable))
 
 
+def can_repeat(b: Tensor, a: Tensor) -> bool:
+    """GGML broadcasting (``ggml_can_repeat``): every dim of b divides the same dim of a."""
+    return all(bn > 0 and an % bn == 0 for an, bn in zip(a.ne, b.ne)) if b.nelements else a.nelements == 0
+
+
 class BorrowedScope:
     """Stands in for the owning context of tensors that belong to GGML (a scheduler's
     copies, a region call's arguments): valid until ``closed`` is set."""
@@ -393,7 +394,8 @@ class BorrowedScope:
 
 def _buffer_of(p: CData) -> CData:
     # GGML's own rule: a view's memory belongs to the buffer of its source
-    return p.view_src.buffer if p.view_src != ffi.NULL else p.buffer
+    buf: CData = p.view_src.buffer if p.view_src != ffi.NULL else p.buffer
+    return buf
 
 
 class _ArrayView:

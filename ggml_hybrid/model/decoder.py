@@ -25,6 +25,7 @@ from ..ggml.context import Arena, Context
 from ..ggml.graph import Graph
 from ..ggml.tensor import Tensor
 from ..moe.ffn import ExpertWeights, MoERegion
+from .families import FAMILIES
 from .hparams import HParams
 from .kv_cache import KVCache, SeqRows, seq_input
 from .layers import Builder
@@ -67,8 +68,6 @@ class DecoderGraph:
 
 def graph_size(hp: HParams, n_seq: int = 1) -> int:
     """Nodes of the largest decoder graph of a model whose ubatches hold up to ``n_seq`` sequences."""
-    from .families import FAMILIES
-
     per_segment = NODES_PER_SEGMENT + (NODES_PER_RECURRENT_SEGMENT if hp.delta_net is not None else 0)
     per_layer = NODES_PER_LAYER + FAMILIES[hp.arch].extra_nodes + 2 * hp.n_used + per_segment * (n_seq - 1)
     return per_layer * hp.n_layer + 64
@@ -84,9 +83,7 @@ def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights
                   seq_rows: tuple[SeqRows, ...], n_out: int, flash: bool, arena: Arena | None = None,
                   rs: RecurrentState | None = None) -> DecoderGraph:
     """Logits [n_out, n_vocab] of the last ``n_out`` rows of an ubatch of ``seq_rows`` (rows in that order;
-    ``rs``: the recurrent states of a hybrid model's delta-net layers)."""
-    from .families import FAMILIES
-
+    ``rs``: the recurrent states of a recurrent model's delta-net layers)."""
     family = FAMILIES[hp.arch]
     size = graph_size(hp, len(seq_rows))
     n_tokens = sum(s.n_tokens for s in seq_rows)

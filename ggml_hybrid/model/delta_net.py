@@ -1,4 +1,4 @@
-"""The layers of hybrid models (qwen3next, qwen35moe): gated delta-net layers and gated attention.
+"""The layers of recurrent models (qwen3next, qwen35moe): gated delta-net layers and gated attention.
 
 Op for op as llama.cpp builds them (``src/models/qwen3next.cpp``, ``qwen35moe.cpp`` and
 ``delta-net-base.cpp``) for one sequence per ubatch:
@@ -148,7 +148,7 @@ def gated_attention(b: Builder, il: int, x: Tensor) -> Tensor:
 
 
 def layer(b: Builder, il: int, x: Tensor) -> Tensor:
-    """One layer of a hybrid model: delta-net or gated attention, then the routed experts and the gated shared
+    """One layer of a recurrent model: delta-net or gated attention, then the routed experts and the gated shared
     expert (:func:`~ggml_hybrid.model.layers.decoder_layer`; the output rows are picked after the last layer)."""
     dn = b.hp.delta_net
     assert dn is not None

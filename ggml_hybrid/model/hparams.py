@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 from ..errors import ModelFileError, NotMoEError
 from ..ggml.dtypes import GGMLType
-from .gguf_store import GGUFStore
+from ..ggml.ops import MATMUL_WEIGHTS
+from ..gguf.metadata import MAX_EXPERTS, MAX_LAYERS, meta_int
+from ..gguf.store import GGUFStore
 from .rope import Rope
 
-MAX_LAYERS = 512   # LLAMA_MAX_LAYERS: also the most entries a per-layer array may hold
-MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
-INT32_MAX = 2**31 - 1  # every other count reaches GGML as an int32
 GATINGS = {1: "softmax", 2: "sigmoid"}  # expert_gating_func values the families here use
 
 
@@ -172,94 +171,9 @@ class HParams:
         return list(range(self.n_dense_lead, self.n_layer))
 
 
-def meta_int(store: GGUFStore, key: str, default=None, lo: int = 1, per_layer: str = "uniform",
-             n: int | None = None, hi: int = INT32_MAX) -> int:
-    """Integer metadata ``key`` in ``lo..hi`` (``default`` when absent; absent without default is an error).
-
-    Per-layer arrays (``n`` entries when given, llama.cpp's rule; at most :data:`MAX_LAYERS`) are read as
-    one value: ``per_layer="uniform"`` requires every layer to agree (what the graphs support), ``"max"``
-    takes the largest (for reports).
-    """
-    v = store.meta(key, default, kind=("int", "ints"))
-    if isinstance(v, list):
-        if n is not None and len(v) != n:
-            raise ModelFileError(f"{store.path!r}: {key} has {len(v)} entries, expected one per layer ({n})")
-        if not v or len(v) > MAX_LAYERS:
-            raise ModelFileError(f"{store.path!r}: {key} has {len(v)} per-layer entries; 1..{MAX_LAYERS} are "
-                                 "allowed (llama.cpp's LLAMA_MAX_LAYERS)")
-        if per_layer == "uniform" and any(x != v[0] for x in v):
-            shown = v if len(v) <= 16 else f"[{len(v)} values]"
-            raise ModelFileError(f"{store.path!r}: {key} = {shown}: per-layer values that differ are not supported")
-        v = v[0] if per_layer == "uniform" else max(v)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be an integer in {lo}..{hi}")
-    return v
-
-
-def meta_float(store: GGUFStore, key: str, default: float | None, lo: float, hi: float) -> float:
-    """Real metadata ``key`` in ``[lo, hi]`` (``default`` when absent; absent without default is an error)."""
-    v = store.meta(key, default, kind="number")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be a number in [{lo}, {hi}]")
-    return float(v)
-
-
-def meta_bool(store: GGUFStore, key: str, default: bool) -> bool:
-    """Boolean metadata ``key``: GGUF BOOL only, as llama.cpp's typed reader requires."""
-    v = store.meta(key, default, kind="bool")
-    if not isinstance(v, bool):
-        raise ModelFileError(f"{store.path!r}: {key} = {v!r} must be a boolean")
-    return v
-
-
-def meta_str(store: GGUFStore, key: str, default: str | None = None) -> str:
-    """Text metadata ``key`` (``default`` when absent; absent without default is an error)."""
-    return str(store.meta(key, default, kind="str"))
-
-
 def refuse(store: GGUFStore, arch: str, key: str, what: str) -> ModelFileError:
     """The error for a file that uses a feature the family here does not implement."""
     return ModelFileError(f"{store.path!r}: {arch}: {key}: {what} is not supported")
-
-
-@dataclass(frozen=True)
-class StackHParams:
-    """What a stack of MoE FFN layers (:class:`~ggml_hybrid.moe.stack_session.MoEStackSession`) needs."""
-
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_expert: int
-    n_used: int
-    rms_eps: float
-
-
-def architecture(store: GGUFStore) -> str:
-    """``general.architecture``, which must be a name."""
-    return meta_str(store, "general.architecture", "")
-
-
-def read_stack_hparams(store: GGUFStore) -> StackHParams:
-    """Hyperparameters of an FFN-only MoE stack, checked against its tensors before anything is allocated."""
-    arch = architecture(store)
-    n_layer = meta_int(store, f"{arch}.block_count", hi=MAX_LAYERS)
-    n_embd = meta_int(store, f"{arch}.embedding_length")
-    n_expert = meta_int(store, f"{arch}.expert_count", hi=MAX_EXPERTS)
-    n_used = meta_int(store, f"{arch}.expert_used_count")
-    if n_used > n_expert:
-        raise ModelFileError(f"{store.path!r}: {n_used} experts used per token but only {n_expert} exist")
-    if "blk.0.ffn_gate_inp.weight" not in store:
-        raise NotMoEError(f"{store.path!r} is not a MoE model: it has no routed experts (blk.0.ffn_gate_inp)")
-    if f"blk.{n_layer - 1}.ffn_gate_inp.weight" not in store or f"blk.{n_layer}.ffn_gate_inp.weight" in store:
-        raise ModelFileError(f"{store.path!r}: {arch}.block_count = {n_layer} does not match the blk.N tensors")
-    for i in range(n_layer):
-        for name, want in ((f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd)),
-                           (f"blk.{i}.ffn_norm.weight", (n_embd,))):
-            shape = store.info(name).shape
-            if shape != want:
-                raise ModelFileError(f"{store.path!r}: {name} has shape {shape}, expected {want} from the metadata")
-    eps = meta_float(store, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, 0.0, 0.5)
-    return StackHParams(arch, n_layer, n_embd, n_expert, n_used, eps)
 
 
 @dataclass(frozen=True)
@@ -332,22 +246,6 @@ def read_common(store: GGUFStore, arch: str, require_moe: bool = True) -> Common
         n_vocab=store.info("token_embd.weight").shape[0], tied_output="output.weight" not in store)
 
 
-def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
-    from .families import family_of
-
-    fam = family_of(store, architecture(store))
-    hp = fam.read(store, read_common(store, fam.arch, require_moe))
-    check_tensors(store, hp, fam.tensors(hp))
-    return hp
-
-
-def tensor_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
-    """Every tensor the architecture needs, with its numpy-order shape."""
-    from .families import FAMILIES
-
-    return FAMILIES[hp.arch].tensors(hp)
-
-
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -357,8 +255,6 @@ def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ..
     Like llama.cpp, a file with tensors the architecture does not use is refused ("wrong number of
     tensors"), except the layers past ``n_layer`` (next-token-prediction layers), which are skipped.
     """
-    from ..ggml.ops import MATMUL_WEIGHTS
-
     for name, want in shapes.items():
         if name not in store:
             raise ModelFileError(f"{store.path!r}: {hp.arch} needs tensor {name!r}, which the file lacks")
@@ -387,6 +283,5 @@ def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ..
                              "here, or a file llama.cpp refuses: 'wrong number of tensors')")
 
 
-__all__ = ["GATINGS", "INT32_MAX", "MAX_EXPERTS", "MAX_LAYERS", "Common", "DeltaNet", "HParams", "MLA", "Routing",
-           "SWA", "StackHParams", "architecture", "check_tensors", "meta_bool", "meta_float", "meta_int", "meta_str",
-           "read_common", "read_hparams", "read_stack_hparams", "refuse", "tensor_shapes"]
+__all__ = ["GATINGS", "MLA", "SWA", "Common", "DeltaNet", "HParams", "Routing", "check_tensors", "read_common",
+           "refuse"]

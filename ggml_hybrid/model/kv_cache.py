@@ -18,7 +18,7 @@ are multiples of 64, llama.cpp rotates queries, keys and values by a
 Walsh-Hadamard matrix before they meet the cache (``rotation_sizes``); the
 matrices are inputs of each graph.
 
-Only the layers given (``layers``, default every layer) have a cache: a hybrid model's
+Only the layers given (``layers``, default every layer) have a cache: a recurrent model's
 delta-net layers keep a recurrent state instead (:mod:`ggml_hybrid.model.recurrent_state`).
 
 A cache of ``n_seq`` sequences (``n_parallel``) holds one slot per sequence: its own K and V

@@ -1,4 +1,4 @@
-"""The recurrent states of a hybrid model's delta-net layers, one per sequence slot.
+"""The recurrent states of a recurrent model's delta-net layers, one per sequence slot.
 
 llama.cpp keeps, per delta-net layer and sequence, the last ``d_conv - 1`` inputs of the
 short convolution (``cache_r``, laid out ``[channel][time]``) and the delta rule's

@@ -17,7 +17,8 @@ import numpy as np
 
 from .._native import lib
 from ..errors import ModelFileError
-from .gguf_store import GGUFStore
+from ..gguf.metadata import meta_float, meta_int
+from ..gguf.store import GGUFStore
 
 f32 = np.float32
 SCALING_TYPES = ("none", "linear", "yarn")  # llama.cpp also knows "longrope", which no family here uses
@@ -71,8 +72,6 @@ def read_rope(store: GGUFStore, arch: str, mode: str, n_rot: int, n_ctx_train: i
 
     ``yarn_log_mul`` is deepseek2's ``rope.scaling.yarn_log_multiplier`` (already divided by 0.1f).
     """
-    from .hparams import meta_float, meta_int
-
     p = f"{arch}.rope."
     scaling = store.meta(p + "scaling.type", "linear", kind="str")  # llama.cpp's default
     if not isinstance(scaling, str) or scaling not in SCALING_TYPES:

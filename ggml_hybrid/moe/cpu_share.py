@@ -156,13 +156,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from .._native.cstruct import enum_names
 from ..checks import check_int, check_real
 from ..errors import CpuShareError
 
-__all__ = ["COEFFICIENTS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit", "makespans", "n_cpu_for_share",
-           "split_misses"]
+__all__ = ["COEFFICIENTS", "PRIOR_KEYS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit", "makespans",
+           "n_cpu_for_share", "split_misses"]
 
-
+#: The cost model's coefficients, in the order of every array of them (estimates, fixed coefficients, priors,
+#: a synthetic clock): the C enum ``hy_cost_coef`` (``_native/src/moe_policy.h``) is their one list.
+COEFFICIENTS: tuple[str, ...] = enum_names("enum hy_cost_coef", "HY_COST_")
+#: The prior of each coefficient, in that order; the per-row costs are given per row and expert weight byte.
+PRIOR_KEYS: tuple[str, ...] = tuple(f"{k}_per_byte" if k.endswith("_per_row") else k for k in COEFFICIENTS)
 
 DEFAULT_PRIOR: dict[str, float] = {
     "cpu_per_byte": 1.0 / 30e9,
@@ -196,26 +201,27 @@ class MissSplit:
 # -- validation ------------------------------------------------------------------------------------
 
 
-def _int(value, what: str, minimum: int) -> int:
+def _int(value: object, what: str, minimum: int) -> int:
     return check_int(value, what, minimum, error=CpuShareError)
 
 
-def _real(value, what: str, lo: float | None = 0.0, hi: float | None = None, *, lo_open: bool = False,
+def _real(value: object, what: str, lo: float | None = 0.0, hi: float | None = None, *, lo_open: bool = False,
           hi_open: bool = False) -> float:
     return check_real(value, what, lo, hi, lo_open=lo_open, hi_open=hi_open, error=CpuShareError)
 
 
-def _share(share, what: str) -> float:
+def _share(share: object, what: str) -> float:
     return _real(share, what, 0.0, 1.0)
 
 
-def _sequence(value, what: str, rule: str):
+def _sequence(value: object, what: str, rule: str) -> object:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not hasattr(value, "__len__"):
         raise CpuShareError(f"{what} must be {rule}, got {type(value).__name__}")
     return value
 
 
-def _check_call(where: str, experts, rows, resident) -> tuple[list[int], list[int], set[int]]:
+def _check_call(where: str, experts: Sequence[int], rows: Sequence[int],
+                resident: Iterable[int]) -> tuple[list[int], list[int], set[int]]:
     _sequence(experts, f"{where}: experts", "a sequence of distinct int expert ids >= 0")
     ids: list[int] = []
     seen: dict[int, int] = {}
@@ -256,7 +262,7 @@ def n_cpu_for_share(share: float, n_misses: int) -> int:
     return min(max(k, 0), n)
 
 
-def _split(ids: list[int], counts: list[int], res: set[int]):
+def _split(ids: list[int], counts: list[int], res: set[int]) -> tuple[list[int], list[tuple[int, int]]]:
     """Hits sorted by id; misses as (rows, id), fewest rows first, ties by lower id."""
     hits = sorted(e for e in ids if e in res)
     misses = sorted((r, e) for e, r in zip(ids, counts) if e not in res)
@@ -317,8 +323,6 @@ def makespans(c: Mapping[str, float], expert_bytes: int, hit_rows: int, miss_row
     return spans
 
 
-COEFFICIENTS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row", "cpu_per_job")
-
 
 class CostModel:
     """Online cost model for ``moe_cpu_share='auto'`` (one per layer).
@@ -331,7 +335,7 @@ class CostModel:
 
     RIDGE = 1e-6
 
-    def __init__(self, alpha: float = 0.25, hysteresis: float = 0.05, prior: dict | None = None):
+    def __init__(self, alpha: float = 0.25, hysteresis: float = 0.05, prior: Mapping[str, float] | None = None) -> None:
         self.alpha = _real(alpha, "CostModel: alpha", 0.0, 1.0, lo_open=True)
         self.hysteresis = _real(hysteresis, "CostModel: hysteresis", 0.0, 1.0, hi_open=True)
         self.prior = dict(DEFAULT_PRIOR)
@@ -446,7 +450,7 @@ class CostModel:
             u, v = min(cand, key=lambda z: objective(*z))
         return a0 * u, b0 * v
 
-    def estimate(self, expert_bytes: int) -> dict:
+    def estimate(self, expert_bytes: int) -> dict[str, float]:
         """Current coefficients for experts of ``expert_bytes`` bytes (used by the per-row priors).
 
         Returns ``cpu_per_byte``, ``cpu_per_row``, ``load_per_byte``, ``device_per_row`` (seconds)

@@ -1,6 +1,6 @@
 """The device expert cache as a region executor: one MoE layer's routed experts.
 
-Each layer owns ``n_slots`` expert slots on the device (plus one zeroed scratch
+Each layer owns ``n_slots`` expert slots on the device (plus one zeroed pad
 slot) for each expert tensor (gate, up, down or the fused gate_up). A call reads
 the routed expert ids and places them: with ``moe_cpu_share`` > 0 a share of the
 misses goes to the session's CPU worker (started first, so it overlaps the device
@@ -8,58 +8,52 @@ work); the rest asks the :class:`~ggml_hybrid.expert_cache.SlotCache` for a plan
 (hits first, then misses loaded into slots, in rounds when the call needs more
 experts than there are slots). A single round with no CPU rows runs ``mul_mat_id``
 over the slot tensors with the ids remapped to slots (rows of other experts point at
-the scratch slot); otherwise each round computes only its own rows, compacted (see
+the pad slot); otherwise each round computes only its own rows, compacted (see
 :mod:`ggml_hybrid.row_graphs`), and the rows merge on the host. Either way every
 expert sees exactly the rows, in the same order, as in the resident ``mul_mat_id``,
 which makes the result bit-identical on the CPU. The weighted sum over the selected
 experts is then built with the same ops as the resident graph.
+
+A call runs as a list of steps (:meth:`ExpertCacheExecutor.__call__`), one method each; the native
+executor (``_native/src/moe_exec.c``) has a function of the same name for each, so that the two read
+side by side: ``read_ids``, ``count_rows``, ``cpu_split``, ``submit_cpu``, ``plan``, ``run_round`` (``load``,
+``compute_full`` or ``compute_rows``), ``merge``, ``weighted_sum``, ``count_call``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
-from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .._native import CData, ffi, lib
+from .._native.cstruct import Counters
 from .._native.status import check_status
+from ..checks import check_real
+from ..errors import CpuShareError
 from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Arena, Context
 from ..ggml.graph_cache import GraphCache, SharedBuffer
 from ..ggml.regions import RegionCall
 from ..ggml.repack import repack_buffer_type
 from ..ggml.tensor import Tensor
-from ..model.gguf_store import GGUFStore
-from .cpu_share import CostModel, split_misses
+from ..gguf.store import GGUFStore
+from .cpu_share import COEFFICIENTS, CostModel, MissSplit, split_misses
 from .cpu_worker import CPUWorker
 from .ffn import ExpertWeights, expert_ffn, weighted_sum
 from .row_graphs import RowGraphs
-from .slot_cache import SlotCache
+from .slot_cache import Round, SlotCache
+
+if TYPE_CHECKING:
+    from .traces.format import TraceWriter
 
 
-@dataclass
-class LayerCounters:
-    calls: int = 0
-    routed: int = 0        # (token, expert) pairs
-    distinct: int = 0      # distinct experts, summed over calls
-    hits: int = 0
-    misses: int = 0        # experts loaded into slots
-    bytes_loaded: int = 0
-    evictions: int = 0
-    rounds: int = 0
-    device_ns: int = 0     # wall time spent in the executor
-    load_ns: int = 0       # of which: copying missed experts into slots
-    compute_ns: int = 0    # of which: GGML computing the experts and the weighted sum
-    cpu_misses: int = 0    # misses computed by the CPU worker (not loaded)
-    cpu_rows: int = 0      # (token, expert) rows the CPU computed
-    cpu_ns: int = 0        # CPU worker compute time
-    overlap_ns: int = 0    # time the CPU worker and the device path ran together
-    share_calls: int = 0   # calls that had misses to place
-    share_sum: float = 0.0  # sum over those calls of the share of misses sent to the CPU
-    bytes_staged: int = 0  # loaded bytes that went through pinned host staging (native executor)
-    staging_wait_ns: int = 0  # time loads waited for a staging buffer's upload to finish
-    invalidated: int = 0   # slots emptied because their load never completed (a failed call)
+class LayerCounters(Counters, struct="hy_moe_counters"):
+    """A layer's counters, summed over its calls, kept by both executors: the fields of the C struct
+    ``hy_moe_counters`` (``_native/src/moe_exec.h`` lists and documents them), in its order."""
 
     @property
     def share_applied(self) -> float:
@@ -69,14 +63,10 @@ class LayerCounters:
     @property
     def orchestration_ns(self) -> int:
         """Executor time that is neither loading nor computing: the Python side."""
-        return self.device_ns - self.load_ns - self.compute_ns
+        return int(self.device_ns - self.load_ns - self.compute_ns)
 
-    def add(self, other: LayerCounters) -> None:
-        for k, v in asdict(other).items():  # fields only, not the derived values
-            setattr(self, k, getattr(self, k) + v)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "share_applied": self.share_applied, "orchestration_ns": self.orchestration_ns}
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "share_applied": self.share_applied, "orchestration_ns": self.orchestration_ns}
 
 
 MAX_BUCKETS = 8  # token-count graphs kept per layer
@@ -120,25 +110,28 @@ class _Bucket:
         self.ctx.close()
 
 
-@dataclass(frozen=True)
 class SyntheticClock:
     """Durations computed from the work instead of measured, so that ``auto`` decides the same way on every
-    run: the native and the Python executors are compared with it, decision by decision."""
+    run: the native and the Python executors are compared with it, decision by decision. Its costs are the cost
+    model's coefficients (:data:`~.cpu_share.COEFFICIENTS`, seconds), each given by name."""
 
-    load_per_byte: float
-    device_per_row: float
-    cpu_per_byte: float
-    cpu_per_row: float
-    cpu_per_job: float
+    def __init__(self, **coefficients: float) -> None:
+        if set(coefficients) != set(COEFFICIENTS):
+            raise CpuShareError(f"SyntheticClock: the coefficients must be exactly {', '.join(COEFFICIENTS)}, "
+                                f"got {', '.join(coefficients) or 'none'}")
+        self.coefficients = {k: check_real(coefficients[k], f"SyntheticClock: {k}", 0.0, error=CpuShareError)
+                             for k in COEFFICIENTS}
 
     def seconds(self, kind: str, nbytes: int, rows: int) -> float:
+        """The duration of a piece of work: ``load`` (bytes), ``device`` (rows), ``cpu`` (bytes and rows), ``job``."""
+        c = self.coefficients
         if kind == "load":
-            return self.load_per_byte * nbytes
+            return c["load_per_byte"] * nbytes
         if kind == "device":
-            return self.device_per_row * rows
+            return c["device_per_row"] * rows
         if kind == "cpu":
-            return self.cpu_per_byte * nbytes + self.cpu_per_row * rows
-        return self.cpu_per_job
+            return c["cpu_per_byte"] * nbytes + c["cpu_per_row"] * rows
+        return c["cpu_per_job"]
 
 
 class _HostScratch:
@@ -159,7 +152,7 @@ class _HostScratch:
 
 def allocate_slots(ctx: Context, slots: dict[str, Tensor], device: Backend, repack: bool, virtual: bool,
                    clear: bool) -> list[Buffer]:
-    """Memory for a layer's slot tensors on ``device``, zeroed when ``clear`` (the scratch slot's zeros absorb
+    """Memory for a layer's slot tensors on ``device``, zeroed when ``clear`` (the pad slot's zeros absorb
     padding rows). On a CPU device with ``repack`` (the session's option), a kind whose experts GGML's CPU
     extra buffer types take goes there, as its resident experts would: a slot then computes with the same
     kernels, and a load repacks one expert (vendor patch 0003)."""
@@ -181,12 +174,12 @@ def allocate_slots(ctx: Context, slots: dict[str, Tensor], device: Backend, repa
     return buffers
 
 
-def _compute(backend_ptr, graph_ptr) -> None:
+def _compute(backend_ptr: CData, graph_ptr: CData) -> None:
     status = lib.ggml_backend_graph_compute(backend_ptr, graph_ptr)
     check_status(status, "expert cache graph")
 
 
-def _read_rows(t, n_rows: int, n_cols: int, dtype) -> np.ndarray:
+def _read_rows(t: Tensor, n_rows: int, n_cols: int, dtype: npt.DTypeLike) -> np.ndarray:
     """A [rows, cols] tensor that may be a strided view (top-k ids are one), read from any backend."""
     p = t.ptr
     nb1 = p.nb[1]
@@ -200,14 +193,42 @@ def _read_rows(t, n_rows: int, n_cols: int, dtype) -> np.ndarray:
     return padded.view(dtype).reshape(n_rows, nb1 // item)[:, :n_cols]
 
 
+class _Call:
+    """The state of one layer call, handed from step to step (the C executor's ``hy_call``)."""
+
+    __slots__ = ("t0", "x", "ids_t", "w", "out", "n_tokens", "ids", "counts", "experts", "split", "checked", "cpu_rows",
+                 "xv", "t_submit", "job", "rounds", "bucket", "on_host", "d0", "d1")
+
+    ids: np.ndarray          # [T, k] routed expert ids
+    counts: np.ndarray       # [n_expert] rows of each expert
+    experts: np.ndarray      # the distinct experts, in id order
+    split: MissSplit | None  # where the misses go (None: no CPU share)
+    cpu_rows: np.ndarray     # [T, k]: the rows the CPU computes
+    t_submit: int
+    rounds: list[Round]
+    bucket: _Bucket          # the graphs and host arrays of this token count
+    on_host: bool            # rounds compute their own rows, compacted, merged on the host
+    d0: int                  # the device rounds' start and end
+    d1: int
+
+    def __init__(self, region: RegionCall) -> None:
+        self.t0 = time.perf_counter_ns()
+        self.x, self.ids_t, self.w = region.inputs
+        self.out = region.outputs[0]
+        self.n_tokens: int = self.x.ptr.ne[2]
+        self.checked = False  # the model file was found unchanged in this call
+        self.xv: np.ndarray | None = None  # x on the host, [T, n_embd]
+        self.job: cf.Future[tuple[np.ndarray, int, int]] | None = None  # the CPU worker's: rows, start, end
+
+
 class ExpertCacheExecutor:
     """Region executor for one layer: resident hits, misses loaded into device slots."""
 
     def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
                  policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None,
-                 simulated_bus_bytes_per_s: float | None = None, trace=None, clear: bool = True,
-                 shared: tuple[SharedBuffer, SharedBuffer] | None = None, repack: bool = True):
+                 simulated_bus_bytes_per_s: float | None = None, trace: TraceWriter | None = None, clear: bool = True,
+                 shared: tuple[SharedBuffer, SharedBuffer] | None = None, repack: bool = True) -> None:
         """``clear=False`` (planning only: nothing will run) only reserves the slot memory.
 
         ``shared``: the compute buffers (slot graphs, row graphs) to place the graphs in, shared with the
@@ -228,7 +249,7 @@ class ExpertCacheExecutor:
         self.n_expert = infos["down"].shape[0]
         self.n_embd = infos["down"].shape[1]
         self.cache = SlotCache(self.n_expert, n_slots, policy)
-        self.scratch = n_slots  # the extra, zeroed slot that absorbs rows outside a round
+        self.pad_slot = n_slots  # the extra, zeroed slot that absorbs rows outside a round
         self.ctx = Context(n_tensors=len(names))
         self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
                              for k, info in infos.items()}
@@ -265,7 +286,7 @@ class ExpertCacheExecutor:
 
     @property
     def slot_bytes(self) -> int:
-        """Device bytes of the slots, scratch included."""
+        """Device bytes of the slots, the pad slot included."""
         return sum(t.nbytes for t in self.slot_tensors.values())
 
     def reserve(self, n_tokens: int) -> None:
@@ -284,7 +305,112 @@ class ExpertCacheExecutor:
 
         return self._buckets.get(n_tokens, build)
 
+    # -- a call: one method per step, the C executor's functions of the same names (moe_exec.c) ----------
+
+    def __call__(self, region: RegionCall) -> None:
+        call = _Call(region)
+        self._read_ids(call)
+        self._count_rows(call)
+        call.split = self._cpu_split(call.experts, call.counts[call.experts])
+        self._submit_cpu(call)
+        self._plan(call)
+        call.d0 = time.perf_counter_ns()
+        for rnd in call.rounds:
+            self._run_round(call, rnd)
+        call.d1 = time.perf_counter_ns()
+        self._merge(call)
+        self._weighted_sum(call)
+        self._count_call(call)
+
+    def _read_ids(self, call: _Call) -> None:
+        """The routed ids, read (from any backend, strides included) and traced."""
+        call.ids = _read_rows(call.ids_t, call.n_tokens, self.n_used, np.int32)
+        if self.trace is not None:
+            self.trace.record(self.layer, call.ids)
+
+    def _count_rows(self, call: _Call) -> None:
+        """The distinct experts, in id order, and the rows of each."""
+        call.counts = np.bincount(call.ids.ravel(), minlength=self.n_expert)
+        call.experts = np.flatnonzero(call.counts)
+
+    def _cpu_split(self, experts: np.ndarray, rows: np.ndarray) -> MissSplit | None:
+        """Which misses the CPU computes; None when every expert goes through the cache."""
+        if self.worker is None or self.share == 0.0:
+            return None
+        resident = self.cache.resident()
+        if self.model is not None:
+            split = self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes)
+        else:
+            assert isinstance(self.share, float)  # "auto" has a model
+            split = split_misses(experts.tolist(), rows.tolist(), resident, self.share)
+        if split.n_misses:
+            self.counters.share_calls += 1
+            self.counters.share_sum += split.share
+        return split
+
+    def _submit_cpu(self, call: _Call) -> None:
+        """The CPU's rows handed to the worker first, so that it computes them while the device works."""
+        split = call.split
+        if split is None or not split.cpu_misses or self.worker is None or self.host_experts is None:
+            return
+        self.store.check_unchanged()  # the worker reads the mapping: a truncated file would kill us (SIGBUS)
+        call.checked = True
+        on_cpu = np.zeros(self.n_expert, bool)
+        on_cpu[list(split.cpu_misses)] = True
+        call.cpu_rows = on_cpu[call.ids]
+        call.xv = call.x.numpy().reshape(call.n_tokens, self.n_embd)
+        tok = np.nonzero(call.cpu_rows)[0]  # row-major (token, expert) order, as mul_mat_id groups rows
+        call.t_submit = time.perf_counter_ns()
+        call.job = self.worker.submit(self.layer, self.host_experts, call.xv[tok], call.ids[call.cpu_rows], self.glu)
+        self.counters.cpu_misses += len(split.cpu_misses)
+        self.counters.cpu_rows += int(call.cpu_rows.sum())
+
+    def _plan(self, call: _Call) -> None:
+        """The device's experts (those the CPU does not take) planned in the slot cache: hits, then loads by round."""
+        if call.job is not None and call.split is not None:
+            device = np.array(sorted(call.split.device_hits + call.split.device_misses), np.int64)
+        else:
+            device = call.experts
+        # experts come from a bincount: distinct, in range, with positive row counts
+        call.rounds = self.cache.plan(device.tolist(), call.counts[device].tolist(), checked=False,
+                                      deferred_loads=True)
+        if not call.checked and any(rnd.loads for rnd in call.rounds):
+            self.store.check_unchanged()  # loads read the mapping: a truncated file would kill us (SIGBUS)
+        call.bucket = self._bucket(call.n_tokens)
+        # one round and no CPU rows: the full graph over the slots, nothing leaves the device; otherwise
+        # each round computes only its own rows (compacted) and the rows merge on the host
+        call.on_host = call.job is not None or len(call.rounds) > 1
+        if call.on_host and call.xv is None:
+            call.xv = call.x.numpy().reshape(call.n_tokens, self.n_embd)
+
+    def _run_round(self, call: _Call, rnd: Round) -> None:
+        """One round of the plan: load its misses into their slots, then compute the experts it holds."""
+        c = self.counters
+        t1 = time.perf_counter_ns()
+        for expert, slot in rnd.loads:
+            c.bytes_loaded += self._load(expert, slot)
+            self.cache.commit(slot, expert)  # only now does the cache count it as resident
+        t2 = time.perf_counter_ns()
+        # each expert's slot in this round; experts of other rounds (and the CPU's) read the pad slot
+        slot_of = self._slot_of
+        slot_of.fill(self.pad_slot)
+        for expert, slot in rnd.hits + rnd.loads:
+            slot_of[expert] = slot
+        np.take(slot_of, call.ids, out=call.bucket.slot_ids)
+        n_rows, ns = self._compute_rows(call) if call.on_host else self._compute_full(call)
+        c.load_ns += t2 - t1
+        c.compute_ns += ns
+        c.hits += len(rnd.hits)
+        c.misses += len(rnd.loads)
+        c.evictions += len(rnd.evicted)
+        if self.model is not None:
+            loaded = len(rnd.loads) * self.expert_bytes
+            if loaded:
+                self.model.observe_load(loaded, self._seconds("load", loaded, 0, t2 - t1))
+            self.model.observe_device(n_rows, self._seconds("device", 0, n_rows, ns))
+
     def _load(self, expert: int, slot: int) -> int:
+        """Copy ``expert`` from the mapping into ``slot`` of every expert tensor; the bytes copied."""
         n = 0
         for slots, src, nbytes in self._copies:
             lib.ggml_backend_tensor_set(slots, src + expert * nbytes, slot * nbytes, nbytes)
@@ -293,128 +419,68 @@ class ExpertCacheExecutor:
             time.sleep(n / self.simulated_bus)  # releases the GIL, like a DMA the CPU need not wait for
         return n
 
+    def _compute_full(self, call: _Call) -> tuple[int, int]:
+        """The layer's whole graph over the slots: every row of the call, the ids remapped to slots.
+        Its rows, and the compute's nanoseconds."""
+        b = call.bucket
+        lib.ggml_backend_tensor_copy(call.x.ptr, b.p_x)  # device to device: the input never comes to the host
+        lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
+        t = time.perf_counter_ns()
+        _compute(self.device.ptr, b.pg_experts)
+        ns = time.perf_counter_ns() - t
+        lib.ggml_backend_tensor_copy(b.p_down, b.p_experts)
+        return int(call.ids.size), ns
+
+    def _compute_rows(self, call: _Call) -> tuple[int, int]:
+        """This round's rows only, compacted (:class:`RowGraphs` pads them to their row bucket, the padding on the
+        zeroed pad slot); the results go to their places in ``merged``. Its rows, and the nanoseconds."""
+        b = call.bucket
+        assert call.xv is not None  # read by _plan for every call that computes on the host
+        sel = b.slot_ids != self.pad_slot
+        t = time.perf_counter_ns()
+        b.merged[sel] = self._slot_rows.compute(call.xv[np.nonzero(sel)[0]], b.slot_ids[sel], self.pad_slot)
+        return int(np.count_nonzero(sel)), time.perf_counter_ns() - t
+
+    def _merge(self, call: _Call) -> None:
+        """The worker's rows, waited for, merged with the device's."""
+        if call.job is None or call.split is None:
+            return
+        rows_out, c0, c1 = call.job.result()  # re-raises a failure of the worker here
+        call.bucket.merged[call.cpu_rows] = rows_out
+        c = self.counters
+        c.cpu_ns += c1 - c0
+        c.overlap_ns += max(0, min(call.d1, c1) - max(call.d0, c0)) if call.rounds else 0
+        if self.model is not None:
+            cpu_bytes = len(call.split.cpu_misses) * self.expert_bytes
+            cpu_s = self._seconds("cpu", cpu_bytes, len(rows_out), c1 - c0)
+            self.model.observe_cpu(cpu_bytes, len(rows_out), cpu_s)
+            self.model.observe_cpu_job(self._seconds("job", 0, 0, c0 - call.t_submit))
+
+    def _weighted_sum(self, call: _Call) -> None:
+        """The weighted sum over each token's experts, with the resident graph's ops, into the region's output."""
+        b = call.bucket
+        if call.on_host:
+            lib.ggml_backend_tensor_set(b.p_experts, b.b_merged, 0, b.merged.nbytes)
+        lib.ggml_backend_tensor_copy(call.w.ptr, b.p_w)
+        t = time.perf_counter_ns()
+        _compute(self.device.ptr, b.pg_sum)
+        self.counters.compute_ns += time.perf_counter_ns() - t
+        lib.ggml_backend_tensor_copy(b.p_out, call.out.ptr)
+
+    def _count_call(self, call: _Call) -> None:
+        c = self.counters
+        c.calls += 1
+        c.routed += call.ids.size
+        c.distinct += len(call.experts)
+        c.rounds += len(call.rounds)
+        c.invalidated = self.cache.counters.invalidated
+        c.device_ns += time.perf_counter_ns() - call.t0
+
     def _seconds(self, kind: str, nbytes: int, rows: int, measured_ns: int) -> float:
         """What the cost model observes: the measured time, or the synthetic clock's (deterministic runs)."""
         if self.clock is None:
             return measured_ns / 1e9
         return self.clock.seconds(kind, nbytes, rows)
-
-    def _cpu_split(self, experts: np.ndarray, rows: np.ndarray):
-        """Which misses the CPU computes; None when every expert goes through the cache."""
-        if self.worker is None or self.share == 0.0:
-            return None
-        resident = self.cache.resident()
-        if self.model is not None:
-            return self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes)
-        assert isinstance(self.share, float)  # "auto" has a model
-        return split_misses(experts.tolist(), rows.tolist(), resident, self.share)
-
-    def __call__(self, call: RegionCall):
-        t0 = time.perf_counter_ns()
-        x3, ids_t, w_t = call.inputs
-        n_tokens = x3.ptr.ne[2]
-        ids = _read_rows(ids_t, n_tokens, self.n_used, np.int32)
-        if self.trace is not None:
-            self.trace.record(self.layer, ids)
-        counts = np.bincount(ids.ravel(), minlength=self.n_expert)
-        experts = np.flatnonzero(counts)
-        split = self._cpu_split(experts, counts[experts])
-        b = self._bucket(n_tokens)
-        c = self.counters
-        job = None
-        checked = False
-        if split is not None and split.cpu_misses and self.worker is not None and self.host_experts is not None:
-            self.store.check_unchanged()  # the worker reads the mapping: a truncated file would kill us (SIGBUS)
-            checked = True
-            # the CPU starts first and works while the device computes hits and loads
-            on_cpu = np.zeros(self.n_expert, bool)
-            on_cpu[list(split.cpu_misses)] = True
-            cpu_rows = on_cpu[ids]
-            xv = x3.numpy().reshape(n_tokens, self.n_embd)
-            tok = np.nonzero(cpu_rows)[0]  # row-major (token, expert) order, as mul_mat_id groups rows
-            t_submit = time.perf_counter_ns()
-            job = self.worker.submit(self.layer, self.host_experts, xv[tok], ids[cpu_rows], self.glu)
-            device_experts = np.array(sorted(split.device_hits + split.device_misses), np.int64)
-            c.cpu_misses += len(split.cpu_misses)
-            c.cpu_rows += int(cpu_rows.sum())
-        else:
-            cpu_rows = None
-            device_experts = experts
-        if split is not None and (split.device_misses or split.cpu_misses):
-            c.share_calls += 1
-            c.share_sum += split.share
-        # experts come from a bincount: distinct, in range, with positive row counts
-        rounds = self.cache.plan(device_experts.tolist(), counts[device_experts].tolist(), checked=False,
-                                 deferred_loads=True)
-        if not checked and any(rnd.loads for rnd in rounds):
-            self.store.check_unchanged()  # loads read the mapping: a truncated file would kill us (SIGBUS)
-        dev = self.device.ptr
-        # inputs move device to device; only the ids come to the host, to plan
-        lib.ggml_backend_tensor_copy(x3.ptr, b.p_x)
-        lib.ggml_backend_tensor_copy(w_t.ptr, b.p_w)
-        # one round and no CPU rows: the full graph over the slots, nothing leaves the device; otherwise
-        # each round computes only its own rows (compacted) and the rows merge on the host
-        on_host = job is not None or len(rounds) > 1
-        if on_host and job is None:
-            xv = x3.numpy().reshape(n_tokens, self.n_embd)
-        d0 = time.perf_counter_ns()
-        for rnd in rounds:
-            t1 = time.perf_counter_ns()
-            for expert, slot in rnd.loads:
-                c.bytes_loaded += self._load(expert, slot)
-                self.cache.commit(slot, expert)  # only now does the cache count it as resident
-            t2 = time.perf_counter_ns()
-            slot_of = self._slot_of
-            slot_of.fill(self.scratch)
-            for expert, slot in rnd.hits + rnd.loads:
-                slot_of[expert] = slot
-            np.take(slot_of, ids, out=b.slot_ids)
-            if not on_host:
-                lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
-                t3 = time.perf_counter_ns()
-                _compute(dev, b.pg_experts)
-                t4 = time.perf_counter_ns()
-                lib.ggml_backend_tensor_copy(b.p_down, b.p_experts)
-                n_rows = ids.size
-            else:
-                sel = b.slot_ids != self.scratch
-                t3 = time.perf_counter_ns()
-                b.merged[sel] = self._slot_rows.compute(xv[np.nonzero(sel)[0]], b.slot_ids[sel], self.scratch)
-                t4 = time.perf_counter_ns()
-                n_rows = int(np.count_nonzero(sel))
-            c.load_ns += t2 - t1
-            c.compute_ns += t4 - t3
-            c.hits += len(rnd.hits)
-            c.misses += len(rnd.loads)
-            c.evictions += len(rnd.evicted)
-            if self.model is not None:
-                loaded = len(rnd.loads) * self.expert_bytes
-                if loaded:
-                    self.model.observe_load(loaded, self._seconds("load", loaded, 0, t2 - t1))
-                self.model.observe_device(n_rows, self._seconds("device", 0, n_rows, t4 - t3))
-        d1 = time.perf_counter_ns()
-        if job is not None:
-            rows_out, c0, c1 = job.result()  # re-raises a failure of the worker here
-            b.merged[cpu_rows] = rows_out
-            c.cpu_ns += c1 - c0
-            c.overlap_ns += max(0, min(d1, c1) - max(d0, c0)) if rounds else 0
-            if self.model is not None:
-                cpu_bytes = len(split.cpu_misses) * self.expert_bytes
-                cpu_s = self._seconds("cpu", cpu_bytes, len(rows_out), c1 - c0)
-                self.model.observe_cpu(cpu_bytes, len(rows_out), cpu_s)
-                self.model.observe_cpu_job(self._seconds("job", 0, 0, c0 - t_submit))
-        if on_host:
-            lib.ggml_backend_tensor_set(b.p_experts, b.b_merged, 0, b.merged.nbytes)
-        t5 = time.perf_counter_ns()
-        _compute(dev, b.pg_sum)
-        c.compute_ns += time.perf_counter_ns() - t5
-        lib.ggml_backend_tensor_copy(b.p_out, call.outputs[0].ptr)
-        c.calls += 1
-        c.routed += ids.size
-        c.distinct += len(experts)
-        c.rounds += len(rounds)
-        c.invalidated = self.cache.counters.invalidated
-        c.device_ns += time.perf_counter_ns() - t0
 
     def close(self) -> None:
         self._slot_rows.close()

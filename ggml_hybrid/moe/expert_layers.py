@@ -15,21 +15,25 @@ are ``None`` and they are never traced (trace layer i is the model's i-th MoE la
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Literal, cast
 
 from .._native import CData, ffi
 from ..files import check_output
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
+from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule
 from ..machine import available_memory
-from ..model.gguf_store import GGUFStore, ModelFileError, load_into, repack_rule
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
 from .ffn import ExpertWeights
 from .native_executor import NativeExpertExecutor, NativeWorker, Scratch
 from .traces import TraceWriter
+
+# where a layer's routed experts live and run: on the device (resident), in place on the mapped file (cpu), streamed
+# into the device's expert cache (disk); a dense layer has none
+ExpertMode = Literal["resident", "cpu", "disk", "dense"]
 
 
 def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int) -> None:
@@ -92,7 +96,7 @@ class ExpertLayers:
 
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
                  n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
-                 modes: list[str] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
+                 modes: list[ExpertMode] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
                  load: bool = True, moe_layers: Sequence[int] | None = None, glu: str = "swiglu"):
         self.store, self.options, self.device = store, options, device
         opts = options
@@ -291,4 +295,4 @@ class ExpertLayers:
         self.mapped_ctx.close()
 
 
-__all__ = ["ExpertLayers", "check_expert_shapes", "check_moe_options", "expert_names"]
+__all__ = ["ExpertLayers", "ExpertMode", "check_expert_shapes", "check_moe_options", "expert_names"]

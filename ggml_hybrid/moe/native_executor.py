@@ -9,6 +9,7 @@ the reference: ``tests/test_native_executor.py`` compares them call by call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,14 +27,12 @@ from ..errors import (
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.ops import GLU_OPS
-from ..model.gguf_store import GGUFStore
-from .cpu_share import CostModel, n_cpu_for_share
+from ..gguf.store import GGUFStore
+from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
 from .executor import LayerCounters, SyntheticClock, allocate_slots
 from .ffn import ExpertWeights
 from .traces import TraceWriter
 
-_PRIOR_KEYS = ("cpu_per_byte", "cpu_per_row_per_byte", "load_per_byte", "device_per_row_per_byte", "cpu_per_job")
-_COEF_KEYS = ("cpu_per_byte", "cpu_per_row", "load_per_byte", "device_per_row", "cpu_per_job")
 _ERRORS: dict[int, type[GgmlHybridError]] = {
     lib.HY_ERR_FILE: ModelFileError, lib.HY_ERR_COMPUTE: ComputeError, lib.HY_ERR_ALLOC: AllocationError,
     lib.HY_ERR_WORKER: ComputeError, lib.HY_ERR_INJECTED: ComputeError, lib.HY_ERR_INPUT: ShapeError,
@@ -159,7 +158,7 @@ class NativeExpertExecutor:
             self._keep.append(table)
             cfg.n_cpu_table = table
         cfg.alpha, cfg.hysteresis = model.alpha, model.hysteresis
-        for i, k in enumerate(_PRIOR_KEYS):
+        for i, k in enumerate(PRIOR_KEYS):
             cfg.prior[i] = model.prior[k]
         path = ffi.new("char[]", self.store.watch_path.encode())  # the open file, not whatever the path names now
         self._keep.append(path)
@@ -174,7 +173,7 @@ class NativeExpertExecutor:
     # -- the region -----------------------------------------------------------------------------
 
     @property
-    def c_function(self) -> CData:
+    def c_function(self) -> Callable[..., int]:
         return lib.hy_moe_exec_run
 
     @property
@@ -195,13 +194,7 @@ class NativeExpertExecutor:
     def counters(self) -> LayerCounters:
         if self._exec.closed:  # what the session did stays readable after close()
             return self._final
-        c = lib.hy_moe_exec_counters(self._exec.ptr)
-        return LayerCounters(calls=c.calls, routed=c.routed, distinct=c.distinct, hits=c.hits, misses=c.misses,
-                             bytes_loaded=c.bytes_loaded, evictions=c.evictions, rounds=c.rounds,
-                             device_ns=c.device_ns, load_ns=c.load_ns, compute_ns=c.compute_ns,
-                             cpu_misses=c.cpu_misses, cpu_rows=c.cpu_rows, cpu_ns=c.cpu_ns, overlap_ns=c.overlap_ns,
-                             share_calls=c.share_calls, share_sum=c.share_sum, bytes_staged=c.bytes_staged,
-                             staging_wait_ns=c.staging_wait_ns, invalidated=c.invalidated)
+        return LayerCounters.from_c(lib.hy_moe_exec_counters(self._exec.ptr))
 
     def last_decision(self) -> dict[str, Any]:
         """The last call's plan, as the Python executor's SlotCache would give it: ``rounds`` of
@@ -261,14 +254,13 @@ class NativeExpertExecutor:
         """Replace the layer's cost model (``auto``) by one with ``model``'s fixed coefficients or priors."""
         c = lib.hy_moe_exec_cost_model(self._exec.ptr)
         if model._fixed is not None:
-            lib.hy_cost_init_fixed(c, model.hysteresis, [model._fixed[k] for k in _COEF_KEYS])
+            lib.hy_cost_init_fixed(c, model.hysteresis, [model._fixed[k] for k in COEFFICIENTS])
         else:
-            lib.hy_cost_init(c, model.alpha, model.hysteresis, [model.prior[k] for k in _PRIOR_KEYS])
+            lib.hy_cost_init(c, model.alpha, model.hysteresis, [model.prior[k] for k in PRIOR_KEYS])
 
     def use_clock(self, clock: SyntheticClock) -> None:
         """Observe durations computed from the work (repeatable ``auto`` decisions)."""
-        lib.hy_moe_exec_set_clock(self._exec.ptr, [clock.load_per_byte, clock.device_per_row, clock.cpu_per_byte,
-                                                   clock.cpu_per_row, clock.cpu_per_job])
+        lib.hy_moe_exec_set_clock(self._exec.ptr, [clock.coefficients[k] for k in COEFFICIENTS])
 
     def inject_load_failure(self, after: int) -> None:
         """Fail the load that comes after the next ``after`` loads (tests)."""

@@ -22,8 +22,6 @@ from ..ggml.context import Arena, Context
 from ..ggml.graph_cache import GraphCache, SharedBuffer
 from .ffn import ExpertWeights, expert_ffn
 
-# exact-size graphs up to here (decode never pads); above, power-of-two buckets
-_EXACT_ROWS = 32
 _MAX_GRAPHS = 16  # row-count graphs kept per set of experts (every decode size fits)
 _TENSORS, _GRAPH = 16, 32
 
@@ -66,16 +64,20 @@ class _Scratch:
         return self._x[:n], self._ids[:n], self._down[:n]
 
 
+def row_bucket(n: int) -> int:
+    """The row count of the graph that computes ``n`` rows: the one rule, C's ``hy_row_bucket``
+    (``_native/src/moe_graphs.h`` states it), which both executors and both CPU workers use."""
+    return int(lib.hy_row_bucket(n))
+
+
 def bucket_rows(n: int, ids: np.ndarray, n_expert: int, pad_id: int | None = None) -> tuple[int, int]:
-    """Graph row count for n rows, and the expert id its padding rows use.
+    """Graph row count for n rows (:func:`row_bucket`), and the expert id its padding rows use.
 
     Padding must never add rows to an expert the graph computes, so padding rows go to
-    ``pad_id`` (e.g. a scratch slot) or to an expert absent from ``ids``; when there is
+    ``pad_id`` (e.g. a cache's pad slot) or to an expert absent from ``ids``; when there is
     none, the graph has exactly n rows.
     """
-    if n <= _EXACT_ROWS:
-        return n, 0
-    bucket = 1 << (n - 1).bit_length()
+    bucket = row_bucket(n)
     if bucket == n:
         return n, 0
     if pad_id is not None:
@@ -128,7 +130,7 @@ class RowGraphs:
 
     def reserve(self, n: int) -> None:
         """Grow the shared buffer now to what a call of ``n`` rows needs (the largest graph it can use)."""
-        bucket = n if n <= _EXACT_ROWS else 1 << (n - 1).bit_length()
+        bucket = row_bucket(n)
         self._graphs.get(bucket, lambda arena: self._build(bucket, arena))
 
     @property

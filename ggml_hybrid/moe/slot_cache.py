@@ -65,7 +65,8 @@ not in its slot. An emptied slot is not an eviction; ``invalidated`` counts them
 
 Counters. :class:`CacheCounters` accumulates, over all calls since construction
 or :meth:`SlotCache.reset`: ``calls``, ``distinct`` (requested experts),
-``hits``, ``misses`` (== loads), ``evictions``, ``rounds`` and ``invalidated``.
+``hits``, ``misses`` (== loads), ``evictions``, ``rounds`` and ``invalidated`` (slots
+emptied because their load was never committed); the fields are the C struct's.
 
 Cost. One call costs O(len(experts) log len(experts) + rounds * n_slots log n_slots).
 """
@@ -73,8 +74,9 @@ Cost. One call costs O(len(experts) log len(experts) + rounds * n_slots log n_sl
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from .._native.cstruct import Counters
 from ..checks import check_int
 from ..errors import IndexRangeError, SlotCacheError, SlotCacheTypeError
 
@@ -99,23 +101,12 @@ class Round:
     evicted: tuple[int, ...]
 
 
-@dataclass
-class CacheCounters:
-    """Cumulative counters of a :class:`SlotCache`."""
-
-    calls: int = 0
-    distinct: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    rounds: int = 0
-    invalidated: int = 0  # slots emptied because their load was never committed
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+class CacheCounters(Counters, struct="hy_cache_counters"):
+    """Cumulative counters of a :class:`SlotCache`: the fields of the C struct ``hy_cache_counters``
+    (``_native/src/moe_policy.h``), which the C port keeps too; the module docstring says what each counts."""
 
 
-def _as_int(value, what: str) -> int:
+def _as_int(value: object, what: str) -> int:
     return check_int(value, what, error=SlotCacheError, type_error=SlotCacheTypeError)
 
 
@@ -155,7 +146,7 @@ class SlotCache:
         self._uncommitted: dict[int, int] = {}  # slot -> the expert its last planned load puts there
         self.counters = CacheCounters()
 
-    def slot_of(self, expert) -> int | None:
+    def slot_of(self, expert: int) -> int | None:
         """The slot holding ``expert``, or None when it is not resident."""
         s = self._where.get(self._check_expert(expert, "SlotCache.slot_of"))
         return None if s is None or self._uncommitted.get(s) == expert else s
@@ -170,13 +161,13 @@ class SlotCache:
 
     # -- validation ------------------------------------------------------------------------------
 
-    def _check_expert(self, expert, where: str) -> int:
+    def _check_expert(self, expert: object, where: str) -> int:
         e = _as_int(expert, f"{where}: expert id")
         if not 0 <= e < self.n_experts:
             raise IndexRangeError(f"{where}: expert id {e} is out of range [0, {self.n_experts})")
         return e
 
-    def _check_call(self, experts, rows) -> tuple[list[int], list[int]]:
+    def _check_call(self, experts: Sequence[int], rows: Sequence[int] | None) -> tuple[list[int], list[int]]:
         if isinstance(experts, (str, bytes)) or not hasattr(experts, "__len__") or not hasattr(experts, "__iter__"):
             raise SlotCacheTypeError(
                 f"SlotCache.plan: experts must be a sequence of int expert ids, got {type(experts).__name__}")
@@ -214,7 +205,7 @@ class SlotCache:
         assert e is not None, f"slot {slot} is empty"
         return e
 
-    def _victim_key(self, slot: int):
+    def _victim_key(self, slot: int) -> tuple[int, ...]:
         e = self._expert_in(slot)
         if self.policy == "lru":
             return (self._recency[e], slot)

@@ -26,21 +26,56 @@ import numpy as np
 import numpy.typing as npt
 
 from ..checks import check_real, check_type
-from ..errors import OptionError, ShapeError
+from ..errors import ModelFileError, NotMoEError, OptionError, ShapeError
 from ..ggml.backend import Backend, cpu, cuda, cuda_available
 from ..ggml.context import Arena, Context
 from ..ggml.graph import Graph
 from ..ggml.graph_cache import GraphCache
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
+from ..gguf.metadata import MAX_EXPERTS, MAX_LAYERS, architecture, meta_float, meta_int
+from ..gguf.store import GGUFStore, load_into, repack_rule
 from ..machine import default_threads
-from ..model.gguf_store import GGUFStore, load_into, repack_rule
-from ..model.hparams import read_stack_hparams
 from ..options import SessionOptions
 from ..serial import Serial
 from .executor import LayerCounters
 from .expert_layers import ExpertLayers, check_expert_shapes, check_moe_options
 from .ffn import MoERegion, build_moe_ffn
+
+
+@dataclass(frozen=True)
+class StackHParams:
+    """What a stack of MoE FFN layers (:class:`~ggml_hybrid.moe.stack_session.MoEStackSession`) needs."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_expert: int
+    n_used: int
+    rms_eps: float
+
+
+def read_stack_hparams(store: GGUFStore) -> StackHParams:
+    """Hyperparameters of an FFN-only MoE stack, checked against its tensors before anything is allocated."""
+    arch = architecture(store)
+    n_layer = meta_int(store, f"{arch}.block_count", hi=MAX_LAYERS)
+    n_embd = meta_int(store, f"{arch}.embedding_length")
+    n_expert = meta_int(store, f"{arch}.expert_count", hi=MAX_EXPERTS)
+    n_used = meta_int(store, f"{arch}.expert_used_count")
+    if n_used > n_expert:
+        raise ModelFileError(f"{store.path!r}: {n_used} experts used per token but only {n_expert} exist")
+    if "blk.0.ffn_gate_inp.weight" not in store:
+        raise NotMoEError(f"{store.path!r} is not a MoE model: it has no routed experts (blk.0.ffn_gate_inp)")
+    if f"blk.{n_layer - 1}.ffn_gate_inp.weight" not in store or f"blk.{n_layer}.ffn_gate_inp.weight" in store:
+        raise ModelFileError(f"{store.path!r}: {arch}.block_count = {n_layer} does not match the blk.N tensors")
+    for i in range(n_layer):
+        for name, want in ((f"blk.{i}.ffn_gate_inp.weight", (n_expert, n_embd)),
+                           (f"blk.{i}.ffn_norm.weight", (n_embd,))):
+            shape = store.info(name).shape
+            if shape != want:
+                raise ModelFileError(f"{store.path!r}: {name} has shape {shape}, expected {want} from the metadata")
+    eps = meta_float(store, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, 0.0, 0.5)
+    return StackHParams(arch, n_layer, n_embd, n_expert, n_used, eps)
 
 
 @dataclass

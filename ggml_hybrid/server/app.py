@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import ChatTemplateError, ChatTemplateLimitError, ClosedError, ContextFullError, GgmlHybridError
-from ..model.engine import Request
+from ..runtime.engine import Request
 from . import metrics
 from .logs import log_once, shorten
 from .models import ModelSet, ServedModel

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cli.config import ModelEntry
-from ..model.chat import ChatTemplate, RenderPool
-from ..model.engine import Engine
-from ..model.moe_model import MoEModel
+from ..runtime.engine import Engine
+from ..runtime.moe_model import MoEModel
+from ..text.chat import ChatTemplate, RenderPool
+from .config import ModelEntry
 
 MEMORY_EVERY = 5.0  # seconds between device-memory readings after load
 FINAL_GRACE = 3.0  # seconds cancelled requests get to answer once a drain has run out of time
@@ -86,8 +86,6 @@ class ServedModel:
             raise
 
     def _snap(self, _engine: Engine | None) -> None:
-        from ..cli.report import hybrid_offload_active
-
         m = self.model
         assert m is not None
         total = m.counters.total
@@ -96,7 +94,7 @@ class ServedModel:
         if _engine is None or now - self._memory_at >= MEMORY_EVERY:  # it walks every tensor: not every step
             memory, self._memory_at = {d: m.device_memory(d) for d in m.devices}, now
         self.snapshot = Snapshot(total.hits, total.misses, total.cpu_misses, total.bytes_loaded, total.share_applied,
-                                 hybrid_offload_active(m), memory)
+                                 m.cpu_experts_active, memory)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -4,7 +4,7 @@ A request body is read into a :class:`Generation` (what to generate, how to samp
 or refused with an :class:`APIError`, which carries the HTTP status and OpenAI's error object
 (``{"error": {"message", "type", "param", "code"}}``): a field of the wrong JSON type, a value
 outside its rule, an unsupported option, too many choices. Sampling ranges are the sampler's own
-rules (:class:`~ggml_hybrid.model.sampling.Sampler` checks them; its message is passed on).
+rules (:class:`~ggml_hybrid.runtime.sampling.Sampler` checks them; its message is passed on).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GgmlHybridError, shorten
-from ..model.engine import Request
-from ..model.sampling import Sampler
+from ..runtime.engine import Request
+from ..runtime.sampling import Sampler
 
 MAX_BODY_BYTES = 16 << 20   # a request body beyond this is refused (413) before it is parsed
 MAX_CHOICES = 16            # prompts x n per request

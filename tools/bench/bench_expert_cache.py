@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import click
 import numpy as np
 
-from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.synthetic import write_moe_stack
 
 SHAPE = dict(n_layer=16, n_embd=256, n_ff=256, n_expert=64, n_used=8, expert_type="q4_K")
 

@@ -15,17 +15,14 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import click
 import numpy as np
+from moe_graph import DEFAULTS
 
 import ggml_hybrid as gh
 from ggml_hybrid import ffi, lib
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_graph import DEFAULTS
 
 
 def build_moe(weights, n_layer, n_embd, n_expert, n_used, n_tokens, **_):

@@ -13,25 +13,34 @@
    while the next expert is read) against plain ``tensor_set`` (same executor, ``use_plain_loads``), at 1
    and 64 tokens: time per layer, load time per call, MB/s.
 
+3. ``ab``: the native executor's orchestration against another build of the package (``--base DIR``: a
+   checkout built with ``python build.py``, e.g. ``git worktree add /tmp/base COMMIT``), alternated in one run:
+   each of ``--rounds`` rounds runs the stack of part 1 (resident, native with 64 and 16 slots) once in a fresh
+   process of each build (``_native_stack_worker.py``), in alternating order; medians over the rounds and
+   their ratio, head / base (bench_commits.py does the same for a whole model's tok/s).
+
     python tools/bench/bench_native_executor.py [--part orchestration|loads|all] [--steps 40] [--warmup 10]
+    python tools/bench/bench_native_executor.py --part ab --base /tmp/base [--rounds 6]
 """
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 import click
 import numpy as np
+from _alternate import alternate
+from bench_expert_cache import SHAPE, model_path
+from bench_rpc import start_server
 
 from ggml_hybrid.ggml import rpc
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _alternate import alternate
-from bench_expert_cache import SHAPE, model_path
-from bench_rpc import start_server
 
 
 def _delta(s: MoEStackSession, base) -> dict[str, float]:
@@ -79,6 +88,34 @@ def orchestration(steps: int, warmup: int) -> None:
         s.close()
 
 
+def ab(base: str, rounds: int, steps: int, warmup: int) -> None:
+    builds = {"base": Path(base).resolve(), "head": Path(__file__).resolve().parents[2]}
+    worker = [sys.executable, str(Path(__file__).with_name("_native_stack_worker.py")), model_path(),
+              *map(str, (SHAPE["n_layer"], SHAPE["n_embd"], steps, warmup))]
+    runs: dict[str, list[dict]] = {k: [] for k in builds}
+    for r in range(rounds):
+        for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
+            out = subprocess.run(worker, env={**os.environ, "PYTHONPATH": str(builds[name])}, check=True,
+                                 capture_output=True, text=True)
+            got = json.loads(out.stdout.splitlines()[-1])
+            if builds[name] not in Path(got["where"]).resolve().parents:
+                raise SystemExit(f"the worker for {builds[name]} imported ggml_hybrid from {got['where']}")
+            runs[name].append(got)
+    print(f"native executor, {rounds} rounds (a fresh process of each build per round, alternating), each {steps} "
+          f"decode steps after {warmup}; base = {builds['base']}, head = {builds['head']}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':<16} {'figure':<22} {'base':>8} {'head':>8} {'head/base':>10}  per-round ratios")
+    for mode in runs["head"][0]["us_layer"]:
+        for key, label in (("us_layer", "us/layer"), ("orch_us", "orchestration us/call")):
+            if mode not in runs["head"][0][key]:
+                continue
+            b = [x[key][mode] for x in runs["base"]]
+            a = [x[key][mode] for x in runs["head"]]
+            ratios = " ".join(f"{y / x:.2f}" for x, y in zip(b, a))
+            print(f"{mode:<16} {label:<22} {statistics.median(b):>8.1f} {statistics.median(a):>8.1f} "
+                  f"{statistics.median(a) / statistics.median(b):>10.3f}  {ratios}")
+
+
 def loads(steps: int, warmup: int) -> None:
     path, n_layer = model_path(), SHAPE["n_layer"]
     proc, endpoint = start_server()
@@ -112,10 +149,17 @@ def loads(steps: int, warmup: int) -> None:
 
 
 @click.command(help=__doc__)
-@click.option("--part", type=click.Choice(["orchestration", "loads", "all"]), default="all", show_default=True)
+@click.option("--part", type=click.Choice(["orchestration", "loads", "all", "ab"]), default="all", show_default=True)
 @click.option("--steps", type=click.IntRange(1), default=40, show_default=True, help="measured steps per mode")
 @click.option("--warmup", type=click.IntRange(0), default=10, show_default=True)
-def main(part: str, steps: int, warmup: int) -> None:
+@click.option("--base", type=click.Path(exists=True, file_okay=False), help="ab: the other build's checkout")
+@click.option("--rounds", type=click.IntRange(1), default=6, show_default=True, help="ab: processes per build")
+def main(part: str, steps: int, warmup: int, base: str | None, rounds: int) -> None:
+    if part == "ab":
+        if base is None:
+            raise click.UsageError("--part ab needs --base DIR, a built checkout to compare with")
+        ab(base, rounds, steps, warmup)
+        return
     if part in ("orchestration", "all"):
         orchestration(steps, warmup)
     if part in ("loads", "all"):

@@ -16,13 +16,10 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import click
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _native_variants import load_patched, load_upstream
 from moe_graph import DEFAULTS, RawMoE
 

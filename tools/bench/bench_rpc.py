@@ -24,11 +24,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import click
 import numpy as np
+from _alternate import alternate
+from bench_expert_cache import SHAPE, model_path
 
 import ggml_hybrid as gh
 from ggml_hybrid import lib
@@ -36,10 +37,6 @@ from ggml_hybrid._native import ffi
 from ggml_hybrid.ggml import rpc
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _alternate import alternate
-from bench_expert_cache import SHAPE, model_path
 
 SHARES = ["0", "0.25", "0.5", "0.75", "1", "auto"]
 CLI = [sys.executable, "-c", "from ggml_hybrid.cli import main; main()"]

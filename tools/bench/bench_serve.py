@@ -36,7 +36,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 SPECS = {
     "small": ModelSpec(arch="qwen3moe", n_layer=4, n_embd=256, n_head=8, n_head_kv=4, head_dim=32, n_ff_exp=256,
@@ -50,7 +50,7 @@ NAMES = {"small": "qwen3moe_l4_e256_x16_k4_q8_0.gguf", "large": "qwen3moe_l8_e10
 def model_path(which: str) -> tuple[str, int]:
     """The model file and its vocabulary size."""
     if which not in SPECS:
-        from ggml_hybrid.model.gguf_store import GGUFStore
+        from ggml_hybrid.gguf.store import GGUFStore
 
         s = GGUFStore(which)
         try:
@@ -144,8 +144,8 @@ def steps(path: str, vocab: int, levels: list[int], configs: list[str], slots: i
     its rows are not each sequence's lone bits); with --llama-python, ``llama.cpp`` is the same decode steps
     in llama.cpp (one llama_batch of S sequences per step)."""
     from ggml_hybrid.ggml.graph import Graph
-    from ggml_hybrid.model.moe_model import MoEModel
     from ggml_hybrid.options import SessionOptions
+    from ggml_hybrid.runtime.moe_model import MoEModel
 
     extra = {"resident": {}, "plain": {}, "disk": {"disk_experts": True, "expert_cache_slots": slots}}
     rng = np.random.default_rng(1)

@@ -31,13 +31,11 @@ from types import SimpleNamespace
 
 import click
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_llama import TYPES, LlamaWorker, model_path, run_ours
 
 from ggml_hybrid.machine import default_threads, idle_cores, usable_cores
-from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
 
 
 def competitor() -> subprocess.Popen:

@@ -40,9 +40,9 @@ import click
 import numpy as np
 
 from ggml_hybrid.ggml import sched as _sched
-from ggml_hybrid.model.moe_model import MoEModel
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 SPEC = ModelSpec(arch="qwen3moe", n_layer=8, n_embd=1024, n_head=8, n_head_kv=2, head_dim=128, n_ff_exp=512,
                  n_expert=64, n_used=8, vocab_size=8192, weight_type="q8_0", seed=42)

@@ -20,7 +20,7 @@ import click
 import numpy as np
 
 import ggml_hybrid as gh
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 SPEC = ModelSpec(arch="qwen3moe", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=128,
                  n_expert=32, n_used=4, weight_type="q8_0", seed=5)

@@ -18,9 +18,6 @@ import os
 import sys
 
 import click
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import ggfuzz
 
 

@@ -37,8 +37,8 @@ int hy_cache_slot_of(const hy_slot_cache * c, int expert);
 
 int hy_n_cpu_for_share(uint64_t num, uint64_t den, int n);
 
-enum { HY_COST_CPU_PER_BYTE, HY_COST_CPU_PER_ROW, HY_COST_LOAD_PER_BYTE, HY_COST_DEVICE_PER_ROW,
-       HY_COST_CPU_PER_JOB, HY_COST_N };
+enum hy_cost_coef { HY_COST_CPU_PER_BYTE, HY_COST_CPU_PER_ROW, HY_COST_LOAD_PER_BYTE, HY_COST_DEVICE_PER_ROW,
+                    HY_COST_CPU_PER_JOB, HY_COST_N };
 
 typedef struct hy_cost_model {
     int64_t n_cpu, n_load, n_dev, n_job;
@@ -55,3 +55,6 @@ void hy_cost_observe_load(hy_cost_model * m, double bytes, double seconds);
 void hy_cost_observe_device(hy_cost_model * m, double rows, double seconds);
 void hy_cost_estimate(const hy_cost_model * m, int64_t expert_bytes, double out[]);
 int hy_cost_choose(hy_cost_model * m, int64_t expert_bytes, int64_t hit_rows, const int32_t * miss_rows, int n_miss);
+int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const int32_t * rows, int n,
+        const int32_t * n_cpu_table, hy_cost_model * model, int64_t expert_bytes,
+        int32_t * miss_expert, int32_t * miss_rows, int * n_miss);

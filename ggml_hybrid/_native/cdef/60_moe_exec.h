@@ -3,6 +3,8 @@ typedef struct hy_experts {
     struct ggml_tensor * gate_up, * gate, * up, * down;
 } hy_experts;
 
+int hy_row_bucket(int n);
+
 typedef struct hy_scratch {
     size_t size;
     uint64_t epoch;
@@ -40,11 +42,11 @@ enum { HY_OK, HY_ERR_FILE, HY_ERR_COMPUTE, HY_ERR_ALLOC, HY_ERR_WORKER, HY_ERR_I
 enum { HY_SHARE_NONE, HY_SHARE_FIXED, HY_SHARE_AUTO };
 
 typedef struct hy_moe_counters {
-    int64_t calls, routed, distinct, hits, misses, bytes_loaded, evictions, rounds, invalidated;
+    int64_t calls, routed, distinct, hits, misses, bytes_loaded, evictions, rounds;
     int64_t device_ns, load_ns, compute_ns;
     int64_t cpu_misses, cpu_rows, cpu_ns, overlap_ns, share_calls;
     double share_sum;
-    int64_t bytes_staged, staging_wait_ns;
+    int64_t bytes_staged, staging_wait_ns, invalidated;
 } hy_moe_counters;
 
 typedef struct hy_moe_config {

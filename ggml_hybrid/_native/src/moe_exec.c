@@ -45,8 +45,8 @@ struct hy_moe_exec {
     int32_t * cpu_ids;
     int32_t * cpu_pos;
     float * cpu_out;
-    /* per expert */
-    int32_t * counts, * experts, * dev_experts, * dev_rows, * miss_e, * miss_r, * slot_of;
+    /* per expert; experts / expert_rows: the call's distinct experts and their rows, in id order */
+    int32_t * counts, * experts, * expert_rows, * dev_experts, * dev_rows, * miss_e, * miss_r, * slot_of;
     uint8_t * on_cpu;
     int32_t * last_cpu;
     int n_last_cpu;
@@ -61,6 +61,10 @@ static int fail(hy_moe_exec * ex, int code, const char * fmt, const char * detai
     return -1;
 }
 
+/* realloc array `p` to `n` elements of its type; false (p unchanged) when out of memory */
+#define GROW(p, n) ((tmp = realloc((p), sizeof(*(p)) * (n))) != NULL && ((p) = tmp, true))
+
+/* the host arrays of a call of T tokens, grown by powers of two to the largest call seen */
 static bool grow_tokens(hy_moe_exec * ex, int T) {
     if (T <= ex->cap_tokens) {
         return true;
@@ -70,61 +74,15 @@ static bool grow_tokens(hy_moe_exec * ex, int T) {
         cap *= 2;
     }
     const size_t k = (size_t) ex->cfg.n_used, E = (size_t) ex->cfg.n_embd, rows = (size_t) cap * k;
-    /* a round's compacted rows are padded up to a power of two above 32 (fewer graph shapes), which can
-       exceed the call's rows */
-    size_t padded = 32;
-    while (padded < rows) {
-        padded *= 2;
-    }
-    void * p;
-    if ((p = realloc(ex->ids, sizeof(int32_t) * (rows))) == NULL) {
+    /* a round's compacted rows go up to their row bucket, which can exceed the call's rows */
+    const size_t bucket = (size_t) hy_row_bucket((int) rows);
+    void * tmp;
+    if (!(GROW(ex->ids, rows) && GROW(ex->x, (size_t) cap * E) && GROW(ex->merged, rows * E) &&
+          GROW(ex->slot_ids, rows) && GROW(ex->rows_x, bucket * E) && GROW(ex->rows_ids, bucket) &&
+          GROW(ex->rows_pos, rows) && GROW(ex->rows_out, rows * E) && GROW(ex->cpu_x, rows * E) &&
+          GROW(ex->cpu_ids, rows) && GROW(ex->cpu_pos, rows) && GROW(ex->cpu_out, rows * E))) {
         return false;
     }
-    ex->ids = p;
-    if ((p = realloc(ex->x, sizeof(float) * ((size_t) cap * E))) == NULL) {
-        return false;
-    }
-    ex->x = p;
-    if ((p = realloc(ex->merged, sizeof(float) * (rows * E))) == NULL) {
-        return false;
-    }
-    ex->merged = p;
-    if ((p = realloc(ex->slot_ids, sizeof(int32_t) * (rows))) == NULL) {
-        return false;
-    }
-    ex->slot_ids = p;
-    if ((p = realloc(ex->rows_x, sizeof(float) * (padded * E))) == NULL) {
-        return false;
-    }
-    ex->rows_x = p;
-    if ((p = realloc(ex->rows_ids, sizeof(int32_t) * (padded))) == NULL) {
-        return false;
-    }
-    ex->rows_ids = p;
-    if ((p = realloc(ex->rows_pos, sizeof(int32_t) * (rows))) == NULL) {
-        return false;
-    }
-    ex->rows_pos = p;
-    if ((p = realloc(ex->rows_out, sizeof(float) * (rows * E))) == NULL) {
-        return false;
-    }
-    ex->rows_out = p;
-    if ((p = realloc(ex->cpu_x, sizeof(float) * (rows * E))) == NULL) {
-        return false;
-    }
-    ex->cpu_x = p;
-    if ((p = realloc(ex->cpu_ids, sizeof(int32_t) * (rows))) == NULL) {
-        return false;
-    }
-    ex->cpu_ids = p;
-    if ((p = realloc(ex->cpu_pos, sizeof(int32_t) * (rows))) == NULL) {
-        return false;
-    }
-    ex->cpu_pos = p;
-    if ((p = realloc(ex->cpu_out, sizeof(float) * (rows * E))) == NULL) {
-        return false;
-    }
-    ex->cpu_out = p;
     ex->cap_tokens = cap;
     return true;
 }
@@ -145,6 +103,7 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
     ex->n_cpu_table = malloc(sizeof(int32_t) * (n + 1));
     ex->counts = calloc(n, sizeof(int32_t));
     ex->experts = malloc(sizeof(int32_t) * n);
+    ex->expert_rows = malloc(sizeof(int32_t) * n);
     ex->dev_experts = malloc(sizeof(int32_t) * n);
     ex->dev_rows = malloc(sizeof(int32_t) * n);
     ex->miss_e = malloc(sizeof(int32_t) * n);
@@ -152,8 +111,8 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
     ex->slot_of = malloc(sizeof(int32_t) * n);
     ex->on_cpu = calloc(n, 1);
     ex->last_cpu = malloc(sizeof(int32_t) * n);
-    if (ex->cache == NULL || !ex->n_cpu_table || !ex->counts || !ex->experts || !ex->dev_experts || !ex->dev_rows ||
-        !ex->miss_e || !ex->miss_r || !ex->slot_of || !ex->on_cpu || !ex->last_cpu) {
+    if (ex->cache == NULL || !ex->n_cpu_table || !ex->counts || !ex->experts || !ex->expert_rows || !ex->dev_experts ||
+        !ex->dev_rows || !ex->miss_e || !ex->miss_r || !ex->slot_of || !ex->on_cpu || !ex->last_cpu) {
         hy_moe_exec_free(ex);
         return NULL;
     }
@@ -214,7 +173,8 @@ void hy_moe_exec_free(hy_moe_exec * ex) {
     hy_cache_free(ex->cache);
     free(ex->n_cpu_table); free(ex->ids); free(ex->raw_ids); free(ex->x); free(ex->merged); free(ex->slot_ids);
     free(ex->rows_x); free(ex->rows_ids); free(ex->rows_pos); free(ex->rows_out); free(ex->cpu_x); free(ex->cpu_ids);
-    free(ex->cpu_pos); free(ex->cpu_out); free(ex->counts); free(ex->experts); free(ex->dev_experts);
+    free(ex->cpu_pos); free(ex->cpu_out); free(ex->counts); free(ex->experts); free(ex->expert_rows);
+    free(ex->dev_experts);
     free(ex->dev_rows); free(ex->miss_e); free(ex->miss_r); free(ex->slot_of); free(ex->on_cpu); free(ex->last_cpu);
     free(ex->trace);
     free(ex);
@@ -227,8 +187,8 @@ static bool is_host(const struct ggml_tensor * t) {
     return base->buffer != NULL && ggml_backend_buffer_is_host(base->buffer);
 }
 
-/* the routed ids [T, k], from any backend, strides included (top-k ids can be a view) */
-static bool read_ids(hy_moe_exec * ex, const struct ggml_tensor * t, int T) {
+/* the routed ids [T, k] into ex->ids, from any backend, strides included (top-k ids can be a view) */
+static bool read_rows(hy_moe_exec * ex, const struct ggml_tensor * t, int T) {
     const int k = ex->cfg.n_used;
     const size_t nb1 = t->nb[1], bytes = ggml_nbytes(t);
     const uint8_t * src;
@@ -309,16 +269,20 @@ static int64_t load(hy_moe_exec * ex, int e, int slot) {
     return n;
 }
 
-static double seconds(const hy_moe_exec * ex, int which, double q1, double q2, int64_t ns) {
+/* what the cost model observes of a piece of work: its measured time, or the synthetic clock's (executor.py:
+   SyntheticClock.seconds) */
+enum { HY_WORK_LOAD, HY_WORK_DEVICE, HY_WORK_CPU, HY_WORK_JOB };
+
+static double seconds(const hy_moe_exec * ex, int work, double bytes, double rows, int64_t ns) {
     if (!ex->cfg.synthetic_clock) {
         return (double) ns / 1e9;
     }
-    const double * c = ex->cfg.clock; /* load_per_byte, device_per_row, cpu_per_byte, cpu_per_row, cpu_per_job */
-    switch (which) {
-        case 0: return c[0] * q1;
-        case 1: return c[1] * q1;
-        case 2: return c[2] * q1 + c[3] * q2;
-        default: return c[4];
+    const double * c = ex->cfg.clock;
+    switch (work) {
+        case HY_WORK_LOAD: return c[HY_COST_LOAD_PER_BYTE] * bytes;
+        case HY_WORK_DEVICE: return c[HY_COST_DEVICE_PER_ROW] * rows;
+        case HY_WORK_CPU: return c[HY_COST_CPU_PER_BYTE] * bytes + c[HY_COST_CPU_PER_ROW] * rows;
+        default: return c[HY_COST_CPU_PER_JOB];
     }
 }
 
@@ -346,35 +310,58 @@ static bool trace_append(hy_moe_exec * ex, int T) {
     return true;
 }
 
-/* ---- the call ------------------------------------------------------------------------------------ */
+/* ---- the call ------------------------------------------------------------------------------------
+   One function per step, named as the Python reference's methods (ggml_hybrid/moe/executor.py:
+   ExpertCacheExecutor._read_ids, ...), the call's state in one struct; hy_moe_exec_run lists the steps. */
+
+typedef struct hy_call {
+    struct ggml_tensor * x, * ids, * w, * out; /* the region's inputs x [E, 1, T], ids [k, T], weights; output */
+    int T, n_rows;            /* tokens, (token, expert) rows */
+    int n_experts;            /* distinct experts (ex->experts, ex->expert_rows) */
+    int n_cpu, n_cpu_rows;    /* the misses the CPU computes (on_cpu), their rows */
+    bool checked;             /* the model file was found unchanged in this call */
+    bool x_read;              /* x is in ex->x */
+    bool on_host;             /* rounds compute their own rows, compacted, merged on the host */
+    bool job_out;             /* the worker has the CPU's rows */
+    hy_job job;
+    int64_t t0, t_submit;     /* the call's start, the job's hand-off */
+    int64_t d0, d1;           /* the device rounds' start and end */
+    const hy_plan * plan;
+    int next_load, next_evicted; /* the plan's first load and eviction of the next round */
+    hy_graph * full;          /* the layer's whole graph over the slots (one round, nothing on the CPU) */
+    int round_rows;           /* the rows the last round computed, and in how long */
+    int64_t round_ns;
+} hy_call;
 
 static const char * ERR_FILE = "layer %d: the model file changed on disk while it was in use%s; reload the model";
 
-int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * const * inputs, int n_inputs,
-                    struct ggml_tensor * const * outputs, int n_outputs, void * user_data) {
-    (void) region_id;
-    (void) backend;
-    hy_moe_exec * ex = user_data;
-    hy_moe_counters * c = &ex->counters;
+static void read_x(hy_moe_exec * ex, hy_call * call) {
+    ggml_backend_tensor_get(call->x, ex->x, 0, sizeof(float) * (size_t) call->T * ex->cfg.n_embd);
+    call->x_read = true;
+}
+
+/* The region's tensors checked against the layer; the routed ids read, checked in range and traced. */
+static int read_ids(hy_moe_exec * ex, hy_call * call, struct ggml_tensor * const * inputs, int n_inputs,
+                    struct ggml_tensor * const * outputs, int n_outputs) {
     const hy_moe_config * cfg = &ex->cfg;
-    const int64_t t0 = hy_now_ns();
-    ex->err_code = HY_OK;
-    ex->err[0] = '\0';
-    ex->n_last_cpu = 0;
     if (n_inputs != 3 || n_outputs != 1) {
         return fail(ex, HY_ERR_INPUT, "layer %d: the region has the wrong inputs or outputs%s", "");
     }
-    struct ggml_tensor * x3 = inputs[0], * ids_t = inputs[1], * w_t = inputs[2], * out = outputs[0];
-    const int T = (int) x3->ne[2], k = cfg->n_used, E = cfg->n_embd;
-    if (x3->ne[0] != E || ids_t->ne[0] != k || ids_t->ne[1] != T || !ggml_is_contiguous(x3) ||
-        !ggml_is_contiguous(w_t) || !ggml_is_contiguous(out)) {
+    call->x = inputs[0];
+    call->ids = inputs[1];
+    call->w = inputs[2];
+    call->out = outputs[0];
+    const int T = (int) call->x->ne[2], k = cfg->n_used;
+    if (call->x->ne[0] != cfg->n_embd || call->ids->ne[0] != k || call->ids->ne[1] != T ||
+        !ggml_is_contiguous(call->x) || !ggml_is_contiguous(call->w) || !ggml_is_contiguous(call->out)) {
         return fail(ex, HY_ERR_INPUT, "layer %d: the region's inputs do not have the layer's shapes%s", "");
     }
-    if (!grow_tokens(ex, T) || !read_ids(ex, ids_t, T)) {
+    if (!grow_tokens(ex, T) || !read_rows(ex, call->ids, T)) {
         return fail(ex, HY_ERR_ALLOC, "layer %d: out of host memory%s", "");
     }
-    const int n_rows = T * k;
-    for (int i = 0; i < n_rows; i++) {
+    call->T = T;
+    call->n_rows = T * k;
+    for (int i = 0; i < call->n_rows; i++) {
         if (ex->ids[i] < 0 || ex->ids[i] >= cfg->n_expert) {
             return fail(ex, HY_ERR_INPUT, "layer %d: a routed expert id is out of range%s", "");
         }
@@ -382,292 +369,325 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
     if (cfg->trace && !trace_append(ex, T)) {
         return fail(ex, HY_ERR_ALLOC, "layer %d: out of host memory for the trace%s", "");
     }
+    return HY_OK;
+}
 
-    /* distinct experts and their rows */
-    int n_e = 0;
-    for (int i = 0; i < n_rows; i++) {
+/* The distinct experts, in id order, and the rows of each. */
+static void count_rows(hy_moe_exec * ex, hy_call * call) {
+    for (int i = 0; i < call->n_rows; i++) {
         ex->counts[ex->ids[i]]++;
     }
-    for (int e = 0; e < cfg->n_expert; e++) {
+    int n = 0;
+    for (int e = 0; e < ex->cfg.n_expert; e++) {
         if (ex->counts[e] > 0) {
-            ex->experts[n_e++] = e;
+            ex->experts[n] = e;
+            ex->expert_rows[n] = ex->counts[e];
+            n++;
         }
     }
+    call->n_experts = n;
+}
 
-    /* the CPU share: hits stay; the CPU takes the misses with the fewest rows first (ties: lower id) */
-    int n_cpu = 0, n_miss = 0;
-    int64_t hit_rows = 0;
-    const bool share = cfg->worker != NULL && cfg->share_mode != HY_SHARE_NONE;
-    if (share) {
-        for (int i = 0; i < n_e; i++) {
-            const int e = ex->experts[i], r = ex->counts[e];
-            if (hy_cache_slot_of(ex->cache, e) >= 0) {
-                hit_rows += r;
-                continue;
-            }
-            int j = n_miss++;
-            while (j > 0 && (ex->miss_r[j - 1] > r || (ex->miss_r[j - 1] == r && ex->miss_e[j - 1] > e))) {
-                ex->miss_e[j] = ex->miss_e[j - 1];
-                ex->miss_r[j] = ex->miss_r[j - 1];
-                j--;
-            }
-            ex->miss_e[j] = e;
-            ex->miss_r[j] = r;
-        }
-        n_cpu = cfg->share_mode == HY_SHARE_FIXED ? ex->n_cpu_table[n_miss]
-                                                   : hy_cost_choose(&ex->model, ex->expert_bytes, hit_rows, ex->miss_r, n_miss);
-        if (n_miss > 0) {
-            c->share_calls++;
-            c->share_sum += (double) n_cpu / (double) n_miss;
-        }
-        for (int i = 0; i < n_cpu; i++) {
-            ex->on_cpu[ex->miss_e[i]] = 1;
-        }
-        for (int e = 0, j = 0; e < cfg->n_expert && j < n_cpu; e++) {
-            if (ex->on_cpu[e]) {
-                ex->last_cpu[j++] = e;
-            }
-        }
-        ex->n_last_cpu = n_cpu;
+/* Which misses the CPU computes (moe_policy.c: hy_split_misses), marked in on_cpu. */
+static void cpu_split(hy_moe_exec * ex, hy_call * call) {
+    const hy_moe_config * cfg = &ex->cfg;
+    if (cfg->worker == NULL || cfg->share_mode == HY_SHARE_NONE) {
+        return;
     }
+    const bool fixed = cfg->share_mode == HY_SHARE_FIXED;
+    int n_miss = 0;
+    const int n_cpu = hy_split_misses(ex->cache, ex->experts, ex->expert_rows, call->n_experts,
+                                      fixed ? ex->n_cpu_table : NULL, fixed ? NULL : &ex->model, ex->expert_bytes,
+                                      ex->miss_e, ex->miss_r, &n_miss);
+    if (n_miss > 0) {
+        ex->counters.share_calls++;
+        ex->counters.share_sum += (double) n_cpu / (double) n_miss;
+    }
+    for (int i = 0; i < n_cpu; i++) {
+        ex->on_cpu[ex->miss_e[i]] = 1;
+    }
+    for (int e = 0, j = 0; e < cfg->n_expert && j < n_cpu; e++) {
+        if (ex->on_cpu[e]) {
+            ex->last_cpu[j++] = e;
+        }
+    }
+    ex->n_last_cpu = n_cpu;
+    call->n_cpu = n_cpu;
+}
+
+/* The CPU's rows handed to the worker first, so that it computes them while the device works. */
+static int submit_cpu(hy_moe_exec * ex, hy_call * call) {
+    const hy_moe_config * cfg = &ex->cfg;
+    if (call->n_cpu == 0) {
+        return HY_OK;
+    }
+    if (!file_unchanged(ex)) { /* the worker reads the mapping: a truncated file would kill us (SIGBUS) */
+        return fail(ex, HY_ERR_FILE, ERR_FILE, "");
+    }
+    call->checked = true;
+    read_x(ex, call);
+    /* the CPU's rows in row-major (token, expert) order, as mul_mat_id groups them */
+    const int k = cfg->n_used, E = cfg->n_embd;
+    int n = 0;
+    for (int t = 0; t < call->T; t++) {
+        for (int j = 0; j < k; j++) {
+            const int e = ex->ids[t * k + j];
+            if (ex->on_cpu[e]) {
+                memcpy(ex->cpu_x + (size_t) n * E, ex->x + (size_t) t * E, sizeof(float) * E);
+                ex->cpu_ids[n] = e;
+                ex->cpu_pos[n] = t * k + j;
+                n++;
+            }
+        }
+    }
+    call->n_cpu_rows = n;
+    call->job = (hy_job) { .w = &cfg->host, .key = cfg->host.down, .glu = (enum ggml_glu_op) cfg->glu,
+                           .n_expert = cfg->n_expert, .n_embd = E, .n = n, .x = ex->cpu_x, .ids = ex->cpu_ids,
+                           .out = ex->cpu_out };
+    call->t_submit = hy_now_ns();
+    hy_worker_submit(cfg->worker, &call->job);
+    call->job_out = true;
+    ex->counters.cpu_misses += call->n_cpu;
+    ex->counters.cpu_rows += n;
+    return HY_OK;
+}
+
+/* The device's experts (those the CPU does not take) planned in the slot cache: hits, then loads by round. */
+static int plan(hy_moe_exec * ex, hy_call * call) {
     int n_dev = 0;
-    for (int i = 0; i < n_e; i++) {
+    for (int i = 0; i < call->n_experts; i++) {
         const int e = ex->experts[i];
         if (!ex->on_cpu[e]) {
             ex->dev_experts[n_dev] = e;
-            ex->dev_rows[n_dev] = ex->counts[e];
+            ex->dev_rows[n_dev] = ex->expert_rows[i];
             n_dev++;
         }
     }
+    call->plan = hy_cache_plan(ex->cache, ex->dev_experts, ex->dev_rows, n_dev, true);
+    if (!call->checked && call->plan->n_loads > 0 && !file_unchanged(ex)) { /* loads read the mapping */
+        return fail(ex, HY_ERR_FILE, ERR_FILE, "");
+    }
+    /* one round and no CPU rows: the full graph over the slots, nothing leaves the device; otherwise each
+       round computes only its own rows (compacted) and the rows merge on the host */
+    call->on_host = call->job_out || call->plan->n_rounds > 1;
+    if (call->on_host && !call->x_read) {
+        read_x(ex, call);
+    }
+    return HY_OK;
+}
 
-    int rc = 0;
-    bool checked = false, x_read = false, job_out = false;
-    hy_job job;
-    int64_t t_submit = 0;
-    int n_cpu_rows = 0;
-    if (n_cpu > 0) {
-        if (!file_unchanged(ex)) {
-            rc = fail(ex, HY_ERR_FILE, ERR_FILE, "");
-            goto done;
-        }
-        checked = true;
-        ggml_backend_tensor_get(x3, ex->x, 0, sizeof(float) * (size_t) T * E);
-        x_read = true;
-        /* the CPU's rows in row-major (token, expert) order, as mul_mat_id groups them */
-        for (int t = 0; t < T; t++) {
-            for (int j = 0; j < k; j++) {
-                const int e = ex->ids[t * k + j];
-                if (ex->on_cpu[e]) {
-                    memcpy(ex->cpu_x + (size_t) n_cpu_rows * E, ex->x + (size_t) t * E, sizeof(float) * E);
-                    ex->cpu_ids[n_cpu_rows] = e;
-                    ex->cpu_pos[n_cpu_rows] = t * k + j;
-                    n_cpu_rows++;
-                }
-            }
-        }
-        job = (hy_job) { .w = &cfg->host, .key = cfg->host.down, .glu = (enum ggml_glu_op) cfg->glu,
-                         .n_expert = cfg->n_expert, .n_embd = E, .n = n_cpu_rows, .x = ex->cpu_x,
-                         .ids = ex->cpu_ids, .out = ex->cpu_out };
-        t_submit = hy_now_ns();
-        hy_worker_submit(cfg->worker, &job);
-        job_out = true;
-        c->cpu_misses += n_cpu;
-        c->cpu_rows += n_cpu_rows;
+/* Wait for the uploads in flight: only then are the slots they fill whole. */
+static void wait_loads(hy_moe_exec * ex) {
+    if (ex->staged) {
+        stage_wait(ex, &ex->stage[0]);
+        stage_wait(ex, &ex->stage[1]);
     }
+    if (ex->async_pending) {
+        const int64_t t = hy_now_ns();
+        ggml_backend_synchronize(ex->cfg.device);
+        ex->async_pending = false;
+        ex->counters.staging_wait_ns += hy_now_ns() - t;
+    }
+}
 
-    const hy_plan * plan = hy_cache_plan(ex->cache, ex->dev_experts, ex->dev_rows, n_dev, true);
-    if (!checked && plan->n_loads > 0 && !file_unchanged(ex)) {
-        rc = fail(ex, HY_ERR_FILE, ERR_FILE, "");
-        goto done;
+/* The layer's whole graph over the slots: every row of the call, the ids remapped to slots. */
+static int compute_full(hy_moe_exec * ex, hy_call * call) {
+    const hy_moe_config * cfg = &ex->cfg;
+    call->full = hy_graph_get(&ex->graphs, HY_GRAPH_FULL, call->T, &cfg->slots, cfg->slots.down, cfg->n_used,
+                              cfg->n_embd, (enum ggml_glu_op) cfg->glu);
+    if (call->full == NULL) {
+        return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graph%s", "");
     }
-    const bool on_host = job_out || plan->n_rounds > 1;
-    if (on_host && !x_read) {
-        ggml_backend_tensor_get(x3, ex->x, 0, sizeof(float) * (size_t) T * E);
+    for (int i = 0; i < call->n_rows; i++) {
+        ex->slot_ids[i] = ex->slot_of[ex->ids[i]];
     }
-    const int scratch = cfg->n_slots;
-    hy_graph * full = NULL;
-    const int64_t d0 = hy_now_ns();
-    int li = 0, ei = 0;
-    for (int r = 0; r < plan->n_rounds; r++) {
-        const int64_t t1 = hy_now_ns();
-        int64_t loaded = 0;
-        int n_loads = 0;
-        for (; li < plan->n_loads && plan->load_round[li] == r; li++, n_loads++) {
-            if (ex->fail_after == 0) {
-                ex->fail_after = -1;
-                rc = fail(ex, HY_ERR_INJECTED, "layer %d: injected expert load failure%s", "");
-                goto done;
-            }
-            if (ex->fail_after > 0) {
-                ex->fail_after--;
-            }
-            const int64_t n = load(ex, plan->load_expert[li], plan->load_slot[li]);
-            loaded += n;
-            c->bytes_loaded += n;
-        }
-        if (ex->staged) {
-            stage_wait(ex, &ex->stage[0]);
-            stage_wait(ex, &ex->stage[1]);
-        }
-        if (ex->async_pending) {
-            const int64_t t = hy_now_ns();
-            ggml_backend_synchronize(cfg->device);
-            ex->async_pending = false;
-            ex->counters.staging_wait_ns += hy_now_ns() - t;
-        }
-        /* only now are the round's slots whole */
-        for (int i = li - n_loads; i < li; i++) {
-            hy_cache_commit(ex->cache, plan->load_slot[i], plan->load_expert[i]);
-        }
-        const int64_t t2 = hy_now_ns();
-        for (int e = 0; e < cfg->n_expert; e++) {
-            ex->slot_of[e] = scratch;
-        }
-        if (r == 0) {
-            for (int i = 0; i < plan->n_hits; i++) {
-                ex->slot_of[plan->hit_expert[i]] = plan->hit_slot[i];
-            }
-        }
-        for (int i = li - n_loads; i < li; i++) {
-            ex->slot_of[plan->load_expert[i]] = plan->load_slot[i];
-        }
-        int64_t t3, t4;
-        int round_rows;
-        if (!on_host) {
-            /* one round, nothing on the CPU: the layer's whole graph over the slots */
-            full = hy_graph_get(&ex->graphs, HY_GRAPH_FULL, T, &cfg->slots, cfg->slots.down, k, E,
-                                (enum ggml_glu_op) cfg->glu);
-            if (full == NULL) {
-                rc = fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graph%s", "");
-                goto done;
-            }
-            for (int i = 0; i < n_rows; i++) {
-                ex->slot_ids[i] = ex->slot_of[ex->ids[i]];
-            }
-            ggml_backend_tensor_copy(x3, full->x);
-            ggml_backend_tensor_copy(w_t, full->w);
-            ggml_backend_tensor_set(full->ids, ex->slot_ids, 0, sizeof(int32_t) * n_rows);
-            t3 = hy_now_ns();
-            if (ggml_backend_graph_compute(cfg->device, full->gf) != GGML_STATUS_SUCCESS) {
-                rc = fail(ex, HY_ERR_COMPUTE, "layer %d: the expert graph failed%s", "");
-                goto done;
-            }
-            t4 = hy_now_ns();
-            round_rows = n_rows;
-        } else {
-            /* this round's rows only, compacted; padding rows go to the zeroed scratch slot */
-            int n = 0;
-            for (int i = 0; i < n_rows; i++) {
-                const int s = ex->slot_of[ex->ids[i]];
-                if (s != scratch) {
-                    memcpy(ex->rows_x + (size_t) n * E, ex->x + (size_t) (i / k) * E, sizeof(float) * E);
-                    ex->rows_ids[n] = s;
-                    ex->rows_pos[n] = i;
-                    n++;
-                }
-            }
-            int rows = n;
-            if (n > 32) {
-                rows = 1;
-                while (rows < n) {
-                    rows *= 2;
-                }
-            }
-            t3 = hy_now_ns();
-            if (n > 0) {
-                hy_graph * g = hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E,
-                                            (enum ggml_glu_op) cfg->glu);
-                if (g == NULL) {
-                    rc = fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert row graph%s", "");
-                    goto done;
-                }
-                for (int i = n; i < rows; i++) {
-                    memset(ex->rows_x + (size_t) i * E, 0, sizeof(float) * E);
-                    ex->rows_ids[i] = scratch;
-                }
-                ggml_backend_tensor_set(g->x, ex->rows_x, 0, sizeof(float) * (size_t) rows * E);
-                ggml_backend_tensor_set(g->ids, ex->rows_ids, 0, sizeof(int32_t) * rows);
-                if (ggml_backend_graph_compute(cfg->device, g->gf) != GGML_STATUS_SUCCESS) {
-                    rc = fail(ex, HY_ERR_COMPUTE, "layer %d: the expert row graph failed%s", "");
-                    goto done;
-                }
-                ggml_backend_tensor_get(g->out, ex->rows_out, 0, sizeof(float) * (size_t) n * E);
-                for (int i = 0; i < n; i++) {
-                    memcpy(ex->merged + (size_t) ex->rows_pos[i] * E, ex->rows_out + (size_t) i * E, sizeof(float) * E);
-                }
-            }
-            t4 = hy_now_ns();
-            round_rows = n;
-        }
-        c->load_ns += t2 - t1;
-        c->compute_ns += t4 - t3;
-        c->hits += r == 0 ? plan->n_hits : 0;
-        c->misses += n_loads;
-        for (; ei < plan->n_evicted && plan->evicted_round[ei] == r; ei++) {
-            c->evictions++;
-        }
-        if (cfg->share_mode == HY_SHARE_AUTO && share) {
-            if (loaded) {
-                hy_cost_observe_load(&ex->model, (double) loaded, seconds(ex, 0, (double) loaded, 0, t2 - t1));
-            }
-            hy_cost_observe_device(&ex->model, (double) round_rows, seconds(ex, 1, (double) round_rows, 0, t4 - t3));
+    ggml_backend_tensor_copy(call->x, call->full->x);
+    ggml_backend_tensor_copy(call->w, call->full->w);
+    ggml_backend_tensor_set(call->full->ids, ex->slot_ids, 0, sizeof(int32_t) * call->n_rows);
+    const int64_t t = hy_now_ns();
+    if (ggml_backend_graph_compute(cfg->device, call->full->gf) != GGML_STATUS_SUCCESS) {
+        return fail(ex, HY_ERR_COMPUTE, "layer %d: the expert graph failed%s", "");
+    }
+    call->round_ns = hy_now_ns() - t;
+    call->round_rows = call->n_rows;
+    return HY_OK;
+}
+
+/* This round's rows only, compacted and padded to their row bucket (padding rows go to the zeroed pad
+   slot); the results go to their places in merged. */
+static int compute_rows(hy_moe_exec * ex, hy_call * call) {
+    const hy_moe_config * cfg = &ex->cfg;
+    const int k = cfg->n_used, E = cfg->n_embd, pad_slot = cfg->n_slots;
+    int n = 0;
+    for (int i = 0; i < call->n_rows; i++) {
+        const int s = ex->slot_of[ex->ids[i]];
+        if (s != pad_slot) {
+            memcpy(ex->rows_x + (size_t) n * E, ex->x + (size_t) (i / k) * E, sizeof(float) * E);
+            ex->rows_ids[n] = s;
+            ex->rows_pos[n] = i;
+            n++;
         }
     }
-    const int64_t d1 = hy_now_ns();
-    if (job_out) {
-        job_out = false;
-        if (hy_worker_wait(cfg->worker) != HY_OK) {
-            ex->err_code = job.status == HY_ERR_INJECTED ? HY_ERR_INJECTED : HY_ERR_WORKER;
-            snprintf(ex->err, sizeof(ex->err), "layer %d: %s", cfg->layer, cfg->worker->err);
-            rc = -1;
-            goto done;
-        }
-        for (int i = 0; i < n_cpu_rows; i++) {
-            memcpy(ex->merged + (size_t) ex->cpu_pos[i] * E, ex->cpu_out + (size_t) i * E, sizeof(float) * E);
-        }
-        c->cpu_ns += job.t_end - job.t_start;
-        if (plan->n_rounds > 0) {
-            const int64_t lo = d0 > job.t_start ? d0 : job.t_start, hi = d1 < job.t_end ? d1 : job.t_end;
-            c->overlap_ns += hi > lo ? hi - lo : 0;
-        }
-        if (cfg->share_mode == HY_SHARE_AUTO) {
-            const double bytes = (double) n_cpu * (double) ex->expert_bytes;
-            hy_cost_observe_cpu(&ex->model, bytes, (double) n_cpu_rows,
-                                seconds(ex, 2, bytes, (double) n_cpu_rows, job.t_end - job.t_start));
-            hy_cost_observe_job(&ex->model, seconds(ex, 3, 0, 0, job.t_start - t_submit));
-        }
-    }
-    if (on_host) {
-        hy_graph * g = hy_graph_get(&ex->graphs, HY_GRAPH_SUM, T, NULL, NULL, k, E, (enum ggml_glu_op) cfg->glu);
+    const int rows = hy_row_bucket(n);
+    const int64_t t = hy_now_ns();
+    if (n > 0) {
+        hy_graph * g = hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E,
+                                    (enum ggml_glu_op) cfg->glu);
         if (g == NULL) {
-            rc = fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the weighted-sum graph%s", "");
-            goto done;
+            return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert row graph%s", "");
         }
-        ggml_backend_tensor_set(g->experts_in, ex->merged, 0, sizeof(float) * (size_t) n_rows * E);
-        ggml_backend_tensor_copy(w_t, g->w);
-        const int64_t t5 = hy_now_ns();
+        for (int i = n; i < rows; i++) {
+            memset(ex->rows_x + (size_t) i * E, 0, sizeof(float) * E);
+            ex->rows_ids[i] = pad_slot;
+        }
+        ggml_backend_tensor_set(g->x, ex->rows_x, 0, sizeof(float) * (size_t) rows * E);
+        ggml_backend_tensor_set(g->ids, ex->rows_ids, 0, sizeof(int32_t) * rows);
         if (ggml_backend_graph_compute(cfg->device, g->gf) != GGML_STATUS_SUCCESS) {
-            rc = fail(ex, HY_ERR_COMPUTE, "layer %d: the weighted-sum graph failed%s", "");
-            goto done;
+            return fail(ex, HY_ERR_COMPUTE, "layer %d: the expert row graph failed%s", "");
         }
-        c->compute_ns += hy_now_ns() - t5;
-        ggml_backend_tensor_copy(g->out, out);
-    } else if (full != NULL) {
-        ggml_backend_tensor_copy(full->out, out);
+        ggml_backend_tensor_get(g->out, ex->rows_out, 0, sizeof(float) * (size_t) n * E);
+        for (int i = 0; i < n; i++) {
+            memcpy(ex->merged + (size_t) ex->rows_pos[i] * E, ex->rows_out + (size_t) i * E, sizeof(float) * E);
+        }
     }
-    c->calls++;
-    c->routed += n_rows;
-    c->distinct += n_e;
-    c->rounds += plan->n_rounds;
-    c->device_ns += hy_now_ns() - t0;
+    call->round_ns = hy_now_ns() - t;
+    call->round_rows = n;
+    return HY_OK;
+}
 
-done:
-    if (job_out) {
-        hy_worker_wait(cfg->worker); /* the worker reads our arrays: never leave it running on them */
+/* Round r of the plan: load its misses into their slots, then compute the experts it holds. */
+static int run_round(hy_moe_exec * ex, hy_call * call, int r) {
+    const hy_moe_config * cfg = &ex->cfg;
+    const hy_plan * p = call->plan;
+    hy_moe_counters * c = &ex->counters;
+    const int first = call->next_load;
+    const int64_t t1 = hy_now_ns();
+    int64_t loaded = 0;
+    for (int i = first; i < p->n_loads && p->load_round[i] == r; i++, call->next_load++) {
+        if (ex->fail_after == 0) {
+            ex->fail_after = -1;
+            return fail(ex, HY_ERR_INJECTED, "layer %d: injected expert load failure%s", "");
+        }
+        if (ex->fail_after > 0) {
+            ex->fail_after--;
+        }
+        const int64_t n = load(ex, p->load_expert[i], p->load_slot[i]);
+        loaded += n;
+        c->bytes_loaded += n;
     }
-    if (rc != HY_OK) { /* a failed call leaves no upload in flight into slots the next call may plan */
+    wait_loads(ex);
+    for (int i = first; i < call->next_load; i++) { /* only now are the round's slots whole */
+        hy_cache_commit(ex->cache, p->load_slot[i], p->load_expert[i]);
+    }
+    const int64_t t2 = hy_now_ns();
+    /* each expert's slot in this round; experts of other rounds (and the CPU's) read the pad slot */
+    for (int e = 0; e < cfg->n_expert; e++) {
+        ex->slot_of[e] = cfg->n_slots;
+    }
+    if (r == 0) {
+        for (int i = 0; i < p->n_hits; i++) {
+            ex->slot_of[p->hit_expert[i]] = p->hit_slot[i];
+        }
+    }
+    for (int i = first; i < call->next_load; i++) {
+        ex->slot_of[p->load_expert[i]] = p->load_slot[i];
+    }
+    const int rc = call->on_host ? compute_rows(ex, call) : compute_full(ex, call);
+    if (rc != HY_OK) {
+        return rc;
+    }
+    c->load_ns += t2 - t1;
+    c->compute_ns += call->round_ns;
+    c->hits += r == 0 ? p->n_hits : 0;
+    c->misses += call->next_load - first;
+    for (; call->next_evicted < p->n_evicted && p->evicted_round[call->next_evicted] == r; call->next_evicted++) {
+        c->evictions++;
+    }
+    if (cfg->share_mode == HY_SHARE_AUTO && cfg->worker != NULL) {
+        if (loaded) {
+            hy_cost_observe_load(&ex->model, (double) loaded, seconds(ex, HY_WORK_LOAD, (double) loaded, 0, t2 - t1));
+        }
+        hy_cost_observe_device(&ex->model, (double) call->round_rows,
+                               seconds(ex, HY_WORK_DEVICE, 0, (double) call->round_rows, call->round_ns));
+    }
+    return HY_OK;
+}
+
+/* The worker's rows, waited for, merged with the device's. */
+static int merge(hy_moe_exec * ex, hy_call * call) {
+    const hy_moe_config * cfg = &ex->cfg;
+    hy_moe_counters * c = &ex->counters;
+    if (!call->job_out) {
+        return HY_OK;
+    }
+    call->job_out = false;
+    const hy_job * job = &call->job;
+    if (hy_worker_wait(cfg->worker) != HY_OK) {
+        ex->err_code = job->status == HY_ERR_INJECTED ? HY_ERR_INJECTED : HY_ERR_WORKER;
+        snprintf(ex->err, sizeof(ex->err), "layer %d: %s", cfg->layer, cfg->worker->err);
+        return -1;
+    }
+    const int E = cfg->n_embd;
+    for (int i = 0; i < call->n_cpu_rows; i++) {
+        memcpy(ex->merged + (size_t) ex->cpu_pos[i] * E, ex->cpu_out + (size_t) i * E, sizeof(float) * E);
+    }
+    c->cpu_ns += job->t_end - job->t_start;
+    if (call->plan->n_rounds > 0) {
+        const int64_t lo = call->d0 > job->t_start ? call->d0 : job->t_start;
+        const int64_t hi = call->d1 < job->t_end ? call->d1 : job->t_end;
+        c->overlap_ns += hi > lo ? hi - lo : 0;
+    }
+    if (cfg->share_mode == HY_SHARE_AUTO) {
+        const double bytes = (double) call->n_cpu * (double) ex->expert_bytes, rows = (double) call->n_cpu_rows;
+        hy_cost_observe_cpu(&ex->model, bytes, rows, seconds(ex, HY_WORK_CPU, bytes, rows, job->t_end - job->t_start));
+        hy_cost_observe_job(&ex->model, seconds(ex, HY_WORK_JOB, 0, 0, job->t_start - call->t_submit));
+    }
+    return HY_OK;
+}
+
+/* The weighted sum over each token's experts into the region's output (the full graph computed it already). */
+static int weighted_sum(hy_moe_exec * ex, hy_call * call) {
+    const hy_moe_config * cfg = &ex->cfg;
+    if (!call->on_host) {
+        if (call->full != NULL) {
+            ggml_backend_tensor_copy(call->full->out, call->out);
+        }
+        return HY_OK;
+    }
+    hy_graph * g = hy_graph_get(&ex->graphs, HY_GRAPH_SUM, call->T, NULL, NULL, cfg->n_used, cfg->n_embd,
+                                (enum ggml_glu_op) cfg->glu);
+    if (g == NULL) {
+        return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the weighted-sum graph%s", "");
+    }
+    ggml_backend_tensor_set(g->experts_in, ex->merged, 0, sizeof(float) * (size_t) call->n_rows * cfg->n_embd);
+    ggml_backend_tensor_copy(call->w, g->w);
+    const int64_t t = hy_now_ns();
+    if (ggml_backend_graph_compute(cfg->device, g->gf) != GGML_STATUS_SUCCESS) {
+        return fail(ex, HY_ERR_COMPUTE, "layer %d: the weighted-sum graph failed%s", "");
+    }
+    ex->counters.compute_ns += hy_now_ns() - t;
+    ggml_backend_tensor_copy(g->out, call->out);
+    return HY_OK;
+}
+
+static void count_call(hy_moe_exec * ex, const hy_call * call) {
+    hy_moe_counters * c = &ex->counters;
+    c->calls++;
+    c->routed += call->n_rows;
+    c->distinct += call->n_experts;
+    c->rounds += call->plan->n_rounds;
+    c->device_ns += hy_now_ns() - call->t0;
+}
+
+/* What no call may leave behind, done or failed: the worker on our arrays, uploads in flight into slots the
+   next call may plan, the per-expert marks. */
+static void clean_up(hy_moe_exec * ex, const hy_call * call, int rc) {
+    if (call->job_out) {
+        hy_worker_wait(ex->cfg.worker);
+    }
+    if (rc != HY_OK) {
         if (ex->async_pending) {
-            ggml_backend_synchronize(cfg->device);
+            ggml_backend_synchronize(ex->cfg.device);
             ex->async_pending = false;
         }
         if (ex->staged) {
@@ -675,11 +695,48 @@ done:
             stage_wait(ex, &ex->stage[1]);
         }
     }
-    for (int i = 0; i < n_e; i++) {
+    for (int i = 0; i < call->n_experts; i++) {
         ex->counts[ex->experts[i]] = 0;
         ex->on_cpu[ex->experts[i]] = 0;
     }
-    c->invalidated = ex->cache->counters.invalidated;
+    ex->counters.invalidated = ex->cache->counters.invalidated;
+}
+
+int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * const * inputs, int n_inputs,
+                    struct ggml_tensor * const * outputs, int n_outputs, void * user_data) {
+    (void) region_id;
+    (void) backend;
+    hy_moe_exec * ex = user_data;
+    hy_call call = { .t0 = hy_now_ns() };
+    ex->err_code = HY_OK;
+    ex->err[0] = '\0';
+    ex->n_last_cpu = 0;
+    if (read_ids(ex, &call, inputs, n_inputs, outputs, n_outputs) != HY_OK) {
+        return -1; /* nothing to undo yet */
+    }
+    count_rows(ex, &call);
+    cpu_split(ex, &call);
+    int rc = submit_cpu(ex, &call);
+    if (rc == HY_OK) {
+        rc = plan(ex, &call);
+    }
+    if (rc == HY_OK) {
+        call.d0 = hy_now_ns();
+        for (int r = 0; r < call.plan->n_rounds && rc == HY_OK; r++) {
+            rc = run_round(ex, &call, r);
+        }
+        call.d1 = hy_now_ns();
+    }
+    if (rc == HY_OK) {
+        rc = merge(ex, &call);
+    }
+    if (rc == HY_OK) {
+        rc = weighted_sum(ex, &call);
+    }
+    if (rc == HY_OK) {
+        count_call(ex, &call);
+    }
+    clean_up(ex, &call, rc);
     return rc;
 }
 
@@ -721,15 +778,7 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
     const hy_moe_config * cfg = &ex->cfg;
     const int k = cfg->n_used, E = cfg->n_embd;
     const enum ggml_glu_op glu = (enum ggml_glu_op) cfg->glu;
-    /* the row graph's size rule of a call (hy_moe_exec_run): exact up to 32 rows, then a power of two */
-    int rows = n_tokens * k;
-    if (rows > 32) {
-        int r = 1;
-        while (r < rows) {
-            r *= 2;
-        }
-        rows = r;
-    }
+    const int rows = hy_row_bucket(n_tokens * k); /* a round's row graph holds at most every row of the call */
     if (hy_graph_get(&ex->graphs, HY_GRAPH_FULL, n_tokens, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
         hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
         hy_graph_get(&ex->graphs, HY_GRAPH_SUM, n_tokens, NULL, NULL, k, E, glu) == NULL) {
@@ -740,7 +789,7 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
 
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after) { ex->fail_after = after; }
 
-void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[5]) {
+void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[HY_COST_N]) {
     ex->cfg.synthetic_clock = 1;
     memcpy(ex->cfg.clock, clock, sizeof(ex->cfg.clock));
 }

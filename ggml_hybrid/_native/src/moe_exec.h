@@ -1,12 +1,14 @@
 /* The expert-cache executor of one MoE layer, native: registered with the patched scheduler as the
    region's executor function, so a layer call runs no Python.
 
-   Per call: read the routed ids, count each expert's rows, choose the CPU share (a fixed share's
-   table, or the cost model), hand the CPU's rows to the worker, plan the device's experts in the slot
-   cache (hits first, misses loaded in rounds, a pending hit never evicted), load the misses (through
-   pinned staging where the device has it), compute, merge with the worker's rows, and write the
-   weighted sum into the region's output. The Python executor (ggml_hybrid/moe/executor.py) is the
-   reference: the tests compare their decisions and outputs call by call. */
+   A call runs the steps of the Python executor (ggml_hybrid/moe/executor.py: ExpertCacheExecutor), each a
+   function of moe_exec.c with the Python method's name: read_ids (the routed ids), count_rows (each
+   expert's rows), cpu_split (the misses the CPU takes: moe_policy.c's hy_split_misses, a fixed share's
+   table or the cost model), submit_cpu (the CPU's rows to the worker), plan (the device's experts in the
+   slot cache: hits first, misses loaded in rounds, a pending hit never evicted), run_round for each round
+   (load its misses, through pinned staging where the device has it, then compute_full or compute_rows),
+   merge (the worker's rows with the device's), weighted_sum (into the region's output), count_call. The
+   Python executor is the reference: the tests compare their decisions and outputs call by call. */
 #pragma once
 
 #include <stdbool.h>
@@ -23,12 +25,29 @@ enum { HY_OK = 0, HY_ERR_FILE = 1, HY_ERR_COMPUTE = 2, HY_ERR_ALLOC = 3, HY_ERR_
 
 enum { HY_SHARE_NONE = 0, HY_SHARE_FIXED = 1, HY_SHARE_AUTO = 2 };
 
+/* A layer's counters, summed over its calls. The one list of them: Python's LayerCounters (both executors')
+   takes its fields from this struct through cffi, in this order. */
 typedef struct hy_moe_counters {
-    int64_t calls, routed, distinct, hits, misses, bytes_loaded, evictions, rounds, invalidated;
-    int64_t device_ns, load_ns, compute_ns;
-    int64_t cpu_misses, cpu_rows, cpu_ns, overlap_ns, share_calls;
-    double share_sum;
-    int64_t bytes_staged, staging_wait_ns;
+    int64_t calls;
+    int64_t routed;          /* (token, expert) pairs */
+    int64_t distinct;        /* distinct experts, summed over calls */
+    int64_t hits;
+    int64_t misses;          /* experts loaded into slots */
+    int64_t bytes_loaded;
+    int64_t evictions;
+    int64_t rounds;
+    int64_t device_ns;       /* wall time spent in the executor */
+    int64_t load_ns;         /* of which: copying missed experts into slots */
+    int64_t compute_ns;      /* of which: GGML computing the experts and the weighted sum */
+    int64_t cpu_misses;      /* misses computed by the CPU worker (not loaded) */
+    int64_t cpu_rows;        /* (token, expert) rows the CPU computed */
+    int64_t cpu_ns;          /* CPU worker compute time */
+    int64_t overlap_ns;      /* time the CPU worker and the device path ran together */
+    int64_t share_calls;     /* calls that had misses to place */
+    double share_sum;        /* sum over those calls of the share of misses sent to the CPU */
+    int64_t bytes_staged;    /* loaded bytes that went through pinned host staging (native executor) */
+    int64_t staging_wait_ns; /* time loads waited for a staging buffer's upload to finish */
+    int64_t invalidated;     /* slots emptied because their load never completed (a failed call) */
 } hy_moe_counters;
 
 #define HY_MAX_KINDS 3
@@ -38,7 +57,7 @@ typedef struct hy_moe_config {
     int n_expert, n_used, n_embd;
     int n_slots, policy;
     int glu;                          /* enum ggml_glu_op */
-    hy_experts slots;                 /* [n_slots + 1, ...] on the device; the last slot is zeroed scratch */
+    hy_experts slots;                 /* [n_slots + 1, ...] on the device; the last, zeroed, is the pad slot */
     hy_experts host;                  /* the experts on the mapped file (the CPU share) */
     int n_kinds;                      /* the expert tensors: what a load copies */
     struct ggml_tensor * slot_tensor[HY_MAX_KINDS];
@@ -50,11 +69,11 @@ typedef struct hy_moe_config {
     int share_mode;
     const int32_t * n_cpu_table;      /* fixed share: misses the CPU takes out of n, for n = 0..n_expert */
     double alpha, hysteresis;
-    double prior[5];
+    double prior[HY_COST_N];          /* arrays of coefficients are indexed by HY_COST_* (moe_policy.h) */
     int fixed_model;                  /* auto with a fixed cost model (coef) */
-    double coef[5];
+    double coef[HY_COST_N];
     int synthetic_clock;              /* observations from the work, not the clock (repeatable decisions) */
-    double clock[5];                  /* load_per_byte, device_per_row, cpu_per_byte, cpu_per_row, cpu_per_job */
+    double clock[HY_COST_N];          /* the synthetic clock's cost of each unit of work */
     const char * path;                /* the model file, checked unchanged before the mapping is read */
     int64_t file_id[4];               /* dev, ino, size, mtime_ns */
     int staging;                      /* loads through pinned host staging (devices whose memory is not host) */
@@ -92,6 +111,6 @@ void hy_moe_exec_plain_loads(hy_moe_exec * ex);
 int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens);
 /* make the load after the next `after` loads fail (tests: a fault half way through a call) */
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
-/* observe durations computed from the work (load_per_byte, device_per_row, cpu_per_byte, cpu_per_row,
-   cpu_per_job) instead of the clock: repeatable `auto` decisions */
-void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[5]);
+/* observe durations computed from the work (a cost per unit of work, indexed by HY_COST_*) instead of the
+   clock: repeatable `auto` decisions */
+void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[HY_COST_N]);

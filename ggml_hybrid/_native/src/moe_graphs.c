@@ -35,6 +35,17 @@ struct ggml_tensor * hy_build_weighted_sum(struct ggml_context * ctx, struct ggm
     return out;
 }
 
+int hy_row_bucket(int n) {
+    if (n <= HY_EXACT_ROWS) {
+        return n;
+    }
+    int bucket = 1;
+    while (bucket < n) {
+        bucket *= 2;
+    }
+    return bucket;
+}
+
 hy_scratch * hy_scratch_new(ggml_backend_buffer_type_t buft) {
     hy_scratch * s = calloc(1, sizeof(*s));
     if (s != NULL) {

@@ -55,6 +55,13 @@ typedef struct hy_graph {
     struct ggml_tensor * x, * ids, * w, * experts_in, * out;
 } hy_graph;
 
+/* The row bucket: the row count of the graph that computes n compacted (token, expert) rows. Exact up to
+   HY_EXACT_ROWS rows (decode never pads), then the next power of two (fewer graph shapes). The one
+   definition of the rule: the executor's rounds, the CPU worker and the Python row graphs
+   (ggml_hybrid/moe/row_graphs.py, through cffi) all call this. */
+#define HY_EXACT_ROWS 32
+int hy_row_bucket(int n);
+
 #define HY_GRAPH_CACHE 12
 
 typedef struct hy_graph_cache {

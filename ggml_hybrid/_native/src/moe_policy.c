@@ -255,7 +255,7 @@ int hy_n_cpu_for_share(uint64_t num, uint64_t den, int n) {
 
 #define HY_RIDGE 1e-6
 
-void hy_cost_init(hy_cost_model * m, double alpha, double hysteresis, const double prior[5]) {
+void hy_cost_init(hy_cost_model * m, double alpha, double hysteresis, const double prior[HY_COST_N]) {
     memset(m, 0, sizeof(*m));
     m->alpha = alpha;
     m->hysteresis = hysteresis;
@@ -356,11 +356,12 @@ void hy_cost_estimate(const hy_cost_model * m, int64_t B, double out[HY_COST_N])
         memcpy(out, m->coef, sizeof(double) * HY_COST_N);
         return;
     }
-    const double * p = m->prior;
-    fit_cpu(m, p[0], p[1] * (double) B, &out[HY_COST_CPU_PER_BYTE], &out[HY_COST_CPU_PER_ROW]);
-    out[HY_COST_LOAD_PER_BYTE] = m->load[1] > 0.0 ? m->load[0] / m->load[1] : p[2];
-    out[HY_COST_DEVICE_PER_ROW] = m->dev[1] > 0.0 ? m->dev[0] / m->dev[1] : p[3] * (double) B;
-    out[HY_COST_CPU_PER_JOB] = m->job[1] > 0.0 ? m->job[0] / m->job[1] : p[4];
+    const double * p = m->prior; /* per-row priors are per expert byte too */
+    fit_cpu(m, p[HY_COST_CPU_PER_BYTE], p[HY_COST_CPU_PER_ROW] * (double) B, &out[HY_COST_CPU_PER_BYTE],
+            &out[HY_COST_CPU_PER_ROW]);
+    out[HY_COST_LOAD_PER_BYTE] = m->load[1] > 0.0 ? m->load[0] / m->load[1] : p[HY_COST_LOAD_PER_BYTE];
+    out[HY_COST_DEVICE_PER_ROW] = m->dev[1] > 0.0 ? m->dev[0] / m->dev[1] : p[HY_COST_DEVICE_PER_ROW] * (double) B;
+    out[HY_COST_CPU_PER_JOB] = m->job[1] > 0.0 ? m->job[0] / m->job[1] : p[HY_COST_CPU_PER_JOB];
 }
 
 static double makespan(const double * c, int64_t B, int k, int64_t cpu_rows, int n_dev, int64_t dev_rows) {
@@ -409,4 +410,33 @@ int hy_cost_choose(hy_cost_model * m, int64_t B, int64_t hit_rows, const int32_t
         return best;
     }
     return k_prev;
+}
+
+/* the order the CPU takes misses in: increasing rows, ties by increasing expert id */
+static bool cpu_before(int ra, int ea, int rb, int eb) {
+    return ra != rb ? ra < rb : ea < eb;
+}
+
+int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const int32_t * rows, int n,
+                    const int32_t * n_cpu_table, hy_cost_model * model, int64_t expert_bytes,
+                    int32_t * miss_expert, int32_t * miss_rows, int * n_miss) {
+    int64_t hit_rows = 0;
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        const int e = experts[i], r = rows[i];
+        if (hy_cache_slot_of(cache, e) >= 0) {
+            hit_rows += r;
+            continue;
+        }
+        int j = m++; /* insertion sort: n is small */
+        while (j > 0 && cpu_before(r, e, miss_rows[j - 1], miss_expert[j - 1])) {
+            miss_expert[j] = miss_expert[j - 1];
+            miss_rows[j] = miss_rows[j - 1];
+            j--;
+        }
+        miss_expert[j] = e;
+        miss_rows[j] = r;
+    }
+    *n_miss = m;
+    return n_cpu_table != NULL ? n_cpu_table[m] : hy_cost_choose(model, expert_bytes, hit_rows, miss_rows, m);
 }

@@ -66,13 +66,16 @@ int hy_cache_slot_of(const hy_slot_cache * c, int expert);
 /* n_cpu = floor(num/den * n + 1/2), clipped to [0, n]: the share is the exact decimal num/den */
 int hy_n_cpu_for_share(uint64_t num, uint64_t den, int n);
 
-enum { HY_COST_CPU_PER_BYTE, HY_COST_CPU_PER_ROW, HY_COST_LOAD_PER_BYTE, HY_COST_DEVICE_PER_ROW,
-       HY_COST_CPU_PER_JOB, HY_COST_N };
+/* The cost model's coefficients (seconds), the index of each in every array of them: estimates, fixed
+   coefficients, priors, the synthetic clock. The one list of their names: Python reads it through cffi
+   (ggml_hybrid/moe/cpu_share.py: COEFFICIENTS is HY_COST_CPU_PER_BYTE... lower-cased, in this order). */
+enum hy_cost_coef { HY_COST_CPU_PER_BYTE, HY_COST_CPU_PER_ROW, HY_COST_LOAD_PER_BYTE, HY_COST_DEVICE_PER_ROW,
+                    HY_COST_CPU_PER_JOB, HY_COST_N };
 
 typedef struct hy_cost_model {
     double alpha, hysteresis;
-    /* priors: cpu_per_byte, cpu_per_row_per_byte, load_per_byte, device_per_row_per_byte, cpu_per_job */
-    double prior[5];
+    /* each coefficient's prior; the per-row ones per row and expert byte (cpu_share.py: PRIOR_KEYS) */
+    double prior[HY_COST_N];
     double cpu[5];  /* EMAs: bytes^2, bytes*rows, rows^2, bytes*t, rows*t */
     double load[2]; /* seconds, bytes */
     double dev[2];  /* seconds, rows */
@@ -84,7 +87,7 @@ typedef struct hy_cost_model {
     double coef[HY_COST_N];
 } hy_cost_model;
 
-void hy_cost_init(hy_cost_model * m, double alpha, double hysteresis, const double prior[5]);
+void hy_cost_init(hy_cost_model * m, double alpha, double hysteresis, const double prior[HY_COST_N]);
 void hy_cost_init_fixed(hy_cost_model * m, double hysteresis, const double coef[HY_COST_N]);
 void hy_cost_observe_cpu(hy_cost_model * m, double bytes, double rows, double seconds);
 void hy_cost_observe_job(hy_cost_model * m, double seconds);
@@ -94,3 +97,12 @@ void hy_cost_estimate(const hy_cost_model * m, int64_t expert_bytes, double out[
 /* the number of misses the CPU takes; miss_rows are in the order the CPU takes them (fewest first) */
 int hy_cost_choose(hy_cost_model * m, int64_t expert_bytes, int64_t hit_rows, const int32_t * miss_rows,
                    int n_miss);
+
+/* Which misses of one call the CPU computes (cpu_share.py: split_misses, CostModel.choose). `experts` are the
+   call's n distinct experts, rows[i] the rows of experts[i]. Hits (committed in `cache`) stay on the device;
+   the misses, written to miss_expert / miss_rows ([n] each) with their count in *n_miss, are ordered fewest
+   rows first, ties by lower id, and the CPU takes the first n_cpu of them: n_cpu_table[*n_miss] with a fixed
+   share (n_cpu_table != NULL), else the choice of `model`. Returns n_cpu. */
+int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const int32_t * rows, int n,
+                    const int32_t * n_cpu_table, hy_cost_model * model, int64_t expert_bytes,
+                    int32_t * miss_expert, int32_t * miss_rows, int * n_miss);

@@ -16,22 +16,13 @@ int64_t hy_now_ns(void) {
     return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* rows up to here get a graph of their exact size (decode never pads); above, power-of-two buckets
-   (ggml_hybrid/moe/row_graphs.py: bucket_rows) */
-#define HY_EXACT_ROWS 32
-
-/* The graph row count for n rows and the expert padding rows use: one absent from the job, so that no
-   computed expert gets rows it would not have in the resident graph; exact when every expert is present. */
+/* The graph row count for n rows (hy_row_bucket) and the expert padding rows use: one absent from the job,
+   so that no computed expert gets rows it would not have in the resident graph; exact when every expert is
+   present (ggml_hybrid/moe/row_graphs.py: bucket_rows). */
 static int bucket_rows(hy_worker * w, const hy_job * job, int * pad_id) {
     const int n = job->n;
+    const int bucket = hy_row_bucket(n);
     *pad_id = 0;
-    if (n <= HY_EXACT_ROWS) {
-        return n;
-    }
-    int bucket = 1;
-    while (bucket < n) {
-        bucket *= 2;
-    }
     if (bucket == n) {
         return n;
     }

@@ -8,7 +8,9 @@ any other architecture with one error naming it.
 from __future__ import annotations
 
 from ...errors import ModelFileError
-from ..gguf_store import GGUFStore
+from ...gguf.metadata import architecture
+from ...gguf.store import GGUFStore
+from ..hparams import HParams, check_tensors, read_common
 from . import deepseek2, glm4moe, gpt_oss, llama, olmoe, qwen2moe, qwen3moe, qwen3next, qwen35moe
 from .base import Family
 
@@ -25,4 +27,16 @@ def family_of(store: GGUFStore, arch: str) -> Family:
     return fam
 
 
-__all__ = ["FAMILIES", "Family", "family_of"]
+def read_hparams(store: GGUFStore, require_moe: bool = True) -> HParams:
+    fam = family_of(store, architecture(store))
+    hp = fam.read(store, read_common(store, fam.arch, require_moe))
+    check_tensors(store, hp, fam.tensors(hp))
+    return hp
+
+
+def tensor_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
+    """Every tensor the architecture needs, with its numpy-order shape."""
+    return FAMILIES[hp.arch].tensors(hp)
+
+
+__all__ = ["FAMILIES", "Family", "family_of", "read_hparams", "tensor_shapes"]

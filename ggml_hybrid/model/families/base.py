@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...ggml.tensor import Tensor
-from ..gguf_store import GGUFStore
-from ..hparams import GATINGS, Common, HParams, Routing, meta_bool, meta_float, meta_int, refuse
+from ...gguf.metadata import meta_bool, meta_float, meta_int
+from ...gguf.store import GGUFStore
+from ..hparams import GATINGS, Common, HParams, Routing, refuse
 from ..layers import Builder, decoder_layer
 from ..rope import kq_scale, read_rope
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...ggml.tensor import Tensor
-from ..gguf_store import GGUFStore
-from ..hparams import MLA, Common, HParams, meta_float, meta_int, refuse
+from ...gguf.metadata import meta_float, meta_int
+from ...gguf.store import GGUFStore
+from ..hparams import MLA, Common, HParams, refuse
 from ..layers import Builder, decoder_layer, output_projection
 from ..rope import f32, logf, read_rope
 from .base import Family, Shapes, base_hparams, dense_lead, ffn_tensors, globals_, routing_keys

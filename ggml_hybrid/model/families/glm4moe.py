@@ -10,8 +10,9 @@ the graph (llama.cpp skips their tensors unless it loads the MTP head). Refused:
 
 from __future__ import annotations
 
-from ..gguf_store import GGUFStore
-from ..hparams import Common, HParams, meta_int, refuse
+from ...gguf.metadata import meta_int
+from ...gguf.store import GGUFStore
+from ..hparams import Common, HParams, refuse
 from .base import (
     Family,
     attn_biases,

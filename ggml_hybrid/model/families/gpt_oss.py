@@ -11,8 +11,9 @@ llama-cpp-python does (``swa_full``); llama.cpp's command-line tools' ring cache
 
 from __future__ import annotations
 
-from ..gguf_store import GGUFStore
-from ..hparams import SWA, Common, HParams, Routing, meta_float, meta_int, refuse
+from ...gguf.metadata import meta_float, meta_int
+from ...gguf.store import GGUFStore
+from ..hparams import SWA, Common, HParams, Routing, refuse
 from ..rope import f32, read_rope
 from .base import Family, attn_biases, base_hparams, expert_width, no_nextn, refuse_fused_qkv, standard_tensors
 

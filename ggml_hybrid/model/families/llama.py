@@ -7,7 +7,7 @@ factors, a dense-model feature) and a missing ``ffn_gate_exps``; the output proj
 
 from __future__ import annotations
 
-from ..gguf_store import GGUFStore
+from ...gguf.store import GGUFStore
 from ..hparams import Common, HParams, Routing, refuse
 from .base import Family, attn_biases, base_hparams, no_nextn, refuse_fused_qkv, require_full_rotary, standard_tensors
 

@@ -7,7 +7,7 @@ is ``embedding_length`` long, so K must be as wide (as many KV heads as heads); 
 
 from __future__ import annotations
 
-from ..gguf_store import GGUFStore
+from ...gguf.store import GGUFStore
 from ..hparams import Common, HParams, Routing, refuse
 from .base import Family, attn_biases, base_hparams, no_nextn, refuse_fused_qkv, require_full_rotary, standard_tensors
 

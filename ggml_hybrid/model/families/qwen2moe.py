@@ -7,8 +7,9 @@ is ``expert_shared_feed_forward_length`` wide (else ``feed_forward_length``); th
 
 from __future__ import annotations
 
-from ..gguf_store import GGUFStore
-from ..hparams import Common, HParams, Routing, meta_int, refuse
+from ...gguf.metadata import meta_int
+from ...gguf.store import GGUFStore
+from ..hparams import Common, HParams, Routing, refuse
 from .base import (
     Family,
     attn_biases,

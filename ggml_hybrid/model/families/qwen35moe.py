@@ -5,15 +5,16 @@ llama.cpp: ``src/models/qwen35moe.cpp``. The required ``rope.dimension_sections`
 position axis each rotated pair uses; text gives every axis but the fourth the token's position, so with
 sections that cover the rotated pairs the rope equals NEOX's. Value head h reads key head h % (key heads),
 inside the fused delta-net op; beta and alpha are two projections (``ssm_beta``, ``ssm_alpha``).
-See :mod:`.hybrid` for the keys both hybrid families read.
+See :mod:`.recurrent` for the keys both recurrent families read.
 """
 
 from __future__ import annotations
 
+from ...gguf.metadata import meta_int
+from ...gguf.store import GGUFStore
 from ..delta_net import layer
-from ..gguf_store import GGUFStore
-from ..hparams import Common, HParams, meta_int
-from . import hybrid
+from ..hparams import Common, HParams
+from . import recurrent
 from .base import Family
 
 
@@ -23,15 +24,15 @@ def sections(store: GGUFStore, c: Common) -> tuple[int, ...]:
     v = store.meta(key, kind=("int", "ints"))
     vals = v if isinstance(v, list) else [meta_int(store, key, lo=0)] * 4
     if len(vals) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in vals):
-        raise hybrid.bad_value(store, key, v, "must be 4 non-negative integers (pairs per position axis t, h, w, e)")
+        raise recurrent.bad_value(store, key, v, "must be 4 non-negative integers (pairs per position axis t, h, w, e)")
     if not any(vals[:3]) or sum(vals) > c.key_length:
-        raise hybrid.bad_value(store, key, v, f"the first three must not all be 0 and the sum must be at most the "
+        raise recurrent.bad_value(store, key, v, f"the first three must not all be 0 and the sum must be at most the "
                                f"head size {c.key_length}")
     return tuple(vals)
 
 
 def read(store: GGUFStore, c: Common) -> HParams:
-    return hybrid.read(store, c, rope_mode="imrope", k_repeat="tile", ba_fused=False, sections=sections(store, c))
+    return recurrent.read(store, c, rope_mode="imrope", k_repeat="tile", ba_fused=False, sections=sections(store, c))
 
 
-FAMILY = Family("qwen35moe", read, hybrid.tensors, layer, extra_nodes=40)
+FAMILY = Family("qwen35moe", read, recurrent.tensors, layer, extra_nodes=40)

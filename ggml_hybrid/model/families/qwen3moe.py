@@ -6,7 +6,7 @@ llama.cpp: ``src/models/qwen3moe.cpp``. The expert width is ``expert_feed_forwar
 
 from __future__ import annotations
 
-from ..gguf_store import GGUFStore
+from ...gguf.store import GGUFStore
 from ..hparams import Common, HParams, Routing
 from .base import (
     Family,

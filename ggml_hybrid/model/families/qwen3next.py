@@ -5,20 +5,20 @@ llama.cpp: ``src/models/qwen3next.cpp``. Value heads share the query/key heads i
 key head h // (value heads / key heads), materialised with ``repeat_4d``); beta and alpha come from one
 ``ssm_ba`` projection, grouped per key head; the q, k, v and output-gate projections are ``attn_qkv`` and
 ``attn_gate``, or in files converted before llama.cpp split them, one ``ssm_in`` grouped per key head.
-See :mod:`.hybrid` for the keys both hybrid families read.
+See :mod:`.recurrent` for the keys both recurrent families read.
 """
 
 from __future__ import annotations
 
+from ...gguf.store import GGUFStore
 from ..delta_net import layer
-from ..gguf_store import GGUFStore
 from ..hparams import Common, HParams
-from . import hybrid
+from . import recurrent
 from .base import Family
 
 
 def read(store: GGUFStore, c: Common) -> HParams:
-    return hybrid.read(store, c, rope_mode="neox", k_repeat="interleave", ba_fused=True)
+    return recurrent.read(store, c, rope_mode="neox", k_repeat="interleave", ba_fused=True)
 
 
-FAMILY = Family("qwen3next", read, hybrid.tensors, layer, extra_nodes=40)
+FAMILY = Family("qwen3next", read, recurrent.tensors, layer, extra_nodes=40)

@@ -39,7 +39,7 @@ import struct
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
@@ -71,11 +71,11 @@ def _id_dtype(id_bytes: int) -> np.dtype:
     return np.dtype("<u1") if id_bytes == 1 else np.dtype("<u2")
 
 
-def _int(value, what: str) -> int:
+def _int(value: object, what: str) -> int:
     return check_int(value, what, error=TraceError)
 
 
-def _check_shape(n_layer, n_expert, n_used, where: str) -> tuple[int, int, int]:
+def _check_shape(n_layer: object, n_expert: object, n_used: object, where: str) -> tuple[int, int, int]:
     n_layer = _int(n_layer, f"{where}: n_layer")
     n_expert = _int(n_expert, f"{where}: n_expert")
     n_used = _int(n_used, f"{where}: n_used")
@@ -88,7 +88,8 @@ def _check_shape(n_layer, n_expert, n_used, where: str) -> tuple[int, int, int]:
     return n_layer, n_expert, n_used
 
 
-def _check_call(layer, ids, n_layer: int, n_expert: int, n_used: int, where: str) -> tuple[int, np.ndarray]:
+def _check_call(layer: object, ids: object, n_layer: int, n_expert: int, n_used: int,
+                where: str) -> tuple[int, np.ndarray]:
     """``(layer, ids as a C-contiguous int32 (T, n_used) array)`` or TraceError naming the value and the rule."""
     layer = _int(layer, f"{where}: layer")
     if not 0 <= layer < n_layer:
@@ -132,12 +133,12 @@ class Trace:
     n_layer: int
     n_expert: int
     n_used: int
-    calls: list = field(default_factory=list)
+    calls: list[tuple[int, np.ndarray]] = field(default_factory=list)
     truncated: int = 0
     truncated_bytes: int = 0
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.n_layer, self.n_expert, self.n_used = _check_shape(self.n_layer, self.n_expert, self.n_used, "Trace")
         checked = []
         for i, call in enumerate(self.calls):
@@ -162,7 +163,7 @@ class Trace:
         """Tokens of the trace: ``sum(T) / n_layer``."""
         return self.token_rows / self.n_layer
 
-    def write(self, path) -> None:
+    def write(self, path: str | os.PathLike[str]) -> None:
         """Write the trace to ``path`` in the trace file format."""
         with TraceWriter(path, self.n_layer, self.n_expert, self.n_used) as w:
             for layer, ids in self.calls:
@@ -183,7 +184,7 @@ class TraceWriter:
     that is never closed leaves it untouched).
     """
 
-    def __init__(self, path, n_layer: int, n_expert: int, n_used: int):
+    def __init__(self, path: str | os.PathLike[str], n_layer: int, n_expert: int, n_used: int) -> None:
         self.n_layer, self.n_expert, self.n_used = _check_shape(n_layer, n_expert, n_used, "TraceWriter")
         self.path = os.fspath(path)
         self.records = 0
@@ -225,7 +226,7 @@ class TraceWriter:
     def __enter__(self) -> TraceWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -233,7 +234,7 @@ class TraceWriter:
         return f"TraceWriter({self.path!r}, records={self.records}, {state})"
 
 
-def read_trace(path, warn: bool = True) -> Trace:
+def read_trace(path: str | os.PathLike[str], warn: bool = True) -> Trace:
     """Read a trace file. A corrupted header or record raises :class:`TraceError` naming the file and the fault.
 
     An incomplete final record is dropped; it is counted in ``Trace.truncated`` (and its bytes in

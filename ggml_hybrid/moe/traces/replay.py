@@ -59,8 +59,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import numpy as np
 
@@ -89,7 +90,7 @@ class LinkCost:
     expert_bytes: int
     cpu_s_per_job: float = 0.0  # the fixed cost of a call that sends the CPU anything
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("bus_bytes_per_s", "cpu_bytes_per_s"):
             check_real(getattr(self, name), f"LinkCost: {name}", 0.0, lo_open=True, error=TraceError)
         for name in ("device_s_per_row", "cpu_s_per_row", "cpu_s_per_job"):
@@ -102,11 +103,11 @@ class LinkCost:
                 "load_per_byte": 1.0 / self.bus_bytes_per_s, "device_per_row": float(self.device_s_per_row),
                 "cpu_per_job": float(self.cpu_s_per_job)}
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def parse_share(value) -> Union[float, str]:
+def parse_share(value: object) -> Union[float, str]:
     """``value`` as a moe_cpu_share: a number in [0, 1] (or its text) or ``"auto"`` (the session option's rule)."""
     v = float(value) if isinstance(value, (np.integer, np.floating)) else value
     try:
@@ -123,7 +124,7 @@ class CallRecord:
     layer: int
     tokens: int
     hit_rows: int
-    miss_rows: tuple
+    miss_rows: tuple[int, ...]
     n_cpu: int
     time_s: float | None
 
@@ -154,7 +155,7 @@ class LayerStats(_HitRate):
     bytes_moved: int
     time_s: float | None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
 
@@ -166,7 +167,7 @@ class ReplayResult(_HitRate):
 
     policy: str
     n_slots: int
-    share: Any
+    share: float | str
     expert_bytes: int
     cost: LinkCost | None
     n_layer: int
@@ -180,14 +181,14 @@ class ReplayResult(_HitRate):
     rounds: int
     bytes_moved: int
     modeled_s_per_token: float | None
-    layers: tuple
-    call_log: tuple = field(repr=False, default=())
+    layers: tuple[LayerStats, ...]
+    call_log: tuple[CallRecord, ...] = field(repr=False, default=())
 
     @property
     def tokens(self) -> float:
         return self.token_rows / self.n_layer
 
-    def to_dict(self, layers: bool = True) -> dict:
+    def to_dict(self, layers: bool = True) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("policy", "n_slots", "share", "expert_bytes", "calls", "token_rows",
                                            "distinct", "hits", "misses", "cpu", "evictions", "rounds",
                                            "bytes_moved", "modeled_s_per_token")}
@@ -202,10 +203,10 @@ class ReplayResult(_HitRate):
 class _Belady:
     """Offline-optimal residency of one layer (see the module docstring for the rule)."""
 
-    def __init__(self, n_slots: int, requests: list):
+    def __init__(self, n_slots: int, requests: list[list[int]]) -> None:
         self.n_slots = n_slots
         self.resident: set[int] = set()
-        self.uses: dict[int, deque] = {}
+        self.uses: dict[int, deque[int]] = {}
         for i, req in enumerate(requests):
             for e in req:
                 self.uses.setdefault(e, deque()).append(i)
@@ -215,13 +216,13 @@ class _Belady:
         q = self.uses.get(e)
         return q[0] if q else math.inf
 
-    def _evict(self, n: int, candidates) -> None:
+    def _evict(self, n: int, candidates: Iterable[int]) -> None:
         order = sorted(candidates, key=lambda e: (-self._next(e), e))
         for e in order[:n]:
             self.resident.discard(e)
         self.evictions += min(n, len(order))
 
-    def plan(self, i: int, requested, device) -> None:
+    def plan(self, i: int, requested: Iterable[int], device: list[int]) -> None:
         """Call ``i`` of the layer: ``requested`` = every expert it routes to (advances next uses),
         ``device`` = the experts computed on the device (go through the cache)."""
         for e in requested:
@@ -248,7 +249,8 @@ class _Belady:
             cap, first = self.n_slots, False
 
 
-def _check_replay_args(trace, n_slots, policy, share, cost, expert_bytes):
+def _check_replay_args(trace: object, n_slots: object, policy: object, share: object, cost: object,
+                       expert_bytes: object) -> tuple[int, str, float | str, int]:
     if not isinstance(trace, Trace):
         raise TraceError(f"replay: trace must be a Trace, got {type(trace).__name__}")
     n_slots = _int(n_slots, "replay: n_slots")
@@ -273,15 +275,15 @@ def _check_replay_args(trace, n_slots, policy, share, cost, expert_bytes):
     return n_slots, policy.lower(), share, expert_bytes
 
 
-def _call_split(model: CostModel | None, share, experts: list[int], rows: list[int], resident,
-                expert_bytes: int) -> MissSplit:
+def _call_split(model: CostModel | None, share: float | str, experts: list[int], rows: list[int],
+                resident: Iterable[int],                expert_bytes: int) -> MissSplit:
     """Where one call's experts run: the runtime's rule, fixed share or the layer's cost model."""
     if model is not None:
         return model.choose(experts, rows, resident, expert_bytes)
-    return split_misses(experts, rows, resident, share)
+    return split_misses(experts, rows, resident, cast(float, share))  # not "auto": that comes with a model
 
 
-def replay(trace: Trace, n_slots: int, policy: str = "lru", share=0.0, cost: LinkCost | None = None,
+def replay(trace: Trace, n_slots: int, policy: str = "lru", share: float | str = 0.0, cost: LinkCost | None = None,
            expert_bytes: int | None = None, hysteresis: float = 0.05) -> ReplayResult:
     """Replay ``trace`` through one ``n_slots``-slot cache per layer under ``policy`` ("lru", "lfu", "belady").
 
@@ -303,28 +305,29 @@ def replay(trace: Trace, n_slots: int, policy: str = "lru", share=0.0, cost: Lin
         experts, rows = np.unique(ids, return_counts=True)
         uniq_calls.append((layer, int(ids.shape[0]), experts.tolist(), rows.tolist()))
 
+    belady: list[_Belady] = []  # one cache per layer, of the policy's kind
+    slot_caches: list[SlotCache] = []
     if policy == "belady":
-        per_layer: list[list] = [[] for _ in range(L)]
+        per_layer: list[list[list[int]]] = [[] for _ in range(L)]
         for layer, _, experts, _ in uniq_calls:
             per_layer[layer].append(experts)
-        caches: list = [_Belady(n_slots, per_layer[layer]) for layer in range(L)]
+        belady = [_Belady(n_slots, per_layer[layer]) for layer in range(L)]
         local = [0] * L
     else:
-        caches = [SlotCache(trace.n_expert, n_slots, policy) for _ in range(L)]
+        slot_caches = [SlotCache(trace.n_expert, n_slots, policy) for _ in range(L)]
 
     log = []
     cpu_count = [0] * L
     for layer, n_tok, experts, rows in uniq_calls:
-        cache = caches[layer]
-        resident = cache.resident if policy == "belady" else cache.resident()
+        resident = belady[layer].resident if policy == "belady" else slot_caches[layer].resident()
         sp = _call_split(models[layer], share, experts, rows, resident, expert_bytes)
         row_of = dict(zip(experts, rows))
         device = sorted(sp.device_hits + sp.device_misses)
         if policy == "belady":
-            cache.plan(local[layer], experts, device)
+            belady[layer].plan(local[layer], experts, device)
             local[layer] += 1
         else:
-            cache.plan(device, [row_of[e] for e in device], checked=False)
+            slot_caches[layer].plan(device, [row_of[e] for e in device], checked=False)
         hit_rows = sum(row_of[e] for e in sp.device_hits)
         # the misses in the order the CPU takes them (fewest rows first, ties by lower id)
         miss_rows = tuple(r for r, _ in sorted((row_of[e], e) for e in sp.device_misses + sp.cpu_misses))
@@ -340,11 +343,12 @@ def replay(trace: Trace, n_slots: int, policy: str = "lru", share=0.0, cost: Lin
         if rec.time_s is not None:
             time_per_layer[rec.layer] += rec.time_s
     layers = []
-    for layer, cache in enumerate(caches):
+    for layer in range(L):
         if policy == "belady":
-            d, h, m, ev, rd = cache.distinct, cache.hits, cache.misses, cache.evictions, cache.rounds
+            b = belady[layer]
+            d, h, m, ev, rd = b.distinct, b.hits, b.misses, b.evictions, b.rounds
         else:
-            c = cache.counters
+            c = slot_caches[layer].counters
             d, h, m, ev, rd = c.distinct, c.hits, c.misses, c.evictions, c.rounds
         layers.append((LayerStats(layer, calls_per_layer[layer], d + cpu_count[layer], h, m, cpu_count[layer], ev,
                                   rd, m * expert_bytes, time_per_layer[layer] if cost is not None else None), rd))
@@ -359,14 +363,15 @@ def replay(trace: Trace, n_slots: int, policy: str = "lru", share=0.0, cost: Lin
         bytes_moved=misses * expert_bytes, modeled_s_per_token=modeled, layers=stats, call_log=tuple(log))
 
 
-def _per_token(log, n_layer: int) -> float:
+def _per_token(log: list[CallRecord], n_layer: int) -> float:
     token_rows = sum(rec.tokens for rec in log)
     if not token_rows:
         return 0.0
-    return sum(rec.time_s for rec in log) * n_layer / token_rows
+    return sum(cast(float, rec.time_s) for rec in log) * n_layer / token_rows  # priced calls only
 
 
-def modeled_time_per_token(source, share=None, cost: LinkCost | None = None, *, n_slots: int | None = None,
+def modeled_time_per_token(source: ReplayResult | Trace, share: float | str | None = None,
+                           cost: LinkCost | None = None, *, n_slots: int | None = None,
                            policy: str = "lru") -> float:
     """Modeled seconds per token.
 
@@ -394,7 +399,7 @@ def modeled_time_per_token(source, share=None, cost: LinkCost | None = None, *, 
             elif share == "auto":  # the per-call optimum, without hysteresis
                 k = min(range(n + 1), key=lambda j: (spans[j], j))
             else:
-                k = n_cpu_for_share(share, n)
+                k = n_cpu_for_share(cast(float, share), n)  # a number (checked there)
             log.append(CallRecord(r.layer, r.tokens, r.hit_rows, r.miss_rows, k, spans[k]))
         return _per_token(log, source.n_layer)
     if isinstance(source, Trace):

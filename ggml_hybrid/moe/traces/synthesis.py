@@ -13,7 +13,7 @@ __all__ = ["synthetic_trace"]
 
 
 
-def _fraction(value, what: str) -> float:
+def _fraction(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TraceError(f"synthetic_trace: {what} must be a number in [0, 1], got {value!r}")
     value = float(value)
@@ -78,7 +78,7 @@ def synthetic_trace(n_layer: int, n_expert: int, n_used: int, n_calls: int, toke
         return np.concatenate([kept, rng.choice(avail, need, replace=False)])
 
     empty = np.zeros(0, dtype=np.int32)
-    prev: list = [None] * n_layer
+    prev: list[np.ndarray | None] = [None] * n_layer
     calls = []
     for c in range(n_calls):
         layer = c % n_layer
@@ -86,10 +86,11 @@ def synthetic_trace(n_layer: int, n_expert: int, n_used: int, n_calls: int, toke
         ids = np.empty((tokens_per_call, k), dtype=np.int32)
         for t in range(tokens_per_call):
             h = min(h_hi, max(h_lo, base + int(rng.random() < frac)))
-            if prev[layer] is None or reuse == 0.0:
+            last = prev[layer]
+            if last is None or reuse == 0.0:
                 kept_hot = kept_cold = empty
             else:
-                kept = prev[layer][t][rng.random(k) < reuse]
+                kept = last[t][rng.random(k) < reuse]
                 mask = is_hot[layer, kept]
                 kept_hot, kept_cold = kept[mask], kept[~mask]
             row = np.concatenate([pick(hot_pool, kept_hot, h), pick(cold_pool, kept_cold, k - h)])

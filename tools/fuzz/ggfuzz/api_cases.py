@@ -60,7 +60,7 @@ class Env:
             return fn(m)
 
     def with_store(self, fn: Callable[[Any], Any]) -> Any:
-        from ggml_hybrid.model.gguf_store import GGUFStore
+        from ggml_hybrid.gguf.store import GGUFStore
 
         s = GGUFStore(self.model)
         try:
@@ -85,19 +85,19 @@ class Env:
             c.close()
 
     def plan(self, *a: Any, **kw: Any) -> Any:
-        from ggml_hybrid.deploy.planner import plan
+        from ggml_hybrid.plan.planner import plan
 
         return plan(self.model, *a, **kw)
 
 
 def _store(v: Any) -> None:
-    from ggml_hybrid.model.gguf_store import GGUFStore
+    from ggml_hybrid.gguf.store import GGUFStore
 
     GGUFStore(v).close()
 
 
 def _describe(v: Any) -> Any:
-    from ggml_hybrid.deploy.model_info import describe
+    from ggml_hybrid.plan.model_info import describe
 
     return describe(v)
 

@@ -35,7 +35,7 @@ SPECS = {
     "gpt-oss": dict(arch="gpt-oss", n_layer=2, head_dim=32, expert_type="mxfp4", weight_type="q8_0",
                     rope_scaling="yarn", rope_factor=8.0, rope_orig_ctx=256, n_swa=4, seed=14),
     "llama-spm": dict(arch="llama", vocab="spm", vocab_size=512, seed=15),
-    # the hybrid families (gated delta-net layers with recurrent states), as tests/test_hybrid_models.py writes them
+    # the recurrent families (gated delta-net layers, recurrent states), as tests/test_recurrent_families.py writes them
     "qwen3next": dict(arch="qwen3next", n_layer=4, n_rot=8, attn_interval=2, seed=16),
     "qwen35moe": dict(arch="qwen35moe", n_layer=4, n_rot=8, attn_interval=2, weight_type="q8_0", seed=17),
 }
@@ -47,7 +47,7 @@ SIGNAL_SPEC = {"signal-qwen3moe": dict(arch="qwen3moe", n_layer=4, n_embd=128, n
 
 
 def _write_all(folder: str) -> dict[str, str]:
-    from ggml_hybrid.model.synthetic import ModelSpec, write_model, write_moe_stack
+    from ggml_hybrid.synthetic import ModelSpec, write_model, write_moe_stack
 
     out = {}
     for name, spec in {**SPECS, **SIGNAL_SPEC}.items():
@@ -62,13 +62,16 @@ def ensure_models(folder: str) -> dict[str, str]:
     os.makedirs(folder, exist_ok=True)
     index = os.path.join(folder, "models.json")
     if not os.path.exists(index):
-        code = ("import json, sys; sys.path.insert(0, sys.argv[2]); from ggfuzz.models import _write_all; "
-                "json.dump(_write_all(sys.argv[1]), open(sys.argv[1] + '/models.json', 'w'))")
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        subprocess.run([sys.executable, "-c", code, folder, here], check=True, env=child_env())
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `-m` from here finds ggfuzz
+        subprocess.run([sys.executable, "-m", "ggfuzz.models", os.path.abspath(folder)], cwd=here, check=True,
+                       env=child_env())
     with open(index) as f:
         models: dict[str, str] = json.load(f)
     return models
 
 
 __all__ = ["SIGNAL_SPEC", "SPECS", "STACKS", "ensure_models"]
+
+if __name__ == "__main__":  # ensure_models' child: writes the models and their index
+    with open(os.path.join(sys.argv[1], "models.json"), "w") as index_file:
+        json.dump(_write_all(sys.argv[1]), index_file)

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import ArgumentError
-from ...ggml.dtypes import GGMLType, as_ggml_type
-from ...ggml.quant import quantize
+from ..errors import ArgumentError
+from ..ggml.dtypes import GGMLType, GGMLTypeLike, as_ggml_type
+from ..ggml.quant import quantize
 from .spec import GATINGS, PRE, ModelSpec
 from .vocab import bpe_vocab, spm_vocab
+
+if TYPE_CHECKING:
+    import gguf
+
+    # a tensor as GGUFWriter.add_tensor takes it: the values, and GGML's type of raw (quantized) bytes
+    Encoded = tuple[np.ndarray, gguf.GGMLQuantizationType | None]
 
 # chat templates as the families' files carry them (llama.cpp recognises each by a marker in it)
 TEMPLATES = {
@@ -23,7 +31,7 @@ TEMPLATES = {
 }
 
 
-def _encode(data: np.ndarray, t: GGMLType):
+def _encode(data: np.ndarray, t: GGMLType) -> Encoded:
     import gguf
 
     if t == GGMLType.F32:
@@ -33,7 +41,7 @@ def _encode(data: np.ndarray, t: GGMLType):
     return quantize(data, t), gguf.GGMLQuantizationType(int(t))
 
 
-def _matrix(rng, shape, t: GGMLType, scale: float = 1.0):
+def _matrix(rng: np.random.Generator, shape: tuple[int, ...], t: GGMLType, scale: float = 1.0) -> Encoded:
     data = (rng.standard_normal(shape) * (scale / np.sqrt(shape[-1]))).astype(np.float32)
     return _encode(data, t)
 
@@ -41,25 +49,25 @@ def _matrix(rng, shape, t: GGMLType, scale: float = 1.0):
 class _Writer:
     """Adds tensors in order, drawing their values from one generator (so a spec always gives the same file)."""
 
-    def __init__(self, w, spec: ModelSpec):
+    def __init__(self, w: gguf.GGUFWriter, spec: ModelSpec) -> None:
         self.w, self.spec = w, spec
         self.rng = np.random.default_rng(spec.seed)
 
-    def add(self, name: str, data_raw) -> None:
+    def add(self, name: str, data_raw: Encoded) -> None:
         data, raw = data_raw
         self.w.add_tensor(name, data, raw_dtype=raw)
 
-    def vec(self, n, scale: float = 0.1, center: float = 1.0):
+    def vec(self, n: int, scale: float = 0.1, center: float = 1.0) -> Encoded:
         return (center + scale * self.rng.standard_normal(n)).astype(np.float32), None
 
-    def mat(self, name: str, shape, expert: bool = False, scale: float = 1.0) -> None:
+    def mat(self, name: str, shape: tuple[int, ...], expert: bool = False, scale: float = 1.0) -> None:
         self.add(name, _matrix(self.rng, shape, self.spec.matrix_type(shape[-1], expert), scale))
 
-    def f32(self, name: str, shape, scale: float = 1.0) -> None:
+    def f32(self, name: str, shape: tuple[int, ...], scale: float = 1.0) -> None:
         self.add(name, _matrix(self.rng, shape, GGMLType.F32, scale))
 
 
-def write_model(path, spec: ModelSpec | None = None, **overrides) -> str:
+def write_model(path: str | os.PathLike[str], spec: ModelSpec | None = None, **overrides: Any) -> str:
     """Write the model described by ``spec`` (with ``overrides``) to ``path``; returns the path."""
     import gguf
 
@@ -81,7 +89,7 @@ def write_model(path, spec: ModelSpec | None = None, **overrides) -> str:
     return str(path)
 
 
-def _tokenizer(w, spec: ModelSpec, add_bos: bool | None = None) -> None:
+def _tokenizer(w: gguf.GGUFWriter, spec: ModelSpec, add_bos: bool | None = None) -> None:
     if spec.vocab == "spm":
         v = spm_vocab(spec.vocab_size)
         w.add_tokenizer_model("llama")
@@ -109,7 +117,8 @@ def _tokenizer(w, spec: ModelSpec, add_bos: bool | None = None) -> None:
         w.add_chat_template(TEMPLATES[spec.arch])
 
 
-def _common_meta(w, spec: ModelSpec, n_ff: int, n_blocks: int | None = None, n_head_kv: int | None = None) -> None:
+def _common_meta(w: gguf.GGUFWriter, spec: ModelSpec, n_ff: int, n_blocks: int | None = None,
+                 n_head_kv: int | None = None) -> None:
     """The keys every family's converter writes, in a fixed order."""
     w.add_block_count(n_blocks or spec.n_layer)
     w.add_context_length(spec.n_ctx_train)
@@ -135,7 +144,7 @@ def _common_meta(w, spec: ModelSpec, n_ff: int, n_blocks: int | None = None, n_h
         w.add_rope_scaling_orig_ctx_len(spec.rope_orig_ctx)
 
 
-def _first_three(w, spec: ModelSpec) -> None:
+def _first_three(w: gguf.GGUFWriter, spec: ModelSpec) -> None:
     """qwen3moe, qwen2moe and llama: the original writer (its output is pinned by the fixtures' hashes)."""
     t = as_ggml_type(spec.weight_type)
     rng = np.random.default_rng(spec.seed)
@@ -173,11 +182,11 @@ def _first_three(w, spec: ModelSpec) -> None:
     E, d, hd = spec.n_embd, spec.n_head * spec.head_dim, spec.head_dim
     kv = spec.n_head_kv * hd
 
-    def add(name, data_raw):
+    def add(name: str, data_raw: Encoded) -> None:
         data, raw = data_raw
         w.add_tensor(name, data, raw_dtype=raw)
 
-    def vec(n, scale=0.1, center=1.0):
+    def vec(n: int, scale: float = 0.1, center: float = 1.0) -> Encoded:
         return (center + scale * rng.standard_normal(n)).astype(np.float32), None
 
     add("token_embd.weight", _encode(rng.standard_normal((spec.vocab_size, E)).astype(np.float32), t))
@@ -256,7 +265,7 @@ def _swiglu_ffn(wr: _Writer, p: str, suffix: str, width: int) -> None:
     wr.mat(p + f"ffn_down{suffix}.weight", (E, width))
 
 
-def _olmoe(w, wr: _Writer, s: ModelSpec) -> None:
+def _olmoe(w: gguf.GGUFWriter, wr: _Writer, s: ModelSpec) -> None:
     _common_meta(w, s, s.n_ff_exp)  # olmoe: feed_forward_length is the experts' width
     _tokenizer(w, s)
     E = s.n_embd
@@ -271,7 +280,7 @@ def _olmoe(w, wr: _Writer, s: ModelSpec) -> None:
     _output(wr)
 
 
-def _moe_layer_meta(w, s: ModelSpec) -> None:
+def _moe_layer_meta(w: gguf.GGUFWriter, s: ModelSpec) -> None:
     """glm4moe / deepseek2: expert width, shared experts, dense layers, routing keys."""
     w.add_expert_feed_forward_length(s.n_ff_exp)
     w.add_expert_shared_count(s.n_shared)
@@ -291,7 +300,7 @@ def _nextn(wr: _Writer, p: str) -> None:
     wr.add(p + "nextn.shared_head_norm.weight", wr.vec(E))
 
 
-def _glm4moe(w, wr: _Writer, s: ModelSpec) -> None:
+def _glm4moe(w: gguf.GGUFWriter, wr: _Writer, s: ModelSpec) -> None:
     _common_meta(w, s, s.n_ff, s.n_layer + s.nextn)
     if s.nextn:
         w.add_nextn_predict_layers(s.nextn)
@@ -319,7 +328,7 @@ def _glm4moe(w, wr: _Writer, s: ModelSpec) -> None:
     _output(wr)
 
 
-def _deepseek2(w, wr: _Writer, s: ModelSpec) -> None:
+def _deepseek2(w: gguf.GGUFWriter, wr: _Writer, s: ModelSpec) -> None:
     H, E, R, r = s.n_head, s.n_embd, s.kv_lora_rank, s.rot
     dk = s.qk_nope + r
     # the absorbed layout, as the current converter writes it: one KV head of the compressed KV + rope key
@@ -364,7 +373,7 @@ def _deepseek2(w, wr: _Writer, s: ModelSpec) -> None:
     _output(wr)
 
 
-def _gpt_oss(w, wr: _Writer, s: ModelSpec) -> None:
+def _gpt_oss(w: gguf.GGUFWriter, wr: _Writer, s: ModelSpec) -> None:
     _common_meta(w, s, s.n_ff_exp)
     w.add_expert_feed_forward_length(s.n_ff_exp)
     w.add_key_length(s.head_dim)
@@ -383,7 +392,7 @@ def _gpt_oss(w, wr: _Writer, s: ModelSpec) -> None:
     _output(wr)
 
 
-def _hybrid(w, wr: _Writer, s: ModelSpec) -> None:
+def _hybrid(w: gguf.GGUFWriter, wr: _Writer, s: ModelSpec) -> None:
     """qwen3next / qwen35moe: gated delta-net layers and gated attention layers, experts and a gated shared expert
     in each (as llama.cpp's converter writes them: ``ssm_a`` holds -exp(A_log), norms already 1 + w)."""
     flags = s.recurrent_flags
@@ -446,8 +455,9 @@ def _hybrid(w, wr: _Writer, s: ModelSpec) -> None:
     _output(wr)
 
 
-def write_moe_stack(path, n_layer=4, n_embd=256, n_ff=256, n_expert=16, n_used=4, expert_type="q8_0",
-                    fused=False, seed=0) -> str:
+def write_moe_stack(path: str | os.PathLike[str], n_layer: int = 4, n_embd: int = 256, n_ff: int = 256,
+                    n_expert: int = 16, n_used: int = 4, expert_type: GGMLTypeLike = "q8_0", fused: bool = False,
+                    seed: int = 0) -> str:
     """Write a stack of MoE FFN layers as llama.cpp names them for qwen3moe (what MoEStackSession runs):
     ``blk.N.ffn_norm.weight``, ``blk.N.ffn_gate_inp.weight`` and the routed experts
     ``blk.N.ffn_{gate,up,down}_exps.weight`` (or the fused ``ffn_gate_up_exps``), random weights
@@ -467,7 +477,7 @@ def write_moe_stack(path, n_layer=4, n_embd=256, n_ff=256, n_expert=16, n_used=4
     w.add_expert_feed_forward_length(n_ff)
     w.add_layer_norm_rms_eps(1e-6)
 
-    def experts(rows, cols):
+    def experts(rows: int, cols: int) -> Encoded:
         # scaled so that activations stay O(1) through the stack
         data = (rng.standard_normal((n_expert, rows, cols)) / np.sqrt(cols)).astype(np.float32)
         return _encode(data, t)

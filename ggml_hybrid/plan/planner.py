@@ -17,13 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks import check_int, check_type
-from ..model.gguf_store import GGUFStore
-from ..model.hparams import HParams, NotMoEError, meta_int, read_hparams
-from ..model.moe_model import MoEModel
+from ..deploy.devices import device_free_memory, plan_device_names
+from ..deploy.layout import CPU
+from ..errors import NotMoEError
+from ..gguf.metadata import meta_int
+from ..gguf.store import GGUFStore
+from ..model.families import read_hparams
+from ..model.hparams import HParams
+from ..model.kv_cache import KVCache
 from ..options import MAX_DEVICES, OptionError, SessionOptions
+from ..runtime.moe_model import MoEModel
 from ..units import GiB, format_bytes
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
-from .layout import CPU
 from .model_info import describe
 
 # -- the results: dataclasses between modules, ``to_dict()`` for --format json (schema in docs/layout.md) ------
@@ -61,7 +66,7 @@ class DevicePlan(_ToDict):
     weights: int
     experts: int
     kv_cache: int
-    recurrent: int  # the recurrent states of a hybrid model's delta-net layers (0 for other models)
+    recurrent: int  # the recurrent states of a recurrent model's delta-net layers (0 for other models)
     compute: int
     total: int
     vram: int | None = None
@@ -98,7 +103,7 @@ class KVPlan(_ToDict):
 
 @dataclass
 class RecurrentPlan(_ToDict):
-    """A hybrid model's recurrent states (F32, whatever the context): one sequence's, and what the memory holds
+    """A recurrent model's recurrent states (F32, whatever the context): one sequence's, and what the memory holds
     for ``parallel`` of them (two rows per sequence slot and one of zeros, :mod:`ggml_hybrid.model.recurrent_state`)."""
 
     per_sequence: int
@@ -233,8 +238,6 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
         opts = opts.merged(n_parallel=parallel)
     parallel = opts.n_parallel
     if opts.rpc is not None and vram is None:
-        from .devices import device_free_memory
-
         vram = device_free_memory(opts)  # each RPC server says what its devices have free
     info = describe(path)
     store = GGUFStore(path)
@@ -255,8 +258,6 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
 def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[int] | None, ram: int | None,
               parallel: int) -> tuple[Plan, HParams]:
     """One dry run and the figures from it (``info``: the file's description, read once per plan)."""
-    from .devices import plan_device_names
-
     devices = plan_device_names(opts, vram)
     meas = _measure(path, opts, devices)
     hp = meas.hp
@@ -486,8 +487,6 @@ def _plan_dense(info: dict[str, Any], store: GGUFStore, opts: SessionOptions, vr
     head_dim = meta_int(store, f"{arch}.attention.key_length", (info["n_embd"] // max(1, info["n_head"])) or 1,
                         per_layer="max")
     n_ctx = opts.n_ctx or min(info["n_ctx_train"] or 4096, 4096)
-    from ..model.kv_cache import KVCache
-
     kv_layer = KVCache.layer_bytes(n_ctx, head_kv * head_dim, opts.cache_type_k, opts.cache_type_v) * parallel
     other = info["total_bytes"] - sum(per_layer.values())
     recs, warnings = [], ["dense model: ggml-hybrid runs MoE models only; these figures are for llama.cpp-style "

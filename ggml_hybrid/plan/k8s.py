@@ -2,7 +2,7 @@
 
 The container runs ``ggml-hybrid serve MODEL --host 0.0.0.0 --port PORT`` with the plan's session
 options as ``-o key=value`` items (``n_parallel`` among them), asks for the memory and CPU the plan
-computes (:func:`~ggml_hybrid.deploy.planner.k8s_resources`), and probes ``/health``: a startup probe
+computes (:func:`~ggml_hybrid.plan.planner.k8s_resources`), and probes ``/health``: a startup probe
 that allows for a long load (503 while loading), then readiness and liveness. The model path is the
 one given to ``plan``: mount the file there. The YAML is written here (no YAML library at runtime):
 block style, strings JSON-quoted, which every YAML 1.2 reader reads back.

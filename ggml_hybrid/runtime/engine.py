@@ -33,9 +33,9 @@ import numpy as np
 
 from ..checks import check_int
 from ..errors import ArgumentError, ClosedError, ContextFullError
+from ..text.vocab import TextStream
 from .moe_model import MoEModel
 from .sampling import Sampler
-from .tokenizer import TextStream
 
 QUEUED, PROMPT, DECODE, DONE = "queued", "prompt", "decode", "done"
 RATE_WINDOW = 10.0  # seconds of decode steps the tokens-per-second figure covers

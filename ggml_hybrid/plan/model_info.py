@@ -8,24 +8,13 @@ from collections import Counter
 from typing import Any
 
 from ..errors import ModelFileError
-from ..model.gguf_store import GGUFStore
-from ..model.hparams import INT32_MAX, MAX_EXPERTS, MAX_LAYERS, HParams, architecture, meta_int, meta_str, read_hparams
+from ..gguf.metadata import INT32_MAX, MAX_EXPERTS, MAX_LAYERS, architecture, meta_int, meta_str
+from ..gguf.names import CLASSES, tensor_class
+from ..gguf.store import GGUFStore
+from ..model.families import read_hparams
+from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
 from ..units import format_bytes
-
-CLASSES = ("dense", "routed_experts", "shared_experts", "embeddings", "output")
-
-
-def tensor_class(name: str) -> str:
-    if "_exps." in name:
-        return "routed_experts"
-    if "_shexp." in name:
-        return "shared_experts"
-    if name.startswith("token_embd."):
-        return "embeddings"
-    if name.startswith("output."):
-        return "output"
-    return "dense"
 
 
 def describe(path) -> dict:
@@ -81,7 +70,7 @@ def describe(path) -> dict:
 
 
 def kv_bytes_per_token(hp: HParams, type_k: str = "f16", type_v: str = "f16") -> int:
-    """KV cache bytes per token over the layers that have one (latent attention: the compressed KV only; hybrid
+    """KV cache bytes per token over the layers that have one (latent attention: the compressed KV only; recurrent
     models: the attention layers, not the delta-net ones)."""
     return len(hp.kv_layers) * KVCache.layer_bytes(1, hp.kv_k, type_k, type_v, hp.kv_v)
 

@@ -17,9 +17,9 @@ import numpy as np
 
 from ..checks import check_callable, check_int
 from ..errors import ArgumentError, NonFiniteError
+from ..text.vocab import check_ids
 from .moe_model import MoEModel
 from .sampling import Sampler
-from .tokenizer import check_ids
 
 
 @dataclass

@@ -13,7 +13,7 @@
    machine. Modes alternate per step after a warm-up; every output is checked bit-identical.
    Writes docs/hybrid_share.png when matplotlib is installed (pip install -e '.[bench]').
 
-    python tools/bench/bench_hybrid.py [--steps 8] [--bus-gbps 2] [--threads 1]
+    python tools/bench/bench_cpu_offload.py [--steps 8] [--bus-gbps 2] [--threads 1]
 """
 
 from __future__ import annotations
@@ -32,16 +32,15 @@ import ggml_hybrid as gh
 from ggml_hybrid import ffi, lib
 from ggml_hybrid._native import cstr
 from ggml_hybrid.ggml.ops import GLU_OPS
-from ggml_hybrid.model.gguf_store import GGUFStore, load_into, repack_rule
-from ggml_hybrid.model.synthetic import write_moe_stack
+from ggml_hybrid.gguf.store import GGUFStore, load_into, repack_rule
 from ggml_hybrid.moe.cpu_worker import CPUWorker
 from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
 from ggml_hybrid.moe.native_executor import NativeWorker
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.synthetic import write_moe_stack
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _alternate import alternate  # noqa: E402
 from bench_expert_cache import model_path  # noqa: E402
 

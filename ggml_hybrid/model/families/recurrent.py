@@ -18,8 +18,9 @@ from dataclasses import replace
 
 from ...errors import ModelFileError
 from ...ggml.dtypes import GGMLType
-from ..gguf_store import GGUFStore
-from ..hparams import Common, DeltaNet, HParams, Routing, meta_int, refuse
+from ...gguf.metadata import meta_int
+from ...gguf.store import GGUFStore
+from ..hparams import Common, DeltaNet, HParams, Routing, refuse
 from .base import Shapes, base_hparams, expert_width, ffn_tensors, globals_
 
 # GGML's CUDA kernels abort outside these (the CPU ones take any): the delta rule's head size and the

@@ -18,6 +18,7 @@ import os
 import stat
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 from ..options import SessionOptions
@@ -63,13 +64,13 @@ def _read_bounded(path: str) -> bytes:
     return data
 
 
-def _flatten(raw: dict, where: str) -> dict:
+def _flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
     """``{"main": {"k": v}, "k2": v}`` -> ``{"main.k": v, "k2": v}``; one key spelled twice is an error.
 
     TOML reads an unquoted ``main.moe_cpu_share = 0.5`` as a table ``main`` (a role scope) and a
     quoted ``"main.moe_cpu_share"`` as one key; both spellings of one key must not silently last-win.
     """
-    flat: dict = {}
+    flat: dict[str, Any] = {}
 
     def put(key: str, value: object) -> None:
         if key in flat:
@@ -89,7 +90,7 @@ def _flatten(raw: dict, where: str) -> dict:
     return flat
 
 
-def load_config(path) -> dict[str, ModelEntry]:
+def load_config(path: str | os.PathLike[str]) -> dict[str, ModelEntry]:
     path = os.fspath(path)
     data = _read_bounded(path)
     try:

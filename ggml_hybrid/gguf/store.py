@@ -24,7 +24,8 @@ from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Context
 from ..ggml.repack import repack_buffer_type
 from ..ggml.tensor import Tensor
-from .gguf_header import ARRAY, STRING, TYPE_NAMES, KeyInfo, TensorInfo, read_header
+from .header import ARRAY, STRING, TYPE_NAMES, KeyInfo, TensorInfo, read_header
+from .names import weight_op
 
 _INTEGERS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
 _NUMBERS = _INTEGERS | {6, 12}
@@ -220,8 +221,6 @@ def repack_rule(store: GGUFStore, enabled: bool = True) -> Callable[[str], CData
     """``rule(name)``: the CPU extra buffer type that tensor ``name`` of ``store`` goes to when it lives on a CPU
     backend (its weights repacked for GGML's faster kernels, as llama.cpp does), or ``None``; always ``None``
     when not ``enabled`` (``repack=false``, llama.cpp's ``--no-repack``)."""
-    from ..deploy.layout import weight_op  # the layout imports the options, which import the native module
-
     def rule(name: str) -> CData | None:
         if not enabled:
             return None

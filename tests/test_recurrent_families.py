@@ -8,7 +8,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -18,12 +17,10 @@ from hypothesis import strategies as st
 
 from ggml_hybrid.errors import ArgumentError, GgmlHybridError, ModelFileError
 from ggml_hybrid.model.decoder import SeqRows, build_decoder, seq_input
-from ggml_hybrid.model.moe_model import MoEModel
 from ggml_hybrid.model.recurrent_state import RecurrentState
-from ggml_hybrid.model.synthetic import ModelSpec, write_model
 from ggml_hybrid.options import SessionOptions
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import ModelSpec, write_model
 
 SPECS = {
     "qwen3next": dict(arch="qwen3next", n_layer=4, n_rot=8, attn_interval=2),
@@ -288,9 +285,9 @@ def test_recurrent_state_slots():
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_inspect_and_plan_count_the_recurrent_state(models, name):
-    from ggml_hybrid.deploy.model_info import describe, format_text
-    from ggml_hybrid.deploy.planner import format_text as plan_text
-    from ggml_hybrid.deploy.planner import plan
+    from ggml_hybrid.plan.model_info import describe, format_text
+    from ggml_hybrid.plan.planner import format_text as plan_text
+    from ggml_hybrid.plan.planner import plan
 
     d = describe(models[name])
     f = d["family"]
@@ -373,9 +370,9 @@ def test_bad_files_are_one_clear_error(models, tmp_path, name, edit, words):
 
 
 def test_cuda_limits_are_refused_before_ggml_would_abort(models):
-    from ggml_hybrid.model.families.hybrid import check_cuda
-    from ggml_hybrid.model.gguf_store import GGUFStore
-    from ggml_hybrid.model.hparams import read_hparams
+    from ggml_hybrid.gguf.store import GGUFStore
+    from ggml_hybrid.model.families import read_hparams
+    from ggml_hybrid.model.families.recurrent import check_cuda
 
     store = GGUFStore(models["qwen3next"])
     try:
@@ -473,7 +470,7 @@ def test_each_sequence_of_a_recurrent_model_is_as_if_alone(slotted, data, name, 
 def test_plan_parallel_recurrent_bytes_equal_the_runtime(models, name):
     """``plan --parallel N`` of a recurrent model: its recurrent (and KV) bytes per device and host are what a
     model loaded with ``n_parallel=N`` allocates."""
-    from ggml_hybrid.deploy.planner import plan
+    from ggml_hybrid.plan.planner import plan
 
     for items in ([], ["virtual_devices=2", "disk_experts=1", "expert_cache_slots=2"], ["no_kv_offload=true"]):
         opts = SessionOptions.parse(items + ["n_ctx=256", "n_threads=1"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..tokenizer import PRE_TOKENIZERS
+from ..text.tokenizer import PRE_TOKENIZERS
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A mixture of experts routes every token to a few experts.

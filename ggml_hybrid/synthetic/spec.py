@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import ArgumentError
-from ...ggml.dtypes import GGMLType, as_ggml_type
+from ..errors import ArgumentError
+from ..ggml.dtypes import GGMLType, as_ggml_type
 
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "deepseek2", "gpt-oss", "qwen3next", "qwen35moe")
-HYBRID = ("qwen3next", "qwen35moe")  # gated delta-net layers between attention layers
+RECURRENT = ("qwen3next", "qwen35moe")  # gated delta-net layers between attention layers
 # each family's tokenizer.ggml.pre, as its real files have it (llama with vocab="spm": SentencePiece)
 PRE = {"qwen3moe": "qwen2", "qwen2moe": "qwen2", "llama": "llama-bpe", "olmoe": "olmo", "glm4moe": "glm4",
        "deepseek2": "deepseek-v3", "gpt-oss": "gpt-4o", "qwen3next": "qwen2", "qwen35moe": "qwen35"}
@@ -77,9 +77,9 @@ class ModelSpec:
         if self.arch not in ARCHS:
             raise ArgumentError(f"arch={self.arch!r} is not one of {ARCHS}")
         t = as_ggml_type(self.weight_type)
-        hybrid = self.arch in HYBRID
-        shexp = ("n_ff_shexp",) if self.arch == "qwen2moe" or hybrid else ()
-        for name in ("n_embd", "n_ff_exp") + shexp + (("value_dim",) if hybrid else ()):
+        recurrent = self.arch in RECURRENT
+        shexp = ("n_ff_shexp",) if self.arch == "qwen2moe" or recurrent else ()
+        for name in ("n_embd", "n_ff_exp") + shexp + (("value_dim",) if recurrent else ()):
             if getattr(self, name) % t.block_size:
                 raise ArgumentError(f"{name}={getattr(self, name)} must be a multiple of the {t.name} block size "
                                     f"{t.block_size}")
@@ -109,7 +109,7 @@ class ModelSpec:
             raise ArgumentError(f"rope_scaling={self.rope_scaling!r} must be '', 'linear' or 'yarn'")
         if self.vocab not in ("", "spm") or (self.vocab == "spm" and self.arch != "llama"):
             raise ArgumentError(f"vocab={self.vocab!r}: 'spm' is for arch='llama' (Mixtral)")
-        if hybrid:
+        if recurrent:
             self._check_hybrid()
         if self.vocab_size < (512 if self.vocab == "spm" else 300):
             raise ArgumentError(f"vocab_size={self.vocab_size} must be >= {512 if self.vocab == 'spm' else 300} "
@@ -157,4 +157,4 @@ class ModelSpec:
         return GGMLType.Q8_0 if cols % 32 == 0 else GGMLType.F16
 
 
-__all__ = ["ARCHS", "GATINGS", "HYBRID", "ModelSpec", "PRE"]
+__all__ = ["ARCHS", "GATINGS", "ModelSpec", "RECURRENT", "PRE"]

@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 from typing import SupportsInt
 
 from ..errors import ModelFileError
-from .gguf_store import GGUFStore
-from .tokenizer import (
+from ..gguf.store import GGUFStore
+from .vocab import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
     TOKEN_TYPE_NORMAL,

@@ -1,4 +1,4 @@
-"""Hybrid execution: a share of cache misses on the persistent CPU worker, bit-identical to the default path."""
+"""CPU offload: a share of cache misses on the persistent CPU worker, bit-identical to the default path."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import ggml_hybrid as gh
-from ggml_hybrid.model.synthetic import write_moe_stack
 from ggml_hybrid.moe.cpu_worker import CPUWorker
 from ggml_hybrid.moe.ffn import ExpertWeights
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.synthetic import write_moe_stack
 
 
 def _x(n_tokens, n_embd, seed):
@@ -41,7 +41,7 @@ def cases(draw):
 
 @settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases())
-def test_hybrid_output_is_bit_identical(tmp_path, case):
+def test_cpu_offload_output_is_bit_identical(tmp_path, case):
     path = write_moe_stack(tmp_path / f"h{case['seed']}.gguf", n_layer=2, n_embd=case["n_embd"], n_ff=case["n_ff"],
                            n_expert=case["n_expert"], n_used=case["n_used"], expert_type=case["expert_type"],
                            seed=case["seed"])
@@ -316,7 +316,7 @@ with gh.MoEModel(sys.argv[1], opts) as m:
 """
 
 
-def test_ctrl_c_during_a_hybrid_run_always_ends_the_process(tmp_path):
+def test_ctrl_c_during_a_cpu_offload_run_always_ends_the_process(tmp_path):
     """Ctrl-C (once or twice) at any moment of a run with a CPU share: the process ends, never hangs.
 
     It used to hang in about one run in six: the interrupt could land between a job queued for the CPU
@@ -328,7 +328,7 @@ def test_ctrl_c_during_a_hybrid_run_always_ends_the_process(tmp_path):
     import subprocess
     import sys
 
-    from ggml_hybrid.model.synthetic import ModelSpec, write_model
+    from ggml_hybrid.synthetic import ModelSpec, write_model
 
     path = write_model(tmp_path / "m.gguf", ModelSpec(n_layer=4, n_embd=64, n_expert=16, n_used=4,
                                                       weight_type="q8_0"))

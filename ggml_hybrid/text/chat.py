@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ChatTemplateError, ChatTemplateLimitError, MissingDependencyError
-from .gguf_store import GGUFStore
+from ..gguf.store import GGUFStore
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n ... then <|im_start|>assistant\n
 DEFAULT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

@@ -6,7 +6,7 @@
 
 Dense weights (attention, norms, routers, shared experts, embeddings, output)
 go to the device; routed experts are placed by :class:`ExpertLayers` (resident,
-``cpu_moe``/``n_cpu_moe``, or disk-backed with the expert cache and the hybrid
+``cpu_moe``/``n_cpu_moe``, or disk-backed with the expert cache and its
 CPU share). ``eval`` appends tokens to a sequence's KV slot (sequence 0 unless
 ``seq`` is given), ``reset`` starts over. With ``n_parallel=N`` the model holds N
 sequences (one KV slot each) and ``decode`` computes one token of each of several
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +27,7 @@ import numpy.typing as npt
 from .._native import CData, ffi
 from ..checks import check_callable, check_choice, check_int, check_type
 from ..deploy.devices import open_devices
-from ..deploy.layout import CPU, Layout, is_expert_tensor, plan_layout
+from ..deploy.layout import CPU, Layout, plan_layout
 from ..errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -46,20 +46,22 @@ from ..ggml.graph_cache import GraphCache
 from ..ggml.repack import buffer_type_name, repack_buffer_type
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
+from ..gguf.names import is_expert_tensor
+from ..gguf.store import GGUFStore, load_into, repack_rule
 from ..machine import default_threads
+from ..model.decoder import DecoderGraph, build_decoder, context_size, graph_size
+from ..model.families import read_hparams, tensor_shapes
+from ..model.families.recurrent import check_cuda
+from ..model.hparams import HParams
+from ..model.kv_cache import KVCache, SeqRows, rotation_sizes, seq_input
+from ..model.recurrent_state import RecurrentState
+from ..model.rope import positions
+from ..model.step_feed import StepFeed
 from ..moe.expert_layers import ExpertLayers, check_moe_options
 from ..moe.stack_session import SessionCounters
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..serial import Serial
-from .decoder import DecoderGraph, build_decoder, context_size, graph_size
-from .families.hybrid import check_cuda
-from .gguf_store import GGUFStore, load_into, repack_rule
-from .hparams import HParams, read_hparams, tensor_shapes
-from .kv_cache import KVCache, SeqRows, rotation_sizes, seq_input
-from .recurrent_state import RecurrentState
-from .rope import positions
-from .step_feed import StepFeed
-from .tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per model (one per ubatch shape), least recently used dropped first
@@ -116,7 +118,7 @@ class MoEModel:
     sched: Scheduler
     experts: ExpertLayers
     kv: KVCache
-    rs: RecurrentState | None = None  # the delta-net layers' states (hybrid models)
+    rs: RecurrentState | None = None  # the delta-net layers' states (recurrent models)
     layout: Layout
     def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
                  device: Backend | None = None, progress: Callable[[int, int], object] | None = None,
@@ -152,7 +154,8 @@ class MoEModel:
         except Exception:
             store.close()
             raise
-        # without a thread count, the idle cores now (see ggml/threads.py: GGML's barrier spins)
+        # without a thread count, the idle cores now (machine.py: default_threads; GGML's barrier spins, so a busy core
+        # costs every thread its wait)
         n_threads = opts.n_threads or (1 if self.dry_run else default_threads())
         # llama.cpp's -t / -tb: one thread count for single-token steps, one for batches (the prompt)
         self._threads = {False: n_threads, True: opts.n_threads_batch or n_threads}
@@ -230,7 +233,7 @@ class MoEModel:
                           n_swa=hp.swa.n_swa if hp.swa is not None else 0, layers=hp.kv_layers,
                           n_seq=opts.n_parallel)
         dn = hp.delta_net
-        # a hybrid model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule)
+        # a recurrent model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule)
         self.rs = None if dn is None else RecurrentState(hp.n_layer, dn.layers, dn.conv_state, dn.ssm_state,
                                                          kv_backends, n_seq=opts.n_parallel, clear=not self.dry_run)
         # like llama.cpp: size the compute buffers for the largest ubatch once, at load; the expert caches'
@@ -568,7 +571,7 @@ class MoEModel:
         if self._closed:
             raise ClosedError(f"{op}: the model is closed")
 
-    def eval(self, tokens: npt.ArrayLike, logits: str = "last", seq: int = 0) -> np.ndarray:
+    def eval(self, tokens: npt.ArrayLike, logits: Literal["last", "all"] = "last", seq: int = 0) -> np.ndarray:
         """Append ``tokens`` to sequence ``seq``; the logits of the last (``"last"``) or every (``"all"``) one."""
         if logits != "last":
             check_choice(logits, "eval: logits", ("last", "all"))
@@ -689,6 +692,16 @@ class MoEModel:
             out["recurrent"] += self.rs.nbytes(b) if self.rs is not None else 0
             out["compute"] += self.sched.buffer_size(b) + self.experts.compute_bytes(b)
         return out
+
+    @property
+    def cpu_experts_active(self) -> bool:
+        """Whether routed experts run on the CPU: some expert weights are placed there (``cpu_moe``, ``n_cpu_moe``,
+        ``-ot ...=CPU``), or a CPU share of cache misses is set for layers that use the cache. How much the CPU
+        actually ran is counted apart (``share_applied``, ``cpu_misses``). Reported as ``hybrid_offload_active``."""
+        lay = self.layout
+        on_cpu = any(dev == CPU for name, dev in lay.tensors.items() if is_expert_tensor(name))
+        shared = self.options.moe_cpu_share != 0.0 and "disk" in lay.expert_mode
+        return on_cpu or shared
 
     def layout_report(self) -> dict[str, Any]:
         """Where each tensor class ended up: bytes per device (``CPU``: copies in host RAM, the repacked weights;

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""One checkout's native executor, for ``bench_native_executor.py --part ab``: one round, printed as JSON.
+
+    PYTHONPATH=CHECKOUT python _native_stack_worker.py MODEL N_LAYER N_EMBD STEPS WARMUP
+
+It imports only ``ggml_hybrid``'s public names (``gh.MoEStackSession``, ``gh.SessionOptions``), which every
+commit compared has. Sessions of the stack MODEL: resident experts, the native executor with 64 and with 16
+slots, 1 thread, each first given 256 tokens (every expert routed: a 64-slot cache is then full); then
+WARMUP + STEPS decode steps, a fresh input each, the sessions in alternating order, every output checked equal
+to the resident one. Prints the median µs per layer of each session and the native ones' orchestration µs per
+layer call over the STEPS, and ``where``, the package's folder (the caller checks which checkout answered).
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import ggml_hybrid as gh
+
+
+def main() -> int:
+    path, n_layer, n_embd, steps, warmup = sys.argv[1], *map(int, sys.argv[2:6])
+    modes = {"resident": [], **{f"native {n} slots": ["disk_experts=1", f"expert_cache_slots={n}",
+                                                       "moe_executor=native"] for n in (64, 16)}}
+    sessions = {k: gh.MoEStackSession(path, gh.SessionOptions.parse([*v, "n_threads=1"])) for k, v in modes.items()}
+    rng = np.random.default_rng(0)
+    warm = rng.standard_normal((256, n_embd)).astype(np.float32)
+    for s in sessions.values():
+        s.forward(warm)
+    times: dict[str, list[float]] = {k: [] for k in sessions}
+    base = {}
+    for i in range(warmup + steps):
+        x = rng.standard_normal((1, n_embd)).astype(np.float32)
+        if i == warmup:
+            base = {k: s.counters.total for k, s in sessions.items()}
+        want = None
+        for k, s in (list(sessions.items()) if i % 2 == 0 else list(sessions.items())[::-1]):
+            t0 = time.perf_counter()
+            got = s.forward(x)
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+            if want is None:
+                want = got
+            assert np.array_equal(got, want), f"{k} differs from the other sessions"
+    orch = {}
+    for k, s in sessions.items():
+        tot, b = s.counters.total, base[k]
+        if k != "resident":
+            orch[k] = (tot.orchestration_ns - b.orchestration_ns) / (tot.calls - b.calls) / 1e3
+        s.close()
+    print(json.dumps({"where": gh.__file__, "us_layer": {k: statistics.median(v) * 1e6 / n_layer
+                                                         for k, v in times.items()}, "orch_us": orch}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
