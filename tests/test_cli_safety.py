@@ -189,7 +189,7 @@ def test_config_and_logits_paths_named_for_what_they_are(model, tmp_path):
 @pytest.mark.parametrize("where", ["missing folder", "file as folder"])
 def test_logits_out_into_a_folder_that_cannot_hold_it_is_refused_before_loading(model, tmp_path, monkeypatch, where):
     """It was refused only after the whole run (at the rename into place)."""
-    from ggml_hybrid.model import moe_model
+    from ggml_hybrid.runtime import moe_model
 
     def no_load(*a, **kw):
         raise AssertionError("the model was loaded before the output path was checked")
