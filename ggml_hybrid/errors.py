@@ -160,5 +160,10 @@ class ChatTemplateLimitError(ChatTemplateError):
         self.kind = kind
 
 
+class HubError(GgmlHybridError, ValueError):
+    """A model asked of the Hugging Face Hub (``-hf``) that cannot be had: no such repository, no file of the quant
+    tag, offline without it in the cache, a file split in parts; the message names the repository and the files."""
+
+
 class MissingDependencyError(GgmlHybridError, ImportError):
     """An optional dependency a feature needs is not installed; the message names the extra to install."""

@@ -404,3 +404,41 @@ def test_plan_equals_what_a_run_allocates_with_disk_experts_and_a_share(model):
         for n in (1, 7, 64, 2, 33):
             m.eval(list(range(1, n + 1)))
         assert m.device_memory() == at_load
+
+
+# -- issue 34: errors that say what to type ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_expert, n_used", [(16, 4), (8, 4), (6, 1)])
+def test_disk_experts_without_slots_suggests_a_count(tmp_path, n_expert, n_used):
+    path = write_model(tmp_path / "m.gguf", ModelSpec(n_expert=n_expert, n_used=n_used))
+    want = min(n_expert, max(n_expert // 4, n_used, 1))  # a quarter of the experts, at least those used per token
+    for flags in (["--disk-experts"], ["--moe-cpu-share", "0.5"], ["-o", "disk_experts=true"]):
+        for cmd in (["run", path, "-p", "x", *T1], ["plan", path]):
+            err = user_error(*cmd, *flags, expect=["expert_cache_slots=0", "--expert-cache-slots N"])
+            assert f"e.g. {want} (a quarter of the model's {n_expert} experts, at least the {n_used} used" in err
+    # the suggestion works as given
+    assert run_json(path, "--tokens", "1,2", "-n", 2, "--moe-cpu-share", "0.5", "--expert-cache-slots", want,
+                    *T1)["options"]["expert_cache_slots"] == want
+
+
+def test_tensor_split_for_more_devices_than_the_session_has(model):
+    for cmd in (["run", model, "--tokens", "1", "-n", 1, *T1], ["plan", model]):
+        user_error(*cmd, "-ts", "3,1", expect=["tensor_split=3,1: needs 1 proportion(s), one per device, got 2",
+                                               "nothing to split"])
+    ok("plan", model, "-ts", "1")  # one proportion for one device
+    p = json.loads(ok("plan", model, "-ts", "3,1", "--virtual-devices", 2, "--json").stdout)
+    assert sorted(p["devices"]) == ["DEV0", "DEV1"]
+
+
+def test_missing_server_extra_says_how_to_install_from_the_checkout(monkeypatch):
+    from ggml_hybrid.errors import MissingDependencyError
+    from ggml_hybrid.text import chat
+
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # import jinja2 fails as if it were not installed
+    monkeypatch.setitem(sys.modules, "jinja2.sandbox", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install -e '\.\[server\]'"):
+        chat._jinja()
+    root = Path(__file__).resolve().parents[1]
+    for f in [*root.joinpath("docs").glob("*.md"), root / "README.md", *root.joinpath("ggml_hybrid").rglob("*.py")]:
+        assert "ggml-hybrid[server]" not in f.read_text(), f"{f}: names a package that is not on PyPI"

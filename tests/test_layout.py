@@ -125,6 +125,8 @@ def test_no_kv_offload_keeps_the_cache_on_the_cpu(names):
     (dict(n_gpu_layers=-2), "n_gpu_layers=-2"),
     (dict(devices=["DEV0", "DEV1"], tensor_split="1,1,1"), "tensor_split=1,1,1"),
     (dict(devices=["DEV0", "DEV1"], tensor_split="1,1", split_mode="none"), "split_mode=layer"),
+    (dict(devices=["DEV0"], tensor_split="3,1"), r"tensor_split=3,1: needs 1 proportion.*nothing to split"),
+    (dict(devices=["DEV0"], tensor_split="3,1", split_mode="none"), r"needs 1 proportion"),
     (dict(n_cpu_moe=5), "n_cpu_moe=5"),
     (dict(disk_experts=True, expert_cache_slots=2, override_tensor="ffn_down_exps=CPU"), "split over"),
     (dict(devices=[], n_gpu_layers=1), "no device"),

@@ -23,12 +23,12 @@ from .main import main
               help="Tokens generated per run.")
 @click.option("-p", "--prompt", default="The quick brown fox jumps over the lazy dog.", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def bench(model: str | None, model_flag: str | None, a_opts: str, b_opts: str, runs: int, n_predict: int, prompt: str,
-          as_json: bool, **flags: Any) -> None:
+def bench(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, a_opts: str,
+          b_opts: str, runs: int, n_predict: int, prompt: str, as_json: bool, **flags: Any) -> None:
     """Time two session configurations of MODEL side by side in one process (the flags apply to both)."""
     from .abbench import ab_bench, format_table
 
-    path, role, base = session_from_flags(pick_model(model, model_flag), flags)
+    path, role, base = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=as_json), flags)
     split = lambda s: [x for x in s.replace(",", " ").split() if x]
     a = SessionOptions.parse(split(a_opts), role=role, base=base)
     b = SessionOptions.parse(split(b_opts), role=role, base=base)

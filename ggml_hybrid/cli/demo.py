@@ -1,12 +1,13 @@
 """The ``demo`` command: a generated MoE model run resident, from disk through the cache, and with CPU offload.
 
-Nothing is downloaded: a small qwen3moe is written to a temporary folder, the
+Nothing is downloaded: a small qwen3moe is written to a temporary folder (or, with ``--keep DIR``, to DIR), the
 same prompt is run greedily under four configurations, and every evaluated
 position's logits are compared with the resident run's, bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ import tempfile
 import click
 import numpy as np
 
+from ..files import check_output
 from ..options import SessionOptions
 from ..runtime.generate import complete
 from ..runtime.moe_model import MoEModel
@@ -37,9 +39,17 @@ def configurations(n_expert: int, n_threads: int | None) -> list[tuple[str, Sess
             (f"cache {slots} slots, share auto", cache.merged(moe_cpu_share="auto"))]
 
 
-def run_demo(n_predict: int = 24, n_threads: int | None = None, echo=print) -> dict:
-    with tempfile.TemporaryDirectory(prefix="ggml-hybrid-demo-") as tmp:
-        path = write_model(os.path.join(tmp, "demo-qwen3moe.gguf"), DEMO_SPEC)
+def run_demo(n_predict: int = 24, n_threads: int | None = None, echo=print, keep: str | None = None) -> dict:
+    """The demo's figures; ``keep``: a folder (made if missing) that keeps the model, instead of a temporary one."""
+    with contextlib.ExitStack() as stack:
+        if keep is None:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="ggml-hybrid-demo-"))
+        else:
+            if os.path.exists(keep) and not os.path.isdir(keep):
+                raise click.BadParameter(f"{keep!r} exists and is not a folder", param_hint="--keep")
+            os.makedirs(keep, exist_ok=True)
+            folder = keep
+        path = write_model(check_output(os.path.join(folder, "demo-qwen3moe.gguf"), [], "--keep"), DEMO_SPEC)
         echo(f"generated {os.path.basename(path)}: {DEMO_SPEC.n_layer} layers, {DEMO_SPEC.n_expert} experts "
              f"(top-{DEMO_SPEC.n_used}), {DEMO_SPEC.weight_type}, {format_bytes(os.path.getsize(path))}")
         rows, texts, logits = [], [], []
@@ -58,7 +68,7 @@ def run_demo(n_predict: int = 24, n_threads: int | None = None, echo=print) -> d
     for row, same in zip(rows, identical):
         row["identical_logits"] = same
     return {"prompt": PROMPT, "text": texts[0], "rows": rows, "all_identical": all(identical),
-            "same_text": all(t == texts[0] for t in texts)}
+            "same_text": all(t == texts[0] for t in texts), "model": None if keep is None else path}
 
 
 def format_demo(r: dict) -> str:
@@ -72,6 +82,11 @@ def format_demo(r: dict) -> str:
     verdict = ("parity: every configuration's logits are bit-identical to the resident run"
                if r["all_identical"] else "parity: FAILED, some configuration's logits differ from the resident run")
     lines += ["", verdict]
+    if r.get("model"):
+        slots = max(1, DEMO_SPEC.n_expert // 4)
+        lines += [f"model kept: {r['model']}",
+                  f"  try: ggml-hybrid run {r['model']} -p \"Hello\" -n 16 --expert-cache-slots {slots} "
+                  "--moe-cpu-share auto"]
     return "\n".join(lines)
 
 
@@ -79,12 +94,14 @@ def format_demo(r: dict) -> str:
 @click.option("-n", "--n-predict", default=24, show_default=True, type=click.IntRange(1))
 @click.option("-t", "--threads", type=int, metavar="N",
               help="CPU threads (default: all cores; N <= 0 = all).")
+@click.option("--keep", metavar="DIR", type=click.Path(file_okay=False),
+              help="Keep the generated model in DIR (made if missing) to run it again, plan or serve it.")
 @click.option("--json", "as_json", is_flag=True)
-def demo(n_predict, threads, as_json):
+def demo(n_predict, threads, keep, as_json):
     """Generate a small MoE model and run it resident, cached and with CPU offload; check the logits agree."""
 
     r = run_demo(n_predict=n_predict, n_threads=threads if threads and threads > 0 else None,
-                 echo=(lambda s: None) if as_json else click.echo)
+                 echo=(lambda s: None) if as_json else click.echo, keep=keep)
     click.echo(json.dumps(r) if as_json else format_demo(r))
     if not r["all_identical"]:
         sys.exit(1)

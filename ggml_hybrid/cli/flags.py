@@ -25,17 +25,37 @@ from ..server.config import load_config, pick
 
 
 def model_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("-hff", "--hf-file", "hf_file", metavar="FILE", help=(
+        "The file of the -hf repository to use, instead of choosing one by quant tag."))(fn)
+    fn = click.option("-hf", "-hfr", "--hf-repo", "hf_repo", metavar="REPO[:QUANT]", help=(
+        "The model from the Hugging Face Hub: OWNER/NAME, optionally with a quant tag (default Q4_K_M, then Q8_0, "
+        "then the first GGUF), downloaded into the hub cache, as llama.cpp's -hf."))(fn)
     fn = click.option("-m", "--model", "model_flag", metavar="FNAME",
                       help="The model: a GGUF file, or a model name or role in --config (or give it as MODEL).")(fn)
     return click.argument("model", required=False)(fn)
 
 
-def pick_model(model: str | None, model_flag: str | None) -> str:
-    if model is not None and model_flag is not None:
-        raise click.UsageError(f"give the model once: as MODEL ({model!r}) or as -m/--model ({model_flag!r})")
-    chosen = model if model is not None else model_flag
-    if chosen is None:
-        raise click.UsageError("missing the model: give MODEL or -m/--model FNAME")
+def check_model_args(model: str | None, model_flag: str | None, hf_repo: str | None = None,
+                     hf_file: str | None = None) -> str:
+    """The one model argument given (MODEL, -m or -hf), checked without downloading anything."""
+    given = [(f, v) for f, v in (("MODEL", model), ("-m/--model", model_flag), ("-hf", hf_repo)) if v is not None]
+    if len(given) > 1:
+        raise click.UsageError("give the model once: " + " or ".join(f"as {f} ({v!r})" for f, v in given))
+    if hf_file is not None and hf_repo is None:
+        raise click.UsageError(f"--hf-file {hf_file!r} names a file of a Hugging Face repository: give -hf REPO too")
+    if not given:
+        raise click.UsageError("missing the model: give MODEL, -m/--model FNAME or -hf REPO[:QUANT]")
+    return given[0][1]
+
+
+def pick_model(model: str | None, model_flag: str | None, hf_repo: str | None = None, hf_file: str | None = None,
+               *, quiet: bool = False) -> str:
+    """The model path from MODEL, -m or -hf (downloaded first, with a progress bar unless ``quiet``)."""
+    chosen = check_model_args(model, model_flag, hf_repo, hf_file)
+    if hf_repo is not None:
+        from .hub import fetch
+
+        return fetch(hf_repo, hf_file, progress=not quiet, note=None if quiet else lambda s: click.echo(s, err=True))
     return chosen
 
 

@@ -15,11 +15,11 @@ from .main import main
 @main.command()
 @model_argument
 @click.option("--json", "as_json", is_flag=True)
-def inspect(model, model_flag, as_json):
+def inspect(model, model_flag, hf_repo, hf_file, as_json):
     """Architecture, experts, bytes per tensor class and quant types of MODEL (header only)."""
     from ..plan.model_info import describe, format_text
 
-    d = describe(pick_model(model, model_flag))
+    d = describe(pick_model(model, model_flag, hf_repo, hf_file, quiet=as_json))
     click.echo(json.dumps(d) if as_json else format_text(d))
 
 

@@ -11,7 +11,15 @@ from typing import Any
 import click
 import numpy as np
 
-from .flags import explicit, model_argument, pick_model, progress_bar, session_flags, session_from_flags
+from .flags import (
+    check_model_args,
+    explicit,
+    model_argument,
+    pick_model,
+    progress_bar,
+    session_flags,
+    session_from_flags,
+)
 from .main import EXIT_INTERRUPTED, ignore_interrupts, main
 
 _SEED_MAX = 2**32 - 1
@@ -98,7 +106,8 @@ def read_prompt_file(path: str) -> str:
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="Write every evaluated position's logits, float32 [positions, vocab], to this .npy file.")
 @click.pass_context
-def run(ctx: click.Context, model: str | None, model_flag: str | None, prompt: str | None, prompt_file: str | None,
+def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None,
+        prompt: str | None, prompt_file: str | None,
         tokens: str | None, escape: bool, n_predict: int, seed: int | None, temp: float, top_k: int, top_p: float,
         min_p: float, repeat_penalty: float, repeat_last_n: int, presence_penalty: float, frequency_penalty: float,
         ignore_eos: bool, conversation: bool, no_conversation: bool, system_prompt: str | None, as_json: bool,
@@ -110,7 +119,7 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, prompt: s
     from ..runtime.sampling import Sampler
     from .report import format_stats, run_report
 
-    model = pick_model(model, model_flag)
+    check_model_args(model, model_flag, hf_repo, hf_file)  # before the other checks; -hf downloads after them
     given = [x for x, v in (("-p/--prompt", prompt), ("-f/--file", prompt_file), ("--tokens", tokens)) if v is not None]
     if conversation:
         _check_conversation(no_conversation, tokens, as_json, logits_out)
@@ -131,7 +140,7 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, prompt: s
             raise click.BadParameter("the prompt is not valid UTF-8 text", param_hint="--prompt") from None
         if escape:
             prompt = process_escapes(prompt)
-    path, _, opts = session_from_flags(model, flags)
+    path, _, opts = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=as_json), flags)
     if opts.n_parallel > 1:
         raise click.UsageError(f"n_parallel={opts.n_parallel}: `run` generates one sequence; several share a model "
                                "in `ggml-hybrid serve`, and `plan -np N` sizes their KV cache")

@@ -21,7 +21,7 @@ import click
 from ..errors import ConfigError, MissingDependencyError
 from ..options import SessionOptions
 from ..server.config import ModelEntry, load_config
-from .flags import model_argument, session_flags, session_items
+from .flags import model_argument, pick_model, session_flags, session_items
 from .main import main
 
 
@@ -37,16 +37,14 @@ from .main import main
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 @session_flags
-def serve(model: str | None, model_flag: str | None, host: str, port: int, aliases: tuple[str, ...],
-          drain_timeout: float, log_level: str, **flags: Any) -> None:
+def serve(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, host: str, port: int,
+          aliases: tuple[str, ...], drain_timeout: float, log_level: str, **flags: Any) -> None:
     """Serve MODEL (a GGUF file), or every model of --config, over OpenAI's HTTP API."""
-    if model is not None and model_flag is not None:
-        raise click.UsageError(f"give the model once: as MODEL ({model!r}) or as -m/--model ({model_flag!r})")
-    model = model if model is not None else model_flag
     config, items = session_items(flags)
     if config is not None:
-        if model is not None:
-            raise click.UsageError("give MODEL or --config, not both (--config serves every model of the file)")
+        if model is not None or model_flag is not None or hf_repo is not None:
+            raise click.UsageError("give MODEL (or -m, -hf) or --config, not both (--config serves every model of "
+                                   "the file)")
         if aliases:
             raise click.UsageError("--alias names the model of MODEL; with --config, give 'aliases' in the file")
         entries = []
@@ -56,10 +54,11 @@ def serve(model: str | None, model_flag: str | None, host: str, port: int, alias
             except ValueError as exc:
                 raise ConfigError(f"{config}: [models.{e.name}]: {exc}") from None
             entries.append(ModelEntry(e.name, e.path, e.role, opts, e.aliases))
-    elif model is None:
-        raise click.UsageError("give MODEL (a GGUF file) or --config FILE")
+    elif model is None and model_flag is None and hf_repo is None:
+        raise click.UsageError("give MODEL (a GGUF file), -hf REPO[:QUANT] or --config FILE")
     else:
         opts = SessionOptions.parse(items)
+        model = pick_model(model, model_flag, hf_repo, hf_file)
         name = os.path.splitext(os.path.basename(model))[0]
         entries = [ModelEntry(name, model, None, opts, tuple(a for a in aliases if a != name))]
     for e in entries:
@@ -91,8 +90,8 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
         from ..server.app import create_app
         from ..server.models import ModelSet
     except ImportError as exc:
-        raise MissingDependencyError(f"serve needs the server extra ({exc.name} is missing): "
-                                     "pip install 'ggml-hybrid[server]'") from None
+        raise MissingDependencyError(f"serve needs the server extra ({exc.name} is missing): pip install -e "
+                                     "'.[server]' in the ggml-hybrid checkout (it is not on PyPI)") from None
     import contextlib
 
     from ..server import guard, logs

@@ -49,7 +49,10 @@ def parse_split(text: str | None, n_devices: int) -> list[float]:
         return [1.0] * n_devices
     parts = tensor_split_parts(text)  # the option's own rule: validated when the option was set
     if len(parts) != n_devices:
-        raise OptionError(f"tensor_split={text}: needs {n_devices} proportion(s), one per device, got {len(parts)}")
+        alone = ("; with one device there is nothing to split: leave -ts out, or give more devices (-dev, --rpc, "
+                 "--virtual-devices N)") if n_devices == 1 else ""
+        raise OptionError(f"tensor_split={text}: needs {n_devices} proportion(s), one per device, got "
+                          f"{len(parts)}{alone}")
     return parts
 
 
@@ -99,6 +102,8 @@ def plan_layout(names: Iterable[str], n_layer: int, opts: SessionOptions, device
         split = [1.0] + [0.0] * (len(devices) - 1)
         if opts.tensor_split and len(devices) > 1:
             raise OptionError(f"tensor_split={opts.tensor_split}: needs split_mode=layer")
+        if opts.tensor_split:
+            parse_split(opts.tensor_split, len(devices))  # one device: proportions for more are refused, not ignored
     else:
         split = parse_split(opts.tensor_split, len(devices))
     total = sum(split)

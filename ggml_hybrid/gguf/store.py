@@ -85,6 +85,11 @@ class GGUFStore:
         self._map: np.ndarray = self._reader.data
         self._info: dict[str, TensorInfo] = {t.name: t for t in header.tensors}
         self._mapped: Buffer | None = None
+        n_split = self.meta("split.count", 0, kind="int") if self.has("split.count") else 0
+        if n_split > 1:
+            raise ModelFileError(f"{self.path!r} is part {self.meta('split.no', 0, kind='int') + 1} of a GGUF split "
+                                 f"in {n_split} parts (split.count); ggml-hybrid loads single-file GGUFs only: merge "
+                                 "the parts with llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`")
 
     def check_unchanged(self) -> None:
         """Raise :class:`ModelFileError` if the file was truncated, rewritten or replaced since it was opened.

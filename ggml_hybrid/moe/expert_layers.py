@@ -36,10 +36,20 @@ from .traces import TraceWriter
 ExpertMode = Literal["resident", "cpu", "disk", "dense"]
 
 
-def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int) -> None:
+def suggested_slots(n_expert: int, n_used: int = 0) -> int:
+    """A first expert cache size to try: a quarter of the experts, at least the experts used per token."""
+    return min(n_expert, max(n_expert // 4, n_used, 1))
+
+
+def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used: int = 0) -> None:
     """Reject option combinations that cannot work for this model, before anything is loaded."""
     if opts.disk_experts and opts.expert_cache_slots < 1:
-        raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts needs at least 1 slot")
+        s = suggested_slots(n_expert, n_used)
+        used = f", at least the {n_used} used per token" if n_used else ""
+        raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts=true (--disk-experts; a "
+                          "non-zero --moe-cpu-share implies it) needs expert cache slots per layer: give "
+                          f"--expert-cache-slots N (-o expert_cache_slots=N), e.g. {s} (a quarter of the model's "
+                          f"{n_expert} experts{used}; `ggml-hybrid plan --vram ...` sizes it)")
     if opts.expert_cache_slots > n_expert:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the model has only "
                           f"{n_expert} experts per layer")
@@ -295,4 +305,4 @@ class ExpertLayers:
         self.mapped_ctx.close()
 
 
-__all__ = ["ExpertLayers", "ExpertMode", "check_expert_shapes", "check_moe_options", "expert_names"]
+__all__ = ["ExpertLayers", "ExpertMode", "check_expert_shapes", "check_moe_options", "expert_names", "suggested_slots"]

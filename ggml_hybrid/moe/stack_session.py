@@ -133,7 +133,7 @@ class MoEStackSession:
         hp = read_stack_hparams(store)
         self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = (hp.n_layer, hp.n_embd, hp.n_expert,
                                                                             hp.n_used, hp.rms_eps)
-        check_moe_options(opts, self.n_layer, self.n_expert)
+        check_moe_options(opts, self.n_layer, self.n_expert, self.n_used)
         n_threads = opts.n_threads or default_threads()
         if opts.check_tensors:
             store.validate_data(n_threads=n_threads)

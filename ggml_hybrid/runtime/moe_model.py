@@ -70,7 +70,7 @@ GraphKey = tuple[tuple[SeqRows, ...], int]  # an ubatch's seq_rows and its numbe
 
 
 def check_options(opts: SessionOptions, hp: HParams) -> None:
-    check_moe_options(opts, hp.n_layer, hp.n_expert)
+    check_moe_options(opts, hp.n_layer, hp.n_expert, hp.n_used)
     if opts.ubatch_size > opts.batch_size:
         raise OptionError(f"ubatch_size={opts.ubatch_size}: must not exceed batch_size={opts.batch_size}")
     if opts.n_ctx > hp.n_ctx_train:

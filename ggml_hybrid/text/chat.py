@@ -13,7 +13,7 @@ which is also llama.cpp's fallback. The server's chat endpoint and ``run -cnv`` 
 :class:`ChatTemplate`; the rendered text is tokenized with control tokens parsed
 (``encode(..., special=True)``), as llama.cpp's server does.
 
-Jinja2 comes with the ``server`` extra (``pip install 'ggml-hybrid[server]'``).
+Jinja2 comes with the ``server`` extra (``pip install -e '.[server]'`` in the checkout; ggml-hybrid is not on PyPI).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _jinja() -> Any:
     try:
         import jinja2.sandbox
     except ImportError:
-        raise MissingDependencyError("chat templates need Jinja2: pip install 'ggml-hybrid[server]'") from None
+        raise MissingDependencyError("chat templates need Jinja2 (the server extra): pip install -e '.[server]' in "
+                                     "the ggml-hybrid checkout, or pip install jinja2") from None
     return jinja2
 
 

@@ -13,16 +13,21 @@ layer call over the STEPS, and ``where``, the package's folder (the caller check
 
 import json
 import statistics
-import sys
 import time
 
+import click
 import numpy as np
 
 import ggml_hybrid as gh
 
 
-def main() -> int:
-    path, n_layer, n_embd, steps, warmup = sys.argv[1], *map(int, sys.argv[2:6])
+@click.command(help=__doc__)
+@click.argument("path")
+@click.argument("n_layer", type=int)
+@click.argument("n_embd", type=int)
+@click.argument("steps", type=int)
+@click.argument("warmup", type=int)
+def main(path: str, n_layer: int, n_embd: int, steps: int, warmup: int) -> None:
     modes = {"resident": [], **{f"native {n} slots": ["disk_experts=1", f"expert_cache_slots={n}",
                                                        "moe_executor=native"] for n in (64, 16)}}
     sessions = {k: gh.MoEStackSession(path, gh.SessionOptions.parse([*v, "n_threads=1"])) for k, v in modes.items()}
@@ -53,8 +58,7 @@ def main() -> int:
         s.close()
     print(json.dumps({"where": gh.__file__, "us_layer": {k: statistics.median(v) * 1e6 / n_layer
                                                          for k, v in times.items()}, "orch_us": orch}))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -15,13 +15,17 @@ import json
 import sys
 import time
 
+import click
 import numpy as np
 
 import ggml_hybrid as gh
 
 
-def main() -> int:
-    model_path, threads, n_ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+@click.command(help=__doc__)
+@click.argument("model_path")
+@click.argument("threads", type=int)
+@click.argument("n_ctx", type=int)
+def main(model_path: str, threads: int, n_ctx: int) -> None:
     model = gh.MoEModel(model_path, gh.SessionOptions(n_threads=threads, n_ctx=n_ctx))
     print(json.dumps({"ready": True, "where": gh.__file__}), flush=True)
     for line in sys.stdin:
@@ -36,8 +40,7 @@ def main() -> int:
         print(json.dumps({"prompt_s": t1 - t0, "decode_s": t2 - t1, "prompt_cpu": c1 - c0, "decode_cpu": c2 - c1,
                           "tokens": out}), flush=True)
     model.close()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
