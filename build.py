@@ -399,8 +399,8 @@ def build_cffi(core: Path, opts: Options) -> Path:
     includes = ["math.h", "ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]  # math.h: libm's logf
     includes += [p.name for p in info.c_sources() if p.suffix == ".h"]  # ours: the cdef declares from them
     preamble = "\n".join(f'#include "{h}"' for h in includes) + "\n"
-    macros = [("GGML_HYBRID_GGML_VERSION", f'"{pin["ggml_version"]}"'), ("GGML_HYBRID_PATCH_HASH", f'"{patch_hash}"'),
-              ("GGML_HYBRID_SOURCE_HASH", f'"{source_hash}"'), ("GGML_HYBRID_ABI", f'"{abi}"')]
+    macros = [("HY_GGML_VERSION", f'"{pin["ggml_version"]}"'), ("HY_PATCH_HASH", f'"{patch_hash}"'),
+              ("HY_SOURCE_HASH", f'"{source_hash}"'), ("GGML_HYBRID_ABI", f'"{abi}"')]
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     key = hashlib.sha256((cdef + preamble + repr(macros) + core.name + ext).encode()).hexdigest()[:16]
     cached = core / "cffi" / key / f"{name}{ext}"

@@ -25,7 +25,7 @@ from .ggml.rpc import endpoint_list
 __all__ = ["EvictionPolicy", "ExecutorKind", "KVCacheType", "OptionError", "SessionOptions", "SplitMode"]
 
 # a GGML scheduler takes at most GGML_SCHED_MAX_BACKENDS backends, the host CPU included
-MAX_DEVICES: int = lib.GGML_HYBRID_MAX_INSTANCES
+MAX_DEVICES: int = lib.HY_MAX_INSTANCES
 _ROLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _INT_RE = re.compile(r"[+-]?[0-9]+")  # int() alone also takes "1_000" and non-ASCII digits
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
@@ -301,6 +301,10 @@ class SessionOptions:
         None, "str | None", "HOST:PORT items separated by commas, or none",
         "RPC servers (ggml-hybrid rpc-server) whose devices the session uses, named RPC0, RPC1, ... in this "
         "order, before any GPU (llama.cpp --rpc).", _endpoints)
+    rpc_timeout: int = _opt(
+        120, "int", "an integer >= 0 (seconds; 0 = no limit)",
+        "Seconds an RPC server may take to accept a connection, take a message or send a reply before the "
+        "session gives up on it (an RPCError); 0 waits for ever.", _int(0))
     n_threads_batch: Optional[int] = _opt(
         None, "int | None", _THREADS_RULE,
         "CPU threads of the CPU backends for batches of more than one token (the prompt); none = n_threads "

@@ -365,6 +365,15 @@ def test_tools_use_click_and_help_runs_nothing():
                                           text=True, timeout=120).stdout
 
 
+def test_converter_side_tools_help_runs_nothing():
+    """tools/converted/ runs under the converter's interpreter (torch, transformers) and the llama.cpp reference one:
+    argparse there, as in llama_reference.py; --help imports neither."""
+    for name in ("hf_side.py", "quantize.py"):
+        r = subprocess.run([sys.executable, str(REPO / "tools" / "converted" / name), "--help"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith("usage:"), (name, r.stderr[-500:])
+
+
 def test_replay_trace_takes_comma_lists(tmp_path):
     trace = tmp_path / "t.trace"
     tool = str(REPO / "tools/replay_trace.py")

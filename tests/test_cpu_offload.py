@@ -352,3 +352,118 @@ def test_ctrl_c_during_a_cpu_offload_run_always_ends_the_process(tmp_path):
                 p.communicate()
                 pytest.fail("the process hung after Ctrl-C")
         assert p.returncode != 0 and "KeyboardInterrupt" in err
+
+
+_TRUNCATED = """
+import os
+import sys
+import numpy as np
+import ggml_hybrid as gh
+from ggml_hybrid._native import ffi
+from ggml_hybrid.moe.stack_session import MoEStackSession
+from ggml_hybrid.options import SessionOptions
+
+path, executor, share = sys.argv[1:]
+opts = SessionOptions.parse(["disk_experts=1", "expert_cache_slots=1", f"moe_cpu_share={share}", "n_threads=1",
+                             f"moe_executor={executor}"])
+rng = np.random.default_rng(0)
+with MoEStackSession(path, opts) as s:
+    s.forward(rng.standard_normal((4, 64)).astype(np.float32))
+    # the truncation lands just after each call's check of the file (size, time, inode) and before its reads
+    for ex in s.executors:
+        if executor == "native":  # the executor's copy of its config is the first member of its struct
+            ffi.cast("hy_moe_config *", ex._exec.ptr).path = ffi.NULL
+        else:
+            ex.store.check_unchanged = lambda: None
+    os.truncate(path, os.path.getsize(path) // 4)
+    try:
+        for i in range(8):
+            s.forward(rng.standard_normal((8, 64)).astype(np.float32))
+    except gh.errors.ModelFileError as exc:
+        print(exc)
+        sys.exit(3)
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("executor", ["native", "python"])
+@pytest.mark.parametrize("share", ["1", "0"])
+def test_a_model_file_truncated_during_the_reads_is_a_clear_error_not_sigbus(tmp_path, executor, share):
+    """Issue 28 item 2: the file check comes before the reads, so a truncation landing after it used to kill
+    the process with SIGBUS when the CPU worker (share 1) or a load (share 0) read a page that was gone.
+    The mapping's guard turns the read into zeros and the call into a ModelFileError."""
+    import subprocess
+    import sys
+
+    path = write_moe_stack(tmp_path / "m.gguf", n_layer=2, n_embd=64, n_ff=64, n_expert=16, n_used=4,
+                           expert_type="q8_0", seed=1)
+    script = tmp_path / "truncated.py"
+    script.write_text(_TRUNCATED)
+    p = subprocess.run([sys.executable, str(script), str(path), executor, share], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 3, (p.returncode, p.stdout, p.stderr)
+    assert "truncated" in p.stdout and (executor == "native" or str(path) in p.stdout), p.stdout
+
+
+def test_the_mapping_guard_reads_zeros_past_the_end_and_counts_the_fault(tmp_path):
+    """The guard itself, on a store: bytes past the new end read as zeros (not SIGBUS), and the store says so."""
+    import subprocess
+    import sys
+
+    path = write_moe_stack(tmp_path / "m.gguf", n_layer=1, n_embd=64, n_ff=64, n_expert=4, n_used=2,
+                           expert_type="f32", seed=1)
+    code = ("import os, sys, numpy as np\n"
+            "from ggml_hybrid.gguf.store import GGUFStore\n"
+            "from ggml_hybrid.errors import ModelFileError\n"
+            "s = GGUFStore(sys.argv[1])\n"
+            "info = max(s.tensors(), key=lambda t: t.offset)\n"
+            "raw = s.raw(info.name)\n"
+            "before = np.array(raw)\n"
+            "assert before.any()\n"
+            "s.check_reads()\n"
+            "os.truncate(sys.argv[1], 4096)\n"
+            "after = np.array(raw)\n"
+            "assert not after.any()\n"
+            "try:\n"
+            "    s.check_reads()\n"
+            "except ModelFileError as exc:\n"
+            "    print(exc)\n"
+            "    sys.exit(3)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and "truncated while it was in use" in p.stdout, (p.returncode, p.stdout, p.stderr)
+
+
+_RESIDENT_TRUNCATED = """
+import os
+import sys
+import ggml_hybrid as gh
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.options import SessionOptions
+
+path = sys.argv[1]
+with MoEModel(path, SessionOptions.parse(["n_threads=1", "repack=false", "n_gpu_layers=0"])) as m:
+    m.eval([1, 2, 3])
+    os.truncate(path, min(t.offset for t in m.store.tensors()))  # every tensor's bytes gone
+    try:
+        m.eval([4, 5, 6])
+    except gh.errors.ModelFileError as exc:
+        print(exc)
+        sys.exit(3)
+print("no error")
+"""
+
+
+def test_a_resident_model_file_truncated_under_a_run_is_a_clear_error_not_sigbus(tmp_path):
+    """Weights used in place from the mapping (resident mode, CPU, not repacked): GGML's own reads of a page past
+    the new end used to kill the process with SIGBUS; now the eval raises and its logits are never returned."""
+    import subprocess
+    import sys
+
+    from ggml_hybrid.synthetic import ModelSpec, write_model
+
+    path = write_model(tmp_path / "m.gguf", ModelSpec(n_layer=2, n_embd=64, n_expert=8, n_used=2, weight_type="f32"))
+    script = tmp_path / "resident.py"
+    script.write_text(_RESIDENT_TRUNCATED)
+    p = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, (p.returncode, p.stdout, p.stderr)
+    assert "truncated while it was in use" in p.stdout, p.stdout

@@ -437,7 +437,7 @@ def test_device_count_limit_comes_from_the_scheduler(model):
     from ggml_hybrid._native import lib
     from ggml_hybrid.options import MAX_DEVICES
 
-    assert MAX_DEVICES == lib.GGML_HYBRID_MAX_INSTANCES == lib.GGML_HYBRID_SCHED_MAX_BACKENDS - 1
+    assert MAX_DEVICES == lib.HY_MAX_INSTANCES == lib.HY_SCHED_MAX_BACKENDS - 1
     SessionOptions(virtual_devices=MAX_DEVICES)
     with pytest.raises(OptionError, match=f"1..{MAX_DEVICES}"):
         SessionOptions(virtual_devices=MAX_DEVICES + 1)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.errors import NotMoEError
-from ggml_hybrid.gguf.store import GGUFStore, ModelFileError
+from ggml_hybrid.gguf.store import GGUFStore, ModelFileError, same_shape
 from ggml_hybrid.model.families import read_hparams
 from ggml_hybrid.options import SessionOptions
 from ggml_hybrid.runtime.moe_model import MoEModel
@@ -114,6 +114,65 @@ def test_wrong_tensor_shape(base_models, tensor, shape, want):
     data = np.zeros(shape, np.float32)
     path = rewrite_gguf(base_models["q3"], base_models["dir"] / "shape.gguf", tensors={tensor: data})
     _hparams_error(path, [tensor, str(shape), str(want)])
+
+
+@pytest.mark.parametrize("have,want,same", [
+    ((1, 64), (64,), True), ((64,), (1, 64), True), ((1, 1, 8, 64), (8, 64), True), ((8, 64), (8, 64), True),
+    ((64, 1), (64,), False), ((2, 64), (64,), False), ((8, 1, 64), (8, 64), False), ((64,), (32,), False),
+])
+def test_shape_rule_is_llama_cpps(have, want, same):
+    # llama.cpp pads the expected ne with trailing 1s to four dimensions; numpy order puts the 1s in front
+    assert same_shape(have, want) is same
+
+
+def test_shared_expert_gate_as_the_converter_writes_it(base_models, tmp_path):
+    """convert_hf_to_gguf.py writes Qwen's shared-expert gate as HF stores it, numpy (1, n_embd): llama.cpp loads
+    it (its shape rule), and so does ggml-hybrid, with the same logits as the 1-D gate."""
+    src = base_models["q2"]
+    store = GGUFStore(src)
+    try:
+        gates = {f"blk.{i}.ffn_gate_inp_shexp.weight":
+                 store.raw(f"blk.{i}.ffn_gate_inp_shexp.weight").view(np.float32).reshape(64).copy() for i in range(2)}
+    finally:
+        store.close()
+    assert all(g.shape == (64,) for g in gates.values())
+    path = rewrite_gguf(src, tmp_path / "gate2d.gguf", tensors={n: g.reshape(1, 64) for n, g in gates.items()})
+    store = GGUFStore(path)
+    try:
+        assert store.info("blk.0.ffn_gate_inp_shexp.weight").shape == (1, 64)
+        read_hparams(store)
+    finally:
+        store.close()
+    tokens = [1, 5, 9, 200, 3, 77]
+    with MoEModel(src, SessionOptions(n_threads=1, n_ctx=64)) as m:
+        ref = m.eval(tokens, "all")
+    with MoEModel(path, SessionOptions(n_threads=1, n_ctx=64)) as m:
+        assert np.array_equal(m.eval(tokens, "all"), ref)
+    # a gate of two rows is still refused, naming both shapes
+    bad = rewrite_gguf(src, tmp_path / "gate2.gguf",
+                       tensors={"blk.0.ffn_gate_inp_shexp.weight": np.zeros((2, 64), np.float32)})
+    _hparams_error(bad, ["blk.0.ffn_gate_inp_shexp.weight", "(2, 64)", "(64,)"])
+
+
+def test_add_eos_token_is_followed_by_the_bpe_tokenizer(base_models, tmp_path):
+    """``tokenizer.ggml.add_eos_token`` (written by the converter from tokenizer_config.json): llama.cpp's tokenize
+    appends EOS after the text when special tokens are added at all."""
+    from ggml_hybrid.text.tokenizer import Tokenizer
+
+    B = gguf.GGUFValueType.BOOL
+    path = rewrite_gguf(base_models["q3"], tmp_path / "eos.gguf", set_keys={"tokenizer.ggml.add_eos_token": (True, B)})
+    stores = [GGUFStore(base_models["q3"]), GGUFStore(path)]
+    try:
+        plain, eos = (Tokenizer.from_gguf(s) for s in stores)
+    finally:
+        for s in stores:
+            s.close()
+    text = "Hello there, world"
+    ids = plain.encode(text)
+    assert not plain.add_eos and eos.add_eos and eos.eos_id is not None
+    assert eos.encode(text) == ids + [eos.eos_id]
+    assert eos.encode(text, add_bos=True) == ([eos.bos_id] if eos.bos_id is not None else []) + ids + [eos.eos_id]
+    assert eos.encode(text, add_bos=False) == plain.encode(text, add_bos=False)
 
 
 def test_extra_layer_beyond_block_count(base_models):

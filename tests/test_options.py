@@ -28,7 +28,8 @@ def test_defaults():
         "n_ctx": 0, "n_parallel": 1, "batch_size": 2048, "ubatch_size": 512, "cache_type_k": "f16",
         "cache_type_v": "f16", "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
         "tensor_split": None, "no_kv_offload": False, "check_tensors": False, "virtual_devices": 1,
-        "moe_executor": "native", "rpc": None, "n_threads_batch": None, "devices": None, "poll": 0, "repack": True}
+        "moe_executor": "native", "rpc": None, "rpc_timeout": 120, "n_threads_batch": None, "devices": None, "poll": 0,
+        "repack": True}
     assert DEFAULT.to_items() == []
     assert SessionOptions.parse([]) == DEFAULT
     assert SessionOptions.from_dict({}) == DEFAULT
@@ -257,7 +258,7 @@ def test_nothing_partially_applied():
 
 def test_describe_covers_every_field():
     rows = SessionOptions.describe()
-    assert [r[0] for r in rows] == NAMES and len(NAMES) == 28
+    assert [r[0] for r in rows] == NAMES and len(NAMES) == 29
     for name, type_, default, rule, doc in rows:
         assert default == getattr(DEFAULT, name)
         assert type_ and rule and doc.strip() and "\n" not in doc

@@ -12,11 +12,14 @@ import faulthandler
 import json
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +34,9 @@ from ggml_hybrid.plan.planner import plan
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model
 from ggml_hybrid.units import MiB
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "fuzz"))
+from ggfuzz import rpc_cases as rc
 
 CLI = [sys.executable, "-c", "from ggml_hybrid.cli import main; main()"]  # the ggml-hybrid entry point
 PROMPT = "Where a layer runs never changes a bit of the logits."
@@ -49,13 +55,15 @@ class Server:
     def __init__(self, *extra: str) -> None:
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
+        # output to files: pipes nobody reads while it runs would fill up (with a hostile client's refusals)
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([*CLI, "rpc-server", "--port", str(self.port), "--threads", "1", *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=self._out, stderr=self._err, text=True)
         deadline = time.monotonic() + START_S
         while True:
             if self.proc.poll() is not None:
-                out, err = self.proc.communicate()
-                raise RuntimeError(f"rpc-server exited with {self.proc.returncode}: {out}{err}")
+                _, err = self.stop()
+                raise RuntimeError(f"rpc-server exited with {self.proc.returncode}: {err}")
             try:
                 # the probe is a client too: the server accepts it, reads nothing and waits for the next
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
@@ -75,11 +83,12 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         try:
-            _, err = self.proc.communicate(timeout=20)
+            self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return self.proc.returncode, err
+            self.proc.wait()
+        self._err.seek(0)
+        return self.proc.returncode, self._err.read()
 
 
 @contextmanager
@@ -372,9 +381,186 @@ def test_server_argument_errors(args, expect):
     assert r.exit_code == 2 and expect in r.output, r.output
 
 
+def test_server_threads_follow_the_one_thread_rule():
+    """Issue 28 item 19: --threads 512 was accepted; every other thread flag stops at 4 x the cores."""
+    from ggml_hybrid.ggml.backend import max_threads
+
+    n = max_threads()
+    r = CliRunner().invoke(main, ["rpc-server", "--threads", str(n + 1)])
+    assert r.exit_code == 2 and f"1..{n}" in r.output and "4 x the cores" in r.output, r.output
+    r = CliRunner().invoke(main, ["rpc-server", "--threads", "0"])
+    assert r.exit_code == 2 and f"1..{n}" in r.output, r.output
+
+
+def test_server_mem_beyond_64_bits_is_one_error_line_not_a_silent_hang():
+    """Issue 28 item 5: --mem 2^60 raised an OverflowError in the server thread, and the command then waited for
+    ever without listening. Now it is refused up front, and any failure of the server thread ends the command."""
+    port = free_port()
+    p = subprocess.run([*CLI, "rpc-server", "--port", str(port), "--mem", str(2**60)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "--mem" in p.stderr and "1..17592186044415 MiB" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    # the largest accepted size starts a server that reports it
+    with rpc_server("--mem", str((2**64 - 1) // MiB)) as s:
+        rows = describe_devices(opts(f"rpc={s.endpoint}"))
+        assert rows[0]["memory_total"] == (2**64 - 1) // MiB * MiB
+
+
+def test_a_server_thread_that_fails_ends_the_command(monkeypatch):
+    def broken(*args, **kwargs):
+        raise OverflowError("int too big to convert")
+
+    monkeypatch.setattr(rpc, "serve", broken)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        r = CliRunner().invoke(main, ["rpc-server", "--port", str(free_port())])
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    assert r.exit_code == 2 and "could not start: int too big to convert" in r.output, r.output
+
+
 def test_server_on_a_port_in_use_is_one_error_line():
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
         r = CliRunner().invoke(main, ["rpc-server", "--port", str(port)])
     assert r.exit_code == 2 and r.output.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
 
+
+
+# -- hostile clients (issue 28 item 4) and frozen servers (item 3) ---------------------------------------------
+
+
+def _session(port: int):
+    """A client that said hello and holds a real 4096-byte buffer: (socket, buffer handle, base address)."""
+    sock = rc.connect(port, timeout=20)
+    buffer, size = struct.unpack("<QQ", rc.request(sock, rc.ALLOC_BUFFER, struct.pack("<IQ", 0, 4096)))
+    assert buffer and size >= 4096
+    (base,) = struct.unpack("<Q", rc.request(sock, rc.BUFFER_GET_BASE, struct.pack("<Q", buffer)))
+    return sock, buffer, base
+
+
+def _graph(*tensors: bytes, nodes: list[int]) -> bytes:
+    return (struct.pack("<II", 0, len(nodes)) + struct.pack(f"<{len(nodes)}Q", *nodes)
+            + struct.pack("<I", len(tensors)) + b"".join(tensors))
+
+
+def _f32(id: int, buffer: int, data: int, ne=(4, 1, 1, 1), **kw) -> bytes:
+    return rc.tensor(id=id, type=0, buffer=buffer, ne=ne, data=data, **kw)
+
+
+# each message killed the upstream server (abort, assert, segfault or a jump to an address the client chose)
+HOSTILE = {
+    "declared size 2^63 (std::length_error)": lambda b, base: rc.frame(rc.SET_TENSOR, b"", 2**63),
+    "tensor past its buffer (GGML_ASSERT)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _f32(1, b, base + 4090, op=rc.OP_SCALE, src=[2]), _f32(2, b, base), nodes=[1])),
+    "node without data (segfault)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _f32(1, 0, 0, op=rc.OP_ADD, src=[2, 2]), _f32(2, b, base), nodes=[1])),
+    "write past the tensor (ggml_backend_tensor_set assert)": lambda b, base: rc.frame(
+        rc.SET_TENSOR, _f32(1, b, base) + struct.pack("<BQ", 0, 8) + bytes(64)),
+    "read past the tensor (ggml_backend_tensor_get assert)": lambda b, base: rc.frame(
+        rc.GET_TENSOR, _f32(1, b, base) + struct.pack("<QQ", 0, 64)),
+    "a function pointer of the client's (MAP_CUSTOM1)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _f32(1, b, base + 64, op=rc.OP_MAP_CUSTOM1, src=[2], op_params=[0x41414140, 0x41, 1, 0, 0, 0]),
+        _f32(2, b, base), nodes=[1])),
+    "2^128 elements (GGML_ASSERT in ggml_new_tensor)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _f32(1, b, base, ne=(2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1), nb=(4, 4, 4, 4), op=rc.OP_SCALE,
+             src=[1]), nodes=[1])),
+    "ADD of mismatched shapes (kernel assert)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _f32(1, b, base, ne=(8, 1, 1, 1), op=rc.OP_ADD, src=[2, 3]), _f32(2, b, base + 64, ne=(4, 1, 1, 1)),
+        _f32(3, b, base + 128, ne=(3, 1, 1, 1)), nodes=[1])),
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_server():
+    with rpc_server() as s:
+        yield s
+
+
+@pytest.mark.parametrize("what", list(HOSTILE))
+def test_a_malformed_message_drops_its_client_not_the_server(hostile_server, what):
+    """Issue 28 item 4: each of these killed the server; now the server drops that client and serves the next."""
+    port = hostile_server.port
+    sock, buffer, base = _session(port)
+    with sock:
+        sock.sendall(HOSTILE[what](buffer, base))
+        sock.settimeout(20)
+        assert sock.recv(1) == b""  # the server closed the connection
+    assert rc.alive(port) == 1 and hostile_server.proc.poll() is None
+    # and a real session computes as ever on it
+
+
+def test_a_silent_client_blocks_nobody(model, reference, hostile_server):
+    """Issue 28 item 4: a client that connects and never says hello (or stops mid-message) used to block every
+    other client; each client is served by a thread of its own now."""
+    tokens, ref = reference
+    port = hostile_server.port
+    silent = socket.create_connection(("127.0.0.1", port))
+    stalled = rc.connect(port, timeout=20)
+    stalled.sendall(rc.frame(rc.SET_TENSOR, b"", 4096)[:5])  # half a header, then nothing
+    try:
+        assert rc.alive(port, timeout=10) == 1
+        with MoEModel(model, opts(f"rpc={hostile_server.endpoint}")) as m:
+            assert np.array_equal(run_both_halves(m, tokens), ref)
+    finally:
+        silent.close()
+        stalled.close()
+
+
+def test_a_client_that_never_says_hello_is_dropped_after_the_handshake_timeout(hostile_server):
+    silent = socket.create_connection(("127.0.0.1", hostile_server.port))
+    silent.settimeout(30)
+    t0 = time.monotonic()
+    with silent:
+        assert silent.recv(1) == b""
+    assert 8 < time.monotonic() - t0 < 20  # RPC_SERVER_HELLO_TIMEOUT_S = 10
+
+
+def test_bounded_random_message_fuzz(hostile_server):
+    """Every kind of hostile case (random bytes, random frames, tensor commands and graphs around a real buffer);
+    the server answers a fresh client after each. The long run is in docs/reliability.md."""
+    r = rc.fuzz(hostile_server.port, seed=28, n_cases=800, deadline=time.monotonic() + 240)
+    assert r["failed"] is None, r
+    assert r["messages"] >= 2000 and all(r["kinds"].values()), r
+    assert hostile_server.proc.poll() is None
+
+
+def test_a_frozen_server_is_a_timeout_not_a_hang(model, reference):
+    """Issue 28 item 3: a server stopped (SIGSTOP) mid-session used to block the client in recv() for ever."""
+    tokens, _ = reference
+    with rpc_server() as s:
+        with MoEModel(model, opts(f"rpc={s.endpoint}", "rpc_timeout=3")) as m:
+            m.eval(tokens[:4])
+            s.proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(RPCError, match=f"RPC server {s.endpoint}.*no reply within 3 s"):
+                    m.eval([1])
+                assert time.monotonic() - t0 < 30
+            finally:
+                s.proc.send_signal(signal.SIGCONT)
+
+
+def test_ctrl_c_ends_a_run_against_a_frozen_server(model):
+    """Issue 28 item 3: Ctrl-C during `run --rpc` against a stopped server (no time limit) ends the run at once,
+    with the usual report and exit status 130."""
+    with rpc_server() as s:
+        p = subprocess.Popen([*CLI, "run", model, "--rpc", s.endpoint, "--rpc-timeout", "0", "-t", "1",
+                              "--tokens", "1,2,3", "-n", "100000", "--ignore-eos"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert p.stdout is not None
+            p.stdout.read(8)  # it generates
+            s.proc.send_signal(signal.SIGSTOP)
+            time.sleep(1.0)  # now it waits for the server
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=30)
+        finally:
+            s.proc.send_signal(signal.SIGCONT)
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        text = err.decode()
+        assert p.returncode == 130, (p.returncode, text)
+        assert "stop: interrupted" in text and "Traceback" not in text, text

@@ -36,12 +36,12 @@ def cstr(p: CData) -> str:
 
 
 def _check_build() -> None:
-    built = cstr(lib.ggml_hybrid_source_hash())
+    built = cstr(lib.hy_source_hash())
     if built != buildinfo.source_hash():
         raise StaleBuildError(
             f"ggml_hybrid._native._ggml was compiled from other cdef headers or C sources (hash {built[:12]}, "
             f"sources {buildinfo.source_hash()[:12]}); {_REBUILD}")
-    loaded_abi, built_abi = cstr(lib.ggml_hybrid_base_abi()), cstr(lib.ggml_hybrid_abi())
+    loaded_abi, built_abi = cstr(lib.ggml_hybrid_base_abi()), cstr(lib.hy_abi())
     if loaded_abi != built_abi:
         raise StaleBuildError(f"ggml_hybrid._native._ggml was built for GGML ABI {built_abi}, but the ggml-base "
                               f"library loaded is {loaded_abi} (another libggml-base.so in this process or on "
@@ -49,11 +49,11 @@ def _check_build() -> None:
     # the pin and the patch series live in the source checkout, not in a wheel
     if buildinfo.VENDOR_DIR.is_dir():
         pin_version = buildinfo.load_pin()["ggml_version"]
-        built_version = cstr(lib.ggml_hybrid_ggml_version())
+        built_version = cstr(lib.hy_ggml_version())
         if built_version != pin_version:
             raise StaleBuildError(f"ggml_hybrid._native._ggml links GGML {built_version} but vendor/pin.json pins "
                                   f"{pin_version}; {_REBUILD}")
-        built_patches = cstr(lib.ggml_hybrid_patch_hash())
+        built_patches = cstr(lib.hy_patch_hash())
         if built_patches != buildinfo.patch_series_hash():
             raise StaleBuildError(
                 f"ggml_hybrid._native._ggml was built with another patch series (hash {built_patches[:12]}, "
@@ -61,11 +61,11 @@ def _check_build() -> None:
 
 
 _check_build()
-lib.ggml_hybrid_log_quiet()
-if not lib.ggml_hybrid_load_cpu(str(buildinfo.LIB_DIR).encode()):
+lib.hy_log_quiet()
+if not lib.hy_load_cpu(str(buildinfo.LIB_DIR).encode()):
     raise StaleBuildError(f"no usable GGML CPU backend in {buildinfo.LIB_DIR} (the libggml-cpu*.so files are missing, "
                           f"or none suits this CPU); {_REBUILD}")
 
-GGML_VERSION = cstr(lib.ggml_hybrid_ggml_version())
+GGML_VERSION = cstr(lib.hy_ggml_version())
 
 __all__ = ["GGML_VERSION", "CData", "cstr", "ffi", "lib"]

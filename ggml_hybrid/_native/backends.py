@@ -71,7 +71,7 @@ def load_backend(path: Path) -> BackendStatus:
     err = ffi.new("char[]", _ERR_BYTES)
     tried: set[str] = set()
     while True:
-        reg = lib.ggml_hybrid_backend_load(str(path).encode(), err, _ERR_BYTES)
+        reg = lib.hy_backend_load(str(path).encode(), err, _ERR_BYTES)
         if reg != ffi.NULL:
             break
         why = ffi.string(err).decode(errors="replace").strip()
@@ -82,7 +82,7 @@ def load_backend(path: Path) -> BackendStatus:
         tried.add(missing.group(1))
     n = int(lib.ggml_backend_reg_dev_count(reg))
     reg_name = ffi.string(lib.ggml_backend_reg_name(reg)).decode()
-    log = ffi.string(lib.ggml_hybrid_backend_load_log()).decode(errors="replace")
+    log = ffi.string(lib.hy_backend_load_log()).decode(errors="replace")
     return BackendStatus(reg_name, str(path), True, n, "" if n else _reason(log))
 
 

@@ -192,6 +192,9 @@ SESSION_FLAGS: tuple[Flag, ...] = (
         "The devices to use, in order (see `ggml-hybrid devices`).")), _device),
     Flag(("--rpc", "rpc"), "rpc", dict(metavar="HOST:PORT[,...]", help=(
         "RPC servers (ggml-hybrid rpc-server) whose devices to use, named RPC0, RPC1, ... before any GPU."))),
+    Flag(("--rpc-timeout", "rpc_timeout"), "rpc_timeout", dict(type=int, metavar="SECONDS", help=(
+        "Seconds an RPC server may take to connect, take a message or reply before the run gives up "
+        "(default 120; 0 = no limit)."))),
     Flag(("--check-tensors", "check_tensors"), "check_tensors", dict(is_flag=True, default=None, help=(
         "Check every weight for NaN/inf at load, as llama.cpp's --check-tensors.")), lambda v: "true" if v else None),
     Flag(("--virtual-devices", "virtual_devices"), "virtual_devices", dict(

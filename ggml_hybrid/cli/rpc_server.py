@@ -16,8 +16,12 @@ from types import FrameType
 
 import click
 
+from ..ggml.backend import THREADS_PER_CORE, max_threads
 from ..units import MiB
 from .main import main
+
+# --mem is sent to GGML as a size_t of bytes
+MAX_MEM_MIB = (2**64 - 1) // MiB
 
 _WARNING = ("warning: rpc-server listens on {endpoint}, which other machines can reach. The RPC protocol has no "
             "authentication and no encryption: anyone who can connect can run graphs on this device and read or "
@@ -45,6 +49,19 @@ def _check_port(host: str, port: int) -> None:
         s.close()
 
 
+def _check_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    """The one thread rule of every command (``-t`` of ``run``, ``n_threads``): 1..4 x the cores."""
+    if value is not None and not 1 <= value <= max_threads():
+        raise click.BadParameter(f"{value} is not an integer in 1..{max_threads()} ({THREADS_PER_CORE} x the cores)")
+    return value
+
+
+def _check_mem(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    if value is not None and not 1 <= value <= MAX_MEM_MIB:
+        raise click.BadParameter(f"{value} is not a size in 1..{MAX_MEM_MIB} MiB (what 64 bits of bytes hold)")
+    return value
+
+
 def _served_devices() -> list:
     """llama.cpp's rpc-server choice: the GPUs, else the CPU."""
     from .._native import lib
@@ -60,15 +77,16 @@ def _served_devices() -> list:
               help="IPv4 address to listen on. Any other than a loopback address exposes the device to the network, "
                    "without authentication.")
 @click.option("--port", "-p", default=50052, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--threads", "-t", type=click.IntRange(1, 512),
-              help="CPU threads of the served CPU (default: all cores).")
-@click.option("--mem", type=click.IntRange(1), metavar="MiB",
+@click.option("--threads", "-t", type=int, callback=_check_threads, metavar="N",
+              help=f"CPU threads of the served CPU, 1..{THREADS_PER_CORE} x the cores (default: all cores).")
+@click.option("--mem", type=int, callback=_check_mem, metavar="MiB",
               help="Memory the device reports to clients, in MiB (default: what it has).")
 def rpc_server(host: str, port: int, threads: int | None, mem: int | None) -> None:
     """Serve this machine's device (its GPUs, else its CPU) to sessions started with --rpc HOST:PORT.
 
-    Runs in the foreground until Ctrl-C. One client at a time: a second one waits until the first
-    disconnects.
+    Runs in the foreground until Ctrl-C. Each client is served by a thread of its own (the devices run one
+    command at a time); a client has 10 s to say hello, and a malformed message drops its client, not the
+    server (docs/rpc.md).
     """
     from ..ggml import rpc
 
@@ -83,9 +101,15 @@ def rpc_server(host: str, port: int, threads: int | None, mem: int | None) -> No
     stop = threading.Event()
     result: list[int] = []
 
+    failure: list[BaseException] = []
+
     def serve() -> None:
-        result.append(rpc.serve(endpoint, threads or os.cpu_count() or 1, devices, (mem or 0) * MiB))
-        stop.set()
+        try:
+            result.append(rpc.serve(endpoint, threads or os.cpu_count() or 1, devices, (mem or 0) * MiB))
+        except BaseException as exc:  # reported by the main thread, which must not wait for ever
+            failure.append(exc)
+        finally:
+            stop.set()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
@@ -95,6 +119,8 @@ def rpc_server(host: str, port: int, threads: int | None, mem: int | None) -> No
     threading.Thread(target=serve, name="rpc-server", daemon=True).start()
     while not stop.wait(0.5):  # a timed wait: signal handlers run between waits
         pass
+    if failure:
+        raise click.ClickException(f"the RPC server on {endpoint} could not start: {failure[0]}")
     if result:  # the server returned: it could not start (GGML said why on stderr)
         raise click.ClickException(f"the RPC server on {endpoint} stopped" if result[0] == 0 else
                                    "this build of GGML has no RPC server")

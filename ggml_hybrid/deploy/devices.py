@@ -34,7 +34,7 @@ def _local_names(opts: SessionOptions, remote: int) -> list[str]:
 
 
 def _rpc_devices(opts: SessionOptions) -> list[rpc.RPCDevice]:
-    return rpc.server_devices(opts.rpc) if opts.rpc is not None else []
+    return rpc.server_devices(opts.rpc, opts.rpc_timeout) if opts.rpc is not None else []
 
 
 def _checked(names: list[str]) -> list[str]:

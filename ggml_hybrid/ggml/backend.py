@@ -113,7 +113,7 @@ class Threadpool(Managed):
     def __init__(self, ptr: CData) -> None:
         if ptr == ffi.NULL:
             raise BackendError("could not create a CPU threadpool")
-        super().__init__(ptr, lib.ggml_hybrid_threadpool_free)
+        super().__init__(ptr, lib.hy_threadpool_free)
 
 
 class Backend(Managed):
@@ -137,7 +137,7 @@ class Backend(Managed):
 
     @property
     def is_cpu(self) -> bool:
-        return bool(lib.ggml_hybrid_is_cpu(self.ptr))
+        return bool(lib.hy_is_cpu(self.ptr))
 
     @property
     def n_threads(self) -> int | None:
@@ -162,14 +162,14 @@ class Backend(Managed):
             raise BackendError(f"n_threads applies to the CPU backend, not {self.name}")
         check_int(n, "n_threads", 1, max_threads())
         check_int(poll, "poll", 0, 100)
-        lib.ggml_hybrid_cpu_set_n_threads(self.ptr, n)
+        lib.hy_cpu_set_n_threads(self.ptr, n)
         pool = self._pools.get((n, poll))
         if pool is None:
             params = ffi.new("struct ggml_threadpool_params *")
             lib.ggml_threadpool_params_init(params, n)
             params.poll = poll
-            pool = self._pools[(n, poll)] = Threadpool(lib.ggml_hybrid_threadpool_new(params))
-        lib.ggml_hybrid_cpu_set_threadpool(self.ptr, pool.ptr)
+            pool = self._pools[(n, poll)] = Threadpool(lib.hy_threadpool_new(params))
+        lib.hy_cpu_set_threadpool(self.ptr, pool.ptr)
         self._n_threads, self._poll = n, poll
 
     def close(self) -> None:
@@ -196,7 +196,7 @@ class Backend(Managed):
 def cpu(n_threads: int | None = None, poll: int = 0) -> Backend:
     """A CPU backend with its own persistent threadpool of ``n_threads`` (default: all cores); ``poll`` as in
     :meth:`Backend.set_threads`."""
-    b = Backend(lib.ggml_hybrid_cpu_init(), "CPU")
+    b = Backend(lib.hy_cpu_init(), "CPU")
     b.set_threads(n_threads if n_threads is not None else (os.cpu_count() or 1), poll)
     return b
 
@@ -207,8 +207,8 @@ def cpu_instance(index: int, n_threads: int | None = None, poll: int = 0) -> Bac
     Several of them play several devices on a machine without GPUs: nodes pinned to each stay
     there, as they would on two GPUs.
     """
-    check_int(index, "cpu_instance: index", 0, lib.GGML_HYBRID_MAX_INSTANCES - 1)
-    b = Backend(lib.ggml_hybrid_cpu_instance(index), "CPU")
+    check_int(index, "cpu_instance: index", 0, lib.HY_MAX_INSTANCES - 1)
+    b = Backend(lib.hy_cpu_instance(index), "CPU")
     b.set_threads(n_threads if n_threads is not None else (os.cpu_count() or 1), poll)
     return b
 
@@ -240,13 +240,13 @@ def cuda(device: int = 0) -> Backend:
 
 def cpu_features() -> str:
     """The instruction-set features the loaded CPU backend library was built with ("SSE3 AVX AVX2 ...")."""
-    return cstr(lib.ggml_hybrid_cpu_features())
+    return cstr(lib.hy_cpu_features())
 
 
 def cpu_library() -> str:
     """The file of the CPU backend in use (in a portable build, the variant GGML chose for this CPU)."""
     dev = lib.ggml_backend_dev_by_name(b"CPU")
-    return cstr(lib.ggml_hybrid_reg_path(lib.ggml_backend_dev_backend_reg(dev))) if dev != ffi.NULL else ""
+    return cstr(lib.hy_reg_path(lib.ggml_backend_dev_backend_reg(dev))) if dev != ffi.NULL else ""
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ class Graph:
 
     @property
     def n_leafs(self) -> int:
-        return int(lib.ggml_hybrid_graph_n_leafs(self.ptr))
+        return int(lib.hy_graph_n_leafs(self.ptr))
 
     def node(self, i: int) -> Tensor:
         n = self.n_nodes
@@ -114,7 +114,7 @@ class Graph:
     @property
     def leafs(self) -> list[Tensor]:
         p = self.ptr
-        return [Tensor(lib.ggml_hybrid_graph_leaf(p, i), self._ctx) for i in range(lib.ggml_hybrid_graph_n_leafs(p))]
+        return [Tensor(lib.hy_graph_leaf(p, i), self._ctx) for i in range(lib.hy_graph_n_leafs(p))]
 
     @property
     def inputs(self) -> list[Tensor]:
@@ -148,7 +148,7 @@ class Graph:
         return self._input_marks
 
     def contains(self, t: Tensor) -> bool:
-        return bool(lib.ggml_hybrid_graph_contains(self.ptr, t.ptr))
+        return bool(lib.hy_graph_contains(self.ptr, t.ptr))
 
     def expand(self, *tensors: Tensor) -> Graph:
         """Add the tensors and everything they depend on (ggml_build_forward_expand)."""
@@ -157,7 +157,7 @@ class Graph:
             tp = t.ptr
             # GGML aborts when a graph overflows; count what the expansion would add first,
             # unless even every live tensor would fit
-            used = lib.ggml_graph_n_nodes(p) + lib.ggml_hybrid_graph_n_leafs(p)
+            used = lib.ggml_graph_n_nodes(p) + lib.hy_graph_n_leafs(p)
             if used + _tensor_upper_bound() > self.size:
                 new = self._count_new(tp)
                 if used + new > self.size:
@@ -174,7 +174,7 @@ class Graph:
         while stack:
             t = stack.pop()
             key = int(ffi.cast("uintptr_t", t))
-            if key in seen or lib.ggml_hybrid_graph_contains(self._p, t):
+            if key in seen or lib.hy_graph_contains(self._p, t):
                 continue
             seen.add(key)
             stack.extend(t.src[i] for i in range(lib.GGML_MAX_SRC) if t.src[i] != ffi.NULL)

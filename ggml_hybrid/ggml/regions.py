@@ -131,7 +131,7 @@ def raise_region_status(sched: Scheduler) -> None:
 
 # error=-1: an exception that escapes the try below (Ctrl-C at the first or last bytecode) fails the region
 @ffi.def_extern(error=-1, onerror=escaped)
-def _ggml_hybrid_region_exec(region_id: int, backend: CData, inputs: CData, n_inputs: int, outputs: CData,
+def _hy_region_exec(region_id: int, backend: CData, inputs: CData, n_inputs: int, outputs: CData,
                              n_outputs: int, user_data: CData) -> int:
     sched: Scheduler = ffi.from_handle(user_data)
     scope = BorrowedScope()  # the tensors are valid during the call only

@@ -26,7 +26,7 @@ REPACK_OPS = ("mul_mat", "mul_mat_id")
 def extra_buffer_types() -> list[CData]:
     """GGML's CPU extra buffer types in this build and on this CPU, in llama.cpp's order of preference."""
     out = []
-    p = lib.ggml_hybrid_cpu_extra_bufts()
+    p = lib.hy_cpu_extra_bufts()
     i = 0
     while p[i] != ffi.NULL:
         out.append(p[i])

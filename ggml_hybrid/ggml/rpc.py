@@ -24,6 +24,7 @@ from ..errors import OptionError, RPCError
 from .backend import Backend
 
 _ERROR_BYTES = 512
+DEFAULT_TIMEOUT_S = 120  # the rpc_timeout option's default
 # buffer type address -> endpoint, for every RPC backend opened: which connection a buffer depends on
 _buffer_types: dict[int, str] = {}
 _procs: dict[str, CData] = {}
@@ -106,9 +107,24 @@ def parse_endpoints(text: str) -> list[str]:
         raise OptionError(f"rpc={text}: {exc}") from None
 
 
-def server_devices(text: str) -> list[RPCDevice]:
-    """The devices of the servers in ``text`` (``HOST:PORT,...``), each server asked over the network."""
+def set_timeout(seconds: float) -> None:
+    """Connections made from now on give up on a connect, a send or a reply that takes more than ``seconds``
+    (0: no limit): the connection then fails, and the next call raises :class:`RPCError` saying so."""
+    _proc("ggml_backend_rpc_set_timeout", "void (*)(double)")(float(seconds))
+
+
+def watch_interrupts() -> None:
+    """Make Ctrl-C end a wait for a server in progress (its connection fails), so that the interrupt reaches
+    Python even when the server is frozen (``rpc_server.h``)."""
+    lib.hy_rpc_watch_interrupts()
+
+
+def server_devices(text: str, timeout: float = DEFAULT_TIMEOUT_S) -> list[RPCDevice]:
+    """The devices of the servers in ``text`` (``HOST:PORT,...``), each server asked over the network;
+    connections give up after ``timeout`` seconds without progress (0: never)."""
     endpoints = parse_endpoints(text)
+    set_timeout(timeout)
+    watch_interrupts()
     add_server = _proc("ggml_backend_rpc_add_server", "ggml_backend_reg_t (*)(const char *)")
     out: list[RPCDevice] = []
     for endpoint in endpoints:
@@ -168,8 +184,8 @@ def check_buffer(buffer: CData) -> None:
 def serve(endpoint: str, n_threads: int, devices: list[CData], mem: int = 0) -> int:
     """Run GGML's RPC server on ``endpoint`` over ``devices`` (blocks while it runs; see ``rpc_server.h``)."""
     arr = ffi.new("ggml_backend_dev_t[]", devices)
-    return int(lib.ggml_hybrid_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem))
+    return int(lib.hy_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem))
 
 
-__all__ = ["RPCDevice", "check_buffer", "connection_error", "lost", "open_device", "parse_endpoints",
-           "raise_if_lost", "serve", "server_devices"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RPCDevice", "check_buffer", "connection_error", "lost", "open_device",
+           "parse_endpoints", "raise_if_lost", "serve", "server_devices", "set_timeout", "watch_interrupts"]

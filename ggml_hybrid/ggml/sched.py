@@ -35,7 +35,7 @@ def _unalloc(graph: Graph) -> int:
         return 0  # its tensors are gone with their context: nothing to touch
     keep = user_buffers()
     pools = live_pools()
-    dangling = lib.ggml_hybrid_graph_unalloc(graph.ptr,
+    dangling = lib.hy_graph_unalloc(graph.ptr,
                                              ffi.new("ggml_backend_buffer_t[]", keep) if keep else ffi.NULL,
                                              len(keep), ffi.new("uintptr_t[]", pools), len(pools) // 2)
     graph._alloc_token += 1
@@ -240,7 +240,7 @@ class Scheduler(Managed):
         if self._allocated != (graph, graph.version, graph._alloc_token):
             self.alloc(graph)
         out = np.empty(io.out_shape, io.out_dtype)
-        self._run(graph, "Scheduler.step", io.raise_refused, lib.ggml_hybrid_sched_step, self.ptr, graph.ptr,
+        self._run(graph, "Scheduler.step", io.raise_refused, lib.hy_sched_step, self.ptr, graph.ptr,
                   io.c_in, io.n_in, io.out_ptr, ffi.from_buffer(out), io.out_size, io.bad)
         graph.consume_inputs()  # the step consumed every input, set through it or before it
         return out
@@ -316,7 +316,7 @@ class Scheduler(Managed):
         ins = ffi.new("struct ggml_tensor *[]", [t.ptr for t in inputs])
         outs = ffi.new("struct ggml_tensor *[]", [t.ptr for t in outputs])
         fn, data = ((executor.c_function, executor.c_user_data) if isinstance(executor, NativeExecutor)
-                    else (lib._ggml_hybrid_region_exec, self._handle))
+                    else (lib._hy_region_exec, self._handle))
         rid = lib.ggml_backend_sched_add_region(self.ptr, ins, len(inputs), outs, len(outputs),
                                                 backend.ptr if backend is not None else ffi.NULL, fn, data)
         if rid < 0:
@@ -371,7 +371,7 @@ class Scheduler(Managed):
             return
         self._eval_fn = fn
         self._eval_handle = ffi.new_handle(self)
-        lib.ggml_backend_sched_set_eval_callback(self.ptr, lib._ggml_hybrid_eval_callback, self._eval_handle)
+        lib.ggml_backend_sched_set_eval_callback(self.ptr, lib._hy_eval_callback, self._eval_handle)
 
     def _raise_pending(self) -> None:
         err, self._pending_error = self._pending_error, None
@@ -384,7 +384,7 @@ class Scheduler(Managed):
 
 # error=False: an escaped exception stops the computation (or skips the node's data when GGML only asks)
 @ffi.def_extern(error=False, onerror=escaped)
-def _ggml_hybrid_eval_callback(t: CData, ask: CData, user_data: CData) -> bool:
+def _hy_eval_callback(t: CData, ask: CData, user_data: CData) -> bool:
     sched: Scheduler = ffi.from_handle(user_data)
     if sched._pending_error is not None:
         return bool(ask)  # ask for the data, then stop on the data call

@@ -4,7 +4,7 @@ A one-thread decode step of a CPU run computes for a few milliseconds, and each 
 interpreter's working set out of the caches: every Python call around it then runs cold. Setting six inputs
 one ``ggml_backend_tensor_set`` at a time, computing, then reading the logits cost ggml-hybrid about 0.2 ms
 a step where llama.cpp spends none (docs/benchmarks.md, section 8). With a :class:`StepIO`,
-:meth:`Scheduler.step` does all of it in one native call (``ggml_hybrid_sched_step``): the caller rewrites
+:meth:`Scheduler.step` does all of it in one native call (``hy_sched_step``): the caller rewrites
 the arrays in place, and GGML copies them in, computes and copies the result out.
 """
 
@@ -40,7 +40,7 @@ class StepIO:
         # that none of these was closed
         self.contexts = list({id(t.context): t.context for t in self.tensors}.values())
         self._buffers = [ffi.from_buffer(arr) for _, arr in inputs]  # the arrays, kept alive by these
-        self.c_in: CData = ffi.new("struct ggml_hybrid_io[]", max(len(inputs), 1))
+        self.c_in: CData = ffi.new("struct hy_io[]", max(len(inputs), 1))
         for c, (t, arr), buf in zip(self.c_in, inputs, self._buffers):
             c.tensor, c.data, c.size = t.ptr, buf, arr.nbytes
         self.n_in = len(inputs)

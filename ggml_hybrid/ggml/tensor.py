@@ -317,7 +317,7 @@ class Tensor:
 
         def read() -> np.ndarray:
             buf = _buffer_of(p)
-            if buf == ffi.NULL or not lib.ggml_hybrid_buffer_readable(buf):
+            if buf == ffi.NULL or not lib.hy_buffer_readable(buf):
                 return self.numpy()  # says why, or reads the data the way numpy() does
             out = np.empty(shape, np_dtype)
             lib.ggml_backend_tensor_get(p, ffi.from_buffer(out), 0, nbytes)
@@ -337,7 +337,7 @@ class Tensor:
             return cast("np.ndarray", self.view_numpy().copy())  # numpy types copy() as Any
         p = self.ptr
         buf = _buffer_of(p)
-        if buf != ffi.NULL and not lib.ggml_hybrid_buffer_readable(buf):
+        if buf != ffi.NULL and not lib.hy_buffer_readable(buf):
             raise BackendError(f"Tensor.numpy: tensor {self.name!r} lives in a "
                                f"{cstr(lib.ggml_backend_buffer_name(buf))} buffer: its weights were repacked for "
                                "GGML's CPU kernels and cannot be read back (load it with repack=false to read it)")

@@ -11,6 +11,7 @@ into a backend buffer, or read one expert at a time for an expert cache.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,17 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def same_shape(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """llama.cpp's shape rule: a tensor matches when both shapes, padded with 1s to GGML's four dimensions, are
+    equal (``llama_model_loader::check_tensor_dims``). Shapes here are numpy-order (``ne`` reversed), so the 1s go
+    in front: the converter's ``(1, n_embd)`` shared-expert gate matches ``(n_embd,)``, and GGML sees the same
+    ``ne = (n_embd, 1, 1, 1)`` either way."""
+    def padded(s: tuple[int, ...]) -> tuple[int, ...]:
+        return (1,) * (4 - len(s)) + tuple(s) if len(s) <= 4 else tuple(s)
+
+    return padded(have) == padded(want)
+
+
 class GGUFStore:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         import gguf
@@ -67,11 +79,8 @@ class GGUFStore:
         # the file as opened: a file renamed over this path later is another file, and this one (which the
         # mapping keeps) is unchanged; a truncation or a rewrite in place changes it
         self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            self._identity = _identity(os.fstat(self._fd))
-        except BaseException:
-            self._close_fd()
-            raise
+        self._close_fd_once = weakref.finalize(self, os.close, self._fd)  # at close(), or when dropped
+        self._identity = _identity(os.fstat(self._fd))
         # what the native executor stats before its loads: this process's descriptor of the file (Linux, and
         # other systems with /dev/fd), else the path
         fd_path = f"/proc/self/fd/{self._fd}"
@@ -90,14 +99,33 @@ class GGUFStore:
             raise ModelFileError(f"{self.path!r} is part {self.meta('split.no', 0, kind='int') + 1} of a GGUF split "
                                  f"in {n_split} parts (split.count); ggml-hybrid loads single-file GGUFs only: merge "
                                  "the parts with llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`")
+        # a read past the end of the file, truncated under us, reads zeros and counts a fault instead of
+        # killing the process with SIGBUS (src/map_guard.h); check_reads() and check_unchanged() report it
+        self._guard = -1
+        if self._map.nbytes:
+            at = ffi.cast("void *", self._map.ctypes.data)
+            self._guard = int(lib.hy_map_guard_add(at, self._map.nbytes))
+        self._unguard = weakref.finalize(self, lib.hy_map_guard_remove, self._guard)
+
+    def check_reads(self) -> None:
+        """Raise :class:`ModelFileError` if a read of the mapping since the file was opened went past the end of
+        the file (it was truncated under us): that read gave zeros, and what was computed from it is wrong.
+
+        Cheap (one counter): callers check it after the reads whose results they are about to use."""
+        if self._guard >= 0 and lib.hy_map_guard_faults(self._guard):
+            raise ModelFileError(f"model file {self.path!r} was truncated while it was in use (a read went past "
+                                 "its end); reload the model")
 
     def check_unchanged(self) -> None:
-        """Raise :class:`ModelFileError` if the file was truncated, rewritten or replaced since it was opened.
+        """Raise :class:`ModelFileError` if the file as opened was truncated or rewritten in place since (a file
+        renamed over its path is another file: the one opened, and mapped, is unchanged and the run goes on).
 
         Tensors are used from a memory mapping: reading a page of a file truncated underneath kills the
         process with SIGBUS. Readers of mapped experts call this before they copy, which makes the common
-        case (a model file overwritten while a run streams its experts) a clear error instead.
+        case (a model file overwritten while a run streams its experts) a clear error instead; a read that
+        races a truncation past this check is caught by the mapping's guard (:meth:`check_reads`).
         """
+        self.check_reads()
         try:
             now = _identity(os.fstat(self._fd)) if self._fd is not None else None
         except OSError:
@@ -211,15 +239,10 @@ class GGUFStore:
         if self._mapped is not None:
             self._mapped.close()
         self._mapped = None
-        self._close_fd()
-
-    def _close_fd(self) -> None:
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is not None:
-            os.close(fd)
-
-    def __del__(self) -> None:
-        self._close_fd()
+        self._unguard()
+        self._guard = -1
+        self._fd = None
+        self._close_fd_once()
 
 
 def repack_rule(store: GGUFStore, enabled: bool = True) -> Callable[[str], CData | None]:
@@ -274,4 +297,4 @@ def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "we
     return ctx, tensors
 
 
-__all__ = ["KINDS", "GGUFStore", "TensorInfo", "load_into"]
+__all__ = ["KINDS", "GGUFStore", "TensorInfo", "load_into", "same_shape"]

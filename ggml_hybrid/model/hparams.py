@@ -16,7 +16,7 @@ from ..errors import ModelFileError, NotMoEError
 from ..ggml.dtypes import GGMLType
 from ..ggml.ops import MATMUL_WEIGHTS
 from ..gguf.metadata import MAX_EXPERTS, MAX_LAYERS, meta_int
-from ..gguf.store import GGUFStore
+from ..gguf.store import GGUFStore, same_shape
 from .rope import Rope
 
 GATINGS = {1: "softmax", 2: "sigmoid"}  # expert_gating_func values the families here use
@@ -259,7 +259,7 @@ def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ..
         if name not in store:
             raise ModelFileError(f"{store.path!r}: {hp.arch} needs tensor {name!r}, which the file lacks")
         info = store.info(name)
-        if info.shape != want:
+        if not same_shape(info.shape, want):
             raise ModelFileError(f"{store.path!r}: {name} has shape {info.shape}, expected {want} from the metadata")
         # norms, biases, sinks and the shared-expert gate are added or multiplied in F32, as llama.cpp stores
         # them; matrices go through mul_mat / get_rows, which take the float and quantized weight types

@@ -67,8 +67,8 @@ class StepFeed:
         if np.dtype(mask_dtype) not in (np.float32, np.float16):
             raise DTypeError(f"StepFeed: masks are f32 or f16, got {np.dtype(mask_dtype)}")
         # the native writer's view of the arrays; the cdata views keep them alive
-        c = self._c = ffi.new("struct ggml_hybrid_feed *")
-        c_rows = self._c_rows = ffi.new("struct ggml_hybrid_feed_row[]", n)
+        c = self._c = ffi.new("struct hy_feed *")
+        c_rows = self._c_rows = ffi.new("struct hy_feed_row[]", n)
         self._views = [ffi.from_buffer("int32_t[]", a["tokens"]), ffi.from_buffer("int32_t[]", a["pos"])]
         c.n_rows, c.sections, c.mask_f16, c.n_swa = n, sections, np.dtype(mask_dtype) == np.float16, kv.n_swa
         c.n_embd_v, c.n_ctx, c.rows, c.tokens, c.pos = kv.n_embd_v, kv.n_ctx, c_rows, *self._views
@@ -103,7 +103,7 @@ class StepFeed:
         for i, seq in enumerate(self.seqs):
             c_tok[i] = tokens[i]
             c_pos[i] = used[seq]
-        bad = lib.ggml_hybrid_feed_write(self._c, c_tok, c_pos)
+        bad = lib.hy_feed_write(self._c, c_tok, c_pos)
         if bad:
             seq = self.seqs[bad - 1]
             raise IndexRangeError(f"StepFeed.write: sequence {seq} is at position {used[seq]}, outside the "

@@ -459,6 +459,9 @@ class ExpertCacheExecutor:
     def _weighted_sum(self, call: _Call) -> None:
         """The weighted sum over each token's experts, with the resident graph's ops, into the region's output."""
         b = call.bucket
+        # the worker and the loads read the mapping: a read past the end of a file truncated meanwhile gave
+        # zeros (the mapping's guard), which must not reach the output
+        self.store.check_reads()
         if call.on_host:
             lib.ggml_backend_tensor_set(b.p_experts, b.b_merged, 0, b.merged.nbytes)
         lib.ggml_backend_tensor_copy(call.w.ptr, b.p_w)

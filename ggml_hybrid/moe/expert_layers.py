@@ -22,7 +22,7 @@ from ..files import check_output
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
-from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule
+from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule, same_shape
 from ..machine import available_memory
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
@@ -89,7 +89,7 @@ def check_expert_shapes(store: GGUFStore, layers: Sequence[int], n_expert: int, 
                 "up": (n_expert, n_ff, n_embd), "gate_up": (n_expert, 2 * n_ff, n_embd),
                 "gate_b": (n_expert, n_ff), "up_b": (n_expert, n_ff), "down_b": (n_expert, n_embd)}
         for kind, shape in shapes.items():
-            if shape != want[kind]:
+            if not same_shape(shape, want[kind]):
                 raise ModelFileError(f"{store.path!r}: {names[kind]} has shape {shape}, expected {want[kind]} "
                                      f"for {n_expert} experts of width {n_embd}")
 

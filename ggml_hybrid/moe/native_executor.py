@@ -165,6 +165,7 @@ class NativeExpertExecutor:
         cfg.path = path
         for i, v in enumerate(self.store._identity):
             cfg.file_id[i] = v
+        cfg.map_guard = self.store._guard + 1
         cfg.staging = int(self.staging)
         cfg.trace = int(trace)
         cfg.trace_seq = trace_seq if trace_seq is not None else ffi.NULL

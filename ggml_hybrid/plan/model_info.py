@@ -42,6 +42,9 @@ def describe(path) -> dict:
                          if re.fullmatch(r"blk\.\d+\.ffn_gate_inp\.weight", t.name) and layer(t.name) < trunk)
         routed = sum(t.nbytes for t in store.tensors()
                      if tensor_class(t.name) == "routed_experts" and 0 <= layer(t.name) < trunk)
+        # next-token-prediction layers (GLM-4.5's, Qwen3-Next's and Qwen3.5's converted files carry one): in the
+        # file, never loaded
+        nextn = sum(t.nbytes for t in store.tensors() if layer(t.name) >= trunk > 0)
         is_moe = bool(n_expert) and bool(routers)
         out = {
             "path": store.path, "architecture": arch, "name": meta_str(store, "general.name", ""),
@@ -50,6 +53,7 @@ def describe(path) -> dict:
             "n_ctx_train": meta("context_length", 0),
             "n_vocab": store.info("token_embd.weight").shape[0] if "token_embd.weight" in store else 0,
             "tensors": len(store.tensors()), "bytes": by_class, "total_bytes": sum(by_class.values()),
+            "nextn_bytes": nextn,
             "types": {c: dict(sorted(t.items())) for c, t in types.items() if t},
         }
         if is_moe:
@@ -149,7 +153,9 @@ def format_text(d: dict) -> str:
                              f"{dn['d_conv']}; KV cache in the {f['attention_layers']} attention layers only")
     else:
         lines.append("  not a MoE model (no routed experts)")
-    lines.append(f"  {d['tensors']} tensors, {format_bytes(d['total_bytes'])}:")
+    lines.append(f"  {d['tensors']} tensors, {format_bytes(d['total_bytes'])}" + (
+        f" ({format_bytes(d['nextn_bytes'])} in next-token-prediction layers, not loaded)" if d["nextn_bytes"]
+        else "") + ":")
     for c in CLASSES:
         if d["bytes"][c]:
             types = ", ".join(f"{t} x{n}" for t, n in d["types"][c].items())

@@ -533,6 +533,9 @@ class MoEModel:
                 t._set_trusted(feed[name])
             self.sched.compute(g.graph)
             logits = g.read_logits()
+        # weights are read in place from the mapping: a read past the end of a file truncated meanwhile gave
+        # zeros (the mapping's guard), and these logits must not be used; the sequence stays as it was
+        self.store.check_reads()
         self.experts.flush_traces()
         for seq, toks in parts:
             kv.used[seq] += len(toks)

@@ -78,7 +78,7 @@ class Tokenizer:
 
     def __init__(self, tokens: list[str], merges: list[str], pre: str, token_types: list[int] | None = None,
                  bos_id: int | None = None, eos_id: int | None = None, add_bos: bool = False, source: str = "vocab",
-                 eot_id: int | None = None, eom_id: int | None = None):
+                 eot_id: int | None = None, eom_id: int | None = None, add_eos: bool = False):
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -94,7 +94,7 @@ class Tokenizer:
                 raise ModelFileError(f"{source}: {name} token id {tid} is outside the vocabulary of {n}")
         types, self.eog_ids = token_attributes(tokens, types, (eos_id, eot_id, eom_id))
         self.tokens, self.pre, self.types = list(tokens), pre, types
-        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.bos_id, self.eos_id, self.add_bos, self.add_eos = bos_id, eos_id, add_bos, add_eos
         self.control = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
         # control and user-defined tokens are plain text (llama.cpp decodes them as written)
         self._raw = self.control | {i for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED}
@@ -149,9 +149,11 @@ class Tokenizer:
         pre = store.meta("tokenizer.ggml.pre", "default", kind="str")
         spec = PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
         add_bos = store.meta("tokenizer.ggml.add_bos_token", spec.add_bos if spec is not None else False, kind="bool")
+        add_eos = store.meta("tokenizer.ggml.add_eos_token", False, kind="bool")
         ids = special_ids(store)
         return cls(token_list(store, "tokenizer.ggml.tokens"), token_list(store, "tokenizer.ggml.merges", []), pre,
-                   token_types(store), ids["bos"], ids["eos"], bool(add_bos), store.path, ids["eot"], ids["eom"])
+                   token_types(store), ids["bos"], ids["eos"], bool(add_bos), store.path, ids["eot"], ids["eom"],
+                   bool(add_eos))
 
     @property
     def n_vocab(self) -> int:
@@ -174,6 +176,10 @@ class Tokenizer:
                 ids += self._hf.encode(part, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
+        # llama.cpp appends EOS after the text when the file says so (tokenizer.ggml.add_eos_token) and special
+        # tokens are added at all (add_bos=False here adds none)
+        if add_bos is not False and self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
         return ids
 
     def _split_special(self, text: str) -> list[str | int]:

@@ -20,7 +20,7 @@ def load_upstream():
     spec = importlib.util.spec_from_file_location("_ggml_upstream", path)  # its PyInit name
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.lib.ggml_hybrid_load_cpu(b"")  # static: the CPU backend is registered at start-up
+    mod.lib.hy_load_cpu(b"")  # static: the CPU backend is registered at start-up
     return mod.ffi, mod.lib
 
 

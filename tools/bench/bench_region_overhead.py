@@ -27,8 +27,8 @@ from moe_graph import DEFAULTS, RawMoE
 class Arm:
     def __init__(self, name, ffi, lib, threads, shape):
         self.name, self.ffi, self.lib = name, ffi, lib
-        self.backend = lib.ggml_hybrid_cpu_init()
-        lib.ggml_hybrid_cpu_set_n_threads(self.backend, threads)
+        self.backend = lib.hy_cpu_init()
+        lib.hy_cpu_set_n_threads(self.backend, threads)
         self.model = RawMoE(ffi, lib, self.backend, **shape)
         self.graph, self.x, self.out = self.model.build()
         backends = ffi.new("ggml_backend_t[]", [self.backend])
@@ -44,7 +44,7 @@ class Arm:
         lib, ffi = self.lib, self.ffi
         t0 = time.perf_counter_ns()
         lib.ggml_backend_sched_reset(self.sched)
-        lib.ggml_hybrid_graph_unalloc(self.graph, self.keep, 1, self.pools, 1)
+        lib.hy_graph_unalloc(self.graph, self.keep, 1, self.pools, 1)
         assert lib.ggml_backend_sched_alloc_graph(self.sched, self.graph)
         if phase == "step":
             lib.ggml_backend_tensor_set(self.x, ffi.from_buffer(self.xv), 0, self.xv.nbytes)

@@ -109,8 +109,8 @@ class _TimedLib:
     def ggml_backend_sched_graph_compute(self, *args):
         return self._timed(self._real.ggml_backend_sched_graph_compute, *args)
 
-    def ggml_hybrid_sched_step(self, *args):
-        return self._timed(self._real.ggml_hybrid_sched_step, *args)
+    def hy_sched_step(self, *args):
+        return self._timed(self._real.hy_sched_step, *args)
 
 
 _timed = _TimedLib(_sched.lib)  # installed by _main only: importing this module (bench_threads) changes nothing

@@ -5,6 +5,7 @@
     python tools/fuzz/run.py signals --cases 100             # Ctrl-C at random times during runs
     python tools/fuzz/run.py api --cases 500                 # bad arguments to the Python API
     python tools/fuzz/run.py server --cases 2000             # hostile requests against one real server
+    python tools/fuzz/run.py rpc --cases 500                 # hostile messages to an rpc-server
     python tools/fuzz/run.py all --cases 50                  # every kind, for a quick look
 
 Each prints one line of counts per class and writes OUT/summary-KIND.json; failing cases keep
@@ -121,6 +122,42 @@ def server(cases: int, seed: int, out: str, jobs: int, timeout: float, idle: int
         click.echo(f"  {f}")
     click.echo(f"  summary: {os.path.join(out, 'summary-server.json')}")
     if not server_cases.passed(summary):
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--cases", default=100, show_default=True, type=click.IntRange(1), help="Connections, each a case.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0), help="Case i depends on (seed, i) only.")
+@click.option("--messages", default=8, show_default=True, type=click.IntRange(1), help="Messages per case.")
+@click.option("--out", default="fuzz-out", show_default=True, type=click.Path(file_okay=False), help="Summary.")
+def rpc(cases: int, seed: int, messages: int, out: str) -> None:
+    """Hostile byte sequences to `ggml-hybrid rpc-server` (loopback, one thread); the server must answer a fresh
+    client after each case."""
+    import json
+    import subprocess
+    import time
+
+    from ggfuzz import rpc_cases
+
+    proc, port = rpc_cases.start_server()
+    try:
+        result = rpc_cases.fuzz(port, seed, cases, messages)
+    finally:
+        code, err = rpc_cases.stop_server(proc)
+    result.update(seed=seed, server_exit=code, server_stderr_tail=err[-2000:],
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"), load=subprocess.run(["uptime"], capture_output=True,
+                                                                            text=True).stdout.strip())
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "summary-rpc.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    ok = result["failed"] is None and code == 0
+    click.echo(f"rpc: {result['cases']} cases, {result['messages']} messages ({result['kept']} kept the connection "
+               f"open) in {result['seconds']:.1f} s "
+               f"({', '.join(f'{k} {n}' for k, n in result['kinds'].items())}); "
+               + ("server alive after every case" if ok else f"FAILED at case {result['failed']}: {result['error']}"))
+    click.echo(f"  summary: {path}")
+    if not ok:
         sys.exit(1)
 
 

@@ -1,5 +1,5 @@
 // From ggml-cpu.h and ggml.h: the threadpool parameters. The CPU backend's own functions are reached through
-// GGML's registry (90_build.h: ggml_hybrid_cpu_*), since a portable build loads its CPU library at run time.
+// GGML's registry (90_build.h: hy_cpu_*), since a portable build loads its CPU library at run time.
 
 // A persistent threadpool per CPU backend: without one, every graph compute
 // (every split) starts and joins its own threads.

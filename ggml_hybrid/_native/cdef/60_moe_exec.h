@@ -73,6 +73,7 @@ typedef struct hy_moe_config {
     double clock[5];
     const char * path;
     int64_t file_id[4];
+    int map_guard;
     int staging;
     int trace;
     int64_t * trace_seq;

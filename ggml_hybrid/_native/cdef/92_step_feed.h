@@ -1,5 +1,5 @@
 // Declared in src/step_feed.h: a decode step's inputs written in place.
-struct ggml_hybrid_feed_row {
+struct hy_feed_row {
     int64_t * k_idx;
     void * mask;
     void * mask_swa;
@@ -8,7 +8,7 @@ struct ggml_hybrid_feed_row {
     int64_t at;
 };
 
-struct ggml_hybrid_feed {
+struct hy_feed {
     int n_rows;
     bool sections;
     bool mask_f16;
@@ -17,7 +17,7 @@ struct ggml_hybrid_feed {
     int64_t n_ctx;
     int32_t * tokens;
     int32_t * pos;
-    struct ggml_hybrid_feed_row * rows;
+    struct hy_feed_row * rows;
 };
 
-int ggml_hybrid_feed_write(struct ggml_hybrid_feed * feed, const int32_t * tokens, const int64_t * pos);
+int hy_feed_write(struct hy_feed * feed, const int32_t * tokens, const int64_t * pos);

@@ -1,5 +1,7 @@
 #include "moe_exec.h"
 
+#include "map_guard.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -648,6 +650,11 @@ static int merge(hy_moe_exec * ex, hy_call * call) {
 /* The weighted sum over each token's experts into the region's output (the full graph computed it already). */
 static int weighted_sum(hy_moe_exec * ex, hy_call * call) {
     const hy_moe_config * cfg = &ex->cfg;
+    /* the worker and the loads read the mapping: a read past the end of a file truncated meanwhile gave
+       zeros (the mapping's guard), which must not reach the output */
+    if (cfg->map_guard > 0 && hy_map_guard_faults(cfg->map_guard - 1) > 0) {
+        return fail(ex, HY_ERR_FILE, ERR_FILE, " (truncated: a read went past its end)");
+    }
     if (!call->on_host) {
         if (call->full != NULL) {
             ggml_backend_tensor_copy(call->full->out, call->out);

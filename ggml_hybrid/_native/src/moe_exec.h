@@ -76,6 +76,7 @@ typedef struct hy_moe_config {
     double clock[HY_COST_N];          /* the synthetic clock's cost of each unit of work */
     const char * path;                /* the model file, checked unchanged before the mapping is read */
     int64_t file_id[4];               /* dev, ino, size, mtime_ns */
+    int map_guard;                    /* the mapping's guard (map_guard.h) id + 1, 0 for none: reads past the end */
     int staging;                      /* loads through pinned host staging (devices whose memory is not host) */
     int trace;                        /* record every call's ids for Python to drain */
     int64_t * trace_seq;              /* the session's call counter: orders records across layers */

@@ -7,7 +7,7 @@
 #include <time.h>
 
 #include "ggml-cpu.h"
-#include "hybrid.h"
+#include "sched_hooks.h"
 #include "moe_exec.h"
 
 int64_t hy_now_ns(void) {
@@ -118,6 +118,12 @@ static void * worker_main(void * arg) {
     /* signals are the main thread's (Python handles Ctrl-C there) */
     sigset_t all;
     sigfillset(&all);
+    /* but for the faults the thread itself raises, which a blocked mask turns into death: SIGBUS from a
+       model file truncated under its reads goes to the mapping's guard (map_guard.h) */
+    sigdelset(&all, SIGBUS);
+    sigdelset(&all, SIGSEGV);
+    sigdelset(&all, SIGFPE);
+    sigdelset(&all, SIGILL);
     pthread_sigmask(SIG_BLOCK, &all, NULL);
     pthread_mutex_lock(&w->mu);
     for (;;) {
@@ -148,19 +154,19 @@ hy_worker * hy_worker_new(int n_threads) {
         return NULL;
     }
     w->n_threads = n_threads;
-    /* through GGML's registry (hybrid.c): a portable build loads its CPU library at run time */
-    w->backend = ggml_hybrid_cpu_init();
+    /* through GGML's registry (sched_hooks.c): a portable build loads its CPU library at run time */
+    w->backend = hy_cpu_init();
     if (w->backend == NULL) {
         free(w);
         return NULL;
     }
-    ggml_hybrid_cpu_set_n_threads(w->backend, n_threads);
+    hy_cpu_set_n_threads(w->backend, n_threads);
     struct ggml_threadpool_params tp;
     ggml_threadpool_params_init(&tp, n_threads);
     tp.poll = 0; /* sleep between jobs rather than spin: the device thread shares the cores */
-    w->pool = ggml_hybrid_threadpool_new(&tp);
+    w->pool = hy_threadpool_new(&tp);
     if (w->pool != NULL) {
-        ggml_hybrid_cpu_set_threadpool(w->backend, w->pool);
+        hy_cpu_set_threadpool(w->backend, w->pool);
     }
     w->scratch = hy_scratch_new(ggml_backend_get_default_buffer_type(w->backend));
     if (w->pool == NULL || w->scratch == NULL) {
@@ -200,7 +206,7 @@ void hy_worker_free(hy_worker * w) {
         ggml_backend_free(w->backend);
     }
     if (w->pool != NULL) {
-        ggml_hybrid_threadpool_free(w->pool);
+        hy_threadpool_free(w->pool);
     }
     free(w->used);
     free(w);

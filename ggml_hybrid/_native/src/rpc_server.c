@@ -1,12 +1,16 @@
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include "rpc_server.h"
 
+#include <signal.h>
 #include <stdio.h>
 
 #include "ggml-backend-impl.h"
 
 /* Copies of the served devices (same functions, except the memory they report) and their originals. */
-static struct ggml_backend_device served[GGML_HYBRID_RPC_SERVER_MAX_DEVICES];
-static ggml_backend_dev_t served_base[GGML_HYBRID_RPC_SERVER_MAX_DEVICES];
+static struct ggml_backend_device served[HY_RPC_SERVER_MAX_DEVICES];
+static ggml_backend_dev_t served_base[HY_RPC_SERVER_MAX_DEVICES];
 static size_t served_mem;
 
 static ggml_backend_dev_t base_of(ggml_backend_dev_t dev) {
@@ -39,15 +43,15 @@ static ggml_backend_t served_init(ggml_backend_dev_t dev, const char * params) {
 typedef void (*start_server_t)(const char * endpoint, const char * cache_dir, size_t n_threads, size_t n_devices,
                                ggml_backend_dev_t * devices);
 
-int ggml_hybrid_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
+int hy_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
                           size_t mem) {
     ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
     start_server_t start = reg != NULL ? (start_server_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_start_server")
                                        : NULL;
-    if (start == NULL || n_devices == 0 || n_devices > GGML_HYBRID_RPC_SERVER_MAX_DEVICES) {
+    if (start == NULL || n_devices == 0 || n_devices > HY_RPC_SERVER_MAX_DEVICES) {
         return -1;
     }
-    ggml_backend_dev_t use[GGML_HYBRID_RPC_SERVER_MAX_DEVICES];
+    ggml_backend_dev_t use[HY_RPC_SERVER_MAX_DEVICES];
     for (size_t i = 0; i < n_devices; i++) {
         use[i] = devices[i];
         if (mem > 0) {
@@ -64,4 +68,53 @@ int ggml_hybrid_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_
     setvbuf(stdout, NULL, _IOLBF, 0);
     start(endpoint, NULL, n_threads, n_devices, use);
     return 0;
+}
+
+/* ---- the client side: Ctrl-C ends a wait for a server ---------------------------------------------------
+   Python runs its SIGINT handler only in the main thread between bytecodes, never while that thread waits
+   inside GGML for a server's reply: a frozen server would make Ctrl-C do nothing. This handler goes before
+   the one installed (Python's): it tells GGML's RPC client to give up the waits in progress, then calls it. */
+
+typedef void (*rpc_interrupt_t)(void);
+
+static struct sigaction sigint_before;
+static rpc_interrupt_t rpc_interrupt;
+
+static void on_sigint(int sig, siginfo_t * info, void * uctx) {
+    if (rpc_interrupt != NULL) {
+        rpc_interrupt();
+    }
+    if ((sigint_before.sa_flags & SA_SIGINFO) && sigint_before.sa_sigaction != NULL) {
+        sigint_before.sa_sigaction(sig, info, uctx);
+    } else if (sigint_before.sa_handler != SIG_DFL && sigint_before.sa_handler != SIG_IGN) {
+        sigint_before.sa_handler(sig);
+    } else if (sigint_before.sa_handler == SIG_DFL) {
+        signal(SIGINT, SIG_DFL);
+        raise(SIGINT);
+    }
+}
+
+int hy_rpc_watch_interrupts(void) {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
+    rpc_interrupt_t fn = reg != NULL ? (rpc_interrupt_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_interrupt")
+                                     : NULL;
+    if (fn == NULL) {
+        return -1;
+    }
+    struct sigaction now;
+    if (sigaction(SIGINT, NULL, &now) != 0) {
+        return -1;
+    }
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigint) {
+        return 0;  /* already in place */
+    }
+    if (!(now.sa_flags & SA_SIGINFO) && now.sa_handler == SIG_IGN) {
+        return 0;  /* Ctrl-C is ignored: nothing to end */
+    }
+    rpc_interrupt = fn;
+    sigint_before = now;
+    struct sigaction act = now;
+    act.sa_sigaction = on_sigint;
+    act.sa_flags = now.sa_flags | SA_SIGINFO;
+    return sigaction(SIGINT, &act, NULL) == 0 ? 1 : -1;
 }

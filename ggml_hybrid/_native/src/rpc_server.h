@@ -7,11 +7,17 @@
 #include "ggml-backend.h"
 
 /* Devices one server may serve (GGML's RPC protocol numbers them per server). */
-#define GGML_HYBRID_RPC_SERVER_MAX_DEVICES 16
+#define HY_RPC_SERVER_MAX_DEVICES 16
 
 /* Serve `devices` on `endpoint` (HOST:PORT) with GGML's RPC server, `n_threads` CPU threads, each device
    reporting `mem` bytes free and total when mem > 0. Blocks for as long as the server runs; returns -1
    when this build has no RPC backend or the arguments are out of range, 0 when the server stopped (it
    could not listen: GGML said why on stderr). */
-int ggml_hybrid_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
+int hy_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
                           size_t mem);
+
+/* Make Ctrl-C (SIGINT) end the waits for RPC servers in progress (GGML's RPC client gives up their
+   connections), then run the handler that was installed (Python's). Returns 1 when installed, 0 when it
+   already was or SIGINT is ignored, -1 when this build has no RPC client or it failed. Python replacing its
+   SIGINT handler later removes it. */
+int hy_rpc_watch_interrupts(void);

@@ -25,7 +25,7 @@ static void set_cells(void * mask, bool f16, int64_t from, int64_t to, bool seen
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* A query at p sees the cells 0..p; with a window, the cells p - n_swa < c <= p. */
-static void write_masks(const struct ggml_hybrid_feed * f, struct ggml_hybrid_feed_row * r, int64_t p) {
+static void write_masks(const struct hy_feed * f, struct hy_feed_row * r, int64_t p) {
     if (r->at == p - 1) {
         /* the next position of the same sequence: one cell comes into view, one leaves the window */
         set_cells(r->mask, f->mask_f16, p, p + 1, true);
@@ -48,11 +48,11 @@ static void write_masks(const struct ggml_hybrid_feed * f, struct ggml_hybrid_fe
     r->at = p;
 }
 
-int ggml_hybrid_feed_write(struct ggml_hybrid_feed * f, const int32_t * tokens, const int64_t * pos) {
+int hy_feed_write(struct hy_feed * f, const int32_t * tokens, const int64_t * pos) {
     const int n = f->n_rows;
     for (int i = 0; i < n; i++) {
         const int64_t p = pos[i];
-        struct ggml_hybrid_feed_row * r = &f->rows[i];
+        struct hy_feed_row * r = &f->rows[i];
         if (p < 0 || p >= r->n_kv) {
             return i + 1;
         }

@@ -1,5 +1,5 @@
 /* The inputs of a decode step (one token for each of a few sequences) written in place in host arrays, which
-   ggml_hybrid_sched_step then sets: the token and position of each row, its K cache write index, the mask
+   hy_sched_step then sets: the token and position of each row, its K cache write index, the mask
    cells that come into view (and, for sliding-window layers, leave it), the V cache's write indices. The
    interpreter writes none of it: each numpy call it makes right after a compute runs cold, tens of
    microseconds a step (model/step_feed.py has the layout and the Python side). */
@@ -10,7 +10,7 @@
 
 /* One sequence of the step: its inputs (NULL where the model has none) and the position its masks were
    last written for (-2: never, so the first write is whole). */
-struct ggml_hybrid_feed_row {
+struct hy_feed_row {
     int64_t * k_idx;     /* [1] */
     void * mask;         /* [n_kv], f32 or f16 */
     void * mask_swa;     /* [n_kv] or NULL */
@@ -19,7 +19,7 @@ struct ggml_hybrid_feed_row {
     int64_t at;
 };
 
-struct ggml_hybrid_feed {
+struct hy_feed {
     int n_rows;
     bool sections;       /* M-RoPE: four position rows, (p, p, p, 0) */
     bool mask_f16;
@@ -28,9 +28,9 @@ struct ggml_hybrid_feed {
     int64_t n_ctx;
     int32_t * tokens;    /* [n_rows] */
     int32_t * pos;       /* [n_rows], or [4 * n_rows] with sections */
-    struct ggml_hybrid_feed_row * rows;
+    struct hy_feed_row * rows;
 };
 
 /* Write the step that puts tokens[i] at position pos[i] of row i. Returns 0, or i + 1 for the first row
    whose position is outside its 0..n_kv-1 (then nothing of that row or the rows after it is written). */
-int ggml_hybrid_feed_write(struct ggml_hybrid_feed * feed, const int32_t * tokens, const int64_t * pos);
+int hy_feed_write(struct hy_feed * feed, const int32_t * tokens, const int64_t * pos);

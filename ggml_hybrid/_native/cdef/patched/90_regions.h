@@ -25,6 +25,6 @@ void ggml_backend_sched_get_split(ggml_backend_sched_t sched, int i_split, int *
         int * n_nodes, int * n_inputs);
 struct ggml_tensor * ggml_backend_sched_get_split_node(ggml_backend_sched_t sched, int i_split, int i_node);
 
-extern "Python" int _ggml_hybrid_region_exec(int region_id, ggml_backend_t backend,
+extern "Python" int _hy_region_exec(int region_id, ggml_backend_t backend,
         struct ggml_tensor * const * inputs, int n_inputs, struct ggml_tensor * const * outputs, int n_outputs,
         void * user_data);

@@ -1,7 +1,7 @@
 /* dladdr and Dl_info: which file a backend was loaded from */
 #define _GNU_SOURCE
 
-#include "hybrid.h"
+#include "sched_hooks.h"
 
 #include <dlfcn.h>
 #include <stdarg.h>
@@ -12,14 +12,14 @@
 #include "ggml-impl.h"
 #include "ggml-backend-impl.h"
 
-#ifndef GGML_HYBRID_GGML_VERSION
-#error "build.py defines GGML_HYBRID_GGML_VERSION, GGML_HYBRID_PATCH_HASH, GGML_HYBRID_SOURCE_HASH and GGML_HYBRID_ABI"
+#ifndef HY_GGML_VERSION
+#error "build.py defines HY_GGML_VERSION, HY_PATCH_HASH, HY_SOURCE_HASH and GGML_HYBRID_ABI"
 #endif
 
-const char * ggml_hybrid_ggml_version(void) { return GGML_HYBRID_GGML_VERSION; }
-const char * ggml_hybrid_patch_hash(void) { return GGML_HYBRID_PATCH_HASH; }
-const char * ggml_hybrid_source_hash(void) { return GGML_HYBRID_SOURCE_HASH; }
-const char * ggml_hybrid_abi(void) { return GGML_HYBRID_ABI; }
+const char * hy_ggml_version(void) { return HY_GGML_VERSION; }
+const char * hy_patch_hash(void) { return HY_PATCH_HASH; }
+const char * hy_source_hash(void) { return HY_SOURCE_HASH; }
+const char * hy_abi(void) { return GGML_HYBRID_ABI; }
 
 /* The CPU backend through GGML's registry. A portable build loads one of several CPU libraries at run time
    (the best for this CPU), so its functions are looked up, never linked; the native build registers its one
@@ -34,7 +34,7 @@ static void * cpu_proc(const char * name) {
     return reg != NULL ? ggml_backend_reg_get_proc_address(reg, name) : NULL;
 }
 
-int ggml_hybrid_load_cpu(const char * lib_dir) {
+int hy_load_cpu(const char * lib_dir) {
     if (cpu_reg() == NULL) {
         ggml_backend_load_all_from_path(lib_dir);
     }
@@ -49,17 +49,17 @@ int ggml_hybrid_load_cpu(const char * lib_dir) {
     return 1;
 }
 
-ggml_backend_t ggml_hybrid_cpu_init(void) {
+ggml_backend_t hy_cpu_init(void) {
     ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     return dev != NULL ? ggml_backend_dev_init(dev, NULL) : NULL;
 }
 
-bool ggml_hybrid_is_cpu(ggml_backend_t backend) {
+bool hy_is_cpu(ggml_backend_t backend) {
     ggml_backend_dev_t dev = ggml_backend_get_device(backend);
     return dev != NULL && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
 }
 
-void ggml_hybrid_cpu_set_n_threads(ggml_backend_t backend, int n_threads) {
+void hy_cpu_set_n_threads(ggml_backend_t backend, int n_threads) {
     ((ggml_backend_set_n_threads_t) cpu_proc("ggml_backend_set_n_threads"))(backend, n_threads);
 }
 
@@ -67,20 +67,20 @@ typedef struct ggml_threadpool * (*threadpool_new_t)(struct ggml_threadpool_para
 typedef void (*threadpool_free_t)(struct ggml_threadpool * threadpool);
 typedef void (*set_threadpool_t)(ggml_backend_t backend, struct ggml_threadpool * threadpool);
 
-struct ggml_threadpool * ggml_hybrid_threadpool_new(struct ggml_threadpool_params * params) {
+struct ggml_threadpool * hy_threadpool_new(struct ggml_threadpool_params * params) {
     return ((threadpool_new_t) cpu_proc("ggml_threadpool_new"))(params);
 }
 
-void ggml_hybrid_threadpool_free(struct ggml_threadpool * threadpool) {
+void hy_threadpool_free(struct ggml_threadpool * threadpool) {
     ((threadpool_free_t) cpu_proc("ggml_threadpool_free"))(threadpool);
 }
 
-void ggml_hybrid_cpu_set_threadpool(ggml_backend_t backend, struct ggml_threadpool * threadpool) {
+void hy_cpu_set_threadpool(ggml_backend_t backend, struct ggml_threadpool * threadpool) {
     ((set_threadpool_t) cpu_proc("ggml_backend_cpu_set_threadpool"))(backend, threadpool);
 }
 
 /* "AVX2 FMA ..." for the features the loaded CPU library was built with (value "1"), space separated. */
-const char * ggml_hybrid_cpu_features(void) {
+const char * hy_cpu_features(void) {
     static char out[512];
     out[0] = '\0';
     ggml_backend_get_features_t get = (ggml_backend_get_features_t) cpu_proc("ggml_backend_get_features");
@@ -102,7 +102,7 @@ const char * ggml_hybrid_cpu_features(void) {
 }
 
 /* The file a backend's code lives in (a registry entry's functions point into it). */
-const char * ggml_hybrid_reg_path(ggml_backend_reg_t reg) {
+const char * hy_reg_path(ggml_backend_reg_t reg) {
     Dl_info dl;
     if (reg == NULL || dladdr((void *) reg->iface.get_name, &dl) == 0 || dl.dli_fname == NULL) {
         return "";
@@ -127,9 +127,9 @@ static void capture_log(enum ggml_log_level level, const char * text, void * use
     load_log[load_log_used] = '\0';
 }
 
-const char * ggml_hybrid_backend_load_log(void) { return load_log; }
+const char * hy_backend_load_log(void) { return load_log; }
 
-ggml_backend_reg_t ggml_hybrid_backend_load(const char * path, char * err, size_t n_err) {
+ggml_backend_reg_t hy_backend_load(const char * path, char * err, size_t n_err) {
     err[0] = '\0';
     load_log_used = 0;
     load_log[0] = '\0';
@@ -165,9 +165,9 @@ ggml_backend_reg_t ggml_hybrid_backend_load(const char * path, char * err, size_
     return reg;
 }
 
-int ggml_hybrid_graph_n_leafs(struct ggml_cgraph * g) { return g->n_leafs; }
-struct ggml_tensor * ggml_hybrid_graph_leaf(struct ggml_cgraph * g, int i) { return g->leafs[i]; }
-bool ggml_hybrid_graph_contains(struct ggml_cgraph * g, struct ggml_tensor * t) {
+int hy_graph_n_leafs(struct ggml_cgraph * g) { return g->n_leafs; }
+struct ggml_tensor * hy_graph_leaf(struct ggml_cgraph * g, int i) { return g->leafs[i]; }
+bool hy_graph_contains(struct ggml_cgraph * g, struct ggml_tensor * t) {
     return ggml_hash_contains(&g->visited_hash_set, t);
 }
 
@@ -175,7 +175,7 @@ bool ggml_hybrid_graph_contains(struct ggml_cgraph * g, struct ggml_tensor * t) 
    in the buffers listed: only pointer values are compared. Only tensor structs inside the live
    context pools listed ([start, end) pairs) are touched: a tensor of a freed context is never read
    or written. Returns how many tensors lie in no live pool (their context was freed). */
-int ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * keep, int n_keep,
+int hy_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * keep, int n_keep,
                               const uintptr_t * pools, int n_pools) {
     int dangling = 0;
     for (int pass = 0; pass < 2; pass++) {
@@ -209,18 +209,18 @@ int ggml_hybrid_graph_unalloc(struct ggml_cgraph * g, ggml_backend_buffer_t * ke
    device and buffer type (same functions, distinct identity), so that the scheduler treats their
    buffers as different memories, as it does for two GPUs, instead of moving every node onto the
    first instance (it merges backends whose buffer types are the same object). */
-static struct ggml_backend_device inst_dev[GGML_HYBRID_MAX_INSTANCES];
-static struct ggml_backend_buffer_type inst_buft[GGML_HYBRID_MAX_INSTANCES];
+static struct ggml_backend_device inst_dev[HY_MAX_INSTANCES];
+static struct ggml_backend_buffer_type inst_buft[HY_MAX_INSTANCES];
 
 static ggml_backend_buffer_type_t inst_get_buft(ggml_backend_dev_t dev) {
     return &inst_buft[dev - inst_dev];
 }
 
-ggml_backend_t ggml_hybrid_cpu_instance(int index) {
-    if (index < 0 || index >= GGML_HYBRID_MAX_INSTANCES) {
+ggml_backend_t hy_cpu_instance(int index) {
+    if (index < 0 || index >= HY_MAX_INSTANCES) {
         return NULL;
     }
-    ggml_backend_t b = ggml_hybrid_cpu_init();
+    ggml_backend_t b = hy_cpu_init();
     if (b == NULL) {
         return NULL;
     }
@@ -249,11 +249,11 @@ static void quiet_log(enum ggml_log_level level, const char * text, void * user_
     }
 }
 
-void ggml_hybrid_log_quiet(void) { ggml_log_set(quiet_log, NULL); }
+void hy_log_quiet(void) { ggml_log_set(quiet_log, NULL); }
 
 /* GGML's CPU "extra" buffer types, NULL-terminated, in the order llama.cpp prefers them (make_cpu_buft_list):
    weights there are repacked at load for faster CPU kernels (CPU_REPACK; AMX and KleidiAI where built). */
-ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void) {
+ggml_backend_buffer_type_t * hy_cpu_extra_bufts(void) {
     static ggml_backend_buffer_type_t none[1] = { NULL };
     ggml_backend_reg_t reg = cpu_reg();
     ggml_backend_dev_get_extra_bufts_t fn =
@@ -267,7 +267,7 @@ ggml_backend_buffer_type_t * ggml_hybrid_cpu_extra_bufts(void) {
 
 /* Whether GGML can copy a buffer's tensors back out: a repacked buffer has no get_tensor (and
    ggml_backend_tensor_get would call NULL). */
-bool ggml_hybrid_buffer_readable(ggml_backend_buffer_t buf) {
+bool hy_buffer_readable(ggml_backend_buffer_t buf) {
     return buf != NULL && buf->iface.get_tensor != NULL;
 }
 
@@ -282,8 +282,8 @@ static bool fits(const struct ggml_tensor * t, size_t size, bool read) {
     return buf != NULL && t->data != NULL && size == ggml_nbytes(t) && (!read || buf->iface.get_tensor != NULL);
 }
 
-enum ggml_status ggml_hybrid_sched_step(ggml_backend_sched_t sched, struct ggml_cgraph * graph,
-        const struct ggml_hybrid_io * in, int n_in, struct ggml_tensor * out, void * out_data, size_t out_size,
+enum ggml_status hy_sched_step(ggml_backend_sched_t sched, struct ggml_cgraph * graph,
+        const struct hy_io * in, int n_in, struct ggml_tensor * out, void * out_data, size_t out_size,
         int * bad) {
     *bad = 0;
     for (int i = 0; i < n_in; i++) {

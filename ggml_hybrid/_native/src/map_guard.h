@@ -1,0 +1,24 @@
+/* A guard for memory-mapped model files: a read of a page past the end of a file truncated while it is
+   mapped raises SIGBUS, which would kill the process wherever the read happens (a GGML kernel, the CPU
+   worker, a copy into a device). Inside a guarded range the guard's SIGBUS handler maps zero pages over
+   the rest of the range instead, counts the fault and returns: the read goes on with zeros, and the
+   caller, which checks the count after its reads, raises a clear error instead of using the result.
+   Faults outside every guarded range go to the handler that was installed before (or kill the process,
+   as they would have). */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Guarded ranges at once (one per open model file). */
+#define HY_MAP_GUARD_MAX 64
+
+/* Guard [addr, addr + size) (installs the handler on first use). Returns the range's id (>= 0), or -1
+   when every slot is taken or the handler could not be installed. */
+int hy_map_guard_add(const void * addr, size_t size);
+
+/* Stop guarding range `id` (before its mapping goes away). */
+void hy_map_guard_remove(int id);
+
+/* Faults the guard caught in range `id` since it was added. */
+uint64_t hy_map_guard_faults(int id);
