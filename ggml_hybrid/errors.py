@@ -8,6 +8,18 @@ derives from the built-in exception a Python user would expect (``ValueError``,
 
 from __future__ import annotations
 
+MESSAGE_CHARS = 1000  # an error message is cut to about this many characters (it may quote an attacker's value)
+
+
+def shorten(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """``text`` cut to about ``limit`` characters: its start (what failed, the value) and its end (the rule), with
+    how much was left out between them. Values in messages come from files and requests: a 1 MiB metadata
+    string must not become a 1 MiB error line."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]} ... ({len(text) - head - tail} characters left out) ... {text[len(text) - tail:]}"
+
 
 class GgmlHybridError(Exception):
     """Base class of every error raised by ggml-hybrid."""
@@ -137,6 +149,15 @@ class ConfigError(GgmlHybridError, ValueError):
 
 class ChatTemplateError(GgmlHybridError, ValueError):
     """Chat messages a template cannot render (bad shape, refused by the template, a template that fails)."""
+
+
+class ChatTemplateLimitError(ChatTemplateError):
+    """A chat template stopped at a bound: ``kind`` is ``time``, ``memory``, ``output`` (too long a prompt) or
+    ``stopped`` (its renderer was closed: the process is stopping)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class HubError(GgmlHybridError, ValueError):

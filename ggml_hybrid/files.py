@@ -57,7 +57,10 @@ def check_output(path: str | os.PathLike[str], inputs: Iterable[str | os.PathLik
     try:
         st = os.stat(path)
     except FileNotFoundError:
+        _check_folder(path, what)  # checked now, not after a whole run
         return path
+    except NotADirectoryError:
+        raise ArgumentError(f"{what} {path!r} cannot be written: a part of the path is not a directory") from None
     except OSError as exc:
         raise ArgumentError(f"{what} {path!r} cannot be written: {exc.strerror or exc}") from None
     if stat.S_ISDIR(st.st_mode):
@@ -65,6 +68,15 @@ def check_output(path: str | os.PathLike[str], inputs: Iterable[str | os.PathLik
     if not stat.S_ISREG(st.st_mode):
         raise ArgumentError(f"{what} {path!r} is not a regular file (a device, FIFO or socket)")
     return path
+
+
+def _check_folder(path: str, what: str) -> None:
+    """The folder a new output goes in exists and this process may create files in it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ArgumentError(f"{what} {path!r} cannot be written: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ArgumentError(f"{what} {path!r} cannot be written: the folder {folder!r} is not writable")
 
 
 def _mode_for(path: str) -> int:

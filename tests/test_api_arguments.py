@@ -136,3 +136,19 @@ def test_new_tensor_shapes(shape):
         with pytest.raises(GgmlHybridError) as info:
             c.new_tensor("f32", shape)
     assert isinstance(info.value, (ArgumentTypeError, ShapeError))
+
+
+@pytest.mark.parametrize("vocab", ["bpe", "spm"])
+@pytest.mark.parametrize("text", ["\ud800", "ok \udfff then", "x\ud83d"])
+def test_encode_refuses_a_lone_surrogate_with_one_typed_error(tmp_path, vocab, text):
+    """Issue 28 item 16: text that UTF-8 cannot carry is one ArgumentError naming where (it was a bare
+    UnicodeEncodeError, or whatever the tokenizer library raised)."""
+    from ggml_hybrid.synthetic import write_model as write
+
+    kw = dict(arch="llama", vocab="spm", vocab_size=512) if vocab == "spm" else dict(arch="qwen3moe")
+    p = write(tmp_path / f"{vocab}.gguf", seed=15, **kw)
+    with gh.MoEModel(p, ONE) as m:
+        for special in (False, True):
+            with pytest.raises(ArgumentError, match="lone surrogate"):
+                m.tokenizer.encode(text, special=special)
+        assert m.tokenizer.encode("ok then")  # valid text still encodes

@@ -188,3 +188,75 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(models, monkeypatch):
             reply.append(tid)
             logits = m.eval([tid])
     assert second.rstrip("\n") == tok.decode(reply)
+
+
+# -- issue 28 item 6: a template is bounded in time, memory and output, and the process stays in charge ------
+
+@pytest.fixture
+def pool():
+    from ggml_hybrid.text.chat import RenderPool
+
+    p = RenderPool(size=1, seconds=2.0)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("source, kind", [
+    ("{{ 7 ** (7 ** 9) }}", "time"),                                                    # one C call for long
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "time"),  # nested ranges
+    ("{{ 'a' * 10 ** 9 }}", "memory"),                                                  # a gigabyte
+    ("{{ 'a' | center(10 ** 10) }}", "memory"),                                         # inside a filter
+    ("{% for m in messages %}{% for i in range(100000) %}{{ m.content * 100 }}{% endfor %}{% endfor %}", "output"),
+])
+def test_a_template_is_stopped_at_its_bounds(pool, source, kind):
+    import time
+
+    from ggml_hybrid.errors import ChatTemplateLimitError
+
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateLimitError) as e:
+        ChatTemplate(source, pool=pool).render(MSGS, max_chars=100_000)
+    assert e.value.kind == kind, e.value
+    assert time.monotonic() - t0 < 2.0 + 5.0  # the time bound, and a renderer's start
+    # the pool goes on: the next template renders
+    assert ChatTemplate(None, pool=pool).render(MSGS[:1]).startswith("<|im_start|>system")
+
+
+def test_closing_the_pool_ends_a_render_in_progress(pool):
+    """What keeps a server stoppable: a render that would run for hours ends as soon as the pool is closed."""
+    import threading
+    import time
+
+    from ggml_hybrid.errors import ChatTemplateLimitError
+
+    pool.seconds = 60.0
+    got: list[BaseException] = []
+
+    def go() -> None:
+        try:  # compiling folds the constant: it is the compile that runs long
+            ChatTemplate("{{ 7 ** (7 ** 9) }}", pool=pool).render(MSGS)
+        except BaseException as exc:
+            got.append(exc)
+
+    th = threading.Thread(target=go)
+    th.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    pool.close()
+    th.join(10)
+    assert not th.is_alive() and time.monotonic() - t0 < 5
+    assert isinstance(got[0], ChatTemplateLimitError)
+
+
+def test_conversation_input_that_is_not_utf8_is_refused_and_the_chat_goes_on(models):
+    """Issue 28 item 12: a line of invalid UTF-8 at the -cnv prompt was a traceback; now one message and the chat
+    goes on with the next line."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "run", models["qwen3moe"], "-cnv", "-n", "3", "-t",
+                        "1", "-c", "256"], input=b"bad \xff\xfe line\nHi\n", capture_output=True, timeout=120)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0, err
+    assert "Traceback" not in err and "not valid UTF-8" in err
+    assert r.stdout.count(b"> ") == 3  # the bad line, "Hi" (answered) and the end of input

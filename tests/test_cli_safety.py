@@ -182,3 +182,35 @@ def test_config_and_logits_paths_named_for_what_they_are(model, tmp_path):
     user_error("run", "a", "--config", tmp_path, "--tokens", "1", *T1, expect=["is a directory"])
     user_error("run", "a", "--config", "/dev/null", "--tokens", "1", *T1, expect=["not a regular file"])
     user_error("run", model, "--tokens", "1", *T1, "--logits-out", tmp_path, expect=["directory"])
+
+
+# -- issue 28 items 17 and 20 -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["missing folder", "file as folder"])
+def test_logits_out_into_a_folder_that_cannot_hold_it_is_refused_before_loading(model, tmp_path, monkeypatch, where):
+    """It was refused only after the whole run (at the rename into place)."""
+    from ggml_hybrid.runtime import moe_model
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(moe_model.MoEModel, "__init__", no_load)
+    if where == "missing folder":
+        target, expect = tmp_path / "nowhere" / "x.npy", "does not exist"
+    else:
+        (tmp_path / "plain").write_text("")
+        target, expect = tmp_path / "plain" / "x.npy", "not a directory"
+    user_error("run", model, "--tokens", "1,2", "-n", 2, *T1, "--logits-out", target, expect=[expect, "--logits-out"])
+
+
+def test_a_huge_value_in_a_message_is_cut(tmp_path):
+    """A 1 MiB general.architecture gave a 1 MiB error line; the line is cut, keeping its start (the file, the
+    value's beginning) and its end (the rule)."""
+    from helpers import rewrite_gguf
+
+    src = write_model(tmp_path / "m.gguf", ModelSpec(arch="qwen3moe", seed=3))
+    bad = rewrite_gguf(src, tmp_path / "huge.gguf", arch="x" * (1 << 20))
+    for cmd in (["run", bad, "--tokens", "1", "-n", 1, *T1], ["plan", bad]):
+        line = user_error(*cmd, expect=["huge.gguf", "general.architecture", "xxxx", "characters left out",
+                                        "supported"])
+        assert len(line) < 1200, len(line)

@@ -204,3 +204,44 @@ def test_step_rate_is_the_rate_of_the_steps_in_its_window(gaps, reads):
             steps = [(e, d, k) for e, d, k in steps if e >= t - 10**9]
         rate.add(now, dur, n)
         steps.append((now, dur, n))
+
+
+class _FailingSampler(Sampler):
+    """A greedy sampler whose choice raises once ``watch`` has finished (a sequence that fails mid-generation in the
+    very step where another one ends: ``watch`` sits in a lower slot, so it is handled first in that step)."""
+
+    def __init__(self, watch: Request) -> None:
+        super().__init__(temperature=0.0)
+        self.watch = watch
+
+    def __call__(self, logits):
+        if self.watch.done.is_set():
+            raise RuntimeError("this sequence's choice failed")
+        return super().__call__(logits)
+
+
+def test_a_failing_sequence_fails_alone_and_a_finished_one_stays_finished(path):
+    """Issue 28 items 7 and 10: in one decode step, slot 0 finishes (length) and slot 1's choice fails; the failure
+    ends slot 1 only: slot 0 stays "length" (counted once), slot 2's text is its lone run's."""
+    with _model(path, 1) as m:
+        (alone,), _ = _run(m, [PROMPTS[2]], max_tokens=10)
+    with _model(path, 3) as m:
+        e = Engine(m)
+        try:
+            enc = m.tokenizer.encode
+            a = Request(enc(PROMPTS[1]), Sampler(temperature=0.0), 8, ignore_eos=True)
+            b = Request(enc(PROMPTS[1]), _FailingSampler(a), None, ignore_eos=True)
+            c = Request(enc(PROMPTS[2]), Sampler(temperature=0.0), 10)
+            for r in (a, b, c):
+                e.submit(r)
+            for r in (a, b, c):
+                assert r.done.wait(60)
+            stats = e.stats
+        finally:
+            e.close()
+    assert (a.finish_reason, len(a.tokens), a.error) == ("length", 8, None)
+    assert b.finish_reason == "error" and "choice failed" in (b.error or "") and 0 < len(b.tokens) < 8
+    assert (c.text, c.tokens, c.finish_reason) == alone
+    want = {"length": 1, "error": 1}
+    want[alone[2]] = want.get(alone[2], 0) + 1
+    assert stats.requests == want

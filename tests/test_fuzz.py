@@ -99,3 +99,18 @@ def test_api_faults(out):
 
 def test_signals(out):
     fuzz(out, "signals", 2, "--modes", "resident,disk-share")
+
+
+def test_server_requests(tmp_path):
+    """Issue 28: hostile requests against one real server (loopback, a free port, stopped by the harness), then
+    idle connections: no crash, hang, undocumented 5xx or malformed error; /health answers; a clean exit."""
+    pytest.importorskip("uvicorn")
+    p = subprocess.run([sys.executable, str(RUN), "server", "--cases", "60", "--seed", str(SEED), "--jobs", "3",
+                        "--idle", "60", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    summary = json.loads((tmp_path / "summary-server.json").read_text())
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    assert summary["classes"].get("fine", 0) + summary["classes"].get("closed", 0) == 60
+    assert summary["idle"]["health"][0] == 200 and summary["exit_status"] == 0
+    # the requests reached every path: generations, refusals, the other endpoints
+    kinds = {w.split(" ")[0] for w in summary["what"]}
+    assert {"completion", "chat", "raw"} <= kinds

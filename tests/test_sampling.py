@@ -8,6 +8,7 @@ probabilities; ``Sampler.__call__`` draws only from them, with their frequencies
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 
 import numpy as np
@@ -137,3 +138,72 @@ def test_defaults_are_llama_cpp_s_but_greedy():
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ArgumentError):
         Sampler(**kw)
+
+
+# -- issue 28, item 7/15/16: values the rules accept never make the sampler draw from NaN --------------------
+
+def _oracle_greedy_with_penalties(logits, seen, presence, frequency, repeat):
+    """The penalized argmax (every tied token) in plain Python floats, overflow taken as the clipped finite range."""
+    big = sys.float_info.max
+    z = [float(x) for x in logits]
+    for t, c in Counter(seen).items():
+        v = z[t]
+        v = v * repeat if v <= 0 else v / repeat
+        v = max(-big, min(big, v))
+        pen = max(-big, min(big, max(-big, min(big, c * frequency)) + presence))
+        z[t] = max(-big, min(big, v - pen))
+    return {i for i in range(len(z)) if z[i] == max(z)}
+
+
+@pytest.mark.parametrize("presence, frequency", [(-1e308, 0.0), (1e308, 0.0), (0.0, -1e308), (0.0, 1e308),
+                                                 (-1e308, -1e308), (1e308, -1e308)])
+@pytest.mark.parametrize("temp", [0.0, 1e-320, 0.8])
+def test_extreme_penalties_and_temperatures_choose_without_nan(presence, frequency, temp):
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal(64) * 4
+    seen = [3, 3, 7, 11, 3, 40]
+    s = Sampler(temperature=temp, presence_penalty=presence, frequency_penalty=frequency, seed=1)
+    for t in seen:
+        s.accept(t)
+    z = s.penalized(logits)
+    assert not np.isnan(z).any() and np.isfinite(z).all()
+    ids, p = s.candidates(logits)
+    assert np.isfinite(p).all() and abs(p.sum() - 1) < 1e-12 and (p >= 0).all()
+    tok = s(logits)
+    if temp < 1e-300:  # a vanishing temperature draws the penalized argmax
+        assert tok in _oracle_greedy_with_penalties(logits, seen, presence, frequency, 1.0)
+    bonus = presence < 0 or frequency < 0
+    if bonus and not (presence > 0 or frequency > 0):
+        assert tok in seen  # a huge bonus: only seen tokens can win
+
+
+def test_a_subnormal_temperature_is_the_argmax():
+    logits = np.random.default_rng(3).standard_normal(200)
+    for temp in (1e-320, 5e-324, 1e-300):
+        assert Sampler(temperature=temp, seed=0, top_k=0, top_p=1.0, min_p=0.0)(logits) == int(np.argmax(logits))
+
+
+def test_huge_repeat_penalty_quotients_stay_finite():
+    s = Sampler(temperature=0.7, repeat_penalty=1e-300, seed=4)
+    logits = np.array([1e10, 5.0, -3.0, 2.0])
+    for t in (0, 1):
+        s.accept(t)
+    ids, p = s.candidates(logits)
+    assert np.isfinite(p).all() and ids[0] == 0
+
+
+@pytest.mark.parametrize("logits", [[0.0, np.inf], [np.nan, 1.0], [-np.inf, -np.inf]])
+def test_non_finite_logits_are_one_typed_error(logits):
+    with pytest.raises(ArgumentError, match="logits must hold at least one finite value"):
+        Sampler(temperature=0.8, seed=1)(logits)
+
+
+def test_masked_tokens_stay_masked_under_extreme_penalties():
+    s = Sampler(temperature=0.9, presence_penalty=-1e308, frequency_penalty=-1e308, seed=5)
+    logits = np.array([-np.inf, 0.5, -np.inf, 0.1])
+    for t in (0, 2, 0):
+        s.accept(t)
+    ids, p = s.candidates(logits)
+    assert np.isfinite(p).all()
+    assert all(p[list(ids).index(t)] == 0 for t in (0, 2) if t in ids)
+    assert s(logits) in (1, 3)

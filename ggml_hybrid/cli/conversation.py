@@ -28,6 +28,37 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class _NotText:
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _read_line(stdin: TextIO) -> str | _NotText | None:
+    """The next line of input (None at its end); bytes that are not UTF-8 are refused, not a crash."""
+    raw = getattr(stdin, "buffer", None)
+    line: str
+    if raw is not None:
+        data: bytes = raw.readline()
+        if not data:
+            return None
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return _NotText(f"byte {data[exc.start]:#04x} at {exc.start}")
+    else:
+        try:
+            line = stdin.readline()
+        except UnicodeDecodeError as exc:
+            return _NotText(str(exc.reason))
+        if not line:
+            return None
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (a text stream decoding with surrogateescape)
+        return _NotText(f"a lone surrogate at {exc.start}")
+    return line
+
+
 def converse(m: MoEModel, sampler: Sampler, n_predict: int, system: str | None, first: str | None,
              ignore_eos: bool, stdin: TextIO) -> int:
     """Chat until end of input; returns the number of replies."""
@@ -40,9 +71,12 @@ def converse(m: MoEModel, sampler: Sampler, n_predict: int, system: str | None, 
     while True:
         if pending is None:
             click.echo("\n> ", nl=False)
-            line = stdin.readline()  # Ctrl-C here ends the command as everywhere (exit status 130)
-            if not line:
+            line = _read_line(stdin)  # Ctrl-C here ends the command as everywhere (exit status 130)
+            if line is None:
                 break
+            if isinstance(line, _NotText):
+                click.echo(f"(that line is not valid UTF-8 text: {line.why}; type it again)", err=True)
+                continue
             pending = line.rstrip("\n")
         messages.append({"role": "user", "content": pending})
         pending = None

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-from ..errors import GgmlHybridError
+from ..errors import GgmlHybridError, shorten
 from .flags import Command
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that SIGINT ended
@@ -48,7 +48,7 @@ class _Group(click.Group):
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.ClickException as exc:  # one line, even where a message quotes a value with newlines
-            click.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
+            click.echo(f"error: {shorten(' '.join(exc.format_message().split()))}", err=True)
             sys.exit(2)
         except click.exceptions.Abort as exc:
             if isinstance(exc.__cause__, KeyboardInterrupt):
@@ -56,7 +56,7 @@ class _Group(click.Group):
             click.echo("error: aborted (end of input)", err=True)
             sys.exit(2)
         except (GgmlHybridError, OSError) as exc:
-            click.echo(f"error: {' '.join(str(exc).split())}", err=True)
+            click.echo(f"error: {shorten(' '.join(str(exc).split()))}", err=True)
             sys.exit(2)
         sys.exit(rv or 0)
 

@@ -31,8 +31,9 @@ from .main import main
               help="Address to listen on (0.0.0.0: every interface; the default is loopback only).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
 @click.option("-a", "--alias", "aliases", multiple=True, help="Another name the model answers to (repeatable).")
-@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
-              help="Seconds in-flight requests get to finish after SIGTERM.")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0, 86400),
+              callback=lambda ctx, param, v: _finite(v, "--drain-timeout"),
+              help="Seconds in-flight requests get to finish after SIGTERM (0..86400).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 @session_flags
@@ -93,14 +94,26 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
                                      "'.[server]' in the ggml-hybrid checkout (it is not on PyPI)") from None
     import contextlib
 
+    from ..server import guard, logs
+
     models = ModelSet(entries)
     signals: list[int] = []
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            # SIGTERM/SIGINT: stop taking work, then uvicorn's graceful shutdown
-            models.drain()
-            super().handle_exit(sig, frame)
+            # SIGTERM/SIGINT: stop taking work but keep listening (/health answers 503 "draining") until every
+            # generation has answered or --drain-timeout has passed; a second signal ends the drain at once
+            # (what runs is cancelled and answers with its error): on_tick then lets uvicorn shut down
+            self._captured_signals.append(sig)
+            if models.draining:
+                models.expire_drain()
+            else:
+                models.drain()
+
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter):
+                return True
+            return models.drained(drain_timeout)
 
     server: Server
 
@@ -120,9 +133,15 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
         finally:
             models.close()
 
+    if not _loopback(host):
+        click.echo(f"ggml-hybrid serve: warning: listening on {host}, reachable from other machines; the API has no "
+                   "authentication: anyone who can reach this port can use the models", err=True)
     app = create_app(models, drain_timeout, lifespan=lifespan)
+    logs.install()
+    max_connections = guard.connection_limit(guard.raise_fd_limit())
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                   timeout_graceful_shutdown=int(drain_timeout) + 5))
+                                   http=guard.protocol_class(max_connections), timeout_keep_alive=5,
+                                   h11_max_incomplete_event_size=64 << 10, timeout_graceful_shutdown=5))
     # uvicorn re-raises the signal that stopped it once it is done; these take it instead, so a drained
     # SIGTERM exits 0 and a Ctrl-C exits 130
     old = {s: signal.signal(s, lambda sig, frame: signals.append(sig)) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -134,13 +153,36 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        models.close()
+        if not models.close():
+            # the loader is still inside one tensor's load: ending the interpreter normally would free the
+            # buffers it writes into (a crash); end without finalizers instead
+            sys.stderr.flush()
+            os._exit(130 if signal.SIGINT in signals else 0)
     if models.failed:
         raise ConfigError(f"model {models.failed}")
     if not server.started:
         raise ConfigError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
     if signal.SIGINT in signals:
         sys.exit(130)
+
+
+def _finite(v: float, flag: str) -> float:
+    import math
+
+    if not math.isfinite(v):  # click's FloatRange lets NaN through (every comparison with it is false)
+        raise click.BadParameter(f"{v!r} is not a finite number of seconds", param_hint=flag)
+    return v
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 __all__ = ["serve"]

@@ -51,8 +51,7 @@ def _declared(k: KeyInfo) -> str:
     return TYPE_NAMES[k.type]
 
 
-def _identity(path: str) -> tuple[int, int, int, int]:
-    st = os.stat(path)
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -77,7 +76,15 @@ class GGUFStore:
         why = not_a_file(self.path)
         if why is not None:
             raise ModelFileError(f"model file {self.path!r} {why}")
-        self._identity = _identity(self.path)
+        # the file as opened: a file renamed over this path later is another file, and this one (which the
+        # mapping keeps) is unchanged; a truncation or a rewrite in place changes it
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._close_fd_once = weakref.finalize(self, os.close, self._fd)  # at close(), or when dropped
+        self._identity = _identity(os.fstat(self._fd))
+        # what the native executor stats before its loads: this process's descriptor of the file (Linux, and
+        # other systems with /dev/fd), else the path
+        fd_path = f"/proc/self/fd/{self._fd}"
+        self.watch_path = fd_path if os.path.exists(fd_path) else self.path
         # the header is walked and every tensor checked against the file before the gguf package reads it
         self.header = header = read_header(self.path)
         try:
@@ -110,7 +117,8 @@ class GGUFStore:
                                  "its end); reload the model")
 
     def check_unchanged(self) -> None:
-        """Raise :class:`ModelFileError` if the file was truncated, rewritten or replaced since it was opened.
+        """Raise :class:`ModelFileError` if the file as opened was truncated or rewritten in place since (a file
+        renamed over its path is another file: the one opened, and mapped, is unchanged and the run goes on).
 
         Tensors are used from a memory mapping: reading a page of a file truncated underneath kills the
         process with SIGBUS. Readers of mapped experts call this before they copy, which makes the common
@@ -119,12 +127,13 @@ class GGUFStore:
         """
         self.check_reads()
         try:
-            now = _identity(self.path)
+            now = _identity(os.fstat(self._fd)) if self._fd is not None else None
         except OSError:
             now = None
         if now != self._identity:
-            raise ModelFileError(f"model file {self.path!r} changed on disk while it was in use (size, time or "
-                                 "inode differ from when it was opened); reload the model")
+            raise ModelFileError(f"model file {self.path!r} changed on disk while it was in use (truncated or "
+                                 "rewritten in place: its size or time differ from when it was opened); reload "
+                                 "the model")
 
     # -- metadata -------------------------------------------------------------
 
@@ -232,6 +241,8 @@ class GGUFStore:
         self._mapped = None
         self._unguard()
         self._guard = -1
+        self._fd = None
+        self._close_fd_once()
 
 
 def repack_rule(store: GGUFStore, enabled: bool = True) -> Callable[[str], CData | None]:

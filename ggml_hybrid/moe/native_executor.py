@@ -160,7 +160,7 @@ class NativeExpertExecutor:
         cfg.alpha, cfg.hysteresis = model.alpha, model.hysteresis
         for i, k in enumerate(PRIOR_KEYS):
             cfg.prior[i] = model.prior[k]
-        path = ffi.new("char[]", self.store.path.encode())
+        path = ffi.new("char[]", self.store.watch_path.encode())  # the open file, not whatever the path names now
         self._keep.append(path)
         cfg.path = path
         for i, v in enumerate(self.store._identity):

@@ -242,6 +242,13 @@ class Engine:
         with self._cond:
             self._accepting = False
 
+    def cancel_all(self) -> None:
+        """Cancel every request queued or running (a drain that ran out of time); the engine goes on."""
+        with self._cond:
+            for r in list(self._queue) + [r for r in self._slots if r is not None]:
+                r._cancelled = True
+            self._cond.notify()
+
     def idle(self) -> bool:
         with self._cond:
             return not self._queue and not any(self._slots)
@@ -346,10 +353,14 @@ class Engine:
                 self._prompt_step(step[0])
             else:
                 self._decode_step(step)
-        except Exception as exc:  # the step's requests fail; the others go on
+        except Exception as exc:  # the step's requests fail (those not finished yet); the others go on
             for r in step:
-                r.error = " ".join(str(exc).split()) or type(exc).__name__
-                self._finish(r, "error")
+                self._fail(r, exc)
+
+    def _fail(self, r: Request, exc: BaseException) -> None:
+        if r.state != DONE:  # a request finished earlier in the step keeps its reason (and is counted once)
+            r.error = " ".join(str(exc).split()) or type(exc).__name__
+            self._finish(r, "error")
 
     def _prompt_step(self, r: Request) -> None:
         start = r._n_prompt_done
@@ -370,7 +381,10 @@ class Engine:
         self.stats.decode_steps += 1
         self._rate.add(t1, t1 - t0, len(rs))
         for r, row in zip(rs, logits):
-            self._next(r, row)
+            try:
+                self._next(r, row)
+            except Exception as exc:  # this sequence's choice failed (its sampler, its text): it alone fails
+                self._fail(r, exc)
 
     def _next(self, r: Request, logits: np.ndarray) -> None:
         """Sample r's next token from ``logits`` and decide whether it goes on."""
@@ -397,6 +411,8 @@ class Engine:
             r._notify()
 
     def _finish(self, r: Request, reason: str, flush: bool = True) -> None:
+        if r.state == DONE:
+            return  # finished once: its reason and its count stand
         if flush and r._stream is not None and reason in ("stop", "length"):
             text, hit = r._stops.push(r._stream.flush())
             r._post(text if hit else text + r._stops.flush())

@@ -29,17 +29,26 @@ import numpy.typing as npt
 from ..checks import check_int, check_real
 from ..errors import ArgumentError, ArgumentTypeError
 
+_FMAX = float(np.finfo(np.float64).max)
+
 
 def _logits(logits: npt.ArrayLike) -> np.ndarray:
-    """``logits`` as a flat float64 array of at least one value, none NaN (the sampler would draw from garbage)."""
+    """``logits`` as a flat float64 array of at least one finite value, none NaN or +inf (-inf masks a token):
+    the sampler would draw from garbage."""
     try:
         z = np.array(logits, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ArgumentTypeError(f"Sampler: logits must be an array of numbers, got {type(logits).__name__}") from None
-    if z.size == 0 or np.isnan(z).any():
-        raise ArgumentError(f"Sampler: logits must hold at least one value and no NaN, got {z.size} values"
-                            f"{' with NaN' if z.size else ''}")
+    if z.size == 0 or not (z < np.inf).all() or not np.isfinite(z).any():
+        what = "NaN" if np.isnan(z).any() else "+inf" if (z == np.inf).any() else "only -inf"
+        raise ArgumentError(f"Sampler: logits must hold at least one finite value and no NaN or +inf (-inf masks a "
+                            f"token), got {z.size} values{' with ' + what if z.size else ''}")
     return z
+
+
+def _bounded(x: np.ndarray) -> np.ndarray:
+    out: np.ndarray = np.clip(x, -_FMAX, _FMAX)
+    return out
 
 
 @dataclass
@@ -111,8 +120,16 @@ class Sampler:
         if ids.size:
             counts = np.array([self._counts[int(t)] for t in ids], dtype=np.float64)
             v = z[ids]
-            v = np.where(v <= 0, v * self.repeat_penalty, v / self.repeat_penalty)
-            z[ids] = v - counts * self.frequency_penalty - self.presence_penalty
+            with np.errstate(over="ignore", invalid="ignore"):  # extreme (valid) penalties: handled below
+                w = np.where(v <= 0, v * self.repeat_penalty, v / self.repeat_penalty)
+                out = w - counts * self.frequency_penalty - self.presence_penalty
+                if np.isnan(out).any() or (~np.isfinite(out) & np.isfinite(v)).any():
+                    # a penalty overflowed: every step clipped to the finite range, so no NaN (inf - inf) can
+                    # arise and a token stays chosen by its order; a masked token (-inf) stays masked
+                    pen = _bounded(_bounded(counts * self.frequency_penalty) + self.presence_penalty)
+                    out = _bounded(_bounded(w) - pen)
+                    out[np.isneginf(v)] = -np.inf
+            z[ids] = out
         return z
 
     def candidates(self, logits: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
@@ -121,21 +138,28 @@ class Sampler:
         if self.greedy:
             best = int(np.argmax(z))
             return np.array([best]), np.array([1.0])
-        order = np.argsort(-z, kind="stable")
-        if self.top_k:
-            order = order[:self.top_k]
-        v = z[order]
-        if self.top_p < 1:
-            p = np.exp(v - v[0])
-            cum = np.cumsum(p / p.sum())
-            keep = int(np.searchsorted(cum, self.top_p)) + 1  # the first prefix whose mass reaches top_p
-            order, v = order[:keep], v[:keep]
-        if self.min_p > 0:
-            keep = int(np.count_nonzero(v >= v[0] + math.log(self.min_p)))  # v is sorted: a prefix
-            order, v = order[:max(keep, 1)], v[:max(keep, 1)]
-        v = v / self.temperature
-        p = np.exp(v - v.max())
-        return order, p / p.sum()
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):  # extreme values: handled below
+            order = np.argsort(-z, kind="stable")
+            if self.top_k:
+                order = order[:self.top_k]
+            v = z[order]
+            if self.top_p < 1:
+                p = np.exp(v - v[0])
+                cum = np.cumsum(p / p.sum())
+                keep = int(np.searchsorted(cum, self.top_p)) + 1  # the first prefix whose mass reaches top_p
+                order, v = order[:keep], v[:keep]
+            if self.min_p > 0:
+                keep = int(np.count_nonzero(v >= v[0] + math.log(self.min_p)))  # v is sorted: a prefix
+                order, v = order[:max(keep, 1)], v[:max(keep, 1)]
+            w = v / self.temperature
+            p = np.exp(w - w.max())
+            total = p.sum()
+            if not (np.isfinite(total) and total > 0):
+                # a temperature so small (or logits so large) that v / T overflowed: the same softmax taken
+                # from the largest logit (v is sorted, v[0] finite), where nothing can overflow
+                p = np.exp((v - v[0]) / self.temperature)
+                total = p.sum()
+            return order, p / total
 
     def __call__(self, logits: npt.ArrayLike) -> int:
         """The next token (not accepted: the caller accepts what it keeps)."""

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import GgmlHybridError
+from ..errors import GgmlHybridError, shorten
 from ..runtime.engine import Request
 from ..runtime.sampling import Sampler
 
@@ -24,6 +24,8 @@ MAX_CHOICES = 16            # prompts x n per request
 MAX_STOP = 4                # stop strings, as OpenAI
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none: until the end)
 
+# OpenAI's documented ranges (the sampler is safe beyond them, but a value there is a client's mistake)
+RANGES = {"temperature": (0.0, 2.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
 # llama.cpp server's sampling defaults (its "common" sampler), which OpenAI clients get when they send none
 DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.0,
             "frequency_penalty": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 64}
@@ -34,6 +36,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str | None = None) -> None:
+        # it may quote what the client sent: cut, and a lone surrogate (which UTF-8 cannot carry) escaped
+        message = shorten(message).encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
@@ -184,6 +188,10 @@ def _common(body: dict[str, Any], max_tokens_default: int | None) -> Generation:
         else:
             v = _num(body, name)
         sampling[name] = default if v is None else v
+    for name, (lo, hi) in RANGES.items():  # OpenAI's ranges: beyond them a value means nothing but trouble
+        v = sampling[name]
+        if not lo <= v <= hi:
+            raise bad(f"'{name}' must be a number in {lo:g}..{hi:g}, got {v!r}.", name)
     seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
     if seed is not None and seed < 0:
         seed = None  # llama.cpp: -1 (any negative) = a random seed

@@ -5,7 +5,10 @@ comes from the file, so it is untrusted input: it is rendered by Jinja2's immuta
 attribute access to Python internals, no mutation of the values passed in, ranges capped) with
 the names Hugging Face templates expect (``messages``, ``add_generation_prompt``, ``bos_token``,
 ``eos_token``, ``raise_exception``, ``strftime_now``, the ``tojson`` filter with their options)
-and the output capped in size. A model without a template gets :data:`DEFAULT_TEMPLATE`, ChatML,
+and the output capped in size. Since the sandbox bounds neither time nor memory, templates are compiled
+and rendered in a child process (:mod:`.template_worker`) under a time limit, an address-space limit and
+an output limit; a template that overruns is stopped (its process killed) with a
+:class:`~ggml_hybrid.errors.ChatTemplateLimitError`. A model without a template gets :data:`DEFAULT_TEMPLATE`, ChatML,
 which is also llama.cpp's fallback. The server's chat endpoint and ``run -cnv`` both use
 :class:`ChatTemplate`; the rendered text is tokenized with control tokens parsed
 (``encode(..., special=True)``), as llama.cpp's server does.
@@ -16,11 +19,18 @@ Jinja2 comes with the ``server`` extra (``pip install -e '.[server]'`` in the ch
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ChatTemplateError, MissingDependencyError
+from ..errors import ChatTemplateError, ChatTemplateLimitError, MissingDependencyError
 from ..gguf.store import GGUFStore
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n ... then <|im_start|>assistant\n
@@ -28,7 +38,9 @@ DEFAULT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['r
                     "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
                     "{% endif %}")
 MAX_OUTPUT_CHARS = 1 << 24  # a rendered prompt beyond this is an error, not an allocation
+RENDER_SECONDS = 5.0        # a template that takes longer to compile or render is stopped (its process killed)
 ROLES_RULE = "a list of messages, each an object with a string 'role' and a string (or text parts) 'content'"
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "template_worker.py")
 
 
 def _jinja() -> Any:
@@ -40,44 +52,177 @@ def _jinja() -> Any:
     return jinja2
 
 
-class _Raised(Exception):
-    """A template's own ``raise_exception(message)``: its message is the user's error."""
+class _Worker:
+    """One renderer process (``template_worker.py``); killed when a call overruns its time."""
+
+    def __init__(self) -> None:
+        # its own session: a Ctrl-C at the terminal is the parent's to handle; stderr dropped (a memory-limit
+        # abort would print there)
+        self.proc = subprocess.Popen([sys.executable, _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        self._read(30.0, "start")
+
+    def call(self, req: dict[str, Any], seconds: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        data = json.dumps(req, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        try:
+            self.proc.stdin.write(struct.pack("<I", len(data)) + data)
+            self.proc.stdin.flush()
+        except OSError:
+            self.kill()
+            raise ChatTemplateLimitError("the chat template's renderer stopped (the server is stopping, or it "
+                                         "ran out of memory)", "stopped") from None
+        return self._read(seconds, req["op"])
+
+    def _read(self, seconds: float, op: str) -> dict[str, Any]:
+        deadline = time.monotonic() + seconds
+        head = self._exactly(4, deadline, op, seconds)
+        (n,) = struct.unpack("<I", head)
+        doc: dict[str, Any] = json.loads(self._exactly(n, deadline, op, seconds).decode("utf-8", "surrogatepass"))
+        return doc
+
+    def _exactly(self, n: int, deadline: float, op: str, seconds: float) -> bytes:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        buf = bytearray()
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            ready = select.select([fd], [], [], max(0.0, left))[0] if left > 0 else []
+            if not ready:
+                self.kill()
+                verb = "render" if op == "render" else "compile" if op == "compile" else "start its renderer"
+                raise ChatTemplateLimitError(f"the chat template did not {verb} within {seconds:g} s "
+                                             "(stopped)", "time")
+            chunk = os.read(fd, min(n - len(buf), 1 << 20))
+            if not chunk:
+                self.kill()
+                raise ChatTemplateLimitError("the chat template's renderer stopped (it ran out of memory, or the "
+                                             "server is stopping)", "memory")
+            buf += chunk
+        return bytes(buf)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGKILL)
+            except OSError:
+                pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
 
-def _raise(message: object) -> None:
-    raise _Raised(str(message))
+class RenderPool:
+    """Renderer processes shared by every template of the process, started on first use, at most ``size`` at a
+    time (more callers wait their turn); :meth:`close` kills them all, which ends every call in progress."""
+
+    def __init__(self, size: int = 2, seconds: float = RENDER_SECONDS) -> None:
+        self.size, self.seconds = size, seconds
+        self._free: list[_Worker] = []
+        self._all: set[_Worker] = set()
+        self._slots = threading.BoundedSemaphore(size)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def call(self, req: dict[str, Any], seconds: float | None = None) -> dict[str, Any]:
+        seconds = self.seconds if seconds is None else seconds
+        with self._slots:
+            with self._lock:
+                if self._closed:
+                    raise ChatTemplateLimitError("the chat template's renderer is closed (the server is stopping)",
+                                                 "stopped")
+                w = self._free.pop() if self._free else None
+            if w is None or not w.alive:
+                w = _Worker()
+                with self._lock:
+                    self._all.add(w)
+                    if self._closed:
+                        w.kill()
+                        raise ChatTemplateLimitError("the chat template's renderer is closed (the server is "
+                                                     "stopping)", "stopped")
+            try:
+                out = w.call(req, seconds)
+            finally:
+                with self._lock:
+                    if w.alive and not self._closed:
+                        self._free.append(w)
+                    else:
+                        self._all.discard(w)
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            workers, self._free = list(self._all), []
+            self._all.clear()
+        for w in workers:
+            w.kill()
+
+    def reopen(self) -> None:
+        with self._lock:
+            self._closed = False
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Hugging Face's tojson: no HTML escaping (Jinja2's own escapes <, >, & and ')
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+_POOL = RenderPool()
 
 
-def _strftime_now(fmt: str) -> str:
-    return time.strftime(str(fmt))
+def render_pool() -> RenderPool:
+    """The process's renderer pool (the server closes it when it stops)."""
+    return _POOL
 
 
 class ChatTemplate:
-    """A chat template (the model's, or ChatML) ready to render messages into a prompt."""
+    """A chat template (the model's, or ChatML) ready to render messages into a prompt.
 
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
-        jinja2 = _jinja()
+    Compiling and rendering run in a renderer process (:mod:`.template_worker`) under a time limit
+    (:data:`RENDER_SECONDS`), a memory limit and an output limit, so that no template can hang, exhaust or
+    stop the process that uses it."""
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "",
+                 pool: RenderPool | None = None) -> None:
+        _jinja()
         self.from_model = source is not None
         self.source = source if source is not None else DEFAULT_TEMPLATE
         self.bos_token, self.eos_token = bos_token, eos_token
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
+        self.pool = pool if pool is not None else _POOL
+        if not isinstance(self.source, str):
+            raise ChatTemplateError(f"the chat template must be text, got {type(self.source).__name__}")
+        got = self._call({"op": "compile", "source": self.source})
+        if "error" in got:
+            if got["error"] == "syntax":
+                raise ChatTemplateError(f"the chat template is not valid Jinja2: {got['message']}")
+            raise self._failure(got)
+
+    def _call(self, req: dict[str, Any]) -> dict[str, Any]:
         try:
-            self._template = env.from_string(self.source)
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"the chat template is not valid Jinja2: {exc}") from None
+            return self.pool.call(req)
+        except ChatTemplateError:
+            raise
+        except (TypeError, ValueError) as exc:  # values JSON cannot carry (the caller's extra arguments)
+            raise ChatTemplateError(f"the chat template's arguments cannot be passed to it: {exc}") from None
+
+    @staticmethod
+    def _failure(got: dict[str, Any]) -> ChatTemplateError:
+        kind, msg = got["error"], got["message"]
+        if kind == "raised":
+            return ChatTemplateError(f"the chat template refused the messages: {msg}")
+        if kind == "output":
+            return ChatTemplateLimitError(f"the chat template's output is too long: {msg}", "output")
+        if kind == "memory":
+            return ChatTemplateLimitError(f"the chat template exceeded its memory limit: {msg}", "memory")
+        return ChatTemplateError(f"the chat template failed on these messages: {msg}")
 
     @classmethod
     def from_gguf(cls, store: GGUFStore, tokens: Sequence[str], bos_id: int | None,
-                  eos_id: int | None) -> ChatTemplate:
+                  eos_id: int | None, pool: RenderPool | None = None) -> ChatTemplate:
         """The file's ``tokenizer.chat_template`` (ChatML when it has none), with its BOS/EOS texts."""
         source = store.meta("tokenizer.chat_template", "") or None  # absent (or empty): ChatML
         if source is not None and not isinstance(source, str):
@@ -86,32 +231,24 @@ class ChatTemplate:
         def text(i: int | None) -> str:
             return tokens[i] if i is not None and 0 <= i < len(tokens) else ""
 
-        return cls(source, text(bos_id), text(eos_id))
+        return cls(source, text(bos_id), text(eos_id), pool=pool)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               **extra: Any) -> str:
-        """The prompt text of ``messages`` (checked: role and content strings; text parts are joined)."""
+               max_chars: int = MAX_OUTPUT_CHARS, **extra: Any) -> str:
+        """The prompt text of ``messages`` (checked: role and content strings; text parts are joined), at most
+        ``max_chars`` characters (:class:`ChatTemplateLimitError` beyond, as beyond the time or memory limits)."""
         msgs = [normalize_message(m, i) for i, m in enumerate(messages)] if isinstance(messages, (list, tuple)) \
             else None
         if not msgs:
             raise ChatTemplateError(f"messages must be {ROLES_RULE}, with at least one message")
-        out: list[str] = []
-        n = 0
-        try:
-            for piece in self._template.generate(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                                  bos_token=self.bos_token, eos_token=self.eos_token, **extra):
-                n += len(piece)
-                if n > MAX_OUTPUT_CHARS:
-                    raise ChatTemplateError(f"the chat template's output passed {MAX_OUTPUT_CHARS} characters")
-                out.append(piece)
-        except _Raised as exc:
-            raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
-        except ChatTemplateError:
-            raise
-        except Exception as exc:  # the template is untrusted code: whatever it raises is its failure
-            raise ChatTemplateError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") \
-                from None
-        return "".join(out)
+        got = self._call({"op": "render", "source": self.source, "messages": msgs,
+                          "add_generation_prompt": bool(add_generation_prompt), "bos_token": self.bos_token,
+                          "eos_token": self.eos_token, "extra": extra,
+                          "max_chars": max(0, min(int(max_chars), MAX_OUTPUT_CHARS))})
+        if "error" in got:
+            raise self._failure(got)
+        text: str = got["ok"]
+        return text
 
 
 def normalize_message(m: object, i: int) -> dict[str, str]:
@@ -140,4 +277,4 @@ def normalize_message(m: object, i: int) -> dict[str, str]:
     return out
 
 
-__all__ = ["DEFAULT_TEMPLATE", "ChatTemplate", "normalize_message"]
+__all__ = ["DEFAULT_TEMPLATE", "RENDER_SECONDS", "ChatTemplate", "RenderPool", "normalize_message", "render_pool"]

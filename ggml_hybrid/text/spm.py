@@ -25,7 +25,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import SupportsInt
 
-from ..errors import ArgumentTypeError, ModelFileError
+from ..errors import ModelFileError
 from ..gguf.store import GGUFStore
 from .vocab import (
     TOKEN_TYPE_BYTE,
@@ -36,6 +36,7 @@ from .vocab import (
     TextStream,
     check_add_bos,
     check_ids,
+    check_text,
     check_token,
     special_ids,
     token_attributes,
@@ -199,8 +200,7 @@ class SPMTokenizer:
         ``special``: control tokens written in the text (``<s>``, a chat template's markers) are those
         tokens, not their characters (llama.cpp's ``parse_special``, what its server does with prompts).
         """
-        if not isinstance(text, str):
-            raise ArgumentTypeError(f"encode: text must be str, got {type(text).__name__}")
+        check_text(text, "encode: text")
         add_bos = check_add_bos(add_bos, "encode: add_bos")
         bos = self.add_bos if add_bos is None else add_bos
         out: list[int] = [self.bos_id] if bos and self.bos_id is not None else []

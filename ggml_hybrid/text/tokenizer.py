@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import SupportsInt
 
-from ..errors import ArgumentTypeError, ModelFileError
+from ..errors import ModelFileError
 from ..gguf.store import GGUFStore
 from .spm import SPMTokenizer
 from .vocab import (
@@ -29,6 +29,7 @@ from .vocab import (
     TextStream,
     check_add_bos,
     check_ids,
+    check_text,
     check_token,
     special_ids,
     token_attributes,
@@ -165,8 +166,7 @@ class Tokenizer:
         tokens, not their characters (llama.cpp's ``parse_special``, what its server does with prompts);
         the text between them is encoded as usual.
         """
-        if not isinstance(text, str):
-            raise ArgumentTypeError(f"encode: text must be str, got {type(text).__name__}")
+        check_text(text, "encode: text")
         add_bos = check_add_bos(add_bos, "encode: add_bos")
         ids: list[int] = []
         for part in self._split_special(text) if special else [text]:

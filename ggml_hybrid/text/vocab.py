@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from ..checks import check_int, check_type
-from ..errors import ArgumentTypeError, IndexRangeError, ModelFileError
+from ..errors import ArgumentError, ArgumentTypeError, IndexRangeError, ModelFileError
 from ..gguf.store import GGUFStore
 
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL = 1, 2, 3
@@ -25,6 +25,18 @@ _RENDERED = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
 def check_token(tid: object, n_vocab: int, what: str) -> int:
     """``tid`` as an int that names a token of an ``n_vocab`` vocabulary (negative ids never wrap around)."""
     return check_int(tid, what, 0, n_vocab - 1, error=IndexRangeError, type_error=ArgumentTypeError)
+
+
+def check_text(text: object, what: str) -> str:
+    """``text`` if it is a str that is valid Unicode text (no lone surrogate: UTF-8 cannot carry it)."""
+    if not isinstance(text, str):
+        raise ArgumentTypeError(f"{what} must be str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ArgumentError(f"{what} holds a lone surrogate ({text[exc.start]!a}) at character {exc.start}: it is not "
+                            "valid Unicode text") from None
+    return text
 
 
 def check_add_bos(add_bos: object, what: str) -> bool | None:
@@ -108,5 +120,5 @@ class TextStream:
 
 
 __all__ = ["TOKEN_TYPE_BYTE", "TOKEN_TYPE_CONTROL", "TOKEN_TYPE_NORMAL", "TOKEN_TYPE_UNKNOWN", "TOKEN_TYPE_UNUSED",
-           "TOKEN_TYPE_USER_DEFINED", "TextStream", "check_add_bos", "check_ids", "check_token", "special_ids",
-           "token_attributes", "token_list", "token_types"]
+           "TOKEN_TYPE_USER_DEFINED", "TextStream", "check_add_bos", "check_ids", "check_text", "check_token",
+           "special_ids", "token_attributes", "token_list", "token_types"]

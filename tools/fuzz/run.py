@@ -4,6 +4,7 @@
     python tools/fuzz/run.py cli --cases 2000                # flags, option values, config files
     python tools/fuzz/run.py signals --cases 100             # Ctrl-C at random times during runs
     python tools/fuzz/run.py api --cases 500                 # bad arguments to the Python API
+    python tools/fuzz/run.py server --cases 2000             # hostile requests against one real server
     python tools/fuzz/run.py rpc --cases 500                 # hostile messages to an rpc-server
     python tools/fuzz/run.py all --cases 50                  # every kind, for a quick look
 
@@ -94,6 +95,34 @@ def signals(cases: int, seed: int, out: str, jobs: int, timeout: float, how: str
 def api(cases: int, seed: int, out: str, jobs: int, timeout: float, how: str, only: str | None) -> None:
     """Bad arguments to the Python API (each call forked: a crash is a result, not the end)."""
     _finish([ggfuzz.run_api(cases, seed, out, jobs, timeout, indices=_indices(only))])
+
+
+@main.command()
+@click.option("--cases", default=2000, show_default=True, type=click.IntRange(1), help="Requests to send.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0), help="Request i depends on (seed, i).")
+@click.option("--out", default="fuzz-out", show_default=True, type=click.Path(file_okay=False),
+              help="Summary, server log, generated models.")
+@click.option("--jobs", "-j", default=4, show_default=True, type=click.IntRange(1), help="Requests at once.")
+@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(1),
+              help="Seconds per request before it counts as a hang.")
+@click.option("--idle", default=200, show_default=True, type=click.IntRange(0),
+              help="Idle connections held open while /health must still answer.")
+def server(cases: int, seed: int, out: str, jobs: int, timeout: float, idle: int) -> None:
+    """Hostile requests against one real `ggml-hybrid serve` (bodies, values, framing), then idle connections."""
+    import json
+
+    from ggfuzz import server_cases
+
+    os.makedirs(out, exist_ok=True)
+    summary = server_cases.run(cases, seed, out, jobs, timeout, idle)
+    click.echo(f"server: {cases} requests in {summary['seconds']} s: {json.dumps(summary['classes'])}; "
+               f"/health under {idle} idle connections: {summary['idle']['health']}; exit status "
+               f"{summary['exit_status']}; log {summary['log_bytes']} bytes, {summary['log_tracebacks']} tracebacks")
+    for f in summary["failures"][:20]:
+        click.echo(f"  {f}")
+    click.echo(f"  summary: {os.path.join(out, 'summary-server.json')}")
+    if not server_cases.passed(summary):
+        sys.exit(1)
 
 
 @main.command()

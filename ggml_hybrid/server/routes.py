@@ -1,0 +1,353 @@
+"""The handlers of the OpenAI-compatible HTTP API: one method of :class:`Routes` per endpoint (``Routes.table``).
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(both streamed with ``stream: true``) and ``GET /metrics``. Every error is OpenAI's error object with
+a 4xx/5xx status; nothing a client sends takes the server down. A generation is one engine
+request per choice; the handler waits on them without blocking the event loop (the engine thread
+wakes it), and a client that goes away cancels them, which frees their slots before the engine's
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import ChatTemplateError, ChatTemplateLimitError, ClosedError, ContextFullError, GgmlHybridError
+from ..runtime.engine import Request
+from . import metrics
+from .logs import log_once, shorten
+from .models import ModelSet, ServedModel
+from .protocol import (
+    MAX_BODY_BYTES,
+    APIError,
+    Generation,
+    bad,
+    chat_request,
+    choice,
+    completion_request,
+    envelope,
+    new_id,
+    now,
+    parse_json,
+    timings,
+    usage,
+)
+
+WAIT_POLL = 0.25  # seconds between disconnect checks of a non-streamed request
+BODY_SECONDS = 30.0  # a request body not received whole within this is refused (408): no drip-fed bodies
+TEXT_THREADS = 4  # prompts tokenized and templates rendered at once (the others wait their turn)
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _not_loaded(sm: ServedModel) -> APIError:
+    return APIError(503, f"The model '{sm.name}' is still loading; retry when GET /health answers 200.",
+                    code="model_loading")
+
+
+class Routes:
+    """The endpoints over ``models``: each a method, counted in ``/metrics`` by :meth:`counted`; generations end by
+    ``drain_seconds`` after a drain begins."""
+
+    def __init__(self, models: ModelSet, drain_seconds: float) -> None:
+        self.models = models
+        self.drain_seconds = drain_seconds
+        self.registry = metrics.registry(models)
+        self.text_limiter = anyio.CapacityLimiter(TEXT_THREADS)
+
+    def table(self) -> list[Route]:
+        """The routes, each handler counted under its path."""
+        return [
+            Route("/health", self.counted("/health", self.health), methods=["GET"]),
+            Route("/v1/models", self.counted("/v1/models", self.list_models), methods=["GET"]),
+            Route("/metrics", self.counted("/metrics", self.metrics), methods=["GET"]),
+            Route("/v1/completions", self.counted("/v1/completions", self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self.counted("/v1/chat/completions", self.chat), methods=["POST"]),
+        ]
+
+    def counted(self, endpoint: str, fn: Callable[[HTTPRequest], Awaitable[Response]]
+                ) -> Callable[[HTTPRequest], Awaitable[Response]]:
+        async def handler(request: HTTPRequest) -> Response:
+            try:
+                resp = await fn(request)
+            except APIError as e:
+                resp = _error(e)
+            except ClientDisconnect:  # the client left before its body was whole: nobody to answer
+                resp = Response(status_code=499)
+            except Exception as exc:  # a bug: still OpenAI's shape, still counted, one log line per cause
+                log_once(f"internal error on {endpoint}: {type(exc).__name__}", exc)
+                resp = _error(APIError(500, f"Internal error: {type(exc).__name__}: {shorten(str(exc))}"))
+            self.models.count(endpoint, resp.status_code)
+            return resp
+        return handler
+
+    async def health(self, request: HTTPRequest) -> Response:
+        if self.models.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not self.models.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def list_models(self, request: HTTPRequest) -> Response:
+        data = [{"id": n, "object": "model", "created": sm.created, "owned_by": "ggml-hybrid"}
+                for n, sm in self.models.names.items()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def metrics(self, request: HTTPRequest) -> Response:
+        body, ctype = metrics.render(self.registry)
+        return Response(body, media_type=ctype)
+
+    async def read_body(self, request: HTTPRequest) -> dict[str, Any]:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+        chunks: list[bytes] = []
+
+        async def receive() -> None:
+            n = 0
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > MAX_BODY_BYTES:
+                    raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(receive(), BODY_SECONDS)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"The request body did not arrive within {BODY_SECONDS:g} seconds.",
+                           code="request_timeout") from None
+        return parse_json(b"".join(chunks))
+
+    def lookup(self, name: str) -> ServedModel:
+        sm = self.models.names.get(name)
+        if sm is None:
+            raise APIError(404, f"The model '{name}' does not exist; GET /v1/models lists the models served.",
+                           "model", "model_not_found")
+        if sm.engine is None:
+            raise _not_loaded(sm)
+        return sm
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        g = completion_request(await self.read_body(request))
+        sm = self.lookup(g.model)
+        prompts = await anyio.to_thread.run_sync(_tokenize_prompts, sm, g, limiter=self.text_limiter)
+        return await self.generate(request, sm, g, prompts, "completion")
+
+    async def chat(self, request: HTTPRequest) -> Response:
+        g = chat_request(await self.read_body(request))
+        sm = self.lookup(g.model)
+        prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
+        return await self.generate(request, sm, g, [prompt], "chat")
+
+    async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
+                       kind: str) -> Response:
+        if self.models.draining:
+            raise APIError(503, "The server is shutting down and takes no new requests.", code="shutting_down")
+        engine = sm.engine
+        assert engine is not None
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def listener() -> None:
+            # a stream wakes for every piece; a plain answer only once its requests are done (a wake-up per
+            # token would cost the event loop, which shares the interpreter with the engine, every step)
+            if not g.stream and not all(r.done.is_set() for r in reqs):
+                return
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+                loop.call_soon_threadsafe(wake.set)
+
+        reqs: list[Request] = []
+        try:
+            for tokens in prompts:
+                for _ in range(g.n):
+                    reqs.append(engine.submit(Request(tokens, g.sampler(len(reqs)), g.max_tokens, g.stop,
+                                                      g.ignore_eos, listener)))
+        except ContextFullError as exc:
+            _cancel(reqs)
+            raise bad(f"{exc}.", "messages" if kind == "chat" else "prompt", "context_length_exceeded") from None
+        except ClosedError:
+            _cancel(reqs)
+            raise APIError(503, "The server is shutting down and takes no new requests.",
+                           code="shutting_down") from None
+        except GgmlHybridError as exc:
+            _cancel(reqs)
+            raise bad(str(exc), "prompt") from None
+        rid, created = new_id(kind), now()
+        n_prompt = sum(len(p) for p in prompts)
+        self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
+        if g.stream:
+            return EventSourceResponse(self._counted_stream(self.stream(reqs, wake, kind, rid, created, g, n_prompt)),
+                                       ping=600, sep="\n", shutdown_grace_period=self.drain_seconds)
+        try:
+            return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt)
+        finally:
+            self.models.end()
+
+    async def _counted_stream(self, events: AsyncIterator[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
+        try:
+            async for e in events:
+                yield e
+        finally:
+            self.models.end()
+
+    async def wait(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str,
+                    created: int, g: Generation, n_prompt: int) -> Response:
+        try:
+            while not all(r.done.is_set() for r in reqs):
+                wake.clear()
+                if all(r.done.is_set() for r in reqs):
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), WAIT_POLL)
+                if await request.is_disconnected():
+                    _cancel(reqs)
+                    return Response(status_code=499)
+                if self.models.drain_expired(self.drain_seconds):
+                    _cancel(reqs)  # SIGTERM came --drain-timeout seconds ago: it ends now, with a 503
+        finally:
+            _cancel(reqs)  # a handler cancelled (shutdown) leaves no request running
+        failed = [r for r in reqs if r.finish_reason in ("error", "cancelled")]
+        if failed:
+            r = failed[0]
+            if r.finish_reason == "error":
+                raise APIError(500, f"Generation failed: {r.error}")
+            raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
+        choices = [choice(kind, i, r.text, r.finish_reason, False) for i, r in enumerate(reqs)]
+        use = usage(n_prompt, sum(r.completion_tokens for r in reqs))
+        out = envelope(kind, rid, created, g.model, choices, False, use)
+        if len(reqs) == 1:
+            out["timings"] = timings(reqs[0])
+        return JSONResponse(out)
+
+    async def stream(self, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str, created: int, g: Generation,
+                      n_prompt: int) -> AsyncIterator[dict[str, str]]:
+        def event(choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> dict[str, str]:
+            return {"data": json.dumps(envelope(kind, rid, created, g.model, choices, True, use))}
+
+        try:
+            if kind == "chat":
+                yield event([choice(kind, i, "", None, True, first=True) for i in range(len(reqs))])
+            ended: set[int] = set()
+            while len(ended) < len(reqs):
+                wake.clear()
+                for i, r in enumerate(reqs):
+                    if i in ended:
+                        continue
+                    done = r.done.is_set()  # before take(): every piece of a finished request is posted
+                    for piece in r.take():
+                        yield event([choice(kind, i, piece, None, True)])
+                    if done:
+                        ended.add(i)
+                        if r.finish_reason in ("stop", "length"):
+                            last = event([choice(kind, i, "", r.finish_reason, True)])
+                            if len(reqs) == 1:
+                                doc = json.loads(last["data"])
+                                doc["timings"] = timings(r)
+                                last = {"data": json.dumps(doc)}
+                            yield last
+                        else:
+                            msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
+                                "The server shut down before the request finished."
+                            yield {"data": json.dumps(APIError(500 if r.error else 503, msg, code=None if r.error
+                                                               else "shutting_down").body())}
+                if len(ended) < len(reqs):
+                    await wake.wait()
+            if g.include_usage:
+                yield event([], usage(n_prompt, sum(r.completion_tokens for r in reqs)))
+            yield {"data": "[DONE]"}
+        finally:
+            _cancel(reqs)  # the client went away (or the stream ended): free the slots
+
+    async def not_found(self, request: HTTPRequest, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        self.models.count("other", exc.status_code)
+        msg = "Not found." if exc.status_code == 404 else str(exc.detail)
+        return _error(APIError(exc.status_code, f"{msg} ({request.method} {request.url.path})"))
+
+    async def server_error(self, request: HTTPRequest, exc: Exception) -> Response:
+        self.models.count("other", 500)  # outside the routes (every route answers its own errors): still counted
+        log_once(f"internal error: {type(exc).__name__}", exc)
+        return _error(APIError(500, f"Internal error: {type(exc).__name__}: {shorten(str(exc))}"))
+
+
+def _cancel(reqs: list[Request]) -> None:
+    for r in reqs:
+        if not r.done.is_set():
+            r.cancel()
+
+
+def _too_long(what: str, chars: int, sm: ServedModel, param: str) -> APIError:
+    assert sm.model is not None
+    return bad(f"{what} has {chars} characters: more tokens than a sequence's context holds ({sm.model.n_ctx}), "
+               "whatever they are.", param, "context_length_exceeded")
+
+
+def _tokenize_prompts(sm: ServedModel, g: Generation) -> list[list[int]]:
+    assert sm.model is not None
+    tok = sm.model.tokenizer
+    out = []
+    for i, p in enumerate(g.prompts):
+        # a text too long for the context whatever its tokens is refused before the (costly) tokenization
+        if isinstance(p, str) and len(p) > sm.max_prompt_chars:
+            raise _too_long(f"prompt {i}", len(p), sm, "prompt")
+        try:
+            ids = tok.encode(p, special=True) if isinstance(p, str) else list(p)
+        except GgmlHybridError as exc:  # text that is not valid Unicode (a lone surrogate)
+            raise bad(f"prompt {i}: {exc}.", "prompt") from None
+        bad_ids = [t for t in ids if not 0 <= t < tok.n_vocab]
+        if bad_ids:
+            raise bad(f"prompt {i}: token id {bad_ids[0]} is outside the vocabulary 0..{tok.n_vocab - 1}.", "prompt")
+        if not ids:
+            raise bad(f"prompt {i} is empty (it has no tokens).", "prompt")
+        out.append(ids)
+    return out
+
+
+def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
+    if sm.template is None:
+        raise APIError(500, f"The model's chat template cannot be used: {shorten(sm.template_error or '')}",
+                       code="chat_template_unusable")
+    assert sm.model is not None
+    chars = sum(len(c) for m in g.messages if isinstance(m, dict) for c in (m.get("content"),) if isinstance(c, str))
+    if chars > sm.max_prompt_chars:
+        raise _too_long("the messages' content", chars, sm, "messages")
+    try:
+        text = sm.template.render(g.messages, add_generation_prompt=True, max_chars=sm.max_prompt_chars)
+    except ChatTemplateLimitError as exc:
+        if exc.kind == "output":
+            raise bad(f"the messages render to a prompt longer than a sequence's context holds "
+                      f"({sm.model.n_ctx} tokens): {exc}", "messages", "context_length_exceeded") from None
+        if exc.kind == "stopped":
+            raise APIError(503, "The server is shutting down and takes no new requests.",
+                           code="shutting_down") from None
+        raise APIError(500, f"The model's chat template failed at a limit: {exc}", code="chat_template_limit") \
+            from None
+    except ChatTemplateError as exc:
+        raise bad(shorten(str(exc)), "messages") from None
+    tok = sm.model.tokenizer
+    # the template writes BOS itself when it wants one (most do); otherwise the model's rule adds it
+    add_bos = tok.add_bos and not (sm.template.bos_token and text.startswith(sm.template.bos_token))
+    try:
+        ids = tok.encode(text, add_bos=add_bos, special=True)
+    except GgmlHybridError as exc:  # text that is not valid Unicode (a lone surrogate in a message)
+        raise bad(f"the messages: {exc}.", "messages") from None
+    if not ids:
+        raise bad("the messages render to an empty prompt.", "messages")
+    return ids
+
+
+__all__ = ["Routes"]

@@ -1,0 +1,306 @@
+"""Hostile requests against one real ``ggml-hybrid serve`` (issue 28): bodies, values, framing, timing.
+
+One server (a config of three models: a resident one, one in disk-experts mode with a CPU share, and one
+whose chat template overruns its bounds) on a free loopback port; request i is drawn from ``(seed, i)``
+alone. A request is one of: a generation body built from valid fields with up to three fields replaced
+by odd values (wrong JSON types, NaN/huge/tiny numbers, lone surrogates, deep nesting, long strings,
+unknown options), malformed JSON, raw HTTP (bad framing, a body cut short and the socket closed, a
+half-close), streamed or not, or one of the other endpoints and methods. Requests run ``--jobs`` at a
+time, so they batch in the engine.
+
+Each answer is classed: ``fine`` (any status below 500, or a documented 5xx: 500 ``chat_template_limit`` /
+``chat_template_unusable``, 503 ``model_loading`` / ``shutting_down``), ``5xx`` (any other), ``bad_shape``
+(an error that is not OpenAI's error object), ``hang`` (no answer within the time limit) or ``crash`` (the
+server died). After the requests: 200 idle connections are opened and ``/health`` must still answer
+200, then SIGTERM must end the server with exit status 0 and no traceback in its log.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+DOCUMENTED_5XX = {(500, "chat_template_limit"), (500, "chat_template_unusable"), (503, "model_loading"),
+                  (503, "shutting_down")}
+N_CTX = 256
+ODD = [None, True, False, 0, -1, 1, 2, 3.5, -0.0, 1e308, -1e308, 1e-320, 5e-324, 2**63, -(2**63), 2**64, 10**30,
+       "", "a", "NaN", "Infinity", "\ud800", "x\udfff", "\x00", "é" * 3, "a" * 5000, [], [1], ["a"], [[1, 2]],
+       [None], {}, {"a": 1}, [[[[[[]]]]]], [-1], [99999999], "<|im_start|>", [0] * 300]
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n", "seed", "n", "stop",
+          "stream", "stream_options", "ignore_eos", "logprobs", "echo", "suffix", "logit_bias", "tools",
+          "response_format", "user", "best_of"]
+
+
+def write_models(folder: str) -> str:
+    """The server's config (and its models) under ``folder``."""
+    from ggml_hybrid.synthetic import ModelSpec, write_model
+
+    os.makedirs(folder, exist_ok=True)
+    q3 = write_model(os.path.join(folder, "q3.gguf"), ModelSpec(arch="qwen3moe", weight_type="q8_0", seed=4))
+    glm = write_model(os.path.join(folder, "glm.gguf"), ModelSpec(arch="glm4moe", weight_type="q8_0", seed=4))
+    bomb = os.path.join(folder, "bomb.gguf")
+    _with_template(q3, bomb, "{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                             "{% endfor %}{% endfor %}{{ m.content * 10 ** 10 }}{% endfor %}")
+    cfg = os.path.join(folder, "server.toml")
+    with open(cfg, "w") as f:
+        f.write(f'[models.q3]\npath = "{q3}"\naliases = ["m"]\n[models.q3.session_options]\nn_ctx = {N_CTX}\n'
+                'n_threads = 1\nn_parallel = 4\nubatch_size = 8\n'
+                f'[models.glm]\npath = "{glm}"\n[models.glm.session_options]\nn_ctx = {N_CTX}\nn_threads = 1\n'
+                'n_parallel = 2\ndisk_experts = true\nexpert_cache_slots = 3\nmoe_cpu_share = 0.5\n'
+                f'[models.bomb]\npath = "{bomb}"\n[models.bomb.session_options]\nn_ctx = {N_CTX}\nn_threads = 1\n')
+    return cfg
+
+
+def _with_template(src: str, dst: str, template: str) -> None:
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    arch = str(r.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(dst, arch)
+    for key, fld in r.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "tokenizer.chat_template"):
+            continue
+        vtype = fld.types[0]
+        sub = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, fld.contents(), vtype, sub_type=sub)
+    w.add_chat_template(template)
+    import numpy as np
+
+    for t in r.tensors:
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(t.name, np.array(t.data))
+        else:  # quantized: the bytes as they are
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _body(rng: random.Random, chat: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": rng.choice(["q3", "m", "glm", "bomb", "q3", "m"]),
+                            "max_tokens": rng.choice([1, 2, 4, 8])}
+    if chat:
+        body["messages"] = [{"role": rng.choice(["system", "user", "assistant"]), "content": rng.choice(
+            ["hi", "the cache", "", "a b c", "<|im_end|>"])} for _ in range(rng.randint(1, 3))]
+    else:
+        body["prompt"] = rng.choice(["the cache runs", "a", ["x", "y"], [1, 2, 3], [[5, 6], [7]], "hello there"])
+    for name in rng.sample(["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                            "repeat_penalty", "seed", "n", "stop", "stream", "ignore_eos"], rng.randint(0, 4)):
+        body[name] = {"temperature": rng.choice([0, 0.7, 1.5]), "top_p": rng.choice([0.5, 1]), "top_k": 5,
+                      "min_p": 0.1, "presence_penalty": rng.choice([-2, 1.5]), "frequency_penalty": 0.5,
+                      "repeat_penalty": 1.1, "seed": rng.randint(0, 100), "n": rng.randint(1, 3), "stop": ["e"],
+                      "stream": rng.random() < 0.5, "ignore_eos": True}[name]
+    for _ in range(rng.choices([0, 1, 2, 3], [40, 35, 15, 10])[0]):  # 0: a valid request (it generates)
+        name = rng.choice(FIELDS)
+        v = rng.choice(ODD)
+        if name == "messages" and rng.random() < 0.5 and isinstance(body.get("messages"), list):
+            body["messages"][0][rng.choice(["role", "content", "name"])] = v
+        else:
+            body[name] = v
+    return body
+
+
+def _raw(port: int, data: bytes, timeout: float, close_early: bool = False, half_close: bool = False) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        if close_early:
+            return b""
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        out = b""
+        s.settimeout(timeout)
+        while chunk := s.recv(65536):
+            out += chunk
+            if b"\r\n\r\n" in out and not out.startswith(b"HTTP/1.1 200"):
+                break
+        return out
+
+
+def _classify_json(status: int, raw: bytes) -> str:
+    if status < 400:
+        return "fine"
+    try:
+        err = json.loads(raw)["error"]
+        code = err.get("code")
+        assert isinstance(err["message"], str) and "type" in err
+    except Exception:
+        return "bad_shape" if status != 499 else "fine"
+    if status >= 500 and (status, code) not in DOCUMENTED_5XX:
+        return "5xx"
+    return "fine"
+
+
+def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
+    """(class, what) of request i."""
+    rng = random.Random(seed * 1_000_003 + i)
+    kind = rng.choices(["completion", "chat", "raw", "other"], [45, 30, 12, 13])[0]
+    try:
+        if kind in ("completion", "chat"):
+            body = _body(rng, kind == "chat")
+            data = json.dumps(body).encode("utf-8", "surrogatepass")
+            if rng.random() < 0.05:
+                data = data[: rng.randint(0, len(data))]  # malformed JSON
+            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+            try:
+                c.request("POST", path, data, {"Content-Type": "application/json"})
+                r = c.getresponse()
+                raw = r.read()
+            finally:
+                c.close()
+            if r.status == 200 and r.getheader("content-type", "").startswith("text/event-stream"):
+                events = [ln[6:] for ln in raw.decode("utf-8", "replace").splitlines() if ln.startswith("data: ")]
+                if not events or events[-1] != "[DONE]":
+                    return "bad_shape", f"{kind}: a stream without [DONE]"
+                for e in events[:-1]:
+                    doc = json.loads(e)
+                    if "error" in doc and (500, doc["error"].get("code")) not in DOCUMENTED_5XX and \
+                            (503, doc["error"].get("code")) not in DOCUMENTED_5XX:
+                        return "5xx", f"{kind}: error event {e[:200]}"
+                return "fine", f"{kind} stream"
+            return _classify_json(r.status, raw), f"{kind} {r.status}"
+        if kind == "raw":
+            what = rng.choice(["cut", "half", "junk", "huge-header", "bad-length", "chunked"])
+            body = b'{"model": "q3", "prompt": "a", "max_tokens": 2}'
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            if what == "cut":
+                _raw(port, head + b"Content-Length: 100\r\n\r\n" + body[:10], timeout, close_early=True)
+                return "fine", "raw cut"
+            if what == "half":
+                out = _raw(port, head + b"Content-Length: %d\r\n\r\n" % len(body) + body, timeout, half_close=True)
+            elif what == "junk":
+                out = _raw(port, bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))) + b"\r\n\r\n", timeout)
+            elif what == "huge-header":
+                out = _raw(port, b"GET /health HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n", timeout)
+            elif what == "bad-length":
+                out = _raw(port, head + b"Content-Length: -5\r\n\r\n" + body, timeout)
+            else:
+                out = _raw(port, head + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n0\r\n\r\n", timeout)
+            status = int(out[9:12]) if out.startswith(b"HTTP/1.1 ") else 0
+            if status >= 500:
+                return "5xx", f"raw {what} {out[:200]!r}"
+            return "fine", f"raw {what} {status}"
+        method, path = rng.choice([("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                                   ("DELETE", "/v1/completions"), ("GET", "/v1/nothing"), ("POST", "/health"),
+                                   ("GET", "/v1/chat/completions"), ("GET", "/%ff%fe"), ("OPTIONS", "/")])
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        try:
+            c.request(method, path)
+            r = c.getresponse()
+            raw = r.read()
+        finally:
+            c.close()
+        if path in ("/health", "/v1/models", "/metrics") and method == "GET":
+            return ("fine" if r.status == 200 else "5xx" if r.status >= 500 else "bad_shape"), f"{path} {r.status}"
+        return _classify_json(r.status, raw), f"{method} {path} {r.status}"
+    except TimeoutError:
+        return "hang", kind
+    except (ConnectionError, http.client.HTTPException, OSError) as exc:
+        # raw framing may be answered by closing; a well-formed request never is
+        return ("closed" if kind == "raw" else "dropped"), f"{kind}: {type(exc).__name__}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _health(port: int, timeout: float = 10.0) -> int:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request("GET", "/health")
+        return c.getresponse().status
+    except OSError:
+        return 0
+    finally:
+        c.close()
+
+
+def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, idle: int = 200) -> dict[str, Any]:
+    """Run the cases against a fresh server; the summary (also written to OUT/summary-server.json)."""
+    cfg = write_models(os.path.join(out, "server-models"))
+    port = _free_port()
+    log = open(os.path.join(out, "server.log"), "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "ggml_hybrid.cli", "serve", "--config", cfg, "--port", str(port)],
+                            stderr=log)
+    results: list[tuple[int, str, str]] = []
+    lock = threading.Lock()
+    t_start = time.monotonic()
+    idle_ok = None
+    rc = None
+    try:
+        end = time.monotonic() + 120
+        while _health(port) != 200:
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.1)
+        todo = iter(range(cases))
+
+        def worker() -> None:
+            for i in todo:
+                cls, what = one(seed, i, port, timeout)
+                if cls != "fine" and proc.poll() is not None:
+                    cls = "crash"
+                with lock:
+                    results.append((i, cls, what))
+
+        threads = [threading.Thread(target=worker) for _ in range(jobs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        socks = []
+        try:
+            for _ in range(idle):
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            t0 = time.monotonic()
+            idle_ok = (_health(port), round(time.monotonic() - t0, 3))
+        finally:
+            for s in socks:
+                s.close()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = "hang at exit"
+        else:
+            rc = f"died: {proc.returncode}"
+        log.seek(0)
+        text = log.read()
+        log.close()
+    classes = Counter(c for _, c, _ in results)
+    failures = [(i, c, w) for i, c, w in sorted(results) if c not in ("fine", "closed")]
+    summary = {"cases": cases, "seed": seed, "jobs": jobs, "seconds": round(time.monotonic() - t_start, 1),
+               "classes": dict(classes), "what": dict(Counter(w.split(" ")[0] + " " + w.split(" ")[-1]
+                                                           for _, _, w in results)),
+               "failures": failures[:200], "idle": {"connections": idle, "health": idle_ok}, "exit_status": rc,
+               "log_bytes": len(text), "log_tracebacks": text.count("Traceback")}
+    with open(os.path.join(out, "summary-server.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def passed(summary: dict[str, Any]) -> bool:
+    """No crash, hang, undocumented 5xx or malformed error; /health under the idle connections; a clean exit."""
+    bad = {k: v for k, v in summary["classes"].items() if k not in ("fine", "closed")}
+    return (not bad and summary["idle"]["health"] is not None and summary["idle"]["health"][0] == 200
+            and summary["exit_status"] == 0 and summary["log_tracebacks"] == 0)
+
+
+__all__ = ["DOCUMENTED_5XX", "one", "passed", "run", "write_models"]
