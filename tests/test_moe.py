@@ -132,7 +132,7 @@ def _no_time(d):
 
 
 def test_invalid_session_options_fail_before_loading(model):
-    for items, match in ((["disk_experts=1"], "needs expert cache slots"), (["expert_cache_slots=17"], "only 16 experts"),
+    for items, match in ((["disk_experts=1"], "needs expert cache"), (["expert_cache_slots=17"], "only 16 experts"),
                          (["n_cpu_moe=4"], "only 3 layers"), (["moe_cpu_share=0.5"], "needs disk_experts")):
         with pytest.raises(OptionError, match=match):
             MoEStackSession(model, SessionOptions.parse(items))
