@@ -160,9 +160,7 @@ class NativeExpertExecutor:
         cfg.alpha, cfg.hysteresis = model.alpha, model.hysteresis
         for i, k in enumerate(PRIOR_KEYS):
             cfg.prior[i] = model.prior[k]
-        path = ffi.new("char[]", self.store.watch_path.encode())  # the open file, not whatever the path names now
-        self._keep.append(path)
-        cfg.path = path
+        cfg.fd = -1 if self.store._fd is None else self.store._fd  # the open file, not whatever the path names now
         for i, v in enumerate(self.store._identity):
             cfg.file_id[i] = v
         cfg.map_guard = self.store._guard + 1

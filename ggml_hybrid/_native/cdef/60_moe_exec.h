@@ -71,7 +71,7 @@ typedef struct hy_moe_config {
     double coef[5];
     int synthetic_clock;
     double clock[5];
-    const char * path;
+    int fd;
     int64_t file_id[4];
     int map_guard;
     int staging;

@@ -215,11 +215,11 @@ static bool read_rows(hy_moe_exec * ex, const struct ggml_tensor * t, int T) {
 }
 
 static bool file_unchanged(const hy_moe_exec * ex) {
-    if (ex->cfg.path == NULL) {
+    if (ex->cfg.fd < 0) {
         return true;
     }
     struct stat st;
-    if (stat(ex->cfg.path, &st) != 0) {
+    if (fstat(ex->cfg.fd, &st) != 0) {
         return false;
     }
     const int64_t mtime = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;

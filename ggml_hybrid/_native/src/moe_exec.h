@@ -74,7 +74,8 @@ typedef struct hy_moe_config {
     double coef[HY_COST_N];
     int synthetic_clock;              /* observations from the work, not the clock (repeatable decisions) */
     double clock[HY_COST_N];          /* the synthetic clock's cost of each unit of work */
-    const char * path;                /* the model file, checked unchanged before the mapping is read */
+    int fd;                           /* the open model file (-1: none), checked unchanged before the mapping is
+                                         read: fstat, a few hundred ns, where a stat of /proc/self/fd/N costs µs */
     int64_t file_id[4];               /* dev, ino, size, mtime_ns */
     int map_guard;                    /* the mapping's guard (map_guard.h) id + 1, 0 for none: reads past the end */
     int staging;                      /* loads through pinned host staging (devices whose memory is not host) */
