@@ -12,7 +12,6 @@ import glob
 import hashlib
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -26,7 +25,6 @@ from ggml_hybrid.runtime.moe_model import MoEModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "fixtures", "converted")
-sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 from make_reference_fixtures import simd_tag  # noqa: E402
 
 FAMILIES = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(FIX, "*.npz")))

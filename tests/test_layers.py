@@ -8,6 +8,9 @@ function to dodge a cycle still closes one here; imports made only for type chec
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import grimp
 
 
@@ -35,3 +38,13 @@ def test_the_cycle_check_sees_function_level_imports(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     graph = grimp.build_graph("cyclepkg", exclude_type_checking_imports=True, cache_dir=None)
     assert _cycles(graph) == [("cyclepkg.a", "cyclepkg.b")]
+
+
+def test_no_test_or_tool_edits_sys_path():
+    # tests find their helpers and the tools through pytest's `pythonpath` setting; a tool run as a script has
+    # its own folder on the path already: an edit of sys.path hides where a module really comes from
+    root = Path(__file__).resolve().parents[1]
+    files = [p for top in ("tests", "tools", "ggml_hybrid") for p in (root / top).rglob("*.py")]
+    edits = [f"{p.relative_to(root)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"sys\.path\.(insert|append|extend)\(|sys\.path\s*\+?=", line) and p.name != "test_layers.py"]
+    assert edits == []

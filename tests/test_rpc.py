@@ -19,11 +19,11 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from ggfuzz import rpc_cases as rc
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.deploy.devices import describe_devices, device_names
@@ -34,9 +34,6 @@ from ggml_hybrid.plan.planner import plan
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model
 from ggml_hybrid.units import MiB
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "fuzz"))
-from ggfuzz import rpc_cases as rc
 
 CLI = [sys.executable, "-c", "from ggml_hybrid.cli import main; main()"]  # the ggml-hybrid entry point
 PROMPT = "Where a layer runs never changes a bit of the logits."

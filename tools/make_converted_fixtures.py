@@ -29,13 +29,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import click
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_reference_fixtures import Case, reference, sha256, simd_tag
 
 from ggml_hybrid.gguf.store import GGUFStore
