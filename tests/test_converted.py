@@ -2,7 +2,7 @@
 llama.cpp's ``convert_hf_to_gguf.py`` to F32, F16 and Q8_0 and quantized by llama.cpp's quantizer to Q4_K_M
 (``tools/make_converted_fixtures.py``). Three oracles, recorded with the files: llama.cpp's logits on the same file
 (bit-identical), transformers' float32 logits on the same token ids (within a bound per type; greedy continuations
-equal at F32), and ggml-hybrid's own resident run (every hybrid mode bit-identical to it). The CLI (``inspect``,
+equal at F32), and ggml-hybrid's own resident run (every expert mode bit-identical to it). The CLI (``inspect``,
 ``plan``, ``run``, ``serve``) runs every file.
 """
 

@@ -1,4 +1,4 @@
-"""Hybrid models (qwen3next, qwen35moe: gated delta-net layers between attention layers): every expert mode and
+"""Recurrent models (qwen3next, qwen35moe: gated delta-net layers between attention layers): every expert mode and
 executor bit-identical to resident, the expert region exactly the routed experts, chunked prompts equal to one-shot
 ones, recurrent states per sequence slot (each sequence as if alone, a reused slot clean, a failed eval undone),
 inspect and plan counting the state next to the KV cache, and clear refusals of bad files."""
