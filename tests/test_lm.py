@@ -371,18 +371,23 @@ def test_generation_stops_at_any_end_of_generation_token(small):
     assert text == m.tokenizer.decode([5, 5])
 
 
-def test_a_failed_load_releases_everything(small, tmp_path):
+def test_a_failed_load_releases_everything(small, tmp_path, monkeypatch):
     import gc
 
     import ggml_hybrid as gh
+    from ggml_hybrid.moe import expert_layers
 
+    def refuse(*args, **kwargs):  # the trace file cannot be opened, after the dense weights and slots exist
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(expert_layers, "TraceWriter", refuse)
     gc.collect()
     before = gh.live_objects()
     gc.disable()
     try:
         with pytest.raises(OSError):
             MoEModel(small["qwen3moe"], SessionOptions(disk_experts=True, expert_cache_slots=2,
-                                                       trace_path=str(tmp_path / "missing" / "t.bin")))
+                                                       trace_path=str(tmp_path / "t.bin")))
         assert gh.live_objects() == before  # without waiting for the garbage collector
     finally:
         gc.enable()
