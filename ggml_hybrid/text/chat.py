@@ -18,6 +18,7 @@ Jinja2 comes with the ``server`` extra (``pip install -e '.[server]'`` in the ch
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -172,6 +173,7 @@ class RenderPool:
 
 
 _POOL = RenderPool()
+atexit.register(_POOL.close)  # its processes end with this one, waited for (no process left to the interpreter's exit)
 
 
 def render_pool() -> RenderPool:
