@@ -81,10 +81,7 @@ class GGUFStore:
         self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._close_fd_once = weakref.finalize(self, os.close, self._fd)  # at close(), or when dropped
         self._identity = _identity(os.fstat(self._fd))
-        # what the native executor stats before its loads: this process's descriptor of the file (Linux, and
-        # other systems with /dev/fd), else the path
-        fd_path = f"/proc/self/fd/{self._fd}"
-        self.watch_path = fd_path if os.path.exists(fd_path) else self.path
+        # (the native executor fstat()s this descriptor before its loads: moe_exec.c file_unchanged)
         # the header is walked and every tensor checked against the file before the gguf package reads it
         self.header = header = read_header(self.path)
         try:

@@ -16,6 +16,7 @@ alone on the CPU (docs/serve.md, "Concurrent sequences").
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -696,7 +697,7 @@ class MoEModel:
             out["compute"] += self.sched.buffer_size(b) + self.experts.compute_bytes(b)
         return out
 
-    @property
+    @functools.cached_property
     def cpu_experts_active(self) -> bool:
         """Whether routed experts run on the CPU: some expert weights are placed there (``cpu_moe``, ``n_cpu_moe``,
         ``-ot ...=CPU``), or a CPU share of cache misses is set for layers that use the cache. How much the CPU

@@ -12,11 +12,10 @@ layer call over the STEPS, and ``where``, the package's folder (the caller check
 """
 
 import json
-import statistics
-import time
 
 import click
 import numpy as np
+from _alternate import alternate
 
 import ggml_hybrid as gh
 
@@ -31,33 +30,19 @@ def main(path: str, n_layer: int, n_embd: int, steps: int, warmup: int) -> None:
     modes = {"resident": [], **{f"native {n} slots": ["disk_experts=1", f"expert_cache_slots={n}",
                                                        "moe_executor=native"] for n in (64, 16)}}
     sessions = {k: gh.MoEStackSession(path, gh.SessionOptions.parse([*v, "n_threads=1"])) for k, v in modes.items()}
-    rng = np.random.default_rng(0)
-    warm = rng.standard_normal((256, n_embd)).astype(np.float32)
+    warm = np.random.default_rng(1).standard_normal((256, n_embd)).astype(np.float32)
     for s in sessions.values():
         s.forward(warm)
-    times: dict[str, list[float]] = {k: [] for k in sessions}
-    base = {}
-    for i in range(warmup + steps):
-        x = rng.standard_normal((1, n_embd)).astype(np.float32)
-        if i == warmup:
-            base = {k: s.counters.total for k, s in sessions.items()}
-        want = None
-        for k, s in (list(sessions.items()) if i % 2 == 0 else list(sessions.items())[::-1]):
-            t0 = time.perf_counter()
-            got = s.forward(x)
-            if i >= warmup:
-                times[k].append(time.perf_counter() - t0)
-            if want is None:
-                want = got
-            assert np.array_equal(got, want), f"{k} differs from the other sessions"
+    # the stack benchmarks' own A/B loop: alternating order, every output equal to the resident one
+    medians, base = alternate(sessions, None, 1, n_embd, steps, warmup, seed=0)
     orch = {}
     for k, s in sessions.items():
         tot, b = s.counters.total, base[k]
         if k != "resident":
             orch[k] = (tot.orchestration_ns - b.orchestration_ns) / (tot.calls - b.calls) / 1e3
         s.close()
-    print(json.dumps({"where": gh.__file__, "us_layer": {k: statistics.median(v) * 1e6 / n_layer
-                                                         for k, v in times.items()}, "orch_us": orch}))
+    print(json.dumps({"where": gh.__file__, "us_layer": {k: v * 1e6 / n_layer for k, v in medians.items()},
+                      "orch_us": orch}))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 import numpy as np
-from bench_vs_llama import SPEC, TYPES, model_path
+from bench_vs_llama import SPEC, TYPES, block_ratios, model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,15 +52,6 @@ class Side:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
-
-
-def _block_ratios(runs: dict[str, list[dict]], key: str, n: int) -> list[float]:
-    out = []
-    for j in range(0, len(runs["A"]), 2):
-        a = sum(n / r[key] for r in runs["A"][j:j + 2]) / 2
-        b = sum(n / r[key] for r in runs["B"][j:j + 2]) / 2
-        out.append(b / a)
-    return out
 
 
 @click.command(help=__doc__)
@@ -100,7 +91,8 @@ def main(base: Path, head: Path, wtype: str, threads: int, rounds: int, prompt: 
         print(f"{name:<8}" + "".join(f"{tps(k, key, c):>14.2f}" for key, c in cols))
     print(f"{'ratio':<8}" + "".join(f"{tps('B', key, c) / tps('A', key, c):>14.3f}" for key, c in cols)
           + "   (head / base, medians)")
-    blocks = [_block_ratios(runs, key, c) for key, c in cols[:2]]
+    # per A,B,B,A block, head over base (bench_vs_llama's rule, its first side the numerator)
+    blocks = [block_ratios({"A": runs["B"], "B": runs["A"]}, key, c) for key, c in cols[:2]]
     print(f"{'blocks':<8}" + "".join(f"{statistics.median(b):>14.3f}" for b in blocks) + "   (median of the blocks' "
           "ratios; range " + ", ".join(f"{min(b):.3f}-{max(b):.3f}" for b in blocks) + ")")
     print(f"same greedy tokens: {same}")

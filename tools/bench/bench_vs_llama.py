@@ -193,7 +193,7 @@ def compare(ns: SimpleNamespace, wtype: str, config: str) -> dict:
             "paired": paired, "sessions": session_ratios}
 
 
-def block_ratios(res: dict[str, list], i: int, n: int) -> list[float]:
+def block_ratios(res: dict[str, list], i: int | str, n: int) -> list[float]:
     """Per A,B,B,A block: ggml-hybrid's tok/s over llama.cpp's (field ``i`` of each run: seconds for n tokens)."""
     out = []
     for j in range(0, len(res["A"]), 2):
