@@ -118,7 +118,7 @@ def protocol_class(max_connections: int, header_seconds: float = HEADER_SECONDS,
                 self._arm_header_timer()
             super().data_received(data)
 
-        def eof_received(self) -> bool | None:
+        def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio: True keeps the transport open
             cycle = self.cycle
             if cycle is None or cycle.response_complete or self.conn.their_state is not h11.DONE:
                 return None  # idle, or a request cut short (a counted 499): the connection ends here
