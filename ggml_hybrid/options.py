@@ -120,7 +120,7 @@ def _device_list(v: Any) -> Optional[str]:
 
 
 # the options whose value is one of a few names: each Literal is the one list of its names
-EvictionPolicy = Literal["lru", "lfu"]
+EvictionPolicy = Literal["freq", "lru", "lfu"]
 KVCacheType = Literal["f32", "f16", "q8_0"]
 SplitMode = Literal["layer", "none"]
 ExecutorKind = Literal["native", "python"]
@@ -236,8 +236,9 @@ class SessionOptions:
         0, "int", "an integer >= 0", "Expert slots in the device cache per layer; 0 = no cache, experts resident.",
         _int(0))
     expert_eviction: EvictionPolicy = _opt(
-        "lru", "str", _one_of(EvictionPolicy),
-        "Expert cache victim order: least recently used ('lru') or least frequently used ('lfu').",
+        "freq", "str", _one_of(EvictionPolicy),
+        "Expert cache victim order: the fewest requests over the layer's history, ties by the least recent ('freq'), "
+        "least recently used ('lru') or least frequently used since loaded ('lfu').",
         _choice(EvictionPolicy))
     n_threads: Optional[int] = _opt(
         None, "int | None", _THREADS_RULE,

@@ -206,7 +206,7 @@ SESSION_FLAGS: tuple[Flag, ...] = (
         type=click.IntRange(1), metavar="N", help="Expert cache slots per layer (implies --disk-experts)."),
         implies=("disk_experts=true",)),
     Flag(("--expert-eviction", "expert_eviction"), "expert_eviction", dict(
-        type=click.Choice(["lru", "lfu"]), help="Expert cache victim order (default lru).")),
+        type=click.Choice(["freq", "lru", "lfu"]), help="Expert cache victim order (default freq).")),
     Flag(("--moe-cpu-share", "moe_cpu_share"), "moe_cpu_share", dict(metavar="X|auto", help=(
         "Share of the cache misses the CPU runs: a number in [0, 1] or auto (a non-zero share implies "
         "--disk-experts)."))),

@@ -65,7 +65,7 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used:
     if opts.expert_cache_slots and not opts.disk_experts:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the slots belong to the expert cache, "
                           "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
-    if opts.expert_eviction != "lru" and not opts.disk_experts:
+    if opts.expert_eviction != SessionOptions().expert_eviction and not opts.disk_experts:
         raise OptionError(f"expert_eviction={opts.expert_eviction}: the eviction order belongs to the expert cache, "
                           "which needs disk_experts=true")
 
