@@ -105,7 +105,8 @@ def test_auto_refuses_when_fewer_than_the_experts_used_per_token_fit(model):
         plan(model, SessionOptions.parse(["expert_cache_slots=auto"]), vram=[1 << 30])
 
 
-@pytest.mark.parametrize("items", [[], ["virtual_devices=2", "moe_cpu_share=0.5"], ["moe_cpu_share=auto"]])
+@pytest.mark.parametrize("items", [[], ["virtual_devices=2", "moe_cpu_share=0.5"], ["moe_cpu_share=auto"],
+                                   ["moe_executor=python", "moe_cpu_share=0.5", "expert_eviction=lru"]])
 def test_a_session_with_auto_slots_is_bit_identical_to_resident(model, items):
     """CPU instances playing devices take the host's available memory: this small model's experts all fit."""
     with MoEModel(model, SessionOptions(n_threads=1)) as m:

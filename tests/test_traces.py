@@ -508,6 +508,11 @@ def test_auto_is_never_slower_than_a_fixed_share(case, policy, cost):
     assert isinstance(r, ReplayResult) and r.share == "auto"
 
 
+def _plain_victim_key(s, policy, slot):
+    e = s["slots"][slot]
+    return (s["computed"][e], slot) if policy == "lru" else (s["count"][e], s["last"][e], slot)
+
+
 def _plain_share_replay(tr, n_slots, policy, share, cpu_rule):
     """A plain model of the rules, written apart from SlotCache and cpu_share, for calls that fit in the slots
     (one round): per layer, slots, the tick each resident was last computed, a request history (count, last
@@ -523,25 +528,25 @@ def _plain_share_replay(tr, n_slots, policy, share, cpu_rule):
         experts, counts = np.unique(ids, return_counts=True)
         rows = dict(zip(experts.tolist(), counts.tolist()))
         misses = [e for e in rows if e not in s["slots"]]
-        key = ((lambda e: (rows[e], s["count"].get(e, 0), s["last"].get(e, 0), e)) if cpu_rule == "reuse"
-               else (lambda e: (rows[e], e)))
+        if cpu_rule == "reuse":
+            order = sorted(misses, key=lambda e, s=s, rows=rows: (rows[e], s["count"].get(e, 0), s["last"].get(e, 0),
+                                                                  e))
+        else:
+            order = sorted(misses, key=lambda e, rows=rows: (rows[e], e))
         k = int(Fraction(repr(float(share))) * len(misses) + Fraction(1, 2))
-        on_cpu = set(sorted(misses, key=key)[:k])
+        on_cpu = set(order[:k])
         cpu += len(on_cpu)
         for e in rows:
             s["count"][e] = s["count"].get(e, 0) + 1
             s["last"][e] = t
         device = [e for e in rows if e not in on_cpu]
-        new = sorted((e for e in device if e not in s["slots"]), key=lambda e: (-rows[e], e))
+        new = sorted((e for e in device if e not in s["slots"]), key=lambda e, rows=rows: (-rows[e], e))
         for e in device:
             if e in s["slots"]:
                 s["computed"][e] = t
         free = [i for i, e in enumerate(s["slots"]) if e is None]
-        if policy == "lru":
-            victim_key = lambda i: (s["computed"][s["slots"][i]], i)  # noqa: E731
-        else:
-            victim_key = lambda i: (s["count"][s["slots"][i]], s["last"][s["slots"][i]], i)  # noqa: E731
-        victims = sorted((i for i, e in enumerate(s["slots"]) if e is not None and e not in device), key=victim_key)
+        victims = sorted((i for i, e in enumerate(s["slots"]) if e is not None and e not in device),
+                         key=lambda i, s=s: _plain_victim_key(s, policy, i))
         for e, i in zip(new, free + victims):
             s["slots"][i] = e
             s["computed"][e] = t

@@ -36,8 +36,16 @@ import sys
 
 import click
 
-from ggml_hybrid.moe.traces import (CPU_RULES, POLICIES, LinkCost, TraceError, parse_share, read_trace, replay,
-                                    synthetic_trace)
+from ggml_hybrid.moe.traces import (
+    CPU_RULES,
+    POLICIES,
+    LinkCost,
+    TraceError,
+    parse_share,
+    read_trace,
+    replay,
+    synthetic_trace,
+)
 from ggml_hybrid.options import SessionOptions
 
 RUNTIME_POLICY = SessionOptions().expert_eviction
@@ -142,7 +150,8 @@ def replay_cmd(trace, slots, policies, shares, cpu_rules, bus_gbps, cpu_gbps, de
             for rule in (rules if s != 0.0 else rules[:1])]  # share 0 runs nothing on the CPU: one rule is enough
     results = [replay(tr, n, p, share=s, cost=cost, cpu_rule=rule) for p, n, s, rule in runs]
     if as_json:
-        doc = {"runtime_policy": RUNTIME_POLICY, "trace": {"path": trace, "n_layer": tr.n_layer, "n_expert": tr.n_expert, "n_used": tr.n_used,
+        doc = {"runtime_policy": RUNTIME_POLICY,
+               "trace": {"path": trace, "n_layer": tr.n_layer, "n_expert": tr.n_expert, "n_used": tr.n_used,
                          "calls": tr.n_calls, "tokens": tr.tokens, "truncated": tr.truncated},
                "cost": cost.to_dict(),
                "results": [{**r.to_dict(), "cpu_rule": rule, "modeled_us_per_token": r.modeled_s_per_token * 1e6}
@@ -160,7 +169,8 @@ def replay_cmd(trace, slots, policies, shares, cpu_rules, bus_gbps, cpu_gbps, de
     click.echo("-" * len(head))
     for r, (_, _, _, rule) in zip(results, runs):
         share = r.share if r.share == "auto" else f"{r.share:g}"
-        click.echo(f"{r.policy:<7} {r.n_slots:>5} {share:>5} {rule if r.share != 0.0 else '-':>5} {r.hit_rate:>8.3f} {r.misses:>8} {r.cpu:>7} "
+        rule = rule if r.share != 0.0 else "-"
+        click.echo(f"{r.policy:<7} {r.n_slots:>5} {share:>5} {rule:>5} {r.hit_rate:>8.3f} {r.misses:>8} {r.cpu:>7} "
                    f"{_human(r.bytes_moved):>12} {r.modeled_s_per_token * 1e6:>10.1f}")
 
 

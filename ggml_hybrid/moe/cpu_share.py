@@ -172,7 +172,8 @@ from ..errors import CpuShareError
 #: The request history of a layer: expert id -> (requests, tick of the last request); lower = less likely reused.
 History = Callable[[int], tuple[int, int]]
 
-__all__ = ["COEFFICIENTS", "History", "PRIOR_KEYS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit", "makespans",
+__all__ = ["COEFFICIENTS", "History", "PRIOR_KEYS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit",
+           "makespans",
            "n_cpu_for_share", "split_misses"]
 
 #: The cost model's coefficients, in the order of every array of them (estimates, fixed coefficients, priors,

@@ -149,6 +149,7 @@ class ExpertLayers:
         self.repacked: set[str] = set()
         self.host_copies: set[str] = set()
         rule = repack_rule(store, opts.repack)
+        slots = cast(int, opts.expert_cache_slots)  # a number here: auto is chosen before a model loads
         loaded = {}
         for b, tensor_names in by_backend.values():
             ctx, tensors = load_into(store, tensor_names, b, on_tensor=on_tensor, load=load,
@@ -191,14 +192,14 @@ class ExpertLayers:
                     if scratch is None:
                         scratch = self._scratch[id(cache_on)] = Scratch(cache_on)
                     executor = NativeExpertExecutor(
-                        store, moe_layer, names, cache_on, cast(int, opts.expert_cache_slots), opts.expert_eviction, n_used,
+                        store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
                         trace_seq=self._trace_seq, repack=opts.repack)
                 else:
                     shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
                     executor = ExpertCacheExecutor(
-                        store, moe_layer, names, cache_on, cast(int, opts.expert_cache_slots), opts.expert_eviction, n_used,
+                        store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], simulated_bus_bytes_per_s=simulated_bus_bytes_per_s,
                         trace=self.trace, clear=load, shared=shared, repack=opts.repack)

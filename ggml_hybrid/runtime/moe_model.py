@@ -62,9 +62,9 @@ from ..model.step_feed import StepFeed
 from ..moe.expert_layers import ExpertLayers, check_moe_options
 from ..moe.stack_session import SessionCounters
 from ..options import MAX_DEVICES, OptionError, SessionOptions
-from .cache_size import SlotChoice, choose_slots
 from ..serial import Serial
 from ..text.tokenizer import Tokenizer
+from .cache_size import SlotChoice, choose_slots
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per model (one per ubatch shape), least recently used dropped first

@@ -18,7 +18,8 @@ from .replay import (
 from .synthesis import synthetic_trace
 
 __all__ = [
-    "CPU_RULES", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "POLICIES", "CallRecord", "LayerStats", "LinkCost", "ReplayResult",
+    "CPU_RULES", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "POLICIES", "CallRecord", "LayerStats", "LinkCost",
+    "ReplayResult",
     "Trace", "TraceError", "TraceTruncatedWarning", "TraceWriter", "modeled_time_per_token", "parse_share",
     "read_trace", "replay", "synthetic_trace",
 ]

@@ -33,7 +33,8 @@ the runtime's own rule (:mod:`ggml_hybrid.moe.cpu_share`, called here, not resta
 takes ``n_cpu_for_share(share, n_miss)`` misses, the ones with the fewest rows, ties by the layer's
 request history (the least likely to be reused first: the cache's ``reuse_key``; Belady's replay keeps
 the same history beside its residency), then by lower expert id. ``cpu_rule="rows"`` replays the rule
-before the history existed (ties straight by lower expert id), to measure what the history buys; ``share="auto"`` asks a :class:`~ggml_hybrid.moe.cpu_share.CostModel` per layer, fixed to the
+before the history existed (ties straight by lower expert id), to measure what the history buys;
+``share="auto"`` asks a :class:`~ggml_hybrid.moe.cpu_share.CostModel` per layer, fixed to the
 costs of a :class:`LinkCost`, with the runtime's hysteresis. CPU experts are not loaded into the
 cache: the cache only sees the device experts (hits + device misses), so hit rate and bytes moved
 reflect the share. A live session whose cost model is fixed the same way
