@@ -617,8 +617,16 @@ def test_cli_synth_and_replay(cli, tmp_path):
                                                                                   ref.bytes_moved)
         assert res["modeled_us_per_token"] == pytest.approx(ref.modeled_s_per_token * 1e6)
         assert len(res["layers"]) == 4
-    hit_rate = {(p, int(s), sh): float(h) for p, s, sh, h, *_ in rows}
+    hit_rate = {(p, int(s), sh): float(h) for p, s, sh, _rule, h, *_ in rows}
     assert hit_rate[("lru", 8, "0")] == pytest.approx(replay(tr, 8, "lru").hit_rate, abs=5e-4)
+    # the runtime's default eviction is named; the CPU share's rule before the history replays beside the runtime's
+    assert "runtime default eviction: freq" in table.stdout and doc["runtime_policy"] == "freq"
+    both = json.loads(CliRunner().invoke(cli, [str(out), "--slots", "4", "--policy", "freq", "--share", "0.5",
+                                               "--cpu-rule", "reuse,rows", "--json"]).stdout)
+    assert [r["cpu_rule"] for r in both["results"]] == ["reuse", "rows"]
+    for res in both["results"]:
+        ref = replay(tr, 4, "freq", share=0.5, cpu_rule=res["cpu_rule"])
+        assert (res["misses"], res["cpu"]) == (ref.misses, ref.cpu)
 
 
 @pytest.mark.parametrize("make, args, fault", [
