@@ -55,7 +55,7 @@ later round of the same call picks victims).
 * ``"freq"``: fewest *requests* first (the layer's request history below, which an
   eviction does not forget); ties by the least recent request, then by lowest slot id.
   Frequency over the whole history with recency as the tie-break: on the real routing
-  traces it loads 3-14% less than ``"lru"`` at 1/8 to 1/4 of the experts as slots and
+  traces it loads 2-14% less than ``"lru"`` at 1/8 to 1/4 of the experts as slots and
   never more (docs/benchmarks.md, "Eviction and the CPU share on real routing"), so it
   is the runtime's default (``expert_eviction``).
 
