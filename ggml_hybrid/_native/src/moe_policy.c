@@ -7,7 +7,8 @@
 /* ---- slot cache (ggml_hybrid/moe/slot_cache.py) ------------------------------------------------ */
 
 hy_slot_cache * hy_cache_new(int n_experts, int n_slots, int policy) {
-    if (n_experts < 1 || n_slots < 1 || n_slots > n_experts || (policy != HY_POLICY_LRU && policy != HY_POLICY_LFU && policy != HY_POLICY_FREQ)) {
+    if (n_experts < 1 || n_slots < 1 || n_slots > n_experts ||
+        (policy != HY_POLICY_LRU && policy != HY_POLICY_LFU && policy != HY_POLICY_FREQ)) {
         return NULL;
     }
     hy_slot_cache * c = calloc(1, sizeof(*c));
@@ -36,8 +37,9 @@ hy_slot_cache * hy_cache_new(int n_experts, int n_slots, int policy) {
     c->s_miss_rows = malloc(sizeof(int32_t) * n_experts);
     c->s_cand = malloc(sizeof(int32_t) * n_slots);
     c->s_protected = malloc(n_slots);
-    if (!c->slot_expert || !c->where || !c->recency || !c->uses || !c->requests || !c->last_request || !c->uncommitted || !c->plan.hit_expert ||
-        !c->plan.hit_slot || !c->plan.load_expert || !c->plan.load_slot || !c->plan.load_round ||
+    if (!c->slot_expert || !c->where || !c->recency || !c->uses || !c->requests || !c->last_request ||
+        !c->uncommitted || !c->plan.hit_expert || !c->plan.hit_slot || !c->plan.load_expert || !c->plan.load_slot ||
+        !c->plan.load_round ||
         !c->plan.evicted_expert || !c->plan.evicted_round || !c->s_hit_slots || !c->s_miss || !c->s_miss_rows ||
         !c->s_cand || !c->s_protected) {
         hy_cache_free(c);
@@ -51,7 +53,8 @@ void hy_cache_free(hy_slot_cache * c) {
     if (c == NULL) {
         return;
     }
-    free(c->slot_expert); free(c->where); free(c->recency); free(c->uses); free(c->requests); free(c->last_request); free(c->uncommitted);
+    free(c->slot_expert); free(c->where); free(c->recency); free(c->uses); free(c->uncommitted);
+    free(c->requests); free(c->last_request);
     free(c->plan.hit_expert); free(c->plan.hit_slot); free(c->plan.load_expert); free(c->plan.load_slot);
     free(c->plan.load_round); free(c->plan.evicted_expert); free(c->plan.evicted_round);
     free(c->s_hit_slots); free(c->s_miss); free(c->s_miss_rows); free(c->s_cand); free(c->s_protected);

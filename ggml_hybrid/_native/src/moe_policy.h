@@ -105,8 +105,9 @@ int hy_cost_choose(hy_cost_model * m, int64_t expert_bytes, int64_t hit_rows, co
 /* Which misses of one call the CPU computes (cpu_share.py: split_misses, CostModel.choose). `experts` are the
    call's n distinct experts, rows[i] the rows of experts[i]. Hits (committed in `cache`) stay on the device;
    the misses, written to miss_expert / miss_rows ([n] each) with their count in *n_miss, are ordered fewest
-   rows first, ties by the cache's request history (fewest requests, then least recent), then by lower id, and the CPU takes the first n_cpu of them: n_cpu_table[*n_miss] with a fixed
-   share (n_cpu_table != NULL), else the choice of `model`. Returns n_cpu. */
+   rows first, ties by the cache's request history (fewest requests, then least recent), then by lower id,
+   and the CPU takes the first n_cpu of them: n_cpu_table[*n_miss] with a fixed share (n_cpu_table != NULL),
+   else the choice of `model`. Returns n_cpu. */
 int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const int32_t * rows, int n,
                     const int32_t * n_cpu_table, hy_cost_model * model, int64_t expert_bytes,
                     int32_t * miss_expert, int32_t * miss_rows, int * n_miss);
