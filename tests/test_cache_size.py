@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
+from ggml_hybrid.ggml.backend import cpu_instance
+from ggml_hybrid.moe.expert_layers import check_moe_options
 from ggml_hybrid.options import OptionError, SessionOptions
 from ggml_hybrid.plan.planner import plan
 from ggml_hybrid.runtime.cache_size import MARGIN_MIN, choose_slots, margin
@@ -117,6 +119,18 @@ def test_a_session_with_auto_slots_is_bit_identical_to_resident(model, items):
         assert m.slot_choice is not None and m.options.expert_cache_slots == m.slot_choice.slots == N_EXPERT
         got = m.eval(tokens, "all")
     assert np.array_equal(got, ref)
+
+
+def test_auto_is_refused_where_it_cannot_size_anything(model):
+    """A model given its device, or a dry run, takes a number: one clear error, nothing loaded."""
+    opts = SessionOptions.parse(["disk_experts=true", "expert_cache_slots=auto", "n_threads=1"])
+    with cpu_instance(0, 1) as dev:
+        with pytest.raises(OptionError, match="expert_cache_slots=auto: sizes the cache on the session's own devices"):
+            MoEModel(model, opts, device=dev)
+    with pytest.raises(OptionError, match="expert_cache_slots=auto: sizes the cache on the session's own devices"):
+        MoEModel(model, opts, dry_run_devices=["DEV0"])
+    with pytest.raises(OptionError, match="expert_cache_slots=auto: the slot count is chosen .* needs a number"):
+        check_moe_options(opts, 4, N_EXPERT, N_USED)
 
 
 def test_the_option_and_the_flag(model):
