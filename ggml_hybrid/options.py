@@ -64,6 +64,12 @@ def _share(v: Any) -> Union[float, str]:
     return cast(float, v) + 0.0  # folds -0.0 into 0.0 so equal options print alike
 
 
+def _slots(v: Any) -> Union[int, str]:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    return cast(int, _int(0)(v))
+
+
 def _int(lo: int, hi: Optional[int] = None, nullable: bool = False) -> Callable[[Any], Optional[int]]:
     def conv(v: Any) -> Optional[int]:
         if nullable and (v is None or isinstance(v, str) and v.strip().lower() in ("", "none")):
@@ -120,7 +126,7 @@ def _device_list(v: Any) -> Optional[str]:
 
 
 # the options whose value is one of a few names: each Literal is the one list of its names
-EvictionPolicy = Literal["lru", "lfu"]
+EvictionPolicy = Literal["freq", "lru", "lfu"]
 KVCacheType = Literal["f32", "f16", "q8_0"]
 SplitMode = Literal["layer", "none"]
 ExecutorKind = Literal["native", "python"]
@@ -232,12 +238,15 @@ class SessionOptions:
         0.0, "float | 'auto'", "a number in [0, 1] or 'auto'",
         "Fraction of MoE expert work run on the CPU; 0 keeps the default path, 'auto' lets the scheduler choose.",
         _share)
-    expert_cache_slots: int = _opt(
-        0, "int", "an integer >= 0", "Expert slots in the device cache per layer; 0 = no cache, experts resident.",
-        _int(0))
+    expert_cache_slots: Union[int, str] = _opt(
+        0, "int | 'auto'", "an integer >= 0 or 'auto'",
+        "Expert slots in the device cache per layer; 0 = no cache, experts resident; 'auto' = as many as the free "
+        "device memory holds after the dense weights, the KV cache and the compute buffers, less a margin.",
+        _slots)
     expert_eviction: EvictionPolicy = _opt(
-        "lru", "str", _one_of(EvictionPolicy),
-        "Expert cache victim order: least recently used ('lru') or least frequently used ('lfu').",
+        "freq", "str", _one_of(EvictionPolicy),
+        "Expert cache victim order: the fewest requests over the layer's history, ties by the least recent ('freq'), "
+        "least recently used ('lru') or least frequently used since loaded ('lfu').",
         _choice(EvictionPolicy))
     n_threads: Optional[int] = _opt(
         None, "int | None", _THREADS_RULE,

@@ -23,7 +23,7 @@ DEFAULT = SessionOptions()
 
 def test_defaults():
     assert DEFAULT.to_dict() == {
-        "moe_cpu_share": 0.0, "expert_cache_slots": 0, "expert_eviction": "lru", "n_threads": None,
+        "moe_cpu_share": 0.0, "expert_cache_slots": 0, "expert_eviction": "freq", "n_threads": None,
         "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "trace_path": None,
         "n_ctx": 0, "n_parallel": 1, "batch_size": 2048, "ubatch_size": 512, "cache_type_k": "f16",
         "cache_type_v": "f16", "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
@@ -272,7 +272,7 @@ options = st.builds(
     SessionOptions,
     moe_cpu_share=st.one_of(st.just("auto"), st.floats(0.0, 1.0)),
     expert_cache_slots=st.integers(0, 2 ** 40),
-    expert_eviction=st.sampled_from(["lru", "lfu"]),
+    expert_eviction=st.sampled_from(["freq", "lru", "lfu"]),
     n_threads=st.none() | st.integers(1, MAXT), n_threads_batch=st.none() | st.integers(1, MAXT),
     devices=st.none() | st.sampled_from(["DEV0", "DEV1,DEV0", "CUDA0,CUDA3"]),
     disk_experts=st.booleans(),

@@ -339,10 +339,11 @@ class ExpertCacheExecutor:
             return None
         resident = self.cache.resident()
         if self.model is not None:
-            split = self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes)
+            split = self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes,
+                                      self.cache.reuse_key)
         else:
             assert isinstance(self.share, float)  # "auto" has a model
-            split = split_misses(experts.tolist(), rows.tolist(), resident, self.share)
+            split = split_misses(experts.tolist(), rows.tolist(), resident, self.share, self.cache.reuse_key)
         if split.n_misses:
             self.counters.share_calls += 1
             self.counters.share_sum += split.share
@@ -374,6 +375,8 @@ class ExpertCacheExecutor:
         # experts come from a bincount: distinct, in range, with positive row counts
         call.rounds = self.cache.plan(device.tolist(), call.counts[device].tolist(), checked=False,
                                       deferred_loads=True)
+        if call.job is not None and call.split is not None:
+            self.cache.note_cpu(call.split.cpu_misses)  # the CPU's requests count in the layer's history
         if not call.checked and any(rnd.loads for rnd in call.rounds):
             self.store.check_unchanged()  # loads read the mapping: a truncated file would kill us (SIGBUS)
         call.bucket = self._bucket(call.n_tokens)

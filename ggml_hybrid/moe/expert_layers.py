@@ -43,14 +43,18 @@ def suggested_slots(n_expert: int, n_used: int = 0) -> int:
 
 def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used: int = 0) -> None:
     """Reject option combinations that cannot work for this model, before anything is loaded."""
-    if opts.disk_experts and opts.expert_cache_slots < 1:
+    if opts.expert_cache_slots == "auto":
+        raise OptionError("expert_cache_slots=auto: the slot count is chosen from the devices' free memory when a "
+                          "model loads (MoEModel, `ggml-hybrid plan`); this session needs a number of slots")
+    slots = cast(int, opts.expert_cache_slots)
+    if opts.disk_experts and slots < 1:
         s = suggested_slots(n_expert, n_used)
         used = f", at least the {n_used} used per token" if n_used else ""
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts=true (--disk-experts; a "
                           "non-zero --moe-cpu-share implies it) needs expert cache slots per layer: give "
                           f"--expert-cache-slots N (-o expert_cache_slots=N), e.g. {s} (a quarter of the model's "
                           f"{n_expert} experts{used}; `ggml-hybrid plan --vram ...` sizes it)")
-    if opts.expert_cache_slots > n_expert:
+    if slots > n_expert:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the model has only "
                           f"{n_expert} experts per layer")
     if opts.n_cpu_moe > n_layer:
@@ -62,10 +66,10 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used:
         raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
                           "(disk_experts=true)")
     # an option that would silently do nothing is refused
-    if opts.expert_cache_slots and not opts.disk_experts:
+    if slots and not opts.disk_experts:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the slots belong to the expert cache, "
                           "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
-    if opts.expert_eviction != "lru" and not opts.disk_experts:
+    if opts.expert_eviction != SessionOptions().expert_eviction and not opts.disk_experts:
         raise OptionError(f"expert_eviction={opts.expert_eviction}: the eviction order belongs to the expert cache, "
                           "which needs disk_experts=true")
 
@@ -145,6 +149,7 @@ class ExpertLayers:
         self.repacked: set[str] = set()
         self.host_copies: set[str] = set()
         rule = repack_rule(store, opts.repack)
+        slots = cast(int, opts.expert_cache_slots)  # a number here: auto is chosen before a model loads
         loaded = {}
         for b, tensor_names in by_backend.values():
             ctx, tensors = load_into(store, tensor_names, b, on_tensor=on_tensor, load=load,
@@ -187,14 +192,14 @@ class ExpertLayers:
                     if scratch is None:
                         scratch = self._scratch[id(cache_on)] = Scratch(cache_on)
                     executor = NativeExpertExecutor(
-                        store, moe_layer, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                        store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
                         trace_seq=self._trace_seq, repack=opts.repack)
                 else:
                     shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
                     executor = ExpertCacheExecutor(
-                        store, moe_layer, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                        store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], simulated_bus_bytes_per_s=simulated_bus_bytes_per_s,
                         trace=self.trace, clear=load, shared=shared, repack=opts.repack)

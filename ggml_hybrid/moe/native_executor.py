@@ -131,7 +131,7 @@ class NativeExpertExecutor:
         cfg = ffi.new("hy_moe_config *")
         cfg.layer, cfg.n_expert, cfg.n_used, cfg.n_embd = layer, self.n_expert, n_used, self.n_embd
         cfg.n_slots = self.n_slots
-        cfg.policy = lib.HY_POLICY_LRU if policy == "lru" else lib.HY_POLICY_LFU
+        cfg.policy = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU, "freq": lib.HY_POLICY_FREQ}[policy]
         cfg.glu = GLU_OPS[glu]
         for k, t in self.slot_tensors.items():
             setattr(cfg.slots, k, t.ptr)

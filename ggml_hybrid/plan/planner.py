@@ -26,7 +26,8 @@ from ..model.families import read_hparams
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
 from ..options import MAX_DEVICES, OptionError, SessionOptions
-from ..runtime.moe_model import MoEModel
+from ..runtime.cache_size import SlotChoice
+from ..runtime.moe_model import MoEModel, auto_cache_slots
 from ..units import GiB, format_bytes
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
@@ -155,6 +156,8 @@ class Plan(_ToDict):
     threads: int
     warnings: list[str] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
+    # expert_cache_slots=auto: the slots chosen and, per device, what decided them
+    slot_choice: SlotChoice | None = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass
@@ -248,7 +251,12 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
             return _plan_dense(info, store, opts, vram, ram, parallel)
     finally:
         store.close()
+    choice = None
+    if opts.expert_cache_slots == "auto":  # sized from the given sizes, or what the devices have free now
+        choice = auto_cache_slots(path, opts, plan_device_names(opts, vram), vram)
+        opts = opts.merged(expert_cache_slots=choice.slots)
     p, hp = _plan_moe(path, info, opts, vram, ram, parallel)
+    p.slot_choice = choice
     if vram and not all(d.fits for d in p.devices.values()):
         recs = _recommend(p, opts, hp)
         p.recommendations = [r for r in (_verify(path, info, opts, vram, ram, parallel, c) for c in recs) if r]
@@ -367,7 +375,7 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     if h.ram is not None and mapped_experts and mapped_experts + h.resident_total > h.ram:
         w.append(f"experts used from host memory ({format_bytes(mapped_experts)}, memory-mapped) plus host buffers "
                  f"exceed --ram {format_bytes(h.ram)}: they will be re-read from disk as pages are evicted")
-    if opts.disk_experts and opts.expert_cache_slots < hp.n_used:
+    if opts.disk_experts and isinstance(opts.expert_cache_slots, int) and opts.expert_cache_slots < hp.n_used:
         w.append(f"expert_cache_slots={opts.expert_cache_slots} is smaller than the {hp.n_used} experts used per "
                  "token: every token needs several load rounds; use more slots or moe_cpu_share")
     devs = p.devices
@@ -532,6 +540,8 @@ def format_text(p: Plan | DensePlan) -> str:
                          f"for {rec.parallel} (two per sequence, so that a failed eval changes nothing, and one of "
                          "zeros)")
         lines.append(f"  layers: {' '.join(p.layout.layers)}; experts: {' '.join(p.layout.experts)}")
+        if p.slot_choice is not None:
+            lines.append(f"  {p.slot_choice.describe()}")
     else:
         lines.append(f"  {g(p.layer_bytes)} per layer, {g(p.other_bytes)} other; KV "
                      f"{g(p.kv.per_layer)} per layer at n_ctx {p.kv.n_ctx}")

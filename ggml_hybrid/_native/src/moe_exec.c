@@ -466,6 +466,9 @@ static int plan(hy_moe_exec * ex, hy_call * call) {
         }
     }
     call->plan = hy_cache_plan(ex->cache, ex->dev_experts, ex->dev_rows, n_dev, true);
+    if (call->n_cpu > 0) {
+        hy_cache_note_cpu(ex->cache, ex->last_cpu, call->n_cpu); /* the CPU's requests count in the history */
+    }
     if (!call->checked && call->plan->n_loads > 0 && !file_unchanged(ex)) { /* loads read the mapping */
         return fail(ex, HY_ERR_FILE, ERR_FILE, "");
     }
