@@ -383,7 +383,7 @@ class ExpertCacheExecutor:
             call.ids = self.route[rows]
             self._route_pos += call.n_tokens
         if self.trace is not None:
-            self.trace.record(self.layer, call.ids)
+            self.trace.record(self.layer, call.ids, self.predicted if self._prediction is not None else None)
 
     def _count_rows(self, call: _Call) -> None:
         """The distinct experts, in id order, and the rows of each."""
@@ -576,9 +576,10 @@ class ExpertCacheExecutor:
         votes = self._votes(call)
         pred = np.flatnonzero(votes)
         nx._prediction = pred
-        nx.predicted = tuple(pred.tolist())
+        # most-voted first, ties by the lower id: the order the misses among it load in (and the trace's)
+        nx.predicted = tuple(sorted(pred.tolist(), key=lambda e: (-votes[e], e)))
         keep = frozenset(nx.predicted)
-        misses = sorted((e for e in nx.predicted if nx.cache._where.get(e) is None), key=lambda e: (-votes[e], e))
+        misses = [e for e in nx.predicted if nx.cache._where.get(e) is None]
         if misses and self._pf_max > 0 and self._file_readable(call):
             for e in misses[:self._pf_max]:
                 placed = nx.cache.prefetch(e, keep)

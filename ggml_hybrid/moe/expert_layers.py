@@ -179,7 +179,8 @@ class ExpertLayers:
         if opts.trace_path is not None:
             check_output(opts.trace_path, [store.path], "trace_path")
         # a dry run (planning) writes nothing
-        self.trace = (TraceWriter(opts.trace_path, len(self.moe_layers), n_expert, n_used)
+        self.trace = (TraceWriter(opts.trace_path, len(self.moe_layers), n_expert, n_used,
+                                  predictions=opts.moe_prefetch)
                       if opts.trace_path is not None and load else None)
         by_backend: dict[int, tuple[Backend, list[str]]] = {}
         for i, layer_names in named.items():
@@ -341,8 +342,8 @@ class ExpertLayers:
         if self.trace is None or not self.native:
             return
         records = [r for e in self.executors if isinstance(e, NativeExpertExecutor) for r in e.drain_trace()]
-        for _, layer, ids in sorted(records, key=lambda r: r[0]):
-            self.trace.record(layer, ids)
+        for _, layer, ids, predicted in sorted(records, key=lambda r: r[0]):
+            self.trace.record(layer, ids, predicted)
 
     @property
     def counters(self) -> list[LayerCounters]:

@@ -209,8 +209,8 @@ class NativeExpertExecutor:
         n = lib.hy_moe_exec_last_cpu(self._exec.ptr, cpu)
         return tuple(int(cpu[0][i]) for i in range(n))
 
-    def drain_trace(self) -> list[tuple[int, int, np.ndarray]]:
-        """``(sequence, layer, ids)`` of every call recorded since the last drain."""
+    def drain_trace(self) -> list[tuple[int, int, np.ndarray, np.ndarray | None]]:
+        """``(sequence, layer, ids, prediction or None)`` of every call recorded since the last drain."""
         n = ffi.new("int64_t *")
         p = lib.hy_moe_exec_trace(self._exec.ptr, n)
         if n[0] == 0:
@@ -221,8 +221,11 @@ class NativeExpertExecutor:
         while pos < len(data):
             seq = int(data[pos]) | int(data[pos + 1]) << 32
             layer, T = int(data[pos + 2]), int(data[pos + 3])
-            out.append((seq, layer, data[pos + 4:pos + 4 + T * k].astype(np.int32).reshape(T, k)))
+            ids = data[pos + 4:pos + 4 + T * k].astype(np.int32).reshape(T, k)
             pos += 4 + T * k
+            n_pred = int(data[pos])
+            out.append((seq, layer, ids, data[pos + 1:pos + 1 + n_pred].astype(np.int32) if n_pred else None))
+            pos += 1 + n_pred
         return out
 
     def set_prefetch(self, next_layer: NativeExpertExecutor | None, router: np.ndarray | None,

@@ -320,7 +320,8 @@ static double seconds(const hy_moe_exec * ex, int work, double bytes, double row
 }
 
 static bool trace_append(hy_moe_exec * ex, int T) {
-    const int64_t need = ex->n_trace + 4 + (int64_t) T * ex->cfg.n_used;
+    const int n_pred = ex->has_prediction ? ex->n_pred : 0;
+    const int64_t need = ex->n_trace + 5 + (int64_t) T * ex->cfg.n_used + n_pred;
     if (need > ex->cap_trace) {
         int64_t cap = ex->cap_trace ? ex->cap_trace : 1024;
         while (cap < need) {
@@ -340,6 +341,9 @@ static bool trace_append(hy_moe_exec * ex, int T) {
     ex->trace[ex->n_trace++] = T;
     memcpy(ex->trace + ex->n_trace, ex->ids, sizeof(int32_t) * T * ex->cfg.n_used);
     ex->n_trace += (int64_t) T * ex->cfg.n_used;
+    ex->trace[ex->n_trace++] = n_pred; /* the lookahead's prediction for this call, 0: none */
+    memcpy(ex->trace + ex->n_trace, ex->pred_list, sizeof(int32_t) * n_pred);
+    ex->n_trace += n_pred;
     return true;
 }
 
@@ -812,20 +816,23 @@ static void prefetch(hy_moe_exec * ex, hy_call * call) {
             }
         }
     }
+    /* the prediction by decreasing votes, ties by increasing id: the order the misses among it load in */
     int n_pred = 0, n_cand = 0;
     for (int e = 0; e < X; e++) {
         if (ex->votes[e] == 0) {
             continue;
         }
         nx->predicted[e] = 1;
-        nx->pred_list[n_pred++] = e;
-        if (nx->cache->where[e] < 0) { /* a miss: candidates by decreasing votes, ties by increasing id */
-            int j = n_cand++;
-            while (j > 0 && ex->votes[ex->cand[j - 1]] < ex->votes[e]) {
-                ex->cand[j] = ex->cand[j - 1];
-                j--;
-            }
-            ex->cand[j] = e;
+        int j = n_pred++;
+        while (j > 0 && ex->votes[nx->pred_list[j - 1]] < ex->votes[e]) {
+            nx->pred_list[j] = nx->pred_list[j - 1];
+            j--;
+        }
+        nx->pred_list[j] = e;
+    }
+    for (int i = 0; i < n_pred; i++) {
+        if (nx->cache->where[nx->pred_list[i]] < 0) {
+            ex->cand[n_cand++] = nx->pred_list[i];
         }
     }
     nx->n_pred = n_pred;

@@ -111,7 +111,8 @@ hy_cost_model * hy_moe_exec_cost_model(hy_moe_exec * ex);
 int hy_moe_exec_error(const hy_moe_exec * ex, const char ** message);
 /* the CPU misses of the last call, in increasing id order */
 int hy_moe_exec_last_cpu(const hy_moe_exec * ex, const int32_t ** experts);
-/* trace records appended since the last take: [seq low, seq high, layer, T, T * n_used ids] each */
+/* trace records appended since the last take: [seq low, seq high, layer, T, T * n_used ids, n_pred, n_pred
+   predicted ids] each (n_pred 0: no prediction for the call) */
 const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints);
 void hy_moe_exec_trace_take(hy_moe_exec * ex);
 int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
@@ -132,7 +133,7 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens);
    an oracle, the bound of what a prediction can give. */
 void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float * router, const float * router_bias,
                               const float * select_bias, int max_experts, int max_tokens);
-/* the experts predicted for this layer's coming call (after the previous layer's call), in id order */
+/* the last prediction of this layer's experts (by the previous layer's call), most-voted first, ties by id */
 int hy_moe_exec_predicted(const hy_moe_exec * ex, const int32_t ** experts);
 /* make the load after the next `after` loads fail (tests: a fault half way through a call) */
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
