@@ -181,7 +181,7 @@ class MoEModel:
         self._active: GraphKey | None = None  # key of the graph whose regions are registered
         self._active_entry: DecoderGraph | None = None  # and that graph
         try:
-            self._load(opts, hp, n_threads, device, dry_run_devices, progress)
+            self._load(opts, hp, n_threads, device, dry_run_devices, progress, benchmark)
             rpc.raise_if_lost(self.devices.values())  # a server lost while loading: the weights are not there
         except BaseException as exc:
             lost = rpc.lost(self.devices.values()) if isinstance(exc, Exception) and not isinstance(exc, RPCError) \
@@ -193,7 +193,8 @@ class MoEModel:
         self.load_seconds = time.perf_counter() - t0
 
     def _load(self, opts: SessionOptions, hp: HParams, n_threads: int, device: Backend | None,
-              dry_run_devices: list[str] | None, progress: Callable[[int, int], object] | None) -> None:
+              dry_run_devices: list[str] | None, progress: Callable[[int, int], object] | None,
+              benchmark: bool = False) -> None:
         store = self.store
         # without accelerators, CPU backend instances play the devices (DEV0, ...), with their own buffers
         if self.dry_run:
