@@ -265,10 +265,8 @@ class ExpertLayers:
             if src is None or dst is None:
                 continue
             p = f"blk.{b}."
-            router = None if oracle else router_f32(store, p + "ffn_gate_inp.weight")
-            bias = None if oracle or p + "ffn_gate_inp.bias" not in store else router_f32(store, p + "ffn_gate_inp.bias")
-            select = (None if oracle or p + "exp_probs_b.bias" not in store
-                      else router_f32(store, p + "exp_probs_b.bias"))
+            router, bias, select = (None if oracle or p + n not in store else router_f32(store, p + n)
+                                    for n in ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "exp_probs_b.bias"))
             budget = opts.moe_prefetch_bytes or dst.n_used * dst.expert_bytes
             max_experts = min(budget // dst.expert_bytes, dst.n_slots)
             src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS)  # type: ignore[arg-type]

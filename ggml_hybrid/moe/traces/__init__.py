@@ -19,6 +19,6 @@ from .synthesis import synthetic_trace
 
 __all__ = [
     "FLAG_PREDICTIONS", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "POLICIES", "CallRecord", "LayerStats", "LinkCost",
-    "PrefetchReplay", "ReplayResult", "Trace", "TraceError", "TraceTruncatedWarning", "TraceWriter", "modeled_time_per_token", "parse_share",
-    "read_trace", "replay", "replay_prefetch", "synthetic_trace",
+    "PrefetchReplay", "ReplayResult", "Trace", "TraceError", "TraceTruncatedWarning", "TraceWriter",
+    "modeled_time_per_token", "parse_share", "read_trace", "replay", "replay_prefetch", "synthetic_trace",
 ]
