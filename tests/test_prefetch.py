@@ -295,3 +295,19 @@ def test_a_route_trace_must_fit_the_model(tmp_path):
                                     f"moe_route_trace={tmp_path / 'r.ghtrace'}"], benchmark=True)
     with pytest.raises(OptionError, match="moe_route_trace=.*disk_experts=true"):
         _session(model, "native", [f"moe_route_trace={tmp_path / 'r.ghtrace'}"], benchmark=True)
+
+
+def test_a_model_takes_a_route_trace_only_in_a_benchmark_which_says_so(tmp_path):
+    from ggml_hybrid.cli.abbench import ab_bench, format_table
+    from ggml_hybrid.runtime.moe_model import MoEModel
+    from ggml_hybrid.synthetic import ModelSpec, write_model
+
+    model = write_model(tmp_path / "m.gguf", ModelSpec(n_layer=2, n_expert=8, n_used=2, seed=1))
+    _route_trace(tmp_path / "r.ghtrace", 2, 8, 2, [3, 1])
+    items = ["disk_experts=1", "expert_cache_slots=2", "n_threads=1"]
+    routed = SessionOptions.parse([*items, f"moe_route_trace={tmp_path / 'r.ghtrace'}", "moe_prefetch=1"])
+    with pytest.raises(OptionError, match="benchmark-only"):
+        MoEModel(model, routed)
+    r = ab_bench(model, SessionOptions.parse(items), routed, runs=1, n_predict=2)
+    assert r["route_trace"] == {"B": str(tmp_path / "r.ghtrace")}
+    assert "side B: routing from the trace" in format_table(r) and "not the model's own" in format_table(r)
