@@ -15,8 +15,13 @@
    one run (after a warm-up; medians; outputs checked bit-identical between the sides) for prefetch off,
    prefetch with the trace as the prediction (an oracle: the most a prediction can give on this bus) and,
    on the stack's own routing, prefetch by the router against no prefetch.
+3. ``queue``: why (on that bus): the time of a small graph on the RPC device alone, of an asynchronous
+   upload of one prefetch's bytes alone, and of the upload followed at once by the graph, alternated,
+   medians. If the last is the sum of the first two, the server takes uploads and graphs in one queue and a
+   load sent ahead cannot overlap the compute that follows it.
 
-    python tools/bench/bench_prefetch.py [--only recall|rpc] [--tokens 48] [--steps 64] [--warmup 8]
+    python tools/bench/bench_prefetch.py [--only recall|rpc|queue] [--tokens 48] [--steps 64] [--warmup 8] [--rounds 1]
+        [--reps 41] [--rows 8]
         [--trace ../shared/traces/qwen1.5-moe-a2.7b_4bit_mlx_ml_moe_1.ghtrace]
 """
 
@@ -81,7 +86,7 @@ def _print(label: str, med: float, c, b, steps: int, base_tps: float) -> None:
           f"{d('prefetch_ns') / 1e6:>8.3f} {d('device_ns') / 1e6:>9.3f}")
 
 
-def rpc_ab(trace: Path, steps: int, warmup: int) -> None:
+def rpc_ab(trace: Path, steps: int, warmup: int, rounds: int) -> None:
     if not trace.exists():
         print(f"rpc: {trace} is absent (the shared traces are not part of the project): skipped")
         return
@@ -100,7 +105,7 @@ def rpc_ab(trace: Path, steps: int, warmup: int) -> None:
                   f"steps of 1 token, {warmup} warm-up + {steps} measured, alternated; per token:")
             print(f"{'side':<28} {'tok/s':>7} {'ratio':>6} {'demand':>9} {'prefetched':>10} {'used':>5} "
                   f"{'load ms':>8} {'wait ms':>8} {'pf ms':>8} {'exec ms':>9}")
-            for routing, (extra, on) in pairs.items():
+            for routing, (extra, on) in [p for _ in range(rounds) for p in pairs.items()]:
                 backends = {k: rpc.open_device(dev) for k in ("off", "on")}
                 sessions = {
                     "off": MoEStackSession(path, SessionOptions.parse([*items, *extra]), device=backends["off"],
@@ -123,11 +128,74 @@ def rpc_ab(trace: Path, steps: int, warmup: int) -> None:
             proc.wait()
 
 
+def queue(reps: int, rows: int) -> None:
+    import statistics
+    import time
+
+    import ggml_hybrid as gh
+    from ggml_hybrid import lib
+    from ggml_hybrid._native import ffi
+
+    proc, endpoint = start_server()
+    try:
+        be = rpc.open_device(rpc.server_devices(endpoint)[0])
+        n = STACK["n_embd"]
+        expert = 3 * n * n * 144 // 256  # one Q4_K expert of the stack
+        nbytes = STACK["n_used"] * expert  # one prefetch at the default bound
+        ctx = gh.Context(n_tensors=16, graph_size=16)
+        slot = ctx.new_tensor("i8", (nbytes,), "slot")
+        w = ctx.new_tensor("f32", (n, n), "w")
+        x = ctx.new_tensor("f32", (rows, n), "x")
+        y = ctx.mul_mat(w, x)
+        for _ in range(7):  # a layer's dense part: a few small products in a row
+            y = ctx.mul_mat(w, y)
+        graph = ctx.new_graph(16).expand(y)
+        ctx.allocate(be, "weights")
+        w.set(np.full((n, n), 1e-3, np.float32))
+        x.set(np.ones((rows, n), np.float32))
+        data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        src = ffi.from_buffer(data)
+        probe = ffi.new("uint8_t[4]")
+
+        def compute() -> None:
+            lib.ggml_backend_graph_compute(be.ptr, graph.ptr)
+
+        def upload() -> None:
+            lib.ggml_backend_tensor_set_async(be.ptr, slot.ptr, src, 0, nbytes)
+
+        cases = {"graph alone": [compute], "upload alone": [upload], "upload, then the graph": [upload, compute]}
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for r in range(reps + 3):
+            for k in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
+                t0 = time.perf_counter()
+                for f in cases[k]:
+                    f()
+                # the RPC client queues uploads and graphs (synchronize only drains its sending): a read waits until
+                # the server has done everything before it
+                lib.ggml_backend_tensor_get(slot.ptr, probe, 0, 4)
+                if r >= 3:
+                    times[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"RPC loopback, {nbytes} bytes uploaded ({STACK['n_used']} Q4_K experts of {n}x{n}) and a graph of "
+              f"8 products {n}x{n} by {rows} rows; {reps} alternated reps, medians:")
+        for k, v in med.items():
+            print(f"  {k:<24} {v:8.3f} ms")
+        print(f"  sum of the first two     {med['graph alone'] + med['upload alone']:8.3f} ms")
+        ctx.close()
+        be.close()
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 @click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--only", type=click.Choice(["recall", "rpc"]))
+@click.option("--only", type=click.Choice(["recall", "rpc", "queue"]))
+@click.option("--reps", type=int, default=41, show_default=True, help="alternated reps (queue)")
+@click.option("--rows", type=int, default=8, show_default=True, help="rows of the graph's products (queue)")
 @click.option("--tokens", type=int, default=48, show_default=True, help="decode tokens per family (recall)")
 @click.option("--steps", type=int, default=64, show_default=True)
 @click.option("--warmup", type=int, default=8, show_default=True)
+@click.option("--rounds", type=int, default=1, show_default=True, help="the RPC A/B pairs, run this many times")
 @click.option("--trace", type=click.Path(path_type=Path), default=TRACE, show_default=True)
 def main(**options) -> None:
     ns = SimpleNamespace(**options)
@@ -135,7 +203,9 @@ def main(**options) -> None:
     if ns.only in (None, "recall"):
         recall(ns.tokens)
     if ns.only in (None, "rpc"):
-        rpc_ab(ns.trace, ns.steps, ns.warmup)
+        rpc_ab(ns.trace, ns.steps, ns.warmup, ns.rounds)
+    if ns.only in (None, "queue"):
+        queue(ns.reps, ns.rows)
     sys.exit(0)
 
 
