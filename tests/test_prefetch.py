@@ -311,3 +311,18 @@ def test_a_model_takes_a_route_trace_only_in_a_benchmark_which_says_so(tmp_path)
     r = ab_bench(model, SessionOptions.parse(items), routed, runs=1, n_predict=2)
     assert r["route_trace"] == {"B": str(tmp_path / "r.ghtrace")}
     assert "side B: routing from the trace" in format_table(r) and "not the model's own" in format_table(r)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_a_non_finite_input_predicts_the_same_in_both_executors_and_changes_nothing(tmp_path, bad):
+    path = write_moe_stack(tmp_path / "m.gguf", n_layer=3, n_embd=32, n_ff=32, n_expert=8, n_used=2, seed=6)
+    x = np.ones((2, 32), np.float32)
+    x[1, 3] = bad
+    items = ["disk_experts=1", "expert_cache_slots=3", "moe_prefetch=1"]
+    with MoEStackSession(path, SessionOptions.parse(["n_threads=1"])) as resident, \
+            _session(path, "python", items) as py, _session(path, "native", items) as nat:
+        for _ in range(3):
+            want = resident.forward(x)
+            np.testing.assert_array_equal(py.forward(x), want)
+            np.testing.assert_array_equal(nat.forward(x), want)
+            assert [e.predicted for e in nat.executors] == [e.predicted for e in py.executors]

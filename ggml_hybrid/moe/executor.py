@@ -555,11 +555,13 @@ class ExpertCacheExecutor:
             np.add.at(votes, nx.route[rows].ravel(), 1)
             return votes
         x = call.x.numpy().reshape(call.n_tokens, self.n_embd).astype(np.float64)
-        scores = x @ self._router.T
-        if self._router_bias is not None:
-            scores += self._router_bias
-        if self._select_bias is not None:
-            scores = 1.0 / (1.0 + np.exp(-scores)) + self._select_bias
+        with np.errstate(all="ignore"):  # a non-finite input predicts, it does not fail
+            scores = x @ self._router.T
+            if self._router_bias is not None:
+                scores += self._router_bias
+            if self._select_bias is not None:
+                scores = 1.0 / (1.0 + np.exp(-scores)) + self._select_bias
+        scores[np.isnan(scores)] = -np.inf
         top = np.argsort(-scores, axis=1, kind="stable")[:, :nx.n_used]  # ties: the lower id
         np.add.at(votes, top.ravel(), 1)
         return votes
@@ -579,7 +581,7 @@ class ExpertCacheExecutor:
         # most-voted first, ties by the lower id: the order the misses among it load in (and the trace's)
         nx.predicted = tuple(sorted(pred.tolist(), key=lambda e: (-votes[e], e)))
         keep = frozenset(nx.predicted)
-        misses = [e for e in nx.predicted if nx.cache._where.get(e) is None]
+        misses = [e for e in nx.predicted if not nx.cache.holds(e)]
         if misses and self._pf_max > 0 and self._file_readable(call):
             for e in misses[:self._pf_max]:
                 placed = nx.cache.prefetch(e, keep)

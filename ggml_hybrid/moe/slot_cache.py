@@ -158,6 +158,10 @@ class SlotCache:
         s = self._where.get(self._check_expert(expert, "SlotCache.slot_of"))
         return None if s is None or self._uncommitted.get(s) == expert else s
 
+    def holds(self, expert: int) -> bool:
+        """Whether ``expert`` has a slot, its load committed or not (what a prefetch need not load again)."""
+        return expert in self._where
+
     def resident(self) -> dict[int, int]:
         """``{expert: slot}`` for every resident expert, in increasing slot order."""
         return {e: s for s, e in enumerate(self._slots) if e is not None and self._uncommitted.get(s) != e}

@@ -63,14 +63,14 @@ struct hy_moe_exec {
     int pf_max, pf_max_tokens;
     double * scores;         /* [next's n_expert] */
     int32_t * votes;         /* [next's n_expert]: the tokens that predict each expert */
-    int32_t * cand;          /* [next's n_expert] */
+    int32_t * cand;          /* [next's n_expert]: the predicted misses in load order; first, the taken marks of vote */
     /* ... and as the predicted layer (the previous layer's call writes these) */
     bool has_prediction;     /* a prediction not yet judged by a call */
     uint8_t * predicted;     /* [n_expert] */
-    int32_t * pred_list;     /* [n_expert]: the last prediction, in id order */
+    int32_t * pred_list;     /* [n_expert]: the last prediction, most-voted first (ties: the lower id) */
     int n_pred;
     uint8_t * pf_mark;       /* [n_expert]: prefetched, not yet judged */
-    int32_t * pf_expert, * pf_slot; /* [n_slots]: prefetch loads to commit when the call starts */
+    int32_t * pf_expert, * pf_slot; /* [n_expert]: prefetch loads to commit when the call starts (<= n_slots) */
     int n_pf;
 };
 
@@ -772,17 +772,18 @@ static void vote(hy_moe_exec * ex, const float * x) {
         if (ex->select_bias != NULL) {
             s = 1.0 / (1.0 + exp(-s)) + (double) ex->select_bias[e];
         }
-        ex->scores[e] = s;
+        ex->scores[e] = isnan(s) ? -INFINITY : s; /* a non-finite input predicts, it does not crash */
+        ex->cand[e] = 0;
     }
     for (int j = 0; j < k; j++) {
         int best = -1;
         for (int e = 0; e < X; e++) {
-            if (ex->scores[e] != -INFINITY && (best < 0 || ex->scores[e] > ex->scores[best])) {
+            if (!ex->cand[e] && (best < 0 || ex->scores[e] > ex->scores[best])) {
                 best = e;
             }
         }
         ex->votes[best]++;
-        ex->scores[best] = -INFINITY;
+        ex->cand[best] = 1;
     }
 }
 

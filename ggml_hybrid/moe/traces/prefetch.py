@@ -100,7 +100,7 @@ def replay_prefetch(trace: Trace, n_slots: int, policy: str = "lru", max_experts
             order = pred.tolist()
             keep = frozenset(order)
             loaded = []
-            for e in [e for e in order if cache._where.get(e) is None][:max_experts]:
+            for e in [e for e in order if not cache.holds(e)][:max_experts]:
                 placed = cache.prefetch(e, keep)
                 if placed is None:
                     break
