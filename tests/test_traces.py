@@ -168,7 +168,7 @@ def _header(version=1, id_bytes=1, flags=0, n_layer=2, n_expert=4, n_used=2, mag
     (_header(n_layer=0), "n_layer=0 must be in 1..65536"),
     (_header(n_expert=0, n_used=0), "n_expert=0 must be in 1..65536"),
     (_header(id_bytes=2), "id_bytes=2 but n_expert=4 requires 1"),
-    (_header(flags=1), "flags=1, expected 0"),
+    (_header(flags=2), "flags=2, expected 0 or 1"),
 ])
 def test_corrupted_header(tmp_path, raw, fault):
     p = tmp_path / "bad.trc"

@@ -19,6 +19,16 @@ to compare with the runtime's reuse-aware rule. GB/s are
 default costs are illustrative, set them for the machine being modeled. ``--json`` prints
 ``{"trace": ..., "cost": ..., "results": [...]}`` with per-layer breakdowns instead of the table.
 
+Replay a recorded run's lookahead predictions (a trace written with ``moe_prefetch=true``; see
+``ggml_hybrid.moe.traces.replay_prefetch``)::
+
+    python tools/replay_trace.py prefetch TRACE --slots 8 [--slots 16 ...] [--policy lru|lfu]
+        [--max-experts N] [--expert-bytes 2654208] [--json]
+
+prints per slot count the prediction's recall and precision, the loads on the critical path (demand
+misses not covered by a prefetch), the experts prefetched (used, wasted), every byte moved, and beside
+them the same policy's loads without prefetch and Belady's.
+
 Write a synthetic trace (see ``ggml_hybrid.moe.traces.synthetic_trace``)::
 
     python tools/replay_trace.py synth OUT --layers 16 --experts 64 --used 8 --calls 500
@@ -44,6 +54,7 @@ from ggml_hybrid.moe.traces import (
     parse_share,
     read_trace,
     replay,
+    replay_prefetch,
     synthetic_trace,
 )
 from ggml_hybrid.options import SessionOptions
@@ -193,6 +204,38 @@ def synth_cmd(out, layers, experts, used, calls, tokens, hot_fraction, hot_traff
     tr.write(out)
     click.echo(f"wrote {out}: {tr.n_calls} calls, {layers} layers, {experts} experts, top-{used}, "
                f"{tokens} tokens/call, {os.path.getsize(out)} bytes")
+
+
+@cli.command("prefetch")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--slots", "slots", multiple=True, required=True, callback=_comma_list(click.IntRange(min=1)),
+              help="expert slots per layer (repeat, or commas: --slots 2,4,8)")
+@click.option("--policy", type=click.Choice(["lru", "lfu"], case_sensitive=False), default="lru", show_default=True,
+              help="the runtime's eviction policy")
+@click.option("--max-experts", type=click.IntRange(min=0), default=None,
+              help="experts one call may prefetch (default: the trace's n_used, as moe_prefetch_bytes=0)")
+@click.option("--expert-bytes", type=click.IntRange(min=1), default=Q4K_EXPERT_BYTES, show_default=True,
+              help="bytes of one expert (gate, up and down)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def prefetch_cmd(trace, slots, policy, max_experts, expert_bytes, as_json):
+    """Replay TRACE's recorded predictions: critical-path loads and bytes moved beside Belady's."""
+    tr = read_trace(trace, warn=False)
+    for n in slots:
+        if n > tr.n_expert:
+            raise TraceError(f"--slots {n} exceeds the trace's n_expert={tr.n_expert}")
+    results = [replay_prefetch(tr, n, policy.lower(), max_experts, expert_bytes) for n in slots]
+    if as_json:
+        click.echo(json.dumps({"trace": trace, "results": [r.to_dict() for r in results]}, indent=1))
+        return
+    click.echo(f"trace {trace}: {tr.n_layer} layers, {tr.n_expert} experts, top-{tr.n_used}, {tr.n_calls} calls")
+    head = (f"{'slots':>5} {'recall':>6} {'precision':>9} {'critical loads':>14} {'prefetched':>10} {'used':>6} "
+            f"{'wasted':>6} {'bytes moved':>12} {'no prefetch':>11} {'Belady':>7}")
+    click.echo(head)
+    click.echo("-" * len(head))
+    for r in results:
+        click.echo(f"{r.n_slots:>5} {r.recall:>6.3f} {r.precision:>9.3f} {r.demand_loads:>14} {r.prefetched:>10} "
+                   f"{r.prefetch_used:>6} {r.prefetch_wasted:>6} {_human(r.bytes_moved):>12} {r.baseline_loads:>11} "
+                   f"{r.belady_loads:>7}")
 
 
 if __name__ == "__main__":

@@ -17,11 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, cast
 
+import numpy as np
+
 from .._native import CData, ffi
 from ..files import check_output
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
+from ..ggml.quant import dequantize
 from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule, same_shape
 from ..machine import available_memory
 from ..options import OptionError, SessionOptions
@@ -29,7 +32,11 @@ from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
 from .ffn import ExpertWeights
 from .native_executor import NativeExpertExecutor, NativeWorker, Scratch
-from .traces import TraceWriter
+from .traces import TraceWriter, read_trace
+
+# lookahead prefetch predicts after calls of at most this many tokens: decode steps and small batches (a prompt's
+# call routes to most experts anyway, and its prediction would cost a matrix product of the router per token)
+PREFETCH_MAX_TOKENS = 16
 
 # where a layer's routed experts live and run: on the device (resident), in place on the mapped file (cpu), streamed
 # into the device's expert cache (disk); a dense layer has none
@@ -69,9 +76,41 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used:
     if slots and not opts.disk_experts:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the slots belong to the expert cache, "
                           "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
+    for name, on in (("moe_prefetch", opts.moe_prefetch), ("moe_route_trace", opts.moe_route_trace is not None)):
+        if on and not opts.disk_experts:
+            raise OptionError(f"{name}={getattr(opts, name)}: it acts on the expert cache's loads, which needs "
+                              "disk_experts=true")
+    if opts.moe_prefetch_bytes and not opts.moe_prefetch:
+        raise OptionError(f"moe_prefetch_bytes={opts.moe_prefetch_bytes}: it bounds the lookahead prefetch, "
+                          "which needs moe_prefetch=true")
     if opts.expert_eviction != SessionOptions().expert_eviction and not opts.disk_experts:
         raise OptionError(f"expert_eviction={opts.expert_eviction}: the eviction order belongs to the expert cache, "
                           "which needs disk_experts=true")
+
+
+def route_rows(path: str, n_moe_layers: int, n_expert: int, n_used: int) -> list[np.ndarray]:
+    """``moe_route_trace``: for each of the model's MoE layers, the token rows ``[n, n_used]`` of its trace layer
+    (MoE layer i reads trace layer i modulo the trace's layers), in the trace's call order."""
+    trace = read_trace(path)
+    if (trace.n_expert, trace.n_used) != (n_expert, n_used):
+        raise OptionError(f"moe_route_trace={path}: the trace routes {trace.n_used} of {trace.n_expert} experts per "
+                          f"token, the model {n_used} of {n_expert}; generate a model with the trace's "
+                          "n_expert and n_expert_used")
+    by_layer: list[list[np.ndarray]] = [[] for _ in range(trace.n_layer)]
+    for layer, ids in trace.calls:
+        by_layer[layer].append(ids)
+    if any(not rows for rows in by_layer):
+        raise OptionError(f"moe_route_trace={path}: a layer of the trace has no call")
+    return [np.concatenate(by_layer[i % trace.n_layer]).astype(np.int32) for i in range(n_moe_layers)]
+
+
+def router_f32(store: GGUFStore, name: str) -> np.ndarray:
+    """A dense tensor of the file as float32 (the router's weights and biases, for the prefetch's prediction)."""
+    info = store.info(name)
+    raw = np.ascontiguousarray(store.raw(name))
+    if info.dtype.name in ("F32", "F16"):
+        return raw.view(info.dtype.numpy_dtype).astype(np.float32).reshape(info.shape)
+    return dequantize(raw.reshape(-1), info.dtype, info.shape[-1]).reshape(info.shape)  # bf16, quantized
 
 
 def expert_names(store: GGUFStore, i: int) -> dict[str, str]:
@@ -111,7 +150,8 @@ class ExpertLayers:
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
                  n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
                  modes: list[ExpertMode] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
-                 load: bool = True, moe_layers: Sequence[int] | None = None, glu: str = "swiglu"):
+                 load: bool = True, moe_layers: Sequence[int] | None = None, glu: str = "swiglu",
+                 benchmark: bool = False):
         self.store, self.options, self.device = store, options, device
         opts = options
         self.n_layer = n_layer
@@ -120,6 +160,15 @@ class ExpertLayers:
         self.names: list[dict[str, str] | None] = [named.get(i) for i in range(n_layer)]
         n_expert = store.info(named[self.moe_layers[0]]["down"]).shape[0]
         self.modes = list(modes) if modes is not None else [self._mode_from_options(i) for i in range(n_layer)]
+        # moe_route_trace: the output is not the model's own, so only benchmarks may ask for it
+        if opts.moe_route_trace is not None and not benchmark:
+            raise OptionError(f"moe_route_trace={opts.moe_route_trace}: benchmark-only (the routing comes from a "
+                              "trace, so the output is not the model's own); use it with `ggml-hybrid bench` or "
+                              "the tools under tools/bench")
+        self.route_trace = opts.moe_route_trace
+        routes: list[np.ndarray] | None = None
+        if opts.moe_route_trace is not None and load:
+            routes = route_rows(opts.moe_route_trace, len(self.moe_layers), n_expert, n_used)
         if backend_of is None:
             backend_of = lambda name: device
         # the native executor runs every call in C; the Python one is the reference (and simulates a bus)
@@ -134,7 +183,8 @@ class ExpertLayers:
         if opts.trace_path is not None:
             check_output(opts.trace_path, [store.path], "trace_path")
         # a dry run (planning) writes nothing
-        self.trace = (TraceWriter(opts.trace_path, len(self.moe_layers), n_expert, n_used)
+        self.trace = (TraceWriter(opts.trace_path, len(self.moe_layers), n_expert, n_used,
+                                  predictions=opts.moe_prefetch)
                       if opts.trace_path is not None and load else None)
         by_backend: dict[int, tuple[Backend, list[str]]] = {}
         for i, layer_names in named.items():
@@ -195,16 +245,36 @@ class ExpertLayers:
                         store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
-                        trace_seq=self._trace_seq, repack=opts.repack)
+                        trace_seq=self._trace_seq, repack=opts.repack,
+                        route=routes[moe_layer] if routes is not None else None)
                 else:
                     shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
                     executor = ExpertCacheExecutor(
                         store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], simulated_bus_bytes_per_s=simulated_bus_bytes_per_s,
-                        trace=self.trace, clear=load, shared=shared, repack=opts.repack)
+                        trace=self.trace, clear=load, shared=shared, repack=opts.repack,
+                        route=routes[moe_layer] if routes is not None else None)
             self.layer_backends.append(cache_on)
             self.executors.append(executor)
+        if opts.moe_prefetch and load:
+            self._link_prefetch(store, routes is not None)
+
+    def _link_prefetch(self, store: GGUFStore, oracle: bool) -> None:
+        """Each disk layer predicts and prefetches the next MoE layer's experts when that one is a disk layer too:
+        by its router (``blk.N.ffn_gate_inp.weight``, its bias, ``exp_probs_b``), or, following a route trace, by
+        the trace (an oracle: benchmarks measure what a prediction can give at most)."""
+        opts = self.options
+        for a, b in zip(self.moe_layers, self.moe_layers[1:]):
+            src, dst = self.executors[a], self.executors[b]
+            if src is None or dst is None:
+                continue
+            p = f"blk.{b}."
+            router, bias, select = (None if oracle or p + n not in store else router_f32(store, p + n)
+                                    for n in ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "exp_probs_b.bias"))
+            budget = opts.moe_prefetch_bytes or dst.n_used * dst.expert_bytes
+            max_experts = min(budget // dst.expert_bytes, dst.n_slots)
+            src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS)  # type: ignore[arg-type]
 
     def _recording(self, rule: Callable[[str], CData | None], on_cpu: bool,
                    host: bool) -> Callable[[str], CData | None]:
@@ -275,8 +345,8 @@ class ExpertLayers:
         if self.trace is None or not self.native:
             return
         records = [r for e in self.executors if isinstance(e, NativeExpertExecutor) for r in e.drain_trace()]
-        for _, layer, ids in sorted(records, key=lambda r: r[0]):
-            self.trace.record(layer, ids)
+        for _, layer, ids, predicted in sorted(records, key=lambda r: r[0]):
+            self.trace.record(layer, ids, predicted)
 
     @property
     def counters(self) -> list[LayerCounters]:

@@ -80,6 +80,13 @@ planned load was never committed (the copy failed, or the call was interrupted) 
 emptied at the start of the next plan, so the cache never claims an expert that is
 not in its slot. An emptied slot is not an eviction; ``invalidated`` counts them.
 
+Prefetch. :meth:`SlotCache.prefetch` places one expert that a lookahead predicted for the
+coming call (``moe_prefetch``): into the first empty slot, else into the best victim's slot among
+the residents that are neither in ``keep`` (the other predictions) nor an uncommitted load. The
+expert ranks as computed at the last call's tick with a use count of 0, and its load stays
+uncommitted until :meth:`commit`. It takes no tick and counts in no counter (the executor counts
+prefetches).
+
 Counters. :class:`CacheCounters` accumulates, over all calls since construction
 or :meth:`SlotCache.reset`: ``calls``, ``distinct`` (requested experts),
 ``hits``, ``misses`` (== loads), ``evictions``, ``rounds`` and ``invalidated`` (slots
@@ -170,6 +177,10 @@ class SlotCache:
         s = self._where.get(self._check_expert(expert, "SlotCache.slot_of"))
         return None if s is None or self._uncommitted.get(s) == expert else s
 
+    def holds(self, expert: int) -> bool:
+        """Whether ``expert`` has a slot, its load committed or not (what a prefetch need not load again)."""
+        return expert in self._where
+
     def resident(self) -> dict[int, int]:
         """``{expert: slot}`` for every resident expert, in increasing slot order."""
         return {e: s for s, e in enumerate(self._slots) if e is not None and self._uncommitted.get(s) != e}
@@ -254,6 +265,30 @@ class SlotCache:
         """
         if self._uncommitted.get(slot) == expert:
             del self._uncommitted[slot]
+
+    def prefetch(self, expert: int, keep: set[int] | frozenset[int]) -> tuple[int, int | None] | None:
+        """Place ``expert`` (not resident) ahead of the call that was predicted to need it (see the module
+        docstring); ``(slot, displaced expert or None)``, or None when every slot is kept."""
+        if expert in self._where:
+            return None
+        free = [s for s, e in enumerate(self._slots) if e is None]
+        victim: int | None = None
+        if free:
+            slot = free[0]
+        else:
+            cands = [s for s, e in enumerate(self._slots)
+                     if e is not None and e not in keep and s not in self._uncommitted]
+            if not cands:
+                return None
+            slot = min(cands, key=self._victim_key)
+            victim = self._expert_in(slot)
+            del self._where[victim], self._recency[victim], self._uses[victim]
+        self._slots[slot] = expert
+        self._where[expert] = slot
+        self._recency[expert] = self._tick
+        self._uses[expert] = 0
+        self._uncommitted[slot] = expert
+        return slot, victim
 
     def _drop_uncommitted(self) -> None:
         for s, e in self._uncommitted.items():

@@ -170,8 +170,11 @@ class MoEModel:
     layout: Layout
     def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
                  device: Backend | None = None, progress: Callable[[int, int], object] | None = None,
-                 dry_run_devices: list[str] | None = None) -> None:
+                 dry_run_devices: list[str] | None = None, benchmark: bool = False) -> None:
         """Load ``path``; ``progress(done, total)`` is called as tensors are loaded.
+
+        ``benchmark``: a benchmark's session, the only kind that may replace the routing by a trace
+        (``moe_route_trace``; its output is then not the model's own, :attr:`route_trace` says so).
 
         ``dry_run_devices`` (planning): allocate everything as a load would, on CPU backend
         instances standing in for the named devices, but read no tensor data; such a model
@@ -233,7 +236,7 @@ class MoEModel:
         self._active: GraphKey | None = None  # key of the graph whose regions are registered
         self._active_entry: DecoderGraph | None = None  # and that graph
         try:
-            self._load(opts, hp, n_threads, device, dry_run_devices, progress)
+            self._load(opts, hp, n_threads, device, dry_run_devices, progress, benchmark)
             rpc.raise_if_lost(self.devices.values())  # a server lost while loading: the weights are not there
         except BaseException as exc:
             lost = rpc.lost(self.devices.values()) if isinstance(exc, Exception) and not isinstance(exc, RPCError) \
@@ -245,7 +248,8 @@ class MoEModel:
         self.load_seconds = time.perf_counter() - t0
 
     def _load(self, opts: SessionOptions, hp: HParams, n_threads: int, device: Backend | None,
-              dry_run_devices: list[str] | None, progress: Callable[[int, int], object] | None) -> None:
+              dry_run_devices: list[str] | None, progress: Callable[[int, int], object] | None,
+              benchmark: bool = False) -> None:
         store = self.store
         # without accelerators, CPU backend instances play the devices (DEV0, ...), with their own buffers
         if self.dry_run:
@@ -276,7 +280,8 @@ class MoEModel:
         lay = self.layout
         self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick,
                                     modes=list(lay.expert_mode), backend_of=lambda n: self.devices.get(lay.tensors[n]),
-                                    load=not self.dry_run, moe_layers=hp.moe_layers, glu=hp.routing.glu)
+                                    load=not self.dry_run, moe_layers=hp.moe_layers, glu=hp.routing.glu,
+                                    benchmark=benchmark)
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
         self.flash_attn = self._resolve_flash_attn(opts, hp)
         self._mask_dtype = np.float16 if self.flash_attn else np.float32  # flash attention takes an F16 mask
@@ -737,6 +742,12 @@ class MoEModel:
     @property
     def counters(self) -> SessionCounters:
         return SessionCounters(self.experts.counters)
+
+    @property
+    def route_trace(self) -> str | None:
+        """The routing trace that replaces the router's choice (``moe_route_trace``, benchmarks): when set, the
+        output is not the model's own."""
+        return self.experts.route_trace
 
     def device_memory(self, device: str | None = None) -> dict[str, int]:
         """Bytes held on the devices (one device, if named) by purpose: what GPUs would hold."""

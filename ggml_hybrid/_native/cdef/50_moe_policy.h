@@ -36,6 +36,7 @@ const hy_plan * hy_cache_plan(hy_slot_cache * c, const int32_t * experts, const 
 void hy_cache_commit(hy_slot_cache * c, int slot, int expert);
 void hy_cache_note_cpu(hy_slot_cache * c, const int32_t * experts, int n);
 int hy_cache_slot_of(const hy_slot_cache * c, int expert);
+int hy_cache_prefetch(hy_slot_cache * c, int expert, const uint8_t * keep, int * evicted);
 
 int hy_n_cpu_for_share(uint64_t num, uint64_t den, int n);
 

@@ -272,6 +272,51 @@ const hy_plan * hy_cache_plan(hy_slot_cache * c, const int32_t * experts, const 
     return p;
 }
 
+/* A lookahead prefetch of `expert` (not resident) into the first empty slot, else the best victim whose expert is
+   not marked in `keep` (the call's other predictions) nor an uncommitted load; its load stays uncommitted until
+   the caller's copy is done. The expert ranks as used at the last call's tick, with no uses. Returns the slot,
+   with the displaced expert in *evicted (-1: none), or -1 when every slot is kept (slot_cache.py: prefetch). */
+int hy_cache_prefetch(hy_slot_cache * c, int expert, const uint8_t * keep, int * evicted) {
+    *evicted = -1;
+    if (c->where[expert] >= 0) {
+        return -1;
+    }
+    int slot = -1;
+    for (int s = 0; s < c->n_slots && slot < 0; s++) {
+        if (c->slot_expert[s] < 0) {
+            slot = s;
+        }
+    }
+    if (slot < 0) {
+        for (int s = 0; s < c->n_slots; s++) {
+            const int e = c->slot_expert[s];
+            if (keep[e] || c->uncommitted[s] >= 0) {
+                continue;
+            }
+            if (slot < 0 || victim_before(c, s, slot)) {
+                slot = s;
+            }
+        }
+        if (slot < 0) {
+            return -1;
+        }
+        const int victim = c->slot_expert[slot];
+        *evicted = victim;
+        c->where[victim] = -1;
+        c->recency[victim] = 0;
+        c->uses[victim] = 0;
+    }
+    c->slot_expert[slot] = expert;
+    c->where[expert] = slot;
+    c->recency[expert] = c->tick;
+    c->uses[expert] = 0;
+    if (c->uncommitted[slot] < 0) {
+        c->n_uncommitted++;
+    }
+    c->uncommitted[slot] = expert;
+    return slot;
+}
+
 /* ---- the CPU share (ggml_hybrid/moe/cpu_share.py) ---------------------------------------------- */
 
 int hy_n_cpu_for_share(uint64_t num, uint64_t den, int n) {

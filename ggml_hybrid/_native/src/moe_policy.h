@@ -65,6 +65,9 @@ void hy_cache_note_cpu(hy_slot_cache * c, const int32_t * experts, int n);
 /* the committed slot of an expert, or -1 */
 int hy_cache_slot_of(const hy_slot_cache * c, int expert);
 
+/* lookahead prefetch of one expert (keep: [n_experts], the experts not to evict); the slot or -1 */
+int hy_cache_prefetch(hy_slot_cache * c, int expert, const uint8_t * keep, int * evicted);
+
 /* ---- the CPU share ------------------------------------------------------------------------------ */
 
 /* n_cpu = floor(num/den * n + 1/2), clipped to [0, n]: the share is the exact decimal num/den */
