@@ -47,7 +47,7 @@ def prefetch_sequences(draw):
         experts = draw(st.lists(st.integers(0, n_experts - 1), unique=True, max_size=n_experts))
         pred = draw(st.lists(st.integers(0, n_experts - 1), unique=True, max_size=n_experts))
         steps.append((experts, pred))
-    return n_experts, n_slots, draw(st.sampled_from(["lru", "lfu"])), steps
+    return n_experts, n_slots, draw(st.sampled_from(["lru", "lfu", "freq"])), steps
 
 
 @settings(max_examples=150, deadline=None)
@@ -55,7 +55,7 @@ def prefetch_sequences(draw):
 def test_the_c_prefetch_places_every_expert_as_the_python_one_and_never_evicts_a_kept_one(case):
     n_experts, n_slots, policy, steps = case
     py = SlotCache(n_experts, n_slots, policy)
-    c = ffi.gc(lib.hy_cache_new(n_experts, n_slots, {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU}[policy]),
+    c = ffi.gc(lib.hy_cache_new(n_experts, n_slots, {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU, "freq": lib.HY_POLICY_FREQ}[policy]),
                lib.hy_cache_free)
     evicted = ffi.new("int *")
     for experts, pred in steps:
@@ -100,7 +100,7 @@ def cases(draw):
     n_expert = draw(st.integers(2, 20))
     n_used = draw(st.integers(1, min(5, n_expert)))
     return dict(expert_type=t, n_expert=n_expert, n_used=n_used, n_embd=unit,
-                slots=draw(st.integers(1, n_expert)), policy=draw(st.sampled_from(["lru", "lfu"])),
+                slots=draw(st.integers(1, n_expert)), policy=draw(st.sampled_from(["lru", "lfu", "freq"])),
                 share=draw(st.sampled_from(["0", "0", "0.5"])), budget=draw(st.integers(0, 6)),
                 tokens=draw(st.lists(st.sampled_from([1, 1, 1, 2, 3, 17]), min_size=2, max_size=8)),
                 seed=draw(st.integers(0, 999)))
@@ -210,7 +210,7 @@ def test_the_recorded_predictions_replay_to_the_live_counters(tmp_path):
             live = s.counters.total
         tr = read_trace(traces[executor])
         assert tr.predictions is not None and len(tr.predictions) == tr.n_calls
-        r = replay_prefetch(tr, 6, "lru", 4)
+        r = replay_prefetch(tr, 6, gh.SessionOptions().expert_eviction, 4)  # the session's default eviction
         assert (r.demand_loads, r.prefetched, r.prefetch_used, r.prefetch_wasted, r.predicted,
                 r.predicted_right, r.predicted_of) == (live.misses, live.prefetched, live.prefetch_used,
                                                        live.prefetch_wasted, live.predicted, live.predicted_right,

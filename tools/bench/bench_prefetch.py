@@ -72,7 +72,7 @@ def recall(tokens: int) -> None:
                 complete(m, m.tokenizer.encode("The quick brown fox jumps over the lazy dog."), tokens,
                          stop_at_eos=False)
                 live = m.counters.total
-            r = replay_prefetch(read_trace(trace), slots, "lru", spec.n_used)
+            r = replay_prefetch(read_trace(trace), slots, SessionOptions().expert_eviction, spec.n_used)
             assert (r.demand_loads, r.prefetched) == (live.misses, live.prefetched), "replay and live disagree"
             print(f"{name:<16} {spec.n_expert:>7} {slots:>5} {live.recall:>6.3f} {live.precision:>9.3f} "
                   f"{r.demand_loads:>12} {r.baseline_loads:>11} {r.belady_loads:>6} {r.prefetched:>10} "
