@@ -21,6 +21,7 @@ from ._native import lib
 from .errors import OptionError
 from .ggml.backend import THREADS_PER_CORE, max_threads
 from .ggml.rpc import endpoint_list
+from .units import parse_size
 
 __all__ = ["EvictionPolicy", "ExecutorKind", "KVCacheType", "OptionError", "SessionOptions", "SplitMode"]
 
@@ -96,6 +97,20 @@ def _bool_or_auto(v: Any) -> Union[bool, str]:
     if isinstance(v, str) and v.strip().lower() == "auto":
         return "auto"
     return _bool(v)
+
+
+def _size_or_auto(v: Any) -> Union[int, str]:
+    if isinstance(v, str):
+        if v.strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse_size(v)
+        except OptionError:
+            raise _Bad() from None
+    _typed(v, int)
+    if v < 0:
+        raise _Bad()
+    return cast(int, v)
 
 
 _DEVICE_RE = re.compile(r"(RPC|CUDA|DEV)[0-9]+")
@@ -248,6 +263,11 @@ class SessionOptions:
     cpu_moe: bool = _opt(False, "bool", _BOOL_RULE, "Keep the MoE expert weights of all layers on the CPU.", _bool)
     n_cpu_moe: int = _opt(
         0, "int", "an integer >= 0", "Keep the MoE expert weights of the first N layers on the CPU.", _int(0))
+    host_cache_bytes: Union[int, str] = _opt(
+        0, "int | 'auto'", "a size >= 0 (bytes, or with a K/M/G/T suffix) or 'auto'; > 0 needs disk_experts",
+        "Host-RAM expert tier between the device's slots and the file: whole experts read from the GGUF by I/O "
+        "threads (O_DIRECT where allowed) into at most this many bytes of host memory; 0 = none (loads read the "
+        "mapping); 'auto' = the memory available at load less a margin.", _size_or_auto)
     trace_path: Optional[str] = _opt(
         None, "str | None", "a file path or none", "File to record routing traces to; none = no tracing.", _path)
     n_ctx: int = _opt(

@@ -31,6 +31,7 @@ from ..gguf.store import GGUFStore
 from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
 from .executor import LayerCounters, SyntheticClock, allocate_slots
 from .ffn import ExpertWeights
+from .host_tier import HostTier
 from .traces import TraceWriter
 
 _ERRORS: dict[int, type[GgmlHybridError]] = {
@@ -100,7 +101,7 @@ class NativeExpertExecutor:
                  policy: str, n_used: int, glu: str = "swiglu", worker: NativeWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None, scratch: Scratch | None = None,
                  trace: TraceWriter | None = None, clear: bool = True, staging: bool | None = None,
-                 trace_seq: CData | None = None, repack: bool = True) -> None:
+                 trace_seq: CData | None = None, repack: bool = True, tier: HostTier | None = None) -> None:
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.worker, self.share, self.host_experts, self.trace = worker, share, host_experts, trace
         infos = {k: store.info(n) for k, n in names.items()}
@@ -122,6 +123,8 @@ class NativeExpertExecutor:
             staging = not slots_host and lib.ggml_backend_get_device(device.ptr) != ffi.NULL
         self.staging = bool(staging)
         self._keep: list[Any] = []
+        self.tier = tier  # loads read the host tier instead of the mapping (kept alive: C points at it)
+        self.tier_layer = tier.add_layer(layer, names) if tier is not None else -1
         cfg = self._config(layer, names, n_used, policy, glu, trace is not None, trace_seq)
         self._exec = _Exec(cfg)
         self._cfg = cfg  # C points into what it holds
@@ -167,6 +170,8 @@ class NativeExpertExecutor:
         cfg.staging = int(self.staging)
         cfg.trace = int(trace)
         cfg.trace_seq = trace_seq if trace_seq is not None else ffi.NULL
+        cfg.tier = self.tier.ptr if self.tier is not None else ffi.NULL
+        cfg.tier_layer = self.tier_layer
         return cfg
 
     # -- the region -----------------------------------------------------------------------------

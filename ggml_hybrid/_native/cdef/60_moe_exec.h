@@ -77,6 +77,8 @@ typedef struct hy_moe_config {
     int staging;
     int trace;
     int64_t * trace_seq;
+    hy_tier * tier;
+    int tier_layer;
 } hy_moe_config;
 
 typedef struct hy_moe_exec hy_moe_exec;

@@ -16,6 +16,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "host_tier.h"
 #include "moe_graphs.h"
 #include "moe_policy.h"
 #include "moe_worker.h"
@@ -81,6 +82,8 @@ typedef struct hy_moe_config {
     int staging;                      /* loads through pinned host staging (devices whose memory is not host) */
     int trace;                        /* record every call's ids for Python to drain */
     int64_t * trace_seq;              /* the session's call counter: orders records across layers */
+    hy_tier * tier;                   /* NULL: loads read the mapping; else the host tier (host_tier.h) */
+    int tier_layer;                   /* this layer's index in the tier */
 } hy_moe_config;
 
 typedef struct hy_moe_exec hy_moe_exec;
