@@ -1,0 +1,203 @@
+"""The host expert tier (host_cache_bytes): bit-identical to resident, its counters, its faults, its options.
+
+The oracle is the default resident path of the same file (no region, every expert in memory): every run with the
+tier must give its outputs bit for bit, and greedy decoding its tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ggml_hybrid as gh
+from ggml_hybrid.gguf.store import GGUFStore
+from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, auto_budget, entry_bytes
+from ggml_hybrid.moe.stack_session import MoEStackSession
+from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model, write_moe_stack
+from ggml_hybrid.units import MiB
+
+TYPES = ["f32", "f16", "q8_0", "q4_K", "q6_K"]
+
+
+def _x(n_tokens, n_embd, seed):
+    return np.random.default_rng(seed).standard_normal((n_tokens, n_embd)).astype(np.float32)
+
+
+def _layer_need(path):
+    """Bytes the tier needs for one layer's experts (its minimum budget), from the file's own tensors."""
+    store = GGUFStore(path)
+    try:
+        infos = [store.info(n) for n in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight",
+                                         "blk.0.ffn_down_exps.weight") if n in store]
+        if not infos:
+            infos = [store.info(n) for n in ("blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_down_exps.weight")]
+        return entry_bytes([i.nbytes // i.shape[0] for i in infos]) * infos[0].shape[0]
+    finally:
+        store.close()
+
+
+@st.composite
+def cases(draw):
+    t = draw(st.sampled_from(TYPES))
+    unit = gh.as_ggml_type(t).block_size if t.startswith("q") else 32
+    n_expert = draw(st.integers(2, 32))
+    return dict(
+        expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(8, n_expert))),
+        n_embd=unit * draw(st.integers(1, 2)), n_ff=unit * draw(st.integers(1, 2)),
+        n_tokens=draw(st.integers(1, 48)), slots=draw(st.integers(1, n_expert)),
+        policy=draw(st.sampled_from(["lru", "lfu"])), fused=draw(st.booleans()), seed=draw(st.integers(0, 999)),
+        budget_layers=draw(st.sampled_from([1.0, 1.5, 3.0])))
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_the_tier_is_bit_identical_to_resident(tmp_path, case):
+    path = write_moe_stack(tmp_path / f"m{case['seed']}.gguf", n_layer=3, n_embd=case["n_embd"], n_ff=case["n_ff"],
+                           n_expert=case["n_expert"], n_used=case["n_used"], expert_type=case["expert_type"],
+                           fused=case["fused"], seed=case["seed"])
+    budget = int(_layer_need(path) * case["budget_layers"])
+    xs = [_x(case["n_tokens"], case["n_embd"], case["seed"] + i) for i in range(3)]
+    with MoEStackSession(path, SessionOptions()) as s:
+        refs = [s.forward(x) for x in xs]
+    items = ["disk_experts=1", f"expert_cache_slots={case['slots']}", f"expert_eviction={case['policy']}",
+             f"host_cache_bytes={budget}"]
+    with MoEStackSession(path, SessionOptions.parse(items)) as s:
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        tier = s.layers.tier.counters
+        slots = s.counters.total
+    # every slot load asked the tier once: from RAM (a hit) or from the file (a miss)
+    assert tier.hits + tier.misses == slots.misses
+    assert tier.bytes_held <= budget and tier.faults == 0
+    # each expert read from the file is its tensors' bytes, each rounded out to whole 4 KiB blocks
+    if slots.misses:
+        expert = slots.bytes_loaded // slots.misses
+        kinds = 2 if case["fused"] else 3
+        assert tier.misses * expert <= tier.bytes_read <= tier.misses * (expert + kinds * 8192)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    return write_moe_stack(tmp_path_factory.mktemp("tier") / "stack.gguf", n_layer=3, n_embd=256, n_ff=256,
+                           n_expert=16, n_used=4, expert_type="q4_K", seed=7)
+
+
+def test_a_budget_holding_every_expert_reads_each_once(stack):
+    xs = [_x(5, 256, i) for i in range(4)]
+    with MoEStackSession(stack, SessionOptions()) as s:
+        refs = [s.forward(x) for x in xs]
+    with MoEStackSession(stack, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
+                                                      "host_cache_bytes=64M"])) as s:
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        tier, slots = s.layers.tier.counters, s.counters.total
+    assert tier.evictions == 0 and tier.misses <= 3 * 16  # each expert read from the file at most once
+    assert tier.hits == slots.misses - tier.misses > 0    # two slots thrash; the tier serves the reloads
+    assert tier.bytes_held == tier.misses * _layer_need(stack) // 16
+
+
+def test_the_budget_is_capped_at_what_the_tier_can_hold(stack):
+    with MoEStackSession(stack, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
+                                                      "host_cache_bytes=1T"])) as s:
+        assert s.layers.tier.budget == 3 * _layer_need(stack)
+
+
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_a_failed_read_is_a_typed_error_and_the_next_call_works(stack, kind):
+    x = _x(6, 256, 3)
+    with MoEStackSession(stack, SessionOptions()) as s:
+        ref = s.forward(x)
+    with MoEStackSession(stack, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=4",
+                                                      f"host_cache_bytes={_layer_need(stack)}"])) as s:
+        s.layers.tier.inject_fault(after=5, kind=kind)
+        why = "Input/output error" if kind == "eio" else "short read"
+        with pytest.raises(gh.errors.ModelFileError, match=f"layer [0-2]: .*{why}"):
+            s.forward(x)
+        assert s.layers.tier.counters.faults == 1
+        np.testing.assert_array_equal(s.forward(x), ref)  # nothing of the failed read was kept
+        np.testing.assert_array_equal(s.forward(x), ref)
+
+
+def test_a_truncated_copy_is_a_typed_error_not_a_crash(tmp_path, stack):
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(stack, copy)
+    with MoEStackSession(copy, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
+                                                     "host_cache_bytes=64M"])) as s:
+        s.forward(_x(2, 256, 0))
+        with open(copy, "r+b") as f:
+            f.truncate(Path(copy).stat().st_size // 2)
+        with pytest.raises(gh.errors.ModelFileError, match="changed on disk"):
+            for i in range(8):  # a call with a miss checks the file before its reads
+                s.forward(_x(4, 256, 100 + i))
+
+
+def test_a_file_renamed_over_the_path_does_not_matter(tmp_path, stack):
+    """The tier reads the file as opened (reopened through its descriptor), not whatever the path names now."""
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(stack, copy)
+    x = _x(4, 256, 9)
+    with MoEStackSession(stack, SessionOptions()) as s:
+        ref = s.forward(x)
+    with MoEStackSession(copy, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
+                                                     "host_cache_bytes=64M"])) as s:
+        other = tmp_path / "other.gguf"
+        other.write_bytes(b"\0" * 4096)
+        other.replace(copy)
+        np.testing.assert_array_equal(s.forward(x), ref)
+
+
+def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path):
+    path = write_model(tmp_path / "q.gguf", arch="qwen3moe", n_layer=3, seed=5, expert_type="q8_0")
+    base = dict(n_threads=1, n_ctx=64)
+
+    def greedy(opts):
+        with MoEModel(path, opts) as m:
+            logits = m.eval([1, 2, 3, 4, 5], "all")
+            out, toks = [logits], []
+            for _ in range(6):
+                toks.append(int(np.argmax(out[-1][-1])))
+                out.append(m.eval([toks[-1]], "all"))
+            tier = m.experts.tier.counters if m.experts.tier is not None else None
+            return np.concatenate(out), toks, tier
+
+    ref, ref_toks, _ = greedy(SessionOptions(**base))
+    got, toks, tier = greedy(SessionOptions(**base, disk_experts=True, expert_cache_slots=2,
+                                            host_cache_bytes=_layer_need(path)))
+    assert toks == ref_toks
+    np.testing.assert_array_equal(got, ref)
+    assert tier is not None and tier.misses > 0 and tier.bytes_read > 0
+
+
+@pytest.mark.parametrize("items, rule", [
+    (["host_cache_bytes=1G"], "needs disk_experts=true"),
+    (["disk_experts=1", "expert_cache_slots=2", "host_cache_bytes=1G", "moe_cpu_share=0.5"], "does not feed"),
+    (["disk_experts=1", "expert_cache_slots=2", "host_cache_bytes=1K"], "at least one layer's experts"),
+])
+def test_options_the_tier_cannot_serve_are_refused_before_running(stack, items, rule):
+    with pytest.raises(OptionError, match=rule):
+        MoEStackSession(stack, SessionOptions.parse(items))
+
+
+@pytest.mark.parametrize("text, value", [("0", 0), ("2G", 2 << 30), ("1.5M", 3 * MiB // 2), ("auto", "auto"),
+                                         ("AUTO", "auto"), ("4096", 4096)])
+def test_host_cache_bytes_reads_sizes(text, value):
+    assert SessionOptions.parse([f"host_cache_bytes={text}"]).host_cache_bytes == value
+
+
+@pytest.mark.parametrize("text", ["-1", "lots", "1X", "nan", ""])
+def test_host_cache_bytes_refuses_what_is_not_a_size(text):
+    with pytest.raises(OptionError, match="host_cache_bytes"):
+        SessionOptions.parse([f"host_cache_bytes={text}"])
+
+
+def test_auto_leaves_a_margin():
+    assert auto_budget(available=10 << 30) == (10 << 30) - (1 << 30)      # 10% of it
+    assert auto_budget(available=2 << 30) == (2 << 30) - AUTO_MARGIN_MIN  # at least 512 MiB
+    assert auto_budget(available=100 * MiB) == 0
