@@ -34,10 +34,7 @@ def _layer_need(path):
     """Bytes the tier needs for one layer's experts (its minimum budget), from the file's own tensors."""
     store = GGUFStore(path)
     try:
-        infos = [store.info(n) for n in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight",
-                                         "blk.0.ffn_down_exps.weight") if n in store]
-        if not infos:
-            infos = [store.info(n) for n in ("blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_down_exps.weight")]
+        infos = [t for t in store.tensors() if t.name.startswith("blk.0.ffn_") and t.name.endswith("_exps.weight")]
         return entry_bytes([i.nbytes // i.shape[0] for i in infos]) * infos[0].shape[0]
     finally:
         store.close()
