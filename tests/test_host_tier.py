@@ -19,6 +19,7 @@ from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, auto_budget, entry_bytes
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.plan.planner import plan
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model, write_moe_stack
 from ggml_hybrid.units import MiB
@@ -198,3 +199,21 @@ def test_auto_leaves_a_margin():
     assert auto_budget(available=10 << 30) == (10 << 30) - (1 << 30)      # 10% of it
     assert auto_budget(available=2 << 30) == (2 << 30) - AUTO_MARGIN_MIN  # at least 512 MiB
     assert auto_budget(available=100 * MiB) == 0
+
+
+def test_plan_counts_the_tier_and_says_when_the_model_does_not_fit(tmp_path):
+    path = write_model(tmp_path / "q.gguf", arch="qwen3moe", n_layer=3, seed=5, expert_type="q8_0")
+    routed = sum(t.nbytes for t in GGUFStore(path).tensors() if "_exps." in t.name)
+    size = Path(path).stat().st_size
+    base = dict(n_ctx=64, disk_experts=True, expert_cache_slots=2)
+    without = plan(path, SessionOptions(**base), ram=1 << 30)
+    assert without.host.host_tier == 0 and not any("does not fit" in w for w in without.warnings)
+    small = plan(path, SessionOptions(**base, host_cache_bytes=routed // 2), ram=1 << 30)
+    assert small.host.host_tier == routed // 2
+    assert small.host.resident_total == without.host.resident_total + routed // 2
+    big = plan(path, SessionOptions(**base, host_cache_bytes=1 << 40), ram=1 << 30)
+    assert big.host.host_tier == routed  # never more than it can hold
+    tight = plan(path, SessionOptions(**base), ram=size // 2)
+    assert any(f"does not fit in --ram" in w and "--host-cache" in w for w in tight.warnings)
+    auto = plan(path, SessionOptions(**base, host_cache_bytes="auto"), ram=1 << 40)
+    assert auto.host.host_tier == routed
