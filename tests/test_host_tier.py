@@ -214,6 +214,6 @@ def test_plan_counts_the_tier_and_says_when_the_model_does_not_fit(tmp_path):
     big = plan(path, SessionOptions(**base, host_cache_bytes=1 << 40), ram=1 << 30)
     assert big.host.host_tier == routed  # never more than it can hold
     tight = plan(path, SessionOptions(**base), ram=size // 2)
-    assert any(f"does not fit in --ram" in w and "--host-cache" in w for w in tight.warnings)
+    assert any("does not fit in --ram" in w and "--host-cache" in w for w in tight.warnings)
     auto = plan(path, SessionOptions(**base, host_cache_bytes="auto"), ram=1 << 40)
     assert auto.host.host_tier == routed

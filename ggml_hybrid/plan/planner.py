@@ -22,12 +22,12 @@ from ..deploy.layout import CPU
 from ..errors import NotMoEError
 from ..gguf.metadata import meta_int
 from ..gguf.store import GGUFStore
+from ..machine import available_memory
 from ..model.families import read_hparams
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
-from ..options import MAX_DEVICES, OptionError, SessionOptions
-from ..machine import available_memory
 from ..moe.host_tier import AUTO_MARGIN_MIN, auto_budget, resolve_budget
+from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..runtime.moe_model import MoEModel
 from ..units import GiB, MiB, format_bytes
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
