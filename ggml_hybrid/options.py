@@ -263,11 +263,6 @@ class SessionOptions:
     cpu_moe: bool = _opt(False, "bool", _BOOL_RULE, "Keep the MoE expert weights of all layers on the CPU.", _bool)
     n_cpu_moe: int = _opt(
         0, "int", "an integer >= 0", "Keep the MoE expert weights of the first N layers on the CPU.", _int(0))
-    host_cache_bytes: Union[int, str] = _opt(
-        0, "int | 'auto'", "a size >= 0 (bytes, or with a K/M/G/T suffix) or 'auto'; > 0 needs disk_experts",
-        "Host-RAM expert tier between the device's slots and the file: whole experts read from the GGUF by I/O "
-        "threads (O_DIRECT where allowed) into at most this many bytes of host memory; 0 = none (loads read the "
-        "mapping); 'auto' = the memory available at load less a margin.", _size_or_auto)
     trace_path: Optional[str] = _opt(
         None, "str | None", "a file path or none", "File to record routing traces to; none = no tracing.", _path)
     n_ctx: int = _opt(
@@ -341,6 +336,11 @@ class SessionOptions:
         "Repack the weights that live on CPU backends into GGML's CPU extra buffer types where the type and CPU "
         "allow (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2), for its faster kernels; false = llama.cpp's --no-repack.",
         _bool)
+    host_cache_bytes: Union[int, str] = _opt(
+        0, "int | 'auto'", "a size >= 0 (bytes, or with a K/M/G/T suffix) or 'auto'; > 0 needs disk_experts",
+        "Host-RAM expert tier between the device's slots and the file: whole experts read from the GGUF by I/O "
+        "threads (O_DIRECT where allowed) into at most this many bytes of host memory; 0 = none (loads read the "
+        "mapping); 'auto' = the memory available at load less a margin.", _size_or_auto)
 
     def __post_init__(self) -> None:
         for f in fields(self):

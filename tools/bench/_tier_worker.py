@@ -14,6 +14,7 @@ import json
 import sys
 import time
 
+import click
 import numpy as np
 
 import ggml_hybrid as gh
@@ -27,9 +28,11 @@ def read_bytes() -> int:
     return 0
 
 
-def main() -> int:
-    path, items = sys.argv[1], sys.argv[2:]
-    model = gh.MoEModel(path, gh.SessionOptions.parse(items))
+@click.command(help=__doc__)
+@click.argument("path")
+@click.argument("items", nargs=-1)
+def main(path: str, items: tuple[str, ...]) -> int:
+    model = gh.MoEModel(path, gh.SessionOptions.parse(list(items)))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -50,4 +53,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
