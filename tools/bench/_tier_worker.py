@@ -4,7 +4,8 @@ requests on stdin (the protocol of _llama_worker.py).
 
     python _tier_worker.py MODEL OPTION=VALUE...
 
-Request (one JSON line): {"tokens": [...], "n": N}. Reply: {"prompt_s", "decode_s", "tokens", "read_prompt",
+Request (one JSON line): {"tokens": [...], "n": N, "force": optional N-1 tokens decoded instead of the greedy
+ones}. Reply: {"prompt_s", "decode_s", "tokens", "read_prompt",
 "read_decode", "tier"}: the prompt in one eval, then N-1 greedy tokens one eval each; wall seconds of each, the
 bytes this process read from disk in each (``/proc/self/io`` read_bytes: what reached the block device, so page
 cache hits do not count) and the host tier's counters (None without one).
@@ -41,8 +42,9 @@ def main(path: str, items: tuple[str, ...]) -> int:
         logits = model.eval(req["tokens"])
         r1, t1 = read_bytes(), time.perf_counter()
         out = [int(np.argmax(logits[-1]))]
-        for _ in range(req["n"] - 1):
-            out.append(int(np.argmax(model.eval([out[-1]])[-1])))
+        force = req.get("force")  # as _llama_worker.py: tokens decoded instead of the greedy ones
+        for i in range(req["n"] - 1):
+            out.append(int(np.argmax(model.eval([force[i] if force else out[-1]])[-1])))
         r2, t2 = read_bytes(), time.perf_counter()
         tier = model.experts.tier
         print(json.dumps({"prompt_s": t1 - t0, "decode_s": t2 - t1, "tokens": out, "read_prompt": r1 - r0,

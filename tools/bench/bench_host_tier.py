@@ -12,7 +12,10 @@ Each run is a fresh process in a cgroup v1 memory group (``/sys/fs/cgroup/memory
   device, loads copied from the mapping (the page cache) as before the host tier;
 - ``tier``: the same with ``host_cache_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT).
 
-Each run: load, then a prompt of --prompt tokens in one eval and --n greedy tokens one eval each, 1 thread.
+Each run: load, then a prompt of --prompt tokens in one eval and --n - 1 decode steps one token each, 1 thread;
+the decoded tokens are a fixed varied sequence (``force``; --greedy: the greedy ones), because a random-weight
+model's greedy loop repeats one token and its routing with it, which flatters every side's caches; the greedy
+picks are returned either way and must agree across the sides.
 Reported per run: prompt and decode tok/s, bytes the process read from disk (``/proc/PID/io`` read_bytes) in
 the request, peak RSS (``VmHWM``) and the cgroup's peak (RSS + page cache), and for ggml-hybrid the bytes read in
 the decode alone and the tier's counters. Before the runs the disk's read bandwidth is measured on the model
@@ -73,6 +76,7 @@ def vm_hwm(pid: int) -> int:
 def disk_bandwidth(path: str, seconds: float = 3.0, block: int = 2 << 20, inflight: int = 4) -> float:
     """Bytes per second of random aligned O_DIRECT reads of ``block`` bytes from ``path``, ``inflight`` at once."""
     size = os.path.getsize(path)
+    block = min(block, size // 4096 * 4096 // 2 or 4096)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     rng = random.Random(0)
     done = [0]
@@ -81,7 +85,7 @@ def disk_bandwidth(path: str, seconds: float = 3.0, block: int = 2 << 20, inflig
     def reader(_: int) -> None:
         buf = mmap.mmap(-1, block)  # page aligned, as O_DIRECT wants
         while time.perf_counter() < end:
-            off = rng.randrange(0, (size - block) // 4096) * 4096
+            off = rng.randrange(0, max(1, (size - block) // 4096)) * 4096
             done[0] += os.preadv(fd, [buf], off)
 
     t0 = time.perf_counter()
@@ -112,7 +116,7 @@ def run_side(side: str, ns: dict) -> dict:
             return {"side": side, "failed": f"exited {p.wait()} while loading (killed by the cgroup?)"}
         load_s = time.perf_counter() - t0
         r0 = proc_io(p.pid)
-        p.stdin.write(json.dumps({"tokens": ns["tokens"], "n": ns["n"]}) + "\n")
+        p.stdin.write(json.dumps({"tokens": ns["tokens"], "n": ns["n"], "force": ns["force"]}) + "\n")
         p.stdin.flush()
         line = p.stdout.readline()
         if not line:
@@ -136,10 +140,14 @@ def run_side(side: str, ns: dict) -> dict:
 @click.option("--prompt", default=8, show_default=True)
 @click.option("--n", default=9, show_default=True, help="Greedy tokens (the first from the prompt's logits).")
 @click.option("--sides", default="llama,mapped,tier", show_default=True)
+@click.option("--greedy", is_flag=True, help="Decode greedy tokens instead of a fixed varied sequence.")
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every run here.")
-def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, json_out) -> None:
+def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, greedy, json_out) -> None:
     ns = dict(model=model, llama_python=llama_python, limit=parse_size(limit), slots=slots, tier=parse_size(tier),
-              n=n, tokens=[1 + (i * 37) % 300 for i in range(prompt)])
+              n=n, tokens=[1 + (i * 37) % 300 for i in range(prompt)],
+              # decoded tokens forced to a varied sequence (a random model's greedy loop repeats one token, whose
+              # routing then repeats too, which flatters every side's caches); --greedy decodes greedily
+              force=None if greedy else [1 + (i * 101 + 7) % 300 for i in range(n - 1)])
     order = sides.split(",")
     print(f"model {format_bytes(os.path.getsize(model))}, cgroup limit {format_bytes(ns['limit'])}, "
           f"uptime: {Path('/proc/loadavg').read_text().strip()}", flush=True)
