@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import ggml_hybrid as gh
 from ggml_hybrid.gguf.store import GGUFStore
+from ggml_hybrid.machine import cgroup_memory_left
 from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, auto_budget, entry_bytes
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
@@ -197,7 +198,7 @@ def test_host_cache_bytes_refuses_what_is_not_a_size(text):
 
 def test_auto_leaves_a_margin():
     assert auto_budget(available=10 << 30) == (10 << 30) - (1 << 30)      # 10% of it
-    assert auto_budget(available=2 << 30) == (2 << 30) - AUTO_MARGIN_MIN  # at least 512 MiB
+    assert auto_budget(available=1 << 30) == (1 << 30) - AUTO_MARGIN_MIN == 896 * MiB  # at least 128 MiB
     assert auto_budget(available=100 * MiB) == 0
 
 
@@ -217,3 +218,23 @@ def test_plan_counts_the_tier_and_says_when_the_model_does_not_fit(tmp_path):
     assert any("does not fit in --ram" in w and "--host-cache" in w for w in tight.warnings)
     auto = plan(path, SessionOptions(**base, host_cache_bytes="auto"), ram=1 << 40)
     assert auto.host.host_tier == routed
+
+
+def _cgroup(tmp_path, proc_line, files):
+    tmp_path.mkdir()
+    (tmp_path / "cgroup").write_text(proc_line + "\n")
+    for rel, text in files.items():
+        (tmp_path / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / rel).write_text(text)
+    return cgroup_memory_left(str(tmp_path / "cgroup"), str(tmp_path / "fs"))
+
+
+def test_the_memory_cgroup_bounds_auto(tmp_path):
+    v1 = {"memory/bench/memory.limit_in_bytes": "734003200\n", "memory/bench/memory.usage_in_bytes": "600000000\n",
+          "memory/bench/memory.stat": "cache 500\ntotal_inactive_file 100000000\n"}
+    assert _cgroup(tmp_path / "a", "4:memory:/bench", v1) == 734003200 - (600000000 - 100000000)
+    v2 = {"x/memory.max": "1000000\n", "x/memory.current": "400000\n", "x/memory.stat": "inactive_file 0\n"}
+    assert _cgroup(tmp_path / "b", "0::/x", v2) == 600000
+    assert _cgroup(tmp_path / "c", "0::/x", {"x/memory.max": "max\n", "x/memory.current": "1\n"}) is None
+    assert _cgroup(tmp_path / "d", "4:memory:/", {"memory/memory.limit_in_bytes": str(1 << 62),
+                                                  "memory/memory.usage_in_bytes": "1"}) is None

@@ -143,9 +143,13 @@ class ExpertLayers:
                 raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier feeds the native "
                                   "executor's loads; these layers run the Python executor (moe_executor=python, "
                                   "expert biases or gpt-oss's clamped SwiGLU)")
-            need = sum(entry_bytes([store.info(n).nbytes // store.info(n).shape[0] for n in named[i].values()])
-                       * store.info(named[i]["down"]).shape[0] for i in disk_layers)
-            self.tier = HostTier(store, resolve_budget(opts.host_cache_bytes, need), opts.expert_eviction)
+            per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in named[i].values()]
+                          for i in disk_layers}
+            need = sum(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)
+            # `auto` leaves room for the slots a CPU playing the device allocates next, in the same host memory
+            host_slots = sum((opts.expert_cache_slots + 1) * sum(per_expert[i]) for i in disk_layers
+                             if (b := backend_of(named[i]["down"])) is not None and b.is_cpu)
+            self.tier = HostTier(store, resolve_budget(opts.host_cache_bytes, need, host_slots), opts.expert_eviction)
         self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
         if opts.trace_path is not None:
             check_output(opts.trace_path, [store.path], "trace_path")

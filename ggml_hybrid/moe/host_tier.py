@@ -22,13 +22,13 @@ from .._native import ffi, lib
 from .._native.managed import Managed
 from ..errors import AllocationError, OptionError
 from ..gguf.store import GGUFStore
-from ..machine import available_memory
+from ..machine import available_memory, cgroup_memory_left
 from ..units import MiB, format_bytes
 
 #: I/O threads reading experts; a few reads in flight keep an SSD's queue busy, more only add seeks
 IO_THREADS = 4
 #: what ``auto`` leaves to everything else (the dense weights, the KV cache, the process, other processes)
-AUTO_MARGIN_MIN = 512 * MiB
+AUTO_MARGIN_MIN = 128 * MiB
 AUTO_MARGIN_FRACTION = 0.10
 
 
@@ -55,9 +55,15 @@ class TierCounters:
 
 
 def auto_budget(available: int | None = None) -> int:
-    """``host_cache_bytes=auto``: the memory available now (``MemAvailable``, or what the memory cgroup still
-    allows, whichever is less) less a margin of 10% of it, at least 512 MiB."""
-    avail = available_memory() if available is None else available
+    """``host_cache_bytes=auto``: the memory available now (``MemAvailable``, or what this process's memory cgroup
+    still allows, whichever is less) less a margin of 10% of it, at least 128 MiB."""
+    if available is None:
+        avail = available_memory()
+        left = cgroup_memory_left()
+        if left is not None:
+            avail = left if avail is None else min(avail, left)
+    else:
+        avail = available
     if avail is None:
         raise OptionError("host_cache_bytes=auto: this system does not say how much memory is available "
                           "(/proc/meminfo); give a size, e.g. --host-cache 8G")
@@ -130,10 +136,11 @@ class HostTier(Managed):
         super().close()
 
 
-def resolve_budget(value: int | str, need_total: int) -> int:
-    """The byte budget of ``host_cache_bytes=value``: a size as given, ``auto`` from the memory available; never
-    more than every disk layer's experts (``need_total`` bytes in the tier), which is all it can hold."""
-    budget = auto_budget() if value == "auto" else int(value)
+def resolve_budget(value: int | str, need_total: int, host_slots: int = 0) -> int:
+    """The byte budget of ``host_cache_bytes=value``: a size as given, ``auto`` from the memory available less
+    ``host_slots`` (the bytes of expert slots still to be allocated in host memory: a CPU playing the device);
+    never more than every disk layer's experts (``need_total`` bytes in the tier), which is all it can hold."""
+    budget = max(0, auto_budget() - host_slots) if value == "auto" else int(value)
     return min(budget, need_total)
 
 
