@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 import ggml_hybrid as gh
+from ggml_hybrid._native import ffi, lib
 from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.machine import cgroup_memory_left
-from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, auto_budget, entry_bytes
+from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, HostTier, auto_budget, entry_bytes
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import OptionError, SessionOptions
 from ggml_hybrid.plan.planner import plan
@@ -238,3 +240,89 @@ def test_the_memory_cgroup_bounds_auto(tmp_path):
     assert _cgroup(tmp_path / "c", "0::/x", {"x/memory.max": "max\n", "x/memory.current": "1\n"}) is None
     assert _cgroup(tmp_path / "d", "4:memory:/", {"memory/memory.limit_in_bytes": str(1 << 62),
                                                   "memory/memory.usage_in_bytes": "1"}) is None
+
+
+# -- the tier alone, against the file's bytes ------------------------------------------------------------------
+
+class TierMachine(RuleBasedStateMachine):
+    """Random calls (fetch some experts, get some, inject a fault, release) on a tier over a real file: every
+    expert's bytes are the file's (read with numpy), the budget is never exceeded, a fault fails only its get and
+    the next get of that expert reads it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.store = GGUFStore(_MACHINE_MODEL[0])
+        self.names = [{k: f"blk.{i}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")} for i in range(2)]
+        per_layer = _layer_need(_MACHINE_MODEL[0])
+        self.budget = per_layer + per_layer // 2
+        self.tier = HostTier(self.store, self.budget, "lru", n_threads=2)
+        self.layers = [self.tier.add_layer(i, n) for i, n in enumerate(self.names)]
+        self.capacity = self.budget // (per_layer // 16)  # experts the budget holds
+        self.pinned: set[tuple[int, int]] = set()  # what the current call fetched: never evicted before release
+        self.faulted = False
+
+    def teardown(self):
+        self.tier.close()
+        self.store.close()
+
+    @rule(layer=st.integers(0, 1), experts=st.lists(st.integers(0, 15), min_size=1, max_size=16, unique=True))
+    def fetch(self, layer, experts):
+        ids = ffi.new("int32_t[]", experts)
+        rc = lib.hy_tier_fetch(self.tier.ptr, self.layers[layer], ids, len(experts))
+        want = self.pinned | {(layer, e) for e in experts}
+        if len(want) > self.capacity:  # more than one call may hold: refused, naming the budget
+            assert rc == -1 and "budget" in ffi.string(lib.hy_tier_error(self.tier.ptr)).decode()
+            self.release()
+        else:
+            assert rc == 0, ffi.string(lib.hy_tier_error(self.tier.ptr)).decode()
+            self.pinned = want
+
+    @rule(layer=st.integers(0, 1), e=st.integers(0, 15))
+    def get(self, layer, e):
+        src = ffi.new("const uint8_t *[3]")
+        rc = lib.hy_tier_get(self.tier.ptr, self.layers[layer], e, src)
+        if (layer, e) not in self.pinned and len(self.pinned) + 1 > self.capacity:
+            assert rc == -1 and "budget" in ffi.string(lib.hy_tier_error(self.tier.ptr)).decode()
+            self.release()
+            return
+        self.pinned.add((layer, e))
+        if rc != 0:
+            assert self.faulted and "layer" in ffi.string(lib.hy_tier_error(self.tier.ptr)).decode()
+            self.faulted = False
+            return
+        for k, name in enumerate(self.names[layer].values()):
+            want = np.asarray(self.store.raw(name))[e].tobytes()
+            assert bytes(ffi.buffer(src[k], len(want))) == want
+
+    @rule(kind=st.sampled_from(["eio", "short"]))
+    def fault(self, kind):
+        if not self.faulted:
+            self.tier.inject_fault(after=0, kind=kind)
+            self.faulted = True  # the next read fails (if a read happens before the machine ends)
+
+    @rule()
+    def release(self):
+        lib.hy_tier_release(self.tier.ptr)
+        self.pinned = set()
+
+    @invariant()
+    def within_budget(self):
+        c = self.tier.counters
+        assert 0 <= c.bytes_held <= self.budget
+        assert c.bytes_held % (_layer_need(_MACHINE_MODEL[0]) // 16) == 0  # whole experts only
+
+
+_MACHINE_MODEL: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def machine_model(tmp_path_factory):
+    path = write_moe_stack(tmp_path_factory.mktemp("machine") / "m.gguf", n_layer=2, n_embd=256, n_ff=256,
+                           n_expert=16, n_used=4, expert_type="q4_K", seed=3)
+    _MACHINE_MODEL[:] = [path]
+    return path
+
+
+def test_the_tier_returns_the_files_bytes_under_random_calls(machine_model):
+    run_state_machine_as_test(TierMachine, settings=settings(max_examples=25, stateful_step_count=30,
+                                                             deadline=None))
