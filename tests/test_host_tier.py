@@ -6,6 +6,7 @@ tier must give its outputs bit for bit, and greedy decoding its tokens.
 
 from __future__ import annotations
 
+import gc
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 import ggml_hybrid as gh
 from ggml_hybrid._native import ffi, lib
+from ggml_hybrid._native.managed import live_objects
 from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.machine import cgroup_memory_left
 from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, HostTier, auto_budget, entry_bytes
@@ -184,6 +186,8 @@ def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path):
 def test_options_the_tier_cannot_serve_are_refused_before_running(stack, items, rule):
     with pytest.raises(OptionError, match=rule):
         MoEStackSession(stack, SessionOptions.parse(items))
+    gc.collect()
+    assert live_objects().get("host_tier", 0) == 0  # refused before any I/O thread started, or closed
 
 
 @pytest.mark.parametrize("text, value", [("0", 0), ("2G", 2 << 30), ("1.5M", 3 * MiB // 2), ("auto", "auto"),

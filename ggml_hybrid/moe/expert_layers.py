@@ -28,7 +28,7 @@ from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
 from .ffn import ExpertWeights
-from .host_tier import HostTier, entry_bytes, resolve_budget
+from .host_tier import HostTier, check_tier_budget, entry_bytes, resolve_budget
 from .native_executor import NativeExpertExecutor, NativeWorker, Scratch
 from .traces import TraceWriter
 
@@ -149,7 +149,10 @@ class ExpertLayers:
             # `auto` leaves room for the slots a CPU playing the device allocates next, in the same host memory
             host_slots = sum((opts.expert_cache_slots + 1) * sum(per_expert[i]) for i in disk_layers
                              if (b := backend_of(named[i]["down"])) is not None and b.is_cpu)
-            self.tier = HostTier(store, resolve_budget(opts.host_cache_bytes, need, host_slots), opts.expert_eviction)
+            budget = resolve_budget(opts.host_cache_bytes, need, host_slots)
+            layer_need = max(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)
+            check_tier_budget(budget, layer_need, opts.host_cache_bytes)  # before any I/O thread starts
+            self.tier = HostTier(store, budget, opts.expert_eviction)
         self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
         if opts.trace_path is not None:
             check_output(opts.trace_path, [store.path], "trace_path")

@@ -102,11 +102,7 @@ class HostTier(Managed):
         infos = [self.store.info(n) for n in names.values()]
         n_expert = infos[0].shape[0]
         nbytes = [i.nbytes // i.shape[0] for i in infos]
-        need = entry_bytes(nbytes) * n_expert
-        if need > self.budget:
-            raise OptionError(f"host_cache_bytes={self.budget} ({format_bytes(self.budget)}): the host tier must "
-                              f"hold at least one layer's experts (a call may load all of them): layer {label} needs "
-                              f"{need} bytes ({format_bytes(need)}); give --host-cache {-(-need // MiB)}M or more")
+        check_tier_budget(self.budget, entry_bytes(nbytes) * n_expert, self.budget)
         offsets = ffi.new("uint64_t[]", [i.offset for i in infos])
         sizes = ffi.new("size_t[]", nbytes)
         idx = int(lib.hy_tier_add_layer(self.ptr, label, n_expert, len(infos), offsets, sizes))
@@ -136,6 +132,15 @@ class HostTier(Managed):
         super().close()
 
 
+def check_tier_budget(budget: int, layer_need: int, given: int | str) -> None:
+    """The tier must hold one layer's experts (``layer_need`` bytes in it): a call may load all of them."""
+    if budget < layer_need:
+        what = "" if given == budget else f" (host_cache_bytes={given} gives {budget} bytes here)"
+        raise OptionError(f"host_cache_bytes={budget} ({format_bytes(budget)}){what}: the host tier must hold at "
+                          f"least one layer's experts (a call may load all of them): {layer_need} bytes "
+                          f"({format_bytes(layer_need)}); give --host-cache {-(-layer_need // MiB)}M or more")
+
+
 def resolve_budget(value: int | str, need_total: int, host_slots: int = 0) -> int:
     """The byte budget of ``host_cache_bytes=value``: a size as given, ``auto`` from the memory available less
     ``host_slots`` (the bytes of expert slots still to be allocated in host memory: a CPU playing the device);
@@ -145,4 +150,4 @@ def resolve_budget(value: int | str, need_total: int, host_slots: int = 0) -> in
 
 
 __all__ = ["AUTO_MARGIN_FRACTION", "AUTO_MARGIN_MIN", "IO_THREADS", "HostTier", "TierCounters", "auto_budget",
-           "entry_bytes", "resolve_budget"]
+           "check_tier_budget", "entry_bytes", "resolve_budget"]
