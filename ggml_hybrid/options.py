@@ -21,6 +21,7 @@ from ._native import lib
 from .errors import OptionError
 from .ggml.backend import THREADS_PER_CORE, max_threads
 from .ggml.rpc import endpoint_list
+from .units import parse_size
 
 __all__ = ["EvictionPolicy", "ExecutorKind", "KVCacheType", "OptionError", "SessionOptions", "SplitMode"]
 
@@ -102,6 +103,20 @@ def _bool_or_auto(v: Any) -> Union[bool, str]:
     if isinstance(v, str) and v.strip().lower() == "auto":
         return "auto"
     return _bool(v)
+
+
+def _size_or_auto(v: Any) -> Union[int, str]:
+    if isinstance(v, str):
+        if v.strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse_size(v)
+        except OptionError:
+            raise _Bad() from None
+    _typed(v, int)
+    if v < 0:
+        raise _Bad()
+    return cast(int, v)
 
 
 _DEVICE_RE = re.compile(r"(RPC|CUDA|DEV)[0-9]+")
@@ -330,6 +345,11 @@ class SessionOptions:
         "Repack the weights that live on CPU backends into GGML's CPU extra buffer types where the type and CPU "
         "allow (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2), for its faster kernels; false = llama.cpp's --no-repack.",
         _bool)
+    host_cache_bytes: Union[int, str] = _opt(
+        0, "int | 'auto'", "a size >= 0 (bytes, or with a K/M/G/T suffix) or 'auto'; > 0 needs disk_experts",
+        "Host-RAM expert tier between the device's slots and the file: whole experts read from the GGUF by I/O "
+        "threads (O_DIRECT where allowed) into at most this many bytes of host memory; 0 = none (loads read the "
+        "mapping); 'auto' = the memory available at load less a margin.", _size_or_auto)
 
     moe_prefetch: bool = _opt(
         False, "bool", _BOOL_RULE,

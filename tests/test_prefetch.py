@@ -55,8 +55,8 @@ def prefetch_sequences(draw):
 def test_the_c_prefetch_places_every_expert_as_the_python_one_and_never_evicts_a_kept_one(case):
     n_experts, n_slots, policy, steps = case
     py = SlotCache(n_experts, n_slots, policy)
-    c = ffi.gc(lib.hy_cache_new(n_experts, n_slots, {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU, "freq": lib.HY_POLICY_FREQ}[policy]),
-               lib.hy_cache_free)
+    code = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU, "freq": lib.HY_POLICY_FREQ}[policy]
+    c = ffi.gc(lib.hy_cache_new(n_experts, n_slots, code), lib.hy_cache_free)
     evicted = ffi.new("int *")
     for experts, pred in steps:
         keep = ffi.new("uint8_t[]", [int(e in pred) for e in range(n_experts)])

@@ -141,6 +141,18 @@ def test_all_layers_on_the_rpc_device_are_bit_identical(model, reference, server
     assert np.array_equal(got, ref)
 
 
+def test_the_host_tier_feeds_an_rpc_device_bit_identically(model, reference, server):
+    """Queued uploads from the host tier's buffers (not the mapping) across a real process boundary."""
+    tokens, ref = reference
+    with MoEModel(model, opts(f"rpc={server.endpoint}", "disk_experts=true", "expert_cache_slots=2",
+                              "host_cache_bytes=16M")) as m:
+        got = run_both_halves(m, tokens)
+        ex, tier = m.experts.executors[0], m.experts.tier.counters
+        assert ex.load_mode == "queued" and tier.misses > 0
+        assert tier.hits + tier.misses == m.counters.total.misses
+    assert np.array_equal(got, ref)
+
+
 @pytest.mark.parametrize("executor", ["native", "python"])
 @pytest.mark.parametrize("share", [0.0, 0.5, "auto"])
 def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, server, share, executor):

@@ -31,6 +31,7 @@ from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
 from .ffn import ExpertWeights
+from .host_tier import HostTier, check_tier_budget, entry_bytes, resolve_budget
 from .native_executor import NativeExpertExecutor, NativeWorker, Scratch
 from .traces import TraceWriter, read_trace
 
@@ -69,6 +70,14 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used:
     if opts.moe_cpu_share != 0.0 and not opts.disk_experts:
         raise OptionError(f"moe_cpu_share={opts.moe_cpu_share}: a CPU share of cache misses needs "
                           "disk_experts=true (with resident or CPU-placed experts there are no misses)")
+    if opts.host_cache_bytes != 0 and not opts.disk_experts:
+        raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier feeds the expert cache's loads, "
+                          "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
+    if opts.host_cache_bytes != 0 and opts.moe_cpu_share != 0.0:
+        raise OptionError(f"host_cache_bytes={opts.host_cache_bytes} with moe_cpu_share={opts.moe_cpu_share}: the "
+                          "CPU worker computes its misses from the mapped file, which the host tier does not feed "
+                          "yet; use one or the other (on a CPU-only machine the CPU playing the device runs the "
+                          "tier's experts: moe_cpu_share=0)")
     if opts.trace_path is not None and not opts.disk_experts:
         raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
                           "(disk_experts=true)")
@@ -179,6 +188,24 @@ class ExpertLayers:
         if opts.moe_cpu_share != 0.0 and any(m == "disk" for m in self.modes):
             self.worker = NativeWorker(n_threads) if self.native else CPUWorker(n_threads)
         self._scratch: dict[int, Scratch] = {}  # the native executors' compute buffer, one per device
+        # the host expert tier between the disk layers' slots and the file (host_cache_bytes)
+        self.tier: HostTier | None = None
+        disk_layers = [i for i in self.moe_layers if self.modes[i] == "disk"]
+        if opts.host_cache_bytes != 0 and disk_layers and load:
+            if not self.native:
+                raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier feeds the native "
+                                  "executor's loads; these layers run the Python executor (moe_executor=python, "
+                                  "expert biases or gpt-oss's clamped SwiGLU)")
+            per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in named[i].values()]
+                          for i in disk_layers}
+            need = sum(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)
+            # `auto` leaves room for the slots a CPU playing the device allocates next, in the same host memory
+            host_slots = sum((opts.expert_cache_slots + 1) * sum(per_expert[i]) for i in disk_layers
+                             if (b := backend_of(named[i]["down"])) is not None and b.is_cpu)
+            budget = resolve_budget(opts.host_cache_bytes, need, host_slots)
+            layer_need = max(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)
+            check_tier_budget(budget, layer_need, opts.host_cache_bytes)  # before any I/O thread starts
+            self.tier = HostTier(store, budget, opts.expert_eviction)
         self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
         if opts.trace_path is not None:
             check_output(opts.trace_path, [store.path], "trace_path")
@@ -246,7 +273,7 @@ class ExpertLayers:
                         glu=glu, worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
                         trace_seq=self._trace_seq, repack=opts.repack,
-                        route=routes[moe_layer] if routes is not None else None)
+                        route=routes[moe_layer] if routes is not None else None, tier=self.tier)
                 else:
                     shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
                     executor = ExpertCacheExecutor(
@@ -370,6 +397,8 @@ class ExpertLayers:
         for e in self.executors:
             if e is not None:
                 e.close()
+        if self.tier is not None:
+            self.tier.close()  # after the executors: they point at it
         for s in self._scratch.values():
             s.close()
         for pair in self._shared.values():

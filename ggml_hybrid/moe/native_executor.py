@@ -31,6 +31,7 @@ from ..gguf.store import GGUFStore
 from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
 from .executor import LayerCounters, SyntheticClock, allocate_slots
 from .ffn import ExpertWeights
+from .host_tier import HostTier
 from .traces import TraceWriter
 
 _ERRORS: dict[int, type[GgmlHybridError]] = {
@@ -100,7 +101,8 @@ class NativeExpertExecutor:
                  policy: str, n_used: int, glu: str = "swiglu", worker: NativeWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None, scratch: Scratch | None = None,
                  trace: TraceWriter | None = None, clear: bool = True, staging: bool | None = None,
-                 trace_seq: CData | None = None, repack: bool = True, route: np.ndarray | None = None) -> None:
+                 trace_seq: CData | None = None, repack: bool = True, route: np.ndarray | None = None,
+                 tier: HostTier | None = None) -> None:
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.worker, self.share, self.host_experts, self.trace = worker, share, host_experts, trace
         infos = {k: store.info(n) for k, n in names.items()}
@@ -123,6 +125,8 @@ class NativeExpertExecutor:
         self.staging = bool(staging)
         self._keep: list[Any] = []
         self.route = None if route is None else np.ascontiguousarray(route, np.int32)
+        self.tier = tier  # loads read the host tier instead of the mapping (kept alive: C points at it)
+        self.tier_layer = tier.add_layer(layer, names) if tier is not None else -1
         cfg = self._config(layer, names, n_used, policy, glu, trace is not None, trace_seq)
         self._exec = _Exec(cfg)
         self._cfg = cfg  # C points into what it holds
@@ -171,6 +175,8 @@ class NativeExpertExecutor:
         if self.route is not None:
             cfg.route = ffi.cast("const int32_t *", self.route.ctypes.data)
             cfg.n_route = len(self.route)
+        cfg.tier = self.tier.ptr if self.tier is not None else ffi.NULL
+        cfg.tier_layer = self.tier_layer
         return cfg
 
     # -- the region -----------------------------------------------------------------------------

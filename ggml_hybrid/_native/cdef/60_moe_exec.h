@@ -81,6 +81,8 @@ typedef struct hy_moe_config {
     int64_t * trace_seq;
     const int32_t * route;
     int64_t n_route;
+    hy_tier * tier;
+    int tier_layer;
 } hy_moe_config;
 
 typedef struct hy_moe_exec hy_moe_exec;

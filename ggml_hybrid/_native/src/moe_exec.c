@@ -80,6 +80,13 @@ static int fail(hy_moe_exec * ex, int code, const char * fmt, const char * detai
     return -1;
 }
 
+/* the host tier's failure as the call's (its message names the layer) */
+static int fail_tier(hy_moe_exec * ex) {
+    ex->err_code = HY_ERR_FILE;
+    snprintf(ex->err, sizeof(ex->err), "%s", hy_tier_error(ex->cfg.tier));
+    return -1;
+}
+
 /* realloc array `p` to `n` elements of its type; false (p unchanged) when out of memory */
 #define GROW(p, n) ((tmp = realloc((p), sizeof(*(p)) * (n))) != NULL && ((p) = tmp, true))
 
@@ -273,12 +280,32 @@ static void stage_wait(hy_moe_exec * ex, hy_stage * st) {
     ex->counters.staging_wait_ns += hy_now_ns() - t;
 }
 
-/* copy expert `e` from the mapping into `slot` of every expert tensor */
+/* where expert `e`'s bytes of each kind are: the mapping, or the host tier (which reads them first if they are
+   not there yet); false with the error set when the tier's read failed */
+static bool expert_source(hy_moe_exec * ex, int e, const uint8_t ** src) {
+    if (ex->cfg.tier == NULL) {
+        for (int i = 0; i < ex->cfg.n_kinds; i++) {
+            src[i] = ex->cfg.src[i] + (size_t) e * ex->cfg.nbytes[i];
+        }
+        return true;
+    }
+    if (hy_tier_get(ex->cfg.tier, ex->cfg.tier_layer, e, src) != 0) {
+        fail_tier(ex);
+        return false;
+    }
+    return true;
+}
+
+/* copy expert `e` from the mapping (or the host tier) into `slot` of every expert tensor; -1 on failure */
 static int64_t load(hy_moe_exec * ex, int e, int slot) {
+    const uint8_t * srcs[HY_MAX_KINDS];
+    if (!expert_source(ex, e, srcs)) {
+        return -1;
+    }
     int64_t n = 0;
     for (int i = 0; i < ex->cfg.n_kinds; i++) {
         const size_t nb = ex->cfg.nbytes[i];
-        const uint8_t * src = ex->cfg.src[i] + (size_t) e * nb;
+        const uint8_t * src = srcs[i];
         if (ex->async_loads) {
             ggml_backend_tensor_set_async(ex->cfg.device, ex->cfg.slot_tensor[i], src, (size_t) slot * nb, nb);
             ex->async_pending = true;
@@ -511,6 +538,11 @@ static int plan(hy_moe_exec * ex, hy_call * call) {
     if (call->n_cpu > 0) {
         hy_cache_note_cpu(ex->cache, ex->last_cpu, call->n_cpu); /* the CPU's requests count in the history */
     }
+    /* the host tier starts reading every round's misses now, several in flight; each load waits for its own */
+    if (ex->cfg.tier != NULL && call->plan->n_loads > 0 &&
+        hy_tier_fetch(ex->cfg.tier, ex->cfg.tier_layer, call->plan->load_expert, call->plan->n_loads) != 0) {
+        return fail_tier(ex);
+    }
     if (!call->checked && call->plan->n_loads > 0 && !file_unchanged(ex)) { /* loads read the mapping */
         return fail(ex, HY_ERR_FILE, ERR_FILE, "");
     }
@@ -619,6 +651,9 @@ static int run_round(hy_moe_exec * ex, hy_call * call, int r) {
             ex->fail_after--;
         }
         const int64_t n = load(ex, p->load_expert[i], p->load_slot[i]);
+        if (n < 0) {
+            return -1;
+        }
         loaded += n;
         c->bytes_loaded += n;
     }
@@ -885,6 +920,9 @@ static void clean_up(hy_moe_exec * ex, const hy_call * call, int rc) {
             stage_wait(ex, &ex->stage[0]);
             stage_wait(ex, &ex->stage[1]);
         }
+    }
+    if (ex->cfg.tier != NULL) {
+        hy_tier_release(ex->cfg.tier); /* its reads in flight are done; its experts can be evicted again */
     }
     for (int i = 0; i < call->n_experts; i++) {
         ex->counts[ex->experts[i]] = 0;

@@ -16,6 +16,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "host_tier.h"
 #include "moe_graphs.h"
 #include "moe_policy.h"
 #include "moe_worker.h"
@@ -93,6 +94,8 @@ typedef struct hy_moe_config {
     const int32_t * route;            /* moe_route_trace (benchmarks): [n_route, n_used] ids that replace the
                                          router's, token by token, cycling; NULL: the router's own */
     int64_t n_route;
+    hy_tier * tier;                   /* NULL: loads read the mapping; else the host tier (host_tier.h) */
+    int tier_layer;                   /* this layer's index in the tier */
 } hy_moe_config;
 
 typedef struct hy_moe_exec hy_moe_exec;
