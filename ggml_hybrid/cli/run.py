@@ -102,6 +102,8 @@ def read_prompt_file(path: str) -> str:
 @click.option("-no-cnv", "--no-conversation", "no_conversation", is_flag=True,
               help="Complete the prompt (the default).")
 @click.option("-sys", "--system-prompt", "system_prompt", help="The system message of a conversation (-cnv).")
+@click.option("-sp", "--special", is_flag=True, help="Print control tokens such as <|im_end|> in a conversation "
+              "(-cnv; hidden by default, as in llama.cpp).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streamed text and stats.")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="Write every evaluated position's logits, float32 [positions, vocab], to this .npy file.")
@@ -110,7 +112,8 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         prompt: str | None, prompt_file: str | None,
         tokens: str | None, escape: bool, n_predict: int, seed: int | None, temp: float, top_k: int, top_p: float,
         min_p: float, repeat_penalty: float, repeat_last_n: int, presence_penalty: float, frequency_penalty: float,
-        ignore_eos: bool, conversation: bool, no_conversation: bool, system_prompt: str | None, as_json: bool,
+        ignore_eos: bool, conversation: bool, no_conversation: bool, system_prompt: str | None, special: bool,
+        as_json: bool,
         logits_out: str | None, **flags: Any) -> None:
     """Generate text from MODEL (a GGUF file, or a model name or role in --config)."""
     from ..files import check_output
@@ -127,6 +130,8 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
             raise click.UsageError(f"give at most one of -p/--prompt and -f/--file (got {', '.join(given)})")
     elif system_prompt is not None:
         raise click.UsageError("-sys/--system-prompt needs -cnv (a system message is part of a conversation)")
+    elif special:
+        raise click.UsageError("-sp/--special needs -cnv (without it every token is printed as written)")
     elif len(given) != 1:
         raise click.UsageError("give exactly one of -p/--prompt, -f/--file and --tokens"
                                + (f" (got {', '.join(given)})" if given else ""))
@@ -159,7 +164,7 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         from .conversation import converse
 
         with m:
-            converse(m, sampler, n_predict, system_prompt, prompt, ignore_eos, sys.stdin)
+            converse(m, sampler, n_predict, system_prompt, prompt, ignore_eos, sys.stdin, special)
         return
     with m:
         if ids is None:
