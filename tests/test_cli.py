@@ -529,23 +529,25 @@ def test_inspect_bad_file(models, which, expect):
 
 def test_bench_json(models, tokenizer):
     r = ok("bench", models["m"], "--a", "n_threads=1", "--b", "n_threads=1 disk_experts=1 expert_cache_slots=4",
-           "--runs", 1, "-n", 2, "--json")
+           "--runs", 1, "-n", 2, "-p", 12, "--json")
     d = json.loads(r.stdout)
     assert (d["runs"], d["n_predict"]) == (1, 2)
-    assert d["prompt_tokens"] == len(tokenizer.encode("The quick brown fox jumps over the lazy dog."))
+    assert d["prompt_tokens"] == 12
     A, B = d["sides"]["A"], d["sides"]["B"]
     assert A["options"] == ["n_threads=1"]
     assert sorted(B["options"]) == ["disk_experts=true", "expert_cache_slots=4", "n_threads=1"]
     for s in (A, B):
         for k in ("prompt_tps", "decode_tps", "decode_tps_median", "decode_tps_first", "decode_tps_second"):
             assert isinstance(s[k], float) and s[k] > 0, k
+        for k in ("prompt_tps_stddev", "decode_tps_stddev"):
+            assert isinstance(s[k], float) and s[k] >= 0, k
     assert d["ratio_decode_b_over_a"] == pytest.approx(B["decode_tps"] / A["decode_tps"])
     assert d["ratio_prompt_b_over_a"] == pytest.approx(B["prompt_tps"] / A["prompt_tps"])
 
 
 def test_bench_text_table(models):
     text = ok("bench", models["m"], "--a", "n_threads=1", "--b", "n_threads=1,expert_cache_slots=2,disk_experts=1",
-              "--runs", 1, "-n", 2).stdout
+              "--runs", 1, "-n", 2, "-p", 8).stdout
     assert "ratio B/A: decode" in text
     rows = [ln for ln in text.splitlines() if ln.startswith(("A ", "B "))]
     assert len(rows) == 2 and rows[0].rstrip().endswith("n_threads=1") and "disk_experts=true" in rows[1]
@@ -553,7 +555,7 @@ def test_bench_text_table(models):
 
 def test_bench_with_config(config):
     d = json.loads(ok("bench", "main", "--config", config, "--b", "moe_cpu_share=0 expert_cache_slots=8", "--runs", 1,
-                      "-n", 2, "--json").stdout)
+                      "-n", 2, "-p", 8, "--json").stdout)
     # the config's options (role main) are both sides' base; --b overrides two of them
     assert sorted(d["sides"]["A"]["options"]) == ["disk_experts=true", "expert_cache_slots=2", "moe_cpu_share=0.5"]
     assert sorted(d["sides"]["B"]["options"]) == ["disk_experts=true", "expert_cache_slots=8"]

@@ -259,7 +259,7 @@ def test_plan_takes_the_session_flags_and_json(model):
 
 def test_bench_takes_the_session_flags(model):
     d = json.loads(ok("bench", model, *T1, "-c", 128, "--b", "expert_cache_slots=2 disk_experts=1", "--runs", 1,
-                      "-n", 2, "-p", "Hello there", "--json").stdout)
+                      "-n", 2, "-p", 8, "--json").stdout)
     assert sorted(d["sides"]["A"]["options"]) == ["n_ctx=128", "n_threads=1"]
     assert sorted(d["sides"]["B"]["options"]) == ["disk_experts=true", "expert_cache_slots=2", "n_ctx=128",
                                                    "n_threads=1"]

@@ -9,6 +9,7 @@ llama.cpp has but that would do nothing here is refused with the reason, never i
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -277,6 +278,27 @@ def session_from_flags(model: str, values: dict[str, Any]) -> Session:
     config, items = session_items(values)
     path, role, base = resolve_model(model, config)
     return Session(path, role, SessionOptions.parse(items, role=role, base=base))
+
+
+def warn_busy_threads(opts: SessionOptions) -> None:
+    """A warning on stderr when ``-t`` asks for more threads than other processes leave cores idle: GGML's
+    threads meet at a barrier after every op, so one sharing its core with a busy process stalls all of them
+    (decode many times slower). The default thread count (no ``-t``) is one per idle core, so it is never warned."""
+    from ..machine import IDLE_FRACTION, idle_cores, usable_cores
+
+    n = opts.n_threads
+    if not n:
+        return
+    idle = idle_cores()
+    if idle is None:
+        return
+    most = max(1, math.floor(idle + (1 - IDLE_FRACTION)))
+    if n <= most:
+        return
+    click.echo(f"warning: -t {n}: only {idle:.1f} of {usable_cores()} cores are idle (other processes use the rest); "
+               "a thread that shares its core with them stalls every other thread at each op, so this can run many "
+               "times slower than fewer threads: leave -t out (one thread per idle core) or give at most "
+               f"{most}", err=True)
 
 
 def _dedupe(items: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ from .flags import (
     progress_bar,
     session_flags,
     session_from_flags,
+    warn_busy_threads,
 )
 from .main import EXIT_INTERRUPTED, ignore_interrupts, main
 
@@ -146,6 +147,8 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         if escape:
             prompt = process_escapes(prompt)
     path, _, opts = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=as_json), flags)
+    if not as_json:
+        warn_busy_threads(opts)
     if opts.n_parallel > 1:
         raise click.UsageError(f"n_parallel={opts.n_parallel}: `run` generates one sequence; several share a model "
                                "in `ggml-hybrid serve`, and `plan -np N` sizes their KV cache")
