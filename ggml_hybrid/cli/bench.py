@@ -60,6 +60,8 @@ def bench(model: str | None, model_flag: str | None, hf_repo: str | None, hf_fil
     if not any(prompts) and not any(gens):
         raise click.UsageError("-p 0 and -n 0: no test to run")
     with MoEModel(path, base) as m:
+        for w in m.warnings:
+            click.echo(f"warning: {w}", err=True)
         longest = max(prompts + gens)
         if longest > m.n_ctx:
             raise click.BadParameter(f"a test of {longest} tokens does not fit the context of {m.n_ctx} (-c)",

@@ -11,6 +11,7 @@ from typing import Any
 import click
 import numpy as np
 
+from ..runtime.sampling import LLAMA_DEFAULTS
 from .flags import (
     check_model_args,
     explicit,
@@ -81,22 +82,27 @@ def read_prompt_file(path: str) -> str:
 @click.option("--tokens", help="Prompt as comma-separated token ids (instead of -p or -f).")
 @click.option("-e", "--escape/--no-escape", "escape", default=True,
               help="Process escapes (\\n, \\t, \\xHH, ...) in the prompt, as llama.cpp does (default: on).")
-@click.option("-n", "--predict", "--n-predict", "n_predict", default=32, show_default=True, type=click.IntRange(-1),
-              help="Tokens to generate; -1 = until end of generation or a full context.")
+@click.option("-n", "--predict", "--n-predict", "n_predict", default=-1, show_default=True, type=click.IntRange(-1),
+              help="Tokens to generate; -1 = until end of generation or a full context (as llama.cpp).")
 @session_flags
-@click.option("-s", "--seed", type=click.IntRange(-1, _SEED_MAX), help="Sampling seed (-1 = random); with --temp > 0.")
-@click.option("--temp", "--temperature", "temp", default=0.0, show_default=True, type=click.FloatRange(0),
-              help="Temperature; 0 = greedy (llama.cpp's default is 0.8).")
-@click.option("--top-k", default=40, show_default=True, type=click.IntRange(0), help="Top-k (0 = off).")
-@click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True),
-              help="Top-p (1 = off).")
-@click.option("--min-p", default=0.05, show_default=True, type=click.FloatRange(0, 1), help="Min-p (0 = off).")
-@click.option("--repeat-penalty", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True),
-              help="Penalize the last --repeat-last-n tokens (1 = off).")
-@click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(0),
+@click.option("-s", "--seed", type=click.IntRange(-1, _SEED_MAX), help="Sampling seed (default -1 = random); with "
+              "--temp > 0.")
+@click.option("--temp", "--temperature", "temp", default=LLAMA_DEFAULTS["temperature"], show_default=True,
+              type=click.FloatRange(0), help="Temperature; 0 = greedy (the default is llama.cpp's and serve's).")
+@click.option("--top-k", default=LLAMA_DEFAULTS["top_k"], show_default=True, type=click.IntRange(0),
+              help="Top-k (0 = off).")
+@click.option("--top-p", default=LLAMA_DEFAULTS["top_p"], show_default=True,
+              type=click.FloatRange(0, 1, min_open=True), help="Top-p (1 = off).")
+@click.option("--min-p", default=LLAMA_DEFAULTS["min_p"], show_default=True, type=click.FloatRange(0, 1),
+              help="Min-p (0 = off).")
+@click.option("--repeat-penalty", default=LLAMA_DEFAULTS["repeat_penalty"], show_default=True,
+              type=click.FloatRange(0, min_open=True), help="Penalize the last --repeat-last-n tokens (1 = off).")
+@click.option("--repeat-last-n", default=LLAMA_DEFAULTS["repeat_last_n"], show_default=True, type=click.IntRange(0),
               help="Tokens the penalties look back over (0 = penalties off).")
-@click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="Presence penalty (0 = off).")
-@click.option("--frequency-penalty", default=0.0, show_default=True, type=float, help="Frequency penalty (0 = off).")
+@click.option("--presence-penalty", default=LLAMA_DEFAULTS["presence_penalty"], show_default=True, type=float,
+              help="Presence penalty (0 = off).")
+@click.option("--frequency-penalty", default=LLAMA_DEFAULTS["frequency_penalty"], show_default=True, type=float,
+              help="Frequency penalty (0 = off).")
 @click.option("--ignore-eos", is_flag=True, help="Generate past end-of-generation tokens.")
 @click.option("-cnv", "--conversation", "conversation", is_flag=True,
               help="Chat in the terminal with the model's chat template (-p/-f: the first message; -n: per reply).")
@@ -163,6 +169,9 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         m = MoEModel(path, opts, progress=cb)
     finally:
         finish()
+    if not as_json:
+        for w in m.warnings:
+            click.echo(f"warning: {w}", err=True)
     if conversation:
         from .conversation import converse
 
@@ -213,8 +222,8 @@ def _refuse_ignored(ctx: click.Context, temp: float, repeat_penalty: float, repe
         idle = [f for f, p in (("--top-k", "top_k"), ("--top-p", "top_p"), ("--min-p", "min_p"), ("--seed", "seed"))
                 if explicit(ctx, p)]
         if idle:
-            raise click.UsageError(f"{', '.join(idle)}: no effect with greedy decoding (--temp 0, the default here; "
-                                   "llama.cpp's is 0.8); give --temp")
+            raise click.UsageError(f"{', '.join(idle)}: no effect with greedy decoding (--temp 0); give a --temp "
+                                   "above 0 (or leave it out: 0.8, as llama.cpp)")
     penalizing = repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
     if explicit(ctx, "repeat_last_n") and not penalizing:
         raise click.UsageError("--repeat-last-n: no effect without --repeat-penalty, --presence-penalty or "
