@@ -52,7 +52,8 @@ def ok(*args):
 
 
 def run_json(*args) -> dict:
-    r = ok("run", *args, "--json")
+    greedy = () if {"--temp", "--temperature"} & {str(a) for a in args} else ("--temp", "0")  # reproducible
+    r = ok("run", *greedy, *args, "--json")
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1, f"--json must print exactly one line, got {r.stdout!r}"
     assert r.stderr == "", "--json: no stats block, and no progress bar when stderr is not a terminal"
@@ -167,7 +168,7 @@ def test_run_prompt_prints_the_greedy_text_and_a_stats_block(models, tokenizer):
     prompt = "Once upon a time"
     ids = tokenizer.encode(prompt)
     toks, _, stop = reference(models["m"], ids, 8)
-    r = ok("run", models["m"], "--prompt", prompt, "-n", 8, "-t", 1)
+    r = ok("run", "--temp", "0", models["m"], "--prompt", prompt, "-n", 8, "-t", 1)
     assert r.stdout == tokenizer.decode(toks) + "\n"
     (p,), (g,), (s,), (hits, misses, cpu), (share,), (active,), (peak,) = parse_stats(r.stderr)
     assert (int(p), int(g), s) == (len(ids), len(toks), stop)
@@ -177,7 +178,7 @@ def test_run_prompt_prints_the_greedy_text_and_a_stats_block(models, tokenizer):
 
 def test_run_tokens_matches_the_reference(models, tokenizer):
     toks, _, stop = reference(models["m"], PROMPT_IDS, 7)
-    r = ok("run", models["m"], "--tokens", ",".join(map(str, PROMPT_IDS)), "-n", 7, "-t", 1)
+    r = ok("run", "--temp", "0", models["m"], "--tokens", ",".join(map(str, PROMPT_IDS)), "-n", 7, "-t", 1)
     assert r.stdout == tokenizer.decode(toks) + "\n"
     (p,), (g,), (s,), *_ = parse_stats(r.stderr)
     assert (int(p), int(g), s) == (len(PROMPT_IDS), len(toks), stop)
@@ -194,7 +195,7 @@ def test_run_other_architectures_match_the_reference(models, name, arch):
 def test_run_stats_block_reports_the_cpu_offload_counters(models):
     args = (models["m"], "--tokens", "3,4,5", "-n", 5, "--ignore-eos", "-t", 1, *DISK_CACHE, "--moe-cpu-share", 0.5)
     d = run_json(*args)
-    r = ok("run", *args)
+    r = ok("run", "--temp", "0", *args)
     assert r.stdout == d["text"] + "\n"
     stats = parse_stats(r.stderr)
     c = d["counters"]

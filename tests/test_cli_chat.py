@@ -73,10 +73,11 @@ class Terminal:
                                      preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
         os.close(slave)
         self.out = b""
+        self.seen = 0  # the end of the last match: the next one is looked for after it
 
     def expect(self, pattern: bytes, timeout: float = 120.0) -> None:
-        """Read until ``pattern`` appears after what was already matched."""
-        start = len(self.out)
+        """Read until ``pattern`` appears after the last match."""
+        start = self.seen
         end = time.monotonic() + timeout
         while pattern not in self.out[start:]:
             if not self._read(end - time.monotonic()):
@@ -113,7 +114,7 @@ def test_chat_on_a_terminal_edits_lines_and_recalls_history(model, tmp_path):
     """Typed as a user types: 'Helo', the left arrow and 'l' make 'Hello'; the up arrow brings it back; a line
     ending in a backslash goes on; /save writes the conversation, whose replies are greedy generation's."""
     saved = tmp_path / "chat.json"
-    term = Terminal(["run", model, "-cnv", "-n", "4", "-t", "1", "-c", "256"])
+    term = Terminal(["run", "--temp", "0", model, "-cnv", "-n", "4", "-t", "1", "-c", "256"])
     term.expect(b"> ")
     term.send("Helo" + LEFT + "l\r")
     term.expect(b"> ")
@@ -155,7 +156,7 @@ def test_clear_load_and_exit(model, tmp_path):
     conv = tmp_path / "c.json"
     conv.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello"},
                                              {"role": "assistant", "content": "Hi there"}]}))
-    r = CliRunner().invoke(main, ["run", model, "-cnv", "-n", "4", "-t", "1", "-c", "256", "-sys", "be brief"],
+    r = CliRunner().invoke(main, ["run", "--temp", "0", model, "-cnv", "-n", "4", "-t", "1", "-c", "256", "-sys", "be brief"],
                            input=f"First\n/load {conv}\nAgain\n/clear\nOnce\n/exit\nnever sent\n")
     assert r.exit_code == 0, r.output
     replies = [t.rstrip("\n") for t in r.stdout.split("\n> ") if t.strip() and not t.startswith("(")]
