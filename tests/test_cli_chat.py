@@ -156,8 +156,8 @@ def test_clear_load_and_exit(model, tmp_path):
     conv = tmp_path / "c.json"
     conv.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello"},
                                              {"role": "assistant", "content": "Hi there"}]}))
-    r = CliRunner().invoke(main, ["run", "--temp", "0", model, "-cnv", "-n", "4", "-t", "1", "-c", "256", "-sys", "be brief"],
-                           input=f"First\n/load {conv}\nAgain\n/clear\nOnce\n/exit\nnever sent\n")
+    r = CliRunner().invoke(main, ["run", "--temp", "0", model, "-cnv", "-n", "4", "-t", "1", "-c", "256", "-sys",
+                                  "be brief"], input=f"First\n/load {conv}\nAgain\n/clear\nOnce\n/exit\nnever sent\n")
     assert r.exit_code == 0, r.output
     replies = [t.rstrip("\n") for t in r.stdout.split("\n> ") if t.strip() and not t.startswith("(")]
     assert "(loaded 2 messages" in r.stdout and "(conversation cleared)" in r.stdout
