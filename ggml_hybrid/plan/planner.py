@@ -438,8 +438,8 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
     fit with every routed expert on the CPU, then as many experts on the devices as still fit (resident, or
     the larger of an expert cache with a CPU share and resident layers after ``n_cpu_moe``). When even the
     smallest configuration does not fit, that configuration and what it needs."""
-    bare = opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction="lru", moe_cpu_share=0.0,
-                       cpu_moe=False, n_cpu_moe=0)
+    bare = opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction=SessionOptions().expert_eviction,
+                       moe_cpu_share=0.0, cpu_moe=False, n_cpu_moe=0)
 
     def try_plan(items: list[str]) -> Plan | None:
         try:
