@@ -25,7 +25,7 @@ from ggml_hybrid.runtime.moe_model import MoEModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "fixtures", "converted")
-from make_reference_fixtures import simd_tag  # noqa: E402
+from make_reference_fixtures import load_for_cpu  # noqa: E402
 
 FAMILIES = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(FIX, "*.npz")))
 TYPES = ("f32", "f16", "q8_0", "q4_k_m")
@@ -36,13 +36,17 @@ TYPES = ("f32", "f16", "q8_0", "q4_k_m")
 # Measured over the ten families: see docs/models.md ("Converter-made files"); the bounds leave about 2x
 HF_MAX = {"f32": 5e-3, "f16": 5e-2, "q8_0": 1.5, "q4_k_m": 4.0}
 HF_MEDIAN = {"f32": 2e-3, "f16": 6e-3, "q8_0": 0.15, "q4_k_m": 1.0}
-# where the recording machine's kernels are not this one's: llama.cpp parity within this instead of bit for bit
-OTHER_CPU = {"f32": 1e-3, "f16": 1e-3, "q8_0": 1e-3, "q4_k_m": 2e-2}
+# llama.cpp's logits are recorded on CPUs with given SIMD features (the base and its variants, see
+# tools/make_reference_fixtures.py) and bit-identical on a CPU with one of those. On another, parity with the base
+# within these bounds instead: about 2x the largest difference between llama.cpp's own logits on an AVX2 and an
+# AVX-512 CPU over the ten families (tools/simd_differences.py: F32 4.8e-4, F16 7.4e-4, Q4_K_M 2.45e-2 (deepseek2's
+# token-by-token decode; the others 0), Q8_0 0: its bound is kept at 1e-3, the F32 one)
+OTHER_CPU = {"f32": 1e-3, "f16": 2e-3, "q8_0": 1e-3, "q4_k_m": 5e-2}
 
 
-def _load(family: str) -> dict:
-    z = np.load(os.path.join(FIX, f"{family}.npz"))
-    return {k: z[k] for k in z.files}
+def _load(family: str, tag: str | None = None) -> dict:
+    fx, exact = load_for_cpu(os.path.join(FIX, f"{family}.npz"), tag)
+    return {**fx, "exact": exact}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -60,7 +64,7 @@ def _rel(a: np.ndarray, ref: np.ndarray) -> float:
 
 def _parity(got: np.ndarray, ref: np.ndarray, fx: dict, t: str) -> None:
     assert got.shape == ref.shape
-    if str(fx["simd"]) == simd_tag():
+    if fx["exact"]:
         assert np.array_equal(got, ref), f"not bit-identical to llama.cpp: max relative difference {_rel(got, ref):.3g}"
     else:
         assert _rel(got, ref) <= OTHER_CPU[t]
@@ -73,8 +77,8 @@ def _opts(**kw) -> SessionOptions:
 def test_every_family_is_recorded():
     assert FAMILIES == sorted(["qwen2moe", "qwen3moe", "mixtral", "olmoe", "deepseek2", "deepseek3", "glm4moe",
                                "gpt-oss", "qwen3next", "qwen35moe"])
-    total = sum(os.path.getsize(p) for p in glob.glob(os.path.join(FIX, "*")))
-    assert total < 15 * 2 ** 20  # the fixtures stay small
+    total = sum(os.path.getsize(p) for p in glob.glob(os.path.join(FIX, "**"), recursive=True) if os.path.isfile(p))
+    assert total < 16 * 2 ** 20  # the fixtures stay small: 14.9 MiB with the AVX2 base, 0.45 MiB per other tag
 
 
 @pytest.mark.parametrize("t", TYPES)

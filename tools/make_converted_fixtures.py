@@ -21,6 +21,14 @@ Written to ``--out``: ``FAMILY-TYPE.gguf`` (the converter's and the quantizer's 
 ``FAMILY.npz`` (the oracles, the sha256 of each file, the versions). Tests compare against these without torch,
 transformers or llama.cpp. The Hugging Face model is seeded, so a rerun gives the same files (checked: the
 recorded hashes).
+
+llama.cpp's logits on another CPU (another SIMD tag, see ``make_reference_fixtures``): ``--logits-only`` runs only
+step 3's llama.cpp part on the files already in ``--out`` (their hashes checked; no converter, no transformers) and
+writes ``simd/TAG/FAMILY.npz`` beside ``FAMILY.npz``, which stays as it is:
+
+    python tools/make_converted_fixtures.py --llama-python /opt/llref/bin/python --logits-only
+
+A full run writes ``FAMILY.npz`` anew with this CPU's tag and removes the family's variants.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import tempfile
 
 import click
 import numpy as np
-from make_reference_fixtures import Case, reference, sha256, simd_tag
+from make_reference_fixtures import Case, reference, sha256, simd_tag, variant_paths, write_simd_variant
 
 from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.text.tokenizer import Tokenizer
@@ -125,22 +133,62 @@ def make_family(family: str, ns: dict, tmp: str, out: str) -> None:
                           f"transformers logits of {family}"))
     rec.update({"hf_logits": np.load(hf_npy), "hf_greedy": np.asarray(res["greedy"], np.int32),
                 "transformers": res["transformers"]})
-    np.savez_compressed(os.path.join(out, f"{family}.npz"), **rec)
+    dst = os.path.join(out, f"{family}.npz")
+    for var in variant_paths(dst):  # other CPUs' logits of the files being replaced
+        os.remove(var)
+    np.savez_compressed(dst, **rec)
     sizes = {t: os.path.getsize(files[t]) for t in TYPES}
     print(f"{family}: {len(tokens)} tokens, files {sizes}, npz {os.path.getsize(os.path.join(out, family + '.npz'))}")
 
 
+def add_simd_variant(family: str, llama_py: str, tmp: str, out: str) -> None:
+    """llama.cpp's logits on the recorded files of ``family``, as this CPU computes them, next to the fixture's
+    (``--logits-only``): a variant for this CPU's simd tag (see ``make_reference_fixtures``), the base untouched."""
+    base = os.path.join(out, f"{family}.npz")
+    with np.load(base) as z:
+        fx = {k: z[k] for k in z.files}
+    tag = simd_tag()
+    tokens = [int(x) for x in fx["tokens"]]
+    got: dict[str, np.ndarray] = {}
+    for t in TYPES:
+        path = os.path.join(out, f"{family}-{t}.gguf")
+        if sha256(path) != str(fx[f"{t}_sha256"]):
+            raise SystemExit(f"{path} is not the file {base} was recorded on: make the fixtures again")
+        npy, last = os.path.join(tmp, f"{family}-{t}.npy"), os.path.join(tmp, f"{family}-{t}.last.npy")
+        info = reference(llama_py, path, tokens, Case(spec=None, decode_from=DECODE_FROM), npy, last)  # type: ignore[arg-type]
+        if t == "f32" and json.loads(str(fx["tokenized"])) != info["tokenized"]:
+            raise SystemExit(f"{family}: llama.cpp's token ids differ from the fixture's on this CPU")
+        got.update({f"{t}_logits": np.load(npy), f"{t}_last": np.load(last)})
+        if f"{t}_decode" in fx:
+            got[f"{t}_decode"] = np.load(npy[:-4] + ".decode.npy")
+    if str(fx["simd"]) == tag:
+        same = [k for k, v in got.items() if np.array_equal(v, fx[k])]
+        print(f"{family}: this CPU recorded the base; {len(same)} of {len(got)} logits arrays equal it bit for bit")
+        return
+    var = write_simd_variant(base, tag, got)
+    print(f"{family}: variant {var}, {os.path.getsize(var)} bytes")
+
+
 @click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--conv-python", required=True, help="a Python with torch, transformers, tokenizers, sentencepiece")
+@click.option("--conv-python", help="a Python with torch, transformers, tokenizers, sentencepiece")
 @click.option("--llama-python", required=True, help="a Python with llama-cpp-python==0.3.36")
-@click.option("--llama-cpp", required=True, help="vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist")
+@click.option("--llama-cpp", help="vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist")
 @click.option("--out", default=os.path.join("tests", "fixtures", "converted"), show_default=True)
 @click.option("--family", "families", multiple=True, type=click.Choice(FAMILIES), help="only these (repeat)")
 @click.option("--work", help="keep the Hugging Face models and converted files here, and reuse what is there "
               "(default: a temporary directory)")
 @click.option("--convert-only", is_flag=True, help="steps 1 and 2 only, into --work")
-def main(conv_python: str, llama_python: str, llama_cpp: str, out: str, families: tuple[str, ...],
-         work: str | None, convert_only: bool) -> None:
+@click.option("--logits-only", is_flag=True, help="only llama.cpp's logits on the files already in --out, as this "
+              "CPU computes them: a variant for its simd tag (the fixtures themselves untouched)")
+def main(conv_python: str | None, llama_python: str, llama_cpp: str | None, out: str, families: tuple[str, ...],
+         work: str | None, convert_only: bool, logits_only: bool) -> None:
+    if logits_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            for family in families or FAMILIES:
+                add_simd_variant(family, llama_python, tmp, out)
+        return
+    if not conv_python or not llama_cpp:
+        raise click.UsageError("--conv-python and --llama-cpp are needed (all but --logits-only)")
     os.makedirs(out, exist_ok=True)
     ns = {"conv_python": conv_python, "llama_python": llama_python, "llama_cpp": llama_cpp}
     if convert_only and not work:

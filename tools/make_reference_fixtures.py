@@ -11,6 +11,26 @@ every position and those of a context that outputs the last position only, and
 llama.cpp's ids (and ``llama_detokenize`` text) for the tokenizer texts. Tests
 regenerate the model from the spec, check the hash, and compare without
 building llama.cpp.
+
+Logits on several CPUs. GGML's native build picks its kernels by the CPU's SIMD
+features, so llama.cpp's logits are exact for one feature set: ``simd_tag()``,
+the features of ``SIMD_FLAGS`` the CPU has (``GGML_HYBRID_SIMD_TAG`` overrides it).
+``CASE.npz`` (the base) holds the logits of the CPU named in its ``simd`` key
+(AVX2: "ssse3 avx avx2 fma f16c"); ``simd/TAG/CASE.npz`` (TAG: a tag's features
+joined by "-") holds another tag's: ``simd``, a copy of the base's inputs
+(``sha256``, ``tokens``), and ``xor_KEY`` for each logits key (``logits``,
+``last_logits``, ``decode_logits``): the uint32 XOR of the two recordings' float32
+bits, exact and a few KB compressed. ``load_for_cpu`` gives a test the logits of
+this CPU's tag and whether it has them (bit-identity), else the base's (a tolerance).
+
+To add a tag, run this tool on a CPU with it: where ``CASE.npz`` exists with
+another tag and the same inputs (spec, file hash, tokens, texts, options) it
+writes ``simd/TAG/CASE.npz`` and leaves the base as it is; a case whose inputs
+changed (or that has no base) is recorded as the base, and its old variants are
+removed (rerun the tool on their CPUs). ``tools/make_converted_fixtures.py
+--logits-only`` does the same for the converted files, and
+``tools/simd_differences.py`` measures the new tag against the base (what the
+tests' bounds for an unknown tag are set from; docs/models.md).
 """
 
 from __future__ import annotations
@@ -140,13 +160,87 @@ SIMD_FLAGS = ("sse3", "ssse3", "avx", "avx2", "fma", "f16c", "avx512f", "avx512b
               "avx512_bf16", "avxvnni", "amx_tile", "asimd", "sve")
 
 
-def simd_tag() -> str:
+def _cpu_flags() -> list[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), [])
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), [])
     except OSError:
-        flags = []
+        return []
+
+
+def simd_tag() -> str:
+    """This CPU's SIMD features among ``SIMD_FLAGS``, space-separated in that order (``GGML_HYBRID_SIMD_TAG``
+    overrides it: a tag no fixture has runs the tests on their tolerance path)."""
+    forced = os.environ.get("GGML_HYBRID_SIMD_TAG")
+    if forced is not None:
+        return forced
+    flags = _cpu_flags()
     return " ".join(x for x in SIMD_FLAGS if x in flags)
+
+
+# -- logits recorded on more than one CPU (the format: this module's docstring) ---------------------------------
+
+
+def simd_dir(fixtures: str, tag: str) -> str:
+    """The directory of the variants of the fixtures in ``fixtures`` recorded on a CPU with ``tag``."""
+    return os.path.join(fixtures, "simd", "-".join(tag.split()) or "none")
+
+
+def _is_input_key(key: str) -> bool:
+    return key == "tokens" or key.endswith("sha256")
+
+
+def write_simd_variant(base_path: str, tag: str, arrays: dict[str, np.ndarray]) -> str:
+    """Record ``arrays`` (logits keys of the base fixture at ``base_path``) as recorded on a CPU with ``tag``."""
+    with np.load(base_path) as z:
+        base = {k: z[k] for k in z.files}
+    if str(base["simd"]) == tag:
+        raise ValueError(f"{base_path} was recorded with simd tag {tag!r} itself: rewrite it, not a variant")
+    rec: dict[str, np.ndarray] = {k: v for k, v in base.items() if _is_input_key(k)}
+    for k, v in arrays.items():
+        ref = base.get(k)
+        got = np.ascontiguousarray(v, dtype=np.float32)
+        if ref is None or ref.dtype != np.float32 or ref.shape != got.shape:
+            raise ValueError(f"{base_path}: key {k!r} is not a float32 array of shape {got.shape} in the base")
+        rec[f"xor_{k}"] = got.view(np.uint32) ^ ref.view(np.uint32)
+    dst = os.path.join(simd_dir(os.path.dirname(base_path), tag), os.path.basename(base_path))
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    np.savez_compressed(dst, simd=np.asarray(tag), **rec)
+    return dst
+
+
+def variant_paths(base_path: str) -> list[str]:
+    """The variants recorded for the base fixture at ``base_path`` (one per other tag)."""
+    root = os.path.join(os.path.dirname(base_path), "simd")
+    name = os.path.basename(base_path)
+    tags = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [os.path.join(root, t, name) for t in tags if os.path.exists(os.path.join(root, t, name))]
+
+
+def load_for_cpu(base_path: str, tag: str | None = None) -> tuple[dict[str, np.ndarray], bool]:
+    """The fixture at ``base_path`` with the logits llama.cpp gave on a CPU with ``tag`` (default: this CPU's), and
+    whether it has them: ``(arrays, True)``; ``(the base's arrays, False)`` when no recording has that tag (then the
+    logits are another CPU's: compare within a tolerance, not bit for bit)."""
+    tag = simd_tag() if tag is None else tag
+    with np.load(base_path) as z:
+        fx = {k: z[k] for k in z.files}
+    if str(fx["simd"]) == tag:
+        return fx, True
+    path = os.path.join(simd_dir(os.path.dirname(base_path), tag), os.path.basename(base_path))
+    if not os.path.exists(path):
+        return fx, False
+    with np.load(path) as v:
+        var = {k: v[k] for k in v.files}
+    if str(var.get("simd")) != tag:
+        raise ValueError(f"{path}: recorded with simd tag {str(var.get('simd'))!r}, not {tag!r}")
+    for k, val in fx.items():
+        if _is_input_key(k) and not np.array_equal(var.get(k), val):
+            raise ValueError(f"{path}: stale, its {k!r} is not the base's; record the variant again")
+    for key, bits in var.items():
+        if key.startswith("xor_"):
+            fx[key[4:]] = (fx[key[4:]].view(np.uint32) ^ bits).view(np.float32)
+    fx["simd"] = np.asarray(tag)
+    return fx, True
 
 
 def sha256(path) -> str:
@@ -199,13 +293,31 @@ def main(llama_python: str, out: str, cases: tuple[str, ...]) -> None:
             info = reference(llama_python, path, tokens, case, npy, last)
             decode = {"decode_from": case.decode_from, "decode_logits": np.load(npy[:-4] + ".decode.npy")} \
                 if case.decode_from else {}
-            np.savez_compressed(os.path.join(out, f"{name}.npz"), spec=json.dumps(asdict(case.spec)), **decode,
-                                sha256=sha256(path), tokens=np.asarray(tokens, np.int32), logits=np.load(npy),
-                                last_logits=np.load(last), ubatch=case.ubatch, options=json.dumps(case.options),
-                                tokenized=json.dumps(info["tokenized"]), llama_cpp_python=info["llama_cpp_python"],
-                                simd=simd_tag())
-            print(f"{name}: {len(tokens)} positions, {os.path.getsize(os.path.join(out, name + '.npz'))} bytes")
+            rec = dict(spec=json.dumps(asdict(case.spec)), **decode, sha256=sha256(path),
+                       tokens=np.asarray(tokens, np.int32), logits=np.load(npy), last_logits=np.load(last),
+                       ubatch=case.ubatch, options=json.dumps(case.options), tokenized=json.dumps(info["tokenized"]),
+                       llama_cpp_python=info["llama_cpp_python"], simd=simd_tag())
+            dst = os.path.join(out, f"{name}.npz")
+            if _same_inputs_other_cpu(dst, rec):
+                logits = {k: rec[k] for k in ("logits", "last_logits", "decode_logits") if k in rec}
+                var = write_simd_variant(dst, simd_tag(), logits)
+                print(f"{name}: {len(tokens)} positions, variant {var}, {os.path.getsize(var)} bytes")
+                continue
+            for var in variant_paths(dst):  # recorded against the inputs being replaced
+                os.remove(var)
+            np.savez_compressed(dst, **rec)
+            print(f"{name}: {len(tokens)} positions, {os.path.getsize(dst)} bytes")
 
+
+def _same_inputs_other_cpu(dst: str, rec: dict) -> bool:
+    """Whether ``dst`` exists, was recorded on a CPU with another tag, and describes the same model, prompt and
+    texts as ``rec``: then ``rec``'s logits are a variant of it, and it stays as it is."""
+    if not os.path.exists(dst):
+        return False
+    with np.load(dst) as z:
+        return str(z["simd"]) != rec["simd"] and all(
+            np.array_equal(z[k], rec[k]) for k in ("sha256", "tokens", "tokenized", "options", "ubatch")) \
+            and ModelSpec(**json.loads(str(z["spec"]))) == ModelSpec(**json.loads(rec["spec"]))  # fields added later
 
 if __name__ == "__main__":
     main()
