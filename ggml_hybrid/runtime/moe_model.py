@@ -20,7 +20,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -85,6 +85,17 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
     for key, head in (("cache_type_k", hp.head_dim), ("cache_type_v", hp.head_dim_v)):
         if getattr(opts, key) == "q8_0" and head % 32:
             raise OptionError(f"{key}=q8_0: the head size {head} is not a multiple of 32")
+
+
+class Checkpoint(NamedTuple):
+    """A sequence's position and, for a recurrent model, copies of its states there (:meth:`MoEModel.checkpoint`)."""
+
+    position: int
+    states: list[bytes] | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(r) for r in self.states) if self.states is not None else 0
 
 
 def _pairs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -396,6 +407,33 @@ class MoEModel:
                                 "(reset the sequence instead)")
         with self._serial.turn("truncate"):
             self.kv.used[seq] = min(n_keep, self.kv.used[seq])
+
+    def checkpoint(self, seq: int = 0) -> Checkpoint:
+        """Where sequence ``seq`` stands now, to go back to later with :meth:`restore`: its position, and a
+        recurrent model's states (copies; a KV cache's cells stay in place, so the sequence must not be truncated
+        below that position and re-evaluated in between for the restore to mean anything)."""
+        self._check_open("checkpoint")
+        self._check_seq(seq, "checkpoint")
+        with self._serial.turn("checkpoint"):
+            return Checkpoint(self.kv.used[seq], self.rs.save(seq) if self.rs is not None else None)
+
+    def restore(self, cp: Checkpoint, seq: int = 0) -> None:
+        """Take sequence ``seq`` back to checkpoint ``cp`` of it (:meth:`checkpoint`): positions past it are
+        dropped (as :meth:`truncate`), a recurrent model's states are put back, and the next eval goes on
+        exactly as it would have from the checkpoint."""
+        self._check_open("restore")
+        self._check_seq(seq, "restore")
+        check_type(cp, "restore: cp", Checkpoint)
+        if cp.position > self.kv.used[seq]:
+            raise ArgumentError(f"restore: the checkpoint is at position {cp.position}, past the "
+                                f"{self.kv.used[seq]} positions sequence {seq} holds")
+        if (cp.states is None) != (self.rs is None):
+            raise ArgumentError("restore: the checkpoint is not of this model (recurrent states "
+                                f"{'missing' if cp.states is None else 'given to a model without them'})")
+        with self._serial.turn("restore"):
+            if self.rs is not None and cp.states is not None:
+                self.rs.load(seq, cp.states)
+            self.kv.used[seq] = cp.position
 
     def move(self, src: int, dst: int) -> None:
         """Move sequence ``src`` into the empty slot ``dst`` (its cells copied, ``src`` emptied): it goes on
@@ -752,4 +790,4 @@ class MoEModel:
         self.close()
 
 
-__all__ = ["MoEModel", "check_options"]
+__all__ = ["Checkpoint", "MoEModel", "check_options"]
