@@ -115,7 +115,7 @@ class Request:
     stop: Sequence[str] = ()
     ignore_eos: bool = False
     listener: Callable[[], object] | None = None
-    cache_prompt: bool = True          # reuse what a slot holds of this prompt (runtime/prompt_cache.py)
+    cache_prompt: bool = True          # reuse what a slot holds of the prompt, leave it for later (prompt_cache.py)
     logprobs: int | None = None        # None: none; k: each token's log-probability and the k likeliest
     id: int = field(default_factory=lambda: next(_ids))
     # -- filled in by the engine (read them after ``done`` is set, or under ``lock``) --
@@ -475,7 +475,7 @@ class Engine:
             self._slots[r.seq] = None
             # the cells stay for a later prompt that begins alike (kept only where a cold run's are: PromptCache);
             # otherwise zeroed cells: the next request in this slot starts as a lone run does
-            self.cache.finished(r.seq, keep=reason != "error")
+            self.cache.finished(r.seq, keep=reason != "error" and r.cache_prompt)
         r.state, r.finish_reason, r.finished_at = DONE, reason, time.perf_counter()
         self.stats.requests[reason] = self.stats.requests.get(reason, 0) + 1
         r.done.set()
