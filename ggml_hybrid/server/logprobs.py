@@ -46,9 +46,14 @@ class CompletionLogprobs:
             offsets.append(self._chars)
             self._chars += len(self._decoder.decode(b))
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.token_bytes(t).decode("utf-8", "replace"): lp for t, lp in e.top}
-                                 for e in entries],
-                "text_offset": offsets}
+                "top_logprobs": [self._top(e) for e in entries], "text_offset": offsets}
+
+    def _top(self, e: TokenLogprob) -> dict[str, float]:
+        """``{text: logprob}``, likeliest first; tokens of one text (pieces of characters) keep the likeliest's."""
+        out: dict[str, float] = {}
+        for t, lp in e.top:
+            out.setdefault(self.token_bytes(t).decode("utf-8", "replace"), lp)
+        return out
 
 
 __all__ = ["CompletionLogprobs", "chat_logprobs"]
