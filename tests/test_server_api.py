@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
-from test_server import Server, free_port, scrape  # noqa: E402
+from test_server import Server, free_port  # noqa: E402
 
 from ggml_hybrid.options import SessionOptions  # noqa: E402
 from ggml_hybrid.runtime.moe_model import MoEModel  # noqa: E402

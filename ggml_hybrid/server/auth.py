@@ -59,13 +59,14 @@ def key_matches(given: str, keys: list[bytes]) -> bool:
 
 
 def _given_key(scope: Scope) -> str | None:
-    for name, value in scope.get("headers", []):
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for name, value in headers:
         if name == b"authorization":
             v = value.decode("latin-1").strip()
             if v[:7].lower() == "bearer ":
                 return v[7:].strip()
         elif name == b"x-api-key":
-            return str(value.decode("latin-1").strip())
+            return value.decode("latin-1").strip()
     return None
 
 
