@@ -275,7 +275,7 @@ def test_props_and_slots_say_what_the_server_holds(server):
     assert status == 200
     assert props["model"] == "m" and props["n_ctx"] == N_CTX and props["total_slots"] == 2
     assert "<|im_start|>" in props["chat_template"] and props["session_options"]["ubatch_size"] == 8
-    assert props["session_options"]["n_parallel"] == 2 and props["cache_prompt"]["reuse_at_multiples_of"] == 8
+    assert props["session_options"]["n_parallel"] == 2 and props["cache_prompt"]["ubatch_size"] == 8
     prompt = list(range(10, 30))
     client(server).completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0,
                                       extra_body={"ignore_eos": True})

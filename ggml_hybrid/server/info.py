@@ -109,7 +109,10 @@ class InfoRoutes:
             "chat_template_from_model": t.from_model if t is not None else False,
             "chat_template_error": sm.template_error,
             "bos_token": t.bos_token if t is not None else None, "eos_token": t.eos_token if t is not None else None,
-            "recurrent": m.recurrent, "cache_prompt": {"reuse_at_multiples_of": m.options.ubatch_size,
+            # prompt reuse keeps a prefix up to a cut every longer prompt makes (multiples of ubatch_size within each
+            # batch_size); a recurrent model's slots keep state copies at the last max_checkpoints of them
+            "recurrent": m.recurrent, "cache_prompt": {"ubatch_size": m.options.ubatch_size,
+                                                       "batch_size": m.options.batch_size,
                                                        "max_checkpoints": sm.engine.cache.max_checkpoints},
             "session_options": m.options.to_dict(),
             "default_generation_settings": dict(DEFAULTS),
