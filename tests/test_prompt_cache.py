@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ggml_hybrid.errors import ArgumentError
 from ggml_hybrid.options import SessionOptions
@@ -176,3 +178,51 @@ def test_checkpoint_and_restore_refuse_what_does_not_fit(tmp_path):
 @pytest.mark.parametrize("a,b,n", [([], [1], 0), ([1, 2, 3], [1, 2, 4], 2), ([1, 2], [1, 2, 3], 2), ([5], [6], 0)])
 def test_common_prefix(a, b, n):
     assert common_prefix(a, b) == n
+
+
+@pytest.fixture(scope="module", params=[("qwen3moe", 6, 4), ("qwen3moe", 2048, 8), ("qwen35moe", 10, 4)],
+                ids=["qwen3moe-b6-ub4", "qwen3moe-ub8", "qwen35moe-b10-ub4"])
+def served(request, tmp_path_factory):
+    """An engine of 2 slots that keeps what earlier examples left in them, a one-slot oracle model, and the prompts
+    the engine has seen."""
+    arch, batch, ubatch = request.param
+    path = _write(tmp_path_factory.mktemp("prop"), arch)
+    opts = SessionOptions(n_threads=1, n_ctx=64, n_parallel=2, batch_size=batch, ubatch_size=ubatch)
+    with MoEModel(path, opts) as m, MoEModel(path, opts.merged(n_parallel=1)) as oracle:
+        e = Engine(m, max_checkpoints=2)
+        try:
+            yield e, oracle, []
+            assert e.stats.prompt_tokens_reused > 0  # the examples did reuse (the property is not vacuous)
+        finally:
+            e.close()
+
+
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_sequence_of_prompts_sharing_prefixes_gives_cold_logits(served, data):
+    """Prompts drawn as edits of earlier ones (shared prefixes of every length, any ubatch cut): each request's
+    logits, every step, equal a cold run's; what it reused is a cut of its cold run below the shared prefix."""
+    e, oracle, seen = served  # seen: every prompt the engine was given (its slots may hold earlier examples')
+    n_vocab = oracle.hp.n_vocab
+    tokens = st.integers(0, n_vocab - 1)
+    history: list[list[int]] = []
+    for _ in range(data.draw(st.integers(2, 4))):
+        if history and data.draw(st.booleans()):
+            base = data.draw(st.sampled_from(history))
+            keep = data.draw(st.integers(0, len(base)))
+            prompt = base[:keep] + data.draw(st.lists(tokens, min_size=1, max_size=12))
+        else:
+            prompt = data.draw(st.lists(tokens, min_size=9, max_size=40))
+        prompt = prompt[:50]
+        r, s = _run(e, prompt, data.draw(st.integers(1, 3)))
+        assert r.n_reused == 0 or r.n_reused in oracle.ubatch_ends(len(prompt))
+        assert r.n_reused < len(prompt)
+        assert r.n_reused <= max((common_prefix(h, prompt) for h in seen), default=0)
+        oracle.reset()
+        rows = [oracle.eval(prompt)[-1]]
+        for t in r.tokens[:-1]:
+            rows.append(oracle.eval([t])[-1])
+        for got, want in zip(s.rows, rows, strict=True):
+            assert np.array_equal(got, want)
+        history.append(prompt)
+        seen.append(prompt)
