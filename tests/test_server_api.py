@@ -273,7 +273,7 @@ def test_tokenize_and_detokenize_are_the_models_tokenizer(server, files):
 def test_props_and_slots_say_what_the_server_holds(server):
     status, props = call(server.url + "/props")
     assert status == 200
-    assert props["model"] == "m" and props["n_ctx"] == N_CTX and props["total_slots"] == 2
+    assert props["model"] == "m" and props["n_ctx"] == N_CTX and props["total_slots"] == props["n_parallel"] == 2
     assert "<|im_start|>" in props["chat_template"] and props["session_options"]["ubatch_size"] == 8
     assert props["session_options"]["n_parallel"] == 2 and props["cache_prompt"]["ubatch_size"] == 8
     prompt = list(range(10, 30))

@@ -114,10 +114,14 @@ class PromptCache:
         if h is None or not self.fixed_cut(end):
             return
         h.n_valid = end
-        if self.model.recurrent:
+        if self.model.recurrent and end in self._last_cuts(len(h.tokens)):  # (earlier ones would be dropped anyway)
             h.checkpoints[end] = self.model.checkpoint(seq)
             for p in sorted(h.checkpoints)[:-self.max_checkpoints]:
                 del h.checkpoints[p]
+
+    def _last_cuts(self, n: int) -> list[int]:
+        """The last ``max_checkpoints`` fixed cuts of a prompt of ``n`` tokens."""
+        return [c for c in self.model.ubatch_ends(n + 1) if c <= n][-self.max_checkpoints:]
 
     def finished(self, seq: int, keep: bool) -> None:
         """The request in slot ``seq`` ended: its cells stay for the next prompt (``keep``), or are cleared."""

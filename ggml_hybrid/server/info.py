@@ -104,7 +104,7 @@ class InfoRoutes:
         t = sm.template
         return JSONResponse({
             "model": sm.name, "aliases": list(sm.aliases), "model_path": sm.path, "arch": m.hp.arch,
-            "n_ctx": m.n_ctx, "n_vocab": m.hp.n_vocab, "total_slots": sm.engine.n_slots,
+            "n_ctx": m.n_ctx, "n_vocab": m.hp.n_vocab, "n_parallel": m.n_parallel, "total_slots": sm.engine.n_slots,
             "chat_template": t.source if t is not None else None,
             "chat_template_from_model": t.from_model if t is not None else False,
             "chat_template_error": sm.template_error,
