@@ -48,6 +48,7 @@ def complete(server: Server, prompt: list[int], cache: bool) -> tuple[float, dic
 @click.option("--ubatch", default=512, show_default=True, type=click.IntRange(1))
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1))
 def main(which: str, rounds: int, system: int, user: int, ubatch: int, threads: int) -> None:
+    """Time to first token of a second request sharing a --system-token prompt with the first (prompt reuse)."""
     path, vocab = model_path(which)
     rng = np.random.default_rng(0)
     server = Server(path, ["-np", "2", "-t", str(threads), "-c", "4096", "-ub", str(ubatch)])
