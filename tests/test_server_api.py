@@ -316,3 +316,24 @@ def test_bad_input_is_a_4xx_and_the_server_stays_up(server, path, method, body):
     assert status in (400, 404), (status, doc)
     assert set(doc["error"]) == {"message", "type", "param", "code"}
     assert call(server.url + "/health", key=None)[0] == 200
+
+
+def test_a_key_is_compared_with_every_key_in_constant_time(monkeypatch):
+    """hmac.compare_digest against every configured key, whichever matches (no early exit)."""
+    import hmac
+
+    from ggml_hybrid.server import auth
+
+    calls = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    keys = [b"k-one", b"k-two", b"k-three"]
+    for given, ok in (("k-one", True), ("k-three", True), ("k-on", False), ("", False), ("k-one\u00e9", False)):
+        calls.clear()
+        assert auth.key_matches(given, keys) is ok
+        assert [b for _, b in calls] == keys
