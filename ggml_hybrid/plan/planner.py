@@ -22,12 +22,15 @@ from ..deploy.layout import CPU
 from ..errors import NotMoEError
 from ..gguf.metadata import meta_int
 from ..gguf.store import GGUFStore
+from ..machine import available_memory
 from ..model.families import read_hparams
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
+from ..moe.host_tier import AUTO_MARGIN_MIN, auto_budget, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
-from ..runtime.moe_model import MoEModel
-from ..units import GiB, format_bytes
+from ..runtime.cache_size import SlotChoice
+from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
+from ..units import GiB, MiB, format_bytes
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
 
@@ -85,9 +88,10 @@ class HostPlan(_ToDict):
     kv_cache: int
     recurrent: int
     compute: int
-    resident_total: int
+    resident_total: int  # the host tier included
     ram: int | None = None
     fits: bool | None = None
+    host_tier: int = 0  # the host expert tier's budget (host_cache_bytes, resolved: auto from --ram or available)
 
 
 @dataclass
@@ -139,6 +143,18 @@ class Recommendation(_ToDict):
 
 
 @dataclass
+class Combination(_ToDict):
+    """The combination search's answer: the largest configuration found that fits the given device memory
+    (``fits``), or, when none does, the smallest one tried and what each device would need for it."""
+
+    options: str                      # key=value items over the plan's options: one configuration
+    fits: bool
+    changes: list[str]                # what it changes from the plan's options, in words
+    device_total: dict[str, int]      # each device's total under it (verified by a plan with it)
+    device_vram: dict[str, int]
+
+
+@dataclass
 class Plan(_ToDict):
     """A MoE model's plan: per device, host, KV cache, layout, experts, warnings and recommendations."""
 
@@ -155,6 +171,9 @@ class Plan(_ToDict):
     threads: int
     warnings: list[str] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
+    # expert_cache_slots=auto: the slots chosen and, per device, what decided them
+    slot_choice: SlotChoice | None = field(default=None, metadata={"omit_none": True})
+    combination: Combination | None = None  # with --vram when the options do not fit: the combination search
 
 
 @dataclass
@@ -248,10 +267,16 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
             return _plan_dense(info, store, opts, vram, ram, parallel)
     finally:
         store.close()
+    choice = None
+    if opts.expert_cache_slots == "auto":  # sized from the given sizes, or what the devices have free now
+        choice = auto_cache_slots(path, opts, plan_device_names(opts, vram), vram)
+        opts = opts.merged(expert_cache_slots=choice.slots)
     p, hp = _plan_moe(path, info, opts, vram, ram, parallel)
+    p.slot_choice = choice
     if vram and not all(d.fits for d in p.devices.values()):
         recs = _recommend(p, opts, hp)
         p.recommendations = [r for r in (_verify(path, info, opts, vram, ram, parallel, c) for c in recs) if r]
+        p.combination = _search(path, info, opts, vram, ram, parallel, p, hp)
     return p
 
 
@@ -273,11 +298,19 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
     mapped = meas.layout["tensors"].get("mapped", {})
     copies = meas.layout["tensors"].get(CPU, {})  # CPU weights copied into RAM: the repacked ones (repack=true)
     host_resident = meas.host_kv + meas.host_recurrent + meas.host_compute + sum(copies.values())
+    tier = 0
+    if opts.host_cache_bytes != 0 and opts.disk_experts:
+        routed = info["experts"]["bytes_per_layer"] * info["experts"]["moe_layers"]
+        if opts.host_cache_bytes == "auto":  # what a run would take: the RAM given less the buffers, or what is free
+            tier = min(routed, auto_budget(ram - host_resident) if ram is not None else auto_budget())
+        else:
+            tier = resolve_budget(opts.host_cache_bytes, routed)
+    host_resident += tier
     dn = hp.delta_net
     p = Plan(
         model=path, architecture=hp.arch, moe=True, options=opts.to_items(), devices=out_devices,
         host=HostPlan(mapped, sum(mapped.values()), copies, sum(copies.values()), meas.host_kv, meas.host_recurrent,
-                      meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram),
+                      meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram, tier),
         kv=KVPlan(meas.n_ctx, opts.cache_type_k, opts.cache_type_v, kv_seq, kv_seq // meas.n_ctx, parallel,
                   kv_total),
         recurrent=None if dn is None else RecurrentPlan(
@@ -288,6 +321,9 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
         threads=opts.n_threads or os.cpu_count() or 1,
     )
     p.warnings = _warnings(p, opts, hp)
+    ctx_warning = context_warning(opts, hp)
+    if ctx_warning:
+        p.warnings.insert(0, ctx_warning)
     return p, hp
 
 
@@ -352,6 +388,134 @@ def _verify(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
     return None
 
 
+# -- the combination search ---------------------------------------------------------------------------------
+
+EXPERT_KEYS = ("disk_experts", "expert_cache_slots", "expert_eviction", "moe_cpu_share", "cpu_moe", "n_cpu_moe")
+
+
+def _base_ladder(opts: SessionOptions, p: Plan, hp: HParams) -> list[list[str]]:
+    """Configurations of context, physical batch, KV type and KV placement, from the given one down to the
+    smallest worth running, each a step smaller than the one before (cumulative): the physical batch down to
+    128, an 8-bit KV cache (unless the KV cache is in host memory already), then context and batch halved in
+    turn down to 512 and 32, then the KV cache on the host."""
+    ctx, ub = p.kv.n_ctx, min(opts.ubatch_size, p.kv.n_ctx)
+    kv: list[str] = []
+    out: list[list[str]] = []
+
+    def step() -> None:
+        items = [f"n_ctx={ctx}"] + ([f"ubatch_size={ub}"] if ub != opts.ubatch_size else []) + kv
+        if not out or out[-1] != items:
+            out.append(items)
+
+    step()
+    while ub > 128:
+        ub //= 2
+        step()
+    head_ok = hp.head_dim % 32 == 0 and hp.head_dim_v % 32 == 0
+    if head_ok and not opts.no_kv_offload and (opts.cache_type_k, opts.cache_type_v) != ("q8_0", "q8_0"):
+        kv = ["cache_type_k=q8_0", "cache_type_v=q8_0", "flash_attn=true"]  # a q8_0 V cache needs flash attention
+        step()
+    while ctx // 2 >= _MIN_BATCH["n_ctx"] or ub // 2 >= _MIN_BATCH["ubatch_size"]:
+        if ctx // 2 >= _MIN_BATCH["n_ctx"]:
+            ctx //= 2
+            ub = min(ub, ctx)
+            step()
+        if ub // 2 >= _MIN_BATCH["ubatch_size"]:
+            ub //= 2
+            step()
+    if not opts.no_kv_offload:
+        out.append(out[-1] + ["no_kv_offload=true"])
+    return out
+
+
+def _fits(p: Plan) -> bool:
+    return all(d.fits for d in p.devices.values())
+
+
+def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[int], ram: int | None, parallel: int,
+            p0: Plan, hp: HParams) -> Combination | None:
+    """The largest configuration that fits, as one set of options: the largest context, batch and KV cache that
+    fit with every routed expert on the CPU, then as many experts on the devices as still fit (resident, or
+    the larger of an expert cache with a CPU share and resident layers after ``n_cpu_moe``). When even the
+    smallest configuration does not fit, that configuration and what it needs."""
+    bare = opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction="lru", moe_cpu_share=0.0,
+                       cpu_moe=False, n_cpu_moe=0)
+
+    def try_plan(items: list[str]) -> Plan | None:
+        try:
+            return _plan_moe(path, info, SessionOptions.parse(items, base=bare), vram, ram, parallel)[0]
+        except OptionError:
+            return None
+
+    base: list[str] | None = None
+    last: tuple[list[str], Plan] | None = None
+    for items in _base_ladder(opts, p0, hp):
+        q = try_plan(items + ["cpu_moe=true"])
+        if q is None:
+            continue
+        last = (items, q)
+        if _fits(q):
+            base = items
+            break
+    if last is None:
+        return None
+    if base is None:  # nothing fits: the smallest configuration and what it needs
+        items, q = last
+        return _combination(items + ["cpu_moe=true"], q, opts, p0, hp)
+    best: tuple[list[str], Plan] | None = None
+    resident = try_plan(base)
+    if resident is not None and _fits(resident):
+        best = (base, resident)
+    else:
+        tried = []
+        cpu_plan = try_plan(base + ["cpu_moe=true"])
+        assert cpu_plan is not None
+        free = min((d.vram or 0) - d.total for d in cpu_plan.devices.values())
+        layers_on = max(1, max(sum(1 for x in cpu_plan.layout.layers if x == d) for d in cpu_plan.devices))
+        slots = min(hp.n_expert, free // layers_on // max(1, cpu_plan.experts.bytes_per_expert))
+        while slots >= 1:  # the cache's graphs cost room the arithmetic leaves out: fewer slots until it fits
+            items = base + [f"expert_cache_slots={slots}", "disk_experts=true", "moe_cpu_share=auto"]
+            q = try_plan(items)
+            if q is not None and _fits(q):
+                tried.append((items, q))
+                break
+            slots = slots - max(1, slots // 4)
+        n = next((k for k in range(hp.n_layer + 1) if _fits_with_cpu_layers(
+            cpu_plan, k, {d: v.total for d, v in cpu_plan.devices.items()})), hp.n_layer)
+        while n < hp.n_layer:
+            items = base + [f"n_cpu_moe={n}"]
+            q = try_plan(items)
+            if q is not None and _fits(q):
+                tried.append((items, q))
+                break
+            n += 1
+        tried.append((base + ["cpu_moe=true"], cpu_plan))
+        best = max(tried, key=lambda t: sum(v.experts for v in t[1].devices.values()))
+    return _combination(best[0], best[1], opts, p0, hp)
+
+
+def _combination(items: list[str], q: Plan, opts: SessionOptions, p0: Plan, hp: HParams) -> Combination:
+    kv = dict(x.split("=", 1) for x in items)
+    changes = []
+    if int(kv["n_ctx"]) != p0.kv.n_ctx:
+        changes.append(f"context {p0.kv.n_ctx} -> {kv['n_ctx']} tokens (-c)")
+    if "ubatch_size" in kv:
+        changes.append(f"physical batch {opts.ubatch_size} -> {kv['ubatch_size']} tokens (-ub)")
+    if "cache_type_k" in kv:
+        changes.append("8-bit KV cache (-ctk q8_0 -ctv q8_0, with flash attention)")
+    if "no_kv_offload" in kv:
+        changes.append("KV cache in host memory, attention on the CPU (-nkvo)")
+    if "expert_cache_slots" in kv:
+        changes.append(f"routed experts on disk behind {kv['expert_cache_slots']} device cache slots per layer of "
+                       f"{hp.n_expert}, the CPU running the share of misses that finishes soonest")
+    elif "n_cpu_moe" in kv:
+        changes.append(f"routed experts of the first {kv['n_cpu_moe']} layers on the CPU")
+    elif "cpu_moe" in kv:
+        changes.append("every routed expert on the CPU")
+    return Combination(" ".join(items), _fits(q), changes, {d: v.total for d, v in q.devices.items()},
+                       {d: v.vram or 0 for d, v in q.devices.items()})
+
+
 # smallest values a recommendation halves -ub / -c to: below them prompt speed or context is not worth it
 _MIN_BATCH = {"ubatch_size": 32, "n_ctx": 512}
 
@@ -367,7 +531,17 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     if h.ram is not None and mapped_experts and mapped_experts + h.resident_total > h.ram:
         w.append(f"experts used from host memory ({format_bytes(mapped_experts)}, memory-mapped) plus host buffers "
                  f"exceed --ram {format_bytes(h.ram)}: they will be re-read from disk as pages are evicted")
-    if opts.disk_experts and opts.expert_cache_slots < hp.n_used:
+    # a model larger than the memory: the page cache cannot hold its experts, the host tier reads them explicitly
+    memory = h.ram if h.ram is not None else available_memory()
+    file_bytes = os.path.getsize(p.model)
+    if memory is not None and file_bytes > memory and not opts.host_cache_bytes:
+        budget = max(0, memory - h.resident_total - max(AUTO_MARGIN_MIN, memory // 10))
+        where = f"--ram {format_bytes(memory)}" if h.ram is not None else f"the {format_bytes(memory)} available now"
+        w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}: run its experts from disk through "
+                 f"a host tier, e.g. --expert-cache-slots {max(hp.n_used, 1)} --host-cache {budget // MiB}M "
+                 "(host_cache_bytes=auto takes what is "
+                 "available less a margin); see docs/moe.md, \"The host expert tier\"")
+    if opts.disk_experts and isinstance(opts.expert_cache_slots, int) and opts.expert_cache_slots < hp.n_used:
         w.append(f"expert_cache_slots={opts.expert_cache_slots} is smaller than the {hp.n_used} experts used per "
                  "token: every token needs several load rounds; use more slots or moe_cpu_share")
     devs = p.devices
@@ -521,7 +695,9 @@ def format_text(p: Plan | DensePlan) -> str:
                      + (f" | repacked {g(h.repacked_total)}" if h.repacked_total else "")
                      + f" | kv {g(h.kv_cache)}"
                      + (f" | recurrent {g(h.recurrent)}" if h.recurrent else "")
-                     + f" | compute {g(h.compute)} | resident {g(h.resident_total)}"
+                     + f" | compute {g(h.compute)}"
+                     + (f" | host tier {g(h.host_tier)}" if h.host_tier else "")
+                     + f" | resident {g(h.resident_total)}"
                      + ("" if h.ram is None else f"  of {g(h.ram)}"))
         k = p.kv
         lines.append(f"  KV cache: n_ctx {k.n_ctx} ({k.type_k}/{k.type_v}): {g(k.per_sequence)} "
@@ -532,6 +708,8 @@ def format_text(p: Plan | DensePlan) -> str:
                          f"for {rec.parallel} (two per sequence, so that a failed eval changes nothing, and one of "
                          "zeros)")
         lines.append(f"  layers: {' '.join(p.layout.layers)}; experts: {' '.join(p.layout.experts)}")
+        if p.slot_choice is not None:
+            lines.append(f"  {p.slot_choice.describe()}")
     else:
         lines.append(f"  {g(p.layer_bytes)} per layer, {g(p.other_bytes)} other; KV "
                      f"{g(p.kv.per_layer)} per layer at n_ctx {p.kv.n_ctx}")
@@ -539,6 +717,14 @@ def format_text(p: Plan | DensePlan) -> str:
         lines.append(f"  warning: {w}")
     for r in p.recommendations:
         lines.append(f"  recommend: {r.options}: {r.buys}")
+    c = p.combination if isinstance(p, Plan) else None
+    if c is not None and c.fits:
+        lines.append(f"  best combination: {c.options}: " + "; ".join(c.changes) + "; "
+                     + ", ".join(f"{d} {g(t)} of {g(c.device_vram[d])}" for d, t in c.device_total.items()))
+    elif c is not None:
+        lines.append(f"  nothing fits: the smallest configuration ({c.options}) needs "
+                     + ", ".join(f"{d} {g(t)} (given {g(c.device_vram[d])})" for d, t in c.device_total.items())
+                     + "; fewer layers on the devices (-ngl N) or more devices go further")
     return "\n".join(lines)
 
 
@@ -572,5 +758,5 @@ def format_k8s(p: Plan | DensePlan, image: str = DEFAULT_IMAGE, port: int = DEFA
     return to_yaml(deployment(p, k8s_resources(p)["resources"], image, port, name, api_key_secret))
 
 
-__all__ = ["DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan", "Plan", "Recommendation",
-           "RecurrentPlan", "format_k8s", "format_text", "k8s_resources", "plan"]
+__all__ = ["EXPERT_KEYS", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan",
+           "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "format_text", "k8s_resources", "plan"]
