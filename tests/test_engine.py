@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -176,8 +177,10 @@ def test_finished_requests_leave_the_others_packed_in_the_lowest_slots(path):
     with _model(path, 4) as m:
         e = Engine(m)
         try:
-            reqs = [e.submit(Request(m.tokenizer.encode(p), Sampler(), lengths[i], ignore_eos=True))
-                    for i, p in enumerate(PROMPTS[:4])]
+            # without prompt reuse a finished request's slot is emptied at once (with it, a slot that holds a
+            # prompt is kept for a later one and nothing moves into it: test_prompt_cache.py)
+            reqs = [e.submit(Request(m.tokenizer.encode(p), Sampler(), lengths[i], ignore_eos=True,
+                                     cache_prompt=False)) for i, p in enumerate(PROMPTS[:4])]
             for r in reqs:
                 assert r.done.wait(60)
             stats = e.stats
@@ -245,3 +248,40 @@ def test_a_failing_sequence_fails_alone_and_a_finished_one_stays_finished(path):
     want = {"length": 1, "error": 1}
     want[alone[2]] = want.get(alone[2], 0) + 1
     assert stats.requests == want
+
+
+class _Seen(Sampler):
+    """A sampler that keeps a copy of every row of logits it is given."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.rows: list[np.ndarray] = []
+
+    def __call__(self, logits):
+        self.rows.append(np.array(logits, copy=True))
+        return super().__call__(logits)
+
+
+@pytest.mark.parametrize("k", [0, 1, 7])
+def test_logprobs_are_the_log_softmax_of_the_logits_the_sampler_saw(path, k):
+    """Sampled at temperature 0.9 with penalties (which change what the sampler draws from, not the model's
+    distribution): each token's logprob and the k likeliest are a float64 log-softmax of the row it was drawn
+    from (numpy's logaddexp, not the engine's formula)."""
+    with _model(path, 2) as m:
+        e = Engine(m)
+        try:
+            s = _Seen(temperature=0.9, seed=3, repeat_penalty=1.3, presence_penalty=0.5)
+            r = e.submit(Request(m.tokenizer.encode(PROMPTS[2]), s, 8, ignore_eos=True, logprobs=k))
+            plain = e.submit(Request(m.tokenizer.encode(PROMPTS[2]), Sampler(temperature=0.9, seed=3), 8))
+            assert r.done.wait(60) and plain.done.wait(60)
+        finally:
+            e.close()
+    assert len(r.token_logprobs) == len(r.tokens) == len(s.rows) == 8 and plain.token_logprobs == []
+    for e_, tok, row in zip(r.token_logprobs, r.tokens, s.rows, strict=True):
+        x = row.astype(np.float64)
+        lp = x - np.logaddexp.reduce(x)
+        assert e_.token == tok and e_.logprob == pytest.approx(lp[tok], rel=1e-12, abs=1e-12)
+        want = sorted(range(lp.size), key=lambda i: (-lp[i], i))[:k]
+        assert [t for t, _ in e_.top] == want
+        assert [v for _, v in e_.top] == pytest.approx([lp[i] for i in want], rel=1e-12, abs=1e-12)
+    assert r.take_logprobs() == r.token_logprobs and r.take_logprobs() == []

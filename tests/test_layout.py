@@ -383,6 +383,32 @@ def test_k8s_format_is_a_deployment_that_runs_serve(model):
     assert int(res["requests"]["cpu"]) == p.threads
 
 
+def test_k8s_with_an_api_key_secret_mounts_it_for_serve(model, tmp_path):
+    """The Secret's api-keys entry, mounted read-only, is the server's --api-key-file (the probes' /health needs
+    no key); the file the container reads is one serve itself accepts."""
+    r = CliRunner().invoke(main, ["plan", model, "--format", "k8s", "-c", "512", "--api-key-secret", "llm-keys"])
+    assert r.exit_code == 0, r.output
+    spec = yaml.safe_load(r.output)["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    i = c["args"].index("--api-key-file")
+    (mount,) = c["volumeMounts"]
+    (vol,) = spec["volumes"]
+    assert mount == {"name": vol["name"], "mountPath": "/etc/ggml-hybrid/api-keys", "readOnly": True}
+    assert vol["secret"] == {"secretName": "llm-keys", "items": [{"key": "api-keys", "path": "api-keys"}]}
+    assert c["args"][i + 1] == mount["mountPath"] + "/" + vol["secret"]["items"][0]["path"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    keys = tmp_path / "api-keys"
+    keys.write_text("sk-one\nsk-two\n")
+    from ggml_hybrid.server.auth import read_key_file
+
+    assert read_key_file(str(keys)) == ["sk-one", "sk-two"]
+    for bad, why in ((["--api-key-secret", "Bad_Name"], "not a Kubernetes object name"),):
+        r = CliRunner().invoke(main, ["plan", model, "--format", "k8s", *bad])
+        assert r.exit_code != 0 and why in r.output, r.output
+    r = CliRunner().invoke(main, ["plan", model, "--api-key-secret", "llm-keys"])
+    assert r.exit_code == 2 and "--format k8s" in r.output
+
+
 def test_plan_cli_formats(model):
     run = CliRunner().invoke
     t = run(main, ["plan", model, "-o", "virtual_devices=2"])

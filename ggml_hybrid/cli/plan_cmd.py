@@ -38,8 +38,11 @@ def _with(opts: SessionOptions, combination: str) -> list[str]:
 @click.option("--image", default=DEFAULT_IMAGE, show_default=True, help="Container image (--format k8s).")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(1, 65535),
               help="The server's port (--format k8s).")
+@click.option("--api-key-secret", metavar="NAME", default=None,
+              help="--format k8s: the server takes its API keys from this Secret's 'api-keys' entry (one key a line).")
 def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, vram: str | None,
-         ram: str | None, fmt: str, as_json: bool, image: str, port: int, **flags: Any) -> None:
+         ram: str | None, fmt: str, as_json: bool, image: str, port: int, api_key_secret: str | None,
+         **flags: Any) -> None:
     """What MODEL needs per device and in host memory under the given options, from metadata alone."""
     from ..plan.planner import format_k8s, format_text
     from ..plan.planner import plan as make_plan
@@ -49,13 +52,15 @@ def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file
         if fmt not in ("text", "json"):
             raise click.UsageError(f"--json and --format {fmt}: choose one output format")
         fmt = "json"
+    if api_key_secret is not None and fmt != "k8s":
+        raise click.UsageError("--api-key-secret is for --format k8s (the Deployment's server reads its keys there)")
     path, _, opts = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=fmt != "text"), flags)
     sizes = [parse_size(x) for x in vram.split(",")] if vram else None
     p = make_plan(path, opts, vram=sizes, ram=parse_size(ram) if ram else None)
     if fmt == "json":
         click.echo(json.dumps(p.to_dict()))
     elif fmt == "k8s":
-        click.echo(format_k8s(p, image=image, port=port), nl=False)
+        click.echo(format_k8s(p, image=image, port=port, api_key_secret=api_key_secret), nl=False)
     else:
         click.echo(format_text(p))
         c = getattr(p, "combination", None)

@@ -4,7 +4,8 @@
 the file, each with its own ``session_options`` (the command line's session flags apply on top, to
 every model). The server listens at once and loads the models in the background (``/health``: 503,
 then 200). SIGTERM stops accepting, lets in-flight requests finish for ``--drain-timeout`` seconds,
-cancels what is left and exits 0. It binds to 127.0.0.1 unless told otherwise.
+cancels what is left and exits 0. It binds to 127.0.0.1 unless told otherwise. With ``--api-key`` (or
+``--api-key-file``) every endpoint but ``/health`` needs one of the keys.
 """
 
 from __future__ import annotations
@@ -34,12 +35,19 @@ from .main import main
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0, 86400),
               callback=lambda ctx, param, v: _finite(v, "--drain-timeout"),
               help="Seconds in-flight requests get to finish after SIGTERM (0..86400).")
+@click.option("--api-key", "api_keys", multiple=True, metavar="KEY",
+              help="A key clients must send (Authorization: Bearer KEY) on every endpoint but /health (repeatable; "
+                   "visible to other users in the process list: prefer --api-key-file).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="A file of API keys, one a line ('#' starts a comment line).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 @session_flags
 def serve(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, host: str, port: int,
-          aliases: tuple[str, ...], drain_timeout: float, log_level: str, **flags: Any) -> None:
+          aliases: tuple[str, ...], drain_timeout: float, api_keys: tuple[str, ...], api_key_file: str | None,
+          log_level: str, **flags: Any) -> None:
     """Serve MODEL (a GGUF file), or every model of --config, over OpenAI's HTTP API."""
+    keys = _api_keys(api_keys, api_key_file)
     config, items = session_items(flags)
     if config is not None:
         if model is not None or model_flag is not None or hf_repo is not None:
@@ -63,7 +71,16 @@ def serve(model: str | None, model_flag: str | None, hf_repo: str | None, hf_fil
         entries = [ModelEntry(name, model, None, opts, tuple(a for a in aliases if a != name))]
     for e in entries:
         _precheck(e)
-    _run_server(entries, host, port, drain_timeout, log_level)
+    _run_server(entries, host, port, drain_timeout, log_level, keys)
+
+
+def _api_keys(given: tuple[str, ...], path: str | None) -> list[str]:
+    from ..server.auth import check_keys, read_key_file
+
+    keys = check_keys(given, "--api-key")
+    if path is not None:
+        keys += read_key_file(path)
+    return keys
 
 
 def _precheck(e: ModelEntry) -> None:
@@ -83,7 +100,8 @@ def _precheck(e: ModelEntry) -> None:
         raise ConfigError(f"model {e.name!r} ({e.path}): {' '.join(str(exc).split())}") from None
 
 
-def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: float, log_level: str) -> None:
+def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: float, log_level: str,
+                api_keys: list[str]) -> None:
     try:
         import uvicorn
 
@@ -133,10 +151,12 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
         finally:
             models.close()
 
-    if not _loopback(host):
-        click.echo(f"ggml-hybrid serve: warning: listening on {host}, reachable from other machines; the API has no "
-                   "authentication: anyone who can reach this port can use the models", err=True)
-    app = create_app(models, drain_timeout, lifespan=lifespan)
+    if not _loopback(host) and not api_keys:
+        click.echo(f"ggml-hybrid serve: warning: listening on {host}, reachable from other machines, with no "
+                   "authentication: anyone who can reach this port can use the models (give --api-key or "
+                   "--api-key-file)",
+                   err=True)
+    app = create_app(models, drain_timeout, lifespan=lifespan, api_keys=api_keys)
     logs.install()
     max_connections = guard.connection_limit(guard.raise_fd_limit())
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",

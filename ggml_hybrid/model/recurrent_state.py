@@ -141,6 +141,39 @@ class RecurrentState:
             out[i] = (conv.numpy()[row].copy(), ssm.numpy()[row].copy())
         return out
 
+    def save(self, seq: int = 0) -> list[bytes]:
+        """Slot ``seq``'s committed state, every delta-net layer's conv then ssm row, as bytes (a checkpoint that
+        :meth:`load` puts back). No eval of the slot may be in progress."""
+        seq = self._slot(seq)
+        if self._work[seq] is not None:
+            raise ArgumentError(f"RecurrentState.save: slot {seq} has an eval in progress")
+        row = self._src[seq]
+        out = []
+        for t in self._tensors():
+            size = t.nb[1]
+            buf = ffi.new("char[]", size)
+            lib.ggml_backend_tensor_get(t.ptr, buf, row * size, size)
+            out.append(bytes(ffi.buffer(buf, size)))
+        return out
+
+    def load(self, seq: int, rows: list[bytes]) -> None:
+        """Put a checkpoint of :meth:`save` back into slot ``seq``: it goes on exactly as the slot it was saved
+        from went on at that point. No eval of the slot may be in progress."""
+        seq = self._slot(seq)
+        if self._work[seq] is not None:
+            raise ArgumentError(f"RecurrentState.load: slot {seq} has an eval in progress")
+        tensors = self._tensors()
+        if len(rows) != len(tensors) or any(len(r) != t.nb[1] for r, t in zip(rows, tensors)):
+            raise ArgumentError(f"RecurrentState.load: the checkpoint has {len(rows)} rows; slot {seq} takes "
+                                f"{len(tensors)} of this model's sizes")
+        to = 2 * seq
+        for r, t in zip(rows, tensors):
+            lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(r), to * t.nb[1], t.nb[1])
+        self._src[seq] = to
+
+    def _tensors(self) -> list[Tensor]:
+        return [t for i in self.layers for t in (self.conv[i], self.ssm[i]) if t is not None]
+
     @property
     def bytes_per_sequence(self) -> int:
         """One sequence's state, as llama.cpp counts it (F32, every delta-net layer)."""

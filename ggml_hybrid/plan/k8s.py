@@ -4,7 +4,9 @@ The container runs ``ggml-hybrid serve MODEL --host 0.0.0.0 --port PORT`` with t
 options as ``-o key=value`` items (``n_parallel`` among them), asks for the memory and CPU the plan
 computes (:func:`~ggml_hybrid.plan.planner.k8s_resources`), and probes ``/health``: a startup probe
 that allows for a long load (503 while loading), then readiness and liveness. The model path is the
-one given to ``plan``: mount the file there. The YAML is written here (no YAML library at runtime):
+one given to ``plan``: mount the file there. With ``api_key_secret`` the server takes its API keys from that
+Secret (its ``api-keys`` entry, mounted read-only as a file: ``serve --api-key-file``); ``/health``, which
+the probes read, needs none. The YAML is written here (no YAML library at runtime):
 block style, strings JSON-quoted, which every YAML 1.2 reader reads back.
 """
 
@@ -16,12 +18,15 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ..checks import check_int
+from ..errors import ArgumentError
 
 if TYPE_CHECKING:
     from .planner import Plan
 
 DEFAULT_IMAGE = "ggml-hybrid:latest"
 DEFAULT_PORT = 8080
+KEYS_DIR = "/etc/ggml-hybrid/api-keys"  # where the API key Secret is mounted
+KEYS_ENTRY = "api-keys"  # the Secret's entry holding the keys, one a line
 LOAD_SECONDS = 3600  # the startup probe's patience: a large model read from a network volume loads slowly
 DRAIN_SECONDS = 30   # the server's --drain-timeout default: in-flight requests get this long after SIGTERM
 
@@ -35,11 +40,17 @@ def k8s_name(path: str) -> str:
 
 
 def deployment(p: Plan, resources: dict[str, Any], image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT,
-               name: str | None = None) -> dict[str, Any]:
-    """The Deployment for plan ``p`` (``resources``: the container's ``resources`` stanza)."""
+               name: str | None = None, api_key_secret: str | None = None) -> dict[str, Any]:
+    """The Deployment for plan ``p`` (``resources``: the container's ``resources`` stanza; ``api_key_secret``: the
+    name of a Secret whose ``api-keys`` entry holds the server's API keys)."""
     check_int(port, "k8s: port", 1, 65535)
+    if api_key_secret is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", api_key_secret):
+        raise ArgumentError(f"k8s: api_key_secret {api_key_secret!r} is not a Kubernetes object name (lower-case "
+                            "letters, digits, '-' and '.', starting and ending with a letter or digit)")
     name = name or k8s_name(p.model)
     args = ["serve", p.model, "--host", "0.0.0.0", "--port", str(port)]
+    if api_key_secret is not None:
+        args += ["--api-key-file", f"{KEYS_DIR}/{KEYS_ENTRY}"]
     for item in p.options:
         args += ["-o", item]
     probe = {"httpGet": {"path": "/health", "port": port}}
@@ -51,14 +62,17 @@ def deployment(p: Plan, resources: dict[str, Any], image: str = DEFAULT_IMAGE, p
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
         "resources": resources,
     }
+    pod: dict[str, Any] = {"terminationGracePeriodSeconds": DRAIN_SECONDS + 10, "containers": [container]}
+    if api_key_secret is not None:
+        container["volumeMounts"] = [{"name": "api-keys", "mountPath": KEYS_DIR, "readOnly": True}]
+        pod["volumes"] = [{"name": "api-keys", "secret": {"secretName": api_key_secret,
+                                                          "items": [{"key": KEYS_ENTRY, "path": KEYS_ENTRY}]}}]
     labels = {"app": name}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": name, "labels": labels},
         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                 "template": {"metadata": {"labels": labels},
-                              "spec": {"terminationGracePeriodSeconds": DRAIN_SECONDS + 10,
-                                       "containers": [container]}}},
+                 "template": {"metadata": {"labels": labels}, "spec": pod}},
     }
 
 

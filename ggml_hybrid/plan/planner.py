@@ -751,11 +751,11 @@ def k8s_resources(p: Plan | DensePlan, overhead: int = GiB) -> dict[str, Any]:
 
 
 def format_k8s(p: Plan | DensePlan, image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT,
-               name: str | None = None) -> str:
+               name: str | None = None, api_key_secret: str | None = None) -> str:
     """A Deployment running ``ggml-hybrid serve`` under the plan's options, resources and probes (YAML)."""
     if not isinstance(p, Plan):
         raise OptionError(f"{p.model}: a dense model cannot be served by ggml-hybrid (MoE models only)")
-    return to_yaml(deployment(p, k8s_resources(p)["resources"], image, port, name))
+    return to_yaml(deployment(p, k8s_resources(p)["resources"], image, port, name, api_key_secret))
 
 
 __all__ = ["EXPERT_KEYS", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan",

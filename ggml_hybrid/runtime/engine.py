@@ -28,13 +28,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ..checks import check_int
 from ..errors import ArgumentError, ClosedError, ContextFullError
 from ..text.vocab import TextStream
+from .logprobs import TokenLogprob, token_logprob
 from .moe_model import MoEModel
+from .prompt_cache import MAX_CHECKPOINTS, PromptCache
 from .sampling import Sampler
 
 QUEUED, PROMPT, DECODE, DONE = "queued", "prompt", "decode", "done"
@@ -112,12 +115,16 @@ class Request:
     stop: Sequence[str] = ()
     ignore_eos: bool = False
     listener: Callable[[], object] | None = None
+    cache_prompt: bool = True          # reuse what a slot holds of the prompt, leave it for later (prompt_cache.py)
+    logprobs: int | None = None        # None: none; k: each token's log-probability and the k likeliest
     id: int = field(default_factory=lambda: next(_ids))
     # -- filled in by the engine (read them after ``done`` is set, or under ``lock``) --
     state: str = QUEUED
     seq: int | None = None
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None   # "stop", "length", "cancelled" or "error"
+    n_reused: int = 0                  # prompt positions kept from what the slot held (not evaluated)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # with ``logprobs``: one per token
     error: str | None = None
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None    # took a slot
@@ -127,6 +134,7 @@ class Request:
     lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
     done: threading.Event = field(init=False, repr=False, default_factory=threading.Event)
     _pieces: list[str] = field(init=False, repr=False, default_factory=list)  # final, not yet taken
+    _n_logprobs_taken: int = field(init=False, repr=False, default=0)
     _text: list[str] = field(init=False, repr=False, default_factory=list)    # all final text
     _cancelled: bool = field(init=False, repr=False, default=False)
     _n_prompt_done: int = field(init=False, repr=False, default=0)
@@ -138,6 +146,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
             check_int(self.max_tokens, "Request: max_tokens", 1)
+        if self.logprobs is not None:
+            check_int(self.logprobs, "Request: logprobs", 0)
         if not self.prompt:
             raise ArgumentError("Request: the prompt has no tokens")
         self._stops = StopText(self.stop)
@@ -154,6 +164,13 @@ class Request:
         """The text pieces that became final since the last call."""
         with self.lock:
             out, self._pieces = self._pieces, []
+        return out
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The tokens' log-probabilities added since the last call (with ``logprobs``)."""
+        with self.lock:
+            out = self.token_logprobs[self._n_logprobs_taken:]
+            self._n_logprobs_taken = len(self.token_logprobs)
         return out
 
     @property
@@ -188,6 +205,8 @@ class EngineStats:
 
     requests: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     prompt_tokens: int = 0
+    prompt_tokens_reused: int = 0     # kept from what a slot held (runtime/prompt_cache.py)
+    prompt_tokens_evaluated: int = 0  # computed by prompt steps
     generated_tokens: int = 0
     decode_steps: int = 0
     prompt_steps: int = 0
@@ -198,11 +217,16 @@ class EngineStats:
 
 
 class Engine:
-    """Runs requests on ``model``'s sequence slots (``n_parallel``) from a thread of its own."""
+    """Runs requests on ``model``'s sequence slots (``n_parallel``) from a thread of its own.
+
+    A finished request's cells stay in its slot for a later prompt that begins alike (:class:`PromptCache`;
+    ``max_checkpoints``: recurrent state copies kept per slot)."""
 
     def __init__(self, model: MoEModel, name: str = "model",
-                 after_step: Callable[[Engine], object] | None = None) -> None:
+                 after_step: Callable[[Engine], object] | None = None,
+                 max_checkpoints: int = MAX_CHECKPOINTS) -> None:
         self.model = model
+        self.cache = PromptCache(model, max_checkpoints)
         self.name = name
         self.n_slots = model.n_parallel
         self._slots: list[Request | None] = [None] * self.n_slots
@@ -264,6 +288,17 @@ class Engine:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    def slots(self) -> list[dict[str, Any]]:
+        """What each slot holds now: its state (``idle``, ``prompt``, ``decode``), the request in it, the positions
+        its cells hold and what a next prompt may reuse of them (:meth:`PromptCache.report`)."""
+        with self._cond:
+            out = []
+            for s, r in enumerate(self._slots):
+                out.append({"id": s, "state": "idle" if r is None else r.state,
+                            "request": None if r is None else r.id, "n_ctx": self.model.n_ctx,
+                            "positions": self.model.kv.used[s], **self.cache.report(s)})
+            return out
+
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify()
@@ -300,15 +335,27 @@ class Engine:
         return gone
 
     def _admit(self) -> None:
-        for seq in range(self.n_slots):
-            if self._slots[seq] is None and self._queue:
-                r = self._queue.popleft()
-                r.seq, r.state, r.started_at = seq, PROMPT, time.perf_counter()
-                r.sampler.reset()
-                for t in r.prompt:
-                    r.sampler.accept(t)
-                r._stream = self.model.tokenizer.stream()
-                self._slots[seq] = r
+        while self._queue:
+            free = [s for s in range(self.n_slots) if self._slots[s] is None]
+            if not free:
+                break
+            r = self._queue.popleft()
+            seq, n = self.cache.choose(free, r.prompt, r.cache_prompt)
+            try:
+                self.cache.prepare(seq, r.prompt, n)
+            except Exception as exc:  # (a device lost): this request fails, the slot starts empty next time
+                self.cache.held[seq] = None
+                r.error = " ".join(str(exc).split()) or type(exc).__name__
+                self._finish(r, "error")
+                continue
+            r._n_prompt_done = r.n_reused = n
+            self.stats.prompt_tokens_reused += n
+            r.seq, r.state, r.started_at = seq, PROMPT, time.perf_counter()
+            r.sampler.reset()
+            for t in r.prompt:
+                r.sampler.accept(t)
+            r._stream = self.model.tokenizer.stream()
+            self._slots[seq] = r
         self.stats.queued = len(self._queue)
 
     def _pack(self) -> None:
@@ -322,7 +369,8 @@ class Engine:
             if self._queue:
                 return  # the free slots are about to be taken
         while True:
-            free = [s for s, r in enumerate(self._slots) if r is None]
+            # a free slot that holds a prompt keeps it for a later request (the prompt cache): only empty ones
+            free = [s for s, r in enumerate(self._slots) if r is None and self.cache.held[s] is None]
             busy = [s for s, r in enumerate(self._slots) if r is not None]
             if not free or not busy or free[0] > busy[-1]:
                 return
@@ -335,6 +383,7 @@ class Engine:
                 r.error = " ".join(str(exc).split()) or type(exc).__name__
                 self._finish(r, "error")
                 return
+            self.cache.moved(src, dst)
             with self._cond:
                 self._slots[dst], self._slots[src], r.seq = r, None, dst
             self.stats.moves += 1
@@ -369,6 +418,8 @@ class Engine:
         logits = self.model.eval(r.prompt[start:end], "last", seq=r.seq)
         r._n_prompt_done = end
         self.stats.prompt_steps += 1
+        self.stats.prompt_tokens_evaluated += end - start
+        self.cache.evaluated(r.seq, end)
         if end == len(r.prompt):
             self.stats.prompt_tokens += len(r.prompt)
             r.state = DECODE
@@ -395,6 +446,10 @@ class Engine:
             self._finish(r, "stop")
             return
         r.sampler.accept(tok)
+        if r.logprobs is not None:  # of the very logits the sampler saw
+            lp = token_logprob(logits, tok, r.logprobs)
+            with r.lock:
+                r.token_logprobs.append(lp)
         r.tokens.append(tok)
         self.stats.generated_tokens += 1
         assert r._stream is not None and r.seq is not None
@@ -418,7 +473,9 @@ class Engine:
             r._post(text if hit else text + r._stops.flush())
         if r.seq is not None and self._slots[r.seq] is r:
             self._slots[r.seq] = None
-            self.model.reset(r.seq)  # zeroed cells: the next request in this slot starts as a lone run does
+            # the cells stay for a later prompt that begins alike (kept only where a cold run's are: PromptCache);
+            # otherwise zeroed cells: the next request in this slot starts as a lone run does
+            self.cache.finished(r.seq, keep=reason != "error" and r.cache_prompt)
         r.state, r.finish_reason, r.finished_at = DONE, reason, time.perf_counter()
         self.stats.requests[reason] = self.stats.requests.get(reason, 0) + 1
         r.done.set()

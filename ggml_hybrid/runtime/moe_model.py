@@ -21,7 +21,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -138,6 +138,17 @@ def context_warning(opts: SessionOptions, hp: HParams) -> str | None:
         return (f"n_ctx={opts.n_ctx} is above the {hp.n_ctx_train} tokens the model was trained for: positions past "
                 "them may give poor text (llama.cpp allows it with the same warning)")
     return None
+
+
+class Checkpoint(NamedTuple):
+    """A sequence's position and, for a recurrent model, copies of its states there (:meth:`MoEModel.checkpoint`)."""
+
+    position: int
+    states: list[bytes] | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(r) for r in self.states) if self.states is not None else 0
 
 
 def _pairs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -465,6 +476,33 @@ class MoEModel:
                                 "(reset the sequence instead)")
         with self._serial.turn("truncate"):
             self.kv.used[seq] = min(n_keep, self.kv.used[seq])
+
+    def checkpoint(self, seq: int = 0) -> Checkpoint:
+        """Where sequence ``seq`` stands now, to go back to later with :meth:`restore`: its position, and a
+        recurrent model's states (copies; a KV cache's cells stay in place, so the sequence must not be truncated
+        below that position and re-evaluated in between for the restore to mean anything)."""
+        self._check_open("checkpoint")
+        self._check_seq(seq, "checkpoint")
+        with self._serial.turn("checkpoint"):
+            return Checkpoint(self.kv.used[seq], self.rs.save(seq) if self.rs is not None else None)
+
+    def restore(self, cp: Checkpoint, seq: int = 0) -> None:
+        """Take sequence ``seq`` back to checkpoint ``cp`` of it (:meth:`checkpoint`): positions past it are
+        dropped (as :meth:`truncate`), a recurrent model's states are put back, and the next eval goes on
+        exactly as it would have from the checkpoint."""
+        self._check_open("restore")
+        self._check_seq(seq, "restore")
+        check_type(cp, "restore: cp", Checkpoint)
+        if cp.position > self.kv.used[seq]:
+            raise ArgumentError(f"restore: the checkpoint is at position {cp.position}, past the "
+                                f"{self.kv.used[seq]} positions sequence {seq} holds")
+        if (cp.states is None) != (self.rs is None):
+            raise ArgumentError("restore: the checkpoint is not of this model (recurrent states "
+                                f"{'missing' if cp.states is None else 'given to a model without them'})")
+        with self._serial.turn("restore"):
+            if self.rs is not None and cp.states is not None:
+                self.rs.load(seq, cp.states)
+            self.kv.used[seq] = cp.position
 
     def move(self, src: int, dst: int) -> None:
         """Move sequence ``src`` into the empty slot ``dst`` (its cells copied, ``src`` emptied): it goes on
@@ -827,4 +865,4 @@ class MoEModel:
         self.close()
 
 
-__all__ = ["MoEModel", "auto_cache_slots", "check_options", "context_warning"]
+__all__ = ["Checkpoint", "MoEModel", "auto_cache_slots", "check_options", "context_warning"]

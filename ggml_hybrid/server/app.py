@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API over the served models (Starlette; streams as server-sent events).
 
 Routes (:mod:`.routes`): ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(both streamed with ``stream: true``) and ``GET /metrics``. Every error is OpenAI's error object with
+(both streamed with ``stream: true``) and ``GET /metrics``; :mod:`.info`: ``POST /tokenize``, ``POST /detokenize``,
+``GET /props``, ``GET /slots``, ``POST /v1/embeddings``. With API keys (:mod:`.auth`) every route but ``/health``
+needs one. Every error is OpenAI's error object with
 a 4xx/5xx status; nothing a client sends takes the server down. A generation is one engine
 request per choice; the handler waits on them without blocking the event loop (the engine thread
 wakes it), and a client that goes away cancels them, which frees their slots before the engine's
@@ -10,21 +12,28 @@ next step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 
+from .auth import APIKeyMiddleware
+from .info import InfoRoutes
 from .models import ModelSet
 from .routes import Routes
 
 
-def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = None) -> Starlette:
-    """The app over ``models``; ``lifespan`` (an async context manager factory) runs around serving."""
+def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = None,
+               api_keys: Sequence[str] = ()) -> Starlette:
+    """The app over ``models``; ``lifespan`` (an async context manager factory) runs around serving; with
+    ``api_keys``, every route but ``/health`` needs one of them."""
     routes = Routes(models, drain_seconds)
-    return Starlette(routes=routes.table(), exception_handlers={HTTPException: routes.not_found,
-                                                                Exception: routes.server_error},
-                     lifespan=lifespan)
+    middleware = [Middleware(APIKeyMiddleware, keys=list(api_keys), count=models.count)] if api_keys else []
+    return Starlette(routes=routes.table() + InfoRoutes(routes).table(),
+                     exception_handlers={HTTPException: routes.not_found, Exception: routes.server_error},
+                     middleware=middleware, lifespan=lifespan)
 
 
 __all__ = ["create_app"]

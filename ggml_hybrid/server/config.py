@@ -41,26 +41,26 @@ class ModelEntry:
     aliases: tuple[str, ...] = ()
 
 
-def _read_bounded(path: str) -> bytes:
-    """The bytes of a regular file of at most MAX_CONFIG_BYTES; FIFOs and devices are never read."""
+def read_bounded(path: str, what: str = "config file", limit: int = MAX_CONFIG_BYTES) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes; FIFOs and devices are never read."""
     try:
         # non-blocking: opening a FIFO for reading would otherwise wait for a writer forever
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         with open(fd, "rb", buffering=0) as f:
             st = os.fstat(f.fileno())
             if stat.S_ISDIR(st.st_mode):
-                raise ConfigError(f"config file {path!r} is a directory")
+                raise ConfigError(f"{what} {path!r} is a directory")
             if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"config file {path!r} is not a regular file (a device, FIFO or socket)")
-            data = f.read(MAX_CONFIG_BYTES + 1)
+                raise ConfigError(f"{what} {path!r} is not a regular file (a device, FIFO or socket)")
+            data = f.read(limit + 1)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist") from None
+        raise ConfigError(f"{what} {path!r} does not exist") from None
     except IsADirectoryError:
-        raise ConfigError(f"config file {path!r} is a directory") from None
+        raise ConfigError(f"{what} {path!r} is a directory") from None
     except OSError as exc:
-        raise ConfigError(f"config file {path!r} cannot be read: {exc.strerror or exc}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path!r} is larger than {MAX_CONFIG_BYTES} bytes; a model list is far smaller")
+        raise ConfigError(f"{what} {path!r} cannot be read: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{what} {path!r} is larger than {limit} bytes")
     return data
 
 
@@ -92,7 +92,7 @@ def _flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, ModelEntry]:
     path = os.fspath(path)
-    data = _read_bounded(path)
+    data = read_bounded(path)
     try:
         doc = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -150,4 +150,4 @@ def pick(models: dict[str, ModelEntry], key: str) -> ModelEntry | None:
     return by_role[0] if by_role else None
 
 
-__all__ = ["ConfigError", "ModelEntry", "load_config", "pick"]
+__all__ = ["ConfigError", "ModelEntry", "load_config", "pick", "read_bounded"]

@@ -2,7 +2,8 @@
 
 Every metric is prefixed ``ggml_hybrid_`` and labelled with the model (``model``) where it has one.
 Counters (``_total``): ``http_requests`` (endpoint, status), ``requests`` (finish_reason: stop, length,
-cancelled, error), ``prompt_tokens``, ``generated_tokens``, ``expert_cache_hits``, ``expert_cache_misses``,
+cancelled, error), ``prompt_tokens``, ``prompt_tokens_reused`` and ``prompt_tokens_evaluated`` (kept from a
+slot's cells by prompt reuse, computed), ``generated_tokens``, ``expert_cache_hits``, ``expert_cache_misses``,
 ``expert_cache_cpu_misses``, ``expert_cache_bytes_loaded``. Gauges: ``model_loaded``, ``slots``,
 ``busy_slots``, ``queue_depth``, ``tokens_per_second`` (generated tokens per second of decode steps
 over the last 10 s), ``moe_cpu_share_applied``, ``hybrid_offload_active`` (0/1) and
@@ -42,7 +43,9 @@ class ServerCollector(Collector):
 
         requests = CounterMetricFamily(P + "requests", "Generations finished, by finish reason",
                                        labels=["model", "finish_reason"])
-        prompt = counter("prompt_tokens", "Prompt tokens evaluated")
+        prompt = counter("prompt_tokens", "Prompt tokens of finished prompts (reused and evaluated)")
+        reused = counter("prompt_tokens_reused", "Prompt tokens kept from what a slot held (cache_prompt)")
+        evaluated = counter("prompt_tokens_evaluated", "Prompt tokens computed by prompt steps")
         generated = counter("generated_tokens", "Tokens generated")
         hits = counter("expert_cache_hits", "Expert cache hits (routed experts found in a device slot)")
         misses = counter("expert_cache_misses", "Expert cache misses loaded into a device slot")
@@ -65,6 +68,8 @@ class ServerCollector(Collector):
             for reason, n in sorted(st.requests.items()):
                 requests.add_metric([name, reason], n)
             prompt.add_metric([name], st.prompt_tokens)
+            reused.add_metric([name], st.prompt_tokens_reused)
+            evaluated.add_metric([name], st.prompt_tokens_evaluated)
             generated.add_metric([name], st.generated_tokens)
             slots.add_metric([name], sm.engine.n_slots)
             busy.add_metric([name], st.busy_slots)
@@ -80,8 +85,8 @@ class ServerCollector(Collector):
             for dev, purposes in snap.device_memory.items():
                 for purpose, n in purposes.items():
                     memory.add_metric([name, dev, purpose], n)
-        yield from (requests, prompt, generated, hits, misses, cpu_misses, loaded, up, slots, busy, queue, tps, share,
-                    offload, memory)
+        yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, slots,
+                    busy, queue, tps, share, offload, memory)
 
 
 def registry(models: ModelSet) -> CollectorRegistry:

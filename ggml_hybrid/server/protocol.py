@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import GgmlHybridError, shorten
 from ..runtime.engine import Request
+from ..runtime.logprobs import MAX_TOP_LOGPROBS
 from ..runtime.sampling import Sampler
 
 MAX_BODY_BYTES = 16 << 20   # a request body beyond this is refused (413) before it is parsed
@@ -75,6 +76,8 @@ class Generation:
     ignore_eos: bool
     include_usage: bool
     prompts: list[str | list[int]] = field(default_factory=list)  # completions
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
+    cache_prompt: bool = True    # llama.cpp's: reuse what a slot holds of the prompt (bit for bit a cold run)
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat
 
     def sampler(self, choice: int) -> Sampler:
@@ -137,7 +140,7 @@ def _num(body: dict[str, Any], name: str) -> float | None:
 
 # options this server does not implement, and the values of each that ask for nothing
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "function_call": (None, "none"),
     "best_of": (None, 1), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
 }
@@ -201,13 +204,35 @@ def _common(body: dict[str, Any], max_tokens_default: int | None) -> Generation:
         param = next((k for k in sampling if f"Sampler: {k}" in str(exc)), None)
         raise bad(str(exc).replace("Sampler: ", ""), param) from None
     ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean", False)
+    cache_prompt = _get(body, "cache_prompt", (bool,), "a boolean", True)
     return Generation(model, bool(stream), max_tokens, _stop(body), n, sampling, seed, bool(ignore_eos),
-                      include_usage)
+                      include_usage, cache_prompt=bool(cache_prompt))
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (0..20, with ``logprobs`` only), as OpenAI's."""
+    on = _get(body, "logprobs", (bool,), "a boolean", False)
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not on:
+        raise bad("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions' ``logprobs``: how many of the likeliest tokens to list with each (0..20)."""
+    if "top_logprobs" in body and body["top_logprobs"] is not None:
+        raise bad("'top_logprobs' is a chat parameter; completions take 'logprobs': an integer in "
+                  f"0..{MAX_TOP_LOGPROBS}.", "top_logprobs")
+    if isinstance(body.get("logprobs"), bool):
+        raise bad(f"'logprobs' must be an integer in 0..{MAX_TOP_LOGPROBS} for completions, got a boolean.",
+                  "logprobs")
+    return _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
 
 
 def completion_request(body: dict[str, Any]) -> Generation:
     """``POST /v1/completions``: ``prompt`` is a string, an array of strings, token ids, or arrays of them."""
     g = _common(body, COMPLETION_MAX_TOKENS)
+    g.logprobs = _completion_logprobs(body)
     p = body.get("prompt")
     rule = "'prompt' must be a string, an array of strings, an array of token ids, or an array of those arrays."
     if isinstance(p, str):
@@ -231,6 +256,7 @@ def completion_request(body: dict[str, Any]) -> Generation:
 def chat_request(body: dict[str, Any]) -> Generation:
     """``POST /v1/chat/completions``: ``messages`` as OpenAI's (text content only)."""
     g = _common(body, None)
+    g.logprobs = _chat_logprobs(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array of messages.", "messages")
@@ -248,8 +274,13 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``cached``: prompt tokens reused from a slot (``prompt_tokens_details.cached_tokens``)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def timings(r: Request) -> dict[str, float]:
@@ -260,22 +291,22 @@ def timings(r: Request) -> dict[str, float]:
     end = r.finished_at if r.finished_at is not None else first
     prompt_ms, predicted_ms = (first - start) * 1e3, (end - first) * 1e3
     n = r.completion_tokens
-    return {"prompt_n": r.prompt_tokens, "prompt_ms": prompt_ms,
-            "prompt_per_second": r.prompt_tokens / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+    return {"prompt_n": r.prompt_tokens - r.n_reused, "cache_n": r.n_reused, "prompt_ms": prompt_ms,
+            "prompt_per_second": (r.prompt_tokens - r.n_reused) / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
             "predicted_n": n, "predicted_ms": predicted_ms,
             "predicted_per_second": (n - 1) / predicted_ms * 1e3 if n > 1 and predicted_ms > 0 else 0.0,
             "queued_ms": (start - r.queued_at) * 1e3}
 
 
-def choice(kind: str, index: int, text: str, finish: str | None, stream: bool, first: bool = False
-           ) -> dict[str, Any]:
+def choice(kind: str, index: int, text: str, finish: str | None, stream: bool, first: bool = False,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if kind == "completion":
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if not stream:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
     delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]], stream: bool,

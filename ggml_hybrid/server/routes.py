@@ -26,7 +26,9 @@ from starlette.routing import Route
 
 from ..errors import ChatTemplateError, ChatTemplateLimitError, ClosedError, ContextFullError, GgmlHybridError
 from ..runtime.engine import Request
+from ..runtime.logprobs import TokenLogprob
 from . import metrics
+from .logprobs import CompletionLogprobs, chat_logprobs
 from .logs import log_once, shorten
 from .models import ModelSet, ServedModel
 from .protocol import (
@@ -175,7 +177,8 @@ class Routes:
             for tokens in prompts:
                 for _ in range(g.n):
                     reqs.append(engine.submit(Request(tokens, g.sampler(len(reqs)), g.max_tokens, g.stop,
-                                                      g.ignore_eos, listener)))
+                                                      g.ignore_eos, listener, cache_prompt=g.cache_prompt,
+                                                      logprobs=g.logprobs)))
         except ContextFullError as exc:
             _cancel(reqs)
             raise bad(f"{exc}.", "messages" if kind == "chat" else "prompt", "context_length_exceeded") from None
@@ -190,10 +193,11 @@ class Routes:
         n_prompt = sum(len(p) for p in prompts)
         self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
         if g.stream:
-            return EventSourceResponse(self._counted_stream(self.stream(reqs, wake, kind, rid, created, g, n_prompt)),
+            return EventSourceResponse(self._counted_stream(self.stream(reqs, wake, kind, rid, created, g, n_prompt,
+                                                                        sm)),
                                        ping=600, sep="\n", shutdown_grace_period=self.drain_seconds)
         try:
-            return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt)
+            return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt, sm)
         finally:
             self.models.end()
 
@@ -205,7 +209,7 @@ class Routes:
             self.models.end()
 
     async def wait(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str,
-                    created: int, g: Generation, n_prompt: int) -> Response:
+                    created: int, g: Generation, n_prompt: int, sm: ServedModel) -> Response:
         try:
             while not all(r.done.is_set() for r in reqs):
                 wake.clear()
@@ -226,18 +230,21 @@ class Routes:
             if r.finish_reason == "error":
                 raise APIError(500, f"Generation failed: {r.error}")
             raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
-        choices = [choice(kind, i, r.text, r.finish_reason, False) for i, r in enumerate(reqs)]
-        use = usage(n_prompt, sum(r.completion_tokens for r in reqs))
+        lps = _logprobs_of(sm, kind, g)
+        choices = [choice(kind, i, r.text, r.finish_reason, False,
+                          logprobs=lps[i](r.take_logprobs()) if lps else None) for i, r in enumerate(reqs)]
+        use = usage(n_prompt, sum(r.completion_tokens for r in reqs), sum(r.n_reused for r in reqs))
         out = envelope(kind, rid, created, g.model, choices, False, use)
         if len(reqs) == 1:
             out["timings"] = timings(reqs[0])
         return JSONResponse(out)
 
     async def stream(self, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str, created: int, g: Generation,
-                      n_prompt: int) -> AsyncIterator[dict[str, str]]:
+                      n_prompt: int, sm: ServedModel) -> AsyncIterator[dict[str, str]]:
         def event(choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> dict[str, str]:
             return {"data": json.dumps(envelope(kind, rid, created, g.model, choices, True, use))}
 
+        lps = _logprobs_of(sm, kind, g, stream=True)
         try:
             if kind == "chat":
                 yield event([choice(kind, i, "", None, True, first=True) for i in range(len(reqs))])
@@ -248,12 +255,16 @@ class Routes:
                     if i in ended:
                         continue
                     done = r.done.is_set()  # before take(): every piece of a finished request is posted
-                    for piece in r.take():
-                        yield event([choice(kind, i, piece, None, True)])
+                    pieces = r.take()
+                    # a piece's chunk carries the tokens' logprobs that came with it (the last: any still held)
+                    for k, piece in enumerate(pieces):
+                        lp = lps[i](r.take_logprobs()) if lps and k == len(pieces) - 1 else None
+                        yield event([choice(kind, i, piece, None, True, logprobs=lp)])
                     if done:
                         ended.add(i)
                         if r.finish_reason in ("stop", "length"):
-                            last = event([choice(kind, i, "", r.finish_reason, True)])
+                            lp = lps[i](r.take_logprobs()) if lps else None
+                            last = event([choice(kind, i, "", r.finish_reason, True, logprobs=lp)])
                             if len(reqs) == 1:
                                 doc = json.loads(last["data"])
                                 doc["timings"] = timings(r)
@@ -267,7 +278,7 @@ class Routes:
                 if len(ended) < len(reqs):
                     await wake.wait()
             if g.include_usage:
-                yield event([], usage(n_prompt, sum(r.completion_tokens for r in reqs)))
+                yield event([], usage(n_prompt, sum(r.completion_tokens for r in reqs), sum(r.n_reused for r in reqs)))
             yield {"data": "[DONE]"}
         finally:
             _cancel(reqs)  # the client went away (or the stream ended): free the slots
@@ -282,6 +293,18 @@ class Routes:
         self.models.count("other", 500)  # outside the routes (every route answers its own errors): still counted
         log_once(f"internal error: {type(exc).__name__}", exc)
         return _error(APIError(500, f"Internal error: {type(exc).__name__}: {shorten(str(exc))}"))
+
+
+def _logprobs_of(sm: ServedModel, kind: str, g: Generation, stream: bool = False
+                 ) -> list[Callable[[list[TokenLogprob]], dict[str, Any]]]:
+    """Per choice, what turns its tokens' log-probabilities into OpenAI's shape (none without ``logprobs``)."""
+    if g.logprobs is None:
+        return []
+    assert sm.model is not None
+    token_bytes = sm.model.tokenizer.token_bytes
+    if kind == "chat":
+        return [lambda e: chat_logprobs(e, token_bytes, stream)] * g.n_choices
+    return [CompletionLogprobs(token_bytes) for _ in range(g.n_choices)]
 
 
 def _cancel(reqs: list[Request]) -> None:

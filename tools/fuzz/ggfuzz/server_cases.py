@@ -38,8 +38,10 @@ ODD = [None, True, False, 0, -1, 1, 2, 3.5, -0.0, 1e308, -1e308, 1e-320, 5e-324,
        [None], {}, {"a": 1}, [[[[[[]]]]]], [-1], [99999999], "<|im_start|>", [0] * 300]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n", "seed", "n", "stop",
-          "stream", "stream_options", "ignore_eos", "logprobs", "echo", "suffix", "logit_bias", "tools",
-          "response_format", "user", "best_of"]
+          "stream", "stream_options", "ignore_eos", "logprobs", "top_logprobs", "cache_prompt", "echo", "suffix",
+          "logit_bias", "tools", "response_format", "user", "best_of"]
+INFO = {"/tokenize": ["model", "content", "add_special", "with_pieces"], "/detokenize": ["model", "tokens"],
+        "/v1/embeddings": ["model", "input"]}
 
 
 def write_models(folder: str) -> str:
@@ -145,7 +147,7 @@ def _classify_json(status: int, raw: bytes) -> str:
 def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
     """(class, what) of request i."""
     rng = random.Random(seed * 1_000_003 + i)
-    kind = rng.choices(["completion", "chat", "raw", "other"], [45, 30, 12, 13])[0]
+    kind = rng.choices(["completion", "chat", "raw", "other", "info"], [42, 28, 12, 12, 6])[0]
     try:
         if kind in ("completion", "chat"):
             body = _body(rng, kind == "chat")
@@ -196,7 +198,23 @@ def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
             if status >= 500:
                 return "5xx", f"raw {what} {out[:200]!r}"
             return "fine", f"raw {what} {status}"
+        if kind == "info":  # the endpoints around generation, with odd values in their fields
+            path = rng.choice(sorted(INFO))
+            body = {"model": "q3", "content": "Hello", "tokens": [1, 2], "input": "x"}
+            for name in rng.sample(INFO[path], rng.randint(1, len(INFO[path]))):
+                body[name] = rng.choice(ODD)
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+            try:
+                c.request("POST", path, json.dumps(body).encode("utf-8", "surrogatepass"),
+                          {"Content-Type": "application/json"})
+                r = c.getresponse()
+                raw = r.read()
+            finally:
+                c.close()
+            return _classify_json(r.status, raw), f"{path} {r.status}"
         method, path = rng.choice([("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                                   ("GET", "/props?model=q3"), ("GET", "/slots?model=glm"), ("GET", "/props"),
+                                   ("GET", "/slots?model=%ff"),
                                    ("DELETE", "/v1/completions"), ("GET", "/v1/nothing"), ("POST", "/health"),
                                    ("GET", "/v1/chat/completions"), ("GET", "/%ff%fe"), ("OPTIONS", "/")])
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -206,7 +224,7 @@ def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
             raw = r.read()
         finally:
             c.close()
-        if path in ("/health", "/v1/models", "/metrics") and method == "GET":
+        if path in ("/health", "/v1/models", "/metrics", "/props?model=q3", "/slots?model=glm") and method == "GET":
             return ("fine" if r.status == 200 else "5xx" if r.status >= 500 else "bad_shape"), f"{path} {r.status}"
         return _classify_json(r.status, raw), f"{method} {path} {r.status}"
     except TimeoutError:

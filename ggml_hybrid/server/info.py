@@ -1,0 +1,152 @@
+"""The endpoints around generation, as llama.cpp's server has them: tokens, properties, slots, embeddings.
+
+- ``POST /tokenize`` ``{"content": str, "add_special": bool, "with_pieces": bool}`` -> ``{"tokens": [...]}``
+  (with pieces: ``[{"id", "piece"}]``); ``POST /detokenize`` ``{"tokens": [...]}`` -> ``{"content": str}``.
+- ``GET /props``: the model, its context, slots, chat template, session options, sampling defaults.
+- ``GET /slots``: what each slot holds (its state, the positions its cells hold, the prompt tokens a next
+  request may reuse).
+- ``POST /v1/embeddings``: a clear 400. Every family served is a generative model whose file declares no
+  pooling (``{arch}.pooling_type`` absent or none), so no pooled embedding means anything for it; llama.cpp
+  likewise refuses pooling ``none`` on this endpoint.
+
+Each takes the model by name (``"model"`` in the body, ``?model=`` in the query); with one model served
+it may be left out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import GgmlHybridError
+from .models import ServedModel
+from .protocol import DEFAULTS, APIError, bad
+from .routes import Routes
+
+MAX_TOKENIZE_CHARS = 1 << 22  # a text beyond this is refused before it is tokenized (the body limit is 16 MiB)
+POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
+
+
+class InfoRoutes:
+    """The routes of this module over the models of ``routes`` (its lookup, body reader and counting)."""
+
+    def __init__(self, routes: Routes) -> None:
+        self.routes = routes
+
+    def table(self) -> list[Route]:
+        c = self.routes.counted
+        return [
+            Route("/tokenize", c("/tokenize", self.tokenize), methods=["POST"]),
+            Route("/detokenize", c("/detokenize", self.detokenize), methods=["POST"]),
+            Route("/props", c("/props", self.props), methods=["GET"]),
+            Route("/slots", c("/slots", self.slots), methods=["GET"]),
+            Route("/v1/embeddings", c("/v1/embeddings", self.embeddings), methods=["POST"]),
+        ]
+
+    def model(self, name: object) -> ServedModel:
+        """The served model named ``name`` (the only one when None)."""
+        if name is None:
+            if len(self.routes.models.models) != 1:
+                raise bad(f"'model' is required: {len(self.routes.models.models)} models are served "
+                          "(GET /v1/models lists them).", "model")
+            name = next(iter(self.routes.models.models))
+        if not isinstance(name, str) or not name:
+            raise bad("'model' must be the name of a model from GET /v1/models.", "model")
+        return self.routes.lookup(name)  # 404 for a name not served, 503 while it loads
+
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        body = await self.routes.read_body(request)
+        sm = self.model(body.get("model"))
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise bad("'content' must be a string (the text to tokenize).", "content")
+        if len(content) > MAX_TOKENIZE_CHARS:
+            raise bad(f"'content' has {len(content)} characters; at most {MAX_TOKENIZE_CHARS} are tokenized.",
+                      "content")
+        add_special = _bool(body, "add_special", False)
+        with_pieces = _bool(body, "with_pieces", False)
+        assert sm.model is not None
+        tok = sm.model.tokenizer
+
+        def encode() -> list[int]:
+            try:
+                return tok.encode(content, add_bos=add_special, special=True)
+            except GgmlHybridError as exc:  # text that is not valid Unicode (a lone surrogate)
+                raise bad(f"'content': {exc}.", "content") from None
+
+        ids = await anyio.to_thread.run_sync(encode, limiter=self.routes.text_limiter)
+        if not with_pieces:
+            return JSONResponse({"tokens": ids})
+        return JSONResponse({"tokens": [{"id": t, "piece": tok.token_bytes(t).decode("utf-8", "replace")}
+                                        for t in ids]})
+
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        body = await self.routes.read_body(request)
+        sm = self.model(body.get("model"))
+        assert sm.model is not None
+        tok = sm.model.tokenizer
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad("'tokens' must be an array of token ids (integers).", "tokens")
+        wrong = [t for t in ids if not 0 <= t < tok.n_vocab]
+        if wrong:
+            raise bad(f"'tokens': token id {wrong[0]} is outside the vocabulary 0..{tok.n_vocab - 1}.", "tokens")
+        return JSONResponse({"content": tok.decode(ids)})
+
+    async def props(self, request: HTTPRequest) -> Response:
+        sm = self.model(request.query_params.get("model"))
+        m = sm.model
+        assert m is not None and sm.engine is not None
+        t = sm.template
+        return JSONResponse({
+            "model": sm.name, "aliases": list(sm.aliases), "model_path": sm.path, "arch": m.hp.arch,
+            "n_ctx": m.n_ctx, "n_vocab": m.hp.n_vocab, "n_parallel": m.n_parallel, "total_slots": sm.engine.n_slots,
+            "chat_template": t.source if t is not None else None,
+            "chat_template_from_model": t.from_model if t is not None else False,
+            "chat_template_error": sm.template_error,
+            "bos_token": t.bos_token if t is not None else None, "eos_token": t.eos_token if t is not None else None,
+            # prompt reuse keeps a prefix up to a cut every longer prompt makes (multiples of ubatch_size within each
+            # batch_size); a recurrent model's slots keep state copies at the last max_checkpoints of them
+            "recurrent": m.recurrent, "cache_prompt": {"ubatch_size": m.options.ubatch_size,
+                                                       "batch_size": m.options.batch_size,
+                                                       "max_checkpoints": sm.engine.cache.max_checkpoints},
+            "session_options": m.options.to_dict(),
+            "default_generation_settings": dict(DEFAULTS),
+        })
+
+    async def slots(self, request: HTTPRequest) -> Response:
+        sm = self.model(request.query_params.get("model"))
+        assert sm.engine is not None
+        return JSONResponse(sm.engine.slots())
+
+    async def embeddings(self, request: HTTPRequest) -> Response:
+        body = await self.routes.read_body(request)
+        sm = self.model(body.get("model"))
+        assert sm.model is not None
+        arch = sm.model.hp.arch
+        key = f"{arch}.pooling_type"
+        try:
+            pooling = sm.model.store.meta(key, kind="int") if sm.model.store.has(key) else 0
+        except GgmlHybridError:  # declared as some other type: no pooling this server could know
+            pooling = 0
+        declared = POOLING.get(pooling, str(pooling))
+        raise bad(f"The model '{sm.name}' ({arch}) is a generative model and its file declares pooling '{declared}' "
+                  f"({arch}.pooling_type): it has no meaningful pooled embedding, and this server computes "
+                  "embeddings for no model (llama.cpp likewise refuses pooling 'none' here).", "model",
+                  "embeddings_not_supported")
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise APIError(400, f"'{name}' must be a boolean.", name)
+    return v
+
+
+__all__ = ["InfoRoutes"]
