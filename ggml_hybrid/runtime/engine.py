@@ -34,6 +34,7 @@ import numpy as np
 from ..checks import check_int
 from ..errors import ArgumentError, ClosedError, ContextFullError
 from ..text.vocab import TextStream
+from .grammar import Constraint
 from .moe_model import MoEModel
 from .sampling import Sampler
 
@@ -112,6 +113,7 @@ class Request:
     stop: Sequence[str] = ()
     ignore_eos: bool = False
     listener: Callable[[], object] | None = None
+    constraint: Constraint | None = None  # a grammar: its mask applied to the logits before the sampler
     id: int = field(default_factory=lambda: next(_ids))
     # -- filled in by the engine (read them after ``done`` is set, or under ``lock``) --
     state: str = QUEUED
@@ -388,7 +390,10 @@ class Engine:
 
     def _next(self, r: Request, logits: np.ndarray) -> None:
         """Sample r's next token from ``logits`` and decide whether it goes on."""
-        tok = r.sampler(logits)
+        c = r.constraint
+        tok = r.sampler(logits if c is None else c.mask(logits))
+        if c is not None:
+            c.accept(tok)
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
         if not r.ignore_eos and tok in self._eog:
@@ -402,6 +407,8 @@ class Engine:
         r._post(text)
         if hit:
             self._finish(r, "stop", flush=False)
+        elif c is not None and c.done:
+            self._finish(r, "stop")  # the grammar is complete and takes nothing more
         elif r.max_tokens is not None and len(r.tokens) >= r.max_tokens:
             self._finish(r, "length")
         elif self.model.position(r.seq) >= self.model.n_ctx:

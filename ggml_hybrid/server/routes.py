@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from ..errors import ChatTemplateError, ChatTemplateLimitError, ClosedError, ContextFullError, GgmlHybridError
 from ..runtime.engine import Request
+from ..runtime.grammar import Grammar
 from . import metrics
 from .logs import log_once, shorten
 from .models import ModelSet, ServedModel
@@ -43,6 +44,17 @@ from .protocol import (
     parse_json,
     timings,
     usage,
+)
+from .structured import compile_structure, read_structure
+from .tools import (
+    ToolFormat,
+    ToolStream,
+    chat_message,
+    read_tools,
+    stream_calls,
+    template_messages,
+    tool_format,
+    tools_grammar,
 )
 
 WAIT_POLL = 0.25  # seconds between disconnect checks of a non-streamed request
@@ -142,19 +154,29 @@ class Routes:
         return sm
 
     async def completions(self, request: HTTPRequest) -> Response:
-        g = completion_request(await self.read_body(request))
+        body = await self.read_body(request)
+        g = completion_request(body)
+        g.structure = read_structure(body)
         sm = self.lookup(g.model)
         prompts = await anyio.to_thread.run_sync(_tokenize_prompts, sm, g, limiter=self.text_limiter)
-        return await self.generate(request, sm, g, prompts, "completion")
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        return await self.generate(request, sm, g, prompts, "completion", grammar)
 
     async def chat(self, request: HTTPRequest) -> Response:
-        g = chat_request(await self.read_body(request))
+        body = await self.read_body(request)
+        g = chat_request(body)
+        g.structure = read_structure(body)
+        g.tools = read_tools(body)
+        if g.tools is not None and g.tools.forced and g.structure is not None:
+            raise bad(f"a forced tool call ('tool_choice': {g.tools.choice}) cannot also follow "
+                      f"'{g.structure.param}'.", g.structure.param)
         sm = self.lookup(g.model)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
-        return await self.generate(request, sm, g, [prompt], "chat")
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        return await self.generate(request, sm, g, [prompt], "chat", grammar)
 
     async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
-                       kind: str) -> Response:
+                       kind: str, grammar: Grammar | None = None) -> Response:
         if self.models.draining:
             raise APIError(503, "The server is shutting down and takes no new requests.", code="shutting_down")
         engine = sm.engine
@@ -175,7 +197,8 @@ class Routes:
             for tokens in prompts:
                 for _ in range(g.n):
                     reqs.append(engine.submit(Request(tokens, g.sampler(len(reqs)), g.max_tokens, g.stop,
-                                                      g.ignore_eos, listener)))
+                                                      g.ignore_eos, listener,
+                                                      grammar.constraint() if grammar is not None else None)))
         except ContextFullError as exc:
             _cancel(reqs)
             raise bad(f"{exc}.", "messages" if kind == "chat" else "prompt", "context_length_exceeded") from None
@@ -227,6 +250,9 @@ class Routes:
                 raise APIError(500, f"Generation failed: {r.error}")
             raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
         choices = [choice(kind, i, r.text, r.finish_reason, False) for i, r in enumerate(reqs)]
+        if g.tools is not None and g.tools.choice != "none":
+            fmt = _tool_format(self.lookup(g.model))
+            choices = [chat_message(c, fmt, r.text) for c, r in zip(choices, reqs)]
         use = usage(n_prompt, sum(r.completion_tokens for r in reqs))
         out = envelope(kind, rid, created, g.model, choices, False, use)
         if len(reqs) == 1:
@@ -238,6 +264,10 @@ class Routes:
         def event(choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> dict[str, str]:
             return {"data": json.dumps(envelope(kind, rid, created, g.model, choices, True, use))}
 
+        calls = None
+        if g.tools is not None and g.tools.choice != "none":
+            fmt = _tool_format(self.models.names[g.model])
+            calls = [ToolStream(fmt) for _ in reqs]
         try:
             if kind == "chat":
                 yield event([choice(kind, i, "", None, True, first=True) for i in range(len(reqs))])
@@ -249,11 +279,22 @@ class Routes:
                         continue
                     done = r.done.is_set()  # before take(): every piece of a finished request is posted
                     for piece in r.take():
-                        yield event([choice(kind, i, piece, None, True)])
+                        text = piece if calls is None else calls[i].push(piece)
+                        if text:
+                            yield event([choice(kind, i, text, None, True)])
                     if done:
                         ended.add(i)
                         if r.finish_reason in ("stop", "length"):
-                            last = event([choice(kind, i, "", r.finish_reason, True)])
+                            finish = r.finish_reason
+                            if calls is not None:
+                                tail, found = calls[i].end()
+                                if tail:
+                                    yield event([choice(kind, i, tail, None, True)])
+                                for delta in stream_calls(found):
+                                    yield event([{"index": i, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                                                  "finish_reason": None}])
+                                finish = "tool_calls" if found else finish
+                            last = event([choice(kind, i, "", finish, True)])
                             if len(reqs) == 1:
                                 doc = json.loads(last["data"])
                                 doc["timings"] = timings(r)
@@ -317,6 +358,20 @@ def _tokenize_prompts(sm: ServedModel, g: Generation) -> list[list[int]]:
     return out
 
 
+def _tool_format(sm: ServedModel) -> ToolFormat:
+    return tool_format(sm.template.source if sm.template is not None else "")
+
+
+def _grammar(sm: ServedModel, g: Generation) -> Grammar | None:
+    """The request's grammar compiled for the model's vocabulary: its structure, or its forced tool call."""
+    assert sm.model is not None
+    if g.structure is not None:
+        return compile_structure(sm.model.tokenizer, g.structure)
+    if g.tools is not None and g.tools.forced:
+        return tools_grammar(sm.model.tokenizer, _tool_format(sm), g.tools)
+    return None
+
+
 def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
     if sm.template is None:
         raise APIError(500, f"The model's chat template cannot be used: {shorten(sm.template_error or '')}",
@@ -325,8 +380,12 @@ def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
     chars = sum(len(c) for m in g.messages if isinstance(m, dict) for c in (m.get("content"),) if isinstance(c, str))
     if chars > sm.max_prompt_chars:
         raise _too_long("the messages' content", chars, sm, "messages")
+    extra = {}
+    if g.tools is not None and g.tools.choice != "none":
+        extra["tools"] = g.tools.offered()
     try:
-        text = sm.template.render(g.messages, add_generation_prompt=True, max_chars=sm.max_prompt_chars)
+        text = sm.template.render(template_messages(g.messages), add_generation_prompt=True,
+                                  max_chars=sm.max_prompt_chars, **extra)
     except ChatTemplateLimitError as exc:
         if exc.kind == "output":
             raise bad(f"the messages render to a prompt longer than a sequence's context holds "
