@@ -252,7 +252,7 @@ class Routes:
         choices = [choice(kind, i, r.text, r.finish_reason, False) for i, r in enumerate(reqs)]
         if g.tools is not None and g.tools.choice != "none":
             fmt = _tool_format(self.lookup(g.model))
-            choices = [chat_message(c, fmt, r.text) for c, r in zip(choices, reqs)]
+            choices = [chat_message(c, fmt, r.text, g.tools.tools) for c, r in zip(choices, reqs)]
         use = usage(n_prompt, sum(r.completion_tokens for r in reqs))
         out = envelope(kind, rid, created, g.model, choices, False, use)
         if len(reqs) == 1:
@@ -267,7 +267,7 @@ class Routes:
         calls = None
         if g.tools is not None and g.tools.choice != "none":
             fmt = _tool_format(self.models.names[g.model])
-            calls = [ToolStream(fmt) for _ in reqs]
+            calls = [ToolStream(fmt, g.tools.tools) for _ in reqs]
         try:
             if kind == "chat":
                 yield event([choice(kind, i, "", None, True, first=True) for i in range(len(reqs))])

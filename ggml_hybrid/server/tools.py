@@ -62,6 +62,23 @@ class Call:
     name: str
     arguments: str  # JSON text, as OpenAI's ``function.arguments``
     id: str = ""
+    raw: bool = False  # key/value formats: every value still its text (typed by the tool's schema: :func:`typed`)
+
+
+def typed(call: Call, tools: list[dict[str, Any]] | None) -> Call:
+    """A key/value call's values typed: text where the tool's schema says string (or the value is not JSON), the
+    JSON value otherwise (the templates write non-strings as JSON)."""
+    if not call.raw:
+        return call
+    props: dict[str, Any] = {}
+    for t in tools or []:
+        if t["function"]["name"] == call.name:
+            props = t["function"].get("parameters", {}).get("properties") or {}
+    args = {}
+    for k, v in json.loads(call.arguments).items():
+        kind = props.get(k, {}).get("type") if isinstance(props.get(k), dict) else None
+        args[k] = v if kind == "string" else _value(v)
+    return Call(call.name, json.dumps(args, ensure_ascii=False), call.id)
 
 
 def _check_schema(schema: Any, param: str) -> None:
@@ -185,8 +202,8 @@ def _parse_hermes(text: str) -> list[Call]:
 def _parse_qwen3_xml(text: str) -> list[Call]:
     calls = []
     for m in re.finditer(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", text, re.S):
-        args = {k: _value(v) for k, v in re.findall(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", m.group(2), re.S)}
-        calls.append(_json_call(m.group(1).strip(), args))
+        args = dict(re.findall(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", m.group(2), re.S))
+        calls.append(Call(m.group(1).strip(), json.dumps(args, ensure_ascii=False), raw=True))
     return calls
 
 
@@ -194,7 +211,7 @@ def _parse_glm(text: str) -> list[Call]:
     calls = []
     for m in re.finditer(r"<tool_call>\s*([^\n<]+)(.*?)(?:</tool_call>|$)", text, re.S):
         pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", m.group(2), re.S)
-        calls.append(_json_call(m.group(1).strip(), {k: _value(v) for k, v in pairs}))
+        calls.append(Call(m.group(1).strip(), json.dumps(dict(pairs), ensure_ascii=False), raw=True))
     return calls
 
 
@@ -281,24 +298,37 @@ def _json_args_forced(prefix: Callable[[str], str], suffix: str, between: str, o
     return build
 
 
+def _xml_value(schema: Any) -> str:
+    """The grammar of one key/value argument's value: a string as raw text (no '<', at most ``maxLength``), an enum
+    of strings as its literals, anything else as JSON under its schema (the templates write values so)."""
+    if isinstance(schema, dict):
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+            return "(" + " | ".join(_lark_str(e) for e in enum) + ")"
+        if schema.get("type") == "string" and "const" not in schema:
+            n = schema.get("maxLength")
+            return f"/[^<]{{0,{int(n)}}}/" if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else "/[^<]*/"
+    return f"%json {json.dumps(json_options(schema if isinstance(schema, (dict, bool)) else {}))}"
+
+
 def _xml_forced(head: Callable[[str], str], arg: Callable[[str], tuple[str, str]], tail: str, between: str
                 ) -> Callable[[list[dict[str, Any]], bool], str]:
-    """Formats whose arguments are key/value elements: the keys are the schema's properties (the required ones
-    first, in order), each value any text without '<'."""
+    """Formats whose arguments are key/value elements: the schema's required properties in order, each value
+    :func:`_xml_value`."""
     def build(tools: list[dict[str, Any]], many: bool) -> str:
         alts = []
         for k, t in enumerate(tools):
-            props = list((_args_schema(t).get("properties") or {}).keys())
+            props = _args_schema(t).get("properties") or {}
             req = [p for p in (_args_schema(t).get("required") or []) if p in props]
             parts = [_lark_str(head(t["function"]["name"]))]
             for p in req:
                 a, b = arg(p)
-                parts.append(f"{_lark_str(a)} VALUE {_lark_str(b)}")
+                parts.append(f"{_lark_str(a)} {_xml_value(props[p])} {_lark_str(b)}")
             parts.append(_lark_str(tail))
             alts.append(f"call{k}: " + " ".join(parts))
         calls = " | ".join(f"call{k}" for k in range(len(tools)))
         body = f"start: call ({_lark_str(between)} call)*" if many else "start: call"
-        return "\n".join([body, f"call: {calls}", *alts, "VALUE: /[^<]+/"])
+        return "\n".join([body, f"call: {calls}", *alts])
     return build
 
 
@@ -312,6 +342,10 @@ class ToolFormat:
     start: str                        # the text a call begins with ("" : calls may be anywhere: hold it all)
     parse: Callable[[str], list[Call]]
     forced: Callable[[list[dict[str, Any]], bool], str]  # (tools offered, several calls) -> Lark grammar
+
+    def calls(self, text: str, tools: list[dict[str, Any]] | None) -> list[Call]:
+        """The calls in ``text``, their arguments typed by ``tools``' schemas."""
+        return [typed(c, tools) for c in self.parse(text)]
 
     def content(self, text: str) -> str:
         """The text a client sees as ``content`` beside the calls."""
@@ -371,9 +405,10 @@ def tools_grammar(tok: TokenBytes, fmt: ToolFormat, req: ToolRequest) -> Grammar
         raise bad(f"{exc}.", "tools", "invalid_tool_schema") from None
 
 
-def chat_message(choice: dict[str, Any], fmt: ToolFormat, text: str) -> dict[str, Any]:
+def chat_message(choice: dict[str, Any], fmt: ToolFormat, text: str, tools: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
     """A non-streamed chat choice with the calls in ``text`` parsed out (``finish_reason`` ``tool_calls``)."""
-    calls = fmt.parse(text)
+    calls = fmt.calls(text, tools)
     if not calls:
         return choice
     msg = {"role": "assistant", "content": fmt.content(text) or None, "tool_calls": openai_calls(calls)}
@@ -385,8 +420,8 @@ class ToolStream:
     once; from where a call may begin it is held, and at the end parsed (:meth:`end`). What a client assembles is
     what :func:`chat_message` answers without streaming."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
-        self.fmt = fmt
+    def __init__(self, fmt: ToolFormat, tools: list[dict[str, Any]]) -> None:
+        self.fmt, self.tools = fmt, tools
         self.text = ""
         self.sent = 0
 
@@ -409,7 +444,7 @@ class ToolStream:
 
     def end(self) -> tuple[str, list[Call]]:
         """The content not sent yet, and the calls."""
-        calls = self.fmt.parse(self.text)
+        calls = self.fmt.calls(self.text, self.tools)
         content = (self.fmt.content(self.text) if calls else self.text)
         return content[self.sent:], calls
 
@@ -436,4 +471,4 @@ def openai_calls(calls: list[Call]) -> list[dict[str, Any]]:
 
 __all__ = ["Call", "FORMATS", "HERMES", "ToolFormat", "ToolRequest", "ToolStream", "chat_message", "new_call_id",
            "openai_calls", "read_tools", "stream_calls", "template_calls", "template_messages", "tool_format",
-           "tools_grammar"]
+           "tools_grammar", "typed"]
