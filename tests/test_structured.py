@@ -26,8 +26,8 @@ from ggml_hybrid.text.tokenizer import Tokenizer  # noqa: E402
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 FAMILY_TEMPLATES = {"hermes": "Qwen-Qwen3-0.6B.jinja", "qwen3_xml": "Qwen3.5-4B.jinja", "glm": "GLM-4.6.jinja",
-                    "deepseek": "deepseek-ai-DeepSeek-V3.1.jinja", "mistral": "mistralai-Mistral-Nemo-Instruct-2407.jinja",
-                    "harmony": "openai-gpt-oss-120b.jinja"}
+                    "deepseek": "deepseek-ai-DeepSeek-V3.1.jinja",
+                    "mistral": "mistralai-Mistral-Nemo-Instruct-2407.jinja", "harmony": "openai-gpt-oss-120b.jinja"}
 
 SCHEMAS = {
     "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -84,7 +84,7 @@ def test_every_draw_under_a_schema_validates(tok, name):
 def test_free_draws_are_not_json(tok):
     """The oracle can fail: the same noise without the mask is not JSON (so the mask is what makes it valid)."""
     rng = np.random.default_rng(0)
-    for seed in range(5):
+    for _ in range(5):
         text = tok.decode([int(rng.integers(0, tok.n_vocab)) for _ in range(40)])
         with pytest.raises(ValueError):
             json.loads(text)
@@ -133,7 +133,8 @@ def test_invalid_schemas_are_refused(tok, bad, msg):
         Grammar.json_schema(tok, bad)
 
 
-@pytest.mark.parametrize("text", ['root ::= (', 'root ::= "a', 'start ::= "x"', 'root ::= [z-a]', 'root ::= undefined-rule'])
+@pytest.mark.parametrize("text", ['root ::= (', 'root ::= "a', 'start ::= "x"', 'root ::= [z-a]',
+                                  'root ::= undefined-rule'])
 def test_unparsable_grammars_are_refused(tok, text):
     with pytest.raises(GrammarError):
         Grammar.gbnf(tok, text)
@@ -214,10 +215,10 @@ def test_calls_the_template_writes_parse_back(fmt):
     """The oracle is the family's own template: what it renders for an assistant's calls is what the model writes;
     the parser must read the same calls back."""
     t = ChatTemplate(_source(fmt), "<s>", "</s>")
-    calls = [{"id": "abcdefghi", "type": "function", "function": {"name": "get_weather",
-                                                                 "arguments": json.dumps({"city": "Paris", "days": 2})}},
-             {"id": "bcdefghij", "type": "function", "function": {"name": "add",
-                                                                 "arguments": json.dumps({"a": 1, "b": 41})}}]
+    calls = [{"id": "abcdefghi", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}},
+             {"id": "bcdefghij", "type": "function",
+              "function": {"name": "add", "arguments": json.dumps({"a": 1, "b": 41})}}]
     if fmt == "harmony":
         calls = calls[:1]  # gpt-oss's template renders one call per assistant message
     user = [{"role": "user", "content": "Weather in Paris?"}]
