@@ -308,3 +308,98 @@ def test_huge_schemas_are_refused_quickly_and_the_server_stays_up(server, client
     assert get(server.url + "/health")[0] == 200
     r = _chat(client, max_tokens=20, extra_body={"json_schema": SCHEMAS["enum"]})
     assert json.loads(r.choices[0].message.content) in SCHEMAS["enum"]["enum"]
+
+
+# -- Anthropic's Messages API ----------------------------------------------------------------------------
+
+anthropic_sdk = pytest.importorskip("anthropic")
+
+A_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic_sdk.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def test_messages_text(claude, tok):
+    m = claude.messages.create(model="chatml", max_tokens=12, system="Be brief.",
+                               messages=[{"role": "user", "content": "Hello"}], extra_body={"seed": 2})
+    assert m.type == "message" and m.role == "assistant"
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    assert m.usage.output_tokens <= 12
+    # the prompt is the template's (ChatML here) rendering of the system and user turns
+    want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert m.usage.input_tokens == len(tok.encode(want, special=True))
+
+
+def test_messages_stop_sequences(claude):
+    for seed in range(4):
+        m = claude.messages.create(model="chatml", max_tokens=60, stop_sequences=["e"],
+                                   messages=[{"role": "user", "content": "Hello"}], extra_body={"seed": seed})
+        text = "".join(b.text for b in m.content if b.type == "text")
+        assert "e" not in text
+        assert (m.stop_reason, m.stop_sequence) in (("stop_sequence", "e"), ("end_turn", None), ("max_tokens", None))
+
+
+@pytest.mark.parametrize("fmt", ["chatml", "glm", "harmony"])
+def test_messages_tool_use_round_trip(claude, fmt):
+    m = claude.messages.create(model=fmt, max_tokens=1500, tools=A_TOOLS, tool_choice={"type": "any"},
+                               messages=[{"role": "user", "content": "Weather in Paris?"}], extra_body={"seed": 5})
+    assert m.stop_reason == "tool_use"
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert len(use) >= 1
+    tool = next(t for t in A_TOOLS if t["name"] == use[0].name)
+    jsonschema.validate(use[0].input, tool["input_schema"])
+    m2 = claude.messages.create(model=fmt, max_tokens=1500, tools=A_TOOLS, tool_choice={"type": "tool", "name": "add"},
+                                messages=[{"role": "user", "content": "Weather in Paris?"},
+                                          {"role": "assistant", "content": m.content},
+                                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                                                        "content": "sunny"}]}],
+                                extra_body={"seed": 6})
+    add = [b for b in m2.content if b.type == "tool_use"]
+    assert m2.stop_reason == "tool_use" and add[0].name == "add"
+    jsonschema.validate(add[0].input, A_TOOLS[1]["input_schema"])
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_messages_stream_is_the_unstreamed_message(claude, forced):
+    kw = dict(model="chatml", max_tokens=300 if forced else 40, messages=[{"role": "user", "content": "Hi"}],
+              extra_body={"seed": 9})
+    if forced:
+        kw.update(tools=A_TOOLS, tool_choice={"type": "any"})
+    whole = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as s:
+        kinds = [e.type for e in s]
+        streamed = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert streamed.stop_reason == whole.stop_reason
+    assert [(b.type, getattr(b, "text", None), getattr(b, "name", None), getattr(b, "input", None))
+            for b in streamed.content] == \
+        [(b.type, getattr(b, "text", None), getattr(b, "name", None), getattr(b, "input", None)) for b in whole.content]
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(max_tokens=None), "max_tokens"),
+    (dict(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "messages[0].content[0].type"),
+    (dict(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
+    (dict(temperature=1.5), "temperature"),
+    (dict(tool_choice={"type": "sometimes"}), "tool_choice.type"),
+    (dict(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0]"),
+    (dict(frobnicate=True), "frobnicate"),
+])
+def test_messages_bad_input_is_anthropic_400(server, kw, field):
+    body = {"model": "chatml", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], **kw}
+    body = {k: v for k, v in body.items() if v is not None}
+    status, doc = post(server.url + "/v1/messages", json.dumps(body))
+    assert status == 400, doc
+    assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error"
+    assert field in doc["error"]["message"], doc
+
+
+def test_messages_unknown_model_is_anthropic_404(claude):
+    with pytest.raises(anthropic_sdk.NotFoundError):
+        claude.messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])

@@ -79,11 +79,13 @@ class StopText:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, piece: str) -> tuple[str, bool]:
         text = self.held + piece
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s), s) for s in self.stops for i in (text.find(s),) if i >= 0]
+        if found:
+            cut, _, self.matched = min(found)  # the first one found (the longest of those that start there)
             self.held = ""
             return text[:cut], True
         keep = 0
@@ -162,6 +164,11 @@ class Request:
     def text(self) -> str:
         with self.lock:
             return "".join(self._text)
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text (None: another reason)."""
+        return self._stops.matched
 
     @property
     def prompt_tokens(self) -> int:

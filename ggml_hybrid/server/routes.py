@@ -1,11 +1,11 @@
 """The handlers of the OpenAI-compatible HTTP API: one method of :class:`Routes` per endpoint (``Routes.table``).
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(both streamed with ``stream: true``) and ``GET /metrics``. Every error is OpenAI's error object with
-a 4xx/5xx status; nothing a client sends takes the server down. A generation is one engine
-request per choice; the handler waits on them without blocking the event loop (the engine thread
-wakes it), and a client that goes away cancels them, which frees their slots before the engine's
-next step.
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+Anthropic's ``POST /v1/messages`` (all streamed with ``stream: true``) and ``GET /metrics``. Every error is
+OpenAI's error object (Anthropic's on ``/v1/messages``) with a 4xx/5xx status; nothing a client sends takes
+the server down. A generation is one engine request per choice; the handler waits on them without blocking
+the event loop (the engine thread wakes it), and a client that goes away cancels them, which frees their
+slots before the engine's next step.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from starlette.routing import Route
 from ..errors import ChatTemplateError, ChatTemplateLimitError, ClosedError, ContextFullError, GgmlHybridError
 from ..runtime.engine import Request
 from ..runtime.grammar import Grammar
-from . import metrics
+from . import anthropic, metrics
 from .logs import log_once, shorten
 from .models import ModelSet, ServedModel
 from .protocol import (
@@ -47,6 +47,7 @@ from .protocol import (
 )
 from .structured import compile_structure, read_structure
 from .tools import (
+    Call,
     ToolFormat,
     ToolStream,
     chat_message,
@@ -89,6 +90,7 @@ class Routes:
             Route("/metrics", self.counted("/metrics", self.metrics), methods=["GET"]),
             Route("/v1/completions", self.counted("/v1/completions", self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self.counted("/v1/chat/completions", self.chat), methods=["POST"]),
+            Route("/v1/messages", self.counted("/v1/messages", self.messages), methods=["POST"]),
         ]
 
     def counted(self, endpoint: str, fn: Callable[[HTTPRequest], Awaitable[Response]]
@@ -175,6 +177,19 @@ class Routes:
         grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
         return await self.generate(request, sm, g, [prompt], "chat", grammar)
 
+    async def messages(self, request: HTTPRequest) -> Response:
+        """Anthropic's Messages API: read into a chat request (server/anthropic.py), answered in Anthropic's shapes."""
+        try:
+            chat = anthropic.to_chat(await self.read_body(request))
+            g = chat_request(chat)
+            g.tools = read_tools(chat)
+            sm = self.lookup(g.model)
+            prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
+            grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+            return await self.generate(request, sm, g, [prompt], "messages", grammar)
+        except APIError as e:
+            return JSONResponse(anthropic.error_body(e), status_code=e.status)
+
     async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
                        kind: str, grammar: Grammar | None = None) -> Response:
         if self.models.draining:
@@ -201,7 +216,7 @@ class Routes:
                                                       grammar.constraint() if grammar is not None else None)))
         except ContextFullError as exc:
             _cancel(reqs)
-            raise bad(f"{exc}.", "messages" if kind == "chat" else "prompt", "context_length_exceeded") from None
+            raise bad(f"{exc}.", "prompt" if kind == "completion" else "messages", "context_length_exceeded") from None
         except ClosedError:
             _cancel(reqs)
             raise APIError(503, "The server is shutting down and takes no new requests.",
@@ -213,7 +228,9 @@ class Routes:
         n_prompt = sum(len(p) for p in prompts)
         self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
         if g.stream:
-            return EventSourceResponse(self._counted_stream(self.stream(reqs, wake, kind, rid, created, g, n_prompt)),
+            events = self.stream_messages(reqs[0], wake, rid, g, n_prompt) if kind == "messages" else \
+                self.stream(reqs, wake, kind, rid, created, g, n_prompt)
+            return EventSourceResponse(self._counted_stream(events),
                                        ping=600, sep="\n", shutdown_grace_period=self.drain_seconds)
         try:
             return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt)
@@ -249,6 +266,13 @@ class Routes:
             if r.finish_reason == "error":
                 raise APIError(500, f"Generation failed: {r.error}")
             raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
+        if kind == "messages":
+            r = reqs[0]
+            fmt = _tool_format(self.models.names[g.model])
+            found = fmt.calls(r.text, g.tools.tools) if g.tools is not None and g.tools.choice != "none" else []
+            text = fmt.content(r.text) if found else r.text
+            return JSONResponse(anthropic.message(rid, g.model, text, found, r.finish_reason, r.stop_string,
+                                                  n_prompt, r.completion_tokens))
         choices = [choice(kind, i, r.text, r.finish_reason, False) for i, r in enumerate(reqs)]
         if g.tools is not None and g.tools.choice != "none":
             fmt = _tool_format(self.lookup(g.model))
@@ -312,6 +336,41 @@ class Routes:
             yield {"data": "[DONE]"}
         finally:
             _cancel(reqs)  # the client went away (or the stream ended): free the slots
+
+    async def stream_messages(self, r: Request, wake: asyncio.Event, rid: str, g: Generation, n_prompt: int
+                              ) -> AsyncIterator[dict[str, str]]:
+        """Anthropic's events of one generation (server/anthropic.py's MessageEvents)."""
+        ev = anthropic.MessageEvents(rid, g.model, n_prompt)
+        calls = None
+        if g.tools is not None and g.tools.choice != "none":
+            calls = ToolStream(_tool_format(self.models.names[g.model]), g.tools.tools)
+        try:
+            for e in ev.start():
+                yield e
+            while True:
+                wake.clear()
+                done = r.done.is_set()
+                for piece in r.take():
+                    for e in ev.text(piece if calls is None else calls.push(piece)):
+                        yield e
+                if done:
+                    break
+                await wake.wait()
+            if r.finish_reason not in ("stop", "length"):
+                msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
+                    "The server shut down before the request finished."
+                yield anthropic.event("error", error=anthropic.error_body(APIError(500 if r.error else 503, msg))[
+                    "error"])
+                return
+            found: list[Call] = []
+            if calls is not None:
+                tail, found = calls.end()
+                for e in ev.text(tail):
+                    yield e
+            for e in ev.end(found, r.finish_reason, r.stop_string, r.completion_tokens):
+                yield e
+        finally:
+            _cancel([r])
 
     async def not_found(self, request: HTTPRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

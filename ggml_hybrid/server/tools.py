@@ -245,8 +245,8 @@ def _parse_mistral(text: str) -> list[Call]:
 
 def _parse_harmony(text: str) -> list[Call]:
     calls = []
-    for m in re.finditer(r"to=functions\.([A-Za-z0-9_.-]+).*?<\|message\|>(.*?)(?:<\|call\|>|<\|end\|>|<\|start\|>|$)",
-                         text, re.S):
+    end = r"(?:<\|call\|>|<\|end\|>|<\|start\|>|<\|channel\|>|$)"
+    for m in re.finditer(r"to=functions\.([A-Za-z0-9_.-]+).*?<\|message\|>(.*?)" + end, text, re.S):
         calls.append(_json_call(m.group(1), _loads(m.group(2).strip())))
     return calls
 
@@ -368,9 +368,9 @@ FORMATS = [
     ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", _parse_mistral,
                _json_args_forced(lambda n: f"{{\"name\": {json.dumps(n)}, \"arguments\": ", "}", ", ",
                                  "[TOOL_CALLS][", "]")),
-    ToolFormat("harmony", "<|channel|>", "", _parse_harmony,
-               _json_args_forced(lambda n: f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>",
-                                 "", "")),
+    # one call per message (its <|call|> ends the turn): never several
+    ToolFormat("harmony", "<|channel|>", "", _parse_harmony, lambda tools, many: _json_args_forced(
+        lambda n: f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>", "", "")(tools, False)),
     ToolFormat("hermes", "<tool_call>", "<tool_call>", _parse_hermes, _hermes_forced),
 ]
 HERMES = FORMATS[-1]
