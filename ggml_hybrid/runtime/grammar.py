@@ -232,19 +232,19 @@ class Constraint:
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._m.is_error():
             raise GrammarError(f"{self.grammar.what}: {_first_line(self._m.get_error())}")
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.grammar.n_vocab]
-        return bits.astype(bool)
+        ok: np.ndarray = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.grammar.n_vocab)
+        return ok.view(bool)
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
-        """``logits`` (float64, a copy) with every token the grammar cannot take next at ``-inf``."""
+        """``logits`` as float64 with every token the grammar cannot take next at ``-inf`` (a new array)."""
         ok = self.allowed()
-        z = np.array(logits, dtype=np.float64).reshape(-1)
+        z = np.asarray(logits).reshape(-1)
         if z.size > ok.size:  # a model's output rows beyond the vocabulary (padding): never text
             ok = np.concatenate([ok, np.zeros(z.size - ok.size, dtype=bool)])
         if not ok.any():
             raise GrammarError(f"{self.grammar.what}: no token can continue the text (the grammar is stuck)")
-        z[~ok[:z.size]] = -np.inf
-        return z
+        out: np.ndarray = np.where(ok[:z.size], z.astype(np.float64, copy=False), -np.inf)
+        return out
 
     def accept(self, token: int) -> None:
         if not self._m.consume_token(int(token)):
