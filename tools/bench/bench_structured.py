@@ -7,7 +7,8 @@ warm-up pair. Every request decodes exactly ``--n`` tokens at temperature 1 from
 records, or of long strings), so both run their whole length. Two figures per request, from its first token to its
 last: the decode tok/s (wall clock, as ``timings.predicted_per_second``), and the engine thread's CPU time per token
 (decode, sampling and, with the schema, the mask: on a shared machine this one does not count the time other
-processes took the core). Medians of each side and their ratios are printed, with the mean CPU time of the mask and accept alone.
+processes took the core). Medians of each side and their ratios are printed, with the mean CPU time of the mask
+and accept alone.
 
     python tools/bench/bench_structured.py [--model small|large|PATH] [--rounds 30] [--n 64] [--threads 1]
         [--schema records|long-strings]
