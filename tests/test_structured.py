@@ -127,6 +127,8 @@ def test_closed_schema_keeps_what_it_names():
     ({"type": "objekt"}, "objekt"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}, "a"),
     ({"$ref": "#/$defs/missing"}, "missing"),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "no text can match it"),
+    ({"type": "string", "format": "nonsense"}, "nonsense"),
 ])
 def test_invalid_schemas_are_refused(tok, bad, msg):
     with pytest.raises(GrammarError, match=msg):
@@ -134,7 +136,7 @@ def test_invalid_schemas_are_refused(tok, bad, msg):
 
 
 @pytest.mark.parametrize("text", ['root ::= (', 'root ::= "a', 'start ::= "x"', 'root ::= [z-a]',
-                                  'root ::= undefined-rule'])
+                                  'root ::= undefined-rule', 'root ::= root', 'root ::= a\na ::= b\nb ::= a'])
 def test_unparsable_grammars_are_refused(tok, text):
     with pytest.raises(GrammarError):
         Grammar.gbnf(tok, text)

@@ -207,6 +207,8 @@ class Grammar:
 
 def _first_line(msg: str) -> str:
     msg = " ".join(msg.split())
+    if msg.startswith("NoExtensionBias"):  # llguidance's word for a grammar no text can match
+        return "no text can match it (a rule that only refers to itself, or to rules that never end)"
     return msg[:500] + ("..." if len(msg) > 500 else "")
 
 
