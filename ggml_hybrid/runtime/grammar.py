@@ -166,6 +166,12 @@ class Grammar:
             raise GrammarError(f"{what}: {_first_line(str(exc))}") from None
         if m.is_error():
             raise GrammarError(f"{what}: {_first_line(m.get_error())}")
+        # the first mask, on a copy: a grammar that cannot start (no text matches it) is refused here, not mid-request
+        probe = m.deep_copy()
+        bits = np.zeros((tok.n_vocab + 31) // 32, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        if probe.is_error() or not bits.any():
+            raise GrammarError(f"{what}: {_first_line(probe.get_error()) or 'no token can start it'}")
         self._spec = spec
         self._first = m  # the compiled start state; each constraint copies it
 
