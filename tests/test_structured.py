@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,7 +54,7 @@ def tok(tmp_path_factory) -> Tokenizer:
     return t
 
 
-def draw(tok: Tokenizer, grammar: Grammar, seed: int, limit: int = 3000, temperature: float = 1.0) -> tuple[str, bool]:
+def draw(tok: Any, grammar: Grammar, seed: int, limit: int = 3000, temperature: float = 1.0) -> tuple[str, bool]:
     """Random logits through the mask and the sampler, as the engine does: (text, ended at an end-of-generation
     token or the grammar's end)."""
     rng = np.random.default_rng(seed)
@@ -79,6 +80,18 @@ def test_every_draw_under_a_schema_validates(tok, name):
         text, ended = draw(tok, g, seed)
         assert ended, text
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_sentencepiece_vocabulary(tmp_path):
+    """Mixtral's SentencePiece vocabulary (byte tokens, the space prefix its encoder adds) under the same schemas."""
+    p = write_model(tmp_path / "mx.gguf", arch="llama", vocab="spm", weight_type="q8_0", seed=4, vocab_size=512)
+    spm = Tokenizer.from_gguf(GGUFStore(str(p)))
+    for name in ("object", "nested", "anyof"):
+        g = Grammar.json_schema(spm, SCHEMAS[name])
+        for seed in range(3):
+            text, ended = draw(spm, g, seed)
+            assert ended, text
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
 
 
 def test_free_draws_are_not_json(tok):

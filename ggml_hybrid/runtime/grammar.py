@@ -71,9 +71,22 @@ class _Wrapped:
                        for i in range(tok.n_vocab)]
         self.special_token_ids = sorted(control)
         self._tok = tok
+        self._by_bytes: dict[bytes, int] = {}
+        for i, b in enumerate(self.tokens):
+            if b and i not in control:
+                self._by_bytes.setdefault(b, i)
 
     def __call__(self, text: bytes) -> list[int]:
-        return self._tok.encode(text.decode("utf-8", "replace"), add_bos=False)
+        """Token ids whose bytes are exactly ``text`` (llguidance tokenizes pieces of the grammar's text with it)."""
+        ids = self._tok.encode(text.decode("utf-8", "replace"), add_bos=False)
+        got = b"".join(self.tokens[i] for i in ids)
+        if got != text and got == b" " + text and ids:
+            # SentencePiece's space prefix (add_space_prefix): the first token without its leading space
+            rest = self.tokens[ids[0]][1:]
+            head = [] if not rest else [self._by_bytes[rest]] if rest in self._by_bytes else \
+                [self._by_bytes[bytes([c])] for c in rest if bytes([c]) in self._by_bytes]
+            ids = head + ids[1:]
+        return ids
 
 
 def _control_ids(tok: TokenBytes) -> set[int]:
