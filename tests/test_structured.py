@@ -298,3 +298,46 @@ def test_streamed_content_is_the_unstreamed_content(pieces):
         want = f.content(text) if f.parse(text) else text
         assert sent + rest == want
         assert [c.name for c in calls] == [c.name for c in f.parse(text)]
+
+
+def test_forced_markers_that_are_control_tokens(tok, tmp_path):
+    """A vocabulary that holds the call marker as one control token (Mistral's [TOOL_CALLS]): the forced grammar
+    writes that token (llguidance never matches a control token to plain text), and the call parses."""
+    import gguf
+    from helpers import rewrite_gguf
+
+    from ggml_hybrid.server.tools import tools_grammar
+
+    src = tmp_path / "base.gguf"
+    write_model(src, arch="qwen3moe", weight_type="q8_0", seed=4)
+    tokens = tok.tokens + ["[TOOL_CALLS]"]
+    types = list(GGUFStore(str(src)).meta("tokenizer.ggml.token_type")) + [3]
+    dst = rewrite_gguf(src, tmp_path / "mistral.gguf", set_keys={
+        "tokenizer.ggml.tokens": (tokens, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING),
+        "tokenizer.ggml.token_type": (types, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)})
+    mtok = Tokenizer.from_gguf(GGUFStore(dst))
+    marker = len(tokens) - 1
+    assert marker in mtok.control
+    f = next(x for x in FORMATS if x.name == "mistral")
+    g = tools_grammar(mtok, f, ToolRequest(TOOLS, "required", None, parallel=False))
+    for seed in range(4):
+        c = g.constraint()
+        rng = np.random.default_rng(seed)
+        first = int(np.argmax(c.mask(rng.standard_normal(mtok.n_vocab))))
+        assert first == marker  # the only token that can start the call
+        c.accept(first)
+        text, ended = draw(mtok, _Continue(g, c), seed)
+        calls = f.calls(mtok.decode([marker]) + text, TOOLS)
+        assert ended and len(calls) == 1, text
+        jsonschema.validate(json.loads(calls[0].arguments),
+                            next(t for t in TOOLS if t["function"]["name"] == calls[0].name)["function"]["parameters"])
+
+
+class _Continue:
+    """A grammar stand-in whose constraint() is one already started (draw() goes on from it)."""
+
+    def __init__(self, g, c):
+        self.g, self.c = g, c
+
+    def constraint(self):
+        return self.c

@@ -20,6 +20,7 @@ free and parses what it writes; ``none`` renders no tools.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
 import uuid
@@ -258,8 +259,22 @@ def _harmony_content(text: str) -> str:
     return "" if "to=functions." in text else text
 
 
+# the vocabulary's control tokens by text while a forced grammar is built (tools_grammar): a marker that is one
+# control token (Mistral's [TOOL_CALLS], DeepSeek's <｜tool▁calls▁begin｜> in files that mark them so) must be that
+# token in the grammar, since llguidance never matches a control token to plain text
+_SPECIALS: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("tool_specials", default=None)
+
+
 def _lark_str(s: str) -> str:
-    return json.dumps(s)
+    """``s`` as a Lark literal; the control tokens written in it as themselves (``<[id]>``)."""
+    specials = _SPECIALS.get()
+    if not specials:
+        return json.dumps(s)
+    pat = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+    parts = [f"<[{specials[p]}]>" if p in specials else json.dumps(p) for p in re.split(f"({pat})", s) if p]
+    if not parts:
+        return '""'
+    return parts[0] if len(parts) == 1 else "(" + " ".join(parts) + ")"
 
 
 def _args_schema(tool: dict[str, Any]) -> dict[str, Any]:
@@ -374,6 +389,10 @@ FORMATS = [
     ToolFormat("hermes", "<tool_call>", "<tool_call>", _parse_hermes, _hermes_forced),
 ]
 HERMES = FORMATS[-1]
+# the texts the forced grammars write that a vocabulary may hold as single control tokens
+_MARKERS = {"[TOOL_CALLS]", _DS_CALLS, _DS_CALL, _DS_SEP, _DS_END, "<\uff5ctool\u2581calls\u2581end\uff5c>",
+            "<tool_call>", "</tool_call>", "<|channel|>", "<|constrain|>", "<|message|>", "<arg_key>", "</arg_key>",
+            "<arg_value>", "</arg_value>"}
 
 
 def tool_format(template_source: str) -> ToolFormat:
@@ -398,9 +417,15 @@ def template_messages(messages: list[Any]) -> list[Any]:
 def tools_grammar(tok: TokenBytes, fmt: ToolFormat, req: ToolRequest) -> Grammar:
     """The grammar of a forced call (``tool_choice`` required or named) in ``fmt``: one call (several when
     ``parallel_tool_calls``) of the offered tools, arguments under each tool's schema."""
+    control: set[int] = getattr(tok, "control", set())
+    specials = {tok.tokens[i]: i for i in control if tok.tokens[i] and fmt.marker and tok.tokens[i] in _MARKERS}
+    reset = _SPECIALS.set(specials)
     try:
-        return Grammar.lark(tok, fmt.forced(req.offered(), req.parallel and req.choice == "required"),
-                            "the tools' call grammar")
+        text = fmt.forced(req.offered(), req.parallel and req.choice == "required")
+    finally:
+        _SPECIALS.reset(reset)
+    try:
+        return Grammar.lark(tok, text, "the tools' call grammar")
     except GrammarError as exc:
         raise bad(f"{exc}.", "tools", "invalid_tool_schema") from None
 
