@@ -16,7 +16,9 @@ alone, so is its text for the same sampler seed: batching changes when a request
 never which.
 
 A :class:`Request` is filled from the engine thread: text pieces as they become final (a piece
-that may be the start of a stop string is held back until it is not), then the finish reason.
+that may be the start of a stop string is held back until it is not), then the finish reason. A request
+with a ``constraint`` (a grammar's state, :mod:`.grammar`) has its logits masked by it before its sampler
+draws, and ends ("stop") when the grammar takes nothing more.
 ``listener`` (if given) is called, from the engine thread, after each change.
 """
 
