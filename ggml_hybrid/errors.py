@@ -160,6 +160,11 @@ class ChatTemplateLimitError(ChatTemplateError):
         self.kind = kind
 
 
+class GrammarError(GgmlHybridError, ValueError):
+    """A grammar or JSON schema for constrained decoding that cannot be compiled (a syntax error, not valid JSON
+    Schema, over a bound), or a constrained generation the grammar cannot continue; the message says which."""
+
+
 class HubError(GgmlHybridError, ValueError):
     """A model asked of the Hugging Face Hub (``-hf``) that cannot be had: no such repository, no file of the quant
     tag, offline without it in the cache, a file split in parts; the message names the repository and the files."""

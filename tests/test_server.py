@@ -317,6 +317,8 @@ def test_bad_completion_requests(server, body, status, param, fragment):
     ('{"model": "q3", "messages": [{"role": "user", "content": 3}]}', "content"),
     ('{"model": "q3", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "text part"),
     ('{"model": "q3", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+     "'tools[0]' must be"),
+    ('{"model": "q3", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}',
      "not supported"),
 ])
 def test_bad_chat_requests(server, body, fragment):

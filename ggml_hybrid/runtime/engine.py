@@ -16,7 +16,9 @@ alone, so is its text for the same sampler seed: batching changes when a request
 never which.
 
 A :class:`Request` is filled from the engine thread: text pieces as they become final (a piece
-that may be the start of a stop string is held back until it is not), then the finish reason.
+that may be the start of a stop string is held back until it is not), then the finish reason. A request
+with a ``constraint`` (a grammar's state, :mod:`.grammar`) has its logits masked by it before its sampler
+draws, and ends ("stop") when the grammar takes nothing more.
 ``listener`` (if given) is called, from the engine thread, after each change.
 """
 
@@ -35,6 +37,7 @@ import numpy as np
 from ..checks import check_int
 from ..errors import ArgumentError, ClosedError, ContextFullError
 from ..text.vocab import TextStream
+from .grammar import Constraint
 from .logprobs import TokenLogprob, token_logprob
 from .moe_model import MoEModel
 from .prompt_cache import MAX_CHECKPOINTS, PromptCache
@@ -81,11 +84,13 @@ class StopText:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, piece: str) -> tuple[str, bool]:
         text = self.held + piece
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s), s) for s in self.stops for i in (text.find(s),) if i >= 0]
+        if found:
+            cut, _, self.matched = min(found)  # the first one found (the longest of those that start there)
             self.held = ""
             return text[:cut], True
         keep = 0
@@ -117,6 +122,7 @@ class Request:
     listener: Callable[[], object] | None = None
     cache_prompt: bool = True          # reuse what a slot holds of the prompt, leave it for later (prompt_cache.py)
     logprobs: int | None = None        # None: none; k: each token's log-probability and the k likeliest
+    constraint: Constraint | None = None  # a grammar: its mask applied to the logits before the sampler
     id: int = field(default_factory=lambda: next(_ids))
     # -- filled in by the engine (read them after ``done`` is set, or under ``lock``) --
     state: str = QUEUED
@@ -177,6 +183,11 @@ class Request:
     def text(self) -> str:
         with self.lock:
             return "".join(self._text)
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text (None: another reason)."""
+        return self._stops.matched
 
     @property
     def prompt_tokens(self) -> int:
@@ -439,7 +450,10 @@ class Engine:
 
     def _next(self, r: Request, logits: np.ndarray) -> None:
         """Sample r's next token from ``logits`` and decide whether it goes on."""
-        tok = r.sampler(logits)
+        c = r.constraint
+        tok = r.sampler(logits if c is None else c.mask(logits))
+        if c is not None:
+            c.accept(tok)
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
         if not r.ignore_eos and tok in self._eog:
@@ -457,6 +471,8 @@ class Engine:
         r._post(text)
         if hit:
             self._finish(r, "stop", flush=False)
+        elif c is not None and c.done:
+            self._finish(r, "stop")  # the grammar is complete and takes nothing more
         elif r.max_tokens is not None and len(r.tokens) >= r.max_tokens:
             self._finish(r, "length")
         elif self.model.position(r.seq) >= self.model.n_ctx:

@@ -79,6 +79,8 @@ class Generation:
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
     cache_prompt: bool = True    # llama.cpp's: reuse what a slot holds of the prompt (bit for bit a cold run)
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat
+    structure: Any = None  # server/structured.py's Structure: what the text must be (None: free)
+    tools: Any = None      # server/tools.py's ToolRequest (chat): the tools and the choice among them
 
     def sampler(self, choice: int) -> Sampler:
         """The sampler of choice ``choice`` (seeded choices draw from seed + choice)."""
@@ -146,8 +148,10 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _unsupported(body: dict[str, Any]) -> None:
+def _unsupported(body: dict[str, Any], supported: tuple[str, ...]) -> None:
     for name, nothing in _UNSUPPORTED.items():
+        if name in supported:  # read by the endpoint's own module (server/structured.py, server/tools.py)
+            continue
         v = body.get(name)
         # `True == 1`: compare types too, so logprobs=true is not taken for best_of=1's 1
         if not any(type(v) is type(x) and v == x for x in nothing):
@@ -166,11 +170,11 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def _common(body: dict[str, Any], max_tokens_default: int | None) -> Generation:
+def _common(body: dict[str, Any], max_tokens_default: int | None, supported: tuple[str, ...] = ()) -> Generation:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required: the name of a model from GET /v1/models.", "model")
-    _unsupported(body)
+    _unsupported(body, supported)
     stream = _get(body, "stream", (bool,), "a boolean", False)
     opts = _get(body, "stream_options", (dict,), "an object", {})
     include_usage = bool(stream) and _get(opts, "include_usage", (bool,), "a boolean", False)
@@ -231,7 +235,7 @@ def _completion_logprobs(body: dict[str, Any]) -> int | None:
 
 def completion_request(body: dict[str, Any]) -> Generation:
     """``POST /v1/completions``: ``prompt`` is a string, an array of strings, token ids, or arrays of them."""
-    g = _common(body, COMPLETION_MAX_TOKENS)
+    g = _common(body, COMPLETION_MAX_TOKENS, ("response_format",))
     g.logprobs = _completion_logprobs(body)
     p = body.get("prompt")
     rule = "'prompt' must be a string, an array of strings, an array of token ids, or an array of those arrays."
@@ -255,7 +259,7 @@ def completion_request(body: dict[str, Any]) -> Generation:
 
 def chat_request(body: dict[str, Any]) -> Generation:
     """``POST /v1/chat/completions``: ``messages`` as OpenAI's (text content only)."""
-    g = _common(body, None)
+    g = _common(body, None, ("response_format", "tools", "tool_choice"))
     g.logprobs = _chat_logprobs(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:

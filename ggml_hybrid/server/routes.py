@@ -1,11 +1,11 @@
 """The handlers of the OpenAI-compatible HTTP API: one method of :class:`Routes` per endpoint (``Routes.table``).
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(both streamed with ``stream: true``) and ``GET /metrics``. Every error is OpenAI's error object with
-a 4xx/5xx status; nothing a client sends takes the server down. A generation is one engine
-request per choice; the handler waits on them without blocking the event loop (the engine thread
-wakes it), and a client that goes away cancels them, which frees their slots before the engine's
-next step.
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+Anthropic's ``POST /v1/messages`` (all streamed with ``stream: true``) and ``GET /metrics``. Every error is
+OpenAI's error object (Anthropic's on ``/v1/messages``) with a 4xx/5xx status; nothing a client sends takes
+the server down. A generation is one engine request per choice; the handler waits on them without blocking
+the event loop (the engine thread wakes it), and a client that goes away cancels them, which frees their
+slots before the engine's next step.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from starlette.routing import Route
 
 from ..errors import ChatTemplateError, ChatTemplateLimitError, ClosedError, ContextFullError, GgmlHybridError
 from ..runtime.engine import Request
+from ..runtime.grammar import Grammar
 from ..runtime.logprobs import TokenLogprob
-from . import metrics
+from . import anthropic, metrics
 from .logprobs import CompletionLogprobs, chat_logprobs
 from .logs import log_once, shorten
 from .models import ModelSet, ServedModel
@@ -45,6 +46,18 @@ from .protocol import (
     parse_json,
     timings,
     usage,
+)
+from .structured import compile_structure, read_structure
+from .tools import (
+    Call,
+    ToolFormat,
+    ToolStream,
+    chat_message,
+    read_tools,
+    stream_calls,
+    template_messages,
+    tool_format,
+    tools_grammar,
 )
 
 WAIT_POLL = 0.25  # seconds between disconnect checks of a non-streamed request
@@ -79,6 +92,7 @@ class Routes:
             Route("/metrics", self.counted("/metrics", self.metrics), methods=["GET"]),
             Route("/v1/completions", self.counted("/v1/completions", self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self.counted("/v1/chat/completions", self.chat), methods=["POST"]),
+            Route("/v1/messages", self.counted("/v1/messages", self.messages), methods=["POST"]),
         ]
 
     def counted(self, endpoint: str, fn: Callable[[HTTPRequest], Awaitable[Response]]
@@ -144,19 +158,42 @@ class Routes:
         return sm
 
     async def completions(self, request: HTTPRequest) -> Response:
-        g = completion_request(await self.read_body(request))
+        body = await self.read_body(request)
+        g = completion_request(body)
+        g.structure = read_structure(body)
         sm = self.lookup(g.model)
         prompts = await anyio.to_thread.run_sync(_tokenize_prompts, sm, g, limiter=self.text_limiter)
-        return await self.generate(request, sm, g, prompts, "completion")
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        return await self.generate(request, sm, g, prompts, "completion", grammar)
 
     async def chat(self, request: HTTPRequest) -> Response:
-        g = chat_request(await self.read_body(request))
+        body = await self.read_body(request)
+        g = chat_request(body)
+        g.structure = read_structure(body)
+        g.tools = read_tools(body)
+        if g.tools is not None and g.tools.forced and g.structure is not None:
+            raise bad(f"a forced tool call ('tool_choice': {g.tools.choice}) cannot also follow "
+                      f"'{g.structure.param}'.", g.structure.param)
         sm = self.lookup(g.model)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
-        return await self.generate(request, sm, g, [prompt], "chat")
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        return await self.generate(request, sm, g, [prompt], "chat", grammar)
+
+    async def messages(self, request: HTTPRequest) -> Response:
+        """Anthropic's Messages API: read into a chat request (server/anthropic.py), answered in Anthropic's shapes."""
+        try:
+            chat = anthropic.to_chat(await self.read_body(request))
+            g = chat_request(chat)
+            g.tools = read_tools(chat)
+            sm = self.lookup(g.model)
+            prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
+            grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+            return await self.generate(request, sm, g, [prompt], "messages", grammar)
+        except APIError as e:
+            return JSONResponse(anthropic.error_body(e), status_code=e.status)
 
     async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
-                       kind: str) -> Response:
+                       kind: str, grammar: Grammar | None = None) -> Response:
         if self.models.draining:
             raise APIError(503, "The server is shutting down and takes no new requests.", code="shutting_down")
         engine = sm.engine
@@ -178,10 +215,11 @@ class Routes:
                 for _ in range(g.n):
                     reqs.append(engine.submit(Request(tokens, g.sampler(len(reqs)), g.max_tokens, g.stop,
                                                       g.ignore_eos, listener, cache_prompt=g.cache_prompt,
-                                                      logprobs=g.logprobs)))
+                                                      logprobs=g.logprobs,
+                                                      constraint=grammar.constraint() if grammar is not None else None)))
         except ContextFullError as exc:
             _cancel(reqs)
-            raise bad(f"{exc}.", "messages" if kind == "chat" else "prompt", "context_length_exceeded") from None
+            raise bad(f"{exc}.", "prompt" if kind == "completion" else "messages", "context_length_exceeded") from None
         except ClosedError:
             _cancel(reqs)
             raise APIError(503, "The server is shutting down and takes no new requests.",
@@ -193,8 +231,9 @@ class Routes:
         n_prompt = sum(len(p) for p in prompts)
         self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
         if g.stream:
-            return EventSourceResponse(self._counted_stream(self.stream(reqs, wake, kind, rid, created, g, n_prompt,
-                                                                        sm)),
+            events = self.stream_messages(reqs[0], wake, rid, g, n_prompt) if kind == "messages" else \
+                self.stream(reqs, wake, kind, rid, created, g, n_prompt, sm)
+            return EventSourceResponse(self._counted_stream(events),
                                        ping=600, sep="\n", shutdown_grace_period=self.drain_seconds)
         try:
             return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt, sm)
@@ -230,9 +269,19 @@ class Routes:
             if r.finish_reason == "error":
                 raise APIError(500, f"Generation failed: {r.error}")
             raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
+        if kind == "messages":
+            r = reqs[0]
+            fmt = _tool_format(self.models.names[g.model])
+            found = fmt.calls(r.text, g.tools.tools) if g.tools is not None and g.tools.choice != "none" else []
+            text = fmt.content(r.text) if found else r.text
+            return JSONResponse(anthropic.message(rid, g.model, text, found, r.finish_reason, r.stop_string,
+                                                  n_prompt, r.completion_tokens))
         lps = _logprobs_of(sm, kind, g)
         choices = [choice(kind, i, r.text, r.finish_reason, False,
                           logprobs=lps[i](r.take_logprobs()) if lps else None) for i, r in enumerate(reqs)]
+        if g.tools is not None and g.tools.choice != "none":
+            fmt = _tool_format(self.lookup(g.model))
+            choices = [chat_message(c, fmt, r.text, g.tools.tools) for c, r in zip(choices, reqs)]
         use = usage(n_prompt, sum(r.completion_tokens for r in reqs), sum(r.n_reused for r in reqs))
         out = envelope(kind, rid, created, g.model, choices, False, use)
         if len(reqs) == 1:
@@ -245,6 +294,10 @@ class Routes:
             return {"data": json.dumps(envelope(kind, rid, created, g.model, choices, True, use))}
 
         lps = _logprobs_of(sm, kind, g, stream=True)
+        calls = None
+        if g.tools is not None and g.tools.choice != "none":
+            fmt = _tool_format(self.models.names[g.model])
+            calls = [ToolStream(fmt, g.tools.tools) for _ in reqs]
         try:
             if kind == "chat":
                 yield event([choice(kind, i, "", None, True, first=True) for i in range(len(reqs))])
@@ -256,15 +309,27 @@ class Routes:
                         continue
                     done = r.done.is_set()  # before take(): every piece of a finished request is posted
                     pieces = r.take()
-                    # a piece's chunk carries the tokens' logprobs that came with it (the last: any still held)
+                    # a piece's chunk carries the tokens' logprobs that came with it (the last: any still held);
+                    # text a tool call parser holds back goes out later, as content or as the call
                     for k, piece in enumerate(pieces):
+                        text = piece if calls is None else calls[i].push(piece)
                         lp = lps[i](r.take_logprobs()) if lps and k == len(pieces) - 1 else None
-                        yield event([choice(kind, i, piece, None, True, logprobs=lp)])
+                        if text or lp is not None:
+                            yield event([choice(kind, i, text, None, True, logprobs=lp)])
                     if done:
                         ended.add(i)
                         if r.finish_reason in ("stop", "length"):
+                            finish = r.finish_reason
+                            if calls is not None:
+                                tail, found = calls[i].end()
+                                if tail:
+                                    yield event([choice(kind, i, tail, None, True)])
+                                for delta in stream_calls(found):
+                                    yield event([{"index": i, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                                                  "finish_reason": None}])
+                                finish = "tool_calls" if found else finish
                             lp = lps[i](r.take_logprobs()) if lps else None
-                            last = event([choice(kind, i, "", r.finish_reason, True, logprobs=lp)])
+                            last = event([choice(kind, i, "", finish, True, logprobs=lp)])
                             if len(reqs) == 1:
                                 doc = json.loads(last["data"])
                                 doc["timings"] = timings(r)
@@ -282,6 +347,41 @@ class Routes:
             yield {"data": "[DONE]"}
         finally:
             _cancel(reqs)  # the client went away (or the stream ended): free the slots
+
+    async def stream_messages(self, r: Request, wake: asyncio.Event, rid: str, g: Generation, n_prompt: int
+                              ) -> AsyncIterator[dict[str, str]]:
+        """Anthropic's events of one generation (server/anthropic.py's MessageEvents)."""
+        ev = anthropic.MessageEvents(rid, g.model, n_prompt)
+        calls = None
+        if g.tools is not None and g.tools.choice != "none":
+            calls = ToolStream(_tool_format(self.models.names[g.model]), g.tools.tools)
+        try:
+            for e in ev.start():
+                yield e
+            while True:
+                wake.clear()
+                done = r.done.is_set()
+                for piece in r.take():
+                    for e in ev.text(piece if calls is None else calls.push(piece)):
+                        yield e
+                if done:
+                    break
+                await wake.wait()
+            if r.finish_reason not in ("stop", "length"):
+                msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
+                    "The server shut down before the request finished."
+                yield anthropic.event("error", error=anthropic.error_body(APIError(500 if r.error else 503, msg))[
+                    "error"])
+                return
+            found: list[Call] = []
+            if calls is not None:
+                tail, found = calls.end()
+                for e in ev.text(tail):
+                    yield e
+            for e in ev.end(found, r.finish_reason, r.stop_string, r.completion_tokens):
+                yield e
+        finally:
+            _cancel([r])
 
     async def not_found(self, request: HTTPRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -340,6 +440,20 @@ def _tokenize_prompts(sm: ServedModel, g: Generation) -> list[list[int]]:
     return out
 
 
+def _tool_format(sm: ServedModel) -> ToolFormat:
+    return tool_format(sm.template.source if sm.template is not None else "")
+
+
+def _grammar(sm: ServedModel, g: Generation) -> Grammar | None:
+    """The request's grammar compiled for the model's vocabulary: its structure, or its forced tool call."""
+    assert sm.model is not None
+    if g.structure is not None:
+        return compile_structure(sm.model.tokenizer, g.structure)
+    if g.tools is not None and g.tools.forced:
+        return tools_grammar(sm.model.tokenizer, _tool_format(sm), g.tools)
+    return None
+
+
 def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
     if sm.template is None:
         raise APIError(500, f"The model's chat template cannot be used: {shorten(sm.template_error or '')}",
@@ -348,8 +462,12 @@ def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
     chars = sum(len(c) for m in g.messages if isinstance(m, dict) for c in (m.get("content"),) if isinstance(c, str))
     if chars > sm.max_prompt_chars:
         raise _too_long("the messages' content", chars, sm, "messages")
+    extra = {}
+    if g.tools is not None and g.tools.choice != "none":
+        extra["tools"] = g.tools.offered()
     try:
-        text = sm.template.render(g.messages, add_generation_prompt=True, max_chars=sm.max_prompt_chars)
+        text = sm.template.render(template_messages(g.messages), add_generation_prompt=True,
+                                  max_chars=sm.max_prompt_chars, **extra)
     except ChatTemplateLimitError as exc:
         if exc.kind == "output":
             raise bad(f"the messages render to a prompt longer than a sequence's context holds "

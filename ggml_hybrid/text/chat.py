@@ -253,8 +253,9 @@ class ChatTemplate:
         return text
 
 
-def normalize_message(m: object, i: int) -> dict[str, str]:
-    """A message as templates expect it: ``role`` and ``content`` strings (OpenAI's text parts joined)."""
+def normalize_message(m: object, i: int) -> dict[str, Any]:
+    """A message as templates expect it: ``role`` and ``content`` strings (OpenAI's text parts joined); a tool
+    result's ``name`` and ``tool_call_id``, an assistant's ``tool_calls``."""
     if not isinstance(m, Mapping):
         raise ChatTemplateError(f"messages[{i}] must be an object, got {type(m).__name__}")
     role, content = m.get("role"), m.get("content")
@@ -272,10 +273,16 @@ def normalize_message(m: object, i: int) -> dict[str, str]:
         content = "".join(texts)
     elif not isinstance(content, str):
         raise ChatTemplateError(f"messages[{i}].content must be a string or a list of text parts")
-    out = {"role": role, "content": content}
-    name = m.get("name")
-    if isinstance(name, str):
-        out["name"] = name
+    out: dict[str, Any] = {"role": role, "content": content}
+    for key in ("name", "tool_call_id"):  # a tool result's function name and the call it answers
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    calls = m.get("tool_calls")  # an assistant's calls, as the caller shaped them (the server: arguments objects)
+    if isinstance(calls, list) and calls:
+        try:
+            out["tool_calls"] = json.loads(json.dumps(calls))  # plain JSON values only: they cross to the renderer
+        except (TypeError, ValueError):
+            raise ChatTemplateError(f"messages[{i}].tool_calls holds values that are not JSON") from None
     return out
 
 

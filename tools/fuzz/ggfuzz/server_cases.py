@@ -35,11 +35,18 @@ DOCUMENTED_5XX = {(500, "chat_template_limit"), (500, "chat_template_unusable"),
 N_CTX = 256
 ODD = [None, True, False, 0, -1, 1, 2, 3.5, -0.0, 1e308, -1e308, 1e-320, 5e-324, 2**63, -(2**63), 2**64, 10**30,
        "", "a", "NaN", "Infinity", "\ud800", "x\udfff", "\x00", "é" * 3, "a" * 5000, [], [1], ["a"], [[1, 2]],
-       [None], {}, {"a": 1}, [[[[[[]]]]]], [-1], [99999999], "<|im_start|>", [0] * 300]
+       [None], {}, {"a": 1}, [[[[[[]]]]]], [-1], [99999999], "<|im_start|>", [0] * 300,
+       # structured output and tools (issue 33): schemas, grammars, tool lists, good and bad
+       {"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}},
+       {"type": "string", "pattern": "(("}, 'root ::= "a" | (', 'root ::= "yes" | "no"', "required", "auto",
+       [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+       [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/x"}}}],
+       {"type": "function", "function": {"name": "f"}}]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n", "seed", "n", "stop",
           "stream", "stream_options", "ignore_eos", "logprobs", "top_logprobs", "cache_prompt", "echo", "suffix",
-          "logit_bias", "tools", "response_format", "user", "best_of"]
+          "logit_bias", "tools", "response_format", "user", "best_of", "tool_choice", "json_schema", "grammar",
+          "parallel_tool_calls"]
 INFO = {"/tokenize": ["model", "content", "add_special", "with_pieces"], "/detokenize": ["model", "tokens"],
         "/v1/embeddings": ["model", "input"]}
 
