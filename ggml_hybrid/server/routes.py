@@ -215,8 +215,8 @@ class Routes:
                 for _ in range(g.n):
                     reqs.append(engine.submit(Request(tokens, g.sampler(len(reqs)), g.max_tokens, g.stop,
                                                       g.ignore_eos, listener, cache_prompt=g.cache_prompt,
-                                                      logprobs=g.logprobs,
-                                                      constraint=grammar.constraint() if grammar is not None else None)))
+                                                      logprobs=g.logprobs, constraint=None if grammar is None
+                                                      else grammar.constraint())))
         except ContextFullError as exc:
             _cancel(reqs)
             raise bad(f"{exc}.", "prompt" if kind == "completion" else "messages", "context_length_exceeded") from None
