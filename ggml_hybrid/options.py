@@ -98,7 +98,7 @@ def _bool_or_auto(v: Any) -> Union[bool, str]:
     return _bool(v)
 
 
-_DEVICE_RE = re.compile(r"(RPC|CUDA|DEV)[0-9]+")
+_DEVICE_RE = re.compile(r"(RPC|CUDA|Vulkan|DEV)[0-9]+")
 
 
 def device_list(text: Optional[str]) -> list[str]:
@@ -108,7 +108,8 @@ def device_list(text: Optional[str]) -> list[str]:
         raise _Bad("device names separated by commas, each once")
     for n in names:
         if not _DEVICE_RE.fullmatch(n):
-            raise _Bad(f"{n!r} is not a device name (RPC0, ..., CUDA0, ... or DEV0, ...; the host is always used)")
+            raise _Bad(f"{n!r} is not a device name (RPC0, ..., CUDA0, ..., Vulkan0, ... or DEV0, ...; the host is "
+                       "always used)")
     return names
 
 
