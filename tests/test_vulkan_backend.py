@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import EPS16, block_amax, check_close, compute, dot_tol, q8_err, quantized
+from helpers import EPS16, block_amax, check_close, dot_tol, q8_err, quantized
 
 import ggml_hybrid as gh
 from ggml_hybrid._native import buildinfo
@@ -113,6 +113,26 @@ def vk0():
     dev.close()
 
 
+def _on_device(dev, wtype, w, x):
+    """mul_mat(w, x) with w in a buffer of ``dev`` and x an input: the scheduler [dev, CPU] runs it on ``dev``."""
+    cpu = gh.cpu(1)
+    with gh.Context(n_tensors=1) as wctx, gh.Context(n_tensors=8, graph_size=16) as ctx, \
+            gh.Scheduler([dev, cpu], graph_size=16) as sched:
+        W = wctx.new_tensor(wtype, (64, 256), "w")
+        wctx.allocate(dev, "weights")
+        W.set(w)
+        X = ctx.new_tensor("f32", x.shape, "x").set_input()
+        Y = ctx.mul_mat(W, X).set_output()
+        graph = ctx.new_graph(16).expand(Y)
+        sched.alloc(graph)
+        assert sched.tensor_backend(Y).name == dev.name  # computed on the device, not on the CPU
+        X.set(x)
+        sched.compute(graph)
+        got = Y.numpy()
+    cpu.close()
+    return got
+
+
 @needs_device
 @pytest.mark.parametrize("wtype", ["f32", "f16", "q8_0", "q4_0", "q4_k"])
 def test_vulkan_matmul_matches_numpy(vk0, wtype):
@@ -127,8 +147,9 @@ def test_vulkan_matmul_matches_numpy(vk0, wtype):
     elif wtype == "f16":
         spec, wd = w.astype(np.float16), w.astype(np.float16).astype(np.float64)
     else:
-        spec, wd = quantized(w, wtype)
-    got = compute(vk0, lambda c, t: c.mul_mat(t["w"], t["x"]), consts={"w": spec}, inputs={"x": x})
+        raw, wd = quantized(w, wtype)
+        spec = raw.data
+    got = _on_device(vk0, wtype, spec, x)
     x64 = x.astype(np.float64)
     ref = x64 @ wd.T
     x_err = {"f32": 0 * x64, "f16": EPS16 * np.abs(x64)}.get(wtype, q8_err(block_amax(x64, 32)))

@@ -86,6 +86,10 @@ def load_backend(path: Path) -> BackendStatus:
         missing = _MISSING.search(why)
         # a vendor library the loader did not find on its own: load it from where pip or the toolkit put it
         if missing is None or missing.group(1) in tried or not _preload(missing.group(1)):
+            if name == "Vulkan" and "ggml_backend_init returned NULL" in why:
+                # GGML's Vulkan backend gives no registry when it cannot create a Vulkan instance
+                why = ("no usable Vulkan driver: the Vulkan loader found none (driver files in /usr/share/vulkan/icd.d, "
+                       "or VK_DRIVER_FILES), or none could create an instance")
             return BackendStatus(name, str(path), False, 0, why)
         tried.add(missing.group(1))
     n = int(lib.ggml_backend_reg_dev_count(reg))
@@ -99,7 +103,8 @@ def load_backend(path: Path) -> BackendStatus:
 
 def _reason(log: str) -> str:
     """GGML's last complaint while loading ("failed to initialize CUDA: no CUDA-capable device is detected")."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    # GGML's own note that it loaded the library says nothing about devices
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip() and not ln.startswith("load_backend: loaded")]
     errors = [ln for ln in lines if "fail" in ln.lower() or "error" in ln.lower()]
     return (errors or lines or ["no device found"])[-1]
 
