@@ -154,3 +154,42 @@ def test_vulkan_matmul_matches_numpy(vk0, wtype):
     ref = x64 @ wd.T
     x_err = {"f32": 0 * x64, "f16": EPS16 * np.abs(x64)}.get(wtype, q8_err(block_amax(x64, 32)))
     check_close(got, ref, dot_tol(np.abs(x64) @ np.abs(wd).T, 256) + x_err @ np.abs(wd).T, f"Vulkan mul_mat {wtype}")
+
+
+def _mul_mat_id(dev, w, x, ids):
+    cpu = gh.cpu(1)
+    with gh.Context(n_tensors=1) as wctx, gh.Context(n_tensors=8, graph_size=16) as ctx, \
+            gh.Scheduler([dev, cpu], graph_size=16) as sched:
+        W = wctx.new_tensor("f32", w.shape, "w")
+        wctx.allocate(dev, "weights")
+        W.set(w)
+        X = ctx.new_tensor("f32", x.shape, "x").set_input()
+        ids_t = ctx.new_tensor("i32", ids.shape, "ids").set_input()
+        Y = ctx.mul_mat_id(W, X, ids_t).set_output()
+        graph = ctx.new_graph(16).expand(Y)
+        sched.alloc(graph)
+        X.set(x)
+        ids_t.set(ids)
+        sched.compute(graph)
+        got = Y.numpy()
+    cpu.close()
+    return got
+
+
+@needs_device
+@pytest.mark.parametrize("n_tokens", [1, 8, 9, 32])
+def test_mul_mat_id_over_slots_is_bit_identical_to_the_whole_tensor(vk0, n_tokens):
+    """What the expert cache relies on: two experts copied into a 2-slot tensor give, through the device's
+    mul_mat_id, the bits they give in the 16-expert tensor (the mat-vec kernel up to 8 tokens, the tiled one above)."""
+    rng = np.random.default_rng(n_tokens)
+    w = rng.standard_normal((16, 64, 128)).astype(np.float32)
+    x = rng.standard_normal((n_tokens, 1, 128)).astype(np.float32)
+    ids = np.tile(np.array([3, 11], np.int32), (n_tokens, 1))
+    whole = _mul_mat_id(vk0, w, x, ids)
+    slots = _mul_mat_id(vk0, w[[3, 11]], x, np.tile(np.array([0, 1], np.int32), (n_tokens, 1)))
+    x64, w64 = x[:, 0].astype(np.float64), w[ids].astype(np.float64)
+    ref = np.einsum("tk,tenk->ten", x64, w64)
+    # above 8 tokens the tiled kernel takes both operands as fp16: one fp16 rounding of each factor
+    absprod = np.einsum("tk,tenk->ten", np.abs(x64), np.abs(w64))
+    check_close(whole, ref, dot_tol(absprod, 128) + (2 * EPS16 * absprod if n_tokens > 8 else 0), "mul_mat_id")
+    np.testing.assert_array_equal(slots, whole)

@@ -88,8 +88,8 @@ def load_backend(path: Path) -> BackendStatus:
         if missing is None or missing.group(1) in tried or not _preload(missing.group(1)):
             if name == "Vulkan" and "ggml_backend_init returned NULL" in why:
                 # GGML's Vulkan backend gives no registry when it cannot create a Vulkan instance
-                why = ("no usable Vulkan driver: the Vulkan loader found none (driver files in /usr/share/vulkan/icd.d, "
-                       "or VK_DRIVER_FILES), or none could create an instance")
+                why = ("no usable Vulkan driver: the Vulkan loader found none (driver files in "
+                       "/usr/share/vulkan/icd.d, or VK_DRIVER_FILES), or none could create an instance")
             return BackendStatus(name, str(path), False, 0, why)
         tried.add(missing.group(1))
     n = int(lib.ggml_backend_reg_dev_count(reg))
