@@ -33,9 +33,10 @@ BACKEND = GPU.rstrip("0123456789")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="no CUDA or Vulkan device in this build")]
 
 # The device's kernels against the CPU's (max|Δlogits| / max|logits| over a prompt and 8 greedy tokens). GGML's Vulkan
-# kernels round Q8_0 products differently from the CPU's (lavapipe, the generated Q8_0 model: 1.25e-2, same tokens;
-# docs/moe.md has the figures over 64 tokens); CUDA's bound is the one device_check.py applies.
-DEVICE_RTOL = {"CUDA": PARITY_RTOL, "Vulkan": 2e-2}.get(BACKEND, PARITY_RTOL)
+# kernels round Q8_0 products differently from the CPU's, which the generated model's random weights amplify
+# (lavapipe, Q8_0: 1.25e-2 with every layer on one side, 9.3e-2 with layers 0-1 on the CPU and 2-3 on Vulkan0, the
+# same greedy tokens; F32 within 1e-3; docs/moe.md has the figures over 64 tokens); CUDA's bound is device_check.py's.
+DEVICE_RTOL = {"CUDA": PARITY_RTOL, "Vulkan": 0.1}.get(BACKEND, PARITY_RTOL)
 # The expert cache at share 0 against every expert resident on the device: bit-identical on CUDA (claimed, the same
 # kernels over slot tensors; not yet run on a GPU). On Vulkan (lavapipe) it is not: max relative difference 3.4e-4
 # (F32) and 5.8e-4 (Q8_0) over 64 tokens, every greedy token the same, while mul_mat_id itself over a slot tensor is

@@ -13,7 +13,7 @@
 # 3. runs tools/device_check.py: GPU-vs-CPU parity and the hybrid benchmark (share 0, 0.5, auto);
 # 4. leaves device_report.json, device_report.md, test_gpu.xml and the logs in OUT_DIR.
 # Exit status: 0 when every test and parity check passed. On lavapipe (Mesa's Vulkan on the CPU, to check a Vulkan
-# bundle without a GPU): GGML_VK_VISIBLE_DEVICES=0 bash tools/device_check.sh build/device_bundle_vulkan
+# bundle without a GPU): GGML_VK_VISIBLE_DEVICES=0 DEVICE_CHECK_ARGS=--small bash tools/device_check.sh build/device_bundle_vulkan
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -75,7 +75,8 @@ timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --rootdir "$REP
 tests_rc=${PIPESTATUS[0]}
 
 say "parity and the hybrid benchmark"
-timeout 240 "$PY" "$REPO/tools/device_check.py" --out "$OUT_DIR" --junit "$OUT_DIR/test_gpu.xml" 2>&1 \
+# shellcheck disable=SC2086  # DEVICE_CHECK_ARGS: extra options, e.g. --small on lavapipe (a CPU playing the GPU)
+timeout 240 "$PY" "$REPO/tools/device_check.py" --out "$OUT_DIR" --junit "$OUT_DIR/test_gpu.xml" ${DEVICE_CHECK_ARGS:-} 2>&1 \
     | tee "$OUT_DIR/device_check.log"
 check_rc=${PIPESTATUS[0]}
 rm -rf "$OUT_DIR/work" "$SCRATCH"
