@@ -319,6 +319,70 @@ def test_a_client_that_leaves_mid_body_is_counted_without_a_traceback(server):
     # (the module's server fixture checks its log for tracebacks when it stops)
 
 
+def _strip_informational(raw: bytes) -> bytes:
+    """The reply after any ``HTTP/1.1 1xx`` lines (the half-close probe's ``100 Continue``)."""
+    while raw.startswith(b"HTTP/1.1 1"):
+        raw = raw.split(b"\r\n\r\n", 1)[1]
+    return raw
+
+
+@pytest.fixture(scope="module")
+def long_server(slow):
+    """A server on which a 4,000-token reply takes several seconds (about 600 tokens/s here, one thread)."""
+    with Server([slow, "-np", "2", "-c", "4096", "-t", "1", "-a", "m"]) as s:
+        yield s
+        rc, err = s.stop()
+    assert rc == 0, err
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_half_closes_after_its_request_gets_its_reply(long_server, stream):
+    """A client that shuts its sending side after a whole request (``nc -N``) got an empty reply: asyncio closed
+    the connection on end of input. Now it gets the whole answer, then the connection closes."""
+    body = json.dumps({"model": "m", "prompt": "Hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                       "stream": stream}).encode()
+    with socket.create_connection(("127.0.0.1", long_server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s.shutdown(socket.SHUT_WR)
+        raw = _recv_all(s, 60)
+    assert not raw.endswith(b"<timeout>"), raw[-300:]  # the server closed the connection after the reply
+    reply = _strip_informational(raw)
+    assert reply.startswith(b"HTTP/1.1 200"), raw[:300]
+    payload = reply.split(b"\r\n\r\n", 1)[1]
+    if stream:
+        assert b"data: [DONE]" in payload, payload[-300:]
+    else:
+        out = json.loads(payload)
+        assert out["usage"]["completion_tokens"] == 40 and out["choices"][0]["finish_reason"] == "length", out
+    # the same answer as a client that stays
+    if not stream:
+        code, again = post(long_server.url + "/v1/completions", body)
+        assert code == 200 and again["choices"][0]["text"] == out["choices"][0]["text"]
+
+
+def test_a_client_that_closes_both_ways_mid_generation_is_still_cancelled_soon(long_server):
+    """The half-close reply keeps the write side open after end of input; a client that closed both ways must
+    still have its generation cancelled (the probe's write fails), not run to max_tokens."""
+    before = scrape(long_server.url)
+    body = json.dumps({"model": "m", "prompt": "Hello", "max_tokens": 4000, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", long_server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.5)
+    end = time.monotonic() + 30
+    while True:
+        after = scrape(long_server.url)
+        if _delta(before, after, "ggml_hybrid_http_requests_total", endpoint="/v1/completions", status="499") == 1:
+            break
+        assert time.monotonic() < end, "a client that left was not noticed"
+        time.sleep(0.2)
+    generated = sum(v - before.get(k, 0) for k, v in after.items() if k[0] == "ggml_hybrid_generated_tokens_total")
+    assert 0 < generated < 4000, generated  # cancelled part way, not run to its end
+
+
 # -- item 14: the warning for every interface ---------------------------------------------------------------
 
 def test_a_non_loopback_address_warns_that_there_is_no_authentication(files):

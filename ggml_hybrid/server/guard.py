@@ -11,6 +11,14 @@ unreachable. :func:`protocol_class` gives uvicorn's h11 protocol with:
   over it closes the oldest connection still waiting for its headers (idle ones go first, so a health
   check always gets in), or, when every connection is busy with a request, the new one.
 
+- a reply for a client that half-closes its socket after a whole request (``shutdown(SHUT_WR)``, as
+  ``nc -N`` does): asyncio's default closes the connection on end of input, so such a client got nothing.
+  The write side now stays open until the response is sent, then the connection closes. A client that
+  closed both ways looks the same until something is written to it; while its response has not started,
+  a ``100 Continue`` line goes out every :data:`PROBE_SECONDS` (HTTP/1.1 clients must skip 1xx replies)
+  and the write after the reset a gone client answers with fails, which ends its generation as for any
+  client that leaves (a counted 499). A streamed response's own events do the same.
+
 Request bodies have their own deadline in the app (``BODY_SECONDS``, a 408).
 """
 
@@ -24,6 +32,7 @@ from typing import Any
 from .logs import log_once
 
 HEADER_SECONDS = 10.0  # a request's headers must be complete this long after the connection (or last response)
+PROBE_SECONDS = 0.5    # after a half-close, how often a reply not yet started checks that the client is still there
 FD_RESERVE = 64        # descriptors kept for what is not a connection (model files, pipes, renderers, logs)
 
 
@@ -45,7 +54,8 @@ def connection_limit(fd_limit: int) -> int:
     return max(8, min(fd_limit - FD_RESERVE, 10_000))
 
 
-def protocol_class(max_connections: int, header_seconds: float = HEADER_SECONDS) -> type[asyncio.Protocol]:
+def protocol_class(max_connections: int, header_seconds: float = HEADER_SECONDS,
+                   probe_seconds: float = PROBE_SECONDS) -> type[asyncio.Protocol]:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -54,6 +64,7 @@ def protocol_class(max_connections: int, header_seconds: float = HEADER_SECONDS)
 
         def connection_made(self, transport: Any) -> None:
             self._header_timer: asyncio.TimerHandle | None = None
+            self._probe_timer: asyncio.TimerHandle | None = None
             self._waiting_since = time.monotonic()
             super().connection_made(transport)
             self._arm_header_timer()
@@ -107,11 +118,34 @@ def protocol_class(max_connections: int, header_seconds: float = HEADER_SECONDS)
                 self._arm_header_timer()
             super().data_received(data)
 
+        def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio: True keeps the transport open
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or self.conn.their_state is not h11.DONE:
+                return None  # idle, or a request cut short (a counted 499): the connection ends here
+            # a half-close after a whole request: the reply still goes out, then the connection closes
+            cycle.keep_alive = False
+            if self._probe_timer is None:
+                self._probe_timer = self.loop.call_later(probe_seconds, self._probe_client)
+            return True
+
+        def _probe_client(self) -> None:
+            self._probe_timer = None
+            cycle = self.cycle
+            if cycle is None or cycle.response_started or cycle.disconnected or self.transport.is_closing():
+                return  # a started response's own writes find a client that has gone
+            if self.scope.get("http_version") == "1.1":  # HTTP/1.0 clients know no 1xx replies
+                self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[],
+                                                                             reason=b"Continue")))
+            self._probe_timer = self.loop.call_later(probe_seconds, self._probe_client)
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
+            if self._probe_timer is not None:
+                self._probe_timer.cancel()
+                self._probe_timer = None
             super().connection_lost(exc)
 
     return GuardedH11Protocol
 
 
-__all__ = ["FD_RESERVE", "HEADER_SECONDS", "connection_limit", "protocol_class", "raise_fd_limit"]
+__all__ = ["FD_RESERVE", "HEADER_SECONDS", "PROBE_SECONDS", "connection_limit", "protocol_class", "raise_fd_limit"]
