@@ -9,6 +9,7 @@ from the device's: within PARITY_RTOL, same greedy tokens).
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -196,3 +197,9 @@ def test_region_on_the_device_gets_copies_of_host_inputs():
     if BACKEND == "CUDA":
         # a copy of the host tensor (on Vulkan0 the executor was handed "pre" itself, in device memory)
         assert name != "pre"
+
+
+def test_plan_asks_the_gpu_for_its_memory(model_path):
+    free = next(d.memory_free for d in gh.devices() if d.name == GPU)
+    plan = json.loads(CliRunner().invoke(main, ["plan", str(model_path), "--json"]).output)
+    assert list(plan["devices"]) == [GPU] and plan["devices"][GPU]["vram"] == free

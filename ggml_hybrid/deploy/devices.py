@@ -89,7 +89,8 @@ def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
 
 def plan_device_names(opts: SessionOptions, vram: list[int] | None) -> list[str]:
     """The devices a plan is for: with ``rpc`` the session's own (``vram``, if given, sizes them in order);
-    else with ``vram`` those of ``devices`` (one size each) or CUDA0, CUDA1, ...; else the session's."""
+    else with ``vram`` those of ``devices`` (one size each), this machine's GPUs (one size each) or CUDA0, CUDA1, ...;
+    else the session's."""
     if vram is not None and opts.rpc is None and opts.devices is not None:
         names = device_list(opts.devices)
         if len(names) != len(vram):
@@ -102,7 +103,10 @@ def plan_device_names(opts: SessionOptions, vram: list[int] | None) -> list[str]
             raise OptionError(f"vram: {len(vram)} device sizes given for the {len(names)} devices "
                               f"({', '.join(names)}); give one per device, or none to ask the servers")
         return names
-    return [f"CUDA{i}" for i in range(len(vram))] if vram else device_names(opts)
+    if not vram:
+        return device_names(opts)
+    gpus = gpu_device_names()  # this machine's GPUs when the sizes are theirs (asked, or one given for each)
+    return gpus if len(gpus) == len(vram) else [f"CUDA{i}" for i in range(len(vram))]
 
 
 def device_free_memory(opts: SessionOptions) -> list[int] | None:
