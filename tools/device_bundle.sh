@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, on a CPU machine, what tools/device_check.sh installs on a GPU machine that has no network: the ggml-hybrid
 # wheel for that machine's Python (portable CPU variants and a GPU backend), and the wheels of the dependencies it
-# lacks (cffi, pycparser, gguf). Checks the total stays under 64 MiB (what the device tool carries).
+# lacks (cffi, pycparser, gguf, tokenizers). Checks the total stays under 64 MiB (what the device tool carries).
 #
 #   PYTHON=~/.pyenv/versions/3.12.1/bin/python bash tools/device_bundle.sh [--vulkan] [OUT_DIR]
 #
@@ -50,7 +50,7 @@ fi
 echo "== dependency wheels the device lacks (no network there)"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$ver" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$OUT_DIR" "cffi>=1.16" "pycparser" "gguf>=0.10"
+    -d "$OUT_DIR" "cffi>=1.16" "pycparser" "gguf>=0.10" "tokenizers>=0.19"
 
 total=$(find "$OUT_DIR" -type f \( -name '*.whl' -o -name '*.deb' \) -exec cat {} + | wc -c)
 ( cd "$OUT_DIR" && find . -type f \( -name '*.whl' -o -name '*.deb' \) | sort | xargs ls -l \
