@@ -111,4 +111,54 @@ def available_memory() -> int | None:
     return None
 
 
-__all__ = ["IDLE_FRACTION", "available_memory", "default_threads", "idle_cores", "usable_cores"]
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return int(text) if text.isdigit() else None  # cgroup v2 says "max" for no limit
+    except (OSError, ValueError):
+        return None
+
+
+def _inactive_file(stat_path: str, key: str) -> int:
+    try:
+        with open(stat_path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_memory_left(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup still allows (its limit less its working set: usage less the inactive
+    page cache the kernel reclaims first, as container runtimes count it); None without a limit. cgroup v1
+    (``memory`` controller) and v2; ``proc`` and ``root`` are where the kernel says it (tests point them
+    elsewhere)."""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # v1
+            base = root + "/memory" + path.rstrip("/")
+            limit, usage = _read_int(base + "/memory.limit_in_bytes"), _read_int(base + "/memory.usage_in_bytes")
+            inactive = _inactive_file(base + "/memory.stat", "total_inactive_file")
+            break
+        if controllers == "":  # v2
+            base = root + path.rstrip("/")
+            limit, usage = _read_int(base + "/memory.max"), _read_int(base + "/memory.current")
+            inactive = _inactive_file(base + "/memory.stat", "inactive_file")
+            break
+    else:
+        return None
+    if limit is None or usage is None or limit >= 1 << 60:  # v1 reports "no limit" as a huge number
+        return None
+    return max(0, limit - max(0, usage - inactive))
+
+
+__all__ = ["IDLE_FRACTION", "available_memory", "cgroup_memory_left", "default_threads", "idle_cores", "usable_cores"]

@@ -21,6 +21,7 @@ from ._native import lib
 from .errors import OptionError
 from .ggml.backend import THREADS_PER_CORE, max_threads
 from .ggml.rpc import endpoint_list
+from .units import parse_size
 
 __all__ = ["EvictionPolicy", "ExecutorKind", "KVCacheType", "OptionError", "SessionOptions", "SplitMode"]
 
@@ -64,6 +65,12 @@ def _share(v: Any) -> Union[float, str]:
     return cast(float, v) + 0.0  # folds -0.0 into 0.0 so equal options print alike
 
 
+def _slots(v: Any) -> Union[int, str]:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    return cast(int, _int(0)(v))
+
+
 def _int(lo: int, hi: Optional[int] = None, nullable: bool = False) -> Callable[[Any], Optional[int]]:
     def conv(v: Any) -> Optional[int]:
         if nullable and (v is None or isinstance(v, str) and v.strip().lower() in ("", "none")):
@@ -98,6 +105,20 @@ def _bool_or_auto(v: Any) -> Union[bool, str]:
     return _bool(v)
 
 
+def _size_or_auto(v: Any) -> Union[int, str]:
+    if isinstance(v, str):
+        if v.strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse_size(v)
+        except OptionError:
+            raise _Bad() from None
+    _typed(v, int)
+    if v < 0:
+        raise _Bad()
+    return cast(int, v)
+
+
 _DEVICE_RE = re.compile(r"(RPC|CUDA|Vulkan|DEV)[0-9]+")
 
 
@@ -121,7 +142,7 @@ def _device_list(v: Any) -> Optional[str]:
 
 
 # the options whose value is one of a few names: each Literal is the one list of its names
-EvictionPolicy = Literal["lru", "lfu"]
+EvictionPolicy = Literal["freq", "lru", "lfu"]
 KVCacheType = Literal["f32", "f16", "q8_0"]
 SplitMode = Literal["layer", "none"]
 ExecutorKind = Literal["native", "python"]
@@ -233,12 +254,15 @@ class SessionOptions:
         0.0, "float | 'auto'", "a number in [0, 1] or 'auto'",
         "Fraction of MoE expert work run on the CPU; 0 keeps the default path, 'auto' lets the scheduler choose.",
         _share)
-    expert_cache_slots: int = _opt(
-        0, "int", "an integer >= 0", "Expert slots in the device cache per layer; 0 = no cache, experts resident.",
-        _int(0))
+    expert_cache_slots: Union[int, str] = _opt(
+        0, "int | 'auto'", "an integer >= 0 or 'auto'",
+        "Expert slots in the device cache per layer; 0 = no cache, experts resident; 'auto' = as many as the free "
+        "device memory holds after the dense weights, the KV cache and the compute buffers, less a margin.",
+        _slots)
     expert_eviction: EvictionPolicy = _opt(
-        "lru", "str", _one_of(EvictionPolicy),
-        "Expert cache victim order: least recently used ('lru') or least frequently used ('lfu').",
+        "freq", "str", _one_of(EvictionPolicy),
+        "Expert cache victim order: the fewest requests over the layer's history, ties by the least recent ('freq'), "
+        "least recently used ('lru') or least frequently used since loaded ('lfu').",
         _choice(EvictionPolicy))
     n_threads: Optional[int] = _opt(
         None, "int | None", _THREADS_RULE,
@@ -322,6 +346,26 @@ class SessionOptions:
         "Repack the weights that live on CPU backends into GGML's CPU extra buffer types where the type and CPU "
         "allow (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2), for its faster kernels; false = llama.cpp's --no-repack.",
         _bool)
+    host_cache_bytes: Union[int, str] = _opt(
+        0, "int | 'auto'", "a size >= 0 (bytes, or with a K/M/G/T suffix) or 'auto'; > 0 needs disk_experts",
+        "Host-RAM expert tier between the device's slots and the file: whole experts read from the GGUF by I/O "
+        "threads (O_DIRECT where allowed) into at most this many bytes of host memory; 0 = none (loads read the "
+        "mapping); 'auto' = the memory available at load less a margin.", _size_or_auto)
+
+    moe_prefetch: bool = _opt(
+        False, "bool", _BOOL_RULE,
+        "Lookahead prefetch: after each disk layer's call of up to 16 tokens, apply the next disk layer's router to "
+        "the call's input and load the predicted misses into that layer's slots ahead of its call (docs/moe.md); "
+        "results never change.", _bool)
+    moe_prefetch_bytes: int = _opt(
+        0, "int", "an integer >= 0 (bytes)",
+        "Most bytes one layer call prefetches into the next layer (whole experts); 0 = the bytes of the next "
+        "layer's n_expert_used experts. Below one expert: predictions are counted, nothing is loaded.", _int(0))
+    moe_route_trace: Optional[str] = _opt(
+        None, "str | None", "a routing trace file (.ghtrace) or none",
+        "Benchmarks only (ggml-hybrid bench, tools/bench): each disk layer's routed experts are the next token rows "
+        "of this trace instead of the router's choice, so a generated model pays a real model's loads; the output "
+        "is not the model's own.", _path)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -488,6 +488,7 @@ def test_inspect_json(models, name, arch, shared_ff):
     per_expert = 3 * SPEC.n_ff_exp * SPEC.n_embd * (4 if name != "q8" else 34 / 32)
     assert d["bytes"]["routed_experts"] == SPEC.n_layer * SPEC.n_expert * per_expert
     assert e["bytes_per_expert"] == per_expert and e["bytes_per_layer"] == SPEC.n_expert * per_expert
+    assert e["bytes_by_layer"] == {str(i): SPEC.n_expert * per_expert for i in range(SPEC.n_layer)}
     if name == "q2":
         # a shared expert (gate, up, down) plus its sigmoid gate vector, per layer
         assert d["bytes"]["shared_experts"] == SPEC.n_layer * 4 * (3 * 64 * SPEC.n_embd + SPEC.n_embd) > 0

@@ -83,6 +83,19 @@ def test_expert_cache_slots_implies_disk_experts(model):
                expect=["disk_experts given twice"])
 
 
+def test_host_cache_feeds_the_expert_cache_and_reports_its_reads(model):
+    ref = run_json(model, "--tokens", "1,2,3", "-n", 4, *T1)
+    d = run_json(model, "--tokens", "1,2,3", "-n", 4, *T1, "--expert-cache-slots", 2, "--host-cache", "64M")
+    assert d["tokens"] == ref["tokens"] and ref["host_tier"] is None
+    assert d["options"]["disk_experts"] is True and d["options"]["host_cache_bytes"] == 64 << 20
+    t = d["host_tier"]
+    assert t["misses"] > 0 and t["bytes_read"] > 0 and t["hits"] + t["misses"] == d["counters"]["misses"]
+    user_error("run", model, "--tokens", "1", *T1, "--expert-cache-slots", 2, "--host-cache", "lots",
+               expect=["host_cache_bytes=lots"])
+    user_error("run", model, "--tokens", "1", *T1, "--expert-cache-slots", 2, "--host-cache", "1G",
+               "--moe-cpu-share", "0.5", expect=["does not feed"])
+
+
 def test_a_flag_twice_with_a_newline_in_its_value_is_one_error_line(model):
     """Found by the CLI fuzzer: the message quoted the values raw, so '\n\n' split the error over lines."""
     user_error("run", model, "-p", "Hello world", "-p", "\n\n", *T1,

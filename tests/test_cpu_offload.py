@@ -201,8 +201,8 @@ def test_session_records_a_routing_trace(model, tmp_path):
     assert (trace.n_layer, trace.n_expert, trace.n_used) == (3, 16, 4)
     assert [layer for layer, _ in trace.calls] == [0, 1, 2] * 3
     assert [ids.shape for _, ids in trace.calls] == [(n, 4) for n in (1, 4, 1) for _ in range(3)]
-    # replaying the trace through the same cache policy reproduces the live counters
-    result = replay(trace, 4, "lru")
+    # replaying the trace through the same cache policy (the default eviction) reproduces the live counters
+    result = replay(trace, 4, SessionOptions().expert_eviction)
     assert (result.hits, result.misses) == (live.hits, live.misses)
 
 
@@ -234,7 +234,7 @@ def test_replayed_counters_equal_live_counters(model, tmp_path, share, executor)
         for i, n in enumerate((1, 7, 1, 1, 12, 2, 1, 30, 1)):
             s.forward(_x(n, 256, 300 + i))
         live = s.counters.layers
-    result = replay(read_trace(path), slots, "lru", share=share, cost=cost)
+    result = replay(read_trace(path), slots, SessionOptions().expert_eviction, share=share, cost=cost)
     got = [(st.distinct, st.hits, st.misses, st.cpu, st.evictions, st.rounds) for st in result.layers]
     want = [(c.distinct, c.hits, c.misses, c.cpu_misses, c.evictions, c.rounds) for c in live]
     assert got == want

@@ -122,7 +122,7 @@ def test_reset_empties_everything():
 def test_plan_ignores_listing_order(data):
     n = data.draw(st.integers(2, 16), label="n_experts")
     k = data.draw(st.integers(1, n), label="n_slots")
-    policy = data.draw(st.sampled_from(["lru", "lfu"]), label="policy")
+    policy = data.draw(st.sampled_from(["lru", "lfu", "freq"]), label="policy")
     a, b = SlotCache(n, k, policy), SlotCache(n, k, policy)
     for _ in range(data.draw(st.integers(1, 6), label="calls")):
         call = data.draw(st.dictionaries(st.integers(0, n - 1), st.integers(1, 4)), label="call")
@@ -141,7 +141,7 @@ class CacheMachine(RuleBasedStateMachine):
     """Drives a SlotCache with random calls and checks every round against a slot-by-slot model."""
 
     @initialize(shape=st.integers(2, 64).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n))),
-                policy=st.sampled_from(["lru", "lfu"]))
+                policy=st.sampled_from(["lru", "lfu", "freq"]))
     def setup(self, shape, policy):
         self.n, self.k = shape
         self.policy = policy
@@ -152,6 +152,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.slots = [None] * self.k  # slot -> expert
         self.recency = {}
         self.uses = {}
+        self.requests = [0] * self.n  # every call that asked for an expert, device or CPU; evictions keep it
+        self.last_request = [0] * self.n
         self.tick = 0
         self.totals = dict(calls=0, distinct=0, hits=0, misses=0, evictions=0, rounds=0, invalidated=0)
 
@@ -159,6 +161,8 @@ class CacheMachine(RuleBasedStateMachine):
         e = self.slots[slot]
         if self.policy == "lru":
             return (self.recency[e], slot)
+        if self.policy == "freq":
+            return (self.requests[e], self.last_request[e], slot)
         return (self.uses[e], self.recency[e], slot)
 
     def _where(self, e):
@@ -181,9 +185,21 @@ class CacheMachine(RuleBasedStateMachine):
         assert d["hits"] == sum(len(r.hits) for r in rounds)
         assert d["evictions"] == sum(len(r.evicted) for r in rounds)
         assert d["rounds"] == len(rounds)
+        # the CPU computed some other experts of this call: they count in the history at the call's tick
+        cpu = data.draw(st.lists(st.integers(0, self.n - 1), unique=True, max_size=4), label="cpu")
+        cpu = [e for e in cpu if e not in experts and e not in self.slots]
+        self.cache.note_cpu(cpu)
+        for e in cpu:
+            self.requests[e] += 1
+            self.last_request[e] = self.tick
+        for e in range(self.n):
+            assert self.cache.reuse_key(e) == (self.requests[e], self.last_request[e])
 
     def _check(self, rounds, experts, rows):
         self.tick += 1
+        for e in experts:
+            self.requests[e] += 1
+            self.last_request[e] = self.tick
         self.totals["calls"] += 1
         self.totals["distinct"] += len(experts)
         requested = set(experts)
@@ -374,3 +390,22 @@ def test_a_slot_loaded_twice_in_one_call_is_whole_only_after_its_last_load():
     c2.commit(0, 3)
     c2.commit(0, 4)
     assert c2.resident() == {4: 0} and c2.plan([4])[0].hits == ((4, 0),)
+
+
+def test_freq_evicts_the_fewest_requests_and_remembers_across_evictions():
+    """'freq' counts every request of the layer, resident or not; LRU and LFU forget an evicted expert."""
+    freq, lru = SlotCache(3, 2, "freq"), SlotCache(3, 2, "lru")
+    for c in (freq, lru):
+        c.plan([0])
+        c.plan([0])
+        c.plan([1])
+    # 0: 2 requests, last at tick 2; 1: 1 request, last at tick 3
+    assert freq.plan([2])[0].evicted == (1,)
+    assert lru.plan([2])[0].evicted == (0,)
+    # 0 was requested twice: after 2 is requested twice too and 1 once more (now 2 requests, but later)...
+    freq.plan([2])
+    freq.note_cpu([1])  # the CPU computed 1 at tick 5: its history counts it although it is not resident
+    assert freq.reuse_key(1) == (2, 5) and freq.reuse_key(0) == (2, 2) and freq.reuse_key(2) == (2, 5)
+    # ...so a new expert evicts the least recent of the equally requested residents: 0 (tick 2) before 2 (tick 5)
+    assert freq.plan([1])[0].evicted == (0,)
+    assert freq.reuse_key(1) == (3, 6)

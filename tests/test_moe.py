@@ -37,7 +37,7 @@ def layer_cases(draw):
         expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(8, n_expert))),
         n_embd=unit * draw(st.integers(1, 2)), n_ff=unit * draw(st.integers(1, 2)),
         n_tokens=draw(st.integers(1, 64)), slots=draw(st.integers(1, n_expert)),
-        policy=draw(st.sampled_from(["lru", "lfu"])), fused=draw(st.booleans()), seed=draw(st.integers(0, 999)))
+        policy=draw(st.sampled_from(["freq", "lru", "lfu"])), fused=draw(st.booleans()), seed=draw(st.integers(0, 999)))
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -63,7 +63,7 @@ def cases(draw):
     unit = gh.as_ggml_type(t).block_size if t.startswith("q") else 32
     n_expert = draw(st.integers(2, 24))
     return dict(expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(6, n_expert))), n_embd=unit,
-                slots=draw(st.integers(1, n_expert)), policy=draw(st.sampled_from(["lru", "lfu"])),
+                slots=draw(st.integers(1, n_expert)), policy=draw(st.sampled_from(["freq", "lru", "lfu"])),
                 share=draw(st.sampled_from(["0", "0.25", "0.5", "0.75", "1", "auto"])),
                 tokens=draw(st.lists(st.integers(1, 20), min_size=2, max_size=7)), seed=draw(st.integers(0, 999)))
 

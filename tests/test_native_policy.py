@@ -20,7 +20,7 @@ from ggml_hybrid.moe.cpu_share import COEFFICIENTS, DEFAULT_PRIOR, PRIOR_KEYS, C
 from ggml_hybrid.moe.row_graphs import row_bucket
 from ggml_hybrid.moe.slot_cache import CacheCounters, SlotCache
 
-POLICIES = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU}
+POLICIES = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU, "freq": lib.HY_POLICY_FREQ}
 
 
 class NativeCache:
@@ -40,6 +40,9 @@ class NativeCache:
         for i in range(p.n_evicted):
             rounds[p.evicted_round[i]][2].append(p.evicted_expert[i])
         return [tuple(map(tuple, r)) for r in rounds]
+
+    def note_cpu(self, experts):
+        lib.hy_cache_note_cpu(self.p, ffi.new("int32_t[]", list(experts) or [0]), len(experts))
 
     def counters(self):
         return CacheCounters.from_c(self.p.counters).to_dict()
@@ -63,8 +66,11 @@ def call_sequences(draw):
         rows = [draw(st.integers(1, 6)) for _ in experts]
         deferred = draw(st.booleans())
         commit = draw(st.lists(st.booleans(), min_size=n_experts, max_size=n_experts))
-        calls.append((experts, rows, deferred, commit))
-    return n_experts, n_slots, draw(st.sampled_from(["lru", "lfu"])), calls
+        # experts of the call the CPU computed (not planned): they count in the request history
+        cpu = draw(st.lists(st.sampled_from([e for e in range(n_experts) if e not in experts] or [0]), unique=True))
+        cpu = [e for e in cpu if e not in experts]
+        calls.append((experts, rows, deferred, commit, cpu))
+    return n_experts, n_slots, draw(st.sampled_from(sorted(POLICIES))), calls
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,10 +78,12 @@ def call_sequences(draw):
 def test_the_c_slot_cache_plans_every_call_as_the_python_one(case):
     n_experts, n_slots, policy, calls = case
     py, c = SlotCache(n_experts, n_slots, policy), NativeCache(n_experts, n_slots, policy)
-    for experts, rows, deferred, commit in calls:
+    for experts, rows, deferred, commit, cpu in calls:
         want = py.plan(experts, rows, deferred_loads=deferred)
         got = c.plan(experts, rows, deferred)
         assert got == [(r.hits, r.loads, r.evicted) for r in want]
+        py.note_cpu(cpu)
+        c.note_cpu(cpu)
         for rnd in want:  # commit some of the loads, as an executor whose call failed part way would
             for e, s in rnd.loads:
                 if commit[e]:
@@ -190,7 +198,8 @@ def split_calls(draw):
         experts = sorted(draw(st.lists(st.integers(0, n_experts - 1), unique=True, max_size=n_experts)))
         calls.append((experts, [draw(st.integers(1, 9)) for _ in experts]))
     share = draw(st.sampled_from([0.0, 0.25, 0.3, 0.5, 0.75, 1.0, "auto"]))
-    return n_experts, n_slots, warm, calls, share, draw(st.sampled_from([0.0, 0.05]))
+    return n_experts, n_slots, warm, calls, share, draw(st.sampled_from([0.0, 0.05])), draw(st.sampled_from(
+        sorted(POLICIES)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -198,8 +207,8 @@ def split_calls(draw):
 def test_the_c_split_of_misses_is_the_python_one(case):
     """hy_split_misses (what the native executor's cpu_split calls) against split_misses and CostModel.choose:
     the misses in the CPU's order and the ones it takes, over calls that move the cache's residency."""
-    n_experts, n_slots, warm, calls, share, hysteresis = case
-    py_cache, c_cache = SlotCache(n_experts, n_slots), NativeCache(n_experts, n_slots, "lru")
+    n_experts, n_slots, warm, calls, share, hysteresis, policy = case
+    py_cache, c_cache = SlotCache(n_experts, n_slots, policy), NativeCache(n_experts, n_slots, policy)
     py_cache.plan(warm)
     c_cache.plan(warm, [1] * len(warm), False)
     B = 1 << 20
@@ -210,21 +219,27 @@ def test_the_c_split_of_misses_is_the_python_one(case):
     table = ffi.NULL if auto else ffi.new("int32_t[]", [n_cpu_for_share(share, n) for n in range(n_experts + 1)])
     miss_e, miss_r, n_miss = ffi.new("int32_t[]", n_experts), ffi.new("int32_t[]", n_experts), ffi.new("int *")
     for i, (experts, rows) in enumerate(calls):
-        resident = py_cache.resident()
-        want = py_model.choose(experts, rows, resident, B) if auto else split_misses(experts, rows, resident, share)
+        resident, history = py_cache.resident(), py_cache.reuse_key
+        want = (py_model.choose(experts, rows, resident, B, history) if auto
+                else split_misses(experts, rows, resident, share, history))
         n_cpu = lib.hy_split_misses(c_cache.p, ffi.new("int32_t[]", experts or [0]), ffi.new("int32_t[]", rows or [0]),
                                     len(experts), table, c_model if auto else ffi.NULL, B, miss_e, miss_r, n_miss)
         row_of = dict(zip(experts, rows))
         misses = [(int(miss_r[j]), int(miss_e[j])) for j in range(n_miss[0])]
-        assert misses == sorted((row_of[e], e) for e in want.device_misses + want.cpu_misses)  # fewest rows first
+        # fewest rows first, then the least likely to be reused (fewest requests, then least recent), then lower id
+        assert misses == sorted(((row_of[e], e) for e in want.device_misses + want.cpu_misses),
+                                key=lambda m: (m[0], *history(m[1]), m[1]))
         assert tuple(sorted(e for _, e in misses[:n_cpu])) == want.cpu_misses
         # the models learn between calls, the same on both sides; the residency moves on
         py_model.observe_load(B, 1e-4 * (i + 1))
         py_model.observe_cpu(B, sum(rows), 3e-5 * (i + 1))
         lib.hy_cost_observe_load(c_model, float(B), 1e-4 * (i + 1))
         lib.hy_cost_observe_cpu(c_model, float(B), float(sum(rows)), 3e-5 * (i + 1))
-        py_cache.plan(experts, rows)
-        c_cache.plan(experts, rows, False)
+        device = sorted(want.device_hits + want.device_misses)
+        py_cache.plan(device, [row_of[e] for e in device])
+        c_cache.plan(device, [row_of[e] for e in device], False)
+        py_cache.note_cpu(want.cpu_misses)
+        c_cache.note_cpu(want.cpu_misses)
         assert c_cache.resident(n_experts) == py_cache.resident()
 
 

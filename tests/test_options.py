@@ -23,13 +23,13 @@ DEFAULT = SessionOptions()
 
 def test_defaults():
     assert DEFAULT.to_dict() == {
-        "moe_cpu_share": 0.0, "expert_cache_slots": 0, "expert_eviction": "lru", "n_threads": None,
-        "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "trace_path": None,
+        "moe_cpu_share": 0.0, "expert_cache_slots": 0, "expert_eviction": "freq", "n_threads": None,
+        "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "host_cache_bytes": 0, "trace_path": None,
         "n_ctx": 0, "n_parallel": 1, "batch_size": 2048, "ubatch_size": 512, "cache_type_k": "f16",
         "cache_type_v": "f16", "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
         "tensor_split": None, "no_kv_offload": False, "check_tensors": False, "virtual_devices": 1,
         "moe_executor": "native", "rpc": None, "rpc_timeout": 120, "n_threads_batch": None, "devices": None, "poll": 0,
-        "repack": True}
+        "repack": True, "moe_prefetch": False, "moe_prefetch_bytes": 0, "moe_route_trace": None}
     assert DEFAULT.to_items() == []
     assert SessionOptions.parse([]) == DEFAULT
     assert SessionOptions.from_dict({}) == DEFAULT
@@ -258,7 +258,7 @@ def test_nothing_partially_applied():
 
 def test_describe_covers_every_field():
     rows = SessionOptions.describe()
-    assert [r[0] for r in rows] == NAMES and len(NAMES) == 29
+    assert [r[0] for r in rows] == NAMES and len(NAMES) == 33
     for name, type_, default, rule, doc in rows:
         assert default == getattr(DEFAULT, name)
         assert type_ and rule and doc.strip() and "\n" not in doc
@@ -272,7 +272,7 @@ options = st.builds(
     SessionOptions,
     moe_cpu_share=st.one_of(st.just("auto"), st.floats(0.0, 1.0)),
     expert_cache_slots=st.integers(0, 2 ** 40),
-    expert_eviction=st.sampled_from(["lru", "lfu"]),
+    expert_eviction=st.sampled_from(["freq", "lru", "lfu"]),
     n_threads=st.none() | st.integers(1, MAXT), n_threads_batch=st.none() | st.integers(1, MAXT),
     devices=st.none() | st.sampled_from(["DEV0", "DEV1,DEV0", "CUDA0,CUDA3"]),
     disk_experts=st.booleans(),

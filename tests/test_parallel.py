@@ -213,7 +213,7 @@ def test_batched_decode_counts_every_call_and_replays_to_the_live_counters(model
             assert c.hits + c.misses + c.cpu_misses == c.distinct
         t = read_trace(trace)
         assert [ids.shape for _, ids in t.calls][-2 * 4:] == [(3, 2)] * 8  # 4 steps x 2 layers, 3 rows each
-        result = replay(t, 3, "lru", share=0.5)
+        result = replay(t, 3, SessionOptions().expert_eviction, share=0.5)
         got = [(s.distinct, s.hits, s.misses, s.cpu, s.evictions, s.rounds) for s in result.layers]
         assert got == [(c.distinct, c.hits, c.misses, c.cpu_misses, c.evictions, c.rounds) for c in live]
 

@@ -141,6 +141,18 @@ def test_all_layers_on_the_rpc_device_are_bit_identical(model, reference, server
     assert np.array_equal(got, ref)
 
 
+def test_the_host_tier_feeds_an_rpc_device_bit_identically(model, reference, server):
+    """Queued uploads from the host tier's buffers (not the mapping) across a real process boundary."""
+    tokens, ref = reference
+    with MoEModel(model, opts(f"rpc={server.endpoint}", "disk_experts=true", "expert_cache_slots=2",
+                              "host_cache_bytes=16M")) as m:
+        got = run_both_halves(m, tokens)
+        ex, tier = m.experts.executors[0], m.experts.tier.counters
+        assert ex.load_mode == "queued" and tier.misses > 0
+        assert tier.hits + tier.misses == m.counters.total.misses
+    assert np.array_equal(got, ref)
+
+
 @pytest.mark.parametrize("executor", ["native", "python"])
 @pytest.mark.parametrize("share", [0.0, 0.5, "auto"])
 def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, server, share, executor):
@@ -466,7 +478,24 @@ HOSTILE = {
     "ADD of mismatched shapes (kernel assert)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
         _f32(1, b, base, ne=(8, 1, 1, 1), op=rc.OP_ADD, src=[2, 3]), _f32(2, b, base + 64, ne=(4, 1, 1, 1)),
         _f32(3, b, base + 128, ne=(3, 1, 1, 1)), nodes=[1])),
+    # ops outside the shape-checked list ran as the client described them
+    "CONV_TRANSPOSE_1D with a stride past its output (a write out of bounds)": lambda b, base: rc.frame(
+        rc.GRAPH_COMPUTE, _conv_transpose(b, base, stride=1 << 20)),
+    "ROPE over more dimensions than a row has (kernel assert)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _f32(1, b, base, ne=(4, 1, 1, 1), op=rc.OP_ROPE, src=[2, 3], op_params=[0, 64, 0]),
+        _f32(2, b, base + 64, ne=(4, 1, 1, 1)), rc.tensor(id=3, type=26, buffer=b, ne=(1, 1, 1, 1), data=base + 128),
+        nodes=[1])),
+    "GET_ROWS with fewer indices than output rows (a read out of bounds)": lambda b, base: rc.frame(
+        rc.GRAPH_COMPUTE, _graph(_f32(1, b, base, ne=(4, 8, 1, 1), op=rc.OP_GET_ROWS, src=[2, 3]),
+                                 _f32(2, b, base + 256, ne=(4, 2, 1, 1)),
+                                 rc.tensor(id=3, type=26, buffer=b, ne=(2, 1, 1, 1), data=base + 512), nodes=[1])),
 }
+
+
+def _conv_transpose(b: int, base: int, stride: int) -> bytes:
+    """A CONV_TRANSPOSE_1D node: kernel [3, 1, 1], input [2, 1], output [(2 - 1) * 1 + 3, 1] (for stride 1)."""
+    return _graph(_f32(1, b, base, ne=(4, 1, 1, 1), op=rc.OP_CONV_TRANSPOSE_1D, src=[2, 3], op_params=[stride, 0, 1]),
+                  _f32(2, b, base + 64, ne=(3, 1, 1, 1)), _f32(3, b, base + 128, ne=(2, 1, 1, 1)), nodes=[1])
 
 
 @pytest.fixture(scope="module")
@@ -486,6 +515,40 @@ def test_a_malformed_message_drops_its_client_not_the_server(hostile_server, wha
         assert sock.recv(1) == b""  # the server closed the connection
     assert rc.alive(port) == 1 and hostile_server.proc.poll() is None
     # and a real session computes as ever on it
+
+
+@pytest.mark.parametrize("unchecked", [False, True])
+def test_ops_without_shape_rules_run_only_when_the_server_allows_them(unchecked):
+    """A well-formed graph of an op the server has no shape rules for (CONV_TRANSPOSE_1D) is refused by default
+    (its client dropped) and runs with --unchecked-ops, upstream's behaviour."""
+    with rpc_server(*(["--unchecked-ops"] if unchecked else [])) as s:
+        sock, buffer, base = _session(s.port)
+        with sock:
+            sock.sendall(rc.frame(rc.GRAPH_COMPUTE, _conv_transpose(buffer, base, stride=1)))
+            sock.settimeout(2)
+            assert rc._drain(sock) is unchecked  # the connection stays open only when the graph was accepted
+        assert rc.alive(s.port) == 1 and s.proc.poll() is None
+
+
+FAMILY_SPECS = {"qwen3moe": {}, "qwen2moe": dict(head_dim=16), "llama": {}, "qwen3next": {}, "qwen35moe": {},
+                "glm4moe": dict(n_layer=3, n_dense_lead=1, gating="sigmoid", qk_norm=True),
+                "deepseek2": dict(n_layer=3, n_dense_lead=1, n_expert=16, n_used=4, gating="sigmoid", n_group=4,
+                                  n_group_used=2, rope_scaling="yarn", rope_factor=40.0, rope_orig_ctx=512),
+                "gpt-oss": dict(n_layer=2, expert_type="mxfp4", n_swa=4), "olmoe": dict(n_head_kv=4, head_dim=16)}
+
+
+@pytest.mark.parametrize("flash_attn", ["off", "on"])
+@pytest.mark.parametrize("arch", list(FAMILY_SPECS))
+def test_every_family_runs_on_the_rpc_device_bit_identical(tmp_path, server, arch, flash_attn):
+    """The shape rules refuse no graph node a model of any family sends (with and without flash attention):
+    all layers on the RPC device give the CPU's logits bit for bit."""
+    path = write_model(tmp_path / f"{arch}.gguf", arch=arch, weight_type="q8_0", seed=3, **FAMILY_SPECS[arch])
+    out = []
+    for remote in ([], [f"rpc={server.endpoint}"]):
+        with MoEModel(path, opts(f"flash_attn={flash_attn}", *remote)) as m:
+            tokens = m.tokenizer.encode(PROMPT)
+            out.append(run_both_halves(m, tokens))
+    assert np.array_equal(out[0], out[1])
 
 
 def test_a_silent_client_blocks_nobody(model, reference, hostile_server):

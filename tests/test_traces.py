@@ -11,6 +11,7 @@ import re
 import struct
 import warnings
 import zlib
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -167,7 +168,7 @@ def _header(version=1, id_bytes=1, flags=0, n_layer=2, n_expert=4, n_used=2, mag
     (_header(n_layer=0), "n_layer=0 must be in 1..65536"),
     (_header(n_expert=0, n_used=0), "n_expert=0 must be in 1..65536"),
     (_header(id_bytes=2), "id_bytes=2 but n_expert=4 requires 1"),
-    (_header(flags=1), "flags=1, expected 0"),
+    (_header(flags=2), "flags=2, expected 0 or 1"),
 ])
 def test_corrupted_header(tmp_path, raw, fault):
     p = tmp_path / "bad.trc"
@@ -340,7 +341,7 @@ def test_belady_is_not_a_ceiling_when_calls_exceed_the_slots():
 def test_belady_at_least_lru_and_lfu(case):
     tr, n_slots = case
     b = replay(tr, n_slots, "belady")
-    for policy in ("lru", "lfu"):
+    for policy in ("lru", "lfu", "freq"):
         assert b.hits >= replay(tr, n_slots, policy).hits
     assert b.hits + b.misses == b.distinct
 
@@ -372,7 +373,7 @@ def test_belady_is_optimal_when_calls_fit(case):
     assert replay(tr, n_slots, "belady").misses == expected
 
 
-@given(traces(), st.sampled_from(["lru", "lfu"]))
+@given(traces(), st.sampled_from(["lru", "lfu", "freq"]))
 @settings(max_examples=40)
 def test_lru_lfu_replay_is_slot_cache(case, policy):
     tr, n_slots = case
@@ -471,7 +472,7 @@ def test_share_hand_computed():
     assert modeled_time_per_token(r0, 1.0) == pytest.approx((4.4 + 0.01) / 5)
 
 
-@given(traces(), st.sampled_from(["lru", "lfu", "belady"]), costs)
+@given(traces(), st.sampled_from(["lru", "lfu", "freq", "belady"]), costs)
 @settings(max_examples=40)
 def test_share_zero_is_plain_replay_and_share_one_loads_nothing(case, policy, cost):
     tr, n_slots = case
@@ -494,7 +495,7 @@ def test_share_zero_is_plain_replay_and_share_one_loads_nothing(case, policy, co
     assert all(c.n_cpu == math.floor(0.5 * len(c.miss_rows) + 0.5) for c in half.call_log)
 
 
-@given(traces(), st.sampled_from(["lru", "lfu", "belady"]), costs)
+@given(traces(), st.sampled_from(["lru", "lfu", "freq", "belady"]), costs)
 @settings(max_examples=40)
 def test_auto_is_never_slower_than_a_fixed_share(case, policy, cost):
     tr, n_slots = case
@@ -505,6 +506,61 @@ def test_auto_is_never_slower_than_a_fixed_share(case, policy, cost):
         for share in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
             assert auto <= modeled_time_per_token(r, share, cost)
     assert isinstance(r, ReplayResult) and r.share == "auto"
+
+
+def _plain_victim_key(s, policy, slot):
+    e = s["slots"][slot]
+    return (s["computed"][e], slot) if policy == "lru" else (s["count"][e], s["last"][e], slot)
+
+
+def _plain_share_replay(tr, n_slots, policy, share, cpu_rule):
+    """A plain model of the rules, written apart from SlotCache and cpu_share, for calls that fit in the slots
+    (one round): per layer, slots, the tick each resident was last computed, a request history (count, last
+    tick) of every expert; the CPU takes round(share * misses) of the misses, fewest rows first, ties by
+    (count, last request) under the reuse rule, then by id; loads (most rows first, then id) go to the free
+    slots (lowest first) then to the victims: LRU (last computed, slot) or 'freq' (count, last request, slot)."""
+    loads = cpu = 0
+    state = [dict(slots=[None] * n_slots, computed={}, count={}, last={}, tick=0) for _ in range(tr.n_layer)]
+    for layer, ids in tr.calls:
+        s = state[layer]
+        s["tick"] += 1
+        t = s["tick"]
+        experts, counts = np.unique(ids, return_counts=True)
+        rows = dict(zip(experts.tolist(), counts.tolist()))
+        misses = [e for e in rows if e not in s["slots"]]
+        if cpu_rule == "reuse":
+            order = sorted(misses, key=lambda e, s=s, rows=rows: (rows[e], s["count"].get(e, 0), s["last"].get(e, 0),
+                                                                  e))
+        else:
+            order = sorted(misses, key=lambda e, rows=rows: (rows[e], e))
+        k = int(Fraction(repr(float(share))) * len(misses) + Fraction(1, 2))
+        on_cpu = set(order[:k])
+        cpu += len(on_cpu)
+        for e in rows:
+            s["count"][e] = s["count"].get(e, 0) + 1
+            s["last"][e] = t
+        device = [e for e in rows if e not in on_cpu]
+        new = sorted((e for e in device if e not in s["slots"]), key=lambda e, rows=rows: (-rows[e], e))
+        for e in device:
+            if e in s["slots"]:
+                s["computed"][e] = t
+        free = [i for i, e in enumerate(s["slots"]) if e is None]
+        victims = sorted((i for i, e in enumerate(s["slots"]) if e is not None and e not in device),
+                         key=lambda i, s=s: _plain_victim_key(s, policy, i))
+        for e, i in zip(new, free + victims):
+            s["slots"][i] = e
+            s["computed"][e] = t
+        loads += len(new)
+    return loads, cpu
+
+
+@given(traces(fit=True), st.sampled_from(["lru", "freq"]), st.sampled_from([0.25, 0.5, 0.75]),
+       st.sampled_from(["reuse", "rows"]))
+@settings(max_examples=80)
+def test_the_cpu_share_rules_replay_as_a_plain_model(case, policy, share, cpu_rule):
+    tr, n_slots = case
+    r = replay(tr, n_slots, policy, share=share, cpu_rule=cpu_rule)
+    assert (r.misses, r.cpu) == _plain_share_replay(tr, n_slots, policy, share, cpu_rule)
 
 
 def test_replay_rejects_bad_requests():
@@ -561,8 +617,16 @@ def test_cli_synth_and_replay(cli, tmp_path):
                                                                                   ref.bytes_moved)
         assert res["modeled_us_per_token"] == pytest.approx(ref.modeled_s_per_token * 1e6)
         assert len(res["layers"]) == 4
-    hit_rate = {(p, int(s), sh): float(h) for p, s, sh, h, *_ in rows}
+    hit_rate = {(p, int(s), sh): float(h) for p, s, sh, _rule, h, *_ in rows}
     assert hit_rate[("lru", 8, "0")] == pytest.approx(replay(tr, 8, "lru").hit_rate, abs=5e-4)
+    # the runtime's default eviction is named; the CPU share's rule before the history replays beside the runtime's
+    assert "runtime default eviction: freq" in table.stdout and doc["runtime_policy"] == "freq"
+    both = json.loads(CliRunner().invoke(cli, [str(out), "--slots", "4", "--policy", "freq", "--share", "0.5",
+                                               "--cpu-rule", "reuse,rows", "--json"]).stdout)
+    assert [r["cpu_rule"] for r in both["results"]] == ["reuse", "rows"]
+    for res in both["results"]:
+        ref = replay(tr, 4, "freq", share=0.5, cpu_rule=res["cpu_rule"])
+        assert (res["misses"], res["cpu"]) == (ref.misses, ref.cpu)
 
 
 @pytest.mark.parametrize("make, args, fault", [

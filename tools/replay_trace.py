@@ -4,16 +4,30 @@
 Replay a trace (``replay`` may be left out when the trace path is not ``replay`` or ``synth``)::
 
     python tools/replay_trace.py [replay] TRACE --slots 8 [--slots 16 ...]
-        [--policy lru --policy lfu --policy belady]   (default: all three)
+        [--policy freq --policy lru --policy lfu --policy belady]   (default: all four)
         [--share 0 --share 0.5 --share auto]          (default: 0)
+        [--cpu-rule reuse --cpu-rule rows]            (default: reuse, the runtime's)
         [--bus-gbps 25] [--cpu-gbps 20] [--device-us-per-row 2] [--cpu-us-per-row 30]
         [--expert-bytes 2654208] [--json]
 
 prints one row per (policy, slots, share): hit rate, loads (misses loaded over the bus), misses run
-on the CPU, bytes moved and the modeled time per token (see ``ggml_hybrid.moe.traces``). GB/s are
+on the CPU, bytes moved and the modeled time per token (see ``ggml_hybrid.moe.traces``), and names the
+runtime's default eviction policy (the ``expert_eviction`` session option's default). ``--cpu-rule rows``
+replays the CPU share's rule before the request history (misses of equal rows taken by lower expert id),
+to compare with the runtime's reuse-aware rule. GB/s are
 10^9 bytes per second. The default expert size is one Q4_K expert of 3 x 2048 x 768 weights; the
 default costs are illustrative, set them for the machine being modeled. ``--json`` prints
 ``{"trace": ..., "cost": ..., "results": [...]}`` with per-layer breakdowns instead of the table.
+
+Replay a recorded run's lookahead predictions (a trace written with ``moe_prefetch=true``; see
+``ggml_hybrid.moe.traces.replay_prefetch``)::
+
+    python tools/replay_trace.py prefetch TRACE --slots 8 [--slots 16 ...] [--policy lru|lfu]
+        [--max-experts N] [--expert-bytes 2654208] [--json]
+
+prints per slot count the prediction's recall and precision, the loads on the critical path (demand
+misses not covered by a prefetch), the experts prefetched (used, wasted), every byte moved, and beside
+them the same policy's loads without prefetch and Belady's.
 
 Write a synthetic trace (see ``ggml_hybrid.moe.traces.synthetic_trace``)::
 
@@ -32,7 +46,20 @@ import sys
 
 import click
 
-from ggml_hybrid.moe.traces import POLICIES, LinkCost, TraceError, parse_share, read_trace, replay, synthetic_trace
+from ggml_hybrid.moe.traces import (
+    CPU_RULES,
+    POLICIES,
+    LinkCost,
+    TraceError,
+    parse_share,
+    read_trace,
+    replay,
+    replay_prefetch,
+    synthetic_trace,
+)
+from ggml_hybrid.options import SessionOptions
+
+RUNTIME_POLICY = SessionOptions().expert_eviction
 
 PROG = "replay_trace"
 Q4K_EXPERT_BYTES = 3 * 2048 * 768 * 144 // 256  # Q4_K stores 256 weights in 144 bytes
@@ -101,6 +128,8 @@ def cli():
               help="eviction policy (repeat, or commas; default: all)")
 @click.option("--share", "shares", multiple=True, callback=_comma_list(_Share()),
               help="moe_cpu_share: a number in [0, 1] or 'auto' (repeat, or commas; default 0)")
+@click.option("--cpu-rule", "cpu_rules", multiple=True, callback=_comma_list(click.Choice(CPU_RULES)),
+              help="the CPU share's tie-break: reuse (the runtime's) or rows (the rule before); repeat or commas")
 @click.option("--bus-gbps", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True,
               help="host->device bus bandwidth, GB/s")
 @click.option("--cpu-gbps", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
@@ -112,7 +141,7 @@ def cli():
 @click.option("--expert-bytes", type=click.IntRange(min=1), default=Q4K_EXPERT_BYTES, show_default=True,
               help="bytes of one expert (gate, up and down)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def replay_cmd(trace, slots, policies, shares, bus_gbps, cpu_gbps, device_us_per_row, cpu_us_per_row,
+def replay_cmd(trace, slots, policies, shares, cpu_rules, bus_gbps, cpu_gbps, device_us_per_row, cpu_us_per_row,
                expert_bytes, as_json):
     """Replay TRACE for every combination of --slots, --policy and --share."""
     tr = read_trace(trace, warn=False)
@@ -127,25 +156,32 @@ def replay_cmd(trace, slots, policies, shares, bus_gbps, cpu_gbps, device_us_per
             raise TraceError(f"--slots {n} exceeds the trace's n_expert={tr.n_expert}")
     policies = [p.lower() for p in policies] or list(POLICIES)
     shares = list(shares) or [0.0]
-    results = [replay(tr, n, p, share=s, cost=cost) for p in policies for n in slots for s in shares]
+    rules = list(cpu_rules) or ["reuse"]
+    runs = [(p, n, s, rule) for p in policies for n in slots for s in shares
+            for rule in (rules if s != 0.0 else rules[:1])]  # share 0 runs nothing on the CPU: one rule is enough
+    results = [replay(tr, n, p, share=s, cost=cost, cpu_rule=rule) for p, n, s, rule in runs]
     if as_json:
-        doc = {"trace": {"path": trace, "n_layer": tr.n_layer, "n_expert": tr.n_expert, "n_used": tr.n_used,
+        doc = {"runtime_policy": RUNTIME_POLICY,
+               "trace": {"path": trace, "n_layer": tr.n_layer, "n_expert": tr.n_expert, "n_used": tr.n_used,
                          "calls": tr.n_calls, "tokens": tr.tokens, "truncated": tr.truncated},
                "cost": cost.to_dict(),
-               "results": [{**r.to_dict(), "modeled_us_per_token": r.modeled_s_per_token * 1e6} for r in results]}
+               "results": [{**r.to_dict(), "cpu_rule": rule, "modeled_us_per_token": r.modeled_s_per_token * 1e6}
+                           for r, (_, _, _, rule) in zip(results, runs)]}
         click.echo(json.dumps(doc, indent=1))
         return
     click.echo(f"trace {trace}: {tr.n_layer} layers, {tr.n_expert} experts, top-{tr.n_used}, "
                f"{tr.n_calls} calls, {tr.tokens:g} tokens")
     click.echo(f"cost: bus {bus_gbps:g} GB/s, cpu {cpu_gbps:g} GB/s, device {device_us_per_row:g} us/row, "
                f"cpu {cpu_us_per_row:g} us/row, expert {_human(expert_bytes)}")
-    head = (f"{'policy':<7} {'slots':>5} {'share':>5} {'hit rate':>8} {'loads':>8} {'cpu':>7} "
+    click.echo(f"runtime default eviction: {RUNTIME_POLICY} (expert_eviction); CPU share rule: reuse")
+    head = (f"{'policy':<7} {'slots':>5} {'share':>5} {'rule':>5} {'hit rate':>8} {'loads':>8} {'cpu':>7} "
             f"{'bytes moved':>12} {'us/token':>10}")
     click.echo(head)
     click.echo("-" * len(head))
-    for r in results:
+    for r, (_, _, _, rule) in zip(results, runs):
         share = r.share if r.share == "auto" else f"{r.share:g}"
-        click.echo(f"{r.policy:<7} {r.n_slots:>5} {share:>5} {r.hit_rate:>8.3f} {r.misses:>8} {r.cpu:>7} "
+        rule = rule if r.share != 0.0 else "-"
+        click.echo(f"{r.policy:<7} {r.n_slots:>5} {share:>5} {rule:>5} {r.hit_rate:>8.3f} {r.misses:>8} {r.cpu:>7} "
                    f"{_human(r.bytes_moved):>12} {r.modeled_s_per_token * 1e6:>10.1f}")
 
 
@@ -168,6 +204,38 @@ def synth_cmd(out, layers, experts, used, calls, tokens, hot_fraction, hot_traff
     tr.write(out)
     click.echo(f"wrote {out}: {tr.n_calls} calls, {layers} layers, {experts} experts, top-{used}, "
                f"{tokens} tokens/call, {os.path.getsize(out)} bytes")
+
+
+@cli.command("prefetch")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--slots", "slots", multiple=True, required=True, callback=_comma_list(click.IntRange(min=1)),
+              help="expert slots per layer (repeat, or commas: --slots 2,4,8)")
+@click.option("--policy", type=click.Choice(["lru", "lfu"], case_sensitive=False), default="lru", show_default=True,
+              help="the runtime's eviction policy")
+@click.option("--max-experts", type=click.IntRange(min=0), default=None,
+              help="experts one call may prefetch (default: the trace's n_used, as moe_prefetch_bytes=0)")
+@click.option("--expert-bytes", type=click.IntRange(min=1), default=Q4K_EXPERT_BYTES, show_default=True,
+              help="bytes of one expert (gate, up and down)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def prefetch_cmd(trace, slots, policy, max_experts, expert_bytes, as_json):
+    """Replay TRACE's recorded predictions: critical-path loads and bytes moved beside Belady's."""
+    tr = read_trace(trace, warn=False)
+    for n in slots:
+        if n > tr.n_expert:
+            raise TraceError(f"--slots {n} exceeds the trace's n_expert={tr.n_expert}")
+    results = [replay_prefetch(tr, n, policy.lower(), max_experts, expert_bytes) for n in slots]
+    if as_json:
+        click.echo(json.dumps({"trace": trace, "results": [r.to_dict() for r in results]}, indent=1))
+        return
+    click.echo(f"trace {trace}: {tr.n_layer} layers, {tr.n_expert} experts, top-{tr.n_used}, {tr.n_calls} calls")
+    head = (f"{'slots':>5} {'recall':>6} {'precision':>9} {'critical loads':>14} {'prefetched':>10} {'used':>6} "
+            f"{'wasted':>6} {'bytes moved':>12} {'no prefetch':>11} {'Belady':>7}")
+    click.echo(head)
+    click.echo("-" * len(head))
+    for r in results:
+        click.echo(f"{r.n_slots:>5} {r.recall:>6.3f} {r.precision:>9.3f} {r.demand_loads:>14} {r.prefetched:>10} "
+                   f"{r.prefetch_used:>6} {r.prefetch_wasted:>6} {_human(r.bytes_moved):>12} {r.baseline_loads:>11} "
+                   f"{r.belady_loads:>7}")
 
 
 if __name__ == "__main__":

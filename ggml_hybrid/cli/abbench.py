@@ -32,7 +32,8 @@ def ab_bench(path, a: SessionOptions, b: SessionOptions, runs: int = 4, n_predic
              prompt: str = "The quick brown fox jumps over the lazy dog.", progress=None) -> dict:
     check_int(runs, "ab_bench: runs (blocks of A, B, B, A)", 1)
     sides = {"A": Side("A", a), "B": Side("B", b)}
-    with MoEModel(path, a) as ma, MoEModel(path, b) as mb:
+    # a benchmark's sessions: they may follow a routing trace (moe_route_trace), and the report says so
+    with MoEModel(path, a, benchmark=True) as ma, MoEModel(path, b, benchmark=True) as mb:
         models = {"A": ma, "B": mb}
         tokens = ma.tokenizer.encode(prompt)
         for m in models.values():
@@ -50,6 +51,9 @@ def ab_bench(path, a: SessionOptions, b: SessionOptions, runs: int = 4, n_predic
     by_side: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {"model": str(path), "runs": runs, "n_predict": n_predict, "prompt_tokens": len(tokens),
                            "sides": by_side}
+    routed = {k: o.moe_route_trace for k, o in (("A", a), ("B", b)) if o.moe_route_trace is not None}
+    if routed:
+        out["route_trace"] = routed  # the routing came from a trace: the output is not the model's own
     for key, s in sides.items():
         by_side[key] = {"options": s.options.to_items(), "prompt_tps": mean(s.prompt_tps),
                              "decode_tps": mean(s.decode_tps), "decode_tps_median": statistics.median(s.decode_tps),
@@ -68,6 +72,8 @@ def format_table(r: dict) -> str:
         lines.append(f"{key:<5}{s['prompt_tps']:>14.1f}{s['decode_tps']:>14.1f}{s['decode_tps_first']:>15.1f}"
                      f"{s['decode_tps_second']:>16.1f}  {' '.join(s['options']) or '(defaults)'}")
     lines.append(f"ratio B/A: decode {r['ratio_decode_b_over_a']:.3f}, prompt {r['ratio_prompt_b_over_a']:.3f}")
+    for key, trace in r.get("route_trace", {}).items():
+        lines.append(f"side {key}: routing from the trace {trace} (moe_route_trace): the output is not the model's own")
     return "\n".join(lines)
 
 

@@ -123,6 +123,17 @@ def _load_mode(value: str) -> str | None:
                         "used in place from the mapping); auto and mmap are accepted")(value)
 
 
+class _SlotsType(click.ParamType):
+    """``--expert-cache-slots``: an integer >= 1 or ``auto`` (the free device memory decides)."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return click.IntRange(1).convert(value, param, ctx)
+
+
 @dataclass(frozen=True)
 class Flag:
     """One session flag: click's declarations (the dest last) and settings, the option it sets."""
@@ -203,13 +214,19 @@ SESSION_FLAGS: tuple[Flag, ...] = (
         "Routed experts stay on disk (the mapped file) and stream into a device cache.")),
         lambda v: "true" if v else None),
     Flag(("--expert-cache-slots", "expert_cache_slots"), "expert_cache_slots", dict(
-        type=click.IntRange(1), metavar="N", help="Expert cache slots per layer (implies --disk-experts)."),
+        type=_SlotsType(), metavar="N|auto", help=(
+            "Expert cache slots per layer (implies --disk-experts); auto: as many as the free device memory holds "
+            "after the dense weights, KV cache and compute buffers, less a margin (`plan` shows the choice).")),
         implies=("disk_experts=true",)),
     Flag(("--expert-eviction", "expert_eviction"), "expert_eviction", dict(
-        type=click.Choice(["lru", "lfu"]), help="Expert cache victim order (default lru).")),
+        type=click.Choice(["freq", "lru", "lfu"]), help="Expert cache victim order (default freq).")),
     Flag(("--moe-cpu-share", "moe_cpu_share"), "moe_cpu_share", dict(metavar="X|auto", help=(
         "Share of the cache misses the CPU runs: a number in [0, 1] or auto (a non-zero share implies "
         "--disk-experts)."))),
+    Flag(("--host-cache", "host_cache"), "host_cache_bytes", dict(metavar="SIZE|auto", help=(
+        "Host-RAM expert tier between the expert cache and the file: whole experts read from the GGUF by I/O "
+        "threads (O_DIRECT where allowed), at most SIZE (e.g. 8G); auto = the memory available less a margin "
+        "(implies --disk-experts; needs --expert-cache-slots)")), implies=("disk_experts=true",)),
     Flag(("-lm", "--load-mode", "load_mode"), None, dict(
         type=click.Choice(["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"]), help=(
             "Model loading: auto and mmap (the default) only; the file is always memory-mapped.")), _load_mode),

@@ -9,7 +9,7 @@ from ..units import format_bytes
 RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
                    "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "decode_steps",
                    "counters", "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes",
-                   "layout", "options")
+                   "host_tier", "layout", "options")
 
 
 def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
@@ -23,7 +23,9 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
         "decode_steps": st.decode_steps,
         "counters": total.to_dict(), "share_applied": total.share_applied,
         "hybrid_offload_active": model.cpu_experts_active, "device_memory": mem,
-        "peak_device_bytes": sum(mem.values()), "layout": model.layout_report(),
+        "peak_device_bytes": sum(mem.values()),
+        "host_tier": model.experts.tier.counters.to_dict() if model.experts.tier is not None else None,
+        "layout": model.layout_report(),
         "options": model.options.to_dict(),
     }
 
@@ -47,6 +49,13 @@ def format_stats(r: dict) -> str:
         f"{format_bytes(mem['experts'])}, kv {format_bytes(mem['kv_cache'])}, "
         + (f"recurrent {format_bytes(mem['recurrent'])}, " if mem.get("recurrent") else "")
         + f"compute {format_bytes(mem['compute'])})",
+    ]
+    if r.get("host_tier"):
+        t = r["host_tier"]
+        lines.append(f"host tier: hits {t['hits']}, misses {t['misses']}, read {format_bytes(t['bytes_read'])} in "
+                     f"{t['read_ns'] / 1e9:.2f} s of I/O threads, {t['waits']} loads waited "
+                     f"{t['wait_ns'] / 1e9:.2f} s, holds {format_bytes(t['bytes_held'])}")
+    lines += [
         "layout: " + "; ".join(f"{dev}: " + ", ".join(f"{cls} {format_bytes(n)}" for cls, n in classes.items())
                                   for dev, classes in r["layout"]["tensors"].items()),
     ]

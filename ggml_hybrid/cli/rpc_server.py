@@ -81,7 +81,10 @@ def _served_devices() -> list:
               help=f"CPU threads of the served CPU, 1..{THREADS_PER_CORE} x the cores (default: all cores).")
 @click.option("--mem", type=int, callback=_check_mem, metavar="MiB",
               help="Memory the device reports to clients, in MiB (default: what it has).")
-def rpc_server(host: str, port: int, threads: int | None, mem: int | None) -> None:
+@click.option("--unchecked-ops", is_flag=True,
+              help="Also run graph ops the server has no shape rules for (upstream's behaviour; for trusted clients "
+                   "only: a malformed graph of such an op can stop the server or corrupt its memory).")
+def rpc_server(host: str, port: int, threads: int | None, mem: int | None, unchecked_ops: bool) -> None:
     """Serve this machine's device (its GPUs, else its CPU) to sessions started with --rpc HOST:PORT.
 
     Runs in the foreground until Ctrl-C. Each client is served by a thread of its own (the devices run one
@@ -105,7 +108,8 @@ def rpc_server(host: str, port: int, threads: int | None, mem: int | None) -> No
 
     def serve() -> None:
         try:
-            result.append(rpc.serve(endpoint, threads or os.cpu_count() or 1, devices, (mem or 0) * MiB))
+            result.append(rpc.serve(endpoint, threads or os.cpu_count() or 1, devices, (mem or 0) * MiB,
+                                    unchecked_ops))
         except BaseException as exc:  # reported by the main thread, which must not wait for ever
             failure.append(exc)
         finally:

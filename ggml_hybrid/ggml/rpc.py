@@ -181,10 +181,11 @@ def check_buffer(buffer: CData) -> None:
             raise RPCError(f"RPC server {endpoint}: {reason}")
 
 
-def serve(endpoint: str, n_threads: int, devices: list[CData], mem: int = 0) -> int:
-    """Run GGML's RPC server on ``endpoint`` over ``devices`` (blocks while it runs; see ``rpc_server.h``)."""
+def serve(endpoint: str, n_threads: int, devices: list[CData], mem: int = 0, unchecked_ops: bool = False) -> int:
+    """Run GGML's RPC server on ``endpoint`` over ``devices`` (blocks while it runs; see ``rpc_server.h``).
+    ``unchecked_ops``: run graph nodes of ops the server has no shape rules for (docs/rpc.md#validation)."""
     arr = ffi.new("ggml_backend_dev_t[]", devices)
-    return int(lib.hy_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem))
+    return int(lib.hy_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem, int(unchecked_ops)))
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RPCDevice", "check_buffer", "connection_error", "lost", "open_device",

@@ -24,15 +24,24 @@ arithmetic (:class:`fractions.Fraction`), then clipped to ``[0, n]``. So
 up; the binary value of the float 0.3 would give 1) and ``0.29`` of 50 misses
 gives 15 (floating-point ``floor(0.29 * 50 + 0.5)`` gives 14).
 
-Selection. The CPU takes the misses with the FEWEST rows first, ties by lower
-expert id; the device loads and computes the others. Reason: a miss costs the
-device a transfer of the expert's whole weight bytes over the bus whatever its
-row count, then a compute that is nearly free per row; the CPU reads the same
-bytes from host RAM (faster than PCIe) and its compute grows with the rows. So
-the CPU is most useful for the experts with few rows (all of them at decode,
-where both sides are bound by moving the bytes) and the device for the experts
-with many rows (compute-bound, where the device's arithmetic wins by orders of
-magnitude).
+Selection. The CPU takes the misses with the FEWEST rows first; among misses of
+equal rows, the one LEAST LIKELY TO BE REUSED SOON first, by the layer's request
+history (``history``, the cache's :meth:`~ggml_hybrid.moe.slot_cache.SlotCache.reuse_key`):
+fewest past requests first, then the least recent request, then lower expert id.
+Without a history (``history=None``: the rule before the history existed, kept for
+comparison in the replay) ties go straight to the lower expert id. Reason for rows:
+a miss costs the device a transfer of the expert's whole weight bytes over the bus
+whatever its row count, then a compute that is nearly free per row; the CPU reads
+the same bytes from host RAM (faster than PCIe) and its compute grows with the rows.
+So the CPU is most useful for the experts with few rows (all of them at decode, where
+both sides are bound by moving the bytes) and the device for the experts with many
+rows (compute-bound, where the device's arithmetic wins by orders of magnitude).
+Reason for reuse: a loaded expert pays back only if it is hit before it is evicted;
+an expert the layer rarely asks for would most likely be evicted unused, so the CPU
+computes it from host memory and the device loads the misses that will pay back.
+On the real routing traces, at the same share, this loads fewer experts than the
+id tie-break in 90 of 96 replays (every one at 1/8 and 1/4 of the experts as slots)
+and mostly leaves fewer misses for the CPU too (docs/benchmarks.md, section 13).
 
 Result. :class:`MissSplit` lists ``device_hits``, ``device_misses`` and
 ``cpu_misses`` as sorted tuples of expert ids; the three are disjoint and
@@ -130,7 +139,7 @@ the same size; ``rows_e`` the rows of expert e)::
     makespan       = max(cpu_seconds, device_seconds)   # CPU jobs and the device run in parallel
 
 Choice. :meth:`CostModel.choose` orders the misses as :func:`split_misses` does (fewest
-rows first, ties by lower id), evaluates the makespan of every
+rows first, ties by the history, then by lower id), evaluates the makespan of every
 ``n_cpu = 0..n_misses`` (the CPU taking the first ``n_cpu`` of that order) and
 takes the minimum, ties by the smallest ``n_cpu``.
 
@@ -152,15 +161,20 @@ adds O(E) for the sweep over ``n_cpu``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import cast
 
 from .._native.cstruct import enum_names
 from ..checks import check_int, check_real
 from ..errors import CpuShareError
 
-__all__ = ["COEFFICIENTS", "PRIOR_KEYS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit", "makespans",
+#: The request history of a layer: expert id -> (requests, tick of the last request); lower = less likely reused.
+History = Callable[[int], tuple[int, int]]
+
+__all__ = ["COEFFICIENTS", "History", "PRIOR_KEYS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit",
+           "makespans",
            "n_cpu_for_share", "split_misses"]
 
 #: The cost model's coefficients, in the order of every array of them (estimates, fixed coefficients, priors,
@@ -262,11 +276,23 @@ def n_cpu_for_share(share: float, n_misses: int) -> int:
     return min(max(k, 0), n)
 
 
-def _split(ids: list[int], counts: list[int], res: set[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Hits sorted by id; misses as (rows, id), fewest rows first, ties by lower id."""
+def _split(ids: list[int], counts: list[int], res: set[int],
+           history: History | None) -> tuple[list[int], list[tuple[int, int]]]:
+    """Hits sorted by id; misses as (rows, id) in the order the CPU takes them (module docstring, Selection)."""
     hits = sorted(e for e in ids if e in res)
-    misses = sorted((r, e) for e, r in zip(ids, counts) if e not in res)
+    if history is None:
+        misses = sorted((r, e) for e, r in zip(ids, counts) if e not in res)
+    else:
+        misses = sorted(((r, e) for e, r in zip(ids, counts) if e not in res),
+                        key=lambda m: (m[0], *history(m[1]), m[1]))
     return hits, misses
+
+
+def _history(history: object, where: str) -> History | None:
+    if history is not None and not callable(history):
+        raise CpuShareError(f"{where}: history must be None or a callable expert -> (requests, last request), "
+                            f"got {type(history).__name__}")
+    return cast("History | None", history)
 
 
 def _miss_split(hits: list[int], misses: list[tuple[int, int]], n_cpu: int) -> MissSplit:
@@ -277,12 +303,14 @@ def _miss_split(hits: list[int], misses: list[tuple[int, int]], n_cpu: int) -> M
                      share=(n_cpu / n) if n else 0.0)
 
 
-def split_misses(experts: Sequence[int], rows: Sequence[int], resident: Iterable[int], share: float) -> MissSplit:
+def split_misses(experts: Sequence[int], rows: Sequence[int], resident: Iterable[int], share: float,
+                 history: History | None = None) -> MissSplit:
     """Split the misses of one layer call with a fixed CPU ``share`` of the misses.
 
     ``experts[i]`` has ``rows[i]`` rows; ``resident`` holds the ids in the device cache.
     Hits stay on the device; the CPU takes ``n_cpu_for_share(share, n_misses)`` misses,
-    those with the FEWEST rows first (ties: lower expert id). A miss costs the device a
+    those with the FEWEST rows first, ties by ``history`` (the fewest past requests, then the
+    least recent; the cache's ``reuse_key``), then lower expert id. A miss costs the device a
     transfer of the expert's whole weight bytes over the bus whatever its row count,
     while the CPU reads the same bytes from host RAM (faster than PCIe) and its compute
     grows with the rows; so the CPU is most useful for the experts with few rows (all of
@@ -291,7 +319,7 @@ def split_misses(experts: Sequence[int], rows: Sequence[int], resident: Iterable
     """
     ids, counts, res = _check_call("split_misses", experts, rows, resident)
     s = _share(share, "split_misses: share")
-    hits, misses = _split(ids, counts, res)
+    hits, misses = _split(ids, counts, res, _history(history, "split_misses"))
     return _miss_split(hits, misses, n_cpu_for_share(s, len(misses)))
 
 
@@ -503,11 +531,11 @@ class CostModel:
                       len(split.device_misses), total(split.device_hits) + total(split.device_misses))
 
     def choose(self, experts: Sequence[int], rows: Sequence[int], resident: Iterable[int],
-               expert_bytes: int) -> MissSplit:
+               expert_bytes: int, history: History | None = None) -> MissSplit:
         """The split of minimal modeled makespan, with hysteresis; see the module docstring."""
         ids, counts, res = _check_call("CostModel.choose", experts, rows, resident)
         B = _int(expert_bytes, "CostModel.choose: expert_bytes", 1)
-        hits, misses = _split(ids, counts, res)
+        hits, misses = _split(ids, counts, res, _history(history, "CostModel.choose"))
         n = len(misses)
         if n == 0:
             return _miss_split(hits, misses, 0)

@@ -16,8 +16,14 @@ experts is then built with the same ops as the resident graph.
 
 A call runs as a list of steps (:meth:`ExpertCacheExecutor.__call__`), one method each; the native
 executor (``_native/src/moe_exec.c``) has a function of the same name for each, so that the two read
-side by side: ``read_ids``, ``count_rows``, ``cpu_split``, ``submit_cpu``, ``plan``, ``run_round`` (``load``,
-``compute_full`` or ``compute_rows``), ``merge``, ``weighted_sum``, ``count_call``.
+side by side: ``read_ids``, ``count_rows``, ``settle_prefetch``, ``cpu_split``, ``submit_cpu``, ``plan``,
+``run_round`` (``load``, ``compute_full`` or ``compute_rows``), ``merge``, ``weighted_sum``, ``prefetch``,
+``count_call``.
+
+Lookahead prefetch (``moe_prefetch``, :meth:`ExpertCacheExecutor.set_prefetch`): after a call, the layer
+applies the next disk layer's router to the call's input and loads the predicted misses into that layer's
+slots; the next layer's call commits them and scores the prediction (``settle_prefetch``). Only where and
+when an expert is loaded changes, never a result.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from .._native import CData, ffi, lib
 from .._native.cstruct import Counters
 from .._native.status import check_status
 from ..checks import check_real
-from ..errors import CpuShareError
+from ..errors import CpuShareError, ModelFileError
 from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Arena, Context
 from ..ggml.graph_cache import GraphCache, SharedBuffer
@@ -65,8 +71,19 @@ class LayerCounters(Counters, struct="hy_moe_counters"):
         """Executor time that is neither loading nor computing: the Python side."""
         return int(self.device_ns - self.load_ns - self.compute_ns)
 
+    @property
+    def recall(self) -> float:
+        """Of the experts the predicted calls routed to, the share the lookahead predicted (moe_prefetch)."""
+        return self.predicted_right / self.predicted_of if self.predicted_of else 0.0
+
+    @property
+    def precision(self) -> float:
+        """Of the experts the lookahead predicted, the share the call routed to."""
+        return self.predicted_right / self.predicted if self.predicted else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "share_applied": self.share_applied, "orchestration_ns": self.orchestration_ns}
+        return {**super().to_dict(), "share_applied": self.share_applied, "orchestration_ns": self.orchestration_ns,
+                "recall": self.recall, "precision": self.precision}
 
 
 MAX_BUCKETS = 8  # token-count graphs kept per layer
@@ -228,8 +245,12 @@ class ExpertCacheExecutor:
                  policy: str, n_used: int, glu: str = "swiglu", worker: CPUWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None,
                  simulated_bus_bytes_per_s: float | None = None, trace: TraceWriter | None = None, clear: bool = True,
-                 shared: tuple[SharedBuffer, SharedBuffer] | None = None, repack: bool = True) -> None:
+                 shared: tuple[SharedBuffer, SharedBuffer] | None = None, repack: bool = True,
+                 route: np.ndarray | None = None) -> None:
         """``clear=False`` (planning only: nothing will run) only reserves the slot memory.
+
+        ``route`` (``moe_route_trace``, benchmarks): ``[n, n_used]`` expert ids that replace the router's
+        choice, one row per token, cycling (the weights stay the router's).
 
         ``shared``: the compute buffers (slot graphs, row graphs) to place the graphs in, shared with the
         other layers' executors on this device (layers never run at the same time); default: its own.
@@ -248,6 +269,7 @@ class ExpertCacheExecutor:
         infos = {k: store.info(n) for k, n in names.items()}
         self.n_expert = infos["down"].shape[0]
         self.n_embd = infos["down"].shape[1]
+        self.n_slots = n_slots
         self.cache = SlotCache(self.n_expert, n_slots, policy)
         self.pad_slot = n_slots  # the extra, zeroed slot that absorbs rows outside a round
         self.ctx = Context(n_tensors=len(names))
@@ -273,6 +295,19 @@ class ExpertCacheExecutor:
             MAX_BUCKETS, Context.size_for(_BUCKET_TENSORS, graph_size=_BUCKET_GRAPH))
         self._shared = shared[0]
         self._host = _HostScratch(n_used, self.n_embd)
+        # moe_route_trace (benchmarks): [n, n_used] ids that replace the router's, token by token, cycling
+        self.route = None if route is None else np.ascontiguousarray(route, np.int32)
+        self._route_pos = 0
+        # lookahead prefetch, as the predicting layer (set_prefetch) and as the predicted one
+        self._next: ExpertCacheExecutor | None = None
+        self._router: np.ndarray | None = None  # float64 [n_expert of next, n_embd]
+        self._router_bias: np.ndarray | None = None
+        self._select_bias: np.ndarray | None = None
+        self._pf_max = self._pf_max_tokens = 0
+        self._prediction: np.ndarray | None = None  # a prediction for the coming call, not yet judged
+        self.predicted: tuple[int, ...] = ()  # the last prediction for this layer, in id order
+        self._pf_marked: set[int] = set()  # prefetched, not yet judged
+        self._pf_pending: list[tuple[int, int]] = []  # (expert, slot) loads to commit when the call starts
 
     @property
     def shared_buffers(self) -> tuple[SharedBuffer, SharedBuffer]:
@@ -288,6 +323,22 @@ class ExpertCacheExecutor:
     def slot_bytes(self) -> int:
         """Device bytes of the slots, the pad slot included."""
         return sum(t.nbytes for t in self.slot_tensors.values())
+
+    def set_prefetch(self, next_layer: ExpertCacheExecutor | None, router: np.ndarray | None,
+                     router_bias: np.ndarray | None = None, select_bias: np.ndarray | None = None,
+                     max_experts: int = 0, max_tokens: int = 0) -> None:
+        """Predict ``next_layer``'s experts after each call of at most ``max_tokens`` tokens and load up to
+        ``max_experts`` predicted misses into its slots (``moe_exec.h: hy_moe_exec_set_prefetch`` states the
+        rule). ``router`` [next's n_expert, n_embd]; None with a ``next_layer`` that follows a route trace:
+        the trace's coming rows (an oracle, benchmarks). ``next_layer=None``: off."""
+        self._next = None
+        if next_layer is None or next_layer is self or (router is None and next_layer.route is None):
+            return
+        self._next = next_layer
+        self._router = None if router is None else np.asarray(router, np.float64)
+        self._router_bias = None if router_bias is None else np.asarray(router_bias, np.float64)
+        self._select_bias = None if select_bias is None else np.asarray(select_bias, np.float64)
+        self._pf_max, self._pf_max_tokens = max_experts, max_tokens
 
     def reserve(self, n_tokens: int) -> None:
         """Grow the compute memory to what a call of ``n_tokens`` tokens needs, the most a call can need:
@@ -311,6 +362,7 @@ class ExpertCacheExecutor:
         call = _Call(region)
         self._read_ids(call)
         self._count_rows(call)
+        self._settle_prefetch(call)
         call.split = self._cpu_split(call.experts, call.counts[call.experts])
         self._submit_cpu(call)
         self._plan(call)
@@ -320,13 +372,18 @@ class ExpertCacheExecutor:
         call.d1 = time.perf_counter_ns()
         self._merge(call)
         self._weighted_sum(call)
+        self._prefetch(call)
         self._count_call(call)
 
     def _read_ids(self, call: _Call) -> None:
         """The routed ids, read (from any backend, strides included) and traced."""
         call.ids = _read_rows(call.ids_t, call.n_tokens, self.n_used, np.int32)
+        if self.route is not None:  # moe_route_trace: the trace's routing, token by token, instead of the router's
+            rows = (self._route_pos + np.arange(call.n_tokens)) % len(self.route)
+            call.ids = self.route[rows]
+            self._route_pos += call.n_tokens
         if self.trace is not None:
-            self.trace.record(self.layer, call.ids)
+            self.trace.record(self.layer, call.ids, self.predicted if self._prediction is not None else None)
 
     def _count_rows(self, call: _Call) -> None:
         """The distinct experts, in id order, and the rows of each."""
@@ -339,10 +396,11 @@ class ExpertCacheExecutor:
             return None
         resident = self.cache.resident()
         if self.model is not None:
-            split = self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes)
+            split = self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes,
+                                      self.cache.reuse_key)
         else:
             assert isinstance(self.share, float)  # "auto" has a model
-            split = split_misses(experts.tolist(), rows.tolist(), resident, self.share)
+            split = split_misses(experts.tolist(), rows.tolist(), resident, self.share, self.cache.reuse_key)
         if split.n_misses:
             self.counters.share_calls += 1
             self.counters.share_sum += split.share
@@ -374,6 +432,8 @@ class ExpertCacheExecutor:
         # experts come from a bincount: distinct, in range, with positive row counts
         call.rounds = self.cache.plan(device.tolist(), call.counts[device].tolist(), checked=False,
                                       deferred_loads=True)
+        if call.job is not None and call.split is not None:
+            self.cache.note_cpu(call.split.cpu_misses)  # the CPU's requests count in the layer's history
         if not call.checked and any(rnd.loads for rnd in call.rounds):
             self.store.check_unchanged()  # loads read the mapping: a truncated file would kill us (SIGBUS)
         call.bucket = self._bucket(call.n_tokens)
@@ -469,6 +529,82 @@ class ExpertCacheExecutor:
         _compute(self.device.ptr, b.pg_sum)
         self.counters.compute_ns += time.perf_counter_ns() - t
         lib.ggml_backend_tensor_copy(b.p_out, call.out.ptr)
+
+    def _settle_prefetch(self, call: _Call) -> None:
+        """The previous layer's prefetch into this layer: its loads committed, its prediction scored."""
+        for expert, slot in self._pf_pending:
+            self.cache.commit(slot, expert)
+        self._pf_pending = []
+        if self._prediction is None:
+            return
+        c = self.counters
+        actual = set(call.experts.tolist())
+        c.predicted += len(self._prediction)
+        c.predicted_of += len(actual)
+        c.predicted_right += len(actual.intersection(self._prediction.tolist()))
+        c.prefetch_used += len(self._pf_marked & actual)
+        c.prefetch_wasted += len(self._pf_marked - actual)
+        self._pf_marked = set()
+        self._prediction = None
+
+    def _votes(self, call: _Call) -> np.ndarray:
+        """How many of the call's tokens predict each expert of the next layer: each token's top k."""
+        nx = self._next
+        assert nx is not None
+        votes = np.zeros(nx.n_expert, np.int64)
+        if self._router is None:  # the oracle: the next layer's coming rows of its route trace
+            assert nx.route is not None
+            rows = (nx._route_pos + np.arange(call.n_tokens)) % len(nx.route)
+            np.add.at(votes, nx.route[rows].ravel(), 1)
+            return votes
+        x = call.x.numpy().reshape(call.n_tokens, self.n_embd).astype(np.float64)
+        with np.errstate(all="ignore"):  # a non-finite input predicts, it does not fail
+            scores = x @ self._router.T
+            if self._router_bias is not None:
+                scores += self._router_bias
+            if self._select_bias is not None:
+                scores = 1.0 / (1.0 + np.exp(-scores)) + self._select_bias
+        scores[np.isnan(scores)] = -np.inf
+        top = np.argsort(-scores, axis=1, kind="stable")[:, :nx.n_used]  # ties: the lower id
+        np.add.at(votes, top.ravel(), 1)
+        return votes
+
+    def _prefetch(self, call: _Call) -> None:
+        """After the call: predict the next layer's experts from this call's x and load the predicted misses."""
+        nx = self._next
+        if nx is None or call.n_tokens > self._pf_max_tokens:
+            return
+        t0 = time.perf_counter_ns()
+        if nx._prediction is not None:  # never judged (the next layer's call did not run): its loads are wasted
+            nx.counters.prefetch_wasted += len(nx._pf_marked)
+            nx._pf_marked = set()
+        votes = self._votes(call)
+        pred = np.flatnonzero(votes)
+        nx._prediction = pred
+        # most-voted first, ties by the lower id: the order the misses among it load in (and the trace's)
+        nx.predicted = tuple(sorted(pred.tolist(), key=lambda e: (-votes[e], e)))
+        keep = frozenset(nx.predicted)
+        misses = [e for e in nx.predicted if not nx.cache.holds(e)]
+        if misses and self._pf_max > 0 and self._file_readable(call):
+            for e in misses[:self._pf_max]:
+                placed = nx.cache.prefetch(e, keep)
+                if placed is None:
+                    break
+                nx.counters.bytes_prefetched += nx._load(e, placed[0])
+                nx.counters.prefetched += 1
+                nx._pf_marked.add(e)
+                nx._pf_pending.append((e, placed[0]))
+        nx.counters.prefetch_ns += time.perf_counter_ns() - t0
+
+    def _file_readable(self, call: _Call) -> bool:
+        """Whether loads may read the mapping now (a changed file is left to the next call to report)."""
+        if call.checked:
+            return True
+        try:
+            self.store.check_unchanged()
+        except ModelFileError:
+            return False
+        return True
 
     def _count_call(self, call: _Call) -> None:
         c = self.counters

@@ -17,19 +17,27 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, cast
 
+import numpy as np
+
 from .._native import CData, ffi
 from ..files import check_output
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
+from ..ggml.quant import dequantize
 from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule, same_shape
 from ..machine import available_memory
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
 from .ffn import ExpertWeights
+from .host_tier import HostTier, check_tier_budget, entry_bytes, resolve_budget
 from .native_executor import NativeExpertExecutor, NativeWorker, Scratch
-from .traces import TraceWriter
+from .traces import TraceWriter, read_trace
+
+# lookahead prefetch predicts after calls of at most this many tokens: decode steps and small batches (a prompt's
+# call routes to most experts anyway, and its prediction would cost a matrix product of the router per token)
+PREFETCH_MAX_TOKENS = 16
 
 # where a layer's routed experts live and run: on the device (resident), in place on the mapped file (cpu), streamed
 # into the device's expert cache (disk); a dense layer has none
@@ -43,14 +51,18 @@ def suggested_slots(n_expert: int, n_used: int = 0) -> int:
 
 def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used: int = 0) -> None:
     """Reject option combinations that cannot work for this model, before anything is loaded."""
-    if opts.disk_experts and opts.expert_cache_slots < 1:
+    if opts.expert_cache_slots == "auto":
+        raise OptionError("expert_cache_slots=auto: the slot count is chosen from the devices' free memory when a "
+                          "model loads (MoEModel, `ggml-hybrid plan`); this session needs a number of slots")
+    slots = cast(int, opts.expert_cache_slots)
+    if opts.disk_experts and slots < 1:
         s = suggested_slots(n_expert, n_used)
         used = f", at least the {n_used} used per token" if n_used else ""
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts=true (--disk-experts; a "
                           "non-zero --moe-cpu-share implies it) needs expert cache slots per layer: give "
                           f"--expert-cache-slots N (-o expert_cache_slots=N), e.g. {s} (a quarter of the model's "
                           f"{n_expert} experts{used}; `ggml-hybrid plan --vram ...` sizes it)")
-    if opts.expert_cache_slots > n_expert:
+    if slots > n_expert:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the model has only "
                           f"{n_expert} experts per layer")
     if opts.n_cpu_moe > n_layer:
@@ -58,16 +70,56 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used:
     if opts.moe_cpu_share != 0.0 and not opts.disk_experts:
         raise OptionError(f"moe_cpu_share={opts.moe_cpu_share}: a CPU share of cache misses needs "
                           "disk_experts=true (with resident or CPU-placed experts there are no misses)")
+    if opts.host_cache_bytes != 0 and not opts.disk_experts:
+        raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier feeds the expert cache's loads, "
+                          "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
+    if opts.host_cache_bytes != 0 and opts.moe_cpu_share != 0.0:
+        raise OptionError(f"host_cache_bytes={opts.host_cache_bytes} with moe_cpu_share={opts.moe_cpu_share}: the "
+                          "CPU worker computes its misses from the mapped file, which the host tier does not feed "
+                          "yet; use one or the other (on a CPU-only machine the CPU playing the device runs the "
+                          "tier's experts: moe_cpu_share=0)")
     if opts.trace_path is not None and not opts.disk_experts:
         raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
                           "(disk_experts=true)")
     # an option that would silently do nothing is refused
-    if opts.expert_cache_slots and not opts.disk_experts:
+    if slots and not opts.disk_experts:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the slots belong to the expert cache, "
                           "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
-    if opts.expert_eviction != "lru" and not opts.disk_experts:
+    for name, on in (("moe_prefetch", opts.moe_prefetch), ("moe_route_trace", opts.moe_route_trace is not None)):
+        if on and not opts.disk_experts:
+            raise OptionError(f"{name}={getattr(opts, name)}: it acts on the expert cache's loads, which needs "
+                              "disk_experts=true")
+    if opts.moe_prefetch_bytes and not opts.moe_prefetch:
+        raise OptionError(f"moe_prefetch_bytes={opts.moe_prefetch_bytes}: it bounds the lookahead prefetch, "
+                          "which needs moe_prefetch=true")
+    if opts.expert_eviction != SessionOptions().expert_eviction and not opts.disk_experts:
         raise OptionError(f"expert_eviction={opts.expert_eviction}: the eviction order belongs to the expert cache, "
                           "which needs disk_experts=true")
+
+
+def route_rows(path: str, n_moe_layers: int, n_expert: int, n_used: int) -> list[np.ndarray]:
+    """``moe_route_trace``: for each of the model's MoE layers, the token rows ``[n, n_used]`` of its trace layer
+    (MoE layer i reads trace layer i modulo the trace's layers), in the trace's call order."""
+    trace = read_trace(path)
+    if (trace.n_expert, trace.n_used) != (n_expert, n_used):
+        raise OptionError(f"moe_route_trace={path}: the trace routes {trace.n_used} of {trace.n_expert} experts per "
+                          f"token, the model {n_used} of {n_expert}; generate a model with the trace's "
+                          "n_expert and n_expert_used")
+    by_layer: list[list[np.ndarray]] = [[] for _ in range(trace.n_layer)]
+    for layer, ids in trace.calls:
+        by_layer[layer].append(ids)
+    if any(not rows for rows in by_layer):
+        raise OptionError(f"moe_route_trace={path}: a layer of the trace has no call")
+    return [np.concatenate(by_layer[i % trace.n_layer]).astype(np.int32) for i in range(n_moe_layers)]
+
+
+def router_f32(store: GGUFStore, name: str) -> np.ndarray:
+    """A dense tensor of the file as float32 (the router's weights and biases, for the prefetch's prediction)."""
+    info = store.info(name)
+    raw = np.ascontiguousarray(store.raw(name))
+    if info.dtype.name in ("F32", "F16"):
+        return raw.view(info.dtype.numpy_dtype).astype(np.float32).reshape(info.shape)
+    return dequantize(raw.reshape(-1), info.dtype, info.shape[-1]).reshape(info.shape)  # bf16, quantized
 
 
 def expert_names(store: GGUFStore, i: int) -> dict[str, str]:
@@ -107,7 +159,8 @@ class ExpertLayers:
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
                  n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
                  modes: list[ExpertMode] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
-                 load: bool = True, moe_layers: Sequence[int] | None = None, glu: str = "swiglu"):
+                 load: bool = True, moe_layers: Sequence[int] | None = None, glu: str = "swiglu",
+                 benchmark: bool = False):
         self.store, self.options, self.device = store, options, device
         opts = options
         self.n_layer = n_layer
@@ -116,6 +169,15 @@ class ExpertLayers:
         self.names: list[dict[str, str] | None] = [named.get(i) for i in range(n_layer)]
         n_expert = store.info(named[self.moe_layers[0]]["down"]).shape[0]
         self.modes = list(modes) if modes is not None else [self._mode_from_options(i) for i in range(n_layer)]
+        # moe_route_trace: the output is not the model's own, so only benchmarks may ask for it
+        if opts.moe_route_trace is not None and not benchmark:
+            raise OptionError(f"moe_route_trace={opts.moe_route_trace}: benchmark-only (the routing comes from a "
+                              "trace, so the output is not the model's own); use it with `ggml-hybrid bench` or "
+                              "the tools under tools/bench")
+        self.route_trace = opts.moe_route_trace
+        routes: list[np.ndarray] | None = None
+        if opts.moe_route_trace is not None and load:
+            routes = route_rows(opts.moe_route_trace, len(self.moe_layers), n_expert, n_used)
         if backend_of is None:
             backend_of = lambda name: device
         # the native executor runs every call in C; the Python one is the reference (and simulates a bus)
@@ -126,11 +188,30 @@ class ExpertLayers:
         if opts.moe_cpu_share != 0.0 and any(m == "disk" for m in self.modes):
             self.worker = NativeWorker(n_threads) if self.native else CPUWorker(n_threads)
         self._scratch: dict[int, Scratch] = {}  # the native executors' compute buffer, one per device
+        # the host expert tier between the disk layers' slots and the file (host_cache_bytes)
+        self.tier: HostTier | None = None
+        disk_layers = [i for i in self.moe_layers if self.modes[i] == "disk"]
+        if opts.host_cache_bytes != 0 and disk_layers and load:
+            if not self.native:
+                raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier feeds the native "
+                                  "executor's loads; these layers run the Python executor (moe_executor=python, "
+                                  "expert biases or gpt-oss's clamped SwiGLU)")
+            per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in named[i].values()]
+                          for i in disk_layers}
+            need = sum(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)
+            # `auto` leaves room for the slots a CPU playing the device allocates next, in the same host memory
+            host_slots = sum((opts.expert_cache_slots + 1) * sum(per_expert[i]) for i in disk_layers
+                             if (b := backend_of(named[i]["down"])) is not None and b.is_cpu)
+            budget = resolve_budget(opts.host_cache_bytes, need, host_slots)
+            layer_need = max(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)
+            check_tier_budget(budget, layer_need, opts.host_cache_bytes)  # before any I/O thread starts
+            self.tier = HostTier(store, budget, opts.expert_eviction)
         self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
         if opts.trace_path is not None:
             check_output(opts.trace_path, [store.path], "trace_path")
         # a dry run (planning) writes nothing
-        self.trace = (TraceWriter(opts.trace_path, len(self.moe_layers), n_expert, n_used)
+        self.trace = (TraceWriter(opts.trace_path, len(self.moe_layers), n_expert, n_used,
+                                  predictions=opts.moe_prefetch)
                       if opts.trace_path is not None and load else None)
         by_backend: dict[int, tuple[Backend, list[str]]] = {}
         for i, layer_names in named.items():
@@ -145,6 +226,7 @@ class ExpertLayers:
         self.repacked: set[str] = set()
         self.host_copies: set[str] = set()
         rule = repack_rule(store, opts.repack)
+        slots = cast(int, opts.expert_cache_slots)  # a number here: auto is chosen before a model loads
         loaded = {}
         for b, tensor_names in by_backend.values():
             ctx, tensors = load_into(store, tensor_names, b, on_tensor=on_tensor, load=load,
@@ -187,19 +269,39 @@ class ExpertLayers:
                     if scratch is None:
                         scratch = self._scratch[id(cache_on)] = Scratch(cache_on)
                     executor = NativeExpertExecutor(
-                        store, moe_layer, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                        store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
-                        trace_seq=self._trace_seq, repack=opts.repack)
+                        trace_seq=self._trace_seq, repack=opts.repack,
+                        route=routes[moe_layer] if routes is not None else None, tier=self.tier)
                 else:
                     shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
                     executor = ExpertCacheExecutor(
-                        store, moe_layer, names, cache_on, opts.expert_cache_slots, opts.expert_eviction, n_used,
+                        store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
                         glu=glu, worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], simulated_bus_bytes_per_s=simulated_bus_bytes_per_s,
-                        trace=self.trace, clear=load, shared=shared, repack=opts.repack)
+                        trace=self.trace, clear=load, shared=shared, repack=opts.repack,
+                        route=routes[moe_layer] if routes is not None else None)
             self.layer_backends.append(cache_on)
             self.executors.append(executor)
+        if opts.moe_prefetch and load:
+            self._link_prefetch(store, routes is not None)
+
+    def _link_prefetch(self, store: GGUFStore, oracle: bool) -> None:
+        """Each disk layer predicts and prefetches the next MoE layer's experts when that one is a disk layer too:
+        by its router (``blk.N.ffn_gate_inp.weight``, its bias, ``exp_probs_b``), or, following a route trace, by
+        the trace (an oracle: benchmarks measure what a prediction can give at most)."""
+        opts = self.options
+        for a, b in zip(self.moe_layers, self.moe_layers[1:]):
+            src, dst = self.executors[a], self.executors[b]
+            if src is None or dst is None:
+                continue
+            p = f"blk.{b}."
+            router, bias, select = (None if oracle or p + n not in store else router_f32(store, p + n)
+                                    for n in ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "exp_probs_b.bias"))
+            budget = opts.moe_prefetch_bytes or dst.n_used * dst.expert_bytes
+            max_experts = min(budget // dst.expert_bytes, dst.n_slots)
+            src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS)  # type: ignore[arg-type]
 
     def _recording(self, rule: Callable[[str], CData | None], on_cpu: bool,
                    host: bool) -> Callable[[str], CData | None]:
@@ -270,8 +372,8 @@ class ExpertLayers:
         if self.trace is None or not self.native:
             return
         records = [r for e in self.executors if isinstance(e, NativeExpertExecutor) for r in e.drain_trace()]
-        for _, layer, ids in sorted(records, key=lambda r: r[0]):
-            self.trace.record(layer, ids)
+        for _, layer, ids, predicted in sorted(records, key=lambda r: r[0]):
+            self.trace.record(layer, ids, predicted)
 
     @property
     def counters(self) -> list[LayerCounters]:
@@ -295,6 +397,8 @@ class ExpertLayers:
         for e in self.executors:
             if e is not None:
                 e.close()
+        if self.tier is not None:
+            self.tier.close()  # after the executors: they point at it
         for s in self._scratch.values():
             s.close()
         for pair in self._shared.values():

@@ -31,6 +31,7 @@ from ..gguf.store import GGUFStore
 from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
 from .executor import LayerCounters, SyntheticClock, allocate_slots
 from .ffn import ExpertWeights
+from .host_tier import HostTier
 from .traces import TraceWriter
 
 _ERRORS: dict[int, type[GgmlHybridError]] = {
@@ -100,13 +101,14 @@ class NativeExpertExecutor:
                  policy: str, n_used: int, glu: str = "swiglu", worker: NativeWorker | None = None,
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None, scratch: Scratch | None = None,
                  trace: TraceWriter | None = None, clear: bool = True, staging: bool | None = None,
-                 trace_seq: CData | None = None, repack: bool = True) -> None:
+                 trace_seq: CData | None = None, repack: bool = True, route: np.ndarray | None = None,
+                 tier: HostTier | None = None) -> None:
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.worker, self.share, self.host_experts, self.trace = worker, share, host_experts, trace
         infos = {k: store.info(n) for k, n in names.items()}
         self.n_expert = infos["down"].shape[0]
         self.n_embd = infos["down"].shape[1]
-        self.n_slots = n_slots
+        self.n_slots, self.n_used = n_slots, n_used
         self.ctx = Context(n_tensors=len(names))
         self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
                              for k, info in infos.items()}
@@ -122,6 +124,9 @@ class NativeExpertExecutor:
             staging = not slots_host and lib.ggml_backend_get_device(device.ptr) != ffi.NULL
         self.staging = bool(staging)
         self._keep: list[Any] = []
+        self.route = None if route is None else np.ascontiguousarray(route, np.int32)
+        self.tier = tier  # loads read the host tier instead of the mapping (kept alive: C points at it)
+        self.tier_layer = tier.add_layer(layer, names) if tier is not None else -1
         cfg = self._config(layer, names, n_used, policy, glu, trace is not None, trace_seq)
         self._exec = _Exec(cfg)
         self._cfg = cfg  # C points into what it holds
@@ -131,7 +136,7 @@ class NativeExpertExecutor:
         cfg = ffi.new("hy_moe_config *")
         cfg.layer, cfg.n_expert, cfg.n_used, cfg.n_embd = layer, self.n_expert, n_used, self.n_embd
         cfg.n_slots = self.n_slots
-        cfg.policy = lib.HY_POLICY_LRU if policy == "lru" else lib.HY_POLICY_LFU
+        cfg.policy = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU, "freq": lib.HY_POLICY_FREQ}[policy]
         cfg.glu = GLU_OPS[glu]
         for k, t in self.slot_tensors.items():
             setattr(cfg.slots, k, t.ptr)
@@ -167,6 +172,11 @@ class NativeExpertExecutor:
         cfg.staging = int(self.staging)
         cfg.trace = int(trace)
         cfg.trace_seq = trace_seq if trace_seq is not None else ffi.NULL
+        if self.route is not None:
+            cfg.route = ffi.cast("const int32_t *", self.route.ctypes.data)
+            cfg.n_route = len(self.route)
+        cfg.tier = self.tier.ptr if self.tier is not None else ffi.NULL
+        cfg.tier_layer = self.tier_layer
         return cfg
 
     # -- the region -----------------------------------------------------------------------------
@@ -205,8 +215,8 @@ class NativeExpertExecutor:
         n = lib.hy_moe_exec_last_cpu(self._exec.ptr, cpu)
         return tuple(int(cpu[0][i]) for i in range(n))
 
-    def drain_trace(self) -> list[tuple[int, int, np.ndarray]]:
-        """``(sequence, layer, ids)`` of every call recorded since the last drain."""
+    def drain_trace(self) -> list[tuple[int, int, np.ndarray, np.ndarray | None]]:
+        """``(sequence, layer, ids, prediction or None)`` of every call recorded since the last drain."""
         n = ffi.new("int64_t *")
         p = lib.hy_moe_exec_trace(self._exec.ptr, n)
         if n[0] == 0:
@@ -217,9 +227,31 @@ class NativeExpertExecutor:
         while pos < len(data):
             seq = int(data[pos]) | int(data[pos + 1]) << 32
             layer, T = int(data[pos + 2]), int(data[pos + 3])
-            out.append((seq, layer, data[pos + 4:pos + 4 + T * k].astype(np.int32).reshape(T, k)))
+            ids = data[pos + 4:pos + 4 + T * k].astype(np.int32).reshape(T, k)
             pos += 4 + T * k
+            n_pred = int(data[pos])
+            out.append((seq, layer, ids, data[pos + 1:pos + 1 + n_pred].astype(np.int32) if n_pred else None))
+            pos += 1 + n_pred
         return out
+
+    def set_prefetch(self, next_layer: NativeExpertExecutor | None, router: np.ndarray | None,
+                     router_bias: np.ndarray | None = None, select_bias: np.ndarray | None = None,
+                     max_experts: int = 0, max_tokens: int = 0) -> None:
+        """Lookahead prefetch into ``next_layer`` (:meth:`.executor.ExpertCacheExecutor.set_prefetch`; C reads
+        the arrays, kept here, during every call)."""
+        arrays = [None if a is None else np.ascontiguousarray(a, np.float32) for a in (router, router_bias,
+                                                                                     select_bias)]
+        self._prefetch_arrays = arrays
+        ptrs = [ffi.NULL if a is None else ffi.cast("const float *", a.ctypes.data) for a in arrays]
+        lib.hy_moe_exec_set_prefetch(self._exec.ptr, ffi.NULL if next_layer is None else next_layer._exec.ptr,
+                                     ptrs[0], ptrs[1], ptrs[2], max_experts, max_tokens)
+
+    @property
+    def predicted(self) -> tuple[int, ...]:
+        """The last prediction the previous layer made for this layer, in id order."""
+        p = ffi.new("const int32_t **")
+        n = lib.hy_moe_exec_predicted(self._exec.ptr, p)
+        return tuple(int(p[0][i]) for i in range(n))
 
     def reserve(self, n_tokens: int) -> None:
         """Grow the shared scratch now to what a call of ``n_tokens`` tokens can need (its largest graphs)."""

@@ -52,6 +52,23 @@ later round of the same call picks victims).
 
 * ``"lru"``: least recency first; ties by lowest slot id.
 * ``"lfu"``: lowest use count first; ties by least recency, then by lowest slot id.
+* ``"freq"``: fewest *requests* first (the layer's request history below, which an
+  eviction does not forget); ties by the least recent request, then by lowest slot id.
+  Frequency over the whole history with recency as the tie-break: on the real routing
+  traces it loads 2-14% less than ``"lru"`` at 1/8 to 1/4 of the experts as slots and
+  never more (docs/benchmarks.md, "Eviction and the CPU share on real routing"), so it
+  is the runtime's default (``expert_eviction``).
+
+Request history. Apart from residency the cache keeps, for every expert of the layer,
+the number of calls that requested it since construction or :meth:`reset`
+(``requests``) and the tick of the last of them (``last_request``). A call's request
+counts whether the expert is computed on the device (:meth:`plan` records the experts
+it plans, at the call's tick, before choosing victims) or on the CPU (:meth:`note_cpu`,
+called after the call's plan, records them at the same tick). Eviction and
+invalidation do not touch it. :meth:`reuse_key` reads it: ``(requests, last_request)``,
+lower meaning less likely to be requested again soon; the CPU share takes the misses
+of lowest key (:mod:`ggml_hybrid.moe.cpu_share`), the ``"freq"`` policy evicts the
+resident of lowest key.
 
 After the call every requested expert that is still resident has the call's
 tick as its recency; its use count was incremented once by this call.
@@ -62,6 +79,13 @@ and calls :meth:`SlotCache.commit` after each copy returns: a slot whose last
 planned load was never committed (the copy failed, or the call was interrupted) is
 emptied at the start of the next plan, so the cache never claims an expert that is
 not in its slot. An emptied slot is not an eviction; ``invalidated`` counts them.
+
+Prefetch. :meth:`SlotCache.prefetch` places one expert that a lookahead predicted for the
+coming call (``moe_prefetch``): into the first empty slot, else into the best victim's slot among
+the residents that are neither in ``keep`` (the other predictions) nor an uncommitted load. The
+expert ranks as computed at the last call's tick with a use count of 0, and its load stays
+uncommitted until :meth:`commit`. It takes no tick and counts in no counter (the executor counts
+prefetches).
 
 Counters. :class:`CacheCounters` accumulates, over all calls since construction
 or :meth:`SlotCache.reset`: ``calls``, ``distinct`` (requested experts),
@@ -82,7 +106,7 @@ from ..errors import IndexRangeError, SlotCacheError, SlotCacheTypeError
 
 __all__ = ["CacheCounters", "SlotCacheError", "SlotCacheTypeError", "POLICIES", "Round", "SlotCache"]
 
-POLICIES = ("lru", "lfu")
+POLICIES = ("lru", "lfu", "freq")
 
 
 
@@ -144,6 +168,8 @@ class SlotCache:
         self._uses: dict[int, int] = {}  # expert -> calls that requested it since it was loaded
         self._tick = 0
         self._uncommitted: dict[int, int] = {}  # slot -> the expert its last planned load puts there
+        self._requests = [0] * self.n_experts  # expert -> calls that requested it (device or CPU)
+        self._last_request = [0] * self.n_experts  # expert -> tick of the last of them
         self.counters = CacheCounters()
 
     def slot_of(self, expert: int) -> int | None:
@@ -151,9 +177,23 @@ class SlotCache:
         s = self._where.get(self._check_expert(expert, "SlotCache.slot_of"))
         return None if s is None or self._uncommitted.get(s) == expert else s
 
+    def holds(self, expert: int) -> bool:
+        """Whether ``expert`` has a slot, its load committed or not (what a prefetch need not load again)."""
+        return expert in self._where
+
     def resident(self) -> dict[int, int]:
         """``{expert: slot}`` for every resident expert, in increasing slot order."""
         return {e: s for s, e in enumerate(self._slots) if e is not None and self._uncommitted.get(s) != e}
+
+    def reuse_key(self, expert: int) -> tuple[int, int]:
+        """``(requests, last_request)`` of ``expert`` (module docstring): lower = less likely reused soon."""
+        return self._requests[expert], self._last_request[expert]
+
+    def note_cpu(self, experts: Sequence[int]) -> None:
+        """The experts the CPU computed in the call just planned: their requests are recorded at its tick."""
+        for e in experts:
+            self._requests[e] += 1
+            self._last_request[e] = self._tick
 
     def __repr__(self) -> str:
         return (f"SlotCache(n_experts={self.n_experts}, n_slots={self.n_slots}, policy={self.policy!r}, "
@@ -209,6 +249,8 @@ class SlotCache:
         e = self._expert_in(slot)
         if self.policy == "lru":
             return (self._recency[e], slot)
+        if self.policy == "freq":
+            return (self._requests[e], self._last_request[e], slot)
         return (self._uses[e], self._recency[e], slot)
 
     def _use(self, expert: int) -> None:
@@ -223,6 +265,30 @@ class SlotCache:
         """
         if self._uncommitted.get(slot) == expert:
             del self._uncommitted[slot]
+
+    def prefetch(self, expert: int, keep: set[int] | frozenset[int]) -> tuple[int, int | None] | None:
+        """Place ``expert`` (not resident) ahead of the call that was predicted to need it (see the module
+        docstring); ``(slot, displaced expert or None)``, or None when every slot is kept."""
+        if expert in self._where:
+            return None
+        free = [s for s, e in enumerate(self._slots) if e is None]
+        victim: int | None = None
+        if free:
+            slot = free[0]
+        else:
+            cands = [s for s, e in enumerate(self._slots)
+                     if e is not None and e not in keep and s not in self._uncommitted]
+            if not cands:
+                return None
+            slot = min(cands, key=self._victim_key)
+            victim = self._expert_in(slot)
+            del self._where[victim], self._recency[victim], self._uses[victim]
+        self._slots[slot] = expert
+        self._where[expert] = slot
+        self._recency[expert] = self._tick
+        self._uses[expert] = 0
+        self._uncommitted[slot] = expert
+        return slot, victim
 
     def _drop_uncommitted(self) -> None:
         for s, e in self._uncommitted.items():
@@ -251,6 +317,9 @@ class SlotCache:
         if self._uncommitted:
             self._drop_uncommitted()
         self._tick += 1
+        for e in ids:
+            self._requests[e] += 1
+            self._last_request[e] = self._tick
         c = self.counters
         c.calls += 1
         c.distinct += len(ids)

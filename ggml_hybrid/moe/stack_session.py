@@ -114,7 +114,10 @@ MAX_GRAPHS = 8  # token-count graphs kept per session
 
 class MoEStackSession:
     def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
-                 device: Backend | None = None, simulated_bus_bytes_per_s: float | None = None) -> None:
+                 device: Backend | None = None, simulated_bus_bytes_per_s: float | None = None,
+                 benchmark: bool = False) -> None:
+        """``benchmark``: a benchmark's or a test's session, which may replace the routing by a trace
+        (``moe_route_trace``)."""
         self.options = opts = SessionOptions() if options is None else check_type(
             options, "MoEStackSession: options", SessionOptions, error=OptionError)
         if device is not None:
@@ -123,13 +126,13 @@ class MoEStackSession:
             check_real(simulated_bus_bytes_per_s, "MoEStackSession: simulated_bus_bytes_per_s", 0, lo_open=True)
         self.store = GGUFStore(path)
         try:
-            self._open(self.store, opts, device, simulated_bus_bytes_per_s)
+            self._open(self.store, opts, device, simulated_bus_bytes_per_s, benchmark)
         except BaseException:  # a refused option or tensor must not leave the file or the buffers open
             self.close()
             raise
 
     def _open(self, store: GGUFStore, opts: SessionOptions, device: Backend | None,
-              simulated_bus_bytes_per_s: float | None) -> None:
+              simulated_bus_bytes_per_s: float | None, benchmark: bool) -> None:
         hp = read_stack_hparams(store)
         self.n_layer, self.n_embd, self.n_expert, self.n_used, self.eps = (hp.n_layer, hp.n_embd, hp.n_expert,
                                                                             hp.n_used, hp.rms_eps)
@@ -150,7 +153,7 @@ class MoEStackSession:
         self.dense_ctx, self.dense = load_into(store, dense, self.device,
                                                repack=repack_rule(store, opts.repack and self.device.is_cpu))
         self.layers = ExpertLayers(store, self.n_layer, self.n_used, opts, self.device, n_threads,
-                                   simulated_bus_bytes_per_s)
+                                   simulated_bus_bytes_per_s, benchmark=benchmark)
         # every layer of a stack has routed experts
         self.experts = [w for w in self.layers.weights if w is not None]
         self.executors = self.layers.executors

@@ -40,8 +40,11 @@ def describe(path) -> dict:
 
         routers = sorted(layer(t.name) for t in store.tensors()
                          if re.fullmatch(r"blk\.\d+\.ffn_gate_inp\.weight", t.name) and layer(t.name) < trunk)
-        routed = sum(t.nbytes for t in store.tensors()
-                     if tensor_class(t.name) == "routed_experts" and 0 <= layer(t.name) < trunk)
+        by_layer: dict[int, int] = {}
+        for t in store.tensors():
+            if tensor_class(t.name) == "routed_experts" and 0 <= layer(t.name) < trunk:
+                by_layer[layer(t.name)] = by_layer.get(layer(t.name), 0) + t.nbytes
+        routed = sum(by_layer.values())
         # next-token-prediction layers (GLM-4.5's, Qwen3-Next's and Qwen3.5's converted files carry one): in the
         # file, never loaded
         nextn = sum(t.nbytes for t in store.tensors() if layer(t.name) >= trunk > 0)
@@ -66,6 +69,8 @@ def describe(path) -> dict:
                 "shared_ff": meta("expert_shared_feed_forward_length", 0) or meta("expert_shared_count", 0) * ff,
                 "ff": ff, "moe_layers": n_moe,
                 "bytes_per_expert": routed // (n_moe * n_expert), "bytes_per_layer": routed // n_moe,
+                # each MoE layer's routed experts (what the expert cache and the host tier move), by layer number
+                "bytes_by_layer": {str(i): by_layer.get(i, 0) for i in routers},
             }
             out["family"] = _family(store)
         return out
@@ -124,6 +129,11 @@ def format_text(d: dict) -> str:
                      + (f", shared expert ff {e['shared_ff']}" if e["shared_ff"] else "")
                      + f"; {format_bytes(e['bytes_per_expert'])} per expert, "
                        f"{format_bytes(e['bytes_per_layer'])} per layer")
+        sizes = e["bytes_by_layer"]
+        if len(set(sizes.values())) == 1:
+            lines.append(f"  routed experts by layer: {len(sizes)} layers x {format_bytes(next(iter(sizes.values())))}")
+        else:
+            lines.append("  routed experts by layer: " + ", ".join(f"{i}: {format_bytes(n)}" for i, n in sizes.items()))
         f = d["family"]
         if not f["supported"]:
             lines.append(f"  not run by ggml-hybrid: {f['reason']}")

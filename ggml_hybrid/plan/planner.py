@@ -23,12 +23,15 @@ from ..errors import NotMoEError
 from ..ggml.backend import gpu_device_names
 from ..gguf.metadata import meta_int
 from ..gguf.store import GGUFStore
+from ..machine import available_memory
 from ..model.families import read_hparams
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
+from ..moe.host_tier import AUTO_MARGIN_MIN, auto_budget, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
-from ..runtime.moe_model import MoEModel
-from ..units import GiB, format_bytes
+from ..runtime.cache_size import SlotChoice
+from ..runtime.moe_model import MoEModel, auto_cache_slots
+from ..units import GiB, MiB, format_bytes
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
 
@@ -86,9 +89,10 @@ class HostPlan(_ToDict):
     kv_cache: int
     recurrent: int
     compute: int
-    resident_total: int
+    resident_total: int  # the host tier included
     ram: int | None = None
     fits: bool | None = None
+    host_tier: int = 0  # the host expert tier's budget (host_cache_bytes, resolved: auto from --ram or available)
 
 
 @dataclass
@@ -156,6 +160,8 @@ class Plan(_ToDict):
     threads: int
     warnings: list[str] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
+    # expert_cache_slots=auto: the slots chosen and, per device, what decided them
+    slot_choice: SlotChoice | None = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass
@@ -249,7 +255,12 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
             return _plan_dense(info, store, opts, vram, ram, parallel)
     finally:
         store.close()
+    choice = None
+    if opts.expert_cache_slots == "auto":  # sized from the given sizes, or what the devices have free now
+        choice = auto_cache_slots(path, opts, plan_device_names(opts, vram), vram)
+        opts = opts.merged(expert_cache_slots=choice.slots)
     p, hp = _plan_moe(path, info, opts, vram, ram, parallel)
+    p.slot_choice = choice
     if vram and not all(d.fits for d in p.devices.values()):
         recs = _recommend(p, opts, hp)
         p.recommendations = [r for r in (_verify(path, info, opts, vram, ram, parallel, c) for c in recs) if r]
@@ -274,11 +285,19 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
     mapped = meas.layout["tensors"].get("mapped", {})
     copies = meas.layout["tensors"].get(CPU, {})  # CPU weights copied into RAM: the repacked ones (repack=true)
     host_resident = meas.host_kv + meas.host_recurrent + meas.host_compute + sum(copies.values())
+    tier = 0
+    if opts.host_cache_bytes != 0 and opts.disk_experts:
+        routed = info["experts"]["bytes_per_layer"] * info["experts"]["moe_layers"]
+        if opts.host_cache_bytes == "auto":  # what a run would take: the RAM given less the buffers, or what is free
+            tier = min(routed, auto_budget(ram - host_resident) if ram is not None else auto_budget())
+        else:
+            tier = resolve_budget(opts.host_cache_bytes, routed)
+    host_resident += tier
     dn = hp.delta_net
     p = Plan(
         model=path, architecture=hp.arch, moe=True, options=opts.to_items(), devices=out_devices,
         host=HostPlan(mapped, sum(mapped.values()), copies, sum(copies.values()), meas.host_kv, meas.host_recurrent,
-                      meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram),
+                      meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram, tier),
         kv=KVPlan(meas.n_ctx, opts.cache_type_k, opts.cache_type_v, kv_seq, kv_seq // meas.n_ctx, parallel,
                   kv_total),
         recurrent=None if dn is None else RecurrentPlan(
@@ -368,7 +387,17 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     if h.ram is not None and mapped_experts and mapped_experts + h.resident_total > h.ram:
         w.append(f"experts used from host memory ({format_bytes(mapped_experts)}, memory-mapped) plus host buffers "
                  f"exceed --ram {format_bytes(h.ram)}: they will be re-read from disk as pages are evicted")
-    if opts.disk_experts and opts.expert_cache_slots < hp.n_used:
+    # a model larger than the memory: the page cache cannot hold its experts, the host tier reads them explicitly
+    memory = h.ram if h.ram is not None else available_memory()
+    file_bytes = os.path.getsize(p.model)
+    if memory is not None and file_bytes > memory and not opts.host_cache_bytes:
+        budget = max(0, memory - h.resident_total - max(AUTO_MARGIN_MIN, memory // 10))
+        where = f"--ram {format_bytes(memory)}" if h.ram is not None else f"the {format_bytes(memory)} available now"
+        w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}: run its experts from disk through "
+                 f"a host tier, e.g. --expert-cache-slots {max(hp.n_used, 1)} --host-cache {budget // MiB}M "
+                 "(host_cache_bytes=auto takes what is "
+                 "available less a margin); see docs/moe.md, \"The host expert tier\"")
+    if opts.disk_experts and isinstance(opts.expert_cache_slots, int) and opts.expert_cache_slots < hp.n_used:
         w.append(f"expert_cache_slots={opts.expert_cache_slots} is smaller than the {hp.n_used} experts used per "
                  "token: every token needs several load rounds; use more slots or moe_cpu_share")
     devs = p.devices
@@ -522,7 +551,9 @@ def format_text(p: Plan | DensePlan) -> str:
                      + (f" | repacked {g(h.repacked_total)}" if h.repacked_total else "")
                      + f" | kv {g(h.kv_cache)}"
                      + (f" | recurrent {g(h.recurrent)}" if h.recurrent else "")
-                     + f" | compute {g(h.compute)} | resident {g(h.resident_total)}"
+                     + f" | compute {g(h.compute)}"
+                     + (f" | host tier {g(h.host_tier)}" if h.host_tier else "")
+                     + f" | resident {g(h.resident_total)}"
                      + ("" if h.ram is None else f"  of {g(h.ram)}"))
         k = p.kv
         lines.append(f"  KV cache: n_ctx {k.n_ctx} ({k.type_k}/{k.type_v}): {g(k.per_sequence)} "
@@ -533,6 +564,8 @@ def format_text(p: Plan | DensePlan) -> str:
                          f"for {rec.parallel} (two per sequence, so that a failed eval changes nothing, and one of "
                          "zeros)")
         lines.append(f"  layers: {' '.join(p.layout.layers)}; experts: {' '.join(p.layout.experts)}")
+        if p.slot_choice is not None:
+            lines.append(f"  {p.slot_choice.describe()}")
     else:
         lines.append(f"  {g(p.layer_bytes)} per layer, {g(p.other_bytes)} other; KV "
                      f"{g(p.kv.per_layer)} per layer at n_ctx {p.kv.n_ctx}")

@@ -16,6 +16,7 @@ alone on the CPU (docs/serve.md, "Concurrent sequences").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -27,7 +28,7 @@ import numpy.typing as npt
 
 from .._native import CData, ffi
 from ..checks import check_callable, check_choice, check_int, check_type
-from ..deploy.devices import open_devices
+from ..deploy.devices import device_free_memory, device_names, open_devices
 from ..deploy.layout import CPU, Layout, plan_layout
 from ..errors import (
     ArgumentError,
@@ -49,7 +50,7 @@ from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
 from ..gguf.names import is_expert_tensor
 from ..gguf.store import GGUFStore, load_into, repack_rule
-from ..machine import default_threads
+from ..machine import available_memory, default_threads
 from ..model.decoder import DecoderGraph, build_decoder, context_size, graph_size
 from ..model.families import read_hparams, tensor_shapes
 from ..model.families.recurrent import check_cuda
@@ -63,11 +64,57 @@ from ..moe.stack_session import SessionCounters
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..serial import Serial
 from ..text.tokenizer import Tokenizer
+from .cache_size import SlotChoice, choose_slots
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per model (one per ubatch shape), least recently used dropped first
 MAX_STEP_GRAPHS = 64  # at most this many graphs of decode steps of several sequences
 GraphKey = tuple[tuple[SeqRows, ...], int]  # an ubatch's seq_rows and its number of outputs
+
+
+def auto_cache_slots(path: str | os.PathLike[str], opts: SessionOptions, devices: list[str] | None = None,
+                     free: list[int] | None = None) -> SlotChoice:
+    """The slots ``expert_cache_slots=auto`` takes for ``path`` with ``opts`` (runtime/cache_size.py: the rule).
+
+    ``devices``: the device names (default: the session's own); ``free``: their free bytes, in order (default:
+    what they report now; CPU instances playing devices share the host's available memory).
+    """
+    if not opts.disk_experts:
+        raise OptionError("expert_cache_slots=auto: the slots belong to the expert cache, which needs "
+                          "disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
+    names = device_names(opts) if devices is None else list(devices)
+    if free is None:
+        free = device_free_memory(opts)
+        if free is None or len(free) != len(names):  # no accelerator says: CPU instances allocate from the host
+            host = available_memory()
+            if host is None:
+                raise OptionError("expert_cache_slots=auto: this system does not say how much memory is available; "
+                                  "give a number of slots")
+            free = [host // max(1, len(names))] * len(names)
+    if len(free) != len(names):
+        raise OptionError(f"expert_cache_slots=auto: {len(free)} free sizes for the {len(names)} devices "
+                          f"({', '.join(names)})")
+
+    def totals(slots: int) -> tuple[dict[str, int], HParams]:
+        with MoEModel(path, opts.merged(expert_cache_slots=slots), dry_run_devices=names) as m:
+            return {d: sum(m.device_memory(d).values()) for d in names}, m.hp
+
+    t1, hp = totals(1)
+    t2 = totals(2)[0] if hp.n_expert >= 2 else t1
+    room = dict(zip(names, free))
+    choice = choose_slots(t1, t2, room, hp.n_expert, hp.n_used)
+    for _ in range(4):  # the linear model checked by a dry run at the chosen count, one slot less per miss
+        if choice.slots <= 2:
+            break
+        tn = totals(choice.slots)[0]
+        if all(tn[d] <= room[d] - choice.margin[d] for d in choice.per_device):
+            break
+        if choice.slots - 1 < max(1, hp.n_used):
+            raise OptionError(f"expert_cache_slots=auto: a dry run at {choice.slots} slots does not fit ("
+                              f"{choice.describe()}), and fewer than the {hp.n_used} experts used per token would; "
+                              "free device memory or lower n_ctx / n_parallel / ubatch_size")
+        choice = dataclasses.replace(choice, slots=choice.slots - 1)
+    return choice
 
 
 def check_options(opts: SessionOptions, hp: HParams) -> None:
@@ -123,8 +170,11 @@ class MoEModel:
     layout: Layout
     def __init__(self, path: str | os.PathLike[str], options: SessionOptions | None = None,
                  device: Backend | None = None, progress: Callable[[int, int], object] | None = None,
-                 dry_run_devices: list[str] | None = None) -> None:
+                 dry_run_devices: list[str] | None = None, benchmark: bool = False) -> None:
         """Load ``path``; ``progress(done, total)`` is called as tensors are loaded.
+
+        ``benchmark``: a benchmark's session, the only kind that may replace the routing by a trace
+        (``moe_route_trace``; its output is then not the model's own, :attr:`route_trace` says so).
 
         ``dry_run_devices`` (planning): allocate everything as a load would, on CPU backend
         instances standing in for the named devices, but read no tensor data; such a model
@@ -142,6 +192,14 @@ class MoEModel:
         self.options = opts = options if options is not None else SessionOptions()
         if not isinstance(opts, SessionOptions):
             raise OptionError(f"options must be SessionOptions, got {type(opts).__name__}")
+        #: what expert_cache_slots=auto chose and why (None when the slots were given)
+        self.slot_choice: SlotChoice | None = None
+        if opts.expert_cache_slots == "auto":
+            if device is not None or dry_run_devices is not None:
+                raise OptionError("expert_cache_slots=auto: sizes the cache on the session's own devices; with a "
+                                  "device or a dry run, give a number (auto_cache_slots() chooses one)")
+            self.slot_choice = auto_cache_slots(path, opts)
+            self.options = opts = opts.merged(expert_cache_slots=self.slot_choice.slots)
         self.store = store = GGUFStore(path)
         try:
             self.hp = hp = read_hparams(store)
@@ -178,7 +236,7 @@ class MoEModel:
         self._active: GraphKey | None = None  # key of the graph whose regions are registered
         self._active_entry: DecoderGraph | None = None  # and that graph
         try:
-            self._load(opts, hp, n_threads, device, dry_run_devices, progress)
+            self._load(opts, hp, n_threads, device, dry_run_devices, progress, benchmark)
             rpc.raise_if_lost(self.devices.values())  # a server lost while loading: the weights are not there
         except BaseException as exc:
             lost = rpc.lost(self.devices.values()) if isinstance(exc, Exception) and not isinstance(exc, RPCError) \
@@ -190,7 +248,8 @@ class MoEModel:
         self.load_seconds = time.perf_counter() - t0
 
     def _load(self, opts: SessionOptions, hp: HParams, n_threads: int, device: Backend | None,
-              dry_run_devices: list[str] | None, progress: Callable[[int, int], object] | None) -> None:
+              dry_run_devices: list[str] | None, progress: Callable[[int, int], object] | None,
+              benchmark: bool = False) -> None:
         store = self.store
         # without accelerators, CPU backend instances play the devices (DEV0, ...), with their own buffers
         if self.dry_run:
@@ -221,7 +280,8 @@ class MoEModel:
         lay = self.layout
         self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick,
                                     modes=list(lay.expert_mode), backend_of=lambda n: self.devices.get(lay.tensors[n]),
-                                    load=not self.dry_run, moe_layers=hp.moe_layers, glu=hp.routing.glu)
+                                    load=not self.dry_run, moe_layers=hp.moe_layers, glu=hp.routing.glu,
+                                    benchmark=benchmark)
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
         self.flash_attn = self._resolve_flash_attn(opts, hp)
         self._mask_dtype = np.float16 if self.flash_attn else np.float32  # flash attention takes an F16 mask
@@ -683,6 +743,12 @@ class MoEModel:
     def counters(self) -> SessionCounters:
         return SessionCounters(self.experts.counters)
 
+    @property
+    def route_trace(self) -> str | None:
+        """The routing trace that replaces the router's choice (``moe_route_trace``, benchmarks): when set, the
+        output is not the model's own."""
+        return self.experts.route_trace
+
     def device_memory(self, device: str | None = None) -> dict[str, int]:
         """Bytes held on the devices (one device, if named) by purpose: what GPUs would hold."""
         names = [self._device_name(device, "MoEModel.device_memory: device")] if device is not None \
@@ -752,4 +818,4 @@ class MoEModel:
         self.close()
 
 
-__all__ = ["MoEModel", "check_options"]
+__all__ = ["MoEModel", "auto_cache_slots", "check_options"]

@@ -4,7 +4,8 @@
     python _llama_worker.py MODEL THREADS N_CTX [--cpu-moe] [--no-repack] [--threads-batch N]
 
 Runs under a Python with llama-cpp-python==0.3.36 (it does not import ggml_hybrid).
-Request (one JSON line): {"tokens": [...], "n": N}. Reply: {"prompt_s", "decode_s", "prompt_cpu", "decode_cpu",
+Request (one JSON line): {"tokens": [...], "n": N} (optionally "force": N-1 tokens decoded instead of the
+greedy ones). Reply: {"prompt_s", "decode_s", "prompt_cpu", "decode_cpu",
 "tokens", "decode_c"}: the prompt is evaluated in one call, then N-1 greedy tokens one eval each, as the
 ggml-hybrid side does; wall seconds and this process's CPU seconds of each, and the wall seconds of the decode
 spent inside ``llama_decode`` (the rest is llama-cpp-python's own per-step Python).
@@ -98,8 +99,11 @@ def main() -> int:
         t1, c1 = time.perf_counter(), time.process_time()
         inside[0] = 0.0
         out = [int(np.argmax(last_logits(llm)))]
-        for _ in range(req["n"] - 1):
-            llm.eval([out[-1]])
+        # "force": the tokens to decode instead of the greedy ones (a varied sequence routes like real text would
+        # more than a random model's greedy loop, which repeats one token); the greedy picks are still returned
+        force = req.get("force")
+        for i in range(req["n"] - 1):
+            llm.eval([force[i] if force else out[-1]])
             out.append(int(np.argmax(last_logits(llm))))
         t2, c2 = time.perf_counter(), time.process_time()
         print(json.dumps({"prompt_s": t1 - t0, "decode_s": t2 - t1, "prompt_cpu": c1 - c0, "decode_cpu": c2 - c1,

@@ -1,6 +1,7 @@
 // The decisions of a MoE layer call in C (src/moe_policy.h): the slot cache and the CPU share.
 #define HY_POLICY_LRU ...
 #define HY_POLICY_LFU ...
+#define HY_POLICY_FREQ ...
 
 typedef struct hy_cache_counters {
     int64_t calls, distinct, hits, misses, evictions, rounds, invalidated;
@@ -33,7 +34,9 @@ void hy_cache_reset(hy_slot_cache * c);
 const hy_plan * hy_cache_plan(hy_slot_cache * c, const int32_t * experts, const int32_t * rows, int n,
         bool deferred_loads);
 void hy_cache_commit(hy_slot_cache * c, int slot, int expert);
+void hy_cache_note_cpu(hy_slot_cache * c, const int32_t * experts, int n);
 int hy_cache_slot_of(const hy_slot_cache * c, int expert);
+int hy_cache_prefetch(hy_slot_cache * c, int expert, const uint8_t * keep, int * evicted);
 
 int hy_n_cpu_for_share(uint64_t num, uint64_t den, int n);
 

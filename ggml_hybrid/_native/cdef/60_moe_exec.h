@@ -47,6 +47,8 @@ typedef struct hy_moe_counters {
     int64_t cpu_misses, cpu_rows, cpu_ns, overlap_ns, share_calls;
     double share_sum;
     int64_t bytes_staged, staging_wait_ns, invalidated;
+    int64_t predicted, predicted_right, predicted_of, prefetched, prefetch_used, prefetch_wasted;
+    int64_t bytes_prefetched, prefetch_ns;
 } hy_moe_counters;
 
 typedef struct hy_moe_config {
@@ -77,6 +79,10 @@ typedef struct hy_moe_config {
     int staging;
     int trace;
     int64_t * trace_seq;
+    const int32_t * route;
+    int64_t n_route;
+    hy_tier * tier;
+    int tier_layer;
 } hy_moe_config;
 
 typedef struct hy_moe_exec hy_moe_exec;
@@ -97,3 +103,6 @@ void hy_moe_exec_plain_loads(hy_moe_exec * ex);
 int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens);
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
 void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[]);
+void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float * router, const float * router_bias,
+        const float * select_bias, int max_experts, int max_tokens);
+int hy_moe_exec_predicted(const hy_moe_exec * ex, const int32_t ** experts);

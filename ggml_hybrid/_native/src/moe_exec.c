@@ -2,6 +2,7 @@
 
 #include "map_guard.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,11 +56,34 @@ struct hy_moe_exec {
     /* trace: [layer, T, ids...] records */
     int32_t * trace;
     int64_t n_trace, cap_trace;
+    int64_t route_pos;       /* moe_route_trace: the next token row of cfg.route */
+    /* lookahead prefetch, as the predicting layer: the next disk layer, its router, the bounds */
+    hy_moe_exec * next;
+    const float * router, * router_bias, * select_bias;
+    int pf_max, pf_max_tokens;
+    double * scores;         /* [next's n_expert] */
+    int32_t * votes;         /* [next's n_expert]: the tokens that predict each expert */
+    int32_t * cand;          /* [next's n_expert]: the predicted misses in load order; first, the taken marks of vote */
+    /* ... and as the predicted layer (the previous layer's call writes these) */
+    bool has_prediction;     /* a prediction not yet judged by a call */
+    uint8_t * predicted;     /* [n_expert] */
+    int32_t * pred_list;     /* [n_expert]: the last prediction, most-voted first (ties: the lower id) */
+    int n_pred;
+    uint8_t * pf_mark;       /* [n_expert]: prefetched, not yet judged */
+    int32_t * pf_expert, * pf_slot; /* [n_expert]: prefetch loads to commit when the call starts (<= n_slots) */
+    int n_pf;
 };
 
 static int fail(hy_moe_exec * ex, int code, const char * fmt, const char * detail) {
     ex->err_code = code;
     snprintf(ex->err, sizeof(ex->err), fmt, ex->cfg.layer, detail);
+    return -1;
+}
+
+/* the host tier's failure as the call's (its message names the layer) */
+static int fail_tier(hy_moe_exec * ex) {
+    ex->err_code = HY_ERR_FILE;
+    snprintf(ex->err, sizeof(ex->err), "%s", hy_tier_error(ex->cfg.tier));
     return -1;
 }
 
@@ -113,6 +137,15 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
     ex->slot_of = malloc(sizeof(int32_t) * n);
     ex->on_cpu = calloc(n, 1);
     ex->last_cpu = malloc(sizeof(int32_t) * n);
+    ex->predicted = calloc(n, 1);
+    ex->pred_list = malloc(sizeof(int32_t) * n);
+    ex->pf_mark = calloc(n, 1);
+    ex->pf_expert = malloc(sizeof(int32_t) * n);
+    ex->pf_slot = malloc(sizeof(int32_t) * n);
+    if (!ex->predicted || !ex->pred_list || !ex->pf_mark || !ex->pf_expert || !ex->pf_slot) {
+        hy_moe_exec_free(ex);
+        return NULL;
+    }
     if (ex->cache == NULL || !ex->n_cpu_table || !ex->counts || !ex->experts || !ex->expert_rows || !ex->dev_experts ||
         !ex->dev_rows || !ex->miss_e || !ex->miss_r || !ex->slot_of || !ex->on_cpu || !ex->last_cpu) {
         hy_moe_exec_free(ex);
@@ -163,6 +196,9 @@ void hy_moe_exec_free(hy_moe_exec * ex) {
     if (ex == NULL) {
         return;
     }
+    if (ex->n_pf > 0) { /* a prefetch's uploads may still read the staging buffers */
+        ggml_backend_synchronize(ex->cfg.device);
+    }
     for (int i = 0; i < 2; i++) {
         if (ex->stage[i].event != NULL) {
             ggml_backend_event_free(ex->stage[i].event);
@@ -179,6 +215,8 @@ void hy_moe_exec_free(hy_moe_exec * ex) {
     free(ex->dev_experts);
     free(ex->dev_rows); free(ex->miss_e); free(ex->miss_r); free(ex->slot_of); free(ex->on_cpu); free(ex->last_cpu);
     free(ex->trace);
+    free(ex->scores); free(ex->votes); free(ex->cand);
+    free(ex->predicted); free(ex->pred_list); free(ex->pf_mark); free(ex->pf_expert); free(ex->pf_slot);
     free(ex);
 }
 
@@ -242,12 +280,32 @@ static void stage_wait(hy_moe_exec * ex, hy_stage * st) {
     ex->counters.staging_wait_ns += hy_now_ns() - t;
 }
 
-/* copy expert `e` from the mapping into `slot` of every expert tensor */
+/* where expert `e`'s bytes of each kind are: the mapping, or the host tier (which reads them first if they are
+   not there yet); false with the error set when the tier's read failed */
+static bool expert_source(hy_moe_exec * ex, int e, const uint8_t ** src) {
+    if (ex->cfg.tier == NULL) {
+        for (int i = 0; i < ex->cfg.n_kinds; i++) {
+            src[i] = ex->cfg.src[i] + (size_t) e * ex->cfg.nbytes[i];
+        }
+        return true;
+    }
+    if (hy_tier_get(ex->cfg.tier, ex->cfg.tier_layer, e, src) != 0) {
+        fail_tier(ex);
+        return false;
+    }
+    return true;
+}
+
+/* copy expert `e` from the mapping (or the host tier) into `slot` of every expert tensor; -1 on failure */
 static int64_t load(hy_moe_exec * ex, int e, int slot) {
+    const uint8_t * srcs[HY_MAX_KINDS];
+    if (!expert_source(ex, e, srcs)) {
+        return -1;
+    }
     int64_t n = 0;
     for (int i = 0; i < ex->cfg.n_kinds; i++) {
         const size_t nb = ex->cfg.nbytes[i];
-        const uint8_t * src = ex->cfg.src[i] + (size_t) e * nb;
+        const uint8_t * src = srcs[i];
         if (ex->async_loads) {
             ggml_backend_tensor_set_async(ex->cfg.device, ex->cfg.slot_tensor[i], src, (size_t) slot * nb, nb);
             ex->async_pending = true;
@@ -289,7 +347,8 @@ static double seconds(const hy_moe_exec * ex, int work, double bytes, double row
 }
 
 static bool trace_append(hy_moe_exec * ex, int T) {
-    const int64_t need = ex->n_trace + 4 + (int64_t) T * ex->cfg.n_used;
+    const int n_pred = ex->has_prediction ? ex->n_pred : 0;
+    const int64_t need = ex->n_trace + 5 + (int64_t) T * ex->cfg.n_used + n_pred;
     if (need > ex->cap_trace) {
         int64_t cap = ex->cap_trace ? ex->cap_trace : 1024;
         while (cap < need) {
@@ -309,6 +368,9 @@ static bool trace_append(hy_moe_exec * ex, int T) {
     ex->trace[ex->n_trace++] = T;
     memcpy(ex->trace + ex->n_trace, ex->ids, sizeof(int32_t) * T * ex->cfg.n_used);
     ex->n_trace += (int64_t) T * ex->cfg.n_used;
+    ex->trace[ex->n_trace++] = n_pred; /* the lookahead's prediction for this call, 0: none */
+    memcpy(ex->trace + ex->n_trace, ex->pred_list, sizeof(int32_t) * n_pred);
+    ex->n_trace += n_pred;
     return true;
 }
 
@@ -363,6 +425,13 @@ static int read_ids(hy_moe_exec * ex, hy_call * call, struct ggml_tensor * const
     }
     call->T = T;
     call->n_rows = T * k;
+    if (cfg->route != NULL) { /* moe_route_trace: the trace's routing, token by token, instead of the router's */
+        for (int t = 0; t < T; t++) {
+            memcpy(ex->ids + (size_t) t * k, cfg->route + (size_t) (ex->route_pos % cfg->n_route) * k,
+                   sizeof(int32_t) * k);
+            ex->route_pos++;
+        }
+    }
     for (int i = 0; i < call->n_rows; i++) {
         if (ex->ids[i] < 0 || ex->ids[i] >= cfg->n_expert) {
             return fail(ex, HY_ERR_INPUT, "layer %d: a routed expert id is out of range%s", "");
@@ -466,6 +535,14 @@ static int plan(hy_moe_exec * ex, hy_call * call) {
         }
     }
     call->plan = hy_cache_plan(ex->cache, ex->dev_experts, ex->dev_rows, n_dev, true);
+    if (call->n_cpu > 0) {
+        hy_cache_note_cpu(ex->cache, ex->last_cpu, call->n_cpu); /* the CPU's requests count in the history */
+    }
+    /* the host tier starts reading every round's misses now, several in flight; each load waits for its own */
+    if (ex->cfg.tier != NULL && call->plan->n_loads > 0 &&
+        hy_tier_fetch(ex->cfg.tier, ex->cfg.tier_layer, call->plan->load_expert, call->plan->n_loads) != 0) {
+        return fail_tier(ex);
+    }
     if (!call->checked && call->plan->n_loads > 0 && !file_unchanged(ex)) { /* loads read the mapping */
         return fail(ex, HY_ERR_FILE, ERR_FILE, "");
     }
@@ -574,6 +651,9 @@ static int run_round(hy_moe_exec * ex, hy_call * call, int r) {
             ex->fail_after--;
         }
         const int64_t n = load(ex, p->load_expert[i], p->load_slot[i]);
+        if (n < 0) {
+            return -1;
+        }
         loaded += n;
         c->bytes_loaded += n;
     }
@@ -677,6 +757,145 @@ static int weighted_sum(hy_moe_exec * ex, hy_call * call) {
     return HY_OK;
 }
 
+/* ---- lookahead prefetch ---------------------------------------------------------------------------
+   ExpertCacheExecutor._settle_prefetch / _prefetch in Python. The previous layer's call predicted this layer's
+   experts and loaded some of them (prefetch below); this call waits for those loads, commits them, and scores
+   the prediction against its own experts. */
+static void settle_prefetch(hy_moe_exec * ex, const hy_call * call) {
+    if (ex->n_pf > 0) {
+        wait_loads(ex);
+        for (int i = 0; i < ex->n_pf; i++) {
+            hy_cache_commit(ex->cache, ex->pf_slot[i], ex->pf_expert[i]);
+        }
+        ex->n_pf = 0;
+    }
+    if (!ex->has_prediction) {
+        return;
+    }
+    hy_moe_counters * c = &ex->counters;
+    c->predicted += ex->n_pred;
+    c->predicted_of += call->n_experts;
+    for (int i = 0; i < call->n_experts; i++) {
+        const int e = ex->experts[i];
+        c->predicted_right += ex->predicted[e];
+        if (ex->pf_mark[e]) {
+            c->prefetch_used++;
+            ex->pf_mark[e] = 0;
+        }
+    }
+    for (int i = 0; i < ex->n_pred; i++) {
+        const int e = ex->pred_list[i];
+        if (ex->pf_mark[e]) {
+            c->prefetch_wasted++;
+            ex->pf_mark[e] = 0;
+        }
+        ex->predicted[e] = 0;
+    }
+    ex->has_prediction = false;
+}
+
+/* each token's top k of next by score (ties: the lower id), counted in ex->votes */
+static void vote(hy_moe_exec * ex, const float * x) {
+    const hy_moe_exec * nx = ex->next;
+    const int E = ex->cfg.n_embd, X = nx->cfg.n_expert, k = nx->cfg.n_used;
+    for (int e = 0; e < X; e++) {
+        const float * w = ex->router + (size_t) e * E;
+        double s = 0.0;
+        for (int d = 0; d < E; d++) {
+            s += (double) w[d] * (double) x[d];
+        }
+        if (ex->router_bias != NULL) {
+            s += (double) ex->router_bias[e];
+        }
+        if (ex->select_bias != NULL) {
+            s = 1.0 / (1.0 + exp(-s)) + (double) ex->select_bias[e];
+        }
+        ex->scores[e] = isnan(s) ? -INFINITY : s; /* a non-finite input predicts, it does not crash */
+        ex->cand[e] = 0;
+    }
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < X; e++) {
+            if (!ex->cand[e] && (best < 0 || ex->scores[e] > ex->scores[best])) {
+                best = e;
+            }
+        }
+        ex->votes[best]++;
+        ex->cand[best] = 1;
+    }
+}
+
+/* After a call: predict the next layer's experts from this call's x and load the predicted misses. */
+static void prefetch(hy_moe_exec * ex, hy_call * call) {
+    hy_moe_exec * nx = ex->next;
+    if (nx == NULL || call->T > ex->pf_max_tokens) {
+        return;
+    }
+    const int64_t t0 = hy_now_ns();
+    if (!call->x_read && ex->router != NULL) {
+        read_x(ex, call);
+    }
+    const int X = nx->cfg.n_expert;
+    if (nx->has_prediction) { /* never judged (the next layer's call did not run): what it loaded is wasted */
+        for (int i = 0; i < nx->n_pred; i++) {
+            const int e = nx->pred_list[i];
+            nx->counters.prefetch_wasted += nx->pf_mark[e];
+            nx->pf_mark[e] = 0;
+            nx->predicted[e] = 0;
+        }
+    }
+    memset(ex->votes, 0, sizeof(int32_t) * X);
+    for (int t = 0; t < call->T; t++) {
+        if (ex->router != NULL) {
+            vote(ex, ex->x + (size_t) t * ex->cfg.n_embd);
+        } else { /* the oracle (benchmarks, moe_route_trace): the next layer's coming rows of its trace */
+            const int32_t * row = nx->cfg.route + (size_t) ((nx->route_pos + t) % nx->cfg.n_route) * nx->cfg.n_used;
+            for (int j = 0; j < nx->cfg.n_used; j++) {
+                ex->votes[row[j]]++;
+            }
+        }
+    }
+    /* the prediction by decreasing votes, ties by increasing id: the order the misses among it load in */
+    int n_pred = 0, n_cand = 0;
+    for (int e = 0; e < X; e++) {
+        if (ex->votes[e] == 0) {
+            continue;
+        }
+        nx->predicted[e] = 1;
+        int j = n_pred++;
+        while (j > 0 && ex->votes[nx->pred_list[j - 1]] < ex->votes[e]) {
+            nx->pred_list[j] = nx->pred_list[j - 1];
+            j--;
+        }
+        nx->pred_list[j] = e;
+    }
+    for (int i = 0; i < n_pred; i++) {
+        if (nx->cache->where[nx->pred_list[i]] < 0) {
+            ex->cand[n_cand++] = nx->pred_list[i];
+        }
+    }
+    nx->n_pred = n_pred;
+    nx->has_prediction = true;
+    /* loads read the mapping: a changed file is left to the next call to report */
+    if (n_cand > 0 && ex->pf_max > 0 && (call->checked || file_unchanged(ex))) {
+        for (int i = 0; i < n_cand && i < ex->pf_max; i++) {
+            int evicted;
+            const int e = ex->cand[i];
+            const int slot = hy_cache_prefetch(nx->cache, e, nx->predicted, &evicted);
+            if (slot < 0) {
+                break;
+            }
+            nx->counters.bytes_prefetched += load(nx, e, slot);
+            nx->counters.prefetched++;
+            nx->pf_mark[e] = 1;
+            nx->pf_expert[nx->n_pf] = e;
+            nx->pf_slot[nx->n_pf] = slot;
+            nx->n_pf++;
+        }
+    }
+    nx->counters.prefetch_ns += hy_now_ns() - t0;
+}
+
 static void count_call(hy_moe_exec * ex, const hy_call * call) {
     hy_moe_counters * c = &ex->counters;
     c->calls++;
@@ -702,6 +921,9 @@ static void clean_up(hy_moe_exec * ex, const hy_call * call, int rc) {
             stage_wait(ex, &ex->stage[1]);
         }
     }
+    if (ex->cfg.tier != NULL) {
+        hy_tier_release(ex->cfg.tier); /* its reads in flight are done; its experts can be evicted again */
+    }
     for (int i = 0; i < call->n_experts; i++) {
         ex->counts[ex->experts[i]] = 0;
         ex->on_cpu[ex->experts[i]] = 0;
@@ -722,6 +944,7 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
         return -1; /* nothing to undo yet */
     }
     count_rows(ex, &call);
+    settle_prefetch(ex, &call);
     cpu_split(ex, &call);
     int rc = submit_cpu(ex, &call);
     if (rc == HY_OK) {
@@ -741,6 +964,7 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
         rc = weighted_sum(ex, &call);
     }
     if (rc == HY_OK) {
+        prefetch(ex, &call);
         count_call(ex, &call);
     }
     clean_up(ex, &call, rc);
@@ -792,6 +1016,30 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
         return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graphs%s", "");
     }
     return HY_OK;
+}
+
+void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float * router, const float * router_bias,
+                              const float * select_bias, int max_experts, int max_tokens) {
+    ex->next = NULL;
+    if (next == NULL || next == ex || (router == NULL && next->cfg.route == NULL)) {
+        return;
+    }
+    const size_t X = (size_t) next->cfg.n_expert;
+    void * tmp;
+    if (!(GROW(ex->scores, X) && GROW(ex->votes, X) && GROW(ex->cand, X))) {
+        return; /* out of memory: no prefetch, which changes no result */
+    }
+    ex->next = next;
+    ex->router = router;
+    ex->router_bias = router_bias;
+    ex->select_bias = select_bias;
+    ex->pf_max = max_experts;
+    ex->pf_max_tokens = max_tokens;
+}
+
+int hy_moe_exec_predicted(const hy_moe_exec * ex, const int32_t ** experts) {
+    *experts = ex->pred_list;
+    return ex->n_pred;
 }
 
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after) { ex->fail_after = after; }

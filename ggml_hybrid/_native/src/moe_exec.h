@@ -16,6 +16,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "host_tier.h"
 #include "moe_graphs.h"
 #include "moe_policy.h"
 #include "moe_worker.h"
@@ -48,6 +49,15 @@ typedef struct hy_moe_counters {
     int64_t bytes_staged;    /* loaded bytes that went through pinned host staging (native executor) */
     int64_t staging_wait_ns; /* time loads waited for a staging buffer's upload to finish */
     int64_t invalidated;     /* slots emptied because their load never completed (a failed call) */
+    /* lookahead prefetch (moe_prefetch), counted in the layer that was predicted (the next one) */
+    int64_t predicted;       /* experts predicted for its calls, summed over the calls that had a prediction */
+    int64_t predicted_right; /* of which the call routed to */
+    int64_t predicted_of;    /* distinct experts of the calls that had a prediction (recall's denominator) */
+    int64_t prefetched;      /* predicted misses loaded ahead of the call (not in misses / bytes_loaded) */
+    int64_t prefetch_used;   /* of which the call routed to: a hit that would have been a load */
+    int64_t prefetch_wasted; /* of which the call did not route to */
+    int64_t bytes_prefetched;
+    int64_t prefetch_ns;     /* time the previous layer's call spent predicting and issuing the loads */
 } hy_moe_counters;
 
 #define HY_MAX_KINDS 3
@@ -81,6 +91,11 @@ typedef struct hy_moe_config {
     int staging;                      /* loads through pinned host staging (devices whose memory is not host) */
     int trace;                        /* record every call's ids for Python to drain */
     int64_t * trace_seq;              /* the session's call counter: orders records across layers */
+    const int32_t * route;            /* moe_route_trace (benchmarks): [n_route, n_used] ids that replace the
+                                         router's, token by token, cycling; NULL: the router's own */
+    int64_t n_route;
+    hy_tier * tier;                   /* NULL: loads read the mapping; else the host tier (host_tier.h) */
+    int tier_layer;                   /* this layer's index in the tier */
 } hy_moe_config;
 
 typedef struct hy_moe_exec hy_moe_exec;
@@ -99,7 +114,8 @@ hy_cost_model * hy_moe_exec_cost_model(hy_moe_exec * ex);
 int hy_moe_exec_error(const hy_moe_exec * ex, const char ** message);
 /* the CPU misses of the last call, in increasing id order */
 int hy_moe_exec_last_cpu(const hy_moe_exec * ex, const int32_t ** experts);
-/* trace records appended since the last take: [seq low, seq high, layer, T, T * n_used ids] each */
+/* trace records appended since the last take: [seq low, seq high, layer, T, T * n_used ids, n_pred, n_pred
+   predicted ids] each (n_pred 0: no prediction for the call) */
 const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints);
 void hy_moe_exec_trace_take(hy_moe_exec * ex);
 int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
@@ -111,6 +127,17 @@ void hy_moe_exec_plain_loads(hy_moe_exec * ex);
    large as any call will make it: the full graph, the compacted row graph of every (token, expert) row,
    and the weighted sum. HY_OK, or -1 with the error set. */
 int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens);
+/* Lookahead prefetch (moe_prefetch): after each call of up to max_tokens tokens, predict the experts of `next`
+   (the next disk layer) by its router applied to this call's input x (logits = router [n_expert of next, n_embd]
+   . x + router_bias; with select_bias, sigmoid(logits) + select_bias; each token's top n_used of next), and load
+   the predicted misses, most-voted first, at most max_experts, into next's empty or evictable slots (never one
+   holding another prediction). next waits for the loads at the start of its call. NULL next: off. A NULL router
+   with a next that follows a route trace (moe_route_trace, benchmarks) predicts the trace's coming rows of next:
+   an oracle, the bound of what a prediction can give. */
+void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float * router, const float * router_bias,
+                              const float * select_bias, int max_experts, int max_tokens);
+/* the last prediction of this layer's experts (by the previous layer's call), most-voted first, ties by id */
+int hy_moe_exec_predicted(const hy_moe_exec * ex, const int32_t ** experts);
 /* make the load after the next `after` loads fail (tests: a fault half way through a call) */
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
 /* observe durations computed from the work (a cost per unit of work, indexed by HY_COST_*) instead of the

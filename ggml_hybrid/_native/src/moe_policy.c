@@ -7,7 +7,8 @@
 /* ---- slot cache (ggml_hybrid/moe/slot_cache.py) ------------------------------------------------ */
 
 hy_slot_cache * hy_cache_new(int n_experts, int n_slots, int policy) {
-    if (n_experts < 1 || n_slots < 1 || n_slots > n_experts || (policy != HY_POLICY_LRU && policy != HY_POLICY_LFU)) {
+    if (n_experts < 1 || n_slots < 1 || n_slots > n_experts ||
+        (policy != HY_POLICY_LRU && policy != HY_POLICY_LFU && policy != HY_POLICY_FREQ)) {
         return NULL;
     }
     hy_slot_cache * c = calloc(1, sizeof(*c));
@@ -21,6 +22,8 @@ hy_slot_cache * hy_cache_new(int n_experts, int n_slots, int policy) {
     c->where = malloc(sizeof(int32_t) * n_experts);
     c->recency = malloc(sizeof(int64_t) * n_experts);
     c->uses = malloc(sizeof(int64_t) * n_experts);
+    c->requests = malloc(sizeof(int64_t) * n_experts);
+    c->last_request = malloc(sizeof(int64_t) * n_experts);
     c->uncommitted = malloc(sizeof(int32_t) * n_slots);
     c->plan.hit_expert = malloc(sizeof(int32_t) * n_slots);
     c->plan.hit_slot = malloc(sizeof(int32_t) * n_slots);
@@ -34,8 +37,9 @@ hy_slot_cache * hy_cache_new(int n_experts, int n_slots, int policy) {
     c->s_miss_rows = malloc(sizeof(int32_t) * n_experts);
     c->s_cand = malloc(sizeof(int32_t) * n_slots);
     c->s_protected = malloc(n_slots);
-    if (!c->slot_expert || !c->where || !c->recency || !c->uses || !c->uncommitted || !c->plan.hit_expert ||
-        !c->plan.hit_slot || !c->plan.load_expert || !c->plan.load_slot || !c->plan.load_round ||
+    if (!c->slot_expert || !c->where || !c->recency || !c->uses || !c->requests || !c->last_request ||
+        !c->uncommitted || !c->plan.hit_expert || !c->plan.hit_slot || !c->plan.load_expert || !c->plan.load_slot ||
+        !c->plan.load_round ||
         !c->plan.evicted_expert || !c->plan.evicted_round || !c->s_hit_slots || !c->s_miss || !c->s_miss_rows ||
         !c->s_cand || !c->s_protected) {
         hy_cache_free(c);
@@ -50,6 +54,7 @@ void hy_cache_free(hy_slot_cache * c) {
         return;
     }
     free(c->slot_expert); free(c->where); free(c->recency); free(c->uses); free(c->uncommitted);
+    free(c->requests); free(c->last_request);
     free(c->plan.hit_expert); free(c->plan.hit_slot); free(c->plan.load_expert); free(c->plan.load_slot);
     free(c->plan.load_round); free(c->plan.evicted_expert); free(c->plan.evicted_round);
     free(c->s_hit_slots); free(c->s_miss); free(c->s_miss_rows); free(c->s_cand); free(c->s_protected);
@@ -65,6 +70,8 @@ void hy_cache_reset(hy_slot_cache * c) {
         c->where[e] = -1;
         c->recency[e] = 0;
         c->uses[e] = 0;
+        c->requests[e] = 0;
+        c->last_request[e] = 0;
     }
     c->n_uncommitted = 0;
     c->tick = 0;
@@ -108,9 +115,29 @@ static void use(hy_slot_cache * c, int e) {
     c->uses[e] += 1;
 }
 
-/* victim order: lru (recency, slot); lfu (uses, recency, slot) */
+static void request(hy_slot_cache * c, int e) {
+    c->requests[e] += 1;
+    c->last_request[e] = c->tick;
+}
+
+void hy_cache_note_cpu(hy_slot_cache * c, const int32_t * experts, int n) {
+    for (int i = 0; i < n; i++) {
+        request(c, experts[i]);
+    }
+}
+
+/* victim order: lru (recency, slot); lfu (uses, recency, slot); freq (requests, last request, slot) */
 static bool victim_before(const hy_slot_cache * c, int sa, int sb) {
     const int ea = c->slot_expert[sa], eb = c->slot_expert[sb];
+    if (c->policy == HY_POLICY_FREQ) {
+        if (c->requests[ea] != c->requests[eb]) {
+            return c->requests[ea] < c->requests[eb];
+        }
+        if (c->last_request[ea] != c->last_request[eb]) {
+            return c->last_request[ea] < c->last_request[eb];
+        }
+        return sa < sb;
+    }
     if (c->policy == HY_POLICY_LFU && c->uses[ea] != c->uses[eb]) {
         return c->uses[ea] < c->uses[eb];
     }
@@ -133,6 +160,9 @@ const hy_plan * hy_cache_plan(hy_slot_cache * c, const int32_t * experts, const 
         drop_uncommitted(c);
     }
     c->tick += 1;
+    for (int i = 0; i < n; i++) {
+        request(c, experts[i]);
+    }
     c->counters.calls += 1;
     c->counters.distinct += n;
     if (n == 0) {
@@ -240,6 +270,51 @@ const hy_plan * hy_cache_plan(hy_slot_cache * c, const int32_t * experts, const 
     }
     c->counters.rounds += p->n_rounds;
     return p;
+}
+
+/* A lookahead prefetch of `expert` (not resident) into the first empty slot, else the best victim whose expert is
+   not marked in `keep` (the call's other predictions) nor an uncommitted load; its load stays uncommitted until
+   the caller's copy is done. The expert ranks as used at the last call's tick, with no uses. Returns the slot,
+   with the displaced expert in *evicted (-1: none), or -1 when every slot is kept (slot_cache.py: prefetch). */
+int hy_cache_prefetch(hy_slot_cache * c, int expert, const uint8_t * keep, int * evicted) {
+    *evicted = -1;
+    if (c->where[expert] >= 0) {
+        return -1;
+    }
+    int slot = -1;
+    for (int s = 0; s < c->n_slots && slot < 0; s++) {
+        if (c->slot_expert[s] < 0) {
+            slot = s;
+        }
+    }
+    if (slot < 0) {
+        for (int s = 0; s < c->n_slots; s++) {
+            const int e = c->slot_expert[s];
+            if (keep[e] || c->uncommitted[s] >= 0) {
+                continue;
+            }
+            if (slot < 0 || victim_before(c, s, slot)) {
+                slot = s;
+            }
+        }
+        if (slot < 0) {
+            return -1;
+        }
+        const int victim = c->slot_expert[slot];
+        *evicted = victim;
+        c->where[victim] = -1;
+        c->recency[victim] = 0;
+        c->uses[victim] = 0;
+    }
+    c->slot_expert[slot] = expert;
+    c->where[expert] = slot;
+    c->recency[expert] = c->tick;
+    c->uses[expert] = 0;
+    if (c->uncommitted[slot] < 0) {
+        c->n_uncommitted++;
+    }
+    c->uncommitted[slot] = expert;
+    return slot;
 }
 
 /* ---- the CPU share (ggml_hybrid/moe/cpu_share.py) ---------------------------------------------- */
@@ -412,9 +487,19 @@ int hy_cost_choose(hy_cost_model * m, int64_t B, int64_t hit_rows, const int32_t
     return k_prev;
 }
 
-/* the order the CPU takes misses in: increasing rows, ties by increasing expert id */
-static bool cpu_before(int ra, int ea, int rb, int eb) {
-    return ra != rb ? ra < rb : ea < eb;
+/* the order the CPU takes misses in: increasing rows, then the least likely to be reused (fewest requests, then
+   the least recent request), then increasing expert id */
+static bool cpu_before(const hy_slot_cache * c, int ra, int ea, int rb, int eb) {
+    if (ra != rb) {
+        return ra < rb;
+    }
+    if (c->requests[ea] != c->requests[eb]) {
+        return c->requests[ea] < c->requests[eb];
+    }
+    if (c->last_request[ea] != c->last_request[eb]) {
+        return c->last_request[ea] < c->last_request[eb];
+    }
+    return ea < eb;
 }
 
 int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const int32_t * rows, int n,
@@ -429,7 +514,7 @@ int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const 
             continue;
         }
         int j = m++; /* insertion sort: n is small */
-        while (j > 0 && cpu_before(r, e, miss_rows[j - 1], miss_expert[j - 1])) {
+        while (j > 0 && cpu_before(cache, r, e, miss_rows[j - 1], miss_expert[j - 1])) {
             miss_expert[j] = miss_expert[j - 1];
             miss_rows[j] = miss_rows[j - 1];
             j--;

@@ -11,7 +11,7 @@
 
 /* ---- slot cache -------------------------------------------------------------------------------- */
 
-enum { HY_POLICY_LRU = 0, HY_POLICY_LFU = 1 };
+enum { HY_POLICY_LRU = 0, HY_POLICY_LFU = 1, HY_POLICY_FREQ = 2 };
 
 typedef struct hy_cache_counters {
     int64_t calls, distinct, hits, misses, evictions, rounds, invalidated;
@@ -38,6 +38,8 @@ typedef struct hy_slot_cache {
     int32_t * where;        /* [n_experts]: -1 not resident */
     int64_t * recency;      /* [n_experts] */
     int64_t * uses;         /* [n_experts] */
+    int64_t * requests;     /* [n_experts]: calls that requested the expert (device or CPU), kept across evictions */
+    int64_t * last_request; /* [n_experts]: the tick of the last of them */
     int32_t * uncommitted;  /* [n_slots]: the expert whose planned load is not yet committed, -1 none */
     int n_uncommitted;
     int64_t tick;
@@ -58,8 +60,13 @@ void hy_cache_reset(hy_slot_cache * c);
 const hy_plan * hy_cache_plan(hy_slot_cache * c, const int32_t * experts, const int32_t * rows, int n,
                               bool deferred_loads);
 void hy_cache_commit(hy_slot_cache * c, int slot, int expert);
+/* the experts the CPU computed in the call just planned: their requests recorded at its tick */
+void hy_cache_note_cpu(hy_slot_cache * c, const int32_t * experts, int n);
 /* the committed slot of an expert, or -1 */
 int hy_cache_slot_of(const hy_slot_cache * c, int expert);
+
+/* lookahead prefetch of one expert (keep: [n_experts], the experts not to evict); the slot or -1 */
+int hy_cache_prefetch(hy_slot_cache * c, int expert, const uint8_t * keep, int * evicted);
 
 /* ---- the CPU share ------------------------------------------------------------------------------ */
 
@@ -101,8 +108,9 @@ int hy_cost_choose(hy_cost_model * m, int64_t expert_bytes, int64_t hit_rows, co
 /* Which misses of one call the CPU computes (cpu_share.py: split_misses, CostModel.choose). `experts` are the
    call's n distinct experts, rows[i] the rows of experts[i]. Hits (committed in `cache`) stay on the device;
    the misses, written to miss_expert / miss_rows ([n] each) with their count in *n_miss, are ordered fewest
-   rows first, ties by lower id, and the CPU takes the first n_cpu of them: n_cpu_table[*n_miss] with a fixed
-   share (n_cpu_table != NULL), else the choice of `model`. Returns n_cpu. */
+   rows first, ties by the cache's request history (fewest requests, then least recent), then by lower id,
+   and the CPU takes the first n_cpu of them: n_cpu_table[*n_miss] with a fixed share (n_cpu_table != NULL),
+   else the choice of `model`. Returns n_cpu. */
 int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const int32_t * rows, int n,
                     const int32_t * n_cpu_table, hy_cost_model * model, int64_t expert_bytes,
                     int32_t * miss_expert, int32_t * miss_rows, int * n_miss);

@@ -40,11 +40,12 @@ static ggml_backend_t served_init(ggml_backend_dev_t dev, const char * params) {
     return backend;
 }
 
+typedef void (*set_unchecked_t)(bool allow);
 typedef void (*start_server_t)(const char * endpoint, const char * cache_dir, size_t n_threads, size_t n_devices,
                                ggml_backend_dev_t * devices);
 
 int hy_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
-                          size_t mem) {
+                          size_t mem, int unchecked_ops) {
     ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
     start_server_t start = reg != NULL ? (start_server_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_start_server")
                                        : NULL;
@@ -64,6 +65,11 @@ int hy_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * d
         }
     }
     served_mem = mem;
+    set_unchecked_t set_unchecked = (set_unchecked_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_set_unchecked_ops");
+    if (set_unchecked == NULL) {
+        return -1;
+    }
+    set_unchecked(unchecked_ops != 0);
     /* GGML's server reports on stdout; a line at a time, so that a log or a pipe sees it as it happens */
     setvbuf(stdout, NULL, _IOLBF, 0);
     start(endpoint, NULL, n_threads, n_devices, use);

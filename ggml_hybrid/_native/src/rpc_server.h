@@ -14,7 +14,7 @@
    when this build has no RPC backend or the arguments are out of range, 0 when the server stopped (it
    could not listen: GGML said why on stderr). */
 int hy_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * devices, size_t n_devices,
-                          size_t mem);
+                          size_t mem, int unchecked_ops);
 
 /* Make Ctrl-C (SIGINT) end the waits for RPC servers in progress (GGML's RPC client gives up their
    connections), then run the handler that was installed (Python's). Returns 1 when installed, 0 when it

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from ...errors import TraceError, TraceTruncatedWarning
-from .format import FORMAT_VERSION, HEADER_SIZE, MAGIC, Trace, TraceWriter, read_trace
+from .format import FLAG_PREDICTIONS, FORMAT_VERSION, HEADER_SIZE, MAGIC, Trace, TraceWriter, read_trace
+from .prefetch import PrefetchReplay, replay_prefetch
 from .replay import (
+                     CPU_RULES,
                      POLICIES,
                      CallRecord,
                      LayerStats,
@@ -17,7 +19,8 @@ from .replay import (
 from .synthesis import synthetic_trace
 
 __all__ = [
-    "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "POLICIES", "CallRecord", "LayerStats", "LinkCost", "ReplayResult",
-    "Trace", "TraceError", "TraceTruncatedWarning", "TraceWriter", "modeled_time_per_token", "parse_share",
-    "read_trace", "replay", "synthetic_trace",
+    "CPU_RULES", "FLAG_PREDICTIONS", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "POLICIES", "CallRecord",
+    "LayerStats", "LinkCost", "PrefetchReplay", "ReplayResult", "Trace", "TraceError", "TraceTruncatedWarning",
+    "TraceWriter", "modeled_time_per_token", "parse_share", "read_trace", "replay", "replay_prefetch",
+    "synthetic_trace",
 ]

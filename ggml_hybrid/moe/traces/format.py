@@ -12,7 +12,7 @@ Header, 28 bytes::
     0      8     magic     b"GGMLHTRC"
     8      2     version   uint16, 1
     10     1     id_bytes  uint8: 1 when n_expert <= 256 (ids stored as uint8), else 2 (uint16)
-    11     1     flags     uint8, 0 (reserved)
+    11     1     flags     uint8: 0, or 1 (FLAG_PREDICTIONS: every record carries a prediction)
     12     4     n_layer   uint32, 1..65536
     16     4     n_expert  uint32, 1..65536
     20     4     n_used    uint32, 1..n_expert
@@ -23,6 +23,12 @@ followed by records, one per layer call, appended as the run goes::
     layer  uint16            0..n_layer-1
     T      uint32            tokens of the call, >= 1
     ids    T * n_used ints   id_bytes each, token-major (row t holds the k experts of token t)
+
+and, in a file whose flags are ``FLAG_PREDICTIONS`` (a run with ``moe_prefetch``), after the ids::
+
+    n_pred uint16            0 (no prediction for this call) .. n_expert
+    pred   n_pred ints       id_bytes each: the experts the lookahead predicted for this call, distinct, in
+                             the order their misses load in (most-voted first)
 
 A decode step of a 64-expert top-8 model costs 6 + 8 = 14 bytes per layer call. Records carry
 no checksum: a complete record is checked against the header (layer and id ranges, distinct ids
@@ -47,7 +53,7 @@ from ...checks import check_int
 from ...errors import TraceError, TraceTruncatedWarning
 from ...files import AtomicFile
 
-__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "Trace", "TraceWriter", "read_trace"]
+__all__ = ["FLAG_PREDICTIONS", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "Trace", "TraceWriter", "read_trace"]
 
 MAGIC = b"GGMLHTRC"
 FORMAT_VERSION = 1
@@ -56,6 +62,8 @@ _HEAD = struct.Struct("<8sHBBIII")  # magic, version, id_bytes, flags, n_layer, 
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEAD.size + _CRC.size  # 28
 _REC = struct.Struct("<HI")  # layer, T
+_PRED = struct.Struct("<H")  # n_pred
+FLAG_PREDICTIONS = 1
 _MAX_LAYERS = 1 << 16
 _MAX_EXPERTS = 1 << 16
 _MAX_T = (1 << 32) - 1
@@ -117,6 +125,21 @@ def _check_call(layer: object, ids: object, n_layer: int, n_expert: int, n_used:
     return layer, ids
 
 
+def _check_prediction(predicted: object, n_expert: int, where: str) -> np.ndarray:
+    """A call's prediction as a 1-D int32 array of distinct ids in range (empty: none), or TraceError."""
+    if predicted is None:
+        return np.empty(0, np.int32)
+    p = np.asarray(predicted)
+    if p.ndim != 1 or (p.size and p.dtype.kind not in "iu"):
+        raise TraceError(f"{where}: a prediction must be a 1-D sequence of expert ids, got {p!r}")
+    p = p.astype(np.int32)
+    if p.size and (int(p.min()) < 0 or int(p.max()) >= n_expert):
+        raise TraceError(f"{where}: predicted expert id {int(p.min()) if p.min() < 0 else int(p.max())} is out "
+                         f"of range [0, {n_expert})")
+    if len(np.unique(p)) != p.size:
+        raise TraceError(f"{where}: the prediction {p.tolist()} lists an expert twice; its experts are distinct")
+    return p
+
 
 # -- traces ------------------------------------------------------------------------------------------
 
@@ -137,6 +160,8 @@ class Trace:
     truncated: int = 0
     truncated_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    # one per call (an empty array: no prediction for it), or None: the run recorded no predictions
+    predictions: list[np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         self.n_layer, self.n_expert, self.n_used = _check_shape(self.n_layer, self.n_expert, self.n_used, "Trace")
@@ -148,6 +173,11 @@ class Trace:
                 raise TraceError(f"Trace: calls[{i}] must be a (layer, ids) pair, got {call!r}") from None
             checked.append(_check_call(layer, ids, self.n_layer, self.n_expert, self.n_used, f"Trace: calls[{i}]"))
         self.calls = checked
+        if self.predictions is not None:
+            if len(self.predictions) != len(self.calls):
+                raise TraceError(f"Trace: {len(self.predictions)} predictions for {len(self.calls)} calls; one each")
+            self.predictions = [_check_prediction(p, self.n_expert, f"Trace: predictions[{i}]")
+                                for i, p in enumerate(self.predictions)]
 
     @property
     def n_calls(self) -> int:
@@ -165,9 +195,10 @@ class Trace:
 
     def write(self, path: str | os.PathLike[str]) -> None:
         """Write the trace to ``path`` in the trace file format."""
-        with TraceWriter(path, self.n_layer, self.n_expert, self.n_used) as w:
-            for layer, ids in self.calls:
-                w.record(layer, ids)
+        with TraceWriter(path, self.n_layer, self.n_expert, self.n_used,
+                         predictions=self.predictions is not None) as w:
+            for i, (layer, ids) in enumerate(self.calls):
+                w.record(layer, ids, self.predictions[i] if self.predictions is not None else None)
 
     def __repr__(self) -> str:
         extra = f", truncated={self.truncated}" if self.truncated else ""
@@ -184,12 +215,16 @@ class TraceWriter:
     that is never closed leaves it untouched).
     """
 
-    def __init__(self, path: str | os.PathLike[str], n_layer: int, n_expert: int, n_used: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], n_layer: int, n_expert: int, n_used: int,
+                 predictions: bool = False) -> None:
+        """``predictions``: every record carries the lookahead's prediction for its call (FLAG_PREDICTIONS)."""
         self.n_layer, self.n_expert, self.n_used = _check_shape(n_layer, n_expert, n_used, "TraceWriter")
+        self.predictions = bool(predictions)
         self.path = os.fspath(path)
         self.records = 0
         self._dtype = _id_dtype(_id_bytes(self.n_expert))
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, _id_bytes(self.n_expert), 0, self.n_layer, self.n_expert, self.n_used)
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, _id_bytes(self.n_expert), FLAG_PREDICTIONS if self.predictions else 0,
+                          self.n_layer, self.n_expert, self.n_used)
         self._out = AtomicFile(self.path)
         self._f: BinaryIO | None = cast(BinaryIO, self._out.file)
         try:
@@ -208,13 +243,21 @@ class TraceWriter:
         """The temporary file the records go to until :meth:`close` (what a process that dies leaves)."""
         return self._out.tmp
 
-    def record(self, layer: int, ids: np.ndarray) -> None:
-        """Append the call of ``layer`` with expert ids ``ids`` (integer array of shape ``(T, n_used)``)."""
+    def record(self, layer: int, ids: np.ndarray, predicted: Any = None) -> None:
+        """Append the call of ``layer`` with expert ids ``ids`` (integer array of shape ``(T, n_used)``) and, in a
+        writer with ``predictions``, the experts predicted for it (None: no prediction)."""
         if self._f is None:
             raise TraceError(f"TraceWriter({self.path!r}).record: the writer is closed")
-        layer, ids = _check_call(layer, ids, self.n_layer, self.n_expert, self.n_used,
-                                 f"TraceWriter.record (record {self.records})")
-        self._f.write(_REC.pack(layer, ids.shape[0]) + ids.astype(self._dtype).tobytes())
+        where = f"TraceWriter.record (record {self.records})"
+        layer, ids = _check_call(layer, ids, self.n_layer, self.n_expert, self.n_used, where)
+        rec = _REC.pack(layer, ids.shape[0]) + ids.astype(self._dtype).tobytes()
+        if self.predictions:
+            p = _check_prediction(predicted, self.n_expert, where)
+            rec += _PRED.pack(p.size) + p.astype(self._dtype).tobytes()
+        elif predicted is not None:
+            raise TraceError(f"{where}: a prediction for a trace without predictions (TraceWriter(..., "
+                             "predictions=True) records them)")
+        self._f.write(rec)
         self._f.flush()
         self.records += 1
 
@@ -268,8 +311,9 @@ def read_trace(path: str | os.PathLike[str], warn: bool = True) -> Trace:
     if id_bytes != _id_bytes(n_expert):
         raise TraceError(f"{where}: corrupted header: id_bytes={id_bytes} but n_expert={n_expert} "
                          f"requires {_id_bytes(n_expert)}")
-    if flags != 0:
-        raise TraceError(f"{where}: corrupted header: flags={flags}, expected 0")
+    if flags not in (0, FLAG_PREDICTIONS):
+        raise TraceError(f"{where}: corrupted header: flags={flags}, expected 0 or {FLAG_PREDICTIONS}")
+    predictions: list[np.ndarray] | None = [] if flags & FLAG_PREDICTIONS else None
 
     dtype = _id_dtype(id_bytes)
     calls: list[tuple[int, np.ndarray]] = []
@@ -291,10 +335,27 @@ def read_trace(path: str | os.PathLike[str], warn: bool = True) -> Trace:
             break
         ids = np.frombuffer(data, dtype=dtype, count=n_tok * n_used, offset=pos + _REC.size)
         ids = ids.reshape(n_tok, n_used).astype(np.int32)
+        rec_where = f"{where}: record {rec} at byte {pos}"
         try:
-            calls.append(_check_call(layer, ids, n_layer, n_expert, n_used, f"{where}: record {rec} at byte {pos}"))
+            call = _check_call(layer, ids, n_layer, n_expert, n_used, rec_where)
         except TraceError as e:
             raise TraceError(str(e)) from None
+        if predictions is not None:
+            at = pos + _REC.size + size
+            if end - at < _PRED.size:
+                truncated, truncated_bytes = 1, end - pos
+                break
+            (n_pred,) = _PRED.unpack_from(data, at)
+            if end - at - _PRED.size < n_pred * id_bytes:
+                truncated, truncated_bytes = 1, end - pos
+                break
+            pred = np.frombuffer(data, dtype=dtype, count=n_pred, offset=at + _PRED.size)
+            try:
+                predictions.append(_check_prediction(pred.astype(np.int32), n_expert, rec_where))
+            except TraceError as e:
+                raise TraceError(str(e)) from None
+            size += _PRED.size + n_pred * id_bytes
+        calls.append(call)
         pos += _REC.size + size
     if truncated and warn:
         warnings.warn(TraceTruncatedWarning(
@@ -303,4 +364,5 @@ def read_trace(path: str | os.PathLike[str], warn: bool = True) -> Trace:
     trace = Trace.__new__(Trace)  # records are validated above: skip __post_init__
     trace.n_layer, trace.n_expert, trace.n_used = n_layer, n_expert, n_used
     trace.calls, trace.truncated, trace.truncated_bytes, trace.meta = calls, truncated, truncated_bytes, {}
+    trace.predictions = predictions
     return trace

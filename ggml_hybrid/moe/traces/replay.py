@@ -2,7 +2,7 @@
 
 :func:`replay` runs one cache of ``n_slots`` slots per layer over a trace. A call requests the
 distinct experts of its ``ids``, with ``rows`` = the number of tokens routed to each.
-``"lru"`` and ``"lfu"`` are :class:`~ggml_hybrid.moe.slot_cache.SlotCache` itself, so the replay
+``"freq"``, ``"lru"`` and ``"lfu"`` are :class:`~ggml_hybrid.moe.slot_cache.SlotCache` itself, so the replay
 counts exactly what the runtime cache does. ``"belady"`` is the offline optimum (the ceiling)
 under the same rules as SlotCache:
 
@@ -30,8 +30,11 @@ CPU share and modeled time
 --------------------------
 ``share`` (``moe_cpu_share``) sends part of a call's misses to the CPU instead of loading them, by
 the runtime's own rule (:mod:`ggml_hybrid.moe.cpu_share`, called here, not restated): a fixed share
-takes ``n_cpu_for_share(share, n_miss)`` misses, the ones with the fewest rows (ties: lower expert
-id); ``share="auto"`` asks a :class:`~ggml_hybrid.moe.cpu_share.CostModel` per layer, fixed to the
+takes ``n_cpu_for_share(share, n_miss)`` misses, the ones with the fewest rows, ties by the layer's
+request history (the least likely to be reused first: the cache's ``reuse_key``; Belady's replay keeps
+the same history beside its residency), then by lower expert id. ``cpu_rule="rows"`` replays the rule
+before the history existed (ties straight by lower expert id), to measure what the history buys;
+``share="auto"`` asks a :class:`~ggml_hybrid.moe.cpu_share.CostModel` per layer, fixed to the
 costs of a :class:`LinkCost`, with the runtime's hysteresis. CPU experts are not loaded into the
 cache: the cache only sees the device experts (hits + device misses), so hit rate and bytes moved
 reflect the share. A live session whose cost model is fixed the same way
@@ -68,14 +71,16 @@ import numpy as np
 from ...checks import check_int, check_real
 from ...errors import OptionError, TraceError
 from ...options import SessionOptions
-from ..cpu_share import CostModel, MissSplit, makespans, n_cpu_for_share, split_misses
+from ..cpu_share import CostModel, History, MissSplit, makespans, n_cpu_for_share, split_misses
 from ..slot_cache import SlotCache
 from .format import Trace, _int
 
-__all__ = ["POLICIES", "CallRecord", "LayerStats", "LinkCost", "ReplayResult", "modeled_time_per_token",
+__all__ = ["CPU_RULES", "POLICIES", "CallRecord", "LayerStats", "LinkCost", "ReplayResult", "modeled_time_per_token",
            "parse_share", "replay"]
 
-POLICIES = ("lru", "lfu", "belady")
+POLICIES = ("freq", "lru", "lfu", "belady")
+#: The CPU share's tie-break among misses of equal rows: the request history (the runtime's) or the expert id.
+CPU_RULES = ("reuse", "rows")
 
 
 @dataclass(frozen=True)
@@ -275,25 +280,46 @@ def _check_replay_args(trace: object, n_slots: object, policy: object, share: ob
     return n_slots, policy.lower(), share, expert_bytes
 
 
+class _History:
+    """The request history of one layer for Belady's replay: SlotCache's rule (its ``reuse_key``), kept beside
+    a residency that SlotCache does not hold."""
+
+    def __init__(self) -> None:
+        self.requests: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+
+    def record(self, experts: Iterable[int], tick: int) -> None:
+        for e in experts:
+            self.requests[e] = self.requests.get(e, 0) + 1
+            self.last[e] = tick
+
+    def reuse_key(self, e: int) -> tuple[int, int]:
+        return self.requests.get(e, 0), self.last.get(e, 0)
+
+
 def _call_split(model: CostModel | None, share: float | str, experts: list[int], rows: list[int],
-                resident: Iterable[int],                expert_bytes: int) -> MissSplit:
+                resident: Iterable[int], expert_bytes: int, history: History | None) -> MissSplit:
     """Where one call's experts run: the runtime's rule, fixed share or the layer's cost model."""
     if model is not None:
-        return model.choose(experts, rows, resident, expert_bytes)
-    return split_misses(experts, rows, resident, cast(float, share))  # not "auto": that comes with a model
+        return model.choose(experts, rows, resident, expert_bytes, history)
+    return split_misses(experts, rows, resident, cast(float, share), history)  # not "auto": that comes with a model
 
 
 def replay(trace: Trace, n_slots: int, policy: str = "lru", share: float | str = 0.0, cost: LinkCost | None = None,
-           expert_bytes: int | None = None, hysteresis: float = 0.05) -> ReplayResult:
-    """Replay ``trace`` through one ``n_slots``-slot cache per layer under ``policy`` ("lru", "lfu", "belady").
+           expert_bytes: int | None = None, hysteresis: float = 0.05, cpu_rule: str = "reuse") -> ReplayResult:
+    """Replay ``trace`` through one ``n_slots``-slot cache per layer under ``policy`` ("freq", "lru", "lfu",
+    "belady").
 
     ``share`` (a number in [0, 1] or "auto") sends that share of each call's misses to the CPU, by the
     runtime's rule; those are not loaded. ``"auto"`` fixes a cost model per layer to ``cost`` with
     ``hysteresis`` (the runtime's default). ``expert_bytes`` (default ``cost.expert_bytes``, else 1)
-    prices a load. With a ``cost`` the result carries the modeled time per token. See the module
+    prices a load. With a ``cost`` the result carries the modeled time per token. ``cpu_rule`` ("reuse",
+    the runtime's, or "rows", the rule before it) breaks ties among the CPU's candidates. See the module
     docstring.
     """
     n_slots, policy, share, expert_bytes = _check_replay_args(trace, n_slots, policy, share, cost, expert_bytes)
+    if cpu_rule not in CPU_RULES:
+        raise TraceError(f"replay: cpu_rule {cpu_rule!r} must be one of {CPU_RULES}")
     L = trace.n_layer
     coeffs = cost.coefficients() if cost is not None else None
     models: list[CostModel | None] = [None] * L
@@ -312,6 +338,7 @@ def replay(trace: Trace, n_slots: int, policy: str = "lru", share: float | str =
         for layer, _, experts, _ in uniq_calls:
             per_layer[layer].append(experts)
         belady = [_Belady(n_slots, per_layer[layer]) for layer in range(L)]
+        histories = [_History() for _ in range(L)]
         local = [0] * L
     else:
         slot_caches = [SlotCache(trace.n_expert, n_slots, policy) for _ in range(L)]
@@ -319,15 +346,22 @@ def replay(trace: Trace, n_slots: int, policy: str = "lru", share: float | str =
     log = []
     cpu_count = [0] * L
     for layer, n_tok, experts, rows in uniq_calls:
-        resident = belady[layer].resident if policy == "belady" else slot_caches[layer].resident()
-        sp = _call_split(models[layer], share, experts, rows, resident, expert_bytes)
+        if policy == "belady":
+            resident: Iterable[int] = belady[layer].resident
+            history: History = histories[layer].reuse_key
+        else:
+            resident, history = slot_caches[layer].resident(), slot_caches[layer].reuse_key
+        sp = _call_split(models[layer], share, experts, rows, resident, expert_bytes,
+                         history if cpu_rule == "reuse" else None)
         row_of = dict(zip(experts, rows))
         device = sorted(sp.device_hits + sp.device_misses)
         if policy == "belady":
             belady[layer].plan(local[layer], experts, device)
             local[layer] += 1
+            histories[layer].record(experts, local[layer])
         else:
             slot_caches[layer].plan(device, [row_of[e] for e in device], checked=False)
+            slot_caches[layer].note_cpu(sp.cpu_misses)
         hit_rows = sum(row_of[e] for e in sp.device_hits)
         # the misses in the order the CPU takes them (fewest rows first, ties by lower id)
         miss_rows = tuple(r for r, _ in sorted((row_of[e], e) for e in sp.device_misses + sp.cpu_misses))

@@ -12,7 +12,9 @@ exact ones to garbage, and a case is one connection's worth of them:
   (SET/GET/MEMSET/COPY/INIT_TENSOR, GET_ALLOC_SIZE, SET_TENSOR_HASH, BUFFER_CLEAR, FREE_BUFFER) with
   tensors whose every field is drawn from valid, boundary and hostile values around that buffer;
 - ``graphs``: the same buffer, then GRAPH_COMPUTE / GRAPH_RECOMPUTE of graphs of such tensors (ops,
-  sources, views, counts that agree with the message or not).
+  sources, views, counts that agree with the message or not);
+- ``ops``: the same buffer, then well-formed one-node graphs (every tensor a plausible type, packed, inside the
+  buffer) of any op with random small shapes, sources and parameters: what only the shape rules stop.
 
 After each case the harness makes a fresh connection, says hello and asks the device count: the
 server must answer (it did not crash or hang), within a time limit.
@@ -41,20 +43,24 @@ MAX_SRC, N_OP_PARAMS, MAX_NAME = 10, 16, 64
 N_TYPES, N_OPS = 41, 101  # GGML_TYPE_COUNT, GGML_OP_COUNT of the pinned GGML
 TENSOR_BYTES = 296
 HELLO_BYTES = 24
-KINDS = ("raw", "frames", "tensors", "graphs")
+KINDS = ("raw", "frames", "tensors", "graphs", "ops")
 
 # op numbers (enum ggml_op of the pinned GGML). The graph cases draw their ops from those the server checks
-# the shapes of (docs/rpc.md#validation), the ops that compute nothing, the custom ops it refuses and numbers
-# past the last op: the other ops run as the client describes them, with GGML's own asserts and loop bounds
-# taken from their parameters, which the server does not check (a known gap, not fuzzed)
-OP_NONE, OP_DUP, OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_SQR, OP_SQRT = 0, 1, 2, 6, 7, 8, 9, 10
-OP_NORM, OP_RMS_NORM, OP_MUL_MAT, OP_SCALE, OP_CPY, OP_CONT = 24, 25, 29, 32, 34, 35
-OP_RESHAPE, OP_VIEW, OP_PERMUTE, OP_TRANSPOSE = 36, 37, 38, 39
+# the shapes of (docs/rpc.md#validation: every op of the language models' graphs), the ops that compute
+# nothing, the custom ops it refuses, a few ops it refuses without --unchecked-ops and numbers past the last op
+OP_NONE, OP_DUP, OP_ADD, OP_ADD_ID, OP_SUB, OP_MUL, OP_DIV, OP_SQR, OP_SQRT = 0, 1, 2, 3, 6, 7, 8, 9, 10
+OP_SUM_ROWS, OP_REPEAT, OP_CONCAT, OP_NORM, OP_RMS_NORM, OP_MUL_MAT, OP_MUL_MAT_ID = 15, 20, 22, 24, 25, 29, 30
+OP_SCALE, OP_CPY, OP_CONT, OP_RESHAPE, OP_VIEW, OP_PERMUTE, OP_TRANSPOSE = 32, 34, 35, 36, 37, 38, 39
+OP_GET_ROWS, OP_SET_ROWS, OP_SOFT_MAX, OP_ROPE, OP_CLAMP, OP_CONV_TRANSPOSE_1D, OP_IM2COL = 40, 42, 46, 48, 50, 51, 52
+OP_POOL_2D, OP_PAD, OP_ARGSORT, OP_FILL, OP_FLASH_ATTN_EXT, OP_SSM_CONV, OP_GATED_DELTA_NET = 61, 64, 69, 73, 74, 76, 86
 OP_UNARY, OP_MAP_CUSTOM1, OP_MAP_CUSTOM2, OP_MAP_CUSTOM3, OP_CUSTOM, OP_GLU = 91, 92, 93, 94, 95, 100
 CHECKED_OPS = (OP_DUP, OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_SQR, OP_SQRT, OP_NORM, OP_RMS_NORM, OP_MUL_MAT, OP_SCALE,
-               OP_CPY, OP_CONT, OP_UNARY, OP_GLU)
-FUZZED_OPS = CHECKED_OPS + (OP_NONE, OP_RESHAPE, OP_VIEW, OP_PERMUTE, OP_TRANSPOSE, OP_MAP_CUSTOM1, OP_MAP_CUSTOM2,
-                            OP_MAP_CUSTOM3, OP_CUSTOM, N_OPS, N_OPS + 1, 2**32 - 1)
+               OP_CPY, OP_CONT, OP_UNARY, OP_GLU, OP_ADD_ID, OP_SUM_ROWS, OP_REPEAT, OP_CONCAT, OP_MUL_MAT_ID,
+               OP_GET_ROWS, OP_SET_ROWS, OP_SOFT_MAX, OP_ROPE, OP_CLAMP, OP_ARGSORT, OP_FILL, OP_FLASH_ATTN_EXT,
+               OP_SSM_CONV, OP_GATED_DELTA_NET)
+UNCHECKED_OPS = (OP_CONV_TRANSPOSE_1D, OP_IM2COL, OP_POOL_2D, OP_PAD)  # refused unless --unchecked-ops
+FUZZED_OPS = CHECKED_OPS + UNCHECKED_OPS + (OP_NONE, OP_RESHAPE, OP_VIEW, OP_PERMUTE, OP_TRANSPOSE, OP_MAP_CUSTOM1,
+                                            OP_MAP_CUSTOM2, OP_MAP_CUSTOM3, OP_CUSTOM, N_OPS, N_OPS + 1, 2**32 - 1)
 
 
 def frame(cmd: int, payload: bytes, size: int | None = None) -> bytes:
@@ -270,6 +276,29 @@ def _graph(rng: random.Random, buf_size: int) -> bytes:
     return frame(GRAPH_COMPUTE, payload, _size(rng, len(payload)) if rng.random() < 0.05 else None)
 
 
+def _op_graph(rng: random.Random) -> bytes:
+    """A well-formed one-node graph of a random op: sources and node of random small shapes, packed, inside the
+    case's buffer, with random small parameters (only the op's shape rules tell it from a real one)."""
+    def one(id: int, offset: int, op: int = 0, src: tuple[int, ...] = ()) -> tuple[bytes, int]:
+        type_, ts = _pick(rng, (0, 4), (0, 4), (1, 2), (26, 4))
+        ne = (rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 2), 1)
+        nb = (ts, ts * ne[0], ts * ne[0] * ne[1], ts * ne[0] * ne[1] * ne[2])
+        params = [_pick(rng, 0, 0, 1, 2, 3, 4, 8, 40, 2**32 - 1, rng.getrandbits(32)) for _ in range(N_OP_PARAMS)]
+        return tensor(id=id, type=type_, buffer=BUF, ne=ne, nb=nb, op=op, op_params=params if op else (), src=src,
+                      data=BASE + offset), ts * ne[0] * ne[1] * ne[2]
+    n_src = rng.randint(1, 7)
+    parts, offset = [], 0
+    for i in range(n_src):
+        t, size = one(100 + i, offset)
+        parts.append(t)
+        offset += (size + 63) // 64 * 64
+    op = _pick(rng, *CHECKED_OPS, *CHECKED_OPS, *UNCHECKED_OPS, rng.randrange(N_OPS))
+    node, _ = one(1, offset, op=op, src=tuple(100 + i for i in range(n_src)))
+    payload = (struct.pack("<II", 0, 1) + struct.pack("<Q", 1) + struct.pack("<I", n_src + 1) + b"".join(parts)
+               + node)
+    return frame(GRAPH_COMPUTE, payload)
+
+
 def make_case(seed: int, index: int, n_messages: int = 8) -> Case:
     """Case ``index`` of ``seed``: the same bytes every time."""
     rng = random.Random(seed * 1_000_003 + index)
@@ -291,7 +320,9 @@ def make_case(seed: int, index: int, n_messages: int = 8) -> Case:
         case.needs_buffer = True
         case.messages.append(hello())
         for _ in range(n_messages):
-            if kind == "tensors" or rng.random() < 0.2:
+            if kind == "ops":
+                case.messages.append(_op_graph(rng))
+            elif kind == "tensors" or rng.random() < 0.2:
                 case.messages.append(_tensor_command(rng, buf_size))
             elif rng.random() < 0.15:
                 case.messages.append(frame(GRAPH_RECOMPUTE, struct.pack("<I", _pick(rng, 0, 0, 1, 2**32 - 1))))

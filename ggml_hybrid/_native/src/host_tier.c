@@ -1,0 +1,482 @@
+#define _GNU_SOURCE /* O_DIRECT */
+#include "host_tier.h"
+
+#include "moe_policy.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+/* O_DIRECT wants the offset, the length and the buffer aligned to the logical block; 4 KiB covers the
+   devices in use (512-byte and 4 KiB sectors). A read covers the expert's bytes rounded out to it. */
+#define HY_TIER_ALIGN 4096
+#define HY_TIER_KINDS 3
+
+enum { ENTRY_EMPTY, ENTRY_QUEUED, ENTRY_READING, ENTRY_READY, ENTRY_FAILED };
+
+typedef struct hy_tier_layer {
+    int label, n_expert, n_kinds;
+    uint64_t offset[HY_TIER_KINDS];
+    size_t nbytes[HY_TIER_KINDS];
+    size_t kind_at[HY_TIER_KINDS]; /* where kind k's read lands in an entry's buffer (aligned) */
+    size_t entry_bytes;
+    int first;                     /* its experts' entries: first .. first + n_expert - 1 */
+} hy_tier_layer;
+
+typedef struct hy_tier_entry {
+    uint8_t * buf;
+    int state;
+    bool pinned;          /* fetched by the current call: not evicted before hy_tier_release */
+    int layer, expert;
+    int64_t uses, last_use;
+    int err_no;           /* a failed read: errno, or 0 for a short read */
+    uint64_t err_offset;
+    size_t err_got, err_want;
+} hy_tier_entry;
+
+struct hy_tier {
+    int fd;
+    bool direct;
+    int64_t file_id[4];
+    int64_t budget;
+    int policy;
+    hy_tier_layer * layers;
+    int n_layers;
+    hy_tier_entry * entries;
+    int n_entries;
+    int * pinned;         /* entries the current call fetched */
+    int n_pinned;
+    int64_t tick;
+    hy_tier_counters counters;
+    char err[400];
+    int fault_after, fault_kind;
+    /* the I/O threads and their queue */
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    int * queue;          /* ring of entry indices, n_entries long: an entry is queued at most once */
+    int q_head, q_len;
+    bool stop;
+    pthread_t * threads;
+    int n_threads;
+};
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+/* ---- reading ------------------------------------------------------------------------------------- */
+
+/* Read kind k of entry `en` into its buffer: the expert's bytes rounded out to the alignment. Returns true, or
+   false with the entry's error fields set. Runs on an I/O thread, without the lock. */
+static bool read_kind(hy_tier * t, hy_tier_entry * en, const hy_tier_layer * L, int k, int fault) {
+    const uint64_t off = L->offset[k] + (uint64_t) en->expert * L->nbytes[k];
+    const uint64_t at = off / HY_TIER_ALIGN * HY_TIER_ALIGN;
+    const size_t want = (size_t) (off - at) + L->nbytes[k];  /* what must arrive: up to the expert's last byte */
+    const size_t len = round_up(want, HY_TIER_ALIGN);         /* what is asked: whole blocks */
+    uint8_t * dst = en->buf + L->kind_at[k];
+    size_t got = 0;
+    while (got < want) {
+        ssize_t r;
+        if (fault == HY_TIER_FAULT_EIO + 1) {
+            r = -1;
+            errno = EIO;
+        } else if (fault == HY_TIER_FAULT_SHORT + 1) {
+            r = 0;
+        } else {
+            r = pread(t->fd, dst + got, len - got, (off_t) (at + got));
+        }
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            en->err_no = r < 0 ? errno : 0;
+            en->err_offset = off;
+            en->err_got = got > off - at ? got - (size_t) (off - at) : 0;
+            en->err_want = L->nbytes[k];
+            return false;
+        }
+        got += (size_t) r;
+    }
+    return true;
+}
+
+static void * io_thread(void * arg) {
+    hy_tier * t = arg;
+    pthread_mutex_lock(&t->mu);
+    for (;;) {
+        while (t->q_len == 0 && !t->stop) {
+            pthread_cond_wait(&t->work, &t->mu);
+        }
+        if (t->stop) {
+            break;
+        }
+        const int i = t->queue[t->q_head];
+        t->q_head = (t->q_head + 1) % t->n_entries;
+        t->q_len--;
+        hy_tier_entry * en = &t->entries[i];
+        en->state = ENTRY_READING;
+        int fault = 0;
+        if (t->fault_after == 0) {
+            fault = t->fault_kind + 1;
+            t->fault_after = -1;
+        } else if (t->fault_after > 0) {
+            t->fault_after--;
+        }
+        const hy_tier_layer * L = &t->layers[en->layer];
+        pthread_mutex_unlock(&t->mu);
+        const int64_t t0 = now_ns();
+        bool ok = true;
+        int64_t bytes = 0;
+        for (int k = 0; k < L->n_kinds && ok; k++) {
+            ok = read_kind(t, en, L, k, fault);
+            const uint64_t off = L->offset[k] + (uint64_t) en->expert * L->nbytes[k];
+            bytes += (int64_t) round_up((size_t) (off % HY_TIER_ALIGN) + L->nbytes[k], HY_TIER_ALIGN);
+        }
+        const int64_t dt = now_ns() - t0;
+        pthread_mutex_lock(&t->mu);
+        t->counters.read_ns += dt;
+        if (ok) {
+            t->counters.bytes_read += bytes;
+            en->state = ENTRY_READY;
+        } else {
+            t->counters.faults++;
+            en->state = ENTRY_FAILED;
+        }
+        pthread_cond_broadcast(&t->done);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+/* ---- making and unmaking ------------------------------------------------------------------------- */
+
+static int open_reader(int fd, bool direct) {
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+    return open(path, O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+}
+
+/* whether an aligned direct read works on this file (some filesystems accept O_DIRECT at open, not at read) */
+static bool direct_reads_work(int fd) {
+    void * p = NULL;
+    if (posix_memalign(&p, HY_TIER_ALIGN, HY_TIER_ALIGN) != 0) {
+        return false;
+    }
+    const ssize_t r = pread(fd, p, HY_TIER_ALIGN, 0);
+    free(p);
+    return r >= 0;
+}
+
+hy_tier * hy_tier_new(int fd, const int64_t file_id[4], int64_t budget, int n_threads, int direct, int policy,
+                      char * err, size_t err_size) {
+    hy_tier * t = calloc(1, sizeof(*t));
+    if (t == NULL) {
+        snprintf(err, err_size, "host tier: out of memory");
+        return NULL;
+    }
+    t->fd = -1;
+    if (direct) {
+        t->fd = open_reader(fd, true);
+        if (t->fd >= 0 && !direct_reads_work(t->fd)) {
+            close(t->fd);
+            t->fd = -1;
+        }
+        t->direct = t->fd >= 0;
+    }
+    if (t->fd < 0) {
+        t->fd = open_reader(fd, false);
+    }
+    if (t->fd < 0) {
+        snprintf(err, err_size, "host tier: cannot reopen the model file (descriptor %d): %s", fd, strerror(errno));
+        free(t);
+        return NULL;
+    }
+    memcpy(t->file_id, file_id, sizeof(t->file_id));
+    t->budget = budget;
+    t->policy = policy;
+    t->fault_after = -1;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->work, NULL);
+    pthread_cond_init(&t->done, NULL);
+    t->threads = calloc((size_t) n_threads, sizeof(pthread_t));
+    for (int i = 0; t->threads != NULL && i < n_threads; i++) {
+        if (pthread_create(&t->threads[i], NULL, io_thread, t) != 0) {
+            break;
+        }
+        t->n_threads++;
+    }
+    if (t->n_threads < n_threads) {
+        snprintf(err, err_size, "host tier: cannot start %d I/O threads", n_threads);
+        hy_tier_free(t);
+        return NULL;
+    }
+    return t;
+}
+
+void hy_tier_free(hy_tier * t) {
+    if (t == NULL) {
+        return;
+    }
+    pthread_mutex_lock(&t->mu);
+    t->stop = true;
+    pthread_cond_broadcast(&t->work);
+    pthread_mutex_unlock(&t->mu);
+    for (int i = 0; i < t->n_threads; i++) {
+        pthread_join(t->threads[i], NULL);
+    }
+    for (int i = 0; i < t->n_entries; i++) {
+        free(t->entries[i].buf);
+    }
+    if (t->fd >= 0) {
+        close(t->fd);
+    }
+    pthread_cond_destroy(&t->done);
+    pthread_cond_destroy(&t->work);
+    pthread_mutex_destroy(&t->mu);
+    free(t->threads);
+    free(t->queue);
+    free(t->pinned);
+    free(t->entries);
+    free(t->layers);
+    free(t);
+}
+
+int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const uint64_t * offset,
+                      const size_t * nbytes) {
+    if (n_kinds < 1 || n_kinds > HY_TIER_KINDS || n_expert < 1) {
+        return -1;
+    }
+    hy_tier_layer L = { .label = label, .n_expert = n_expert, .n_kinds = n_kinds, .first = t->n_entries };
+    for (int k = 0; k < n_kinds; k++) {
+        L.offset[k] = offset[k];
+        L.nbytes[k] = nbytes[k];
+        L.kind_at[k] = L.entry_bytes;
+        /* an expert starting anywhere in a block needs its bytes rounded up plus one block */
+        L.entry_bytes += round_up(nbytes[k], HY_TIER_ALIGN) + HY_TIER_ALIGN;
+    }
+    if ((int64_t) L.entry_bytes > t->budget) {
+        return -1;
+    }
+    const int n = t->n_entries + n_expert;
+    hy_tier_layer * layers = realloc(t->layers, sizeof(*layers) * (size_t) (t->n_layers + 1));
+    if (layers == NULL) {
+        return -1;
+    }
+    t->layers = layers;
+    hy_tier_entry * entries = realloc(t->entries, sizeof(*entries) * (size_t) n);
+    if (entries == NULL) {
+        return -1;
+    }
+    t->entries = entries;
+    int * queue = realloc(t->queue, sizeof(int) * (size_t) n);
+    int * pinned = queue == NULL ? NULL : realloc(t->pinned, sizeof(int) * (size_t) n);
+    if (queue == NULL || pinned == NULL) {
+        if (queue != NULL) {
+            t->queue = queue;
+        }
+        return -1;
+    }
+    /* the queue is empty between calls (layers are added before the first), so its ring can simply grow */
+    t->queue = queue;
+    t->pinned = pinned;
+    for (int e = 0; e < n_expert; e++) {
+        t->entries[t->n_entries + e] = (hy_tier_entry) { .layer = t->n_layers, .expert = e };
+    }
+    t->n_entries = n;
+    t->layers[t->n_layers] = L;
+    return t->n_layers++;
+}
+
+int64_t hy_tier_entry_bytes(const hy_tier * t, int layer) { return (int64_t) t->layers[layer].entry_bytes; }
+
+/* ---- a call ---------------------------------------------------------------------------------------- */
+
+static int set_error(hy_tier * t, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
+static int set_error(hy_tier * t, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->err, sizeof(t->err), fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static bool file_unchanged(const hy_tier * t) {
+    struct stat st;
+    if (fstat(t->fd, &st) != 0) {
+        return false;
+    }
+    const int64_t mtime = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    return (int64_t) st.st_dev == t->file_id[0] && (int64_t) st.st_ino == t->file_id[1] &&
+           (int64_t) st.st_size == t->file_id[2] && mtime == t->file_id[3];
+}
+
+/* the cached expert the policy drops first: not fetched by this call, least recently used (LRU) or least used,
+   the least recent among equals (LFU); -1 when none can go */
+static int victim(const hy_tier * t) {
+    int best = -1;
+    for (int i = 0; i < t->n_entries; i++) {
+        const hy_tier_entry * en = &t->entries[i];
+        if (en->state != ENTRY_READY || en->pinned) {
+            continue;
+        }
+        if (best < 0) {
+            best = i;
+            continue;
+        }
+        const hy_tier_entry * b = &t->entries[best];
+        const bool better = t->policy == HY_POLICY_LFU
+            ? (en->uses < b->uses || (en->uses == b->uses && en->last_use < b->last_use))
+            : en->last_use < b->last_use;
+        if (better) {
+            best = i;
+        }
+    }
+    return best;
+}
+
+static void drop(hy_tier * t, hy_tier_entry * en) {
+    free(en->buf);
+    en->buf = NULL;
+    en->state = ENTRY_EMPTY;
+    en->uses = 0;
+    t->counters.bytes_held -= (int64_t) t->layers[en->layer].entry_bytes;
+}
+
+/* with the lock held: fetch entry i for the current call */
+static int fetch_one(hy_tier * t, int i) {
+    hy_tier_entry * en = &t->entries[i];
+    const hy_tier_layer * L = &t->layers[en->layer];
+    if (!en->pinned) {
+        en->pinned = true;
+        t->pinned[t->n_pinned++] = i;
+    }
+    en->uses++;
+    en->last_use = ++t->tick;
+    if (en->state != ENTRY_EMPTY) { /* held, or already on its way for this call */
+        if (en->state == ENTRY_READY) {
+            t->counters.hits++;
+        }
+        return 0;
+    }
+    const int64_t need = (int64_t) L->entry_bytes;
+    while (t->counters.bytes_held + need > t->budget) {
+        const int v = victim(t);
+        if (v < 0) {
+            return set_error(t, "layer %d: the host tier's budget (%lld bytes) cannot hold this call's experts "
+                             "(%d of %lld bytes each); give host_cache_bytes at least one layer's experts",
+                             L->label, (long long) t->budget, t->n_pinned, (long long) need);
+        }
+        drop(t, &t->entries[v]);
+        t->counters.evictions++;
+    }
+    void * p = NULL;
+    if (posix_memalign(&p, HY_TIER_ALIGN, L->entry_bytes) != 0) {
+        return set_error(t, "layer %d: out of host memory for expert %d (%lld bytes)", L->label, en->expert,
+                         (long long) need);
+    }
+    en->buf = p;
+    t->counters.bytes_held += need;
+    t->counters.misses++;
+    en->state = ENTRY_QUEUED;
+    t->queue[(t->q_head + t->q_len) % t->n_entries] = i;
+    t->q_len++;
+    pthread_cond_signal(&t->work);
+    return 0;
+}
+
+int hy_tier_fetch(hy_tier * t, int layer, const int32_t * experts, int n) {
+    if (n > 0 && !file_unchanged(t)) {
+        return set_error(t, "layer %d: the model file changed on disk while it was in use (truncated or rewritten "
+                         "in place); reload the model", t->layers[layer].label);
+    }
+    pthread_mutex_lock(&t->mu);
+    int rc = 0;
+    for (int j = 0; j < n && rc == 0; j++) {
+        rc = fetch_one(t, t->layers[layer].first + experts[j]);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src) {
+    const hy_tier_layer * L = &t->layers[layer];
+    const int i = L->first + e;
+    hy_tier_entry * en = &t->entries[i];
+    pthread_mutex_lock(&t->mu);
+    int rc = 0;
+    if (!en->pinned || en->state == ENTRY_EMPTY) {
+        if (!file_unchanged(t)) {
+            pthread_mutex_unlock(&t->mu);
+            return set_error(t, "layer %d: the model file changed on disk while it was in use (truncated or "
+                             "rewritten in place); reload the model", L->label);
+        }
+        rc = fetch_one(t, i);
+    }
+    if (rc == 0 && (en->state == ENTRY_QUEUED || en->state == ENTRY_READING)) {
+        const int64_t t0 = now_ns();
+        while (en->state == ENTRY_QUEUED || en->state == ENTRY_READING) {
+            pthread_cond_wait(&t->done, &t->mu);
+        }
+        t->counters.waits++;
+        t->counters.wait_ns += now_ns() - t0;
+    }
+    if (rc == 0 && en->state == ENTRY_FAILED) {
+        if (en->err_no != 0) {
+            set_error(t, "layer %d: reading expert %d from the model file failed at offset %llu: %s; the next call "
+                      "reads it again", L->label, e, (unsigned long long) en->err_offset, strerror(en->err_no));
+        } else {
+            set_error(t, "layer %d: short read of expert %d from the model file at offset %llu: %zu of %zu bytes "
+                      "(the file is shorter than its header says: truncated?)", L->label, e,
+                      (unsigned long long) en->err_offset, en->err_got, en->err_want);
+        }
+        drop(t, en);
+        rc = -1;
+    }
+    if (rc == 0) {
+        for (int k = 0; k < L->n_kinds; k++) {
+            const uint64_t off = L->offset[k] + (uint64_t) e * L->nbytes[k];
+            src[k] = en->buf + L->kind_at[k] + off % HY_TIER_ALIGN;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+void hy_tier_release(hy_tier * t) {
+    pthread_mutex_lock(&t->mu);
+    for (int j = 0; j < t->n_pinned; j++) {
+        hy_tier_entry * en = &t->entries[t->pinned[j]];
+        while (en->state == ENTRY_QUEUED || en->state == ENTRY_READING) { /* a failed call's reads */
+            pthread_cond_wait(&t->done, &t->mu);
+        }
+        if (en->state == ENTRY_FAILED) {
+            drop(t, en);
+        }
+        en->pinned = false;
+    }
+    t->n_pinned = 0;
+    pthread_mutex_unlock(&t->mu);
+}
+
+const char * hy_tier_error(const hy_tier * t) { return t->err; }
+const hy_tier_counters * hy_tier_counters_of(const hy_tier * t) { return &t->counters; }
+int hy_tier_direct(const hy_tier * t) { return t->direct; }
+
+void hy_tier_inject_fault(hy_tier * t, int after, int kind) {
+    pthread_mutex_lock(&t->mu);
+    t->fault_after = after;
+    t->fault_kind = kind;
+    pthread_mutex_unlock(&t->mu);
+}

@@ -1,0 +1,68 @@
+/* The host expert tier: a bounded cache of whole experts in host RAM, read from the model file with large
+   explicit reads (pread on a small pool of I/O threads, O_DIRECT where the filesystem allows it), never
+   through page faults of the mapping inside a kernel.
+
+   Between the device's slots and the file: a disk layer's executor (moe_exec.c) asks the tier for the
+   experts its call will load as soon as the plan names them (hy_tier_fetch: the reads start at once, several
+   in flight), then takes each one's bytes when it loads it (hy_tier_get: waits only for that expert's read)
+   and copies them into its slot. One tier serves every disk layer of a model, within one byte budget; whole
+   experts are evicted by the slot cache's orders (LRU, or LFU with LRU among equals), never an expert the
+   current call fetched. A fault (an I/O error, a short read, the file truncated or rewritten since it was
+   opened) fails the call that needed it with a message naming the layer, the expert, the offset and the
+   cause; nothing of it stays cached, so the next call reads again. */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum { HY_TIER_FAULT_EIO = 0, HY_TIER_FAULT_SHORT = 1 };
+
+/* The tier's counters, summed since it was made. */
+typedef struct hy_tier_counters {
+    int64_t hits;        /* experts a call fetched that were already in the tier */
+    int64_t misses;      /* experts read from the file */
+    int64_t bytes_read;  /* bytes read from the file (aligned reads included) */
+    int64_t read_ns;     /* time the I/O threads spent reading, summed over them */
+    int64_t waits;       /* gets that found their expert's read still in flight */
+    int64_t wait_ns;     /* time those gets waited */
+    int64_t evictions;   /* experts dropped to stay within the budget */
+    int64_t faults;      /* reads that failed */
+    int64_t bytes_held;  /* bytes of host memory the cached experts take now */
+} hy_tier_counters;
+
+typedef struct hy_tier hy_tier;
+
+/* A tier reading the file open as descriptor `fd` (reopened through /proc/self/fd, so a file renamed over its
+   path later does not matter), whose identity (dev, ino, size, mtime_ns) must stay `file_id`; `budget` bytes
+   of experts at most; `n_threads` I/O threads; `direct`: try O_DIRECT. NULL with `err` set on failure. */
+hy_tier * hy_tier_new(int fd, const int64_t file_id[4], int64_t budget, int n_threads, int direct, int policy,
+                      char * err, size_t err_size);
+void hy_tier_free(hy_tier * t);
+
+/* Register a layer's experts: `n_kinds` tensors, expert e of kind k at file offset offset[k] + e * nbytes[k].
+   `label` names the layer in messages. Its index (>= 0), or -1 (out of memory, or one expert larger than the
+   budget). */
+int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const uint64_t * offset,
+                      const size_t * nbytes);
+
+/* Bytes one expert of layer `layer` takes in the tier (its reads rounded to the I/O alignment). */
+int64_t hy_tier_entry_bytes(const hy_tier * t, int layer);
+
+/* Start reading the experts `experts[0..n)` of `layer` that the tier does not hold, and keep all of them
+   (held or in flight) until hy_tier_release. 0, or -1 with the error set (the file changed, out of budget). */
+int hy_tier_fetch(hy_tier * t, int layer, const int32_t * experts, int n);
+
+/* The bytes of expert `e` of `layer`, kind by kind in `src` (fetched first if the call did not), waiting for
+   its read. 0, or -1 with the error set (the read failed: nothing of it is kept). */
+int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src);
+
+/* The end of a call: waits for its reads still in flight, lets its experts be evicted again, forgets failed
+   reads. */
+void hy_tier_release(hy_tier * t);
+
+const char * hy_tier_error(const hy_tier * t);
+const hy_tier_counters * hy_tier_counters_of(const hy_tier * t);
+/* whether reads bypass the page cache (O_DIRECT) */
+int hy_tier_direct(const hy_tier * t);
+/* tests: the read after the next `after` reads fails with `kind` (HY_TIER_FAULT_*) */
+void hy_tier_inject_fault(hy_tier * t, int after, int kind);

@@ -1,0 +1,153 @@
+"""The host expert tier: a bounded cache of whole experts in host RAM between the device's slots and the file.
+
+``host_cache_bytes=N`` (``--host-cache SIZE``) gives a model's disk layers one tier (``_native/src/host_tier.c``)
+of at most N bytes. The native executor of each disk layer asks it for the experts a call loads as soon as the
+call's plan names them: I/O threads read each whole expert from the GGUF with large aligned reads (``pread``,
+``O_DIRECT`` where the filesystem allows it, so the reads cost no page cache), several in flight, and each load
+copies its expert from the tier into its slot, waiting only for that expert's read. The mapping's pages of the
+experts are never touched, so a model larger than RAM costs the budget and the slots, not the page cache;
+experts leave the tier by the expert cache's order (``expert_eviction``), never one the current call fetched.
+
+A fault (an I/O error, a short read, the file truncated or rewritten since it was opened) fails the call with
+:class:`~ggml_hybrid.errors.ModelFileError` naming the layer, the expert and the cause; nothing of the failed
+read is kept, so the next call reads it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .._native import ffi, lib
+from .._native.managed import Managed
+from ..errors import AllocationError, OptionError
+from ..gguf.store import GGUFStore
+from ..machine import available_memory, cgroup_memory_left
+from ..units import MiB, format_bytes
+
+#: I/O threads reading experts; a few reads in flight keep an SSD's queue busy, more only add seeks
+IO_THREADS = 4
+#: what ``auto`` leaves to everything else (the dense weights, the KV cache, the process, other processes)
+AUTO_MARGIN_MIN = 128 * MiB
+AUTO_MARGIN_FRACTION = 0.10
+
+
+@dataclass
+class TierCounters:
+    """The tier's counters (the fields of the C struct ``hy_tier_counters``, same order)."""
+
+    hits: int = 0          # experts a load found in the tier
+    misses: int = 0        # experts read from the file
+    bytes_read: int = 0    # bytes read from the file (reads rounded out to 4 KiB)
+    read_ns: int = 0       # time the I/O threads spent reading, summed over threads
+    waits: int = 0         # loads that waited for their expert's read
+    wait_ns: int = 0       # time they waited
+    evictions: int = 0     # experts dropped to stay within the budget
+    faults: int = 0        # failed reads
+    bytes_held: int = 0    # host memory the cached experts take now
+
+    @classmethod
+    def from_c(cls, c: Any) -> TierCounters:
+        return cls(**{f.name: int(getattr(c, f.name)) for f in fields(cls)})
+
+    def to_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def auto_budget(available: int | None = None) -> int:
+    """``host_cache_bytes=auto``: the memory available now (``MemAvailable``, or what this process's memory cgroup
+    still allows, whichever is less) less a margin of 10% of it, at least 128 MiB."""
+    if available is None:
+        avail = available_memory()
+        left = cgroup_memory_left()
+        if left is not None:
+            avail = left if avail is None else min(avail, left)
+    else:
+        avail = available
+    if avail is None:
+        raise OptionError("host_cache_bytes=auto: this system does not say how much memory is available "
+                          "(/proc/meminfo); give a size, e.g. --host-cache 8G")
+    margin = max(AUTO_MARGIN_MIN, int(avail * AUTO_MARGIN_FRACTION))
+    return max(0, avail - margin)
+
+
+def entry_bytes(nbytes: list[int]) -> int:
+    """Host bytes one expert takes in the tier: each of its tensors' bytes rounded out to the 4 KiB reads."""
+    return sum((n + 4095) // 4096 * 4096 + 4096 for n in nbytes)
+
+
+class HostTier(Managed):
+    """One model's host expert tier (``_native/src/host_tier.c``); the disk layers' executors register their
+    experts with :meth:`add_layer` before the first call."""
+
+    _kind = "host_tier"
+
+    def __init__(self, store: GGUFStore, budget: int, policy: str = "lru", n_threads: int = IO_THREADS,
+                 direct: bool = True) -> None:
+        if store._fd is None:
+            raise OptionError(f"host_cache_bytes: the model file {store.path!r} is closed")
+        file_id = ffi.new("int64_t[4]", list(store._identity))
+        err = ffi.new("char[]", 400)
+        pol = lib.HY_POLICY_LRU if policy == "lru" else lib.HY_POLICY_LFU
+        ptr = lib.hy_tier_new(store._fd, file_id, budget, n_threads, int(direct), pol, err, 400)
+        if ptr == ffi.NULL:
+            raise AllocationError(ffi.string(err).decode())
+        super().__init__(ptr, lib.hy_tier_free)
+        self.store, self.budget = store, budget
+        self.layer_labels: list[int] = []
+
+    def add_layer(self, label: int, names: dict[str, str]) -> int:
+        """Register the experts of one layer (``names``: kind -> tensor name, in the executor's kind order);
+        returns its index in the tier."""
+        infos = [self.store.info(n) for n in names.values()]
+        n_expert = infos[0].shape[0]
+        nbytes = [i.nbytes // i.shape[0] for i in infos]
+        check_tier_budget(self.budget, entry_bytes(nbytes) * n_expert, self.budget)
+        offsets = ffi.new("uint64_t[]", [i.offset for i in infos])
+        sizes = ffi.new("size_t[]", nbytes)
+        idx = int(lib.hy_tier_add_layer(self.ptr, label, n_expert, len(infos), offsets, sizes))
+        if idx < 0:
+            raise AllocationError(f"host tier: could not register layer {label}'s experts")
+        self.layer_labels.append(label)
+        return idx
+
+    @property
+    def counters(self) -> TierCounters:
+        if self.closed:
+            return self._final
+        return TierCounters.from_c(lib.hy_tier_counters_of(self.ptr))
+
+    @property
+    def direct(self) -> bool:
+        """Whether reads bypass the page cache (``O_DIRECT``; not every filesystem allows it, e.g. tmpfs)."""
+        return bool(lib.hy_tier_direct(self.ptr))
+
+    def inject_fault(self, after: int = 0, kind: str = "eio") -> None:
+        """Tests: the read after the next ``after`` reads fails, with an I/O error (``eio``) or short (``short``)."""
+        lib.hy_tier_inject_fault(self.ptr, after, lib.HY_TIER_FAULT_EIO if kind == "eio" else lib.HY_TIER_FAULT_SHORT)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._final = self.counters
+        super().close()
+
+
+def check_tier_budget(budget: int, layer_need: int, given: int | str) -> None:
+    """The tier must hold one layer's experts (``layer_need`` bytes in it): a call may load all of them."""
+    if budget < layer_need:
+        what = "" if given == budget else f" (host_cache_bytes={given} gives {budget} bytes here)"
+        raise OptionError(f"host_cache_bytes={budget} ({format_bytes(budget)}){what}: the host tier must hold at "
+                          f"least one layer's experts (a call may load all of them): {layer_need} bytes "
+                          f"({format_bytes(layer_need)}); give --host-cache {-(-layer_need // MiB)}M or more")
+
+
+def resolve_budget(value: int | str, need_total: int, host_slots: int = 0) -> int:
+    """The byte budget of ``host_cache_bytes=value``: a size as given, ``auto`` from the memory available less
+    ``host_slots`` (the bytes of expert slots still to be allocated in host memory: a CPU playing the device);
+    never more than every disk layer's experts (``need_total`` bytes in the tier), which is all it can hold."""
+    budget = max(0, auto_budget() - host_slots) if value == "auto" else int(value)
+    return min(budget, need_total)
+
+
+__all__ = ["AUTO_MARGIN_FRACTION", "AUTO_MARGIN_MIN", "IO_THREADS", "HostTier", "TierCounters", "auto_budget",
+           "check_tier_budget", "entry_bytes", "resolve_budget"]

@@ -1,0 +1,332 @@
+"""The host expert tier (host_cache_bytes): bit-identical to resident, its counters, its faults, its options.
+
+The oracle is the default resident path of the same file (no region, every expert in memory): every run with the
+tier must give its outputs bit for bit, and greedy decoding its tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+import ggml_hybrid as gh
+from ggml_hybrid._native import ffi, lib
+from ggml_hybrid._native.managed import live_objects
+from ggml_hybrid.gguf.store import GGUFStore
+from ggml_hybrid.machine import cgroup_memory_left
+from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, HostTier, auto_budget, entry_bytes
+from ggml_hybrid.moe.stack_session import MoEStackSession
+from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.plan.planner import plan
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model, write_moe_stack
+from ggml_hybrid.units import MiB
+
+TYPES = ["f32", "f16", "q8_0", "q4_K", "q6_K"]
+
+
+def _x(n_tokens, n_embd, seed):
+    return np.random.default_rng(seed).standard_normal((n_tokens, n_embd)).astype(np.float32)
+
+
+def _layer_need(path):
+    """Bytes the tier needs for one layer's experts (its minimum budget), from the file's own tensors."""
+    store = GGUFStore(path)
+    try:
+        infos = [t for t in store.tensors() if t.name.startswith("blk.0.ffn_") and t.name.endswith("_exps.weight")]
+        return entry_bytes([i.nbytes // i.shape[0] for i in infos]) * infos[0].shape[0]
+    finally:
+        store.close()
+
+
+@st.composite
+def cases(draw):
+    t = draw(st.sampled_from(TYPES))
+    unit = gh.as_ggml_type(t).block_size if t.startswith("q") else 32
+    n_expert = draw(st.integers(2, 32))
+    return dict(
+        expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(8, n_expert))),
+        n_embd=unit * draw(st.integers(1, 2)), n_ff=unit * draw(st.integers(1, 2)),
+        n_tokens=draw(st.integers(1, 48)), slots=draw(st.integers(1, n_expert)),
+        policy=draw(st.sampled_from(["lru", "lfu"])), fused=draw(st.booleans()), seed=draw(st.integers(0, 999)),
+        budget_layers=draw(st.sampled_from([1.0, 1.5, 3.0])))
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_the_tier_is_bit_identical_to_resident(tmp_path, case):
+    path = write_moe_stack(tmp_path / f"m{case['seed']}.gguf", n_layer=3, n_embd=case["n_embd"], n_ff=case["n_ff"],
+                           n_expert=case["n_expert"], n_used=case["n_used"], expert_type=case["expert_type"],
+                           fused=case["fused"], seed=case["seed"])
+    budget = int(_layer_need(path) * case["budget_layers"])
+    xs = [_x(case["n_tokens"], case["n_embd"], case["seed"] + i) for i in range(3)]
+    with MoEStackSession(path, SessionOptions()) as s:
+        refs = [s.forward(x) for x in xs]
+    items = ["disk_experts=1", f"expert_cache_slots={case['slots']}", f"expert_eviction={case['policy']}",
+             f"host_cache_bytes={budget}"]
+    with MoEStackSession(path, SessionOptions.parse(items)) as s:
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        tier = s.layers.tier.counters
+        slots = s.counters.total
+    # every slot load asked the tier once: from RAM (a hit) or from the file (a miss)
+    assert tier.hits + tier.misses == slots.misses
+    assert tier.bytes_held <= budget and tier.faults == 0
+    # each expert read from the file is its tensors' bytes, each rounded out to whole 4 KiB blocks
+    if slots.misses:
+        expert = slots.bytes_loaded // slots.misses
+        kinds = 2 if case["fused"] else 3
+        assert tier.misses * expert <= tier.bytes_read <= tier.misses * (expert + kinds * 8192)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    return write_moe_stack(tmp_path_factory.mktemp("tier") / "stack.gguf", n_layer=3, n_embd=256, n_ff=256,
+                           n_expert=16, n_used=4, expert_type="q4_K", seed=7)
+
+
+def test_a_budget_holding_every_expert_reads_each_once(stack):
+    xs = [_x(5, 256, i) for i in range(4)]
+    with MoEStackSession(stack, SessionOptions()) as s:
+        refs = [s.forward(x) for x in xs]
+    with MoEStackSession(stack, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
+                                                      "host_cache_bytes=64M"])) as s:
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        tier, slots = s.layers.tier.counters, s.counters.total
+    assert tier.evictions == 0 and tier.misses <= 3 * 16  # each expert read from the file at most once
+    assert tier.hits == slots.misses - tier.misses > 0    # two slots thrash; the tier serves the reloads
+    assert tier.bytes_held == tier.misses * _layer_need(stack) // 16
+
+
+def test_the_budget_is_capped_at_what_the_tier_can_hold(stack):
+    with MoEStackSession(stack, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
+                                                      "host_cache_bytes=1T"])) as s:
+        assert s.layers.tier.budget == 3 * _layer_need(stack)
+
+
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_a_failed_read_is_a_typed_error_and_the_next_call_works(stack, kind):
+    x = _x(6, 256, 3)
+    with MoEStackSession(stack, SessionOptions()) as s:
+        ref = s.forward(x)
+    with MoEStackSession(stack, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=4",
+                                                      f"host_cache_bytes={_layer_need(stack)}"])) as s:
+        s.layers.tier.inject_fault(after=5, kind=kind)
+        why = "Input/output error" if kind == "eio" else "short read"
+        with pytest.raises(gh.errors.ModelFileError, match=f"layer [0-2]: .*{why}"):
+            s.forward(x)
+        assert s.layers.tier.counters.faults == 1
+        np.testing.assert_array_equal(s.forward(x), ref)  # nothing of the failed read was kept
+        np.testing.assert_array_equal(s.forward(x), ref)
+
+
+def test_a_truncated_copy_is_a_typed_error_not_a_crash(tmp_path, stack):
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(stack, copy)
+    with MoEStackSession(copy, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
+                                                     "host_cache_bytes=64M"])) as s:
+        s.forward(_x(2, 256, 0))
+        with open(copy, "r+b") as f:
+            f.truncate(Path(copy).stat().st_size // 2)
+        with pytest.raises(gh.errors.ModelFileError, match="changed on disk"):
+            for i in range(8):  # a call with a miss checks the file before its reads
+                s.forward(_x(4, 256, 100 + i))
+
+
+def test_a_file_renamed_over_the_path_does_not_matter(tmp_path, stack):
+    """The tier reads the file as opened (reopened through its descriptor), not whatever the path names now."""
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(stack, copy)
+    x = _x(4, 256, 9)
+    with MoEStackSession(stack, SessionOptions()) as s:
+        ref = s.forward(x)
+    with MoEStackSession(copy, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
+                                                     "host_cache_bytes=64M"])) as s:
+        other = tmp_path / "other.gguf"
+        other.write_bytes(b"\0" * 4096)
+        other.replace(copy)
+        np.testing.assert_array_equal(s.forward(x), ref)
+
+
+def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path):
+    path = write_model(tmp_path / "q.gguf", arch="qwen3moe", n_layer=3, seed=5, expert_type="q8_0")
+    base = dict(n_threads=1, n_ctx=64)
+
+    def greedy(opts):
+        with MoEModel(path, opts) as m:
+            logits = m.eval([1, 2, 3, 4, 5], "all")
+            out, toks = [logits], []
+            for _ in range(6):
+                toks.append(int(np.argmax(out[-1][-1])))
+                out.append(m.eval([toks[-1]], "all"))
+            tier = m.experts.tier.counters if m.experts.tier is not None else None
+            return np.concatenate(out), toks, tier
+
+    ref, ref_toks, _ = greedy(SessionOptions(**base))
+    got, toks, tier = greedy(SessionOptions(**base, disk_experts=True, expert_cache_slots=2,
+                                            host_cache_bytes=_layer_need(path)))
+    assert toks == ref_toks
+    np.testing.assert_array_equal(got, ref)
+    assert tier is not None and tier.misses > 0 and tier.bytes_read > 0
+
+
+@pytest.mark.parametrize("items, rule", [
+    (["host_cache_bytes=1G"], "needs disk_experts=true"),
+    (["disk_experts=1", "expert_cache_slots=2", "host_cache_bytes=1G", "moe_cpu_share=0.5"], "does not feed"),
+    (["disk_experts=1", "expert_cache_slots=2", "host_cache_bytes=1K"], "at least one layer's experts"),
+])
+def test_options_the_tier_cannot_serve_are_refused_before_running(stack, items, rule):
+    with pytest.raises(OptionError, match=rule):
+        MoEStackSession(stack, SessionOptions.parse(items))
+    gc.collect()
+    assert live_objects().get("host_tier", 0) == 0  # refused before any I/O thread started, or closed
+
+
+@pytest.mark.parametrize("text, value", [("0", 0), ("2G", 2 << 30), ("1.5M", 3 * MiB // 2), ("auto", "auto"),
+                                         ("AUTO", "auto"), ("4096", 4096)])
+def test_host_cache_bytes_reads_sizes(text, value):
+    assert SessionOptions.parse([f"host_cache_bytes={text}"]).host_cache_bytes == value
+
+
+@pytest.mark.parametrize("text", ["-1", "lots", "1X", "nan", ""])
+def test_host_cache_bytes_refuses_what_is_not_a_size(text):
+    with pytest.raises(OptionError, match="host_cache_bytes"):
+        SessionOptions.parse([f"host_cache_bytes={text}"])
+
+
+def test_auto_leaves_a_margin():
+    assert auto_budget(available=10 << 30) == (10 << 30) - (1 << 30)      # 10% of it
+    assert auto_budget(available=1 << 30) == (1 << 30) - AUTO_MARGIN_MIN == 896 * MiB  # at least 128 MiB
+    assert auto_budget(available=100 * MiB) == 0
+
+
+def test_plan_counts_the_tier_and_says_when_the_model_does_not_fit(tmp_path):
+    path = write_model(tmp_path / "q.gguf", arch="qwen3moe", n_layer=3, seed=5, expert_type="q8_0")
+    routed = sum(t.nbytes for t in GGUFStore(path).tensors() if "_exps." in t.name)
+    size = Path(path).stat().st_size
+    base = dict(n_ctx=64, disk_experts=True, expert_cache_slots=2)
+    without = plan(path, SessionOptions(**base), ram=1 << 30)
+    assert without.host.host_tier == 0 and not any("does not fit" in w for w in without.warnings)
+    small = plan(path, SessionOptions(**base, host_cache_bytes=routed // 2), ram=1 << 30)
+    assert small.host.host_tier == routed // 2
+    assert small.host.resident_total == without.host.resident_total + routed // 2
+    big = plan(path, SessionOptions(**base, host_cache_bytes=1 << 40), ram=1 << 30)
+    assert big.host.host_tier == routed  # never more than it can hold
+    tight = plan(path, SessionOptions(**base), ram=size // 2)
+    assert any("does not fit in --ram" in w and "--host-cache" in w for w in tight.warnings)
+    auto = plan(path, SessionOptions(**base, host_cache_bytes="auto"), ram=1 << 40)
+    assert auto.host.host_tier == routed
+
+
+def _cgroup(tmp_path, proc_line, files):
+    tmp_path.mkdir()
+    (tmp_path / "cgroup").write_text(proc_line + "\n")
+    for rel, text in files.items():
+        (tmp_path / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / rel).write_text(text)
+    return cgroup_memory_left(str(tmp_path / "cgroup"), str(tmp_path / "fs"))
+
+
+def test_the_memory_cgroup_bounds_auto(tmp_path):
+    v1 = {"memory/bench/memory.limit_in_bytes": "734003200\n", "memory/bench/memory.usage_in_bytes": "600000000\n",
+          "memory/bench/memory.stat": "cache 500\ntotal_inactive_file 100000000\n"}
+    assert _cgroup(tmp_path / "a", "4:memory:/bench", v1) == 734003200 - (600000000 - 100000000)
+    v2 = {"x/memory.max": "1000000\n", "x/memory.current": "400000\n", "x/memory.stat": "inactive_file 0\n"}
+    assert _cgroup(tmp_path / "b", "0::/x", v2) == 600000
+    assert _cgroup(tmp_path / "c", "0::/x", {"x/memory.max": "max\n", "x/memory.current": "1\n"}) is None
+    assert _cgroup(tmp_path / "d", "4:memory:/", {"memory/memory.limit_in_bytes": str(1 << 62),
+                                                  "memory/memory.usage_in_bytes": "1"}) is None
+
+
+# -- the tier alone, against the file's bytes ------------------------------------------------------------------
+
+class TierMachine(RuleBasedStateMachine):
+    """Random calls (fetch some experts, get some, inject a fault, release) on a tier over a real file: every
+    expert's bytes are the file's (read with numpy), the budget is never exceeded, a fault fails only its get and
+    the next get of that expert reads it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.store = GGUFStore(_MACHINE_MODEL[0])
+        self.names = [{k: f"blk.{i}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")} for i in range(2)]
+        per_layer = _layer_need(_MACHINE_MODEL[0])
+        self.budget = per_layer + per_layer // 2
+        self.tier = HostTier(self.store, self.budget, "lru", n_threads=2)
+        self.layers = [self.tier.add_layer(i, n) for i, n in enumerate(self.names)]
+        self.capacity = self.budget // (per_layer // 16)  # experts the budget holds
+        self.pinned: set[tuple[int, int]] = set()  # what the current call fetched: never evicted before release
+        self.faulted = False
+
+    def teardown(self):
+        self.tier.close()
+        self.store.close()
+
+    @rule(layer=st.integers(0, 1), experts=st.lists(st.integers(0, 15), min_size=1, max_size=16, unique=True))
+    def fetch(self, layer, experts):
+        ids = ffi.new("int32_t[]", experts)
+        rc = lib.hy_tier_fetch(self.tier.ptr, self.layers[layer], ids, len(experts))
+        want = self.pinned | {(layer, e) for e in experts}
+        if len(want) > self.capacity:  # more than one call may hold: refused, naming the budget
+            assert rc == -1 and "budget" in ffi.string(lib.hy_tier_error(self.tier.ptr)).decode()
+            self.release()
+        else:
+            assert rc == 0, ffi.string(lib.hy_tier_error(self.tier.ptr)).decode()
+            self.pinned = want
+
+    @rule(layer=st.integers(0, 1), e=st.integers(0, 15))
+    def get(self, layer, e):
+        src = ffi.new("const uint8_t *[3]")
+        rc = lib.hy_tier_get(self.tier.ptr, self.layers[layer], e, src)
+        if (layer, e) not in self.pinned and len(self.pinned) + 1 > self.capacity:
+            assert rc == -1 and "budget" in ffi.string(lib.hy_tier_error(self.tier.ptr)).decode()
+            self.release()
+            return
+        self.pinned.add((layer, e))
+        if rc != 0:
+            assert self.faulted and "layer" in ffi.string(lib.hy_tier_error(self.tier.ptr)).decode()
+            self.faulted = False
+            return
+        for k, name in enumerate(self.names[layer].values()):
+            want = np.asarray(self.store.raw(name))[e].tobytes()
+            assert bytes(ffi.buffer(src[k], len(want))) == want
+
+    @rule(kind=st.sampled_from(["eio", "short"]))
+    def fault(self, kind):
+        if not self.faulted:
+            self.tier.inject_fault(after=0, kind=kind)
+            self.faulted = True  # the next read fails (if a read happens before the machine ends)
+
+    @rule()
+    def release(self):
+        lib.hy_tier_release(self.tier.ptr)
+        self.pinned = set()
+
+    @invariant()
+    def within_budget(self):
+        c = self.tier.counters
+        assert 0 <= c.bytes_held <= self.budget
+        assert c.bytes_held % (_layer_need(_MACHINE_MODEL[0]) // 16) == 0  # whole experts only
+
+
+_MACHINE_MODEL: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def machine_model(tmp_path_factory):
+    path = write_moe_stack(tmp_path_factory.mktemp("machine") / "m.gguf", n_layer=2, n_embd=256, n_ff=256,
+                           n_expert=16, n_used=4, expert_type="q4_K", seed=3)
+    _MACHINE_MODEL[:] = [path]
+    return path
+
+
+def test_the_tier_returns_the_files_bytes_under_random_calls(machine_model):
+    run_state_machine_as_test(TierMachine, settings=settings(max_examples=25, stateful_step_count=30,
+                                                             deadline=None))

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""A model larger than memory: llama.cpp's mmap against ggml-hybrid's expert cache, mapped and with the host tier.
+
+Each run is a fresh process in a cgroup v1 memory group (``/sys/fs/cgroup/memory/hy_host_tier``) whose limit
+(--limit, about a third of the model) counts its page cache too, started from a cold page cache (``echo 3 >
+/proc/sys/vm/drop_caches`` before each). Sides, alternated A,B,C then C,B,A per round:
+
+- ``llama``: llama.cpp through llama-cpp-python (``_llama_worker.py`` under --llama-python), CPU, the file
+  memory-mapped (its default) and ``--no-repack`` (llama.cpp's default repacks Q4_K experts into anonymous
+  memory at load: the whole model would be copied into RAM, which the cgroup kills);
+- ``mapped``: ggml-hybrid, disk experts behind --slots expert cache slots per layer on the CPU playing the
+  device, loads copied from the mapping (the page cache) as before the host tier;
+- ``tier``: the same with ``host_cache_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT).
+
+Each run: load, then a prompt of --prompt tokens in one eval and --n - 1 decode steps one token each, 1 thread;
+the decoded tokens are a fixed varied sequence (``force``; --greedy: the greedy ones), because a random-weight
+model's greedy loop repeats one token and its routing with it, which flatters every side's caches; the greedy
+picks are returned either way and must agree across the sides.
+Reported per run: prompt and decode tok/s, bytes the process read from disk (``/proc/PID/io`` read_bytes) in
+the request, peak RSS (``VmHWM``) and the cgroup's peak (RSS + page cache), and for ggml-hybrid the bytes read in
+the decode alone and the tier's counters. Before the runs the disk's read bandwidth is measured on the model
+file itself (2 MiB O_DIRECT reads at random aligned offsets, 4 in flight, as the tier reads), which with the
+bytes read per decoded token gives the disk's bound on decode tok/s.
+
+    sudo python tools/bench/bench_host_tier.py MODEL --llama-python /opt/llref/bin/python --limit 700M \\
+        --slots 8 --tier 192M [--rounds 2] [--prompt 8] [--n 9]
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import click
+
+from ggml_hybrid.units import format_bytes, parse_size
+
+HERE = Path(__file__).resolve().parent
+CGROUP = Path("/sys/fs/cgroup/memory/hy_host_tier")
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def cgroup_reset(limit: int) -> None:
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.force_empty").write_text("0\n")
+    (CGROUP / "memory.limit_in_bytes").write_text(f"{limit}\n")
+    (CGROUP / "memory.max_usage_in_bytes").write_text("0\n")
+
+
+def proc_io(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def vm_hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def disk_bandwidth(path: str, seconds: float = 3.0, block: int = 2 << 20, inflight: int = 4) -> float:
+    """Bytes per second of random aligned O_DIRECT reads of ``block`` bytes from ``path``, ``inflight`` at once."""
+    size = os.path.getsize(path)
+    block = min(block, size // 4096 * 4096 // 2 or 4096)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    rng = random.Random(0)
+    done = [0]
+    end = time.perf_counter() + seconds
+
+    def reader(_: int) -> None:
+        buf = mmap.mmap(-1, block)  # page aligned, as O_DIRECT wants
+        while time.perf_counter() < end:
+            off = rng.randrange(0, max(1, (size - block) // 4096)) * 4096
+            done[0] += os.preadv(fd, [buf], off)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(inflight) as pool:
+        list(pool.map(reader, range(inflight)))
+    dt = time.perf_counter() - t0
+    os.close(fd)
+    return done[0] / dt
+
+
+def run_side(side: str, ns: dict) -> dict:
+    drop_caches()
+    cgroup_reset(ns["limit"])
+    if side == "llama":
+        cmd = [ns["llama_python"], str(HERE / "_llama_worker.py"), ns["model"], "1", "256", "--no-repack"]
+    else:
+        items = ["n_threads=1", "n_ctx=256", "disk_experts=1", f"expert_cache_slots={ns['slots']}"]
+        if side == "tier":
+            items.append(f"host_cache_bytes={ns['tier']}")
+        cmd = [sys.executable, str(HERE / "_tier_worker.py"), ns["model"], *items]
+    # the process joins the cgroup before it execs the worker: everything it maps or reads is charged there
+    shell = f"echo $$ > {CGROUP}/cgroup.procs && exec " + " ".join(f"'{c}'" for c in cmd)
+    t0 = time.perf_counter()
+    p = subprocess.Popen(["sh", "-c", shell], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ready = p.stdout.readline()
+        if not ready:
+            return {"side": side, "failed": f"exited {p.wait()} while loading (killed by the cgroup?)"}
+        load_s = time.perf_counter() - t0
+        r0 = proc_io(p.pid)
+        p.stdin.write(json.dumps({"tokens": ns["tokens"], "n": ns["n"], "force": ns["force"]}) + "\n")
+        p.stdin.flush()
+        line = p.stdout.readline()
+        if not line:
+            return {"side": side, "failed": f"exited {p.wait()} while running (killed by the cgroup?)"}
+        rep = json.loads(line)
+        rep.update(side=side, load_s=load_s, read_request=proc_io(p.pid) - r0, rss_peak=vm_hwm(p.pid),
+                   cgroup_peak=int((CGROUP / "memory.max_usage_in_bytes").read_text()))
+        return rep
+    finally:
+        p.kill()
+        p.wait()
+
+
+@click.command(help=__doc__)
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--llama-python", default="/opt/llref/bin/python", show_default=True)
+@click.option("--limit", default="700M", show_default=True, help="The cgroup's memory limit.")
+@click.option("--slots", default=8, show_default=True)
+@click.option("--tier", default="192M", show_default=True, help="host_cache_bytes of the tier side.")
+@click.option("--rounds", default=2, show_default=True)
+@click.option("--prompt", default=8, show_default=True)
+@click.option("--n", default=9, show_default=True, help="Greedy tokens (the first from the prompt's logits).")
+@click.option("--sides", default="llama,mapped,tier", show_default=True)
+@click.option("--greedy", is_flag=True, help="Decode greedy tokens instead of a fixed varied sequence.")
+@click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every run here.")
+def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, greedy, json_out) -> None:
+    ns = dict(model=model, llama_python=llama_python, limit=parse_size(limit), slots=slots, tier=parse_size(tier),
+              n=n, tokens=[1 + (i * 37) % 300 for i in range(prompt)],
+              # decoded tokens forced to a varied sequence (a random model's greedy loop repeats one token, whose
+              # routing then repeats too, which flatters every side's caches); --greedy decodes greedily
+              force=None if greedy else [1 + (i * 101 + 7) % 300 for i in range(n - 1)])
+    order = sides.split(",")
+    print(f"model {format_bytes(os.path.getsize(model))}, cgroup limit {format_bytes(ns['limit'])}, "
+          f"uptime: {Path('/proc/loadavg').read_text().strip()}", flush=True)
+    drop_caches()
+    bw = disk_bandwidth(model)
+    print(f"disk: random 2 MiB O_DIRECT reads, 4 in flight: {bw / 1e6:.0f} MB/s", flush=True)
+    runs: list[dict] = []
+    for r in range(rounds):
+        for side in order if r % 2 == 0 else order[::-1]:
+            rep = run_side(side, ns)
+            runs.append(rep)
+            print(json.dumps(rep), flush=True)
+    print()
+    print("| side | prompt tok/s | decode tok/s | read in request | read per decoded token | peak RSS | cgroup peak |"
+          " tier hits / misses, waits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    summary = {}
+    for side in order:
+        ok = [x for x in runs if x["side"] == side and "failed" not in x]
+        if not ok:
+            print(f"| {side} | failed: {[x.get('failed') for x in runs if x['side'] == side]} |")
+            continue
+        ptps = statistics.median(prompt / x["prompt_s"] for x in ok)
+        dtps = statistics.median((n - 1) / x["decode_s"] for x in ok)
+        req = statistics.median(x["read_request"] for x in ok)
+        per_tok = statistics.median(x["read_decode"] / (n - 1) for x in ok) if "read_decode" in ok[0] else None
+        t = ok[-1].get("tier")
+        summary[side] = dict(prompt_tps=ptps, decode_tps=dtps, read_request=req, read_per_token=per_tok)
+        print(f"| {side} | {ptps:.2f} | {dtps:.2f} | {format_bytes(req)} | "
+              f"{format_bytes(per_tok) if per_tok is not None else '-'} | "
+              f"{format_bytes(statistics.median(x['rss_peak'] for x in ok))} | "
+              f"{format_bytes(statistics.median(x['cgroup_peak'] for x in ok))} | "
+              f"{(str(t['hits']) + ' / ' + str(t['misses']) + ', ' + str(t['waits'])) if t else '-'} |")
+    if "llama" in summary:
+        for side in ("mapped", "tier"):
+            if side in summary:
+                print(f"decode {side} / llama: {summary[side]['decode_tps'] / summary['llama']['decode_tps']:.2f}x")
+    for side, s in summary.items():
+        if s["read_per_token"]:
+            bound = bw / s["read_per_token"]
+            print(f"{side}: disk bound {bound:.2f} tok/s (read per token / bandwidth); measured "
+                  f"{s['decode_tps']:.2f} = {s['decode_tps'] / bound:.2f} of it")
+    if json_out:
+        Path(json_out).write_text(json.dumps(dict(bandwidth=bw, runs=runs), indent=1))
+
+
+if __name__ == "__main__":
+    main()
