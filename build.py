@@ -35,6 +35,7 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,74 @@ info = _load_buildinfo()
 
 def log(msg: str) -> None:
     print(f"[ggml-hybrid build] {msg}", file=sys.stderr, flush=True)
+
+
+# -- progress on the user's terminal -----------------------------------------------------------------------
+# pip runs this build with its output captured (shown only with -v), so a first install would be silent for
+# minutes: the stages, and the compile's progress, also go to the terminal (/dev/tty) when there is one.
+
+_NINJA_STATUS = re.compile(rb"^\[(\d+)/(\d+)\] ")
+_T0 = time.monotonic()
+
+
+def terminal():
+    """The controlling terminal to write progress to, when stderr is not already it (pip captures stderr);
+    None without one (CI, a pipe)."""
+    if sys.stderr.isatty():
+        return None
+    try:
+        return open("/dev/tty", "w", encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def stage(msg: str, tty=None) -> None:
+    """A step a user waits on: logged, and shown on the terminal with the time since the build began."""
+    log(msg)
+    own = tty is None
+    tty = terminal() if own else tty
+    if tty is not None:
+        with contextlib.suppress(OSError):
+            tty.write(f"[ggml-hybrid build {_elapsed()}] {msg}\n")
+            tty.flush()
+        if own:
+            tty.close()
+
+
+def _elapsed() -> str:
+    s = int(time.monotonic() - _T0)
+    return f"{s // 60}:{s % 60:02d}"
+
+
+def run_with_progress(cmd: list[str], what: str, tty=None) -> None:
+    """``run(cmd)`` for a Ninja/Make build, its ``[done/total]`` lines counted on the terminal as one line."""
+    own = tty is None
+    tty = terminal() if own else tty
+    if tty is None:
+        run(cmd)
+        return
+    log("$ " + " ".join(str(c) for c in cmd))
+    shown = 0.0
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stderr.buffer.write(line)  # the full output stays where pip -v shows it
+            m = _NINJA_STATUS.match(line)
+            now = time.monotonic()
+            if m and (now - shown > 0.5 or m.group(1) == m.group(2)):
+                done, total = int(m.group(1)), int(m.group(2))
+                with contextlib.suppress(OSError):
+                    tty.write(f"\r[ggml-hybrid build {_elapsed()}] {what}: {done}/{total} files "
+                              f"({100 * done // total}%)\x1b[K")
+                    tty.flush()
+                shown = now
+    with contextlib.suppress(OSError):
+        tty.write("\n" if shown else "")
+        tty.flush()
+    if own:
+        tty.close()
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
 
 
 def cache_root() -> Path:
@@ -256,14 +325,18 @@ def _build_tree(where: Path, pin: dict, args: list[str], opts: Options, targets:
     # an interrupted build resumes: the source is extracted whole or not at all, CMake and Ninja are incremental
     if not (where / "ggml").is_dir():
         where.mkdir(parents=True, exist_ok=True)
+        stage(f"fetching GGML {pin['ggml_version']} (the pinned source) and applying the patch series")
         prepare_source(pin, where / "ggml", opts.patched)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    stage("configuring GGML with CMake")
     run(["cmake", "-S", str(VENDOR), "-B", str(where / "build"), *generator,
          f"-DGGML_HYBRID_SOURCE={where / 'ggml'}", *args])
     only = [a for t in targets for a in ("--target", t)]
-    run(["cmake", "--build", str(where / "build"), "--parallel", str(opts.jobs), *only])
+    stage(f"compiling GGML on {opts.jobs} cores (the first build only; later installs reuse it from {cache_root()})")
+    run_with_progress(["cmake", "--build", str(where / "build"), "--parallel", str(opts.jobs), *only], "compiling GGML")
     collect_libraries(where / "build" / "bin", where / "out")
     stamp.write_text(" ".join(args) + "\n")
+    stage("GGML built")
 
 
 def collect_libraries(bin_dir: Path, out: Path) -> None:
@@ -461,7 +534,7 @@ def _compile_cffi(core: Path, opts: Options, name: str, cdef: str, preamble: str
                             "-Werror=int-conversion", "-Werror=implicit-function-declaration"],
     )
     with tempfile.TemporaryDirectory() as tmp:
-        log(f"compiling cffi module {name}")
+        stage(f"compiling the cffi module {name}")
         built = Path(ffi.compile(tmpdir=tmp, verbose=False))
         cached.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, cached)

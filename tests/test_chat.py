@@ -115,10 +115,10 @@ def test_run_conversation_mode(models, arch):
     """-cnv: each turn renders the conversation with the template; the replies are what greedy generation of
     the rendered conversation gives (a recurrent model's too: it re-evaluates each turn from the start)."""
     path = models[arch]
-    r = CliRunner().invoke(main, ["run", path, "-cnv", "-sys", "be brief", "-n", "5", "-t", "1", "-c", "256"],
-                           input="Hello there\nAnd again\n")
+    r = CliRunner().invoke(main, ["run", "--temp", "0", path, "-cnv", "-sys", "be brief", "-n", "5", "-t", "1", "-c",
+                                  "256"], input="Hello there\nAnd again\n")
     assert r.exit_code == 0, r.output
-    turns = [t for t in r.output.split("\n> ") if t.strip()]
+    turns = [t for t in r.stdout.split("\n> ") if t.strip()]
     with MoEModel(path, SessionOptions(n_threads=1, n_ctx=256)) as m:
         tok = m.tokenizer
         t = ChatTemplate.from_gguf(m.store, tok.tokens, tok.bos_id, tok.eos_id)
@@ -168,10 +168,11 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(models, monkeypatch):
         return real_eval(self, *a, **kw)
 
     monkeypatch.setattr(MoEModel, "eval", eval_once_interrupted)
-    r = CliRunner().invoke(main, ["run", path, "-cnv", "-n", "4", "-t", "1", "-c", "256"], input="Hi\nMore\n")
+    r = CliRunner().invoke(main, ["run", "--temp", "0", path, "-cnv", "-n", "4", "-t", "1", "-c", "256"],
+                           input="Hi\nMore\n")
     monkeypatch.setattr(MoEModel, "eval", real_eval)
     assert r.exit_code == 0, r.output
-    first, second = [t for t in r.output.split("\n> ") if t.strip()]
+    first, second = [t for t in r.stdout.split("\n> ") if t.strip()]
     assert first.endswith(" [interrupted]")
     partial = first.removesuffix(" [interrupted]")
     with MoEModel(path, SessionOptions(n_threads=1, n_ctx=256)) as m:

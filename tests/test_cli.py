@@ -52,7 +52,8 @@ def ok(*args):
 
 
 def run_json(*args) -> dict:
-    r = ok("run", *args, "--json")
+    greedy = () if {"--temp", "--temperature"} & {str(a) for a in args} else ("--temp", "0")  # reproducible
+    r = ok("run", *greedy, *args, "--json")
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1, f"--json must print exactly one line, got {r.stdout!r}"
     assert r.stderr == "", "--json: no stats block, and no progress bar when stderr is not a terminal"
@@ -167,7 +168,7 @@ def test_run_prompt_prints_the_greedy_text_and_a_stats_block(models, tokenizer):
     prompt = "Once upon a time"
     ids = tokenizer.encode(prompt)
     toks, _, stop = reference(models["m"], ids, 8)
-    r = ok("run", models["m"], "--prompt", prompt, "-n", 8, "-t", 1)
+    r = ok("run", "--temp", "0", models["m"], "--prompt", prompt, "-n", 8, "-t", 1)
     assert r.stdout == tokenizer.decode(toks) + "\n"
     (p,), (g,), (s,), (hits, misses, cpu), (share,), (active,), (peak,) = parse_stats(r.stderr)
     assert (int(p), int(g), s) == (len(ids), len(toks), stop)
@@ -177,7 +178,7 @@ def test_run_prompt_prints_the_greedy_text_and_a_stats_block(models, tokenizer):
 
 def test_run_tokens_matches_the_reference(models, tokenizer):
     toks, _, stop = reference(models["m"], PROMPT_IDS, 7)
-    r = ok("run", models["m"], "--tokens", ",".join(map(str, PROMPT_IDS)), "-n", 7, "-t", 1)
+    r = ok("run", "--temp", "0", models["m"], "--tokens", ",".join(map(str, PROMPT_IDS)), "-n", 7, "-t", 1)
     assert r.stdout == tokenizer.decode(toks) + "\n"
     (p,), (g,), (s,), *_ = parse_stats(r.stderr)
     assert (int(p), int(g), s) == (len(PROMPT_IDS), len(toks), stop)
@@ -194,7 +195,7 @@ def test_run_other_architectures_match_the_reference(models, name, arch):
 def test_run_stats_block_reports_the_cpu_offload_counters(models):
     args = (models["m"], "--tokens", "3,4,5", "-n", 5, "--ignore-eos", "-t", 1, *DISK_CACHE, "--moe-cpu-share", 0.5)
     d = run_json(*args)
-    r = ok("run", *args)
+    r = ok("run", "--temp", "0", *args)
     assert r.stdout == d["text"] + "\n"
     stats = parse_stats(r.stderr)
     c = d["counters"]
@@ -530,23 +531,25 @@ def test_inspect_bad_file(models, which, expect):
 
 def test_bench_json(models, tokenizer):
     r = ok("bench", models["m"], "--a", "n_threads=1", "--b", "n_threads=1 disk_experts=1 expert_cache_slots=4",
-           "--runs", 1, "-n", 2, "--json")
+           "--runs", 1, "-n", 2, "-p", 12, "--json")
     d = json.loads(r.stdout)
     assert (d["runs"], d["n_predict"]) == (1, 2)
-    assert d["prompt_tokens"] == len(tokenizer.encode("The quick brown fox jumps over the lazy dog."))
+    assert d["prompt_tokens"] == 12
     A, B = d["sides"]["A"], d["sides"]["B"]
     assert A["options"] == ["n_threads=1"]
     assert sorted(B["options"]) == ["disk_experts=true", "expert_cache_slots=4", "n_threads=1"]
     for s in (A, B):
         for k in ("prompt_tps", "decode_tps", "decode_tps_median", "decode_tps_first", "decode_tps_second"):
             assert isinstance(s[k], float) and s[k] > 0, k
+        for k in ("prompt_tps_stddev", "decode_tps_stddev"):
+            assert isinstance(s[k], float) and s[k] >= 0, k
     assert d["ratio_decode_b_over_a"] == pytest.approx(B["decode_tps"] / A["decode_tps"])
     assert d["ratio_prompt_b_over_a"] == pytest.approx(B["prompt_tps"] / A["prompt_tps"])
 
 
 def test_bench_text_table(models):
     text = ok("bench", models["m"], "--a", "n_threads=1", "--b", "n_threads=1,expert_cache_slots=2,disk_experts=1",
-              "--runs", 1, "-n", 2).stdout
+              "--runs", 1, "-n", 2, "-p", 8).stdout
     assert "ratio B/A: decode" in text
     rows = [ln for ln in text.splitlines() if ln.startswith(("A ", "B "))]
     assert len(rows) == 2 and rows[0].rstrip().endswith("n_threads=1") and "disk_experts=true" in rows[1]
@@ -554,7 +557,7 @@ def test_bench_text_table(models):
 
 def test_bench_with_config(config):
     d = json.loads(ok("bench", "main", "--config", config, "--b", "moe_cpu_share=0 expert_cache_slots=8", "--runs", 1,
-                      "-n", 2, "--json").stdout)
+                      "-n", 2, "-p", 8, "--json").stdout)
     # the config's options (role main) are both sides' base; --b overrides two of them
     assert sorted(d["sides"]["A"]["options"]) == ["disk_experts=true", "expert_cache_slots=2", "moe_cpu_share=0.5"]
     assert sorted(d["sides"]["B"]["options"]) == ["disk_experts=true", "expert_cache_slots=8"]

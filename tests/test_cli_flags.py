@@ -60,8 +60,8 @@ def test_model_flag_or_positional(model):
     b = run_json("-m", model, "--tokens", "1,2", "-n", 3, *T1)
     c = run_json("--model", model, "--tokens", "1,2", "-n", 3, *T1)
     assert a["tokens"] == b["tokens"] == c["tokens"]
-    user_error("run", model, "-m", model, "--tokens", "1", expect=["give the model once"])
-    user_error("run", "--tokens", "1", expect=["missing the model"])
+    user_error("run", "--temp", "0", model, "-m", model, "--tokens", "1", expect=["give the model once"])
+    user_error("run", "--temp", "0", "--tokens", "1", expect=["missing the model"])
     assert json.loads(ok("inspect", "-m", model, "--json").stdout)["architecture"] == "qwen3moe"
     assert json.loads(ok("plan", "-m", model, "--json").stdout)["moe"] is True
 
@@ -107,9 +107,9 @@ def test_a_flag_twice_with_a_newline_in_its_value_is_one_error_line(model):
     (["-o", "expert_eviction=lfu"], ["expert_eviction=lfu", "disk_experts=true"]),
     (["-o", "trace_path=t.bin"], ["trace_path", "disk_experts=true"]),
     (["--disk-experts", "--expert-cache-slots", "2", "-cmoe"], ["no layer would use the expert cache"]),
-    (["--top-k", "5"], ["--top-k", "greedy"]),
-    (["--seed", "3"], ["--seed", "greedy"]),
-    (["--min-p", "0.1"], ["--min-p", "greedy"]),
+    (["--top-k", "5", "--temp", "0"], ["--top-k", "greedy"]),
+    (["--seed", "3", "--temp", "0"], ["--seed", "greedy"]),
+    (["--min-p", "0.1", "--temp", "0"], ["--min-p", "greedy"]),
     (["--repeat-last-n", "8"], ["--repeat-last-n", "no effect"]),
     (["--repeat-penalty", "1.2", "--repeat-last-n", "0"], ["--repeat-last-n 0"]),
     (["--virtual-devices", "2", "-dev", "DEV7"], ["DEV7 is not a device", "DEV0, DEV1"]),
@@ -197,9 +197,9 @@ def test_prompt_from_file_and_escapes(model, tmp_path):
     assert a["tokens"] == b["tokens"] == c["tokens"] and a["prompt_tokens"] == b["prompt_tokens"]
     lit = run_json(model, "-p", "Once upon\\na time", "--no-escape", "-n", 3, *T1)
     assert lit["prompt_tokens"] > a["prompt_tokens"]  # the backslash and the n stay
-    user_error("run", model, "-f", tmp_path, "-n", 1, *T1, expect=["is a directory"])
-    user_error("run", model, "-f", tmp_path / "none.txt", "-n", 1, *T1, expect=["does not exist"])
-    user_error("run", model, "--tokens", "1", "--no-escape", *T1, expect=["no effect with --tokens"])
+    user_error("run", "--temp", "0", model, "-f", tmp_path, "-n", 1, *T1, expect=["is a directory"])
+    user_error("run", "--temp", "0", model, "-f", tmp_path / "none.txt", "-n", 1, *T1, expect=["does not exist"])
+    user_error("run", "--temp", "0", model, "--tokens", "1", "--no-escape", *T1, expect=["no effect with --tokens"])
 
 
 # -- generation length and sampling --------------------------------------------------------------------
@@ -272,7 +272,7 @@ def test_plan_takes_the_session_flags_and_json(model):
 
 def test_bench_takes_the_session_flags(model):
     d = json.loads(ok("bench", model, *T1, "-c", 128, "--b", "expert_cache_slots=2 disk_experts=1", "--runs", 1,
-                      "-n", 2, "-p", "Hello there", "--json").stdout)
+                      "-n", 2, "-p", 8, "--json").stdout)
     assert sorted(d["sides"]["A"]["options"]) == ["n_ctx=128", "n_threads=1"]
     assert sorted(d["sides"]["B"]["options"]) == ["disk_experts=true", "expert_cache_slots=2", "n_ctx=128",
                                                    "n_threads=1"]

@@ -263,8 +263,9 @@ def test_hf_on_the_model_commands(hub, repo_files, tmp_path):
     got = json.loads(r.stdout)
     assert got.pop("path").endswith("tiny-moe-Q8_0.gguf") and want.pop("path") == str(local)
     assert got == want
-    a = json.loads(ok(env, "run", "-hf", f"{REPO}:Q8_0", "--tokens", "1,2,3", "-n", "3", "-t", "1", "--json").stdout)
-    b = json.loads(ok(env, "run", local, "--tokens", "1,2,3", "-n", "3", "-t", "1", "--json").stdout)
+    a = json.loads(ok(env, "run", "--temp", "0", "-hf", f"{REPO}:Q8_0", "--tokens", "1,2,3", "-n", "3", "-t", "1",
+                      "--json").stdout)
+    b = json.loads(ok(env, "run", "--temp", "0", local, "--tokens", "1,2,3", "-n", "3", "-t", "1", "--json").stdout)
     assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 3
     p = json.loads(ok(env, "plan", "--hf-repo", f"{REPO}:Q8_0", "--json").stdout)
     assert p["model"].endswith("tiny-moe-Q8_0.gguf")

@@ -218,7 +218,7 @@ def test_cli_inspect_plan_run(fam, t):
     assert plan
     tokens = [int(x) for x in fx["tokens"]]
     d = json.loads(_cli("run", path, "--tokens", ",".join(map(str, tokens)), "-n", "4", "-t", "1", "-c", "256",
-                        "--ignore-eos", "--json", "--moe-cpu-share", "0.5", "--disk-experts",
+                        "--ignore-eos", "--temp", "0", "--json", "--moe-cpu-share", "0.5", "--disk-experts",
                         "--expert-cache-slots", "2").stdout)
     # greedy on the hybrid path: the first token is llama.cpp's argmax of the last prompt position, and all are
     # the resident run's

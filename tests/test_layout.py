@@ -331,7 +331,7 @@ def test_planner_recommends_a_smaller_batch_when_compute_dominates(model):
 def test_plan_json_schema_is_stable(model):
     d = plan(model, SessionOptions(n_ctx=256), vram=[2 ** 20], ram=2 ** 30).to_dict()
     assert list(d) == ["model", "architecture", "moe", "options", "devices", "host", "kv", "recurrent", "layout",
-                       "experts", "threads", "warnings", "recommendations"]
+                       "experts", "threads", "warnings", "recommendations", "combination"]
     assert list(d["devices"]["CUDA0"]) == ["weights", "experts", "kv_cache", "recurrent", "compute", "total", "vram",
                                             "fits"]
     assert list(d["host"]) == ["mapped", "mapped_total", "repacked", "repacked_total", "kv_cache", "recurrent",
@@ -341,6 +341,7 @@ def test_plan_json_schema_is_stable(model):
     assert list(d["layout"]) == ["layers", "kv", "experts", "output"]
     assert list(d["experts"]) == ["count", "used", "bytes_per_expert", "bytes_per_layer"]
     assert d["recommendations"] and all(list(r) == ["options", "buys", "device_total"] for r in d["recommendations"])
+    assert list(d["combination"]) == ["options", "fits", "changes", "device_total", "device_vram"]
     assert json.loads(json.dumps(d)) == d
 
 

@@ -255,7 +255,6 @@ def test_bad_tokens_raise(small, tokens, err):
 
 @pytest.mark.parametrize("opts, msg", [
     (dict(ubatch_size=1024, batch_size=512), "ubatch_size=1024"),
-    (dict(n_ctx=100000), "n_ctx=100000"),
     (dict(cache_type_v="q8_0"), "flash_attn"),
     (dict(expert_cache_slots=99, disk_experts=True), "expert_cache_slots=99"),
     (dict(n_cpu_moe=5), "n_cpu_moe=5"),

@@ -1,12 +1,12 @@
 """The ``ggml-hybrid`` command line.
 
-Commands: ``run`` (generate), ``inspect`` (what a file holds), ``bench`` (two configurations side
-by side), ``demo`` (a generated model in every mode, checked bit-identical), ``plan`` (memory per
-device before loading), ``devices`` (the device names layout options take), ``options`` (the
-session options), ``rpc-server`` (serve this machine's device to sessions elsewhere) and ``serve``
-(the OpenAI-compatible server), ``pull`` (a GGUF from the Hugging Face Hub; ``-hf`` on the model
-commands). Every user error (missing file, bad option, bad value) is one line on
-stderr and exit status 2, never a traceback.
+Commands: ``run`` (generate), ``inspect`` (what a file holds), ``bench`` (llama-bench's tests, or two
+configurations side by side), ``demo`` (a generated model in every mode, checked bit-identical), ``plan``
+(memory per device before loading, and the configuration that fits), ``devices`` (the device names layout
+options take), ``options`` (the session options), ``rpc-server`` (serve this machine's device to sessions
+elsewhere) and ``serve`` (the OpenAI-compatible server), ``pull`` (a GGUF from the Hugging Face Hub; ``-hf``
+on the model commands). Every user error (missing file, bad option, bad value) is one line on stderr and exit
+status 2, never a traceback.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ llama.cpp has but that would do nothing here is refused with the reason, never i
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -294,6 +295,65 @@ def session_from_flags(model: str, values: dict[str, Any]) -> Session:
     config, items = session_items(values)
     path, role, base = resolve_model(model, config)
     return Session(path, role, SessionOptions.parse(items, role=role, base=base))
+
+
+def flags_for(items: list[str]) -> list[str]:
+    """The command-line flags that stand for ``key=value`` session items (``-o key=value`` where none does):
+    a plan's options as the user types them."""
+    keys = {x.split("=", 1)[0] for x in items}
+    out: list[str] = []
+    for item in items:
+        key, _, value = item.partition("=")
+        if key == "disk_experts" and value == "true" and "expert_cache_slots" in keys:
+            continue  # implied by --expert-cache-slots
+        flag = next((f for f in SESSION_FLAGS if f.key == key and _converts(f, value)), None)
+        if flag is None:
+            out += ["-o", item]
+        elif flag.kwargs.get("is_flag"):
+            out.append(flag.decls[0])
+        else:
+            out += [flag.decls[0], str(_example(flag, value))]
+    return out
+
+
+def _converts(flag: Flag, value: str) -> bool:
+    """Whether ``flag`` given its own spelling of ``value`` sets the option to ``value``."""
+    try:
+        return flag.convert(_example(flag, value)) == value
+    except (click.ClickException, ValueError, TypeError):
+        return False
+
+
+def _example(flag: Flag, value: str) -> Any:
+    """The flag's own value for the option text ``value`` (``-fa on`` for flash_attn=true)."""
+    if flag.kwargs.get("is_flag"):
+        return True
+    if flag.convert is _on_off_auto:
+        return {"true": "on", "false": "off", "auto": "auto"}.get(value, value)
+    if flag.kwargs.get("type") is int or isinstance(flag.kwargs.get("type"), click.IntRange):
+        return int(value)
+    return value
+
+
+def warn_busy_threads(opts: SessionOptions) -> None:
+    """A warning on stderr when ``-t`` asks for more threads than other processes leave cores idle: GGML's
+    threads meet at a barrier after every op, so one sharing its core with a busy process stalls all of them
+    (decode many times slower). The default thread count (no ``-t``) is one per idle core, so it is never warned."""
+    from ..machine import IDLE_FRACTION, idle_cores, usable_cores
+
+    n = opts.n_threads
+    if not n:
+        return
+    idle = idle_cores()
+    if idle is None:
+        return
+    most = max(1, math.floor(idle + (1 - IDLE_FRACTION)))
+    if n <= most:
+        return
+    click.echo(f"warning: -t {n}: only {idle:.1f} of {usable_cores()} cores are idle (other processes use the rest); "
+               "a thread that shares its core with them stalls every other thread at each op, so this can run many "
+               "times slower than fewer threads: leave -t out (one thread per idle core) or give at most "
+               f"{most}", err=True)
 
 
 def _dedupe(items: list[str]) -> list[str]:

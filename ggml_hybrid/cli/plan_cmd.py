@@ -6,13 +6,24 @@ It takes the session flags of ``run``; it reads the file's metadata and writes n
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import click
 
+from ..options import SessionOptions
 from ..plan.k8s import DEFAULT_IMAGE, DEFAULT_PORT
-from .flags import model_argument, pick_model, session_flags, session_from_flags
+from .flags import flags_for, model_argument, pick_model, session_flags, session_from_flags
 from .main import main
+
+
+def _with(opts: SessionOptions, combination: str) -> list[str]:
+    """The given options with the combination's over them (the experts' placement entirely the combination's)."""
+    from ..plan.planner import EXPERT_KEYS
+
+    items = combination.split()
+    keys = {x.split("=", 1)[0] for x in items} | set(EXPERT_KEYS)
+    return [x for x in opts.to_items() if x.split("=", 1)[0] not in keys] + items
 
 
 @main.command()
@@ -47,3 +58,7 @@ def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file
         click.echo(format_k8s(p, image=image, port=port), nl=False)
     else:
         click.echo(format_text(p))
+        c = getattr(p, "combination", None)
+        if c is not None and c.fits:
+            cmd = "serve" if opts.n_parallel > 1 else "run"  # run holds one sequence
+            click.echo("  try: " + shlex.join(["ggml-hybrid", cmd, path, *flags_for(_with(opts, c.options))]))

@@ -11,6 +11,7 @@ from typing import Any
 import click
 import numpy as np
 
+from ..runtime.sampling import LLAMA_DEFAULTS
 from .flags import (
     check_model_args,
     explicit,
@@ -19,6 +20,7 @@ from .flags import (
     progress_bar,
     session_flags,
     session_from_flags,
+    warn_busy_threads,
 )
 from .main import EXIT_INTERRUPTED, ignore_interrupts, main
 
@@ -80,28 +82,35 @@ def read_prompt_file(path: str) -> str:
 @click.option("--tokens", help="Prompt as comma-separated token ids (instead of -p or -f).")
 @click.option("-e", "--escape/--no-escape", "escape", default=True,
               help="Process escapes (\\n, \\t, \\xHH, ...) in the prompt, as llama.cpp does (default: on).")
-@click.option("-n", "--predict", "--n-predict", "n_predict", default=32, show_default=True, type=click.IntRange(-1),
-              help="Tokens to generate; -1 = until end of generation or a full context.")
+@click.option("-n", "--predict", "--n-predict", "n_predict", default=-1, show_default=True, type=click.IntRange(-1),
+              help="Tokens to generate; -1 = until end of generation or a full context (as llama.cpp).")
 @session_flags
-@click.option("-s", "--seed", type=click.IntRange(-1, _SEED_MAX), help="Sampling seed (-1 = random); with --temp > 0.")
-@click.option("--temp", "--temperature", "temp", default=0.0, show_default=True, type=click.FloatRange(0),
-              help="Temperature; 0 = greedy (llama.cpp's default is 0.8).")
-@click.option("--top-k", default=40, show_default=True, type=click.IntRange(0), help="Top-k (0 = off).")
-@click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True),
-              help="Top-p (1 = off).")
-@click.option("--min-p", default=0.05, show_default=True, type=click.FloatRange(0, 1), help="Min-p (0 = off).")
-@click.option("--repeat-penalty", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True),
-              help="Penalize the last --repeat-last-n tokens (1 = off).")
-@click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(0),
+@click.option("-s", "--seed", type=click.IntRange(-1, _SEED_MAX), help="Sampling seed (default -1 = random); with "
+              "--temp > 0.")
+@click.option("--temp", "--temperature", "temp", default=LLAMA_DEFAULTS["temperature"], show_default=True,
+              type=click.FloatRange(0), help="Temperature; 0 = greedy (the default is llama.cpp's and serve's).")
+@click.option("--top-k", default=LLAMA_DEFAULTS["top_k"], show_default=True, type=click.IntRange(0),
+              help="Top-k (0 = off).")
+@click.option("--top-p", default=LLAMA_DEFAULTS["top_p"], show_default=True,
+              type=click.FloatRange(0, 1, min_open=True), help="Top-p (1 = off).")
+@click.option("--min-p", default=LLAMA_DEFAULTS["min_p"], show_default=True, type=click.FloatRange(0, 1),
+              help="Min-p (0 = off).")
+@click.option("--repeat-penalty", default=LLAMA_DEFAULTS["repeat_penalty"], show_default=True,
+              type=click.FloatRange(0, min_open=True), help="Penalize the last --repeat-last-n tokens (1 = off).")
+@click.option("--repeat-last-n", default=LLAMA_DEFAULTS["repeat_last_n"], show_default=True, type=click.IntRange(0),
               help="Tokens the penalties look back over (0 = penalties off).")
-@click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="Presence penalty (0 = off).")
-@click.option("--frequency-penalty", default=0.0, show_default=True, type=float, help="Frequency penalty (0 = off).")
+@click.option("--presence-penalty", default=LLAMA_DEFAULTS["presence_penalty"], show_default=True, type=float,
+              help="Presence penalty (0 = off).")
+@click.option("--frequency-penalty", default=LLAMA_DEFAULTS["frequency_penalty"], show_default=True, type=float,
+              help="Frequency penalty (0 = off).")
 @click.option("--ignore-eos", is_flag=True, help="Generate past end-of-generation tokens.")
 @click.option("-cnv", "--conversation", "conversation", is_flag=True,
               help="Chat in the terminal with the model's chat template (-p/-f: the first message; -n: per reply).")
 @click.option("-no-cnv", "--no-conversation", "no_conversation", is_flag=True,
               help="Complete the prompt (the default).")
 @click.option("-sys", "--system-prompt", "system_prompt", help="The system message of a conversation (-cnv).")
+@click.option("-sp", "--special", is_flag=True, help="Print control tokens such as <|im_end|> in a conversation "
+              "(-cnv; hidden by default, as in llama.cpp).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streamed text and stats.")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="Write every evaluated position's logits, float32 [positions, vocab], to this .npy file.")
@@ -110,7 +119,8 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         prompt: str | None, prompt_file: str | None,
         tokens: str | None, escape: bool, n_predict: int, seed: int | None, temp: float, top_k: int, top_p: float,
         min_p: float, repeat_penalty: float, repeat_last_n: int, presence_penalty: float, frequency_penalty: float,
-        ignore_eos: bool, conversation: bool, no_conversation: bool, system_prompt: str | None, as_json: bool,
+        ignore_eos: bool, conversation: bool, no_conversation: bool, system_prompt: str | None, special: bool,
+        as_json: bool,
         logits_out: str | None, **flags: Any) -> None:
     """Generate text from MODEL (a GGUF file, or a model name or role in --config)."""
     from ..files import check_output
@@ -127,6 +137,8 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
             raise click.UsageError(f"give at most one of -p/--prompt and -f/--file (got {', '.join(given)})")
     elif system_prompt is not None:
         raise click.UsageError("-sys/--system-prompt needs -cnv (a system message is part of a conversation)")
+    elif special:
+        raise click.UsageError("-sp/--special needs -cnv (without it every token is printed as written)")
     elif len(given) != 1:
         raise click.UsageError("give exactly one of -p/--prompt, -f/--file and --tokens"
                                + (f" (got {', '.join(given)})" if given else ""))
@@ -141,6 +153,8 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         if escape:
             prompt = process_escapes(prompt)
     path, _, opts = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=as_json), flags)
+    if not as_json:
+        warn_busy_threads(opts)
     if opts.n_parallel > 1:
         raise click.UsageError(f"n_parallel={opts.n_parallel}: `run` generates one sequence; several share a model "
                                "in `ggml-hybrid serve`, and `plan -np N` sizes their KV cache")
@@ -155,11 +169,14 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         m = MoEModel(path, opts, progress=cb)
     finally:
         finish()
+    if not as_json:
+        for w in m.warnings:
+            click.echo(f"warning: {w}", err=True)
     if conversation:
         from .conversation import converse
 
         with m:
-            converse(m, sampler, n_predict, system_prompt, prompt, ignore_eos, sys.stdin)
+            converse(m, sampler, n_predict, system_prompt, prompt, ignore_eos, sys.stdin, special)
         return
     with m:
         if ids is None:
@@ -205,8 +222,8 @@ def _refuse_ignored(ctx: click.Context, temp: float, repeat_penalty: float, repe
         idle = [f for f, p in (("--top-k", "top_k"), ("--top-p", "top_p"), ("--min-p", "min_p"), ("--seed", "seed"))
                 if explicit(ctx, p)]
         if idle:
-            raise click.UsageError(f"{', '.join(idle)}: no effect with greedy decoding (--temp 0, the default here; "
-                                   "llama.cpp's is 0.8); give --temp")
+            raise click.UsageError(f"{', '.join(idle)}: no effect with greedy decoding (--temp 0); give a --temp "
+                                   "above 0 (or leave it out: 0.8, as llama.cpp)")
     penalizing = repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
     if explicit(ctx, "repeat_last_n") and not penalizing:
         raise click.UsageError("--repeat-last-n: no effect without --repeat-penalty, --presence-penalty or "

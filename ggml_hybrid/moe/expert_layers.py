@@ -200,7 +200,7 @@ class ExpertLayers:
                           for i in disk_layers}
             need = sum(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)
             # `auto` leaves room for the slots a CPU playing the device allocates next, in the same host memory
-            host_slots = sum((opts.expert_cache_slots + 1) * sum(per_expert[i]) for i in disk_layers
+            host_slots = sum((cast(int, opts.expert_cache_slots) + 1) * sum(per_expert[i]) for i in disk_layers
                              if (b := backend_of(named[i]["down"])) is not None and b.is_cpu)
             budget = resolve_budget(opts.host_cache_bytes, need, host_slots)
             layer_need = max(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)

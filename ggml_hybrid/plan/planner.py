@@ -30,7 +30,7 @@ from ..model.kv_cache import KVCache
 from ..moe.host_tier import AUTO_MARGIN_MIN, auto_budget, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..runtime.cache_size import SlotChoice
-from ..runtime.moe_model import MoEModel, auto_cache_slots
+from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
 from ..units import GiB, MiB, format_bytes
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
@@ -144,6 +144,18 @@ class Recommendation(_ToDict):
 
 
 @dataclass
+class Combination(_ToDict):
+    """The combination search's answer: the largest configuration found that fits the given device memory
+    (``fits``), or, when none does, the smallest one tried and what each device would need for it."""
+
+    options: str                      # key=value items over the plan's options: one configuration
+    fits: bool
+    changes: list[str]                # what it changes from the plan's options, in words
+    device_total: dict[str, int]      # each device's total under it (verified by a plan with it)
+    device_vram: dict[str, int]
+
+
+@dataclass
 class Plan(_ToDict):
     """A MoE model's plan: per device, host, KV cache, layout, experts, warnings and recommendations."""
 
@@ -162,6 +174,7 @@ class Plan(_ToDict):
     recommendations: list[Recommendation] = field(default_factory=list)
     # expert_cache_slots=auto: the slots chosen and, per device, what decided them
     slot_choice: SlotChoice | None = field(default=None, metadata={"omit_none": True})
+    combination: Combination | None = None  # with --vram when the options do not fit: the combination search
 
 
 @dataclass
@@ -264,6 +277,7 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
     if vram and not all(d.fits for d in p.devices.values()):
         recs = _recommend(p, opts, hp)
         p.recommendations = [r for r in (_verify(path, info, opts, vram, ram, parallel, c) for c in recs) if r]
+        p.combination = _search(path, info, opts, vram, ram, parallel, p, hp)
     return p
 
 
@@ -308,6 +322,9 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
         threads=opts.n_threads or os.cpu_count() or 1,
     )
     p.warnings = _warnings(p, opts, hp)
+    ctx_warning = context_warning(opts, hp)
+    if ctx_warning:
+        p.warnings.insert(0, ctx_warning)
     return p, hp
 
 
@@ -370,6 +387,134 @@ def _verify(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
         else:
             return None
     return None
+
+
+# -- the combination search ---------------------------------------------------------------------------------
+
+EXPERT_KEYS = ("disk_experts", "expert_cache_slots", "expert_eviction", "moe_cpu_share", "cpu_moe", "n_cpu_moe")
+
+
+def _base_ladder(opts: SessionOptions, p: Plan, hp: HParams) -> list[list[str]]:
+    """Configurations of context, physical batch, KV type and KV placement, from the given one down to the
+    smallest worth running, each a step smaller than the one before (cumulative): the physical batch down to
+    128, an 8-bit KV cache (unless the KV cache is in host memory already), then context and batch halved in
+    turn down to 512 and 32, then the KV cache on the host."""
+    ctx, ub = p.kv.n_ctx, min(opts.ubatch_size, p.kv.n_ctx)
+    kv: list[str] = []
+    out: list[list[str]] = []
+
+    def step() -> None:
+        items = [f"n_ctx={ctx}"] + ([f"ubatch_size={ub}"] if ub != opts.ubatch_size else []) + kv
+        if not out or out[-1] != items:
+            out.append(items)
+
+    step()
+    while ub > 128:
+        ub //= 2
+        step()
+    head_ok = hp.head_dim % 32 == 0 and hp.head_dim_v % 32 == 0
+    if head_ok and not opts.no_kv_offload and (opts.cache_type_k, opts.cache_type_v) != ("q8_0", "q8_0"):
+        kv = ["cache_type_k=q8_0", "cache_type_v=q8_0", "flash_attn=true"]  # a q8_0 V cache needs flash attention
+        step()
+    while ctx // 2 >= _MIN_BATCH["n_ctx"] or ub // 2 >= _MIN_BATCH["ubatch_size"]:
+        if ctx // 2 >= _MIN_BATCH["n_ctx"]:
+            ctx //= 2
+            ub = min(ub, ctx)
+            step()
+        if ub // 2 >= _MIN_BATCH["ubatch_size"]:
+            ub //= 2
+            step()
+    if not opts.no_kv_offload:
+        out.append(out[-1] + ["no_kv_offload=true"])
+    return out
+
+
+def _fits(p: Plan) -> bool:
+    return all(d.fits for d in p.devices.values())
+
+
+def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[int], ram: int | None, parallel: int,
+            p0: Plan, hp: HParams) -> Combination | None:
+    """The largest configuration that fits, as one set of options: the largest context, batch and KV cache that
+    fit with every routed expert on the CPU, then as many experts on the devices as still fit (resident, or
+    the larger of an expert cache with a CPU share and resident layers after ``n_cpu_moe``). When even the
+    smallest configuration does not fit, that configuration and what it needs."""
+    bare = opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction="lru", moe_cpu_share=0.0,
+                       cpu_moe=False, n_cpu_moe=0)
+
+    def try_plan(items: list[str]) -> Plan | None:
+        try:
+            return _plan_moe(path, info, SessionOptions.parse(items, base=bare), vram, ram, parallel)[0]
+        except OptionError:
+            return None
+
+    base: list[str] | None = None
+    last: tuple[list[str], Plan] | None = None
+    for items in _base_ladder(opts, p0, hp):
+        q = try_plan(items + ["cpu_moe=true"])
+        if q is None:
+            continue
+        last = (items, q)
+        if _fits(q):
+            base = items
+            break
+    if last is None:
+        return None
+    if base is None:  # nothing fits: the smallest configuration and what it needs
+        items, q = last
+        return _combination(items + ["cpu_moe=true"], q, opts, p0, hp)
+    best: tuple[list[str], Plan] | None = None
+    resident = try_plan(base)
+    if resident is not None and _fits(resident):
+        best = (base, resident)
+    else:
+        tried = []
+        cpu_plan = try_plan(base + ["cpu_moe=true"])
+        assert cpu_plan is not None
+        free = min((d.vram or 0) - d.total for d in cpu_plan.devices.values())
+        layers_on = max(1, max(sum(1 for x in cpu_plan.layout.layers if x == d) for d in cpu_plan.devices))
+        slots = min(hp.n_expert, free // layers_on // max(1, cpu_plan.experts.bytes_per_expert))
+        while slots >= 1:  # the cache's graphs cost room the arithmetic leaves out: fewer slots until it fits
+            items = base + [f"expert_cache_slots={slots}", "disk_experts=true", "moe_cpu_share=auto"]
+            q = try_plan(items)
+            if q is not None and _fits(q):
+                tried.append((items, q))
+                break
+            slots = slots - max(1, slots // 4)
+        n = next((k for k in range(hp.n_layer + 1) if _fits_with_cpu_layers(
+            cpu_plan, k, {d: v.total for d, v in cpu_plan.devices.items()})), hp.n_layer)
+        while n < hp.n_layer:
+            items = base + [f"n_cpu_moe={n}"]
+            q = try_plan(items)
+            if q is not None and _fits(q):
+                tried.append((items, q))
+                break
+            n += 1
+        tried.append((base + ["cpu_moe=true"], cpu_plan))
+        best = max(tried, key=lambda t: sum(v.experts for v in t[1].devices.values()))
+    return _combination(best[0], best[1], opts, p0, hp)
+
+
+def _combination(items: list[str], q: Plan, opts: SessionOptions, p0: Plan, hp: HParams) -> Combination:
+    kv = dict(x.split("=", 1) for x in items)
+    changes = []
+    if int(kv["n_ctx"]) != p0.kv.n_ctx:
+        changes.append(f"context {p0.kv.n_ctx} -> {kv['n_ctx']} tokens (-c)")
+    if "ubatch_size" in kv:
+        changes.append(f"physical batch {opts.ubatch_size} -> {kv['ubatch_size']} tokens (-ub)")
+    if "cache_type_k" in kv:
+        changes.append("8-bit KV cache (-ctk q8_0 -ctv q8_0, with flash attention)")
+    if "no_kv_offload" in kv:
+        changes.append("KV cache in host memory, attention on the CPU (-nkvo)")
+    if "expert_cache_slots" in kv:
+        changes.append(f"routed experts on disk behind {kv['expert_cache_slots']} device cache slots per layer of "
+                       f"{hp.n_expert}, the CPU running the share of misses that finishes soonest")
+    elif "n_cpu_moe" in kv:
+        changes.append(f"routed experts of the first {kv['n_cpu_moe']} layers on the CPU")
+    elif "cpu_moe" in kv:
+        changes.append("every routed expert on the CPU")
+    return Combination(" ".join(items), _fits(q), changes, {d: v.total for d, v in q.devices.items()},
+                       {d: v.vram or 0 for d, v in q.devices.items()})
 
 
 # smallest values a recommendation halves -ub / -c to: below them prompt speed or context is not worth it
@@ -573,6 +718,14 @@ def format_text(p: Plan | DensePlan) -> str:
         lines.append(f"  warning: {w}")
     for r in p.recommendations:
         lines.append(f"  recommend: {r.options}: {r.buys}")
+    c = p.combination if isinstance(p, Plan) else None
+    if c is not None and c.fits:
+        lines.append(f"  best combination: {c.options}: " + "; ".join(c.changes) + "; "
+                     + ", ".join(f"{d} {g(t)} of {g(c.device_vram[d])}" for d, t in c.device_total.items()))
+    elif c is not None:
+        lines.append(f"  nothing fits: the smallest configuration ({c.options}) needs "
+                     + ", ".join(f"{d} {g(t)} (given {g(c.device_vram[d])})" for d, t in c.device_total.items())
+                     + "; fewer layers on the devices (-ngl N) or more devices go further")
     return "\n".join(lines)
 
 
@@ -606,5 +759,5 @@ def format_k8s(p: Plan | DensePlan, image: str = DEFAULT_IMAGE, port: int = DEFA
     return to_yaml(deployment(p, k8s_resources(p)["resources"], image, port, name))
 
 
-__all__ = ["DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan", "Plan", "Recommendation",
-           "RecurrentPlan", "format_k8s", "format_text", "k8s_resources", "plan"]
+__all__ = ["EXPERT_KEYS", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan",
+           "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "format_text", "k8s_resources", "plan"]

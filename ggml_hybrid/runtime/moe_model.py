@@ -121,8 +121,6 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
     check_moe_options(opts, hp.n_layer, hp.n_expert, hp.n_used)
     if opts.ubatch_size > opts.batch_size:
         raise OptionError(f"ubatch_size={opts.ubatch_size}: must not exceed batch_size={opts.batch_size}")
-    if opts.n_ctx > hp.n_ctx_train:
-        raise OptionError(f"n_ctx={opts.n_ctx}: the model was trained for at most {hp.n_ctx_train} tokens")
     if opts.cache_type_v == "q8_0" and opts.flash_attn is False:
         raise OptionError("cache_type_v=q8_0: a quantized V cache needs flash_attn=true (as in llama.cpp)")
     if hp.mla is not None and opts.cache_type_k != opts.cache_type_v:
@@ -132,6 +130,14 @@ def check_options(opts: SessionOptions, hp: HParams) -> None:
     for key, head in (("cache_type_k", hp.head_dim), ("cache_type_v", hp.head_dim_v)):
         if getattr(opts, key) == "q8_0" and head % 32:
             raise OptionError(f"{key}=q8_0: the head size {head} is not a multiple of 32")
+
+
+def context_warning(opts: SessionOptions, hp: HParams) -> str | None:
+    """A context above the one the model was trained for is allowed, as in llama.cpp, with this warning."""
+    if hp.n_ctx_train and opts.n_ctx > hp.n_ctx_train:
+        return (f"n_ctx={opts.n_ctx} is above the {hp.n_ctx_train} tokens the model was trained for: positions past "
+                "them may give poor text (llama.cpp allows it with the same warning)")
+    return None
 
 
 def _pairs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -204,6 +210,9 @@ class MoEModel:
         try:
             self.hp = hp = read_hparams(store)
             check_options(opts, hp)
+            ctx_warning = context_warning(opts, hp)
+            #: what the session allows but a user should know (printed by the command line)
+            self.warnings: list[str] = [ctx_warning] if ctx_warning else []
             self.tokenizer = Tokenizer.from_gguf(store)
             if self.tokenizer.n_vocab != hp.n_vocab:
                 raise ModelFileError(f"{store.path!r}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
@@ -818,4 +827,4 @@ class MoEModel:
         self.close()
 
 
-__all__ = ["MoEModel", "auto_cache_slots", "check_options"]
+__all__ = ["MoEModel", "auto_cache_slots", "check_options", "context_warning"]

@@ -12,9 +12,10 @@ stages this package does not implement: DRY, top-n-sigma, typical, XTC, mirostat
 5. temperature, then a draw from the softmax (``temperature == 0``: the largest logit).
 
 With ``temperature == 0`` stages 2-4 cannot change the winner, so greedy is the argmax of the
-penalized logits, as in llama.cpp. The defaults are llama.cpp's, but for the temperature: 0 here
-(greedy, reproducible), 0.8 there. A ``Sampler`` owns its ``numpy.random.Generator``, so the same
-seed gives the same tokens (not llama.cpp's: its generator is another one).
+penalized logits, as in llama.cpp. The defaults are llama.cpp's, but for the temperature: 0 for a
+``Sampler()`` (greedy, reproducible), 0.8 there and in the command line (:data:`LLAMA_DEFAULTS`). A
+``Sampler`` owns its ``numpy.random.Generator``, so the same seed gives the same tokens (not llama.cpp's:
+its generator is another one).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ from ..checks import check_int, check_real
 from ..errors import ArgumentError, ArgumentTypeError
 
 _FMAX = float(np.finfo(np.float64).max)
+
+#: llama.cpp's sampling defaults (``common/common.h``), those of ``run``, ``run -cnv`` and ``serve``'s requests
+#: alike; a :class:`Sampler` made without arguments is greedy instead (the library's reproducible default)
+LLAMA_DEFAULTS: dict[str, float | int] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+                                          "repeat_penalty": 1.0, "repeat_last_n": 64, "presence_penalty": 0.0,
+                                          "frequency_penalty": 0.0}
 
 
 def _logits(logits: npt.ArrayLike) -> np.ndarray:
@@ -169,4 +176,4 @@ class Sampler:
         return int(ids[self._rng.choice(len(ids), p=p)])
 
 
-__all__ = ["Sampler"]
+__all__ = ["LLAMA_DEFAULTS", "Sampler"]

@@ -4,7 +4,7 @@ token types and their llama.cpp fix-ups, the special ids, token-id arguments, an
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
 
 from ..checks import check_int, check_type
@@ -106,13 +106,19 @@ class _TokenBytes(Protocol):
 
 
 class TextStream:
-    """Incremental detokenizer: UTF-8 sequences split across tokens are held until complete."""
+    """Incremental detokenizer: UTF-8 sequences split across tokens are held until complete.
 
-    def __init__(self, tok: _TokenBytes):
+    ``hide``: token ids that print nothing (a chat's control tokens such as ``<|im_end|>``, as llama.cpp's
+    ``common_token_to_piece`` with ``special=false``)."""
+
+    def __init__(self, tok: _TokenBytes, hide: Collection[int] = ()):
         self._tok = tok
+        self._hide = hide
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, tid: int) -> str:
+        if tid in self._hide:
+            return ""
         return self._dec.decode(self._tok.token_bytes(tid))
 
     def flush(self) -> str:

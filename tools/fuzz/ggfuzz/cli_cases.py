@@ -143,7 +143,8 @@ def make_args(rng: random.Random) -> list[str]:
         args = ["run", model]
         if rng.random() < 0.9:
             args += ["-p", "Hello world"] if rng.random() < 0.6 else ["--tokens", "1,2,3"]
-        args += ["-n", "2", "-t", "1", "--logits-out", "logits.npy"] if rng.random() < 0.7 else []
+        # -n given either way: its default (-1, as llama.cpp) runs to a full context, minutes per case
+        args += ["-n", "2", "-t", "1", "--logits-out", "logits.npy"] if rng.random() < 0.7 else ["-n", "8"]
         args += _flags(rng, FLAGS, rng.choice([0, 1, 2, 3, 4, 6]), garbage)
     elif cmd == "plan":
         pool = {**{k: v for k, v in FLAGS.items() if k not in ("-n", "--tokens", "-p", "--logits-out")}, **PLAN_FLAGS}
