@@ -203,7 +203,9 @@ def test_region_on_the_device_gets_copies_of_host_inputs():
 
 def test_plan_asks_the_gpu_for_its_memory(model_path):
     free = next(d.memory_free for d in gh.devices() if d.name == GPU)
-    plan = json.loads(CliRunner().invoke(main, ["plan", str(model_path), "--json"]).output)
+    res = CliRunner().invoke(main, ["plan", str(model_path), "--json"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(next(ln for ln in res.output.splitlines() if ln.startswith("{")))
     assert list(plan["devices"]) == [GPU] and plan["devices"][GPU]["vram"] == free
 
 
