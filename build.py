@@ -8,7 +8,8 @@ Steps, each cached:
    backend as shared libraries. The CPU backend is built for this CPU (``-march=native``) or, with
    ``GGML_HYBRID_PORTABLE=1``, once per x86-64 feature level, GGML loading the best one for the CPU it runs on
    (``GGML_CPU_ALL_VARIANTS``, as llama.cpp's release builds do);
-4. build each optional backend asked for (``BACKENDS``: CUDA with ``GGML_HYBRID_CUDA=1``) in a tree of its own,
+4. build each optional backend asked for (``BACKENDS``: CUDA with ``GGML_HYBRID_CUDA=1``,
+   Vulkan with ``GGML_HYBRID_VULKAN=1``) in a tree of its own,
    as a library that GGML loads at run time (``GGML_BACKEND_DL``): an install with it still imports and runs
    on a machine without the GPU, its driver or its runtime;
 5. compile the cffi extension (API mode, out-of-line) against the patched headers, linked to ggml-base and ggml;
@@ -203,17 +204,44 @@ def _cuda_args(opts: Options) -> list[str]:
     return args
 
 
+def _vulkan_args(opts: Options) -> list[str]:
+    # Debian: libvulkan-dev (headers, loader), glslc (shaders to SPIR-V) and spirv-headers; the library links
+    # only the Vulkan loader (libvulkan.so.1), so it loads where no driver is installed (no device then)
+    missing = [what for what, found in (("glslc", shutil.which("glslc")),
+                                        ("vulkan/vulkan.hpp", _header("vulkan/vulkan.hpp")),
+                                        ("spirv/unified1/spirv.hpp", _header("spirv/unified1/spirv.hpp")))
+               if not found]
+    if missing:
+        raise SystemExit(f"the Vulkan backend needs {', '.join(missing)}: on Debian/Ubuntu "
+                         "`apt-get install libvulkan-dev glslc spirv-headers`")
+    return ["-DGGML_VULKAN=ON"]
+
+
+def _header(name: str) -> bool:
+    return any((Path(d) / name).exists() for d in ("/usr/include", "/usr/local/include",
+                                                    *os.environ.get("CPATH", "").split(os.pathsep)) if d)
+
+
 # Optional backends by name. Adding one is one line: its switch and its CMake options.
 BACKENDS: dict[str, BackendSpec] = {
     "cuda": BackendSpec("GGML_HYBRID_CUDA", _cuda_args),
+    "vulkan": BackendSpec("GGML_HYBRID_VULKAN", _vulkan_args),
 }
 
 
-def ggml_key(args: list[str], patched: bool) -> str:
+def ggml_key(args: list[str], patched: bool, backend: str | None = None) -> str:
+    """The cache key of a build tree. An optional backend's tree depends only on the patches that reach it: those
+    of ggml-base (named by the ABI stamp in ``args``) and its own (``src/ggml-NAME/``); a patch of the CPU backend
+    or of another backend leaves it built, so a Vulkan or CUDA library is built once per pin and ggml-base ABI."""
     h = hashlib.sha256()
     h.update((VENDOR / "pin.json").read_bytes())
     h.update((VENDOR / "CMakeLists.txt").read_bytes())
-    h.update(info.patch_series_hash().encode() if patched else b"unpatched")
+    if not patched:
+        h.update(b"unpatched")
+    elif backend is None:
+        h.update(info.patch_series_hash().encode())
+    else:
+        h.update(info.backend_patch_hash(backend).encode())
     h.update(" ".join(args).encode())
     h.update(BUILD_SCHEME.encode())
     return h.hexdigest()[:16]
@@ -278,11 +306,12 @@ def prepare_source(pin: dict, dest: Path, patched: bool) -> None:
     tmp.rename(dest)
 
 
-def build_tree(kind: str, args: list[str], opts: Options, targets: tuple[str, ...] = ()) -> Path:
+def build_tree(kind: str, args: list[str], opts: Options, targets: tuple[str, ...] = (),
+               backend: str | None = None) -> Path:
     """Configure and build GGML with ``args`` (or reuse that build); returns its cache folder, whose
     ``out/`` holds the shared libraries it made, stripped."""
     pin = info.load_pin()
-    where = cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args, opts.patched)}"
+    where = cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args, opts.patched, backend)}"
     with _locked(where):
         _build_tree(where, pin, args, opts, targets)
     return where
@@ -339,7 +368,7 @@ def build_backend(name: str, opts: Options) -> Path:
     if prebuilt:
         where = adopt_backend(name, Path(prebuilt), args, opts)
     else:
-        where = build_tree(f"backend-{name}", args, opts, targets=(f"ggml-{name}",))
+        where = build_tree(f"backend-{name}", args, opts, targets=(f"ggml-{name}",), backend=name)
     lib = where / "out" / f"libggml-{name}.so"
     if not lib.exists():
         raise SystemExit(f"the {name} build in {where} made no {lib.name}; delete that folder and rebuild")
@@ -352,7 +381,7 @@ def adopt_backend(name: str, lib: Path, args: list[str], opts: Options) -> Path:
     sdist, a rebuild) take it from there. It must carry this checkout's ABI stamp; the folder's own build, if
     finished, is kept."""
     pin = info.load_pin()
-    where = cache_root() / f"backend-{name}-{pin['ggml_version']}-{ggml_key(args, opts.patched)}"
+    where = cache_root() / f"backend-{name}-{pin['ggml_version']}-{ggml_key(args, opts.patched, name)}"
     with _locked(where):
         if (where / "DONE").exists():
             log(f"the {name} backend is already built in {where}; {lib} is not adopted")

@@ -21,7 +21,7 @@ from . import errors
 from ._native import GGML_VERSION, ffi, lib
 from ._native.managed import live_objects
 from .errors import GgmlHybridError
-from .ggml.backend import Backend, Buffer, Device, cpu, cuda, cuda_available, devices
+from .ggml.backend import Backend, Buffer, Device, cpu, cuda, cuda_available, devices, gpu, vulkan, vulkan_available
 from .ggml.context import Context
 from .ggml.dtypes import GGMLType, as_ggml_type
 from .ggml.graph import Graph
@@ -43,5 +43,6 @@ __all__ = [
     "DECLINE", "GGML_VERSION", "Backend", "Buffer", "Context", "Device", "GGMLType", "GenerationStats",
     "GgmlHybridError", "Graph", "MoEModel", "MoEStackSession", "Region", "RegionCall", "Sampler", "Scheduler",
     "SessionOptions", "StepIO", "Tensor", "Tokenizer", "__version__", "as_ggml_type", "complete", "cpu", "cuda",
-    "cuda_available", "dequantize", "devices", "errors", "ffi", "generate", "lib", "live_objects", "quantize",
+    "cuda_available", "dequantize", "devices", "errors", "ffi", "generate", "gpu", "lib", "live_objects", "quantize",
+    "vulkan", "vulkan_available",
 ]

@@ -119,7 +119,7 @@ def _size_or_auto(v: Any) -> Union[int, str]:
     return cast(int, v)
 
 
-_DEVICE_RE = re.compile(r"(RPC|CUDA|DEV)[0-9]+")
+_DEVICE_RE = re.compile(r"(RPC|CUDA|Vulkan|DEV)[0-9]+")
 
 
 def device_list(text: Optional[str]) -> list[str]:
@@ -129,7 +129,8 @@ def device_list(text: Optional[str]) -> list[str]:
         raise _Bad("device names separated by commas, each once")
     for n in names:
         if not _DEVICE_RE.fullmatch(n):
-            raise _Bad(f"{n!r} is not a device name (RPC0, ..., CUDA0, ... or DEV0, ...; the host is always used)")
+            raise _Bad(f"{n!r} is not a device name (RPC0, ..., CUDA0, ..., Vulkan0, ... or DEV0, ...; the host is "
+                       "always used)")
     return names
 
 

@@ -85,6 +85,35 @@ def test_abi_stamp_changes_with_ggml_base_patches_only(tmp_path):
     assert buildinfo.abi_stamp(vendor) not in (before, after)  # its content, not only its name
 
 
+@pytest.mark.parametrize(("paths", "backend", "reaches"), [
+    (["src/ggml-vulkan/ggml-vulkan.cpp"], "vulkan", True), (["include/ggml-vulkan.h"], "vulkan", True),
+    (["src/ggml-vulkan/ggml-vulkan.cpp"], "cuda", False), (["src/ggml-cpu/ops.cpp"], "vulkan", False),
+    (["src/ggml-vulkan-x/a.cpp"], "vulkan", False),  # another folder that only starts with the name
+])
+def test_which_patches_touch_a_backend(tmp_path, paths, backend, reaches):
+    patch = tmp_path / "0001-x.patch"
+    patch.write_text(_diff(*paths))
+    assert buildinfo.touches_backend(patch, backend) is reaches
+
+
+@pytest.mark.skipif(not buildinfo.VENDOR_DIR.is_dir(), reason="needs the source checkout's vendor/")
+def test_a_backend_library_is_rebuilt_only_for_its_own_and_ggml_base_patches(tmp_path):
+    vendor = tmp_path / "vendor"
+    shutil.copytree(buildinfo.VENDOR_DIR, vendor)
+    before = buildinfo.backend_patch_hash("vulkan", vendor)
+    assert before == buildinfo.backend_patch_hash("vulkan")
+    # a patch of the CPU backend, of the RPC or CUDA backend: the Vulkan library built before is still the one
+    for i, f in enumerate(["src/ggml-cpu/ops.cpp", "src/ggml-rpc/ggml-rpc.cpp", "src/ggml-cuda/mmq.cu"]):
+        (vendor / "patches" / f"090{i}-other.patch").write_text(_diff(f))
+        assert buildinfo.backend_patch_hash("vulkan", vendor) == before
+    assert buildinfo.backend_patch_hash("cuda", vendor) != buildinfo.backend_patch_hash("cuda")
+    (vendor / "patches" / "0910-vk.patch").write_text(_diff("src/ggml-vulkan/ggml-vulkan.cpp"))
+    own = buildinfo.backend_patch_hash("vulkan", vendor)
+    assert own != before
+    (vendor / "patches" / "0911-base.patch").write_text(_diff("src/ggml-backend.cpp"))
+    assert buildinfo.backend_patch_hash("vulkan", vendor) not in (before, own)
+
+
 # GGML's feature names -> the flags /proc/cpuinfo shows for them
 _CPUINFO = {"SSE3": "pni", "SSSE3": "ssse3", "AVX": "avx", "AVX2": "avx2", "F16C": "f16c", "FMA": "fma",
             "BMI2": "bmi2", "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
@@ -180,4 +209,5 @@ def test_cpu_build_has_no_cuda(monkeypatch):
         gh.cuda(0)
     res = CliRunner().invoke(main, ["devices"])
     assert res.exit_code == 0
-    assert "CUDA" not in res.output and res.output.splitlines()[-1].startswith("CPU")
+    rows = [ln for ln in res.output.splitlines() if ": backend " not in ln]  # other backends' notes come last
+    assert "CUDA" not in res.output and rows[-1].startswith("CPU")

@@ -1,11 +1,18 @@
-"""Checks that need an accelerator; skipped on CPU-only machines (CI never has one).
+"""Checks that need a GPU backend: CUDA, or Vulkan (in CI: Mesa's lavapipe, a Vulkan driver that runs on the CPU,
+with ``GGML_VK_VISIBLE_DEVICES=0``); skipped where this install has neither a CUDA nor a Vulkan device.
 
-Run by tools/device_check.sh on an NVIDIA machine. Oracles: numpy for the region test; for the models, the
-same generated model resident on CUDA (the default path, bit-identical claims) and on the CPU (CPU-side arithmetic
-differs from CUDA's: within PARITY_RTOL, same greedy tokens).
+The device is the first of ``gpu_device_names()`` (CUDA0 before Vulkan0), or ``GGML_HYBRID_TEST_GPU``. Run by
+tools/device_check.sh on a GPU machine. Oracles: numpy for the region test; for the models, the same generated
+model resident on the device (the default path, bit-identical claims) and on the CPU (CPU-side arithmetic differs
+from the device's: within PARITY_RTOL, same greedy tokens).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,12 +24,28 @@ from ggml_hybrid import lib
 from ggml_hybrid._native import ffi
 from ggml_hybrid._native.backends import optional_backends
 from ggml_hybrid.cli import main
-from ggml_hybrid.ggml.backend import Buffer, cpu_instance
+from ggml_hybrid.ggml.backend import Buffer, cpu_instance, gpu_device_names
 from ggml_hybrid.options import SessionOptions
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gh.cuda_available(), reason="no CUDA device in this build")]
+_GPUS = gpu_device_names()
+GPU = os.environ.get("GGML_HYBRID_TEST_GPU") or (_GPUS[0] if _GPUS else "")
+BACKEND = GPU.rstrip("0123456789")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="no CUDA or Vulkan device in this build")]
+
+# The device's kernels against the CPU's (max|Δlogits| / max|logits| over a prompt and 8 greedy tokens). GGML's Vulkan
+# kernels round Q8_0 products differently from the CPU's, which the generated model's random weights amplify
+# (lavapipe, Q8_0: 1.25e-2 with every layer on one side, 9.3e-2 with layers 0-1 on the CPU and 2-3 on Vulkan0, the
+# same greedy tokens; F32 within 1e-3; docs/moe.md has the figures over 64 tokens); CUDA's bound is device_check.py's.
+DEVICE_RTOL = {"CUDA": PARITY_RTOL, "Vulkan": 0.1}.get(BACKEND, PARITY_RTOL)
+# The expert cache at share 0 against every expert resident on the device: bit-identical on CUDA (claimed, the same
+# kernels over slot tensors; not yet run on a GPU). On Vulkan (lavapipe) it is not: max relative difference 3.4e-4
+# (F32) and 5.8e-4 (Q8_0) over 64 tokens, every greedy token the same, while mul_mat_id itself over a slot tensor is
+# bit-identical to the same experts in the whole tensor (test_vulkan_backend.py); the cause is not found yet.
+CACHE_BIT_IDENTICAL = BACKEND != "Vulkan"
+CACHE_RTOL = 1e-3
 
 PROMPT = [5, 17, 42, 101, 7, 250, 33, 64]
 N_PREDICT = 8
@@ -36,14 +59,15 @@ def model_path(request, tmp_path_factory):
 
 
 def _run(path, items=(), device=None):
-    """(greedy tokens, logits of every eval, the expert counters' total, the layout)."""
-    with MoEModel(path, SessionOptions.parse(list(items)), device=device) as m:
+    """(greedy tokens, logits of every eval, the expert counters' total, the layout), on GPU unless ``device``."""
+    items = list(items) + ([f"devices={GPU}"] if device is None else [])
+    with MoEModel(path, SessionOptions.parse(items), device=device) as m:
         tokens, logits = greedy_run(m, PROMPT, N_PREDICT)
         return tokens, logits, m.counters.total, m.layout
 
 
 @pytest.fixture(scope="module")
-def cuda_ref(model_path):
+def gpu_ref(model_path):
     tokens, logits, _, _ = _run(model_path)
     return tokens, logits
 
@@ -58,90 +82,93 @@ def cpu_ref(model_path):
     return tokens, logits
 
 
-def test_cuda_backend_registers_its_devices():
-    st = optional_backends()["CUDA"]
+def test_gpu_backend_registers_its_devices():
+    st = optional_backends()[BACKEND]
     assert st.loaded and st.devices >= 1 and st.detail == ""
     names = [d.name for d in gh.devices()]
-    assert "CUDA0" in names and "CPU" in names
+    assert GPU in names and "CPU" in names
     out = CliRunner().invoke(main, ["devices"]).output
-    first = out.splitlines()[0].split()
-    assert first[:2] == ["CUDA0", "gpu"], out
+    rows = [ln.split() for ln in out.splitlines()]
+    assert [GPU, "gpu"] in [r[:2] for r in rows], out
 
 
-def test_default_path_runs_on_cuda(model_path, cuda_ref):
-    with MoEModel(model_path) as m:
-        assert m.device.name == "CUDA0" and set(m.layout.layer_device) == {"CUDA0"}
+def test_default_path_runs_on_the_gpu(model_path, gpu_ref):
+    with MoEModel(model_path, SessionOptions.parse([f"devices={GPU}"])) as m:
+        assert m.device.name == GPU and set(m.layout.layer_device) == {GPU}
         assert m.device_memory()["weights"] > 0
         tokens, logits = greedy_run(m, PROMPT, N_PREDICT)
-    np.testing.assert_array_equal(logits, cuda_ref[1])  # deterministic: the same run twice is the same
+    np.testing.assert_array_equal(logits, gpu_ref[1])  # deterministic: the same run twice is the same
 
 
-def test_cuda_matches_cpu(cuda_ref, cpu_ref):
-    assert cuda_ref[0] == cpu_ref[0]  # same greedy tokens
-    assert relative_diff(cuda_ref[1], cpu_ref[1]) <= PARITY_RTOL
+def test_gpu_matches_cpu(gpu_ref, cpu_ref):
+    assert gpu_ref[0] == cpu_ref[0]  # same greedy tokens
+    assert relative_diff(gpu_ref[1], cpu_ref[1]) <= DEVICE_RTOL
 
 
 @pytest.mark.parametrize("share", ["0", "0.5", "auto"])
-def test_expert_cache_on_cuda(model_path, cuda_ref, share):
+def test_expert_cache_on_the_gpu(model_path, gpu_ref, share):
     items = ["disk_experts=1", "expert_cache_slots=2", f"moe_cpu_share={share}"]
     tokens, logits, total, _ = _run(model_path, items)
     assert total.misses + total.cpu_misses > 0 and total.hits + total.misses + total.cpu_misses == total.distinct
     if share == "0":
-        # the cache computes the same CUDA ops over slot tensors: bit-identical to every expert resident
+        # the cache computes the same device ops over slot tensors: bit-identical to every expert resident
         assert total.cpu_misses == 0
-        np.testing.assert_array_equal(logits, cuda_ref[1])
+        if CACHE_BIT_IDENTICAL:
+            np.testing.assert_array_equal(logits, gpu_ref[1])
+        else:
+            assert tokens == gpu_ref[0] and relative_diff(logits, gpu_ref[1]) <= CACHE_RTOL
     else:
-        # the CPU's rows come from CPU arithmetic: within the CUDA-vs-CPU tolerance
+        # the CPU's rows come from CPU arithmetic: within the device-vs-CPU tolerance
         assert share == "auto" or total.cpu_misses > 0
-        assert tokens == cuda_ref[0]
-        assert relative_diff(logits, cuda_ref[1]) <= PARITY_RTOL
+        assert tokens == gpu_ref[0]
+        assert relative_diff(logits, gpu_ref[1]) <= DEVICE_RTOL
 
 
-def test_cpu_moe_keeps_experts_on_the_host(model_path, cuda_ref):
+def test_cpu_moe_keeps_experts_on_the_host(model_path, gpu_ref):
     tokens, logits, _, layout = _run(model_path, ["cpu_moe=1"])
-    assert set(layout.expert_mode) == {"cpu"} and set(layout.layer_device) == {"CUDA0"}
-    assert tokens == cuda_ref[0] and relative_diff(logits, cuda_ref[1]) <= PARITY_RTOL
+    assert set(layout.expert_mode) == {"cpu"} and set(layout.layer_device) == {GPU}
+    assert tokens == gpu_ref[0] and relative_diff(logits, gpu_ref[1]) <= DEVICE_RTOL
 
 
-def test_no_kv_offload_keeps_the_cache_on_the_host(model_path, cuda_ref):
+def test_no_kv_offload_keeps_the_cache_on_the_host(model_path, gpu_ref):
     tokens, logits, _, layout = _run(model_path, ["no_kv_offload=1"])
     assert set(layout.kv_device) == {"CPU"}
-    assert tokens == cuda_ref[0] and relative_diff(logits, cuda_ref[1]) <= PARITY_RTOL
+    assert tokens == gpu_ref[0] and relative_diff(logits, gpu_ref[1]) <= DEVICE_RTOL
 
 
 @pytest.mark.parametrize("items", [["n_gpu_layers=2"], [r"override_tensor=blk\.[01]\.=CPU"]],
                          ids=["ngl", "override_tensor"])
-def test_layers_split_between_cuda_and_cpu(model_path, cuda_ref, items):
+def test_layers_split_between_the_gpu_and_cpu(model_path, gpu_ref, items):
     tokens, logits, _, layout = _run(model_path, items)
     placed = set(layout.tensors.values())
-    assert {"CUDA0", "CPU"} <= placed
-    assert tokens == cuda_ref[0] and relative_diff(logits, cuda_ref[1]) <= PARITY_RTOL
+    assert {GPU, "CPU"} <= placed
+    assert tokens == gpu_ref[0] and relative_diff(logits, gpu_ref[1]) <= DEVICE_RTOL
 
 
 def test_pinned_host_buffer_uploads_to_the_device():
     """The device's host buffer type (pinned memory): what pinned expert uploads go through."""
-    dev = lib.ggml_backend_dev_by_name(b"CUDA0")
+    dev = lib.ggml_backend_dev_by_name(GPU.encode())
     buft = lib.ggml_backend_dev_host_buffer_type(dev)
     assert buft != ffi.NULL
     pinned = Buffer(lib.ggml_backend_buft_alloc_buffer(buft, 1 << 20))
     assert pinned.is_host and "Host" in pinned.name
-    cuda = gh.cuda(0)
+    device = gh.gpu(GPU)
     src_ctx, dst_ctx = gh.Context(n_tensors=2), gh.Context(n_tensors=2)
     src = src_ctx.new_tensor("q8_0", (64, 256), "staged")
     dst = dst_ctx.new_tensor("q8_0", (64, 256), "slot")
     pinned.place(src, 0)
-    dst_ctx.allocate(cuda)
+    dst_ctx.allocate(device)
     data = gh.quantize(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), "q8_0")
     src.set(data)
     lib.ggml_backend_tensor_copy(src.ptr, dst.ptr)
-    cuda.synchronize()
+    device.synchronize()
     np.testing.assert_array_equal(dst.numpy(), src.numpy())
-    for x in (dst_ctx, src_ctx, pinned, cuda):
+    for x in (dst_ctx, src_ctx, pinned, device):
         x.close()
 
 
 def test_region_on_the_device_gets_copies_of_host_inputs():
-    dev, cpu = gh.cuda(0), gh.cpu(2)
+    dev, cpu = gh.gpu(GPU), gh.cpu(2)
     c = gh.Context(n_tensors=32, graph_size=64)
     x = c.new_tensor("f32", (4, 16), "x").set_input()
     pre = c.scale(x, 2.0)
@@ -166,6 +193,35 @@ def test_region_on_the_device_gets_copies_of_host_inputs():
         got = out.numpy()
     pre_ref = 2 * xv
     ref = pre_ref * 0.5 / (1 + np.exp(-pre_ref * 0.5)) + pre_ref
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)  # CUDA silu vs numpy: float32 rounding
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)  # the device's silu vs numpy: float32 rounding
     backend_name, on_host, name = seen[0]
-    assert backend_name == dev.name and not on_host and name != "pre"  # the executor got the device copy
+    assert backend_name == dev.name and not on_host  # the executor got its input in the device's memory
+    if BACKEND == "CUDA":
+        # a copy of the host tensor (on Vulkan0 the executor was handed "pre" itself, in device memory)
+        assert name != "pre"
+
+
+def test_plan_asks_the_gpu_for_its_memory(model_path):
+    free = next(d.memory_free for d in gh.devices() if d.name == GPU)
+    res = CliRunner().invoke(main, ["plan", str(model_path), "--json"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(next(ln for ln in res.output.splitlines() if ln.startswith("{")))
+    assert list(plan["devices"]) == [GPU] and plan["devices"][GPU]["vram"] == free
+
+
+@pytest.mark.xfail(BACKEND == "Vulkan", strict=True,
+                   reason="known bug (issue 30): on Vulkan0, a prompt graph reused after a one-token graph and a "
+                          "reset aborts in GGML's scheduler (ggml-backend.cpp: GGML_ASSERT(src_backend_id != -1)); "
+                          "the CPU and DEV0 do not")
+def test_a_cached_prompt_graph_runs_again_after_a_decode_and_a_reset(model_path):
+    """eval 4 tokens, eval 1, reset, eval 4 again (what a second request of a session does), in a child process: an
+    abort inside GGML must not take the test run with it."""
+    code = ("import sys\nfrom ggml_hybrid.options import SessionOptions\n"
+            "from ggml_hybrid.runtime.moe_model import MoEModel\n"
+            f"with MoEModel(sys.argv[1], SessionOptions.parse(['devices={GPU}'])) as m:\n"
+            "    a = m.eval([7, 8, 9, 10]); m.eval([11]); m.reset(); b = m.eval([7, 8, 9, 10])\n"
+            "    assert (a == b).all()\nprint('ok')\n")
+    env = dict(os.environ, GGML_NO_BACKTRACE="1")
+    res = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

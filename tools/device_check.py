@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""The measuring half of tools/device_check.sh: CUDA-vs-CPU parity and the hybrid benchmark, one JSON report.
+"""The measuring half of tools/device_check.sh: GPU-vs-CPU parity and the hybrid benchmark, one JSON report.
+
+The GPU is the first device of the install's GPU backends: CUDA0 (a CUDA bundle) or Vulkan0 (a Vulkan bundle, on
+NVIDIA's or any other Vulkan driver; Mesa's lavapipe with GGML_VK_VISIBLE_DEVICES=0).
 
 1. Environment: the GPU GGML registered, the optional backends' status, the CPU library in use.
-2. Parity: generated models (F32 and Q8_0 weights) resident on CUDA and on the CPU; prompt plus greedy tokens;
-   passes when the tokens are the same and max|logits_cuda - logits_cpu| / max|logits_cpu| <= PARITY_RTOL.
+2. Parity: generated models (F32 and Q8_0 weights) resident on the GPU and on the CPU; prompt plus greedy tokens;
+   passes when the tokens are the same and max|logits_gpu - logits_cpu| / max|logits_cpu| <= PARITY_RTOL.
 3. Hybrid benchmark, the method of the hybrid-execution seed (same binary, one process, warmed, sequential
    blocks in mirrored order, mean wall time of the measured requests per block): moe_cpu_share 0, 0.5 and
    auto on disk experts behind a device cache that holds a tenth of a layer's experts. Blocks run
    A,B,C,C,B,A (the three-arm form of A,B,B,A), each arm's session opened for its block, warmed with one
    short request, then ``--requests`` measured requests (prompt plus ``--n-predict`` greedy tokens, EOS
    ignored). Peak VRAM per arm: the most the process held on the GPU after any of its requests (NVML's
-   per-process figure when the driver gives one, else the device's used memory from cudaMemGetInfo).
+   per-process figure when the driver gives one, else the device's used memory as GGML reports it: cudaMemGetInfo,
+   or Vulkan's memory budget).
 4. The pytest results of tests/test_gpu.py, from the JUnit file device_check.sh wrote.
 
 Writes ``--out``/device_report.json and device_report.md. Without a GPU it stops, unless ``--allow-cpu``
@@ -40,7 +44,7 @@ from parity import PARITY_RTOL, greedy_run, relative_diff  # noqa: E402  (tools/
 
 import ggml_hybrid as gh  # noqa: E402
 from ggml_hybrid._native.backends import optional_backends  # noqa: E402
-from ggml_hybrid.ggml.backend import cpu_features, cpu_instance, cpu_library  # noqa: E402
+from ggml_hybrid.ggml.backend import cpu_features, cpu_instance, cpu_library, gpu_device_names  # noqa: E402
 from ggml_hybrid.options import SessionOptions  # noqa: E402
 from ggml_hybrid.runtime.generate import complete  # noqa: E402
 from ggml_hybrid.runtime.moe_model import MoEModel  # noqa: E402
@@ -69,6 +73,12 @@ def environment() -> dict:
             capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError) as exc:
         env["nvidia_smi"] = f"unavailable: {exc}"
+    try:
+        env["vulkaninfo"] = subprocess.run(["vulkaninfo", "--summary"], capture_output=True, text=True,
+                                           timeout=60).stdout.strip()[-3000:]
+    except (OSError, subprocess.SubprocessError) as exc:
+        env["vulkaninfo"] = f"unavailable: {exc}"
+    env["vulkan_env"] = {k: v for k, v in os.environ.items() if k.startswith(("VK_", "GGML_VK_"))}
     return env
 
 
@@ -112,9 +122,11 @@ def vram_used() -> tuple[int | None, str]:
                 return int(proc.usedGpuMemory), "nvml per-process"
     except Exception:  # no NVML, no driver support for the process list (containers): the device's figure
         pass
+    gpus = gpu_device_names()
     for d in gh.devices():
-        if d.name == "CUDA0":
-            return d.memory_total - d.memory_free, "device used (cudaMemGetInfo)"
+        if gpus and d.name == gpus[0]:
+            how = "cudaMemGetInfo" if d.name.startswith("CUDA") else "Vulkan memory budget"
+            return d.memory_total - d.memory_free, f"{d.name} used ({how})"
     return None, "none (no GPU)"
 
 
@@ -198,7 +210,7 @@ def markdown(r: dict) -> str:
         lines += ["", f"## tests/test_gpu.py: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, "
                       f"{c['skipped']} skipped", ""]
         lines += [f"- {x['state']}: {x['name']} {x['message']}" for x in t["cases"] if x["state"] != "passed"]
-    lines += ["", f"## CUDA vs CPU parity (rule: same greedy tokens, relative diff <= {PARITY_RTOL})", "",
+    lines += ["", f"## GPU vs CPU parity (rule: same greedy tokens, relative diff <= {PARITY_RTOL})", "",
               "| weights | device | relative diff | same tokens | passed |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {p['weights']} | {p['device']} | {p['relative_diff']:.3g} | {p['same_tokens']} | {p['passed']} |"
               for p in r["parity"]]
@@ -245,12 +257,13 @@ def _check(ns: SimpleNamespace) -> int:
     ns.out.mkdir(parents=True, exist_ok=True)
     work = ns.out / "work"
     work.mkdir(exist_ok=True)
-    if not gh.cuda_available() and not ns.allow_cpu:
-        why = "; ".join(st.summary() for st in optional_backends().values()) or "no CUDA backend in this install"
-        print(f"no CUDA device: {why}", file=sys.stderr)
+    if not gpu_device_names() and not ns.allow_cpu:
+        why = "; ".join(st.summary() for st in optional_backends().values()) or "no GPU backend in this install"
+        print(f"no GPU device: {why}", file=sys.stderr)
         return 2
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "environment": environment(),
-                    "cuda_available": gh.cuda_available(), "tests": junit_summary(ns.junit)}
+                    "cuda_available": gh.cuda_available(), "gpu_devices": gpu_device_names(),
+                    "tests": junit_summary(ns.junit)}
     report["parity"] = parity(work, 8)
     spec = SMALL_MODEL if ns.small else BENCH_MODEL
     log(f"writing the benchmark model {spec}")

@@ -18,7 +18,8 @@ Settings mirror ggml-hybrid's defaults: no flash attention, F16 KV cache,
 CPU weights repacked where GGML's CPU kernels take them repacked (llama.cpp's default, and ggml-hybrid's
 ``repack=true``; set here explicitly, ``use_extra_bufts``). ``--flash-attn``, ``--type-k/--type-v``
 (f32, f16, q8_0) and ``--no-repack`` change them as ggml-hybrid's ``flash_attn``, ``cache_type_k/v`` and
-``repack=false`` do.
+``repack=false`` do. ``--n-gpu-layers -1`` runs every layer and the output on the GPU backend the library was built
+with (ggml-hybrid's default on a GPU device: ``devices=Vulkan0``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def main() -> int:
     ap.add_argument("--type-k", choices=sorted(GGML_TYPES), default="f16")
     ap.add_argument("--type-v", choices=sorted(GGML_TYPES), default="f16")
     ap.add_argument("--no-repack", action="store_true")
+    ap.add_argument("--n-gpu-layers", type=int, default=0,
+                    help="layers offloaded to the GPU backend llama-cpp-python was built with (-1: all, the output "
+                         "too); with a Vulkan build on lavapipe, set GGML_VK_VISIBLE_DEVICES=0")
     ns = ap.parse_args()
     import llama_cpp
     from llama_cpp import Llama, __version__
@@ -81,7 +85,8 @@ def main() -> int:
     def load(logits_all: bool) -> Llama:
         return Llama(ns.model, n_ctx=ns.n_ctx, n_batch=512, n_ubatch=ns.ubatch, n_threads=ns.threads,
                      n_threads_batch=ns.threads, logits_all=logits_all, flash_attn=ns.flash_attn, verbose=False,
-                     n_gpu_layers=0, use_mmap=True, type_k=GGML_TYPES[ns.type_k], type_v=GGML_TYPES[ns.type_v])
+                     n_gpu_layers=ns.n_gpu_layers, use_mmap=True, type_k=GGML_TYPES[ns.type_k],
+                     type_v=GGML_TYPES[ns.type_v])
 
     llm = load(True)
     out = {"llama_cpp_python": __version__, "tokenized": []}

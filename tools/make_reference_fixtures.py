@@ -155,6 +155,13 @@ CASES = {
 }
 
 
+# Cases recorded with every layer on llama.cpp's Vulkan0 (llama-cpp-python built with -DGGML_VULKAN=on; here Mesa's
+# lavapipe): F32, Q8_0, Q4_0 and Q4_K weights, four families, a recurrent one among them. Tests run them on Vulkan0.
+VULKAN_CASES = {name: CASES[name] for name in (
+    "qwen3moe_f32", "qwen3moe_q8_0", "qwen3moe_q4_0", "qwen3moe_q4_K_ubatch5", "olmoe_q8_0", "glm4moe_f32",
+    "qwen35moe_f32", "qwen35moe_q8_0_ubatch7")}
+
+
 # the CPU features GGML's native build picks its kernels by: fixtures are exact on a machine with the same set
 SIMD_FLAGS = ("sse3", "ssse3", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
               "avx512_bf16", "avxvnni", "amx_tile", "asimd", "sve")
@@ -259,7 +266,8 @@ def prompt_tokens(path) -> list[int]:
         store.close()
 
 
-def reference(llama_python: str, model: str, tokens: list[int], case: Case, out_npy: str, last_npy: str) -> dict:
+def reference(llama_python: str, model: str, tokens: list[int], case: Case, out_npy: str, last_npy: str,
+              gpu: bool = False) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [llama_python, os.path.join(here, "llama_reference.py"), model, "--tokens", ",".join(map(str, tokens)),
            "--texts-json", json.dumps(TEXTS + list(case.texts)), "--out", out_npy, "--last-out", last_npy,
@@ -271,7 +279,11 @@ def reference(llama_python: str, model: str, tokens: list[int], case: Case, out_
         cmd += ["--decode-from", str(case.decode_from), "--decode-out", out_npy[:-4] + ".decode.npy"]
     if case.options.get("repack") is False:  # both sides repack by default; a case that turns it off does so on both
         cmd.append("--no-repack")
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = None
+    if gpu:  # every layer on the library's GPU backend; lavapipe (a CPU Vulkan driver) only when named
+        cmd += ["--n-gpu-layers", "-1"]
+        env = {**os.environ, "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if r.returncode:
         raise SystemExit(f"llama_reference failed for {model}:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -281,22 +293,36 @@ def reference(llama_python: str, model: str, tokens: list[int], case: Case, out_
 @click.option("--llama-python", required=True, help="a Python with llama-cpp-python==0.3.36")
 @click.option("--out", default=os.path.join("tests", "fixtures", "llama_ref"), show_default=True)
 @click.option("--case", "cases", multiple=True, help="only these cases (repeat)")
-def main(llama_python: str, out: str, cases: tuple[str, ...]) -> None:
+@click.option("--vulkan", is_flag=True,
+              help="VULKAN_CASES on llama.cpp's Vulkan0 (--llama-python built with CMAKE_ARGS=-DGGML_VULKAN=on), into "
+                   "tests/fixtures/llama_ref_vulkan unless --out")
+def main(llama_python: str, out: str, cases: tuple[str, ...], vulkan: bool) -> None:
+    device = "CPU"
+    if vulkan:
+        if out == os.path.join("tests", "fixtures", "llama_ref"):
+            out = os.path.join("tests", "fixtures", "llama_ref_vulkan")
+        os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")  # before the backends load (lavapipe: by name only)
+        from ggml_hybrid.ggml.backend import devices
+
+        # the kernels GGML's Vulkan backend picks depend on the device (and driver): tests compare on the same one
+        device = next((d.description for d in devices() if d.name == "Vulkan0"), "")
+        if not device:
+            raise SystemExit("--vulkan: this install has no Vulkan0 (python build.py --vulkan; a Vulkan driver)")
     os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, case in CASES.items():
+        for name, case in (VULKAN_CASES if vulkan else CASES).items():
             if cases and name not in cases:
                 continue
             path = write_model(os.path.join(tmp, f"{name}.gguf"), case.spec)
             tokens = prompt_tokens(path)
             npy, last = os.path.join(tmp, f"{name}.npy"), os.path.join(tmp, f"{name}.last.npy")
-            info = reference(llama_python, path, tokens, case, npy, last)
+            info = reference(llama_python, path, tokens, case, npy, last, gpu=vulkan)
             decode = {"decode_from": case.decode_from, "decode_logits": np.load(npy[:-4] + ".decode.npy")} \
                 if case.decode_from else {}
             rec = dict(spec=json.dumps(asdict(case.spec)), **decode, sha256=sha256(path),
                        tokens=np.asarray(tokens, np.int32), logits=np.load(npy), last_logits=np.load(last),
                        ubatch=case.ubatch, options=json.dumps(case.options), tokenized=json.dumps(info["tokenized"]),
-                       llama_cpp_python=info["llama_cpp_python"], simd=simd_tag())
+                       llama_cpp_python=info["llama_cpp_python"], simd=simd_tag(), device=device)
             dst = os.path.join(out, f"{name}.npz")
             if _same_inputs_other_cpu(dst, rec):
                 logits = {k: rec[k] for k in ("logits", "last_logits", "decode_logits") if k in rec}

@@ -1,4 +1,4 @@
-"""Optional GGML backends (CUDA, ...): the libraries in ``_native/backends``, loaded on first use.
+"""Optional GGML backends (CUDA, Vulkan): the libraries in ``_native/backends``, loaded on first use.
 
 ``build.py --cuda`` builds the CUDA backend as a library GGML loads at run time (``GGML_BACKEND_DL``)
 rather than into the module, so the same install imports and runs everywhere:
@@ -65,9 +65,17 @@ def optional_backends() -> dict[str, BackendStatus]:
         return dict(_status)
 
 
+# GGML's registry names of the optional backends, by library file (libggml-vulkan.so registers "Vulkan")
+REGISTRY_NAMES = {"cuda": "CUDA", "vulkan": "Vulkan"}
+# A Vulkan driver of device type CPU (Mesa's lavapipe) is skipped by GGML unless named by index
+_VK_CPU_HINT = ("GGML uses a CPU Vulkan driver such as Mesa's lavapipe only when it is named: "
+                "GGML_VK_VISIBLE_DEVICES=0")
+
+
 def load_backend(path: Path) -> BackendStatus:
     """Load one backend library (see the module docstring); never raises for a library that cannot load."""
-    name = path.name[len("libggml-"):-len(".so")].upper()
+    stem = path.name[len("libggml-"):-len(".so")]
+    name = REGISTRY_NAMES.get(stem, stem.upper())
     err = ffi.new("char[]", _ERR_BYTES)
     tried: set[str] = set()
     while True:
@@ -78,17 +86,25 @@ def load_backend(path: Path) -> BackendStatus:
         missing = _MISSING.search(why)
         # a vendor library the loader did not find on its own: load it from where pip or the toolkit put it
         if missing is None or missing.group(1) in tried or not _preload(missing.group(1)):
+            if name == "Vulkan" and "ggml_backend_init returned NULL" in why:
+                # GGML's Vulkan backend gives no registry when it cannot create a Vulkan instance
+                why = ("no usable Vulkan driver: the Vulkan loader found none (driver files in "
+                       "/usr/share/vulkan/icd.d, or VK_DRIVER_FILES), or none could create an instance")
             return BackendStatus(name, str(path), False, 0, why)
         tried.add(missing.group(1))
     n = int(lib.ggml_backend_reg_dev_count(reg))
     reg_name = ffi.string(lib.ggml_backend_reg_name(reg)).decode()
     log = ffi.string(lib.hy_backend_load_log()).decode(errors="replace")
-    return BackendStatus(reg_name, str(path), True, n, "" if n else _reason(log))
+    why = "" if n else _reason(log)
+    if not n and reg_name == "Vulkan" and "GGML_VK_VISIBLE_DEVICES" not in os.environ:
+        why += f"; {_VK_CPU_HINT}"
+    return BackendStatus(reg_name, str(path), True, n, why)
 
 
 def _reason(log: str) -> str:
     """GGML's last complaint while loading ("failed to initialize CUDA: no CUDA-capable device is detected")."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    # GGML's own note that it loaded the library says nothing about devices
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip() and not ln.startswith("load_backend: loaded")]
     errors = [ln for ln in lines if "fail" in ln.lower() or "error" in ln.lower()]
     return (errors or lines or ["no device found"])[-1]
 
@@ -123,4 +139,4 @@ def _preload(soname: str, seen: frozenset[str] = frozenset()) -> bool:
     return False
 
 
-__all__ = ["BackendStatus", "load_backend", "optional_backends", "runtime_dirs"]
+__all__ = ["REGISTRY_NAMES", "BackendStatus", "load_backend", "optional_backends", "runtime_dirs"]

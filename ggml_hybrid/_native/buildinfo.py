@@ -97,6 +97,18 @@ def touches_ggml_base(patch: Path) -> bool:
     return not (paths and backend_only)
 
 
+def touches_backend(patch: Path, name: str) -> bool:
+    """Whether a patch changes the files of backend ``name`` (src/ggml-NAME/, include/ggml-NAME.h)."""
+    return any(p.startswith(f"src/ggml-{name}/") or p == f"include/ggml-{name}.h" for p in patched_paths(patch))
+
+
+def backend_patch_hash(name: str, vendor_dir: Path = VENDOR_DIR) -> str:
+    """The patches an optional backend's library is built from: those of ggml-base and its own. Patches of the CPU
+    backend or of another backend do not reach it."""
+    files = [p for p in patch_files(vendor_dir) if touches_ggml_base(p) or touches_backend(p, name)]
+    return _digest([(p.name, p.read_bytes()) for p in files])
+
+
 def abi_stamp(vendor_dir: Path = VENDOR_DIR) -> str:
     """The binary interface of ggml-base: the pin and the patches that touch ggml-base (a patch confined to one
     backend, such as the RPC client's, leaves it as it is). Compiled into ggml-base, the module and every

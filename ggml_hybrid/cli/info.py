@@ -29,7 +29,7 @@ def inspect(model, model_flag, hf_repo, hf_file, as_json):
 @click.option("--rpc", metavar="HOST:PORT[,...]", help="RPC servers whose devices to list (asked now).")
 @click.option("--json", "as_json", is_flag=True)
 def devices(virtual_devices, rpc, as_json):
-    """The device names that layout options accept (RPC0, ..., CUDA0, ... or DEV0, ... and CPU)."""
+    """The device names that layout options accept (RPC0, ..., CUDA0, ..., Vulkan0, ... or DEV0, ... and CPU)."""
     from ..deploy.devices import backend_notes, describe_devices
 
     items = [f"virtual_devices={virtual_devices}"] if virtual_devices else []
@@ -40,7 +40,7 @@ def devices(virtual_devices, rpc, as_json):
         return
     for r in rows:
         mem = f", {format_bytes(r['memory_total'])}" if r["memory_total"] else ""
-        click.echo(f"{r['name']:<6} {r['kind']:<13} {r['description']}{mem}")
+        click.echo(f"{r['name']:<7} {r['kind']:<13} {r['description']}{mem}")
     for note in backend_notes():
         click.echo(note)
 

@@ -1,9 +1,9 @@
-"""The devices a session can place tensors on: RPC servers' devices, CUDA GPUs, or CPU backend instances
-standing in for them.
+"""The devices a session can place tensors on: RPC servers' devices, GPUs (CUDA, Vulkan), or CPU backend
+instances standing in for them.
 
 Names follow llama.cpp: ``RPC0``, ``RPC1``, ... for the devices of the ``rpc`` servers (first, as
-llama.cpp puts them), ``CUDA0``, ``CUDA1``, ... and ``CPU`` for host memory. On a machine without a
-GPU and without RPC servers, ``virtual_devices`` CPU backend instances play the devices as ``DEV0``,
+llama.cpp puts them), ``CUDA0``, ``CUDA1``, ..., ``Vulkan0``, ``Vulkan1``, ... and ``CPU`` for host memory. On a
+machine without a GPU and without RPC servers, ``virtual_devices`` CPU backend instances play the devices as ``DEV0``,
 ``DEV1``, ...: each has its own buffers, threadpool and expert cache, so multi-device layouts run (and
 is tested) anywhere.
 """
@@ -14,20 +14,20 @@ import os
 
 from .._native.backends import optional_backends
 from ..ggml import rpc
-from ..ggml.backend import Backend, cpu_instance, cpu_library, cuda, cuda_device_count
+from ..ggml.backend import Backend, cpu_instance, cpu_library, gpu, gpu_device_names
 from ..ggml.backend import devices as ggml_devices
 from ..options import MAX_DEVICES, OptionError, SessionOptions, device_list
 from .layout import CPU
 
 
 def _local_names(opts: SessionOptions, remote: int) -> list[str]:
-    n_cuda = cuda_device_count()
-    real = "CUDA devices" if n_cuda else "RPC devices" if remote else None
+    gpus = gpu_device_names()
+    real = "GPU devices" if gpus else "RPC devices" if remote else None
     if real is not None and opts.virtual_devices != 1:  # it would do nothing: refused, not ignored
         raise OptionError(f"virtual_devices={opts.virtual_devices}: CPU instances play devices only on a machine "
                           f"without a GPU or RPC server; this session has {real} (select them with devices=, -dev)")
-    if n_cuda:
-        return [f"CUDA{i}" for i in range(n_cuda)]
+    if gpus:
+        return gpus
     if remote:
         return []  # real devices: no CPU instance plays one
     return [f"DEV{i}" for i in range(opts.virtual_devices)]
@@ -79,8 +79,7 @@ def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
             if name in remote:
                 out[name] = rpc.open_device(remote[name])
             else:
-                out[name] = cuda(int(name[4:])) if name.startswith("CUDA") else cpu_instance(int(name[3:]), n_threads,
-                                                                                               opts.poll)
+                out[name] = cpu_instance(int(name[3:]), n_threads, opts.poll) if name.startswith("DEV") else gpu(name)
     except BaseException:
         for b in out.values():
             b.close()
@@ -90,7 +89,8 @@ def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
 
 def plan_device_names(opts: SessionOptions, vram: list[int] | None) -> list[str]:
     """The devices a plan is for: with ``rpc`` the session's own (``vram``, if given, sizes them in order);
-    else with ``vram`` those of ``devices`` (one size each) or CUDA0, CUDA1, ...; else the session's."""
+    else with ``vram`` those of ``devices`` (one size each), this machine's GPUs (one size each) or CUDA0, CUDA1, ...;
+    else the session's."""
     if vram is not None and opts.rpc is None and opts.devices is not None:
         names = device_list(opts.devices)
         if len(names) != len(vram):
@@ -103,7 +103,10 @@ def plan_device_names(opts: SessionOptions, vram: list[int] | None) -> list[str]
             raise OptionError(f"vram: {len(vram)} device sizes given for the {len(names)} devices "
                               f"({', '.join(names)}); give one per device, or none to ask the servers")
         return names
-    return [f"CUDA{i}" for i in range(len(vram))] if vram else device_names(opts)
+    if not vram:
+        return device_names(opts)
+    gpus = gpu_device_names()  # this machine's GPUs when the sizes are theirs (asked, or one given for each)
+    return gpus if len(gpus) == len(vram) else [f"CUDA{i}" for i in range(len(vram))]
 
 
 def device_free_memory(opts: SessionOptions) -> list[int] | None:

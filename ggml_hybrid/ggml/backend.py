@@ -1,4 +1,4 @@
-"""Backends (CPU, CUDA when built and present) and their buffers."""
+"""Backends (CPU; CUDA and Vulkan when built and present) and their buffers."""
 
 from __future__ import annotations
 
@@ -213,10 +213,55 @@ def cpu_instance(index: int, n_threads: int | None = None, poll: int = 0) -> Bac
     return b
 
 
+# The GPU backends a build may carry, in the order their devices are listed (as llama.cpp lists them): GGML's
+# registry name, which also prefixes each device's name (CUDA0, CUDA1, ..., Vulkan0, ...), and the build switch
+GPU_BACKENDS = {"CUDA": "cuda", "Vulkan": "vulkan"}
+
+
+def gpu_device_count(backend: str) -> int:
+    """Devices of the GPU backend ``backend`` ("CUDA", "Vulkan") in this install: 0 without its library, its runtime,
+    a driver or a device."""
+    check_choice(backend, "backend", GPU_BACKENDS)
+    st = optional_backends().get(backend)
+    return st.devices if st is not None else 0
+
+
+def gpu_device_names() -> list[str]:
+    """Every GPU device of this install, in order: CUDA0, CUDA1, ..., then Vulkan0, ... (empty on a CPU machine)."""
+    return [f"{b}{i}" for b in GPU_BACKENDS for i in range(gpu_device_count(b))]
+
+
+def gpu(name: str) -> Backend:
+    """A backend on the GPU device ``name`` ("CUDA0", "Vulkan1", ...)."""
+    prefix = name.rstrip("0123456789") if isinstance(name, str) else ""
+    index = name[len(prefix):] if isinstance(name, str) else ""
+    if prefix not in GPU_BACKENDS or not index or (len(index) > 1 and index[0] == "0"):
+        raise BackendError(f"{name!r} is not a GPU device name ({', '.join(b + '0' for b in GPU_BACKENDS)}, ...)")
+    st = optional_backends().get(prefix)
+    if st is None:
+        switch = GPU_BACKENDS[prefix]
+        raise BackendError(f"this build has no {prefix} backend; rebuild with `python build.py --{switch}` "
+                           f"(or GGML_HYBRID_{switch.upper()}=1 pip install -e .)")
+    if not st.devices:
+        raise BackendError(st.summary())
+    if int(index) >= st.devices:
+        raise BackendError(f"{prefix} device {int(index)} does not exist ({st.devices} device(s) found)")
+    dev = lib.ggml_backend_dev_by_name(name.encode())
+    if dev == ffi.NULL:
+        raise BackendError(f"GGML registered no device named {name}")
+    return Backend(lib.ggml_backend_dev_init(dev, ffi.NULL), name)
+
+
+def _gpu_index(backend: str, device: int) -> str:
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        n = gpu_device_count(backend)
+        raise BackendError(f"{backend} device {device!r} does not exist ({n} device(s) found)")
+    return f"{backend}{device}"
+
+
 def cuda_device_count() -> int:
     """CUDA devices of this install: 0 without the CUDA backend, its runtime, a driver or a GPU."""
-    st = optional_backends().get("CUDA")
-    return st.devices if st is not None else 0
+    return gpu_device_count("CUDA")
 
 
 def cuda_available() -> bool:
@@ -224,18 +269,21 @@ def cuda_available() -> bool:
 
 
 def cuda(device: int = 0) -> Backend:
-    st = optional_backends().get("CUDA")
-    if st is None:
-        raise BackendError("this build has no CUDA backend; rebuild with `python build.py --cuda` "
-                           "(or GGML_HYBRID_CUDA=1 pip install -e .)")
-    if not st.devices:
-        raise BackendError(st.summary())
-    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < st.devices:
-        raise BackendError(f"CUDA device {device!r} does not exist ({st.devices} device(s) found)")
-    dev = lib.ggml_backend_dev_by_name(f"CUDA{device}".encode())
-    if dev == ffi.NULL:
-        raise BackendError(f"GGML registered no device named CUDA{device}")
-    return Backend(lib.ggml_backend_dev_init(dev, ffi.NULL), f"CUDA{device}")
+    return gpu(_gpu_index("CUDA", device))
+
+
+def vulkan_device_count() -> int:
+    """Vulkan devices of this install: 0 without the Vulkan backend, the Vulkan loader, a driver or a device (a CPU
+    driver such as lavapipe counts only with GGML_VK_VISIBLE_DEVICES)."""
+    return gpu_device_count("Vulkan")
+
+
+def vulkan_available() -> bool:
+    return vulkan_device_count() > 0
+
+
+def vulkan(device: int = 0) -> Backend:
+    return gpu(_gpu_index("Vulkan", device))
 
 
 def cpu_features() -> str:
@@ -275,5 +323,6 @@ def devices() -> list[Device]:
     return out
 
 
-__all__ = ["Backend", "Buffer", "Device", "cpu", "cpu_features", "cpu_instance", "cpu_library", "cuda",
-           "cuda_available", "cuda_device_count", "devices"]
+__all__ = ["GPU_BACKENDS", "Backend", "Buffer", "Device", "cpu", "cpu_features", "cpu_instance", "cpu_library",
+           "cuda", "cuda_available", "cuda_device_count", "devices", "gpu", "gpu_device_count", "gpu_device_names",
+           "vulkan", "vulkan_available", "vulkan_device_count"]

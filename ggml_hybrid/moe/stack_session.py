@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from ..checks import check_real, check_type
 from ..errors import ModelFileError, NotMoEError, OptionError, ShapeError
-from ..ggml.backend import Backend, cpu, cuda, cuda_available
+from ..ggml.backend import Backend, cpu, gpu, gpu_device_names
 from ..ggml.context import Arena, Context
 from ..ggml.graph import Graph
 from ..ggml.graph_cache import GraphCache
@@ -142,7 +142,8 @@ class MoEStackSession:
             store.validate_data(n_threads=n_threads)
         self._own_device = device is None
         # without an accelerator a CPU backend instance plays the device, with its own buffers
-        self.device = device or (cuda(0) if cuda_available() else cpu(n_threads, opts.poll))
+        gpus = gpu_device_names() if device is None else []
+        self.device = device or (gpu(gpus[0]) if gpus else cpu(n_threads, opts.poll))
         self.host = cpu(n_threads, opts.poll)
         self.sched = Scheduler([self.device, self.host], graph_size=64 * self.n_layer + 64)
         dense = [f"blk.{i}.{n}.weight" for i in range(self.n_layer) for n in ("ffn_norm", "ffn_gate_inp")]

@@ -20,6 +20,7 @@ from ..checks import check_int, check_type
 from ..deploy.devices import device_free_memory, plan_device_names
 from ..deploy.layout import CPU
 from ..errors import NotMoEError
+from ..ggml.backend import gpu_device_names
 from ..gguf.metadata import meta_int
 from ..gguf.store import GGUFStore
 from ..machine import available_memory
@@ -256,8 +257,8 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
             raise OptionError(f"parallel={parallel!r}: must be an integer >= 1")
         opts = opts.merged(n_parallel=parallel)
     parallel = opts.n_parallel
-    if opts.rpc is not None and vram is None:
-        vram = device_free_memory(opts)  # each RPC server says what its devices have free
+    if vram is None and (opts.rpc is not None or gpu_device_names()):
+        vram = device_free_memory(opts)  # each RPC server and GPU (CUDA, Vulkan) says what its devices have free
     info = describe(path)
     store = GGUFStore(path)
     try:

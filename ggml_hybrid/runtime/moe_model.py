@@ -276,7 +276,7 @@ class MoEModel:
             for i, name in enumerate(cast("list[str]", dry_run_devices)):  # given when dry_run
                 self.devices[name] = cpu_instance(i, 1)
         elif device is not None:
-            name = device.kind if device.endpoint is not None else "DEV0" if device.is_cpu else "CUDA0"
+            name = device.kind if device.endpoint is not None else "DEV0" if device.is_cpu else device.kind
             self.devices = {name: device}
         else:
             self.devices = open_devices(opts, n_threads)
