@@ -303,19 +303,24 @@ def test_drip_fed_headers_and_bodies_are_timed_out(server):
 
 # -- item 18: a client that leaves mid-body ---------------------------------------------------------------------
 
+def _wait_for_a_499(url: str, before: dict, seconds: float, why: str) -> dict:
+    """Scrape /metrics until one more /v1/completions request is counted as a 499 (the client left): the scrape."""
+    end = time.monotonic() + seconds
+    while True:
+        after = scrape(url)
+        if _delta(before, after, "ggml_hybrid_http_requests_total", endpoint="/v1/completions", status="499") == 1:
+            return after
+        assert time.monotonic() < end, why
+        time.sleep(0.1)
+
+
 def test_a_client_that_leaves_mid_body_is_counted_without_a_traceback(server):
     before = scrape(server.url)
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"model\": ")
         time.sleep(0.3)
-    end = time.monotonic() + 10
-    while True:
-        after = scrape(server.url)
-        if _delta(before, after, "ggml_hybrid_http_requests_total", endpoint="/v1/completions", status="499") == 1:
-            break
-        assert time.monotonic() < end, "the disconnect was not counted"
-        time.sleep(0.1)
+    _wait_for_a_499(server.url, before, 10, "the disconnect was not counted")
     # (the module's server fixture checks its log for tracebacks when it stops)
 
 
@@ -372,13 +377,7 @@ def test_a_client_that_closes_both_ways_mid_generation_is_still_cancelled_soon(l
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
         time.sleep(0.5)
-    end = time.monotonic() + 30
-    while True:
-        after = scrape(long_server.url)
-        if _delta(before, after, "ggml_hybrid_http_requests_total", endpoint="/v1/completions", status="499") == 1:
-            break
-        assert time.monotonic() < end, "a client that left was not noticed"
-        time.sleep(0.2)
+    after = _wait_for_a_499(long_server.url, before, 30, "a client that left was not noticed")
     generated = sum(v - before.get(k, 0) for k, v in after.items() if k[0] == "ggml_hybrid_generated_tokens_total")
     assert 0 < generated < 4000, generated  # cancelled part way, not run to its end
 
