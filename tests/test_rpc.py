@@ -153,6 +153,24 @@ def test_the_host_tier_feeds_an_rpc_device_bit_identically(model, reference, ser
     assert np.array_equal(got, ref)
 
 
+def test_a_graph_run_again_after_another_is_bit_identical(model, server):
+    """A prompt graph evaluated again after a decode graph (a second request of the same length): GGML's scheduler
+    used to leave the graph's sources replaced by copies in a context the next split freed, so the graph ran
+    again read freed tensors (an abort or a crash here; patch 0008). Every run equals the CPU's."""
+    seqs = [[7, 8, 9, 10], [11], [7, 8, 9, 10], [12], [7, 8, 9, 10]]
+    out = []
+    for remote in ([], [f"rpc={server.endpoint}"]):
+        with MoEModel(model, opts(*remote)) as m:
+            got = []
+            for i, toks in enumerate(seqs):
+                if i == 3:
+                    m.reset()
+                got.append(m.eval(toks, "all"))
+            out.append(got)
+    for cpu, remote in zip(*out):
+        assert np.array_equal(cpu, remote)
+
+
 @pytest.mark.parametrize("executor", ["native", "python"])
 @pytest.mark.parametrize("share", [0.0, 0.5, "auto"])
 def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, server, share, executor):
