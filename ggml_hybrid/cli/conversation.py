@@ -297,6 +297,11 @@ def converse(m: MoEModel, sampler: Sampler, n_predict: int, system: str | None, 
     template = ChatTemplate.from_gguf(m.store, tok.tokens, tok.bos_id, tok.eos_id)
     chat = _Chat(m, system)
     read = _terminal_reader(stdin) or _piped_reader(stdin)
+    from .._native import lib
+
+    # Ctrl-C at the prompt: readline waits in select(), which only a SIGINT of the main thread interrupts, and
+    # the threads a backend library starts (a Vulkan driver's) may take it instead (native signals.h)
+    lib.hy_forward_sigint_to_main_thread()
     m.reset()
     pending = first
     try:
