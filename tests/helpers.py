@@ -258,3 +258,21 @@ def build_script():
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
+
+
+def greedy_chat_reply(m, template, msgs, n: int) -> str:
+    """The reply the default sampler gives to ``msgs`` rendered by ``template``, from an empty cache: at most ``n``
+    tokens, up to an end-of-generation token (the oracle of the chat tests: what a fresh model says)."""
+    from ggml_hybrid.runtime.sampling import Sampler
+
+    tok = m.tokenizer
+    m.reset()
+    logits = m.eval(tok.encode(template.render(msgs), add_bos=tok.add_bos, special=True))
+    s, reply = Sampler(), []
+    for _ in range(n):
+        tid = s(logits[-1])
+        if tid in tok.eog_ids:
+            break
+        reply.append(tid)
+        logits = m.eval([tid])
+    return tok.decode(reply)

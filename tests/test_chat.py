@@ -7,6 +7,8 @@ from click.testing import CliRunner
 
 pytest.importorskip("jinja2")
 
+from helpers import greedy_chat_reply
+
 from ggml_hybrid.cli import main
 from ggml_hybrid.errors import ChatTemplateError
 from ggml_hybrid.options import SessionOptions
@@ -180,15 +182,8 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(models, monkeypatch):
         t = ChatTemplate.from_gguf(m.store, tok.tokens, tok.bos_id, tok.eos_id)
         msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": partial},
                 {"role": "user", "content": "More"}]
-        logits = m.eval(tok.encode(t.render(msgs), add_bos=tok.add_bos, special=True))
-        s, reply = Sampler(), []
-        for _ in range(4):
-            tid = s(logits[-1])
-            if tid in tok.eog_ids:
-                break
-            reply.append(tid)
-            logits = m.eval([tid])
-    assert second.rstrip("\n") == tok.decode(reply)
+        want = greedy_chat_reply(m, t, msgs, 4)
+    assert second.rstrip("\n") == want
 
 
 # -- issue 28 item 6: a template is bounded in time, memory and output, and the process stays in charge ------

@@ -22,6 +22,8 @@ from click.testing import CliRunner
 
 pytest.importorskip("jinja2")
 
+from helpers import greedy_chat_reply
+
 from ggml_hybrid import SessionOptions
 from ggml_hybrid.cli import main
 from ggml_hybrid.runtime.moe_model import MoEModel
@@ -47,16 +49,7 @@ def greedy_replies(path, users, n, system=None):
         out = []
         for user in users:
             msgs.append({"role": "user", "content": user})
-            m.reset()
-            logits = m.eval(tok.encode(t.render(msgs), add_bos=tok.add_bos, special=True))
-            s, reply = Sampler(), []
-            for _ in range(n):
-                tid = s(logits[-1])
-                if tid in tok.eog_ids:
-                    break
-                reply.append(tid)
-                logits = m.eval([tid])
-            out.append(tok.decode(reply))
+            out.append(greedy_chat_reply(m, t, msgs, n))
             msgs.append({"role": "assistant", "content": out[-1]})
     return out
 
@@ -166,16 +159,7 @@ def test_clear_load_and_exit(model, tmp_path):
         t = ChatTemplate.from_gguf(m.store, tok.tokens, tok.bos_id, tok.eos_id)
 
         def reply(msgs):
-            m.reset()
-            logits = m.eval(tok.encode(t.render(msgs), add_bos=tok.add_bos, special=True))
-            s, out = Sampler(), []
-            for _ in range(4):
-                tid = s(logits[-1])
-                if tid in tok.eog_ids:
-                    break
-                out.append(tid)
-                logits = m.eval([tid])
-            return tok.decode(out)
+            return greedy_chat_reply(m, t, msgs, 4)
 
         want = [reply([{"role": "system", "content": "be brief"}, {"role": "user", "content": "First"}]),
                 reply([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"},

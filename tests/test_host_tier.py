@@ -55,7 +55,7 @@ def cases(draw):
         expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(8, n_expert))),
         n_embd=unit * draw(st.integers(1, 2)), n_ff=unit * draw(st.integers(1, 2)),
         n_tokens=draw(st.integers(1, 48)), slots=draw(st.integers(1, n_expert)),
-        policy=draw(st.sampled_from(["lru", "lfu"])), fused=draw(st.booleans()), seed=draw(st.integers(0, 999)),
+        policy=draw(st.sampled_from(["freq", "lru", "lfu"])), fused=draw(st.booleans()), seed=draw(st.integers(0, 999)),
         budget_layers=draw(st.sampled_from([1.0, 1.5, 3.0])))
 
 

@@ -82,13 +82,17 @@ class HostTier(Managed):
 
     _kind = "host_tier"
 
-    def __init__(self, store: GGUFStore, budget: int, policy: str = "lru", n_threads: int = IO_THREADS,
+    def __init__(self, store: GGUFStore, budget: int, policy: str = "freq", n_threads: int = IO_THREADS,
                  direct: bool = True) -> None:
         if store._fd is None:
             raise OptionError(f"host_cache_bytes: the model file {store.path!r} is closed")
         file_id = ffi.new("int64_t[4]", list(store._identity))
         err = ffi.new("char[]", 400)
-        pol = lib.HY_POLICY_LRU if policy == "lru" else lib.HY_POLICY_LFU
+        # the tier's own counts: `freq` (fewest uses, then least recent) is its LFU, which breaks ties by recency
+        pols = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU, "freq": lib.HY_POLICY_LFU}
+        if policy not in pols:
+            raise OptionError(f"expert_eviction={policy!r}: the host tier evicts by one of {sorted(pols)}")
+        pol = pols[policy]
         ptr = lib.hy_tier_new(store._fd, file_id, budget, n_threads, int(direct), pol, err, 400)
         if ptr == ffi.NULL:
             raise AllocationError(ffi.string(err).decode())
