@@ -11,14 +11,17 @@ import subprocess
 import sys
 import time
 
+import click
 import numpy as np
 
 import ggml_hybrid as gh
 from ggml_hybrid.ggml import rpc
 
 
-def main() -> None:
-    n, warmup = int(sys.argv[1]), int(sys.argv[2])
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("n", type=int)
+@click.argument("warmup", type=int)
+def main(n: int, warmup: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
