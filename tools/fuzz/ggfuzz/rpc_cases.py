@@ -292,7 +292,8 @@ def _op_graph(rng: random.Random) -> bytes:
     case's buffer, with random small parameters (only the op's shape rules tell it from a real one); the node is
     flagged to be computed, so an accepted graph runs its CPU kernel."""
     def one(id: int, offset: int, op: int = 0, src: tuple[int, ...] = ()) -> tuple[bytes, int]:
-        type_, ts = _pick(rng, (0, 4), (0, 4), (1, 2), (26, 4))
+        # F32 mostly, F16, I32 and now and then a type few kernels take (BF16, I16, I8)
+        type_, ts = _pick(rng, (0, 4), (0, 4), (0, 4), (1, 2), (1, 2), (26, 4), (26, 4), (30, 2), (25, 2), (24, 1))
         ne = (rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 2), 1)
         nb = (ts, ts * ne[0], ts * ne[0] * ne[1], ts * ne[0] * ne[1] * ne[2])
         params = [_pick(rng, 0, 0, 1, 2, 3, 4, 8, 40, 2**32 - 1, rng.getrandbits(32)) for _ in range(N_OP_PARAMS)]
