@@ -700,6 +700,30 @@ def test_bounded_random_message_fuzz(hostile_server):
     assert hostile_server.proc.poll() is None
 
 
+def _graph_nodes(message: bytes) -> list[tuple[int, int]]:
+    """The (op, flags) of each computed tensor a GRAPH_COMPUTE message carries."""
+    payload = message[9:]
+    (n_nodes,) = struct.unpack_from("<I", payload, 4)
+    (n_tensors,) = struct.unpack_from("<I", payload, 8 + 8 * n_nodes)
+    at = 12 + 8 * n_nodes
+    out = []
+    for i in range(n_tensors):
+        t = payload[at + i * rc.TENSOR_BYTES:at + (i + 1) * rc.TENSOR_BYTES]
+        (op,) = struct.unpack_from("<I", t, 52)
+        (flags,) = struct.unpack_from("<I", t, 120)
+        if op:
+            out.append((op, flags))
+    return out
+
+
+def test_the_fuzzers_op_graphs_run_their_kernels():
+    """The `ops` kind's nodes carry GGML_TENSOR_FLAG_COMPUTE: without it the CPU backend skips a node, and the
+    fuzzer had never run a kernel (until 2026-12-02)."""
+    nodes = [n for i in range(300) if (c := rc.make_case(13, i)).kind == "ops"
+             for m in c.messages[1:] for n in _graph_nodes(m)]
+    assert len(nodes) > 100 and all(flags & rc.FLAG_COMPUTE for _, flags in nodes)
+
+
 def test_a_frozen_server_is_a_timeout_not_a_hang(model, reference):
     """Issue 28 item 3: a server stopped (SIGSTOP) mid-session used to block the client in recv() for ever."""
     tokens, _ = reference
