@@ -193,3 +193,30 @@ def test_mul_mat_id_over_slots_is_bit_identical_to_the_whole_tensor(vk0, n_token
     absprod = np.einsum("tk,tenk->ten", np.abs(x64), np.abs(w64))
     check_close(whole, ref, dot_tol(absprod, 128) + (2 * EPS16 * absprod if n_tokens > 8 else 0), "mul_mat_id")
     np.testing.assert_array_equal(slots, whole)
+
+
+@needs_device
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_the_host_tier_on_vulkan_uses_its_pinned_host_buffers(vk0, tmp_path, share):
+    """With a device, the host tier's frames are the device's pinned host buffer type (Vulkan_Host); the slots load
+    from them, and the CPU worker (share > 0) computes from them. Share 0: bit for bit as every expert resident on
+    Vulkan0 (an FFN stack: the region alone); share 0.5: as the same cache without the tier (the worker's rows are
+    the CPU's kernels', not Vulkan's, so resident on Vulkan0 is not their oracle; the mapping's are)."""
+    from ggml_hybrid.moe.stack_session import MoEStackSession
+    from ggml_hybrid.options import SessionOptions
+    from ggml_hybrid.synthetic import write_moe_stack
+
+    path = write_moe_stack(tmp_path / "s.gguf", n_layer=2, n_embd=256, n_ff=256, n_expert=8, n_used=2,
+                           expert_type="q8_0", seed=2)
+    xs = [np.random.default_rng(i).standard_normal((n, 256)).astype(np.float32) for i, n in enumerate((5, 1, 1))]
+    items = ["disk_experts=1", "expert_cache_slots=2", f"moe_cpu_share={share}"]
+    with MoEStackSession(path, SessionOptions.parse(items) if share else SessionOptions(), device=vk0) as s:
+        refs = [s.forward(x) for x in xs]
+    items.append("host_cache_bytes=16M")
+    with MoEStackSession(path, SessionOptions.parse(items), device=vk0) as s:
+        assert s.layers.tier.buffer_type == "Vulkan_Host" and not s.layers.executors[0].tier_direct
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        c, tier = s.counters.total, s.layers.tier.counters
+        assert tier.misses > 0 and tier.hits + tier.misses == c.misses + c.cpu_misses
+        assert (c.cpu_misses > 0) == (share > 0)
