@@ -1142,6 +1142,7 @@ void hy_moe_exec_plain_loads(hy_moe_exec * ex) {
     /* calls never leave uploads in flight, so the buffers can simply go unused */
     ex->staged = false;
     ex->async_loads = false;
+    ex->tier_pinned = false;
 }
 
 int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
