@@ -12,6 +12,8 @@ Each run is a fresh process in a cgroup v1 memory group (``/sys/fs/cgroup/memory
   device, loads copied from the mapping (the page cache) as before the host tier;
 - ``tier``: the same with ``host_cache_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT), loads
   copied from the tier into the slots (repacked Q4_K slots where the CPU repacks, as resident experts are);
+- ``tier-plain``: ``tier`` with ``repack=0`` (plain slots): against ``tier-cpu``, what the slots and their copies
+  cost, the kernels being the same;
 - ``tier-cpu``: the CPU-only tier: every expert computed straight from the tier's frames, no slot and no copy,
   the file's experts unmapped; ``repack=0``, since the frames are plain memory (Q4_K is repacked otherwise);
 - ``tier-share``: the tier with a CPU share (``moe_cpu_share`` = --share, ``repack=0``): the CPU worker's rows
@@ -28,7 +30,8 @@ file itself (2 MiB O_DIRECT reads at random aligned offsets, 4 in flight, as the
 bytes read per decoded token gives the disk's bound on decode tok/s.
 
     sudo python tools/bench/bench_host_tier.py MODEL --llama-python /opt/llref/bin/python --limit 700M \\
-        --slots 8 --tier 192M [--rounds 2] [--prompt 8] [--n 9]
+        --slots 8 --tier 192M [--tier-cpu 420M] [--share 0.5] [--sides llama,mapped,tier,tier-cpu,tier-share] \\
+        [--rounds 2] [--prompt 8] [--n 9]
 """
 
 from __future__ import annotations
@@ -109,8 +112,8 @@ def run_side(side: str, ns: dict) -> dict:
     else:
         items = ["n_threads=1", "n_ctx=256", "disk_experts=1", f"expert_cache_slots={ns['slots']}"]
         if side.startswith("tier"):
-            items.append(f"host_cache_bytes={ns['tier']}")
-        if side == "tier-cpu":
+            items.append(f"host_cache_bytes={ns['tier_cpu'] if side == 'tier-cpu' else ns['tier']}")
+        if side in ("tier-cpu", "tier-plain"):
             items.append("repack=0")
         if side == "tier-share":
             items += ["repack=0", f"moe_cpu_share={ns['share']}"]
@@ -150,11 +153,15 @@ def run_side(side: str, ns: dict) -> dict:
 @click.option("--n", default=9, show_default=True, help="Greedy tokens (the first from the prompt's logits).")
 @click.option("--sides", default="llama,mapped,tier,tier-cpu,tier-share", show_default=True)
 @click.option("--share", default=0.5, show_default=True, help="moe_cpu_share of the tier-share side.")
+@click.option("--tier-cpu", "tier_cpu", default=None,
+              help="host_cache_bytes of the tier-cpu side (default: --tier); it has no slots, so giving it the slots' "
+                   "memory too compares equal footprints.")
 @click.option("--greedy", is_flag=True, help="Decode greedy tokens instead of a fixed varied sequence.")
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every run here.")
-def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, share, greedy, json_out) -> None:
+def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, share, tier_cpu, greedy,
+         json_out) -> None:
     ns = dict(model=model, llama_python=llama_python, limit=parse_size(limit), slots=slots, tier=parse_size(tier),
-              share=share,
+              share=share, tier_cpu=parse_size(tier_cpu or tier),
               n=n, tokens=[1 + (i * 37) % 300 for i in range(prompt)],
               # decoded tokens forced to a varied sequence (a random model's greedy loop repeats one token, whose
               # routing then repeats too, which flatters every side's caches); --greedy decodes greedily
@@ -193,7 +200,7 @@ def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, shar
               f"{format_bytes(statistics.median(x['cgroup_peak'] for x in ok))} | "
               f"{(str(t['hits']) + ' / ' + str(t['misses']) + ', ' + str(t['waits'])) if t else '-'} |")
     if "llama" in summary:
-        for side in ("mapped", "tier", "tier-cpu", "tier-share"):
+        for side in ("mapped", "tier", "tier-plain", "tier-cpu", "tier-share"):
             if side in summary:
                 print(f"decode {side} / llama: {summary[side]['decode_tps'] / summary['llama']['decode_tps']:.2f}x")
     for side, s in summary.items():
