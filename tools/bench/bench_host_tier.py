@@ -12,8 +12,6 @@ Each run is a fresh process in a cgroup v1 memory group (``/sys/fs/cgroup/memory
   device, loads copied from the mapping (the page cache) as before the host tier;
 - ``tier``: the same with ``host_cache_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT), loads
   copied from the tier into the slots (repacked Q4_K slots where the CPU repacks, as resident experts are);
-- ``tier-plain``: ``tier`` with ``repack=0`` (plain slots): against ``tier-cpu``, what the slots and their copies
-  cost, the kernels being the same;
 - ``tier-cpu``: the CPU-only tier: every expert computed straight from the tier's frames, no slot and no copy,
   the file's experts unmapped; ``repack=0``, since the frames are plain memory (Q4_K is repacked otherwise);
 - ``tier-share``: the tier with a CPU share (``moe_cpu_share`` = --share, ``repack=0``): the CPU worker's rows
@@ -113,7 +111,7 @@ def run_side(side: str, ns: dict) -> dict:
         items = ["n_threads=1", "n_ctx=256", "disk_experts=1", f"expert_cache_slots={ns['slots']}"]
         if side.startswith("tier"):
             items.append(f"host_cache_bytes={ns['tier_cpu'] if side == 'tier-cpu' else ns['tier']}")
-        if side in ("tier-cpu", "tier-plain"):
+        if side == "tier-cpu":
             items.append("repack=0")
         if side == "tier-share":
             items += ["repack=0", f"moe_cpu_share={ns['share']}"]
@@ -200,7 +198,7 @@ def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, shar
               f"{format_bytes(statistics.median(x['cgroup_peak'] for x in ok))} | "
               f"{(str(t['hits']) + ' / ' + str(t['misses']) + ', ' + str(t['waits'])) if t else '-'} |")
     if "llama" in summary:
-        for side in ("mapped", "tier", "tier-plain", "tier-cpu", "tier-share"):
+        for side in ("mapped", "tier", "tier-cpu", "tier-share"):
             if side in summary:
                 print(f"decode {side} / llama: {summary[side]['decode_tps'] / summary['llama']['decode_tps']:.2f}x")
     for side, s in summary.items():
