@@ -111,7 +111,7 @@ def test_the_tier_is_bit_identical_to_resident(tmp_path, case):
     if faulted:
         return  # the failed call's counts are partial
     if direct:  # every distinct expert of every call asked the tier once, no slot was loaded
-        assert tier.hits + tier.misses == slots.distinct and slots.misses == 0
+        assert tier.hits + tier.misses == slots.distinct == slots.hits and slots.misses == 0
     else:  # every slot load and every CPU expert asked the tier once: from RAM (a hit) or from the file (a miss)
         assert tier.hits + tier.misses == slots.misses + slots.cpu_misses
     # each expert read from the file is its tensors' bytes, each rounded out to whole 4 KiB blocks

@@ -674,6 +674,8 @@ static int run_direct(hy_moe_exec * ex, hy_call * call) {
     c->calls++;
     c->routed += call->n_rows;
     c->distinct += call->n_experts;
+    c->hits += call->n_experts; /* none needed a load (hits + misses + cpu_misses = distinct still holds); the
+                                   tier's own counters tell those in RAM from those read from the file */
     c->device_ns += hy_now_ns() - call->t0;
     return HY_OK;
 }
