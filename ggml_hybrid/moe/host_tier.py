@@ -114,9 +114,6 @@ class HostTier(Managed):
         super().__init__(ptr, lib.hy_tier_free)
         self.store, self.budget = store, budget
         self.layer_labels: list[int] = []
-        #: the arena's buffer type: the device's pinned host type (e.g. ``Vulkan_Host``), or ``CPU``
-        self.buffer_type = ffi.string(lib.ggml_backend_buft_name(
-            lib.ggml_backend_cpu_buffer_type() if buffer_type is None else buffer_type)).decode()
 
     def add_layer(self, label: int, names: dict[str, str]) -> int:
         """Register the experts of one layer (``names``: kind -> tensor name, in the executor's kind order);
@@ -138,6 +135,12 @@ class HostTier(Managed):
         if self.closed:
             return self._final
         return TierCounters.from_c(lib.hy_tier_counters_of(self.ptr))
+
+    @property
+    def buffer_type(self) -> str:
+        """The frames' buffer type: the device's pinned host type (e.g. ``Vulkan_Host``), or ``CPU`` (none asked, or
+        the pinned allocation refused at the first call)."""
+        return ffi.string(lib.ggml_backend_buft_name(lib.hy_tier_buffer_type(self.ptr))).decode()
 
     @property
     def direct(self) -> bool:

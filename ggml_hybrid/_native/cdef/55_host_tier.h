@@ -21,6 +21,7 @@ typedef struct hy_tier_arena_info {
 } hy_tier_arena_info;
 int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info);
 size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind);
+ggml_backend_buffer_type_t hy_tier_buffer_type(const hy_tier * t);
 int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src, int * frame);
 void hy_tier_release(hy_tier * t);
 const char * hy_tier_error(const hy_tier * t);

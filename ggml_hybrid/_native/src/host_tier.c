@@ -345,6 +345,12 @@ static int ensure_arena(hy_tier * t, char * err, size_t err_size) {
     t->free_frames = malloc(sizeof(int) * (size_t) n);
     t->arena_buf = t->free_frames == NULL ? NULL
         : ggml_backend_buft_alloc_buffer(t->buft, (size_t) n * frame + HY_TIER_ALIGN);
+    if (t->arena_buf == NULL && t->free_frames != NULL && t->buft != ggml_backend_cpu_buffer_type()) {
+        /* pinned memory is allocated (and locked) whole, and a driver may refuse a large budget of it: plain
+           memory then, whose pages are touched only as frames fill (loads stage through the device's buffers) */
+        t->buft = ggml_backend_cpu_buffer_type();
+        t->arena_buf = ggml_backend_buft_alloc_buffer(t->buft, (size_t) n * frame + HY_TIER_ALIGN);
+    }
     if (t->arena_buf == NULL) {
         snprintf(err, err_size, "the host tier cannot allocate %lld bytes of %s memory for its %lld experts",
                  (long long) n * (long long) frame, ggml_backend_buft_name(t->buft), (long long) n);

@@ -70,7 +70,8 @@ typedef struct hy_tier_arena_info {
 int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info);
 /* Where kind `kind` of layer `layer`'s experts sits in every frame (bytes from the frame's start). */
 size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind);
-/* The arena's buffer type (a device's pinned host type: its uploads can read the frames directly). */
+/* The arena's buffer type (a device's pinned host type: its uploads can read the frames directly; the CPU's when
+   the pinned allocation was refused). */
 ggml_backend_buffer_type_t hy_tier_buffer_type(const hy_tier * t);
 
 /* Start reading the experts `experts[0..n)` of `layer` that the tier does not hold, and keep all of them

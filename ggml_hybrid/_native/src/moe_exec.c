@@ -76,7 +76,8 @@ struct hy_moe_exec {
     struct ggml_context * tier_ctx;
     hy_experts tier_w;
     int n_frames;
-    bool tier_pinned;        /* the tier's frames are the device's pinned host buffer type (staged devices) */
+    bool tier_pinned;        /* the tier's frames may be the device's pinned host buffer type (staged devices) */
+    ggml_backend_buffer_type_t stage_buft; /* the device's pinned host buffer type (staging) */
 };
 
 static int fail(hy_moe_exec * ex, int code, const char * fmt, const char * detail) {
@@ -186,7 +187,8 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
             ex->stage[i].event = dev != NULL ? ggml_backend_event_new(dev) : NULL;
         }
         ex->staged = host != NULL;
-        ex->tier_pinned = ex->staged && cfg->tier != NULL && hy_tier_buffer_type(cfg->tier) == host;
+        ex->stage_buft = host;
+        ex->tier_pinned = ex->staged && cfg->tier != NULL;
         if (!ex->staged && dev != NULL) {
             /* the backend copies the data when it queues the upload (GGML's RPC client does), so the
                mapping can be the source and reading the next expert overlaps sending this one */
@@ -359,7 +361,8 @@ static int64_t load(hy_moe_exec * ex, int e, int slot, bool ahead) {
     for (int i = 0; i < ex->cfg.n_kinds; i++) {
         const size_t nb = ex->cfg.nbytes[i];
         const uint8_t * src = srcs[i];
-        if (ex->async_loads || (ex->tier_pinned && !ahead)) {
+        /* the tier's arena is the pinned type unless that allocation failed (then it is the CPU's) */
+        if (ex->async_loads || (ex->tier_pinned && !ahead && hy_tier_buffer_type(ex->cfg.tier) == ex->stage_buft)) {
             ggml_backend_tensor_set_async(ex->cfg.device, ex->cfg.slot_tensor[i], src, (size_t) slot * nb, nb);
             ex->async_pending = true;
         } else if (!ex->staged) {
