@@ -221,3 +221,32 @@ def test_a_cached_prompt_graph_runs_again_after_a_decode_and_a_reset(model_path)
     res = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True, timeout=300,
                          env=env)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("items", [[], ["disk_experts=1", "expert_cache_slots=2"]], ids=["resident", "cache"])
+def test_several_sequences_in_one_decode_step_against_their_lone_runs(model_path, items):
+    """Three sequences decoded together (``MoEModel.decode``), each against itself run alone on the device, by
+    tools/parity.py's "alone" rule. On the CPU they are bit-identical (row-wise products, patch 0004); GGML's
+    Vulkan kernels give a row among up to 8 others other last bits (lavapipe: 2e-7), and from 9 rows a tiled kernel
+    (1e-3), which the step's limit on Vulkan keeps out (``decode_rows``). The cache at share 0 only: with a CPU
+    share, which misses the CPU takes depends on the step's other sequences, so an expert of a sequence may be
+    computed by the CPU in one run and by the device in the other (the "cpu" rule's difference)."""
+    n, steps = 3, 2
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(4, 300, 3 + i).tolist() for i in range(n)]
+    toks = rng.integers(4, 300, (steps, n)).tolist()
+    opts = SessionOptions.parse([*items, f"devices={GPU}", f"n_parallel={n}"])
+    with MoEModel(model_path, opts) as m:
+        if BACKEND == "Vulkan":
+            assert m.decode_rows == (8 if not items else 8 // 4)  # the mat-vec limit; with a cache, 4 rows a token
+        firsts = [m.eval(p, seq=i)[-1] for i, p in enumerate(prompts)]
+        together = np.stack([np.stack(firsts)] + [m.decode([(i, t[i]) for i in range(n)]) for t in toks], axis=1)
+    rule = _rule(model_path, "alone")
+    with MoEModel(model_path, SessionOptions.parse([*items, f"devices={GPU}"])) as m:
+        for i in range(n):
+            m.reset()
+            alone = np.stack([m.eval(prompts[i])[-1]] + [m.eval([t[i]])[-1] for t in toks])
+            np.testing.assert_array_equal(together[i, 0], alone[0])  # the prompt ran alone in both
+            ok, rel = rule.check(together[i, 1:], alone[1:], [0], [0])
+            assert ok and (together[i, 1:].argmax(-1) == alone[1:].argmax(-1)).all(), \
+                f"sequence {i}: relative diff {rel:.3g}; rule {rule.text} ({rule.why})"

@@ -53,6 +53,11 @@ def loads(steps: int, warmup: int, token_counts: tuple[int, ...]) -> None:
             ex.use_plain_loads()
         assert {ex.load_mode for ex in sessions["staged"].executors} == {"staged"}
         refs, ref_backends = _sessions(path, {"resident": []})
+        for s in sessions.values():
+            # the executors' compute memory at its size for this token count at once, as MoEModel reserves at load:
+            # grown call by call, a device buffer freed and another allocated between graphs of other row counts
+            # corrupted the heap in GGML's Vulkan backend on lavapipe (docs/vulkan.md)
+            s.layers.reserve(n_tokens)
         med, d = _run(sessions, refs["resident"], n_tokens, steps, warmup, seed=5 + n_tokens)
         for k, s in sessions.items():
             row = d[k]
