@@ -32,10 +32,10 @@ import pytest
 from helpers import EPS32, check_close, dot_tol
 
 import ggml_hybrid as gh
-from ggml_hybrid.ggml.backend import gpu_device_names
-from ggml_hybrid.gguf.store import load_into
 from ggml_hybrid import lib
 from ggml_hybrid._native.status import check_status
+from ggml_hybrid.ggml.backend import gpu_device_names
+from ggml_hybrid.gguf.store import load_into
 from ggml_hybrid.moe.ffn import ExpertWeights, weighted_sum
 from ggml_hybrid.moe.row_graphs import RowGraphs, row_bucket
 from ggml_hybrid.moe.stack_session import MoEStackSession

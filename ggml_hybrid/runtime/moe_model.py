@@ -43,8 +43,7 @@ from ..errors import (
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
-from ..ggml.graph import (REPACK_GEMM_MIN_ROWS, ROWWISE_REPACK_TYPE, TILED_MIN_ROWS, TILED_TYPES,
-                          VULKAN_MAT_VEC_ROWS)
+from ..ggml.graph import REPACK_GEMM_MIN_ROWS, ROWWISE_REPACK_TYPE, TILED_MIN_ROWS, TILED_TYPES, VULKAN_MAT_VEC_ROWS
 from ..ggml.graph_cache import GraphCache
 from ..ggml.repack import buffer_type_name, repack_buffer_type
 from ..ggml.sched import Scheduler
