@@ -14,7 +14,8 @@
 #    resident) and the hybrid benchmark (share 0, 0.5, auto);
 # 4. leaves device_report.json, device_report.md, test_gpu.xml and the logs in OUT_DIR.
 # Exit status: 0 when every test and parity check passed. On lavapipe (Mesa's Vulkan on the CPU, to check a Vulkan
-# bundle without a GPU): GGML_VK_VISIBLE_DEVICES=0 DEVICE_CHECK_ARGS=--small bash tools/device_check.sh build/device_bundle_vulkan
+# bundle without a GPU): GGML_VK_VISIBLE_DEVICES=0 DEVICE_CHECK_ARGS=--small DEVICE_CHECK_PYTEST_TIMEOUT=600 \
+#   bash tools/device_check.sh build/device_bundle_vulkan (lavapipe runs the tests on the CPU: minutes, not seconds)
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -71,7 +72,7 @@ cd "$SCRATCH" || exit 2
     | tee -a "$OUT_DIR/devices.txt"
 
 say "${tests[*]##*/}"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --rootdir "$REPO" "${tests[@]}" \
+timeout "${DEVICE_CHECK_PYTEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --rootdir "$REPO" "${tests[@]}" \
     --junitxml "$OUT_DIR/test_gpu.xml" 2>&1 | tee "$OUT_DIR/test_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 
