@@ -11,6 +11,7 @@ from .._native import CData, ffi, lib
 from .._native.status import check_status
 from ..checks import check_int
 from ..errors import AllocationError, BackendError, IndexRangeError
+from . import index_errors
 from .dtypes import GGMLType
 from .tensor import Tensor, _buffer_of
 
@@ -220,4 +221,7 @@ class Graph:
                 raise BackendError(f"Graph.compute: tensor {t.name!r} has no memory; use a Scheduler to "
                                    "allocate graph nodes, or a Context(no_alloc=False)")
         status = lib.ggml_backend_graph_compute(backend.ptr, self.ptr)
+        if status != lib.GGML_STATUS_SUCCESS:
+            index_errors.raise_local([backend], self.ptr)  # an index out of range (vendor patch 0009)
         check_status(status, f"graph compute on {backend.name}")
+        index_errors.raise_remote([backend])  # an RPC server's kernel met one (patch 0010)
