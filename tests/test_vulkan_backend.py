@@ -205,8 +205,8 @@ def test_the_host_tier_on_vulkan_uses_its_pinned_host_buffers(tmp_path, share):
     are).
 
     Each session gets its own Vulkan0 backend: disk-expert sessions one after another on one Vulkan backend corrupt
-    the heap within a few sessions on lavapipe, on main too, with or without the tier (found here, not fixed:
-    docs/vulkan.md)."""
+    the heap within a few sessions on lavapipe, on main too, with or without the tier (docs/vulkan.md: probably the
+    heap corruption of test_device_buffers_freed_between_graphs_of_other_sizes)."""
     from ggml_hybrid.moe.stack_session import MoEStackSession
     from ggml_hybrid.options import SessionOptions
     from ggml_hybrid.synthetic import write_moe_stack
@@ -228,3 +228,45 @@ def test_the_host_tier_on_vulkan_uses_its_pinned_host_buffers(tmp_path, share):
         assert tier.misses > 0 and tier.hits + tier.misses == c.misses + c.cpu_misses
         assert (c.cpu_misses > 0) == (share > 0)
         assert c.bytes_staged == 0  # the call's loads read the pinned frames, not the staging buffers
+
+
+_FREED_BETWEEN_SIZES = """
+import numpy as np, ggml_hybrid as gh
+from ggml_hybrid import lib
+d = gh.vulkan(0)
+rng = np.random.default_rng(0)
+w = rng.standard_normal((8, 64, 64)).astype(np.float32)
+with gh.Context(n_tensors=3) as wctx:
+    W = [wctx.new_tensor("f32", w.shape, f"w{i}") for i in range(3)]
+    wctx.allocate(d, "weights")
+    for t in W:
+        t.set(w)
+    for r in range(40):
+        n = 2 + r % 2
+        with gh.Context(n_tensors=16, graph_size=32) as ctx:
+            x = ctx.new_tensor("f32", (n, 1, 64), "x")
+            ids = ctx.new_tensor("i32", (n, 1), "ids")
+            act = ctx.glu(ctx.mul_mat_id(W[0], x, ids), ctx.mul_mat_id(W[1], x, ids), kind="swiglu")
+            y = ctx.mul_mat_id(W[2], act, ids)
+            g = ctx.new_graph(32).expand(y)
+            ctx.allocate(d)  # a new device buffer for each graph, freed when the context closes
+            x.set(rng.standard_normal((n, 1, 64)).astype(np.float32))
+            ids.set(np.zeros((n, 1), np.int32))
+            assert lib.ggml_backend_graph_compute(d.ptr, g.ptr) == 0
+            y.numpy()
+print("ok")
+"""
+
+
+@needs_device
+@pytest.mark.xfail(strict=True, reason="GGML's Vulkan backend on lavapipe corrupts the heap (glibc aborts: 'corrupted "
+                   "double-linked list') when a device buffer is freed and another allocated between graphs of other "
+                   "row counts; the package reserves its compute memory once (docs/vulkan.md)")
+def test_device_buffers_freed_between_graphs_of_other_sizes():
+    """An expert FFN graph (two mul_mat_id of one input, their SwiGLU, a third mul_mat_id) of 2 then 3 token rows,
+    alternately, each in a context of its own allocated on Vulkan0 and freed after: no scheduler, no code of ours
+    between GGML and the driver. Runs in a child process: the abort must not take the test run with it. The same
+    graphs with one row count, or with the contexts kept, run to the end."""
+    res = subprocess.run([sys.executable, "-c", _FREED_BETWEEN_SIZES], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-500:]
