@@ -303,6 +303,18 @@ def header_tree(vendor: Path, patches: list[Path], dest: Path) -> None:
     patch_headers(dest, patches)
 
 
+def pin_headers(vendor: Path | None = None) -> Path:
+    """The pin's headers, unpatched, extracted once into the cache (reading the archive takes seconds)."""
+    pin = info.load_pin(vendor or VENDOR)
+    where = cache_root() / "abi" / f"headers-{pin['ggml_version']}-{pin['sha256'][:16]}"
+    with _locked(where):
+        if not (where / "DONE").exists():
+            shutil.rmtree(where, ignore_errors=True)
+            header_tree(vendor or VENDOR, [], where)
+            (where / "DONE").write_text(pin["archive"] + "\n")
+    return where
+
+
 def patch_headers(tree: Path, patches: list[Path]) -> None:
     """Apply the header parts of ``patches`` to a tree of GGML's headers."""
     for p in patches:
@@ -329,8 +341,7 @@ def abi_verdict(vendor: Path | None = None, fresh: bool = False) -> dict:
             return json.loads(cached.read_text())
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
-            pin_tree, patched_tree = Path(tmp) / "pin", Path(tmp) / "patched"
-            header_tree(vendor, [], pin_tree)
+            pin_tree, patched_tree = pin_headers(vendor), Path(tmp) / "patched"
             shutil.copytree(pin_tree, patched_tree)
             patch_headers(patched_tree, base)
             try:

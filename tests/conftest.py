@@ -14,9 +14,6 @@ import ggml_hybrid as gh
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=100, deadline=None)
-# the op tests run again through another backend (tests/test_pin_backend.py): every op, fewer examples
-settings.register_profile("twin", derandomize=True, deadline=None, max_examples=8,
-                          suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

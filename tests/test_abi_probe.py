@@ -39,11 +39,9 @@ def build(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pin(build, tmp_path_factory) -> Path:
+def pin(build) -> Path:
     """The pin's headers, unpatched."""
-    tree = tmp_path_factory.mktemp("pin")
-    build.header_tree(build.VENDOR, [], tree)
-    return tree
+    return build.pin_headers()
 
 
 def _edit(src: Path, dest: Path, rel: str, old: str, new: str) -> Path:
@@ -157,7 +155,8 @@ def test_a_backend_is_rebuilt_only_when_a_patch_changes_the_interface(build, ven
     assert patches0 == ["0990-fake.patch"]  # the pin and its own patch: no patch of ggml-base, none of the CPU's
     base = [p for p in buildinfo.patch_files(vendor) if buildinfo.touches_ggml_base(p)]
     patched = tmp_path / "patched"
-    build.header_tree(vendor, base, patched)
+    shutil.copytree(build.pin_headers(), patched)
+    build.patch_headers(patched, base)
     if kind == "appended enum member":
         patch = _series_patch(patched, "include/ggml.h", "        GGML_HINT_ROWWISE          = 2,\n",
                               "        GGML_HINT_ROWWISE          = 2,\n        GGML_HINT_SYNTHETIC        = 3,\n")
@@ -191,7 +190,7 @@ def test_patches_of_ggml_base_code_and_of_other_backends_never_reach_a_backend(b
     (vendor / "patches" / "0970-fake.patch").write_text(
         "--- a/src/ggml-fake/b.cpp\n+++ b/src/ggml-fake/b.cpp\n@@ -1 +1 @@\n-x\n+y\n")
     key, stamp, patches = _backend_build(build)  # its own patch: built again, with the same stamp
-    assert key != before[0] and stamp == before[1] and patches == [*before[2], "0970-fake.patch"]
+    assert key != before[0] and stamp == before[1] and patches == ["0970-fake.patch", *before[2]]
 
 
 def test_header_sections_keep_only_the_headers_of_a_patch():

@@ -96,8 +96,9 @@ def test_a_quantized_product_and_attention_give_our_bits(pin_cpu, cpu_backend):
 
 
 def test_the_op_tests_through_the_pins_cpu_backend_are_bit_identical_to_ours(pin_cpu):
-    """tests/test_ops.py with every graph computed on both backends (conftest's ``run``), 8 examples per test."""
-    env = {**os.environ, "GGML_HYBRID_OPS_TWIN": str(pin_cpu), "HYPOTHESIS_PROFILE": "twin"}
+    """tests/test_ops.py, whole (CI's hypothesis profile), with every graph computed on both backends (conftest's
+    ``run``)."""
+    env = {**os.environ, "GGML_HYBRID_OPS_TWIN": str(pin_cpu)}
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                           str(ROOT / "tests" / "test_ops.py")], cwd=ROOT / "tests", env=env, capture_output=True,
                          text=True, timeout=1200)

@@ -178,7 +178,13 @@ def _type_text(type_node: Any) -> str | None:
     if isinstance(inner, (c_ast.Struct, c_ast.Union, c_ast.Enum)):
         if inner.name is None:
             return None
-        _replace_innermost(node, type(inner)(inner.name, None))  # a tagged type defined in place: its tag alone
+        import copy
+        tag = copy.copy(inner)  # a tagged type defined in place: its tag alone
+        if isinstance(tag, c_ast.Enum):
+            tag.values = None
+        else:
+            tag.decls = None
+        _replace_innermost(node, tag)
     return str(c_generator.CGenerator().visit(c_ast.Typename(None, [], None, node))).strip()
 
 
@@ -358,13 +364,8 @@ def compare(reference: Path, candidate: Path) -> Verdict:
     those of ``candidate`` (the patched pin): every difference, in words."""
     import time
     t0 = time.monotonic()
-    ref = describe(reference)
+    ref, source, want = _reference(reference)
     cand = describe(candidate)
-    source = probe_source(ref)
-    want = run_probe(source, reference)
-    bad = [ln for ln in want if re.search(r" type 0$", ln)]
-    if bad:  # the probe's own type names must hold where they were read
-        raise ProbeError(f"the ABI probe's types do not hold in the reference headers: {bad[:3]}")
     differences: list[str] = []
     try:
         got = run_probe(source, candidate)
@@ -387,6 +388,28 @@ def compare(reference: Path, candidate: Path) -> Verdict:
                 differences.append(f"{kind} {name} changed" + (f": {text.strip()} -> {b[name].strip()}"
                                                                if kind == "macro" else ""))
     return Verdict(differences, ref.size(), time.monotonic() - t0)
+
+
+_REFERENCES: dict[str, tuple[Interface, str, list[str]]] = {}
+
+
+def _reference(tree: Path) -> tuple[Interface, str, list[str]]:
+    """The interface of the reference headers, its probe program and what it prints there; kept per process by the
+    headers' contents (several candidates are compared with one pin)."""
+    import hashlib
+    h = hashlib.sha256(str(tree.resolve()).encode())
+    for rel in sorted(str(p.relative_to(tree)) for d in _INCLUDES for p in (tree / d).glob("*.h")):
+        h.update(rel.encode() + b"\0" + (tree / rel).read_bytes())
+    key = h.hexdigest()
+    if key not in _REFERENCES:
+        ref = describe(tree)
+        source = probe_source(ref)
+        want = run_probe(source, tree)
+        bad = [ln for ln in want if re.search(r" type 0$", ln)]
+        if bad:  # the probe's own type names must hold where they were read
+            raise ProbeError(f"the ABI probe's types do not hold in the reference headers: {bad[:3]}")
+        _REFERENCES[key] = (ref, source, want)
+    return _REFERENCES[key]
 
 
 def _line_differences(want: list[str], got: list[str], ref: Interface) -> list[str]:
