@@ -195,7 +195,8 @@ class Options:
 
     def backend_args(self, name: str) -> list[str]:
         """One optional backend alone, as a library GGML loads at run time (no CPU backend in its tree)."""
-        return self.common_args(abi_stamp_of(backend_patches(name), VENDOR)) + ["-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU=OFF",
+        return self.common_args(abi_stamp_of(backend_patches(name), VENDOR)) + [
+            "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU=OFF",
                                      "-DGGML_NATIVE=OFF", *BACKENDS[name].cmake_args(self)]
 
 

@@ -67,7 +67,8 @@ CHANGES = {
         "include/ggml.h", "        enum ggml_type type;\n", "        enum ggml_type type;\n        int synthetic;\n",
         False, r"struct ggml_tensor: members .* \(added: synthetic\)"),
     "member inserted into ggml_tensor": (
-        "include/ggml.h", "        enum ggml_type type;\n", "        enum ggml_type type;\n        int64_t synthetic;\n",
+        "include/ggml.h", "        enum ggml_type type;\n",
+        "        enum ggml_type type;\n        int64_t synthetic;\n",
         False, r"struct ggml_tensor\.buffer offset 8 size 8 type 1 -> struct ggml_tensor\.buffer offset 16"),
     "backend interface callback gains a parameter": (
         "src/ggml-backend-impl.h", "(ggml_backend_t backend, struct ggml_cgraph * cgraph);",
@@ -77,8 +78,8 @@ CHANGES = {
         "include/ggml.h", "        GGML_OP_DUP,\n", "        GGML_OP_SYNTHETIC,\n        GGML_OP_DUP,\n",
         False, r"enum ggml_op: GGML_OP_DUP = 1 -> enum ggml_op: GGML_OP_DUP = 2"),
     "function gains a parameter": (
-        "include/ggml.h", "            struct ggml_tensor  * b);\n\n    GGML_API struct ggml_tensor * ggml_add_inplace(",
-        "            struct ggml_tensor  * b, int synthetic);\n\n    GGML_API struct ggml_tensor * ggml_add_inplace(",
+        "include/ggml.h", "            struct ggml_tensor  * b);\n\n    GGML_API struct ggml_tensor * ggml_add_inplace",
+        "            struct ggml_tensor  * b, int synthetic);\n\n    GGML_API struct ggml_tensor * ggml_add_inplace",
         False, r"function ggml_add type 1 -> function ggml_add type 0"),
     "macro changed": (
         "include/ggml.h", "#   define GGML_MAX_NAME        64", "#   define GGML_MAX_NAME        128",
@@ -199,6 +200,7 @@ def test_header_sections_keep_only_the_headers_of_a_patch():
              "+++ b/src/ggml.c\n@@ -1 +1 @@\n-z\n+w\n")
     part = build_script().header_sections(patch, lambda p: p.endswith(".h"))
     assert "include/ggml.h" in part and "src/ggml.c" not in part and "+y" in part and "+w" not in part
-    plain = "--- a/src/ggml-impl.h\n+++ b/src/ggml-impl.h\n@@ -1 +1 @@\n-a\n+b\n--- a/src/x.c\n+++ b/src/x.c\n@@\n-c\n+d\n"
+    plain = ("--- a/src/ggml-impl.h\n+++ b/src/ggml-impl.h\n@@ -1 +1 @@\n-a\n+b\n"
+             "--- a/src/x.c\n+++ b/src/x.c\n@@\n-c\n+d\n")
     part = build_script().header_sections(plain, lambda p: p.endswith(".h"))
     assert part == "--- a/src/ggml-impl.h\n+++ b/src/ggml-impl.h\n@@ -1 +1 @@\n-a\n+b\n"

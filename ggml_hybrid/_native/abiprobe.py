@@ -313,8 +313,8 @@ def probe_source(iface: Interface) -> str:
                 lines.append(where + f' P(" size %zu\\n", sizeof({obj}));')
             else:
                 lines.append(where + f' P(" size %zu type %d\\n", sizeof({obj}), SAME({obj}, {tp}));')
-    for enum, members in iface.enums.items():
-        for m in members:
+    for enum, names in iface.enums.items():
+        for m in names:
             lines.append(f'P("{enum}: %s = %lld\\n", {_c_string(m)}, (long long) {m});')
     for fn, tp in iface.functions.items():
         if tp.startswith(NORETURN):  # an error (-Werror=incompatible-pointer-types) if the signature differs
@@ -337,8 +337,8 @@ def run_probe(source: str, tree: Path) -> list[str]:
         c.write_text(source)
         # -O1 and sections collected: the headers' static functions, which call ggml-base, are left out (the
         # probe calls none of them, and links no GGML library)
-        _run([_cc(), "-std=gnu11", "-w", "-Werror=incompatible-pointer-types", "-O1", "-ffunction-sections", *_include_args(tree), "-o", str(exe), str(c),
-              "-Wl,--gc-sections"],
+        _run([_cc(), "-std=gnu11", "-w", "-Werror=incompatible-pointer-types", "-O1", "-ffunction-sections",
+              *_include_args(tree), "-o", str(exe), str(c), "-Wl,--gc-sections"],
              f"compiling the ABI probe against {tree}")
         return _run([str(exe)], "running the ABI probe").splitlines()
 

@@ -345,6 +345,6 @@ def devices() -> list[Device]:
     return out
 
 
-__all__ = ["GPU_BACKENDS", "Backend", "Buffer", "Device", "backend_from_library", "cpu", "cpu_features", "cpu_instance", "cpu_library",
-           "cuda", "cuda_available", "cuda_device_count", "devices", "gpu", "gpu_device_count", "gpu_device_names",
-           "vulkan", "vulkan_available", "vulkan_device_count"]
+__all__ = ["GPU_BACKENDS", "Backend", "Buffer", "Device", "backend_from_library", "cpu", "cpu_features",
+           "cpu_instance", "cpu_library", "cuda", "cuda_available", "cuda_device_count", "devices", "gpu",
+           "gpu_device_count", "gpu_device_names", "vulkan", "vulkan_available", "vulkan_device_count"]
