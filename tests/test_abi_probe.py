@@ -141,19 +141,24 @@ def vendor(build, tmp_path, monkeypatch):
     return copy
 
 
-def _backend_build(build) -> tuple[str, str, list[str]]:
-    """The fake backend's cache key, its stamp and the patches its source gets."""
-    patches = build.backend_patches("fake")
-    args = build.Options().backend_args("fake")
+def _backend_build(build, name: str = "fake") -> tuple[str, str, list[str]]:
+    """A backend's cache key, its stamp and the patches its source gets."""
+    patches = build.backend_patches(name)
+    try:
+        args = build.Options().backend_args(name)
+    except SystemExit as e:  # the Vulkan backend's build tools are missing here
+        pytest.skip(str(e))
     return build.ggml_key(args, patches), build.abi_stamp_of(patches), [p.name for p in patches]
 
 
+@pytest.mark.parametrize("name", ["fake", "vulkan"])
 @pytest.mark.parametrize("kind", ["appended enum member", "struct layout"])
-def test_a_backend_is_rebuilt_only_when_a_patch_changes_the_interface(build, vendor, tmp_path, kind):
-    key0, stamp0, patches0 = _backend_build(build)
+def test_a_backend_is_rebuilt_only_when_a_patch_changes_the_interface(build, vendor, tmp_path, kind, name):
+    key0, stamp0, patches0 = _backend_build(build, name)
     assert build.abi_verdict()["compatible"]
     assert stamp0 == build.abi_stamp() == buildinfo.pin_abi_stamp(vendor)
-    assert patches0 == ["0990-fake.patch"]  # the pin and its own patch: no patch of ggml-base, none of the CPU's
+    # the pin and its own patches: no patch of ggml-base, none of the CPU's
+    assert patches0 == {"fake": ["0990-fake.patch"], "vulkan": ["0007-vulkan-old-headers.patch"]}[name]
     base = [p for p in buildinfo.patch_files(vendor) if buildinfo.touches_ggml_base(p)]
     patched = tmp_path / "patched"
     shutil.copytree(build.pin_headers(), patched)
@@ -166,7 +171,7 @@ def test_a_backend_is_rebuilt_only_when_a_patch_changes_the_interface(build, ven
                               "        enum ggml_type type;\n        int synthetic;\n")
     (vendor / "patches" / "0950-synthetic.patch").write_text(patch)
     verdict = build.abi_verdict()
-    key, stamp, patches = _backend_build(build)
+    key, stamp, patches = _backend_build(build, name)
     if kind == "appended enum member":
         assert verdict["compatible"], verdict["differences"]
         # the backend's build is the one before: same key, same stamp, same source; ggml-base keeps the pin's stamp

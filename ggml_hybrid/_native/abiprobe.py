@@ -6,7 +6,8 @@ between the headers it was built with and ggml-base's:
 
 - the layout of every struct and union (``ggml_tensor``, ``ggml_cgraph``, the backend interface tables
   ``ggml_backend_i``, ``ggml_backend_device_i``, ...): its size and alignment, each member's offset, size and
-  type (a function pointer's type is its signature);
+  type (a function pointer's type is its signature), and its list of members (one added into padding leaves
+  every number as it was);
 - the value of every enum member (ops, types, flags); a member may be added at the end, before a ``*_COUNT``
   sentinel, which may then grow: a backend built before it does not know the new value, and GGML asks it with
   ``supports_op`` before using it;
@@ -20,7 +21,8 @@ typedef against the type the reference headers give it). ``compare(reference, ca
 from the reference headers (the unpatched pin), compiles and runs it against both trees and returns every
 difference; none means a backend library built from the reference headers works with a ggml-base built from the
 candidate ones. A program that does not compile against the candidate (a member or function removed) is a
-difference too, with the compiler's words.
+difference too, with the compiler's words. Not seen: what a function does (a patch that keeps a signature and
+changes the contract bumps ``buildinfo.ABI_SCHEME``) and the C++-only parts of the internal headers.
 
 Pure Python plus pycparser (a dependency of cffi), loaded by path by ``build.py`` before the package exists.
 """
