@@ -53,11 +53,14 @@ def test_ggml_base_carries_the_stamp_the_abi_probe_gives_it():
 
 
 def test_the_pins_cpu_backend_loads_into_our_ggml_base(pin_cpu):
+    n = lib.ggml_backend_dev_count()
     with backend_from_library(pin_cpu, n_threads=2) as twin:
-        assert twin.name == "CPU"
+        assert twin.name == "CPU" and lib.ggml_backend_dev_count() == n + 1
         assert cstr(lib.hy_reg_path(lib.ggml_backend_dev_backend_reg(lib.ggml_backend_get_device(twin.ptr)))) \
             == str(pin_cpu)
     assert cpu_library() != str(pin_cpu)  # our own CPU backend stays the one the package uses
+    # closed, the library left GGML's registry: the devices are this install's own again
+    assert [d.name for d in gh.devices()].count("CPU") == 1
 
 
 def test_a_library_without_the_stamp_is_named_in_the_error(tmp_path):
