@@ -367,5 +367,5 @@ def devices() -> list[Device]:
 
 
 __all__ = ["GPU_BACKENDS", "Backend", "Buffer", "Device", "LibraryBackend", "backend_from_library", "cpu",
-           "cpu_features", "cpu_instance", "cpu_library", "cuda", "cuda_available", "cuda_device_count", "devices", "gpu",
-           "gpu_device_count", "gpu_device_names", "vulkan", "vulkan_available", "vulkan_device_count"]
+           "cpu_features", "cpu_instance", "cpu_library", "cuda", "cuda_available", "cuda_device_count", "devices",
+           "gpu", "gpu_device_count", "gpu_device_names", "vulkan", "vulkan_available", "vulkan_device_count"]
