@@ -60,6 +60,10 @@ TILED_MIN_ROWS = 8
 # those of this extra buffer type take gemv for every row of a rowwise product (patch 0005)
 REPACK_GEMM_MIN_ROWS = 4
 ROWWISE_REPACK_TYPE = "CPU_REPACK"
+# GGML's Vulkan matrix products take their mat-vec kernels up to this many rows of the second operand (token rows
+# of a mul_mat_id: ggml-vulkan's mul_mat_vec_max_cols and ggml_vk_use_mul_mat_vec_id), a tiled kernel above that
+# rounds its operands to F16: a row's result among more rows is then another number than alone (1e-3 relative)
+VULKAN_MAT_VEC_ROWS = 8
 TILED_TYPES = frozenset({GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q4_K, GGMLType.Q3_K, GGMLType.Q2_K, GGMLType.IQ4_XS,
                          GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
                          GGMLType.IQ1_S, GGMLType.IQ1_M})
