@@ -14,7 +14,8 @@ exact ones to garbage, and a case is one connection's worth of them:
 - ``graphs``: the same buffer, then GRAPH_COMPUTE / GRAPH_RECOMPUTE of graphs of such tensors (ops,
   sources, views, counts that agree with the message or not);
 - ``ops``: the same buffer, then well-formed one-node graphs (every tensor a plausible type, packed, inside the
-  buffer) of any op with random small shapes, sources and parameters: what only the shape rules stop;
+  buffer) of any op with random small shapes, sources and parameters, the node flagged to be computed: what only
+  the shape and type rules stop (a type the op's CPU kernel lacks aborts it);
 - ``index``: the same buffer, then index data written with SET_TENSOR (in range, -1, the bound, 2^31-1, -2^31,
   random) and well-formed one-node graphs of the ops whose kernels index by it (GET_ROWS, SET_ROWS, MUL_MAT_ID,
   ADD_ID), each followed by ggml-hybrid's graph status request or, now and then, by another command (an
