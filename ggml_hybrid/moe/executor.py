@@ -288,6 +288,7 @@ class ExpertCacheExecutor:
         self._own_shared = shared is None
         shared = shared or (SharedBuffer(device), SharedBuffer(device))
         self._slot_rows = RowGraphs(self.slots, device, self.n_embd, glu, shared[1])  # compacted rounds
+        self._compact = device.is_cpu  # rounds compute compacted rows (else the call's graph, see _compute_rows)
         self.counters = LayerCounters()
         # one graph pair per token count, the least recently used dropped first: prompts of ever new
         # lengths must not grow memory (decode and recent lengths stay warm); all share one buffer
@@ -493,8 +494,24 @@ class ExpertCacheExecutor:
 
     def _compute_rows(self, call: _Call) -> tuple[int, int]:
         """This round's rows only, compacted (:class:`RowGraphs` pads them to their row bucket, the padding on the
-        zeroed pad slot); the results go to their places in ``merged``. Its rows, and the nanoseconds."""
+        zeroed pad slot); the results go to their places in ``merged``. Its rows, and the nanoseconds.
+
+        On a device that is not a CPU backend the round runs the call's own graph instead (every row, those of
+        other rounds on the pad slot): a GPU backend picks ``mul_mat_id``'s kernel by the call's token count
+        (GGML's Vulkan backend: its mat-vec kernel up to 8 tokens, its tiled kernel, which rounds F32 operands
+        to F16, above), so compacted rows would get another kernel than the resident graph gives them."""
         b = call.bucket
+        if not self._compact:
+            sel = b.slot_ids != self.pad_slot
+            n = int(np.count_nonzero(sel))
+            t = time.perf_counter_ns()
+            if n:
+                lib.ggml_backend_tensor_copy(call.x.ptr, b.p_x)
+                lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
+                _compute(self.device.ptr, b.pg_experts)
+                rows = _read_rows(b.down, sel.size, self.n_embd, np.float32).reshape(b.merged.shape)
+                b.merged[sel] = rows[sel]
+            return n, time.perf_counter_ns() - t
         assert call.xv is not None  # read by _plan for every call that computes on the host
         sel = b.slot_ids != self.pad_slot
         t = time.perf_counter_ns()
