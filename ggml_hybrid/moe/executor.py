@@ -9,7 +9,9 @@ work); the rest asks the :class:`~ggml_hybrid.expert_cache.SlotCache` for a plan
 experts than there are slots). A single round with no CPU rows runs ``mul_mat_id``
 over the slot tensors with the ids remapped to slots (rows of other experts point at
 the pad slot); otherwise each round computes only its own rows, compacted (see
-:mod:`ggml_hybrid.row_graphs`), and the rows merge on the host. Either way every
+:mod:`ggml_hybrid.row_graphs`) on a CPU backend, and on any other device through the call's
+own graph with the other rows on the pad slot (a GPU backend picks ``mul_mat_id``'s kernel by
+the token count), and the rows merge on the host. Either way every
 expert sees exactly the rows, in the same order, as in the resident ``mul_mat_id``,
 which makes the result bit-identical on the CPU. The weighted sum over the selected
 experts is then built with the same ops as the resident graph.
