@@ -345,9 +345,11 @@ class ExpertCacheExecutor:
 
     def reserve(self, n_tokens: int) -> None:
         """Grow the compute memory to what a call of ``n_tokens`` tokens needs, the most a call can need:
-        its graphs over the slots, and the row graphs of all its rows (every (token, expert) pair)."""
+        its graphs over the slots, and on a CPU backend the row graphs of all its rows (every (token, expert) pair;
+        another device runs a round through the call's graph)."""
         self._bucket(n_tokens)
-        self._slot_rows.reserve(n_tokens * self.n_used)
+        if self._compact:
+            self._slot_rows.reserve(n_tokens * self.n_used)
 
     def _bucket(self, n_tokens: int) -> _Bucket:
         def build(arena: Arena) -> _Bucket:

@@ -1052,9 +1052,11 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
     const hy_moe_config * cfg = &ex->cfg;
     const int k = cfg->n_used, E = cfg->n_embd;
     const enum ggml_glu_op glu = (enum ggml_glu_op) cfg->glu;
-    const int rows = hy_row_bucket(n_tokens * k); /* a round's row graph holds at most every row of the call */
+    const int rows = hy_row_bucket(n_tokens * k); /* a round's row graph holds at most every row of the call;
+                                                     a device that is not a CPU backend runs the call's graph */
     if (hy_graph_get(&ex->graphs, HY_GRAPH_FULL, n_tokens, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
-        hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
+        (ex->compact && hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E,
+                                     glu) == NULL) ||
         hy_graph_get(&ex->graphs, HY_GRAPH_SUM, n_tokens, NULL, NULL, k, E, glu) == NULL ||
         (!ex->compact && hy_graph_get(&ex->graphs, HY_GRAPH_CALL, n_tokens, &cfg->slots, cfg->slots.down, k, E,
                                       glu) == NULL)) {
