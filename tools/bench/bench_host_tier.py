@@ -3,14 +3,19 @@
 
 Each run is a fresh process in a cgroup v1 memory group (``/sys/fs/cgroup/memory/hy_host_tier``) whose limit
 (--limit, about a third of the model) counts its page cache too, started from a cold page cache (``echo 3 >
-/proc/sys/vm/drop_caches`` before each). Sides, alternated A,B,C then C,B,A per round:
+/proc/sys/vm/drop_caches`` before each). Sides (--sides), alternated in order then in reverse order per round:
 
 - ``llama``: llama.cpp through llama-cpp-python (``_llama_worker.py`` under --llama-python), CPU, the file
   memory-mapped (its default) and ``--no-repack`` (llama.cpp's default repacks Q4_K experts into anonymous
   memory at load: the whole model would be copied into RAM, which the cgroup kills);
 - ``mapped``: ggml-hybrid, disk experts behind --slots expert cache slots per layer on the CPU playing the
   device, loads copied from the mapping (the page cache) as before the host tier;
-- ``tier``: the same with ``host_cache_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT).
+- ``tier``: the same with ``host_cache_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT), loads
+  copied from the tier into the slots (repacked Q4_K slots where the CPU repacks, as resident experts are);
+- ``tier-cpu``: the CPU-only tier: every expert computed straight from the tier's frames, no slot and no copy,
+  the file's experts unmapped; ``repack=0``, since the frames are plain memory (Q4_K is repacked otherwise);
+- ``tier-share``: the tier with a CPU share (``moe_cpu_share`` = --share, ``repack=0``): the CPU worker's rows
+  from the tier's frames, the rest through the slots; the worker is a second thread (1 + 1).
 
 Each run: load, then a prompt of --prompt tokens in one eval and --n - 1 decode steps one token each, 1 thread;
 the decoded tokens are a fixed varied sequence (``force``; --greedy: the greedy ones), because a random-weight
@@ -23,7 +28,8 @@ file itself (2 MiB O_DIRECT reads at random aligned offsets, 4 in flight, as the
 bytes read per decoded token gives the disk's bound on decode tok/s.
 
     sudo python tools/bench/bench_host_tier.py MODEL --llama-python /opt/llref/bin/python --limit 700M \\
-        --slots 8 --tier 192M [--rounds 2] [--prompt 8] [--n 9]
+        --slots 8 --tier 192M [--tier-cpu 420M] [--share 0.5] [--sides llama,mapped,tier,tier-cpu,tier-share] \\
+        [--rounds 2] [--prompt 8] [--n 9]
 """
 
 from __future__ import annotations
@@ -103,8 +109,12 @@ def run_side(side: str, ns: dict) -> dict:
         cmd = [ns["llama_python"], str(HERE / "_llama_worker.py"), ns["model"], "1", "256", "--no-repack"]
     else:
         items = ["n_threads=1", "n_ctx=256", "disk_experts=1", f"expert_cache_slots={ns['slots']}"]
-        if side == "tier":
-            items.append(f"host_cache_bytes={ns['tier']}")
+        if side.startswith("tier"):
+            items.append(f"host_cache_bytes={ns['tier_cpu'] if side == 'tier-cpu' else ns['tier']}")
+        if side == "tier-cpu":
+            items.append("repack=0")
+        if side == "tier-share":
+            items += ["repack=0", f"moe_cpu_share={ns['share']}"]
         cmd = [sys.executable, str(HERE / "_tier_worker.py"), ns["model"], *items]
     # the process joins the cgroup before it execs the worker: everything it maps or reads is charged there
     shell = f"echo $$ > {CGROUP}/cgroup.procs && exec " + " ".join(f"'{c}'" for c in cmd)
@@ -139,11 +149,17 @@ def run_side(side: str, ns: dict) -> dict:
 @click.option("--rounds", default=2, show_default=True)
 @click.option("--prompt", default=8, show_default=True)
 @click.option("--n", default=9, show_default=True, help="Greedy tokens (the first from the prompt's logits).")
-@click.option("--sides", default="llama,mapped,tier", show_default=True)
+@click.option("--sides", default="llama,mapped,tier,tier-cpu,tier-share", show_default=True)
+@click.option("--share", default=0.5, show_default=True, help="moe_cpu_share of the tier-share side.")
+@click.option("--tier-cpu", "tier_cpu", default=None,
+              help="host_cache_bytes of the tier-cpu side (default: --tier); it has no slots, so giving it the slots' "
+                   "memory too compares equal footprints.")
 @click.option("--greedy", is_flag=True, help="Decode greedy tokens instead of a fixed varied sequence.")
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every run here.")
-def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, greedy, json_out) -> None:
+def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, share, tier_cpu, greedy,
+         json_out) -> None:
     ns = dict(model=model, llama_python=llama_python, limit=parse_size(limit), slots=slots, tier=parse_size(tier),
+              share=share, tier_cpu=parse_size(tier_cpu or tier),
               n=n, tokens=[1 + (i * 37) % 300 for i in range(prompt)],
               # decoded tokens forced to a varied sequence (a random model's greedy loop repeats one token, whose
               # routing then repeats too, which flatters every side's caches); --greedy decodes greedily
@@ -182,7 +198,7 @@ def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, gree
               f"{format_bytes(statistics.median(x['cgroup_peak'] for x in ok))} | "
               f"{(str(t['hits']) + ' / ' + str(t['misses']) + ', ' + str(t['waits'])) if t else '-'} |")
     if "llama" in summary:
-        for side in ("mapped", "tier"):
+        for side in ("mapped", "tier", "tier-cpu", "tier-share"):
             if side in summary:
                 print(f"decode {side} / llama: {summary[side]['decode_tps'] / summary['llama']['decode_tps']:.2f}x")
     for side, s in summary.items():
