@@ -359,8 +359,9 @@ class SessionOptions:
         "results never change.", _bool)
     moe_prefetch_bytes: int = _opt(
         0, "int", "an integer >= 0 (bytes)",
-        "Most bytes one layer call prefetches into the next layer (whole experts); 0 = the bytes of the next "
-        "layer's n_expert_used experts. Below one expert: predictions are counted, nothing is loaded.", _int(0))
+        "Most bytes one layer call prefetches into the next layer (whole experts), and with host_cache_bytes reads "
+        "ahead into the host tier; 0 = the bytes of the next layer's n_expert_used experts. Below one expert: "
+        "predictions are counted, nothing is loaded.", _int(0))
     moe_route_trace: Optional[str] = _opt(
         None, "str | None", "a routing trace file (.ghtrace) or none",
         "Benchmarks only (ggml-hybrid bench, tools/bench): each disk layer's routed experts are the next token rows "

@@ -2,7 +2,8 @@
 enum { HY_TIER_FAULT_EIO, HY_TIER_FAULT_SHORT };
 
 typedef struct hy_tier_counters {
-    int64_t hits, misses, bytes_read, read_ns, waits, wait_ns, evictions, faults, bytes_held;
+    int64_t hits, misses, bytes_read, read_ns, waits, wait_ns, evictions, faults, ahead, ahead_used, ahead_wasted,
+        bytes_held;
 } hy_tier_counters;
 
 typedef struct hy_tier hy_tier;
@@ -14,6 +15,9 @@ int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const u
 int64_t hy_tier_entry_bytes(const hy_tier * t, int layer);
 int hy_tier_fetch(hy_tier * t, int layer, const int32_t * experts, int n);
 int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src);
+int hy_tier_read_ahead(hy_tier * t, int layer, const int32_t * experts, int n);
+int hy_tier_holds(hy_tier * t, int layer, int e);
+void hy_tier_settle(hy_tier * t, int layer, const int32_t * experts, int n);
 void hy_tier_release(hy_tier * t);
 const char * hy_tier_error(const hy_tier * t);
 const hy_tier_counters * hy_tier_counters_of(const hy_tier * t);

@@ -61,6 +61,7 @@ struct hy_moe_exec {
     hy_moe_exec * next;
     const float * router, * router_bias, * select_bias;
     int pf_max, pf_max_tokens;
+    int ahead_max;           /* most predicted misses read ahead into the host tier (with one) */
     double * scores;         /* [next's n_expert] */
     int32_t * votes;         /* [next's n_expert]: the tokens that predict each expert */
     int32_t * cand;          /* [next's n_expert]: the predicted misses in load order; first, the taken marks of vote */
@@ -772,6 +773,9 @@ static void settle_prefetch(hy_moe_exec * ex, const hy_call * call) {
     if (!ex->has_prediction) {
         return;
     }
+    if (ex->cfg.tier != NULL) { /* the host tier judges what it read ahead for this call */
+        hy_tier_settle(ex->cfg.tier, ex->cfg.tier_layer, ex->experts, call->n_experts);
+    }
     hy_moe_counters * c = &ex->counters;
     c->predicted += ex->n_pred;
     c->predicted_of += call->n_experts;
@@ -836,7 +840,11 @@ static void prefetch(hy_moe_exec * ex, hy_call * call) {
         read_x(ex, call);
     }
     const int X = nx->cfg.n_expert;
+    hy_tier * tier = nx->cfg.tier;
     if (nx->has_prediction) { /* never judged (the next layer's call did not run): what it loaded is wasted */
+        if (tier != NULL) {
+            hy_tier_settle(tier, nx->cfg.tier_layer, NULL, 0);
+        }
         for (int i = 0; i < nx->n_pred; i++) {
             const int e = nx->pred_list[i];
             nx->counters.prefetch_wasted += nx->pf_mark[e];
@@ -876,16 +884,33 @@ static void prefetch(hy_moe_exec * ex, hy_call * call) {
     }
     nx->n_pred = n_pred;
     nx->has_prediction = true;
-    /* loads read the mapping: a changed file is left to the next call to report */
-    if (n_cand > 0 && ex->pf_max > 0 && (call->checked || file_unchanged(ex))) {
-        for (int i = 0; i < n_cand && i < ex->pf_max; i++) {
+    /* with a host tier, the predicted misses it lacks are read ahead now, without waiting: the next layer's
+       dense part runs meanwhile, and its call finds them held or on their way */
+    if (tier != NULL && n_cand > 0 && ex->ahead_max > 0) {
+        hy_tier_read_ahead(tier, nx->cfg.tier_layer, ex->cand, n_cand < ex->ahead_max ? n_cand : ex->ahead_max);
+    }
+    /* loads read the mapping (or the tier): a changed file is left to the next call to report */
+    if (n_cand > 0 && ex->pf_max > 0 && (tier != NULL || call->checked || file_unchanged(ex))) {
+        for (int i = 0, n_loaded = 0; i < n_cand && n_loaded < ex->pf_max; i++) {
             int evicted;
             const int e = ex->cand[i];
+            if (tier != NULL && !hy_tier_holds(tier, nx->cfg.tier_layer, e)) {
+                continue; /* still being read: the call loads it from the tier, never waiting here for the disk */
+            }
             const int slot = hy_cache_prefetch(nx->cache, e, nx->predicted, &evicted);
             if (slot < 0) {
                 break;
             }
-            nx->counters.bytes_prefetched += load(nx, e, slot);
+            const int64_t bytes = load(nx, e, slot);
+            if (bytes < 0) {
+                /* the tier refused (the file changed): the slot stays uncommitted, so the next call's plan empties
+                   it; that call reports the file */
+                nx->err_code = HY_OK;
+                nx->err[0] = '\0';
+                break;
+            }
+            n_loaded++;
+            nx->counters.bytes_prefetched += bytes;
             nx->counters.prefetched++;
             nx->pf_mark[e] = 1;
             nx->pf_expert[nx->n_pf] = e;
@@ -1019,7 +1044,7 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
 }
 
 void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float * router, const float * router_bias,
-                              const float * select_bias, int max_experts, int max_tokens) {
+                              const float * select_bias, int max_experts, int max_tokens, int max_read_ahead) {
     ex->next = NULL;
     if (next == NULL || next == ex || (router == NULL && next->cfg.route == NULL)) {
         return;
@@ -1035,6 +1060,7 @@ void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float 
     ex->select_bias = select_bias;
     ex->pf_max = max_experts;
     ex->pf_max_tokens = max_tokens;
+    ex->ahead_max = max_read_ahead;
 }
 
 int hy_moe_exec_predicted(const hy_moe_exec * ex, const int32_t ** experts) {
