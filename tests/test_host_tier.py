@@ -310,7 +310,7 @@ def test_read_ahead_never_evicts_what_a_call_fetched_or_another_prediction(machi
     store = GGUFStore(machine_model)
     per_expert = _layer_need(machine_model) // 16
     tier = HostTier(store, _layer_need(machine_model), "lru", n_threads=2)  # room for 16 experts, of 2 layers
-    ids = lambda xs: ffi.new("int32_t[]", xs)  # noqa: E731
+    ids = lambda xs: ffi.new("int32_t[]", xs)
     try:
         a, b = (tier.add_layer(i, {k: f"blk.{i}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")})
                 for i in range(2))
