@@ -210,8 +210,8 @@ def synth_cmd(out, layers, experts, used, calls, tokens, hot_fraction, hot_traff
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.option("--slots", "slots", multiple=True, required=True, callback=_comma_list(click.IntRange(min=1)),
               help="expert slots per layer (repeat, or commas: --slots 2,4,8)")
-@click.option("--policy", type=click.Choice(["lru", "lfu"], case_sensitive=False), default="lru", show_default=True,
-              help="the runtime's eviction policy")
+@click.option("--policy", type=click.Choice(["freq", "lru", "lfu"], case_sensitive=False), default=RUNTIME_POLICY,
+              show_default=True, help="the runtime's eviction policy (expert_eviction)")
 @click.option("--max-experts", type=click.IntRange(min=0), default=None,
               help="experts one call may prefetch (default: the trace's n_used, as moe_prefetch_bytes=0)")
 @click.option("--expert-bytes", type=click.IntRange(min=1), default=Q4K_EXPERT_BYTES, show_default=True,
