@@ -396,6 +396,8 @@ typedef struct hy_call {
     hy_graph * full;          /* the layer's whole graph over the slots (one round, nothing on the CPU) */
     int round_rows;           /* the rows the last round computed, and in how long */
     int64_t round_ns;
+    bool predicted;           /* this call predicted the next layer's experts (predict) */
+    int n_cand;               /* of which misses of its slots (ex->cand), to prefetch after the call */
 } hy_call;
 
 static const char * ERR_FILE = "layer %d: the model file changed on disk while it was in use%s; reload the model";
@@ -829,8 +831,28 @@ static void vote(hy_moe_exec * ex, const float * x) {
     }
 }
 
-/* After a call: predict the next layer's experts from this call's x and load the predicted misses. */
-static void prefetch(hy_moe_exec * ex, hy_call * call) {
+/* A prediction of nx's coming call withdrawn unjudged (nx's call never ran, or the predicting call failed): what
+   it loaded or read ahead is wasted. */
+static void withdraw_prediction(hy_moe_exec * nx) {
+    if (!nx->has_prediction) {
+        return;
+    }
+    if (nx->cfg.tier != NULL) {
+        hy_tier_settle(nx->cfg.tier, nx->cfg.tier_layer, NULL, 0);
+    }
+    for (int i = 0; i < nx->n_pred; i++) {
+        const int e = nx->pred_list[i];
+        nx->counters.prefetch_wasted += nx->pf_mark[e];
+        nx->pf_mark[e] = 0;
+        nx->predicted[e] = 0;
+    }
+    nx->has_prediction = false;
+}
+
+/* As soon as the call's own loads are planned (their reads queued first): predict the next layer's experts from
+   this call's x, and with a host tier start reading the predicted misses it lacks, so that the reads overlap this
+   call's loads and compute as well as the next layer's dense part. */
+static void predict(hy_moe_exec * ex, hy_call * call) {
     hy_moe_exec * nx = ex->next;
     if (nx == NULL || call->T > ex->pf_max_tokens) {
         return;
@@ -841,17 +863,7 @@ static void prefetch(hy_moe_exec * ex, hy_call * call) {
     }
     const int X = nx->cfg.n_expert;
     hy_tier * tier = nx->cfg.tier;
-    if (nx->has_prediction) { /* never judged (the next layer's call did not run): what it loaded is wasted */
-        if (tier != NULL) {
-            hy_tier_settle(tier, nx->cfg.tier_layer, NULL, 0);
-        }
-        for (int i = 0; i < nx->n_pred; i++) {
-            const int e = nx->pred_list[i];
-            nx->counters.prefetch_wasted += nx->pf_mark[e];
-            nx->pf_mark[e] = 0;
-            nx->predicted[e] = 0;
-        }
-    }
+    withdraw_prediction(nx); /* never judged (the next layer's call did not run) */
     memset(ex->votes, 0, sizeof(int32_t) * X);
     for (int t = 0; t < call->T; t++) {
         if (ex->router != NULL) {
@@ -884,13 +896,26 @@ static void prefetch(hy_moe_exec * ex, hy_call * call) {
     }
     nx->n_pred = n_pred;
     nx->has_prediction = true;
-    /* with a host tier, the predicted misses it lacks are read ahead now, without waiting: the next layer's
-       dense part runs meanwhile, and its call finds them held or on their way */
+    call->predicted = true;
+    call->n_cand = n_cand;
+    /* with a host tier, the predicted misses it lacks are read ahead now, without waiting */
     if (tier != NULL && n_cand > 0 && ex->ahead_max > 0) {
         hy_tier_read_ahead(tier, nx->cfg.tier_layer, ex->cand, n_cand < ex->ahead_max ? n_cand : ex->ahead_max);
     }
+    nx->counters.prefetch_ns += hy_now_ns() - t0;
+}
+
+/* After a call: load the predicted misses (predict above) into the next layer's free or evictable slots. */
+static void prefetch(hy_moe_exec * ex, hy_call * call) {
+    hy_moe_exec * nx = ex->next;
+    const int n_cand = call->n_cand;
+    if (nx == NULL || n_cand == 0 || ex->pf_max <= 0) {
+        return;
+    }
+    const int64_t t0 = hy_now_ns();
+    hy_tier * tier = nx->cfg.tier;
     /* loads read the mapping (or the tier): a changed file is left to the next call to report */
-    if (n_cand > 0 && ex->pf_max > 0 && (tier != NULL || call->checked || file_unchanged(ex))) {
+    if (tier != NULL || call->checked || file_unchanged(ex)) {
         for (int i = 0, n_loaded = 0; i < n_cand && n_loaded < ex->pf_max; i++) {
             int evicted;
             const int e = ex->cand[i];
@@ -976,6 +1001,7 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
         rc = plan(ex, &call);
     }
     if (rc == HY_OK) {
+        predict(ex, &call);
         call.d0 = hy_now_ns();
         for (int r = 0; r < call.plan->n_rounds && rc == HY_OK; r++) {
             rc = run_round(ex, &call, r);
@@ -991,6 +1017,8 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
     if (rc == HY_OK) {
         prefetch(ex, &call);
         count_call(ex, &call);
+    } else if (call.predicted) {
+        withdraw_prediction(ex->next); /* a failed call predicts nothing */
     }
     clean_up(ex, &call, rc);
     return rc;
