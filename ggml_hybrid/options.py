@@ -354,9 +354,10 @@ class SessionOptions:
 
     moe_prefetch: bool = _opt(
         False, "bool", _BOOL_RULE,
-        "Lookahead prefetch: after each disk layer's call of up to 16 tokens, apply the next disk layer's router to "
-        "the call's input and load the predicted misses into that layer's slots ahead of its call (docs/moe.md); "
-        "results never change.", _bool)
+        "Lookahead prefetch: in each disk layer's call of up to 16 tokens, apply the next disk layer's router to "
+        "the call's input and load the predicted misses into that layer's slots ahead of its call (with "
+        "host_cache_bytes, first read them ahead into the host tier, at once; docs/moe.md); results never change.",
+        _bool)
     moe_prefetch_bytes: int = _opt(
         0, "int", "an integer >= 0 (bytes)",
         "Most bytes one layer call prefetches into the next layer (whole experts), and with host_cache_bytes reads "
