@@ -182,7 +182,8 @@ def test_a_file_renamed_over_the_path_does_not_matter(tmp_path, stack):
         np.testing.assert_array_equal(s.forward(x), ref)
 
 
-def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path, prefetch):
     path = write_model(tmp_path / "q.gguf", arch="qwen3moe", n_layer=3, seed=5, expert_type="q8_0")
     base = dict(n_threads=1, n_ctx=64)
 
@@ -198,10 +199,11 @@ def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path):
 
     ref, ref_toks, _ = greedy(SessionOptions(**base))
     got, toks, tier = greedy(SessionOptions(**base, disk_experts=True, expert_cache_slots=2,
-                                            host_cache_bytes=_layer_need(path)))
+                                            host_cache_bytes=_layer_need(path), moe_prefetch=prefetch))
     assert toks == ref_toks
     np.testing.assert_array_equal(got, ref)
     assert tier is not None and tier.misses > 0 and tier.bytes_read > 0
+    assert (tier.ahead > 0) == prefetch and tier.ahead == tier.ahead_used + tier.ahead_wasted
 
 
 # -- read-ahead of the lookahead's predictions (moe_prefetch) ----------------------------------------------------
