@@ -74,6 +74,13 @@ class RPCError(BackendError):
     mid-run); the message names the endpoint and the reason."""
 
 
+class GraphIndexError(IndexRangeError, ComputeError):
+    """A graph's kernel met an index value outside what it selects from (a row id of get_rows or set_rows, an
+    expert id of mul_mat_id, an id of add_id), on the CPU or on an RPC server: the compute failed; the message
+    names the node, its op, the value and the valid range. The indices were computed in the graph or written
+    where the Python checks do not see them; the backend and the connection stay usable."""
+
+
 class NonFiniteError(GgmlHybridError, FloatingPointError):
     """A computation gave NaN or infinite values where a result must be finite (logits of broken weights)."""
 

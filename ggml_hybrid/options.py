@@ -349,8 +349,9 @@ class SessionOptions:
     host_cache_bytes: Union[int, str] = _opt(
         0, "int | 'auto'", "a size >= 0 (bytes, or with a K/M/G/T suffix) or 'auto'; > 0 needs disk_experts",
         "Host-RAM expert tier between the device's slots and the file: whole experts read from the GGUF by I/O "
-        "threads (O_DIRECT where allowed) into at most this many bytes of host memory; 0 = none (loads read the "
-        "mapping); 'auto' = the memory available at load less a margin.", _size_or_auto)
+        "threads (O_DIRECT where allowed) into at most this many bytes of host memory, which also feed the CPU "
+        "worker and, on a CPU-only run with unrepacked experts, are computed from directly; 0 = none (loads read "
+        "the mapping); 'auto' = the memory available at load less a margin.", _size_or_auto)
 
     moe_prefetch: bool = _opt(
         False, "bool", _BOOL_RULE,

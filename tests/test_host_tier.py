@@ -9,6 +9,7 @@ oracle of the read-ahead: its prediction is the trace's own next rows, so nothin
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 import ggml_hybrid as gh
 from ggml_hybrid._native import ffi, lib
 from ggml_hybrid._native.managed import live_objects
+from ggml_hybrid.ggml.repack import repack_buffer_type
 from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.machine import cgroup_memory_left
 from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, HostTier, auto_budget, entry_bytes
@@ -70,52 +72,188 @@ def cases(draw):
         n_embd=unit * draw(st.integers(1, 2)), n_ff=unit * draw(st.integers(1, 2)),
         n_tokens=draw(st.integers(1, 48)), slots=draw(st.integers(1, n_expert)),
         policy=draw(st.sampled_from(["freq", "lru", "lfu"])), fused=draw(st.booleans()), seed=draw(st.integers(0, 999)),
-        budget_layers=draw(st.sampled_from([1.0, 1.5, 3.0])), prefetch=draw(st.booleans()),
+        budget_layers=draw(st.sampled_from([1.0, 1.5, 3.0])), share=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
+        repack=draw(st.booleans()), fault=draw(st.sampled_from([None, None, "eio", "short"])),
+        fault_after=draw(st.integers(0, 12)), prefetch=draw(st.booleans()),
         prefetch_experts=draw(st.integers(0, n_expert)))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def _repacked(path, name="blk.0.ffn_down_exps.weight"):
+    store = GGUFStore(path)
+    try:
+        info = store.info(name)
+        return repack_buffer_type(info.dtype, info.shape, "mul_mat_id") is not None
+    finally:
+        store.close()
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases())
 def test_the_tier_is_bit_identical_to_resident(tmp_path, case):
+    """Every way the tier serves: the device's slots (a CPU playing the device with repacked slots), the CPU worker
+    (moe_cpu_share > 0: its rows from the tier's frames), a CPU playing the device straight from the frames (no
+    slots); with an injected read fault, the failing call is a typed error and the next calls are exact."""
     path = write_moe_stack(tmp_path / f"m{case['seed']}.gguf", n_layer=3, n_embd=case["n_embd"], n_ff=case["n_ff"],
                            n_expert=case["n_expert"], n_used=case["n_used"], expert_type=case["expert_type"],
                            fused=case["fused"], seed=case["seed"])
+    # the tier's frames are plain CPU memory: the worker computes plain rows, which equal resident's where resident
+    # experts are not repacked (repack=false, or a type the CPU does not repack)
+    repack = case["repack"] and not (case["share"] and _repacked(path))
     budget = int(_layer_need(path) * case["budget_layers"])
     # the drawn size, then decode-sized calls (the lookahead predicts calls of up to 16 tokens)
     xs = [_x(n, case["n_embd"], case["seed"] + i) for i, n in enumerate([case["n_tokens"], 1, 2, 1])]
-    with MoEStackSession(path, SessionOptions()) as s:
+    with MoEStackSession(path, SessionOptions(repack=repack)) as s:
         refs = [s.forward(x) for x in xs]
     items = ["disk_experts=1", f"expert_cache_slots={case['slots']}", f"expert_eviction={case['policy']}",
-             f"host_cache_bytes={budget}"]
+             f"host_cache_bytes={budget}", f"moe_cpu_share={case['share']}", f"repack={int(repack)}"]
     if case["prefetch"]:
         # 0: the default bound (n_used experts)
         items += ["moe_prefetch=1", f"moe_prefetch_bytes={case['prefetch_experts'] * _expert_bytes(path)}"]
     with MoEStackSession(path, SessionOptions.parse(items)) as s:
+        direct = s.layers.executors[0].tier_direct
+        assert direct == (case["share"] == 0 and not (repack and _repacked(path)))
+        faulted = 0
+        if case["fault"] is not None:
+            s.layers.tier.inject_fault(after=case["fault_after"], kind=case["fault"])
+            try:
+                s.forward(xs[0])
+            except gh.errors.ModelFileError as e:
+                assert "short read" in str(e) if case["fault"] == "short" else "Input/output error" in str(e)
+                faulted = 1
+            s.layers.tier.inject_fault(after=-1)  # a fault that did not fire (fewer reads) fires on no later call
+            assert faulted <= s.layers.tier.counters.faults <= 1
         for x, ref in zip(xs, refs):
             np.testing.assert_array_equal(s.forward(x), ref)
         tier = s.layers.tier.counters
         slots = s.counters.total
-    # every slot load asked the tier once: from RAM or a read-ahead (a hit) or from the file (a miss); a
-    # prefetch's slot loads take only what the tier holds
-    assert tier.hits + tier.misses == slots.misses + slots.prefetched
-    assert tier.bytes_held <= budget and tier.faults == 0
+    # a fault a read-ahead took is forgotten (the call reads the expert again): counted, no call failed
+    assert tier.bytes_held <= budget and faulted <= tier.faults <= (case["fault"] is not None)
+    if tier.faults:
+        return  # the failed call's counts are partial
     # every read-ahead was judged by the call it was for (each forward runs every layer): used if routed to
     assert tier.ahead == tier.ahead_used + tier.ahead_wasted
     assert tier.ahead_used <= slots.predicted_right
     if not case["prefetch"]:
         assert tier.ahead == 0 and slots.prefetched == 0
-    # each expert read from the file is its tensors' bytes, each rounded out to whole 4 KiB blocks
+    if direct:  # every distinct expert of every call asked the tier once, no slot was loaded
+        assert tier.hits + tier.misses == slots.distinct == slots.hits and slots.misses == slots.prefetched == 0
+    else:  # every slot load (a prefetch's too) and every CPU expert asked the tier once: from RAM or a read-ahead
+        # (a hit) or from the file (a miss); a prefetch's slot loads take only what the tier holds
+        assert tier.hits + tier.misses == slots.misses + slots.cpu_misses + slots.prefetched
+    # each expert read from the file, by a call or ahead, is its tensors' bytes, each rounded out to 4 KiB blocks
+    expert = sum(GGUFStore(path).info(f"blk.0.ffn_{k}_exps.weight").nbytes // case["n_expert"]
+                 for k in (("gate_up", "down") if case["fused"] else ("gate", "up", "down")))
+    kinds = 2 if case["fused"] else 3
     reads = tier.misses + tier.ahead
-    if slots.misses:
-        expert = slots.bytes_loaded // slots.misses
-        kinds = 2 if case["fused"] else 3
-        assert reads * expert <= tier.bytes_read <= reads * (expert + kinds * 8192)
+    assert reads * expert <= tier.bytes_read <= reads * (expert + kinds * 8192)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     return write_moe_stack(tmp_path_factory.mktemp("tier") / "stack.gguf", n_layer=3, n_embd=256, n_ff=256,
                            n_expert=16, n_used=4, expert_type="q4_K", seed=7)
+
+
+def _expert_spans(path):
+    """The byte ranges of the file's routed experts."""
+    store = GGUFStore(path)
+    try:
+        return [(t.offset, t.offset + t.nbytes) for t in store.tensors() if "_exps." in t.name]
+    finally:
+        store.close()
+
+
+def _mapped_ranges(path):
+    """The address ranges of this process's mappings of ``path`` and their file offsets (/proc/self/maps)."""
+    ino = Path(path).stat().st_ino
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        f = line.split()
+        if len(f) >= 6 and int(f[4]) == ino and f[5] == str(Path(path).resolve()):
+            lo, hi = (int(v, 16) for v in f[0].split("-"))
+            out.append((lo, hi, int(f[2], 16)))
+    return out
+
+
+def _resident_pages(path, spans):
+    """Pages of ``spans`` of the file in the page cache (mincore over a fresh read-only mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    size, page = Path(path).stat().st_size, mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    view = np.frombuffer(m, np.uint8)
+    try:
+        assert libc.mincore(view.ctypes.data, size, vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(vec[p] & 1 for lo, hi in spans for p in range((lo + page - 1) // page, hi // page))
+    finally:
+        del view
+        m.close()
+
+
+def test_a_cpu_playing_the_device_runs_straight_from_the_tier_with_the_experts_unmapped(tmp_path):
+    """CPU only, experts of a type the CPU does not repack: every expert runs from the tier's frames (no slot, no
+    copy), the file's experts are not mapped at all (/proc/self/maps), the tier's direct reads leave none of them in
+    the page cache (mincore), and the outputs are resident's bit for bit."""
+    path = write_moe_stack(tmp_path / "q8.gguf", n_layer=3, n_embd=256, n_ff=512, n_expert=16, n_used=4,
+                           expert_type="q8_0", seed=4)
+    assert not _repacked(path)
+    spans = _expert_spans(path)
+    xs = [_x(n, 256, 20 + n) for n in (7, 1, 1, 3)]
+    items = ["disk_experts=1", "expert_cache_slots=2", f"host_cache_bytes={2 * _layer_need(path)}"]
+    with MoEStackSession(path, SessionOptions.parse(items)) as s:
+        # the file's pages out of the page cache now: the buffered reads of its header at load read ahead into the
+        # experts (a small file), which the tier then must not bring back
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        outs = [s.forward(x) for x in xs]
+        ex = s.layers.executors[0]
+        assert ex.tier_direct and ex.slot_bytes == 0 and s.counters.total.misses == 0
+        assert s.layers.tier.buffer_type == "CPU"
+        tier = s.layers.tier.counters
+        assert tier.misses > 0 and tier.hits + tier.misses == s.counters.total.distinct
+        maps = _mapped_ranges(path)
+        assert maps, "the session maps the file (its dense tensors)"
+        page = 4096
+        for lo, hi, off in maps:  # no mapping of the file covers a whole page of an expert
+            for a, b in spans:
+                inner = ((a + page - 1) // page * page, b // page * page)
+                assert inner[1] <= inner[0] or off + (hi - lo) <= inner[0] or off >= inner[1], (a, b, lo, hi, off)
+        assert s.layers.unmapped >= sum(b - a for a, b in spans) - 2 * page * len(spans)
+        direct = s.layers.tier.direct
+        resident = _resident_pages(path, spans)
+    if direct:  # O_DIRECT reads (not on tmpfs): the experts cost no page cache
+        assert resident == 0
+    with MoEStackSession(path, SessionOptions()) as s:
+        for x, out in zip(xs, outs):
+            np.testing.assert_array_equal(out, s.forward(x))
+    assert _resident_pages(path, spans) > 0  # the check can see pages: the mapped run faulted them in
+
+
+def test_the_cpu_worker_runs_from_the_tier(stack):
+    """moe_cpu_share with the tier: the worker's rows come from the tier's frames (the mapping's experts are gone:
+    reading them would give zeros), bit for bit as resident (plain kernels: repack=false)."""
+    xs = [_x(n, 256, 40 + n) for n in (9, 1, 1, 4, 1)]
+    with MoEStackSession(stack, SessionOptions(repack=False)) as s:
+        refs = [s.forward(x) for x in xs]
+    items = ["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=0.5", "repack=0",
+             f"host_cache_bytes={_layer_need(stack)}"]
+    with MoEStackSession(stack, SessionOptions.parse(items)) as s:
+        assert not s.layers.executors[0].tier_direct
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        c, tier = s.counters.total, s.layers.tier.counters
+        assert c.cpu_misses > 0 and c.misses > 0
+        assert tier.hits + tier.misses == c.misses + c.cpu_misses
+        info = s.store.info("blk.0.ffn_down_exps.weight")
+        lo, hi = -info.offset % 4096, (info.offset + info.nbytes) // 4096 * 4096 - info.offset  # its whole pages
+        raw = np.asarray(s.store.raw(info.name)).reshape(-1)
+        assert s.layers.unmapped > 0 and hi - lo > 4096 and not raw[lo:hi].any() and raw[hi:].any()
 
 
 def test_a_budget_holding_every_expert_reads_each_once(stack):
@@ -288,7 +426,7 @@ def test_a_failed_read_ahead_is_forgotten_and_read_again(machine_model):
         assert lib.hy_tier_fetch(tier.ptr, layer, ffi.new("int32_t[]", [3, 5]), 2) == 0
         src = ffi.new("const uint8_t *[3]")
         for e in (3, 5):
-            assert lib.hy_tier_get(tier.ptr, layer, e, src) == 0, ffi.string(lib.hy_tier_error(tier.ptr))
+            assert lib.hy_tier_get(tier.ptr, layer, e, src, ffi.NULL) == 0, ffi.string(lib.hy_tier_error(tier.ptr))
             for k, name in enumerate(names.values()):
                 want = np.asarray(store.raw(name))[e].tobytes()
                 assert bytes(ffi.buffer(src[k], len(want))) == want
@@ -339,7 +477,6 @@ def test_read_ahead_never_evicts_what_a_call_fetched_or_another_prediction(machi
 
 @pytest.mark.parametrize("items, rule", [
     (["host_cache_bytes=1G"], "needs disk_experts=true"),
-    (["disk_experts=1", "expert_cache_slots=2", "host_cache_bytes=1G", "moe_cpu_share=0.5"], "does not feed"),
     (["disk_experts=1", "expert_cache_slots=2", "host_cache_bytes=1K"], "at least one layer's experts"),
 ])
 def test_options_the_tier_cannot_serve_are_refused_before_running(stack, items, rule):
@@ -423,6 +560,7 @@ class TierMachine(RuleBasedStateMachine):
         self.layers = [self.tier.add_layer(i, n) for i, n in enumerate(self.names)]
         self.capacity = self.budget // (per_layer // 16)  # experts the budget holds
         self.pinned: set[tuple[int, int]] = set()  # what the current call fetched: never evicted before release
+        self.frames: dict[tuple[int, int], int] = {}
         self.faulted = False
 
     def teardown(self):
@@ -444,7 +582,8 @@ class TierMachine(RuleBasedStateMachine):
     @rule(layer=st.integers(0, 1), e=st.integers(0, 15))
     def get(self, layer, e):
         src = ffi.new("const uint8_t *[3]")
-        rc = lib.hy_tier_get(self.tier.ptr, self.layers[layer], e, src)
+        frame = ffi.new("int *")
+        rc = lib.hy_tier_get(self.tier.ptr, self.layers[layer], e, src, frame)
         if (layer, e) not in self.pinned and len(self.pinned) + 1 > self.capacity:
             assert rc == -1 and "budget" in ffi.string(lib.hy_tier_error(self.tier.ptr)).decode()
             self.release()
@@ -457,6 +596,15 @@ class TierMachine(RuleBasedStateMachine):
         for k, name in enumerate(self.names[layer].values()):
             want = np.asarray(self.store.raw(name))[e].tobytes()
             assert bytes(ffi.buffer(src[k], len(want))) == want
+        # the expert's frame: its bytes at the arena's frame, each kind at its fixed place (the CPU's 3-D view)
+        arena = ffi.new("hy_tier_arena_info *")
+        assert lib.hy_tier_arena(self.tier.ptr, arena) == 0 and 0 <= frame[0] < arena.n_frames
+        for k in range(3):
+            at = arena.base + frame[0] * arena.frame_bytes + lib.hy_tier_kind_pos(self.tier.ptr, self.layers[layer], k)
+            assert at == src[k]
+        self.frames[(layer, e)] = frame[0]
+        held = [f for key, f in self.frames.items() if key in self.pinned]
+        assert len(held) == len(set(held))  # two experts held at once never share a frame
 
     @rule(kind=st.sampled_from(["eio", "short"]))
     def fault(self, kind):

@@ -7,13 +7,15 @@
 # 1. installs the bundle's wheels into a scratch folder (no network: --no-index), on the machine's python3;
 #    a Vulkan bundle: Debian's Vulkan loader from the bundle where the machine has none, and NVIDIA's Vulkan driver
 #    named by a driver file (VK_DRIVER_FILES) where a container has the driver's library but not its file;
-# 2. runs tests/test_gpu.py from outside the checkout (so `import ggml_hybrid` is the installed wheel), and for a
-#    Vulkan bundle tests/test_vulkan_backend.py and tests/test_vulkan_parity.py (llama.cpp's Vulkan logits: those
-#    fixtures were recorded on lavapipe and are skipped on another Vulkan device);
-# 3. runs tools/device_check.py: GPU-vs-CPU parity and the hybrid benchmark (share 0, 0.5, auto);
+# 2. runs tests/test_gpu.py and tests/test_gpu_experts.py from outside the checkout (so `import ggml_hybrid` is the
+#    installed wheel), and for a Vulkan bundle tests/test_vulkan_backend.py and tests/test_vulkan_parity.py
+#    (llama.cpp's Vulkan logits: those fixtures were recorded on lavapipe and are skipped on another Vulkan device);
+# 3. runs tools/device_check.py: parity by tools/parity.py's rules (GPU against CPU, the cache at share 0 against
+#    resident) and the hybrid benchmark (share 0, 0.5, auto);
 # 4. leaves device_report.json, device_report.md, test_gpu.xml and the logs in OUT_DIR.
 # Exit status: 0 when every test and parity check passed. On lavapipe (Mesa's Vulkan on the CPU, to check a Vulkan
-# bundle without a GPU): GGML_VK_VISIBLE_DEVICES=0 DEVICE_CHECK_ARGS=--small bash tools/device_check.sh build/device_bundle_vulkan
+# bundle without a GPU): GGML_VK_VISIBLE_DEVICES=0 DEVICE_CHECK_ARGS=--small DEVICE_CHECK_PYTEST_TIMEOUT=600 \
+#   bash tools/device_check.sh build/device_bundle_vulkan (lavapipe runs the tests on the CPU: minutes, not seconds)
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -38,7 +40,7 @@ rm -rf "$SITE"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
-tests=("$REPO/tests/test_gpu.py")
+tests=("$REPO/tests/test_gpu.py" "$REPO/tests/test_gpu_experts.py")
 if "$PY" -m zipfile -l "$wheel" | grep 'backends/libggml-vulkan.so' >/dev/null; then  # (grep -q: a broken pipe)
     tests+=("$REPO/tests/test_vulkan_backend.py" "$REPO/tests/test_vulkan_parity.py")
     if ! ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so\.1 '; then
@@ -70,7 +72,7 @@ cd "$SCRATCH" || exit 2
     | tee -a "$OUT_DIR/devices.txt"
 
 say "${tests[*]##*/}"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --rootdir "$REPO" "${tests[@]}" \
+timeout "${DEVICE_CHECK_PYTEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --rootdir "$REPO" "${tests[@]}" \
     --junitxml "$OUT_DIR/test_gpu.xml" 2>&1 | tee "$OUT_DIR/test_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 

@@ -11,6 +11,7 @@ from .._native import CData, ffi, lib
 from .._native.status import check_status
 from ..checks import check_int
 from ..errors import AllocationError, BackendError, IndexRangeError
+from . import index_errors
 from .dtypes import GGMLType
 from .tensor import Tensor, _buffer_of
 
@@ -59,6 +60,10 @@ TILED_MIN_ROWS = 8
 # those of this extra buffer type take gemv for every row of a rowwise product (patch 0005)
 REPACK_GEMM_MIN_ROWS = 4
 ROWWISE_REPACK_TYPE = "CPU_REPACK"
+# GGML's Vulkan matrix products take their mat-vec kernels up to this many rows of the second operand (token rows
+# of a mul_mat_id: ggml-vulkan's mul_mat_vec_max_cols and ggml_vk_use_mul_mat_vec_id), a tiled kernel above that
+# rounds its operands to F16: a row's result among more rows is then another number than alone (1e-3 relative)
+VULKAN_MAT_VEC_ROWS = 8
 TILED_TYPES = frozenset({GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q4_K, GGMLType.Q3_K, GGMLType.Q2_K, GGMLType.IQ4_XS,
                          GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
                          GGMLType.IQ1_S, GGMLType.IQ1_M})
@@ -216,4 +221,7 @@ class Graph:
                 raise BackendError(f"Graph.compute: tensor {t.name!r} has no memory; use a Scheduler to "
                                    "allocate graph nodes, or a Context(no_alloc=False)")
         status = lib.ggml_backend_graph_compute(backend.ptr, self.ptr)
+        if status != lib.GGML_STATUS_SUCCESS:
+            index_errors.raise_local([backend], self.ptr)  # an index out of range (vendor patch 0009)
         check_status(status, f"graph compute on {backend.name}")
+        index_errors.raise_remote([backend])  # an RPC server's kernel met one (patch 0010)

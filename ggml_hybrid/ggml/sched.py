@@ -14,6 +14,7 @@ from .._native.managed import Managed, check_closable, enter_compute, leave_comp
 from .._native.status import check_status
 from ..checks import check_int
 from ..errors import AllocationError, ArgumentTypeError, BackendError, ClosedError, GgmlHybridError, RegionError
+from . import index_errors
 from .backend import Backend, user_buffers
 from .context import Context
 from .graph import Graph, live_pools
@@ -263,12 +264,14 @@ class Scheduler(Managed):
                 if refused is not None:
                     refused()
                 raise_region_status(self)
+                index_errors.raise_local(self._backends, graph.ptr)  # a CPU kernel met an index out of range
                 check_status(status, what)
         except Exception as exc:
             raise_if_lost(self._remote, exc)  # a lost RPC server is why it failed: say so
             raise
         if self._remote:
             raise_if_lost(self._remote)  # lost after its last reply: the results never came
+            index_errors.raise_remote(self._remote)  # a server's kernel met one (patch 0010): the connection stays
 
     def reset(self) -> None:
         self._idle("reset")

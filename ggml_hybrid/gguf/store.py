@@ -232,6 +232,27 @@ class GGUFStore:
                     raise ModelFileError(f"{self.path!r}: tensor {info.name!r} ({info.dtype.name}) holds NaN or "
                                          "infinite values (check_tensors)")
 
+    def unmap(self, names: list[str]) -> int:
+        """Stop mapping the named tensors' bytes (``host_cache_bytes``: the host tier reads them with ``pread``, and
+        nothing may read them through the mapping): zero pages of no file replace the whole pages inside them, so
+        they cost no page cache and a stray read gives zeros. The bytes released. Only for a store no one else
+        reads these tensors from: :meth:`raw` of them gives zeros after."""
+        spans = sorted((self.info(n).offset, self.info(n).offset + self.info(n).nbytes) for n in names)
+        merged: list[list[int]] = []
+        for start, end in spans:  # neighbours (alignment padding between them) in one range
+            if merged and start - merged[-1][1] < 4096:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        base, total = int(self._map.ctypes.data), 0
+        for start, end in merged:
+            got = int(lib.hy_map_release(ffi.cast("const void *", base + start), end - start))
+            if got < 0:
+                raise ModelFileError(f"{self.path!r}: cannot unmap bytes {start}..{end} of the file: "
+                                     f"{os.strerror(ffi.errno)}")
+            total += got
+        return total
+
     def close(self) -> None:
         if self._mapped is not None:
             self._mapped.close()

@@ -19,19 +19,20 @@ from typing import Literal, cast
 
 import numpy as np
 
-from .._native import CData, ffi
+from .._native import CData, ffi, lib
 from ..files import check_output
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
 from ..ggml.quant import dequantize
+from ..ggml.repack import repack_buffer_type
 from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule, same_shape
 from ..machine import available_memory
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker
 from .executor import ExpertCacheExecutor, LayerCounters
 from .ffn import ExpertWeights
-from .host_tier import HostTier, check_tier_budget, entry_bytes, resolve_budget
+from .host_tier import HostTier, check_tier_budget, frame_bytes, resolve_budget
 from .native_executor import NativeExpertExecutor, NativeWorker, Scratch
 from .traces import TraceWriter, read_trace
 
@@ -73,11 +74,6 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used:
     if opts.host_cache_bytes != 0 and not opts.disk_experts:
         raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier feeds the expert cache's loads, "
                           "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
-    if opts.host_cache_bytes != 0 and opts.moe_cpu_share != 0.0:
-        raise OptionError(f"host_cache_bytes={opts.host_cache_bytes} with moe_cpu_share={opts.moe_cpu_share}: the "
-                          "CPU worker computes its misses from the mapped file, which the host tier does not feed "
-                          "yet; use one or the other (on a CPU-only machine the CPU playing the device runs the "
-                          "tier's experts: moe_cpu_share=0)")
     if opts.trace_path is not None and not opts.disk_experts:
         raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
                           "(disk_experts=true)")
@@ -198,14 +194,18 @@ class ExpertLayers:
                                   "expert biases or gpt-oss's clamped SwiGLU)")
             per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in named[i].values()]
                           for i in disk_layers}
-            need = sum(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)
+            frame = frame_bytes(list(per_expert.values()))  # the tier holds experts in equal frames
+            n_of = {i: store.info(named[i]["down"]).shape[0] for i in disk_layers}
+            need = frame * sum(n_of.values())
             # `auto` leaves room for the slots a CPU playing the device allocates next, in the same host memory
             host_slots = sum((cast(int, opts.expert_cache_slots) + 1) * sum(per_expert[i]) for i in disk_layers
-                             if (b := backend_of(named[i]["down"])) is not None and b.is_cpu)
+                             if (b := backend_of(named[i]["down"])) is not None and b.is_cpu
+                             and not self._tier_direct(store, named[i], b))
             budget = resolve_budget(opts.host_cache_bytes, need, host_slots)
-            layer_need = max(entry_bytes(per_expert[i]) * store.info(named[i]["down"]).shape[0] for i in disk_layers)
-            check_tier_budget(budget, layer_need, opts.host_cache_bytes)  # before any I/O thread starts
-            self.tier = HostTier(store, budget, opts.expert_eviction)
+            check_tier_budget(budget, frame * max(n_of.values()), opts.host_cache_bytes)  # before any I/O thread
+            self.tier = HostTier(store, budget, opts.expert_eviction,
+                                 buffer_type=self._pinned_host_type([backend_of(named[i]["down"])
+                                                                     for i in disk_layers]))
         self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
         if opts.trace_path is not None:
             check_output(opts.trace_path, [store.path], "trace_path")
@@ -237,7 +237,8 @@ class ExpertLayers:
         # host experts) live on the host: used in place from the mapped file, or repacked into host RAM as
         # llama.cpp does for CPU weights (--no-repack: not)
         host_names = [n for layer_names in named.values() for n in layer_names.values() if n not in loaded]
-        copy_disk = self.worker is not None and self._host_copies_fit(store, rule, named)
+        # fed by the host tier, the CPU worker computes from the tier's frames: no copy of its host experts
+        copy_disk = self.worker is not None and self.tier is None and self._host_copies_fit(store, rule, named)
         disk = {n for i, layer_names in named.items() if self.modes[i] == "disk" for n in layer_names.values()}
         host_rule = self._recording(lambda n: rule(n) if n not in disk or copy_disk else None, True, True)
         self.mapped_ctx, mapped = load_into(store, host_names, None, on_tensor=on_tensor, load=load, repack=host_rule,
@@ -273,7 +274,8 @@ class ExpertLayers:
                         glu=glu, worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
                         host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
                         trace_seq=self._trace_seq, repack=opts.repack,
-                        route=routes[moe_layer] if routes is not None else None, tier=self.tier)
+                        route=routes[moe_layer] if routes is not None else None, tier=self.tier,
+                        tier_direct=self.tier is not None and self._tier_direct(store, names, cache_on))
                 else:
                     shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
                     executor = ExpertCacheExecutor(
@@ -286,6 +288,11 @@ class ExpertLayers:
             self.executors.append(executor)
         if opts.moe_prefetch and load:
             self._link_prefetch(store, routes is not None)
+        # the host tier reads every disk layer's experts (the slots' loads, the CPU worker's rows, a CPU playing the
+        # device): nothing reads them through the mapping, which lets them go (no page cache beyond the budget)
+        self.unmapped = 0
+        if self.tier is not None:
+            self.unmapped = store.unmap([n for i in disk_layers for n in named[i].values()])
 
     def _link_prefetch(self, store: GGUFStore, oracle: bool) -> None:
         """Each disk layer predicts and prefetches the next MoE layer's experts when that one is a disk layer too:
@@ -305,6 +312,30 @@ class ExpertLayers:
             ahead = {"max_read_ahead": budget // dst.expert_bytes} if self.tier is not None else {}
             src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS,  # type: ignore[arg-type]
                              **ahead)
+
+    def _tier_direct(self, store: GGUFStore, names: dict[str, str], device: Backend) -> bool:
+        """Whether a disk layer's experts run straight from the host tier's frames: its cache is on a CPU (one
+        playing the device), no CPU share is asked for (the worker then takes misses from slots, as with a
+        device), and none of its expert tensors would be repacked there (the frames are plain CPU memory; the
+        repacked kernels give other bits than the plain ones, and resident experts are repacked)."""
+        if not device.is_cpu or self.options.moe_cpu_share != 0.0:
+            return False
+        return not self.options.repack or all(
+            repack_buffer_type(store.info(n).dtype, store.info(n).shape, "mul_mat_id") is None
+            for n in names.values())
+
+    @staticmethod
+    def _pinned_host_type(devices: list[Backend | None]) -> CData | None:
+        """The host tier's buffer type: the pinned host type of the disk layers' first device that has one (its
+        uploads read pinned memory), or ``None`` (the CPU's: a CPU playing the device, or none)."""
+        for b in devices:
+            if b is None or b.is_cpu:
+                continue
+            dev = lib.ggml_backend_get_device(b.ptr)
+            buft = lib.ggml_backend_dev_host_buffer_type(dev) if dev != ffi.NULL else ffi.NULL
+            if buft != ffi.NULL:
+                return buft
+        return None
 
     def _recording(self, rule: Callable[[str], CData | None], on_cpu: bool,
                    host: bool) -> Callable[[str], CData | None]:

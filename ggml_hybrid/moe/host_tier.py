@@ -4,9 +4,17 @@
 of at most N bytes. The native executor of each disk layer asks it for the experts a call loads as soon as the
 call's plan names them: I/O threads read each whole expert from the GGUF with large aligned reads (``pread``,
 ``O_DIRECT`` where the filesystem allows it, so the reads cost no page cache), several in flight, and each load
-copies its expert from the tier into its slot, waiting only for that expert's read. The mapping's pages of the
-experts are never touched, so a model larger than RAM costs the budget and the slots, not the page cache;
-experts leave the tier by the expert cache's order (``expert_eviction``), never one the current call fetched.
+copies its expert from the tier into its slot, waiting only for that expert's read. Experts leave the tier by the
+expert cache's order (``expert_eviction``), never one the current call fetched.
+
+The CPU computes straight from the tier: its experts sit in one arena of equal frames, each kind at the same place
+in every frame, so the arena is an expert tensor per layer whose expert index is the frame. The CPU worker
+(``moe_cpu_share``) runs its rows from there, and a CPU playing the device computes every expert there (no slots,
+no copies) when its experts would not be repacked (``repack=false``, or a type GGML's CPU does not repack: the
+frames are plain CPU memory, as the file's bytes are; repacked, each read would need a second pass over the expert
+and a layout a frame cannot share across layers). The file's experts are unmapped then
+(:meth:`~ggml_hybrid.gguf.store.GGUFStore.unmap`): a model larger than RAM costs the budget, not the page cache.
+With a device, the arena is the device's pinned host buffer type (``ggml_backend_dev_host_buffer_type``).
 
 A fault (an I/O error, a short read, the file truncated or rewritten since it was opened) fails the call with
 :class:`~ggml_hybrid.errors.ModelFileError` naming the layer, the expert and the cause; nothing of the failed
@@ -18,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .._native import ffi, lib
+from .._native import CData, ffi, lib
 from .._native.managed import Managed
 from ..errors import AllocationError, OptionError
 from ..gguf.store import GGUFStore
@@ -75,8 +83,14 @@ def auto_budget(available: int | None = None) -> int:
 
 
 def entry_bytes(nbytes: list[int]) -> int:
-    """Host bytes one expert takes in the tier: each of its tensors' bytes rounded out to the 4 KiB reads."""
+    """Host bytes one expert needs in the tier: each of its tensors' bytes rounded out to the 4 KiB reads. A frame
+    of the tier is as large as the largest layer's (:func:`frame_bytes`)."""
     return sum((n + 4095) // 4096 * 4096 + 4096 for n in nbytes)
+
+
+def frame_bytes(layers: list[list[int]]) -> int:
+    """Bytes of one frame of a tier over layers whose experts' tensors have ``layers[i]`` bytes each."""
+    return max(entry_bytes(nb) for nb in layers)
 
 
 class HostTier(Managed):
@@ -86,7 +100,7 @@ class HostTier(Managed):
     _kind = "host_tier"
 
     def __init__(self, store: GGUFStore, budget: int, policy: str = "freq", n_threads: int = IO_THREADS,
-                 direct: bool = True) -> None:
+                 direct: bool = True, buffer_type: CData | None = None) -> None:
         if store._fd is None:
             raise OptionError(f"host_cache_bytes: the model file {store.path!r} is closed")
         file_id = ffi.new("int64_t[4]", list(store._identity))
@@ -96,7 +110,8 @@ class HostTier(Managed):
         if policy not in pols:
             raise OptionError(f"expert_eviction={policy!r}: the host tier evicts by one of {sorted(pols)}")
         pol = pols[policy]
-        ptr = lib.hy_tier_new(store._fd, file_id, budget, n_threads, int(direct), pol, err, 400)
+        buft = ffi.NULL if buffer_type is None else buffer_type
+        ptr = lib.hy_tier_new(store._fd, file_id, budget, n_threads, int(direct), pol, buft, err, 400)
         if ptr == ffi.NULL:
             raise AllocationError(ffi.string(err).decode())
         super().__init__(ptr, lib.hy_tier_free)
@@ -123,6 +138,12 @@ class HostTier(Managed):
         if self.closed:
             return self._final
         return TierCounters.from_c(lib.hy_tier_counters_of(self.ptr))
+
+    @property
+    def buffer_type(self) -> str:
+        """The frames' buffer type: the device's pinned host type (e.g. ``Vulkan_Host``), or ``CPU`` (none asked, or
+        the pinned allocation refused at the first call)."""
+        return ffi.string(lib.ggml_backend_buft_name(lib.hy_tier_buffer_type(self.ptr))).decode()
 
     @property
     def direct(self) -> bool:
@@ -157,4 +178,4 @@ def resolve_budget(value: int | str, need_total: int, host_slots: int = 0) -> in
 
 
 __all__ = ["AUTO_MARGIN_FRACTION", "AUTO_MARGIN_MIN", "IO_THREADS", "HostTier", "TierCounters", "auto_budget",
-           "check_tier_budget", "entry_bytes", "resolve_budget"]
+           "check_tier_budget", "entry_bytes", "frame_bytes", "resolve_budget"]

@@ -102,7 +102,7 @@ class NativeExpertExecutor:
                  share: float | str = 0.0, host_experts: ExpertWeights | None = None, scratch: Scratch | None = None,
                  trace: TraceWriter | None = None, clear: bool = True, staging: bool | None = None,
                  trace_seq: CData | None = None, repack: bool = True, route: np.ndarray | None = None,
-                 tier: HostTier | None = None) -> None:
+                 tier: HostTier | None = None, tier_direct: bool = False) -> None:
         self.store, self.layer, self.names, self.device = store, layer, names, device
         self.worker, self.share, self.host_experts, self.trace = worker, share, host_experts, trace
         infos = {k: store.info(n) for k, n in names.items()}
@@ -112,7 +112,11 @@ class NativeExpertExecutor:
         self.ctx = Context(n_tensors=len(names))
         self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
                              for k, info in infos.items()}
-        self.buffers = allocate_slots(self.ctx, self.slot_tensors, device, repack, virtual=not clear, clear=clear)
+        # tier_direct: a CPU playing the device computes every expert from the host tier's frames; the slots only
+        # give the experts' shapes (address space, never committed)
+        self.tier_direct = tier_direct and tier is not None
+        self.buffers = allocate_slots(self.ctx, self.slot_tensors, device, repack and not self.tier_direct,
+                                      virtual=not clear or self.tier_direct, clear=clear and not self.tier_direct)
         self.slots = ExpertWeights(**self.slot_tensors)
         self.expert_bytes = sum(t.nb[2] for t in self.slot_tensors.values())
         self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}  # kept: C reads the mapping
@@ -177,6 +181,7 @@ class NativeExpertExecutor:
             cfg.n_route = len(self.route)
         cfg.tier = self.tier.ptr if self.tier is not None else ffi.NULL
         cfg.tier_layer = self.tier_layer
+        cfg.tier_direct = int(self.tier_direct)
         return cfg
 
     # -- the region -----------------------------------------------------------------------------
@@ -281,7 +286,7 @@ class NativeExpertExecutor:
 
     @property
     def slot_bytes(self) -> int:
-        return sum(t.nbytes for t in self.slot_tensors.values())
+        return 0 if self.tier_direct else sum(t.nbytes for t in self.slot_tensors.values())
 
     def use_cost_model(self, model: CostModel) -> None:
         """Replace the layer's cost model (``auto``) by one with ``model``'s fixed coefficients or priors."""

@@ -43,7 +43,7 @@ from ..errors import (
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Arena, Context
-from ..ggml.graph import REPACK_GEMM_MIN_ROWS, ROWWISE_REPACK_TYPE, TILED_MIN_ROWS, TILED_TYPES
+from ..ggml.graph import REPACK_GEMM_MIN_ROWS, ROWWISE_REPACK_TYPE, TILED_MIN_ROWS, TILED_TYPES, VULKAN_MAT_VEC_ROWS
 from ..ggml.graph_cache import GraphCache
 from ..ggml.repack import buffer_type_name, repack_buffer_type
 from ..ggml.sched import Scheduler
@@ -336,8 +336,18 @@ class MoEModel:
         fewer than GGML's repacked gemm threshold when dense weights are in an extra buffer type other than
         ``CPU_REPACK`` (AMX, KleidiAI): those products take gemm from that many rows, whose bits differ from a
         lone row's gemv, and no patch of ours steers them. ``CPU_REPACK`` products honour GGML_HINT_ROWWISE
-        (patch 0005: gemv for every row); their expert products are gemv per row already."""
+        (patch 0005: gemv for every row); their expert products are gemv per row already.
+
+        On a Vulkan device, at most GGML's mat-vec limit (8 rows; a tiled kernel above, F16 operands: 1e-3 from a
+        lone run), and with an expert cache there, as many sequences as keep a call's rows (a sequence's
+        ``n_used`` each) within it: its rounds compute their rows together. Within the limit a sequence differs
+        from its lone run by about 2e-7 relative on lavapipe, not bit-identical (docs/vulkan.md)."""
         rows = self.options.ubatch_size
+        vulkan = {name for name in self.devices if name.startswith("Vulkan")}
+        if vulkan & set(self.layout.layer_device + self.layout.kv_device + (self.layout.output_device,)):
+            rows = min(rows, VULKAN_MAT_VEC_ROWS)
+        if any(ex is not None and ex.device.name in vulkan for ex in self.experts.executors):
+            rows = min(rows, max(1, VULKAN_MAT_VEC_ROWS // self.hp.n_used))
         tiled = any(ex is not None and w is not None and any(t.dtype in TILED_TYPES for t in w.kinds.values())
                     for ex, w in zip(self.experts.executors, self.experts.weights))
         if tiled:

@@ -3,14 +3,19 @@
 
 Each run is a fresh process in a cgroup v1 memory group (``/sys/fs/cgroup/memory/hy_host_tier``) whose limit
 (--limit, about a third of the model) counts its page cache too, started from a cold page cache (``echo 3 >
-/proc/sys/vm/drop_caches`` before each). Sides, alternated A,B,C then C,B,A per round:
+/proc/sys/vm/drop_caches`` before each). Sides (--sides), alternated in order then in reverse order per round:
 
 - ``llama``: llama.cpp through llama-cpp-python (``_llama_worker.py`` under --llama-python), CPU, the file
   memory-mapped (its default) and ``--no-repack`` (llama.cpp's default repacks Q4_K experts into anonymous
   memory at load: the whole model would be copied into RAM, which the cgroup kills);
 - ``mapped``: ggml-hybrid, disk experts behind --slots expert cache slots per layer on the CPU playing the
   device, loads copied from the mapping (the page cache) as before the host tier;
-- ``tier``: the same with ``host_cache_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT).
+- ``tier``: the same with ``host_cache_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT), loads
+  copied from the tier into the slots (repacked Q4_K slots where the CPU repacks, as resident experts are);
+- ``tier-cpu``: the CPU-only tier: every expert computed straight from the tier's frames, no slot and no copy,
+  the file's experts unmapped; ``repack=0``, since the frames are plain memory (Q4_K is repacked otherwise);
+- ``tier-share``: the tier with a CPU share (``moe_cpu_share`` = --share, ``repack=0``): the CPU worker's rows
+  from the tier's frames, the rest through the slots; the worker is a second thread (1 + 1).
 
 A ggml-hybrid side takes modifiers (``--sides tier,tier+ahead,tier@1/4+ahead+trace,mapped+trace``):
 
@@ -33,8 +38,9 @@ file itself (2 MiB O_DIRECT reads at random aligned offsets, 4 in flight, as the
 bytes read per decoded token gives the disk's bound on decode tok/s.
 
     sudo python tools/bench/bench_host_tier.py MODEL --llama-python /opt/llref/bin/python --limit 700M \\
-        --slots 8 --tier 192M [--rounds 2] [--prompt 8] [--n 9] [--sides llama,mapped,tier,tier+ahead] \\
-        [--trace ../shared/traces/qwen1.5-moe-a2.7b_4bit_mlx_ml_moe_1.ghtrace] [--cgroup NAME]
+        --slots 8 --tier 192M [--tier-cpu 420M] [--share 0.5] [--sides llama,mapped,tier,tier-cpu,tier-share] \\
+        [--rounds 2] [--prompt 8] [--n 9] [--trace ../shared/traces/qwen1.5-moe-a2.7b_4bit_mlx_ml_moe_1.ghtrace] \\
+        [--cgroup NAME]
 """
 
 from __future__ import annotations
@@ -73,20 +79,21 @@ def tier_need(model: str) -> int:
         store.close()
 
 
-def parse_side(spec: str, default_tier: int, need: int) -> dict:
+def parse_side(spec: str, default_tier: int, default_tier_cpu: int, need: int) -> dict:
     """``NAME[@BUDGET][+ahead][+trace]`` as a dict: kind, tier budget (tier sides), ahead, trace."""
     head, *mods = spec.split("+")
     kind, _, budget = head.partition("@")
-    if kind not in ("llama", "mapped", "tier") or any(m not in ("ahead", "trace") for m in mods):
-        raise click.BadParameter(f"{spec!r}: a side is llama, mapped or tier[@SIZE|@FRACTION], then +ahead, +trace",
-                                 param_hint="--sides")
-    if kind == "llama" and mods or budget and kind != "tier":
+    kinds = ("llama", "mapped", "tier", "tier-cpu", "tier-share")
+    if kind not in kinds or any(m not in ("ahead", "trace") for m in mods):
+        raise click.BadParameter(f"{spec!r}: a side is one of {', '.join(kinds)} (a tier side with @SIZE or "
+                                 "@FRACTION), then +ahead, +trace", param_hint="--sides")
+    if kind == "llama" and mods or budget and not kind.startswith("tier"):
         raise click.BadParameter(f"{spec!r}: only ggml-hybrid takes +ahead/+trace, only a tier side a budget",
                                  param_hint="--sides")
     tier = 0
-    if kind == "tier":
+    if kind.startswith("tier"):
         if not budget:
-            tier = default_tier
+            tier = default_tier_cpu if kind == "tier-cpu" else default_tier
         elif "/" in budget:
             num, _, den = budget.partition("/")
             tier = int(need * int(num) / int(den))
@@ -152,8 +159,12 @@ def run_side(side: str, ns: dict) -> dict:
         cmd = [ns["llama_python"], str(HERE / "_llama_worker.py"), ns["model"], "1", "256", "--no-repack"]
     else:
         items = ["n_threads=1", "n_ctx=256", "disk_experts=1", f"expert_cache_slots={ns['slots']}"]
-        if spec["kind"] == "tier":
+        if spec["kind"].startswith("tier"):
             items.append(f"host_cache_bytes={spec['tier']}")
+        if spec["kind"] == "tier-cpu":
+            items.append("repack=0")
+        if spec["kind"] == "tier-share":
+            items += ["repack=0", f"moe_cpu_share={ns['share']}"]
         if spec["ahead"]:
             items.append("moe_prefetch=1")
         if spec["trace"]:
@@ -192,25 +203,30 @@ def run_side(side: str, ns: dict) -> dict:
 @click.option("--rounds", default=2, show_default=True)
 @click.option("--prompt", default=8, show_default=True)
 @click.option("--n", default=9, show_default=True, help="Greedy tokens (the first from the prompt's logits).")
-@click.option("--sides", default="llama,mapped,tier", show_default=True,
-              help="Comma-separated: llama, mapped, tier, with ggml-hybrid's modifiers @BUDGET, +ahead, +trace.")
+@click.option("--sides", default="llama,mapped,tier,tier-cpu,tier-share", show_default=True,
+              help="Comma-separated: llama, mapped, tier, tier-cpu, tier-share, with ggml-hybrid's modifiers @BUDGET, "
+                   "+ahead, +trace.")
+@click.option("--share", default=0.5, show_default=True, help="moe_cpu_share of the tier-share side.")
+@click.option("--tier-cpu", "tier_cpu", default=None,
+              help="host_cache_bytes of the tier-cpu side (default: --tier); it has no slots, so giving it the slots' "
+                   "memory too compares equal footprints.")
 @click.option("--trace", "trace", type=click.Path(exists=True, dir_okay=False),
               help="The routing trace of +trace sides (moe_route_trace), e.g. ../shared/traces/*.ghtrace.")
 @click.option("--cgroup", default="hy_host_tier", show_default=True,
               help="The memory cgroup's name under /sys/fs/cgroup/memory (another bench may use the default).")
 @click.option("--greedy", is_flag=True, help="Decode greedy tokens instead of a fixed varied sequence.")
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every run here.")
-def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, trace, cgroup, greedy,
+def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, share, tier_cpu, trace, cgroup, greedy,
          json_out) -> None:
     global CGROUP
     CGROUP = CGROUP.parent / cgroup
     order = sides.split(",")
     need = tier_need(model)
-    specs = {s: parse_side(s, parse_size(tier), need) for s in order}
+    specs = {s: parse_side(s, parse_size(tier), parse_size(tier_cpu or tier), need) for s in order}
     if any(s["trace"] for s in specs.values()) and not trace:
         raise click.BadParameter("a +trace side needs --trace PATH", param_hint="--trace")
     ns = dict(model=model, llama_python=llama_python, limit=parse_size(limit), slots=slots, specs=specs,
-              trace=trace, n=n, tokens=[1 + (i * 37) % 300 for i in range(prompt)],
+              share=share, trace=trace, n=n, tokens=[1 + (i * 37) % 300 for i in range(prompt)],
               # decoded tokens forced to a varied sequence (a random model's greedy loop repeats one token, whose
               # routing then repeats too, which flatters every side's caches); --greedy decodes greedily
               force=None if greedy else [1 + (i * 101 + 7) % 300 for i in range(n - 1)])
@@ -218,7 +234,7 @@ def main(model, llama_python, limit, slots, tier, rounds, prompt, n, sides, trac
           f"cgroup {CGROUP} limit {format_bytes(ns['limit'])}, load average: "
           f"{Path('/proc/loadavg').read_text().strip()}", flush=True)
     for s, spec in specs.items():
-        if spec["kind"] == "tier":
+        if spec["kind"].startswith("tier"):
             print(f"  {s}: tier budget {format_bytes(spec['tier'])} ({spec['tier'] / need:.2f} of the routed experts)")
     drop_caches()
     bw = disk_bandwidth(model)

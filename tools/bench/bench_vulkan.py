@@ -9,13 +9,14 @@ every output is checked bit-identical to the same stack with every expert reside
 1. ``loads``: 8 slots (misses every call): the native executor's staged loads (the device's host buffer type,
    two buffers: expert N+1 is read from the mapping into one while expert N uploads from the other with
    ``tensor_set_async``, an event each) against plain ``tensor_set`` (the same executor, ``use_plain_loads``), at 1
-   and 64 tokens: time per layer, load time and staging wait per call, MB/s loaded, bytes staged.
+   and 64 tokens (``--tokens``): time per layer, load time and staging wait per call, MB/s loaded, bytes staged.
 2. ``hits``: 64 slots, filled before measuring (every call is a pure hit): the cache path's time over resident.
 
 On Mesa's lavapipe (a Vulkan driver on the CPU) set ``GGML_VK_VISIBLE_DEVICES=0``; its "device memory" is host
 memory, so the upload figures are a memory copy through Vulkan's transfer path, not a bus.
 
     GGML_VK_VISIBLE_DEVICES=0 python tools/bench/bench_vulkan.py [--part loads|hits|all] [--steps 12] [--warmup 3]
+        [--tokens 1 --tokens 64]
 """
 
 from __future__ import annotations
@@ -39,19 +40,24 @@ def _sessions(path: str, modes: dict[str, list[str]]) -> tuple[dict[str, MoEStac
     return sessions, backends
 
 
-def loads(steps: int, warmup: int) -> None:
+def loads(steps: int, warmup: int, token_counts: tuple[int, ...]) -> None:
     path, n_layer = model_path(), SHAPE["n_layer"]
     print(f"device {DEVICE} ({next(d.description for d in gh.devices() if d.name == DEVICE)}), 8 slots, share 0, "
           "native executor, 1 thread")
     print(f"{'tokens':>6} {'loads':<7} {'ms/layer':>9} {'ratio':>6} {'load ms/call':>12} {'wait ms/call':>12} "
           f"{'MB/s':>7} {'MiB staged':>10}")
-    for n_tokens in (1, 64):
+    for n_tokens in token_counts:
         items = ["disk_experts=1", "expert_cache_slots=8"]
         sessions, backends = _sessions(path, {"staged": items, "copy": items})
         for ex in sessions["copy"].executors:
             ex.use_plain_loads()
         assert {ex.load_mode for ex in sessions["staged"].executors} == {"staged"}
         refs, ref_backends = _sessions(path, {"resident": []})
+        for s in sessions.values():
+            # the executors' compute memory at its size for this token count at once, as MoEModel reserves at load:
+            # grown call by call, a device buffer freed and another allocated between graphs of other row counts
+            # corrupted the heap in GGML's Vulkan backend on lavapipe (docs/vulkan.md)
+            s.layers.reserve(n_tokens)
         med, d = _run(sessions, refs["resident"], n_tokens, steps, warmup, seed=5 + n_tokens)
         for k, s in sessions.items():
             row = d[k]
@@ -92,12 +98,14 @@ def hits(steps: int, warmup: int) -> None:
 @click.option("--part", type=click.Choice(["loads", "hits", "all"]), default="all", show_default=True)
 @click.option("--steps", type=click.IntRange(1), default=12, show_default=True, help="measured steps per mode")
 @click.option("--warmup", type=click.IntRange(0), default=3, show_default=True)
-def main(part: str, steps: int, warmup: int) -> None:
+@click.option("--tokens", "token_counts", type=click.IntRange(1), multiple=True, default=(1, 64), show_default=True,
+              help="token counts of the loads part (repeat the option for several)")
+def main(part: str, steps: int, warmup: int, token_counts: tuple[int, ...]) -> None:
     if not gh.vulkan_available():
         raise SystemExit("no Vulkan device: build with `python build.py --vulkan`; on lavapipe set "
                          "GGML_VK_VISIBLE_DEVICES=0")
     if part in ("loads", "all"):
-        loads(steps, warmup)
+        loads(steps, warmup, token_counts)
     if part in ("hits", "all"):
         hits(steps, warmup)
 

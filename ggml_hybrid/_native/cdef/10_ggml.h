@@ -42,7 +42,7 @@ enum ggml_glu_op {
 
 enum ggml_prec { GGML_PREC_DEFAULT, GGML_PREC_F32, ... };
 
-enum ggml_op_hint { GGML_HINT_NONE, GGML_HINT_SRC0_IS_HADAMARD, GGML_HINT_ROWWISE, ... };
+enum ggml_op_hint { GGML_HINT_NONE, GGML_HINT_SRC0_IS_HADAMARD, ... };  // GGML_HINT_ROWWISE: patched/92_rowwise.h
 
 enum ggml_tensor_flag {
     GGML_TENSOR_FLAG_INPUT, GGML_TENSOR_FLAG_OUTPUT, GGML_TENSOR_FLAG_PARAM,

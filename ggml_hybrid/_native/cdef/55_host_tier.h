@@ -8,13 +8,22 @@ typedef struct hy_tier_counters {
 
 typedef struct hy_tier hy_tier;
 hy_tier * hy_tier_new(int fd, const int64_t file_id[4], int64_t budget, int n_threads, int direct, int policy,
-        char * err, size_t err_size);
+        ggml_backend_buffer_type_t buft, char * err, size_t err_size);
 void hy_tier_free(hy_tier * t);
 int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const uint64_t * offset,
         const size_t * nbytes);
 int64_t hy_tier_entry_bytes(const hy_tier * t, int layer);
 int hy_tier_fetch(hy_tier * t, int layer, const int32_t * experts, int n);
-int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src);
+typedef struct hy_tier_arena_info {
+    ggml_backend_buffer_t buffer;
+    uint8_t * base;
+    size_t frame_bytes;
+    int n_frames;
+} hy_tier_arena_info;
+int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info);
+size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind);
+ggml_backend_buffer_type_t hy_tier_buffer_type(const hy_tier * t);
+int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src, int * frame);
 int hy_tier_read_ahead(hy_tier * t, int layer, const int32_t * experts, int n);
 int hy_tier_holds(hy_tier * t, int layer, int e);
 void hy_tier_settle(hy_tier * t, int layer, const int32_t * experts, int n);

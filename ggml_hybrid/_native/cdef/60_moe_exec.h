@@ -83,6 +83,7 @@ typedef struct hy_moe_config {
     int64_t n_route;
     hy_tier * tier;
     int tier_layer;
+    int tier_direct;
 } hy_moe_config;
 
 typedef struct hy_moe_exec hy_moe_exec;

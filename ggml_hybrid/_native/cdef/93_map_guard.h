@@ -3,3 +3,4 @@
 int hy_map_guard_add(const void * addr, size_t size);
 void hy_map_guard_remove(int id);
 uint64_t hy_map_guard_faults(int id);
+int64_t hy_map_release(const void * addr, size_t size);

@@ -3,6 +3,8 @@
 
 #include "moe_policy.h"
 
+#include "ggml-backend.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -26,13 +28,15 @@ typedef struct hy_tier_layer {
     int label, n_expert, n_kinds;
     uint64_t offset[HY_TIER_KINDS];
     size_t nbytes[HY_TIER_KINDS];
-    size_t kind_at[HY_TIER_KINDS]; /* where kind k's read lands in an entry's buffer (aligned) */
+    size_t kind_at[HY_TIER_KINDS]; /* where kind k's read lands in a frame (aligned) */
+    size_t pos[HY_TIER_KINDS];     /* where kind k's bytes are in a frame, whichever the expert: the same place
+                                      for all, so that a frame index can be an expert index of a 3-D view */
     size_t entry_bytes;
     int first;                     /* its experts' entries: first .. first + n_expert - 1 */
 } hy_tier_layer;
 
 typedef struct hy_tier_entry {
-    uint8_t * buf;
+    int frame;            /* its frame in the arena while it is held or read (-1: none) */
     int state;
     bool pinned;          /* fetched by the current call: not evicted before hy_tier_release */
     bool predicted;       /* predicted for its layer's next call: evicted last, until hy_tier_settle */
@@ -60,6 +64,15 @@ struct hy_tier {
     hy_tier_counters counters;
     char err[400];
     int fault_after, fault_kind;
+    /* the arena: n_frames frames of frame_bytes, one expert each, in one buffer of `buft` (the device's pinned
+       host buffer type, or the CPU's), allocated at the first call once every layer is registered */
+    ggml_backend_buffer_type_t buft;
+    ggml_backend_buffer_t arena_buf;
+    uint8_t * arena;
+    size_t frame_bytes;
+    int n_frames;
+    int * free_frames;
+    int n_free;
     /* the I/O threads and their queue */
     pthread_mutex_t mu;
     pthread_cond_t work, done;
@@ -84,10 +97,14 @@ static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
    false with the entry's error fields set. Runs on an I/O thread, without the lock. */
 static bool read_kind(hy_tier * t, hy_tier_entry * en, const hy_tier_layer * L, int k, int fault) {
     const uint64_t off = L->offset[k] + (uint64_t) en->expert * L->nbytes[k];
-    const uint64_t at = off / HY_TIER_ALIGN * HY_TIER_ALIGN;
-    const size_t want = (size_t) (off - at) + L->nbytes[k];  /* what must arrive: up to the expert's last byte */
-    const size_t len = round_up(want, HY_TIER_ALIGN);         /* what is asked: whole blocks */
-    uint8_t * dst = en->buf + L->kind_at[k];
+    uint8_t * frame = t->arena + (size_t) en->frame * t->frame_bytes;
+    /* direct reads: whole aligned blocks into the aligned start of the kind's place, then the expert's bytes
+       moved to their fixed place if this expert starts elsewhere in its block (an expert size that is not a
+       multiple of the block); buffered reads: the expert's bytes straight to their place */
+    const uint64_t at = t->direct ? off / HY_TIER_ALIGN * HY_TIER_ALIGN : off;
+    const size_t want = (size_t) (off - at) + L->nbytes[k];   /* what must arrive: up to the expert's last byte */
+    const size_t len = t->direct ? round_up(want, HY_TIER_ALIGN) : want;  /* what is asked */
+    uint8_t * dst = t->direct ? frame + L->kind_at[k] : frame + L->pos[k];
     size_t got = 0;
     while (got < want) {
         ssize_t r;
@@ -110,6 +127,9 @@ static bool read_kind(hy_tier * t, hy_tier_entry * en, const hy_tier_layer * L, 
             return false;
         }
         got += (size_t) r;
+    }
+    if (dst + (off - at) != frame + L->pos[k]) {
+        memmove(frame + L->pos[k], dst + (off - at), L->nbytes[k]);
     }
     return true;
 }
@@ -146,7 +166,8 @@ static void * io_thread(void * arg) {
         for (int k = 0; k < L->n_kinds && ok; k++) {
             ok = read_kind(t, en, L, k, fault);
             const uint64_t off = L->offset[k] + (uint64_t) en->expert * L->nbytes[k];
-            bytes += (int64_t) round_up((size_t) (off % HY_TIER_ALIGN) + L->nbytes[k], HY_TIER_ALIGN);
+            bytes += t->direct ? (int64_t) round_up((size_t) (off % HY_TIER_ALIGN) + L->nbytes[k], HY_TIER_ALIGN)
+                               : (int64_t) L->nbytes[k];
         }
         const int64_t dt = now_ns() - t0;
         pthread_mutex_lock(&t->mu);
@@ -187,7 +208,7 @@ static bool direct_reads_work(int fd) {
 }
 
 hy_tier * hy_tier_new(int fd, const int64_t file_id[4], int64_t budget, int n_threads, int direct, int policy,
-                      char * err, size_t err_size) {
+                      ggml_backend_buffer_type_t buft, char * err, size_t err_size) {
     hy_tier * t = calloc(1, sizeof(*t));
     if (t == NULL) {
         snprintf(err, err_size, "host tier: out of memory");
@@ -214,6 +235,7 @@ hy_tier * hy_tier_new(int fd, const int64_t file_id[4], int64_t budget, int n_th
     t->budget = budget;
     t->policy = policy;
     t->fault_after = -1;
+    t->buft = buft != NULL ? buft : ggml_backend_cpu_buffer_type();
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->work, NULL);
     pthread_cond_init(&t->done, NULL);
@@ -243,9 +265,10 @@ void hy_tier_free(hy_tier * t) {
     for (int i = 0; i < t->n_threads; i++) {
         pthread_join(t->threads[i], NULL);
     }
-    for (int i = 0; i < t->n_entries; i++) {
-        free(t->entries[i].buf);
+    if (t->arena_buf != NULL) {
+        ggml_backend_buffer_free(t->arena_buf);
     }
+    free(t->free_frames);
     if (t->fd >= 0) {
         close(t->fd);
     }
@@ -262,7 +285,7 @@ void hy_tier_free(hy_tier * t) {
 
 int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const uint64_t * offset,
                       const size_t * nbytes) {
-    if (n_kinds < 1 || n_kinds > HY_TIER_KINDS || n_expert < 1) {
+    if (n_kinds < 1 || n_kinds > HY_TIER_KINDS || n_expert < 1 || t->arena != NULL) {
         return -1;
     }
     hy_tier_layer L = { .label = label, .n_expert = n_expert, .n_kinds = n_kinds, .first = t->n_entries };
@@ -270,6 +293,7 @@ int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const u
         L.offset[k] = offset[k];
         L.nbytes[k] = nbytes[k];
         L.kind_at[k] = L.entry_bytes;
+        L.pos[k] = L.entry_bytes + offset[k] % HY_TIER_ALIGN;
         /* an expert starting anywhere in a block needs its bytes rounded up plus one block */
         L.entry_bytes += round_up(nbytes[k], HY_TIER_ALIGN) + HY_TIER_ALIGN;
     }
@@ -299,7 +323,7 @@ int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const u
     t->queue = queue;
     t->pinned = pinned;
     for (int e = 0; e < n_expert; e++) {
-        t->entries[t->n_entries + e] = (hy_tier_entry) { .layer = t->n_layers, .expert = e };
+        t->entries[t->n_entries + e] = (hy_tier_entry) { .frame = -1, .layer = t->n_layers, .expert = e };
     }
     t->n_entries = n;
     t->layers[t->n_layers] = L;
@@ -307,6 +331,66 @@ int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const u
 }
 
 int64_t hy_tier_entry_bytes(const hy_tier * t, int layer) { return (int64_t) t->layers[layer].entry_bytes; }
+
+/* with the lock held: the arena, made at the first call (every layer is registered by then): frames as large as
+   the largest layer's expert, as many as the budget holds, in one buffer of the tier's buffer type (its pages
+   are touched only as frames fill) */
+static int ensure_arena(hy_tier * t, char * err, size_t err_size) {
+    if (t->arena != NULL) {
+        return 0;
+    }
+    size_t frame = 0;
+    for (int l = 0; l < t->n_layers; l++) {
+        frame = t->layers[l].entry_bytes > frame ? t->layers[l].entry_bytes : frame;
+    }
+    const int64_t n = frame > 0 ? t->budget / (int64_t) frame : 0;
+    if (n < 1 || n > INT32_MAX) {
+        snprintf(err, err_size, "the host tier's budget (%lld bytes) holds no expert of %zu bytes",
+                 (long long) t->budget, frame);
+        return -1;
+    }
+    t->free_frames = malloc(sizeof(int) * (size_t) n);
+    t->arena_buf = t->free_frames == NULL ? NULL
+        : ggml_backend_buft_alloc_buffer(t->buft, (size_t) n * frame + HY_TIER_ALIGN);
+    if (t->arena_buf == NULL && t->free_frames != NULL && t->buft != ggml_backend_cpu_buffer_type()) {
+        /* pinned memory is allocated (and locked) whole, and a driver may refuse a large budget of it: plain
+           memory then, whose pages are touched only as frames fill (loads stage through the device's buffers) */
+        t->buft = ggml_backend_cpu_buffer_type();
+        t->arena_buf = ggml_backend_buft_alloc_buffer(t->buft, (size_t) n * frame + HY_TIER_ALIGN);
+    }
+    if (t->arena_buf == NULL) {
+        snprintf(err, err_size, "the host tier cannot allocate %lld bytes of %s memory for its %lld experts",
+                 (long long) n * (long long) frame, ggml_backend_buft_name(t->buft), (long long) n);
+        free(t->free_frames);
+        t->free_frames = NULL;
+        return -1;
+    }
+    uint8_t * base = ggml_backend_buffer_get_base(t->arena_buf);
+    t->arena = (uint8_t *) (((uintptr_t) base + HY_TIER_ALIGN - 1) / HY_TIER_ALIGN * HY_TIER_ALIGN);
+    t->frame_bytes = frame;
+    t->n_frames = (int) n;
+    for (int i = 0; i < t->n_frames; i++) {
+        t->free_frames[i] = t->n_frames - 1 - i; /* frame 0 first */
+    }
+    t->n_free = t->n_frames;
+    return 0;
+}
+
+int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info) {
+    pthread_mutex_lock(&t->mu);
+    const int rc = ensure_arena(t, t->err, sizeof(t->err));
+    if (rc == 0) {
+        info->buffer = t->arena_buf;
+        info->base = t->arena;
+        info->frame_bytes = t->frame_bytes;
+        info->n_frames = t->n_frames;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind) { return t->layers[layer].pos[kind]; }
+ggml_backend_buffer_type_t hy_tier_buffer_type(const hy_tier * t) { return t->buft; }
 
 /* ---- a call ---------------------------------------------------------------------------------------- */
 
@@ -371,8 +455,8 @@ static bool reading_ahead(const hy_tier * t) {
 }
 
 static void drop(hy_tier * t, hy_tier_entry * en) {
-    free(en->buf);
-    en->buf = NULL;
+    t->free_frames[t->n_free++] = en->frame;
+    en->frame = -1;
     en->state = ENTRY_EMPTY;
     en->uses = 0;
     en->predicted = false;
@@ -380,32 +464,26 @@ static void drop(hy_tier * t, hy_tier_entry * en) {
         en->ahead = false;
         t->counters.ahead_wasted++;
     }
-    t->counters.bytes_held -= (int64_t) t->layers[en->layer].entry_bytes;
+    t->counters.bytes_held -= (int64_t) t->frame_bytes;
 }
 
-/* with the lock held: entry i's buffer allocated, within the budget (evicting `victim(predicted_too)`s), and its
-   read queued. 0, 1 when the budget has no room (nothing can go), -1 out of memory. */
+/* with the lock held: a frame for entry i (evicting `victim(predicted_too)`s) and its read queued. 0, or 1 when
+   no frame can be freed. */
 static int start_read(hy_tier * t, int i, bool predicted_too) {
     hy_tier_entry * en = &t->entries[i];
-    const hy_tier_layer * L = &t->layers[en->layer];
-    const int64_t need = (int64_t) L->entry_bytes;
-    while (t->counters.bytes_held + need > t->budget) {
+    while (t->n_free == 0) {
         const int v = victim(t, predicted_too);
         if (v >= 0) {
             drop(t, &t->entries[v]);
             t->counters.evictions++;
         } else if (predicted_too && reading_ahead(t)) {
-            pthread_cond_wait(&t->done, &t->mu); /* a read-ahead's entry can go once its read is done */
+            pthread_cond_wait(&t->done, &t->mu); /* a read-ahead's frame can go once its read is done */
         } else {
             return 1;
         }
     }
-    void * p = NULL;
-    if (posix_memalign(&p, HY_TIER_ALIGN, L->entry_bytes) != 0) {
-        return -1;
-    }
-    en->buf = p;
-    t->counters.bytes_held += need;
+    en->frame = t->free_frames[--t->n_free];
+    t->counters.bytes_held += (int64_t) t->frame_bytes;
     en->state = ENTRY_QUEUED;
     t->queue[(t->q_head + t->q_len) % t->n_entries] = i;
     t->q_len++;
@@ -430,16 +508,11 @@ static int fetch_one(hy_tier * t, int i) {
         }
         return 0;
     }
-    const int64_t need = (int64_t) L->entry_bytes;
-    const int rc = start_read(t, i, true);
-    if (rc > 0) {
+    const int64_t need = (int64_t) t->frame_bytes;
+    if (start_read(t, i, true) != 0) {
         return set_error(t, "layer %d: the host tier's budget (%lld bytes) cannot hold this call's experts "
                          "(%d of %lld bytes each); give host_cache_bytes at least one layer's experts",
                          L->label, (long long) t->budget, t->n_pinned, (long long) need);
-    }
-    if (rc < 0) {
-        return set_error(t, "layer %d: out of host memory for expert %d (%lld bytes)", L->label, en->expert,
-                         (long long) need);
     }
     t->counters.misses++;
     return 0;
@@ -451,7 +524,11 @@ int hy_tier_fetch(hy_tier * t, int layer, const int32_t * experts, int n) {
                          "in place); reload the model", t->layers[layer].label);
     }
     pthread_mutex_lock(&t->mu);
-    int rc = 0;
+    char why[200];
+    int rc = ensure_arena(t, why, sizeof(why));
+    if (rc != 0) {
+        set_error(t, "layer %d: %s", t->layers[layer].label, why);
+    }
     for (int j = 0; j < n && rc == 0; j++) {
         rc = fetch_one(t, t->layers[layer].first + experts[j]);
     }
@@ -459,13 +536,17 @@ int hy_tier_fetch(hy_tier * t, int layer, const int32_t * experts, int n) {
     return rc;
 }
 
-int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src) {
+int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src, int * frame) {
     const hy_tier_layer * L = &t->layers[layer];
     const int i = L->first + e;
     hy_tier_entry * en = &t->entries[i];
     pthread_mutex_lock(&t->mu);
-    int rc = 0;
-    if (!en->pinned || en->state == ENTRY_EMPTY) {
+    char why[200];
+    int rc = ensure_arena(t, why, sizeof(why));
+    if (rc != 0) {
+        set_error(t, "layer %d: %s", L->label, why);
+    }
+    if (rc == 0 && (!en->pinned || en->state == ENTRY_EMPTY)) {
         if (!file_unchanged(t)) {
             pthread_mutex_unlock(&t->mu);
             return set_error(t, "layer %d: the model file changed on disk while it was in use (truncated or "
@@ -494,9 +575,11 @@ int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src) {
         rc = -1;
     }
     if (rc == 0) {
-        for (int k = 0; k < L->n_kinds; k++) {
-            const uint64_t off = L->offset[k] + (uint64_t) e * L->nbytes[k];
-            src[k] = en->buf + L->kind_at[k] + off % HY_TIER_ALIGN;
+        for (int k = 0; k < L->n_kinds && src != NULL; k++) {
+            src[k] = t->arena + (size_t) en->frame * t->frame_bytes + L->pos[k];
+        }
+        if (frame != NULL) {
+            *frame = en->frame;
         }
     }
     pthread_mutex_unlock(&t->mu);
@@ -509,6 +592,11 @@ int hy_tier_read_ahead(hy_tier * t, int layer, const int32_t * experts, int n) {
     }
     const hy_tier_layer * L = &t->layers[layer];
     pthread_mutex_lock(&t->mu);
+    char why[200];
+    if (ensure_arena(t, why, sizeof(why)) != 0) { /* the call that needs the experts reports it */
+        pthread_mutex_unlock(&t->mu);
+        return 0;
+    }
     for (int j = 0; j < n; j++) { /* all of them first: none is evicted for another */
         t->entries[L->first + experts[j]].predicted = true;
     }

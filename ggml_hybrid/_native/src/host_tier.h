@@ -7,7 +7,14 @@
    in flight), then takes each one's bytes when it loads it (hy_tier_get: waits only for that expert's read)
    and copies them into its slot. One tier serves every disk layer of a model, within one byte budget; whole
    experts are evicted by the slot cache's orders (LRU, or LFU with LRU among equals), never an expert the
-   current call fetched. A fault (an I/O error, a short read, the file truncated or rewritten since it was
+   current call fetched.
+
+   The experts live in one arena of equal frames (one expert each, as large as the largest layer's), and each
+   kind of a layer's experts sits at the same place in every frame: the arena seen as a 3-D tensor per layer and
+   kind (ne[2] = frames, nb[2] = the frame's bytes, hy_tier_arena / hy_tier_kind_pos) is an expert tensor whose
+   expert index is the frame, so the CPU computes straight from the tier (the CPU worker's rows, and a CPU
+   playing the device: no slot, no copy). The arena is one buffer of the buffer type the tier is made with: the
+   device's pinned host type when there is a device, else the CPU's. A fault (an I/O error, a short read, the file truncated or rewritten since it was
    opened) fails the call that needed it with a message naming the layer, the expert, the offset and the
    cause; nothing of it stays cached, so the next call reads again.
 
@@ -20,6 +27,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "ggml-backend.h"
 
 enum { HY_TIER_FAULT_EIO = 0, HY_TIER_FAULT_SHORT = 1 };
 
@@ -43,9 +52,10 @@ typedef struct hy_tier hy_tier;
 
 /* A tier reading the file open as descriptor `fd` (reopened through /proc/self/fd, so a file renamed over its
    path later does not matter), whose identity (dev, ino, size, mtime_ns) must stay `file_id`; `budget` bytes
-   of experts at most; `n_threads` I/O threads; `direct`: try O_DIRECT. NULL with `err` set on failure. */
+   of experts at most; `n_threads` I/O threads; `direct`: try O_DIRECT; `buft`: the arena's buffer type (NULL:
+   the CPU's). NULL with `err` set on failure. */
 hy_tier * hy_tier_new(int fd, const int64_t file_id[4], int64_t budget, int n_threads, int direct, int policy,
-                      char * err, size_t err_size);
+                      ggml_backend_buffer_type_t buft, char * err, size_t err_size);
 void hy_tier_free(hy_tier * t);
 
 /* Register a layer's experts: `n_kinds` tensors, expert e of kind k at file offset offset[k] + e * nbytes[k].
@@ -54,16 +64,33 @@ void hy_tier_free(hy_tier * t);
 int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const uint64_t * offset,
                       const size_t * nbytes);
 
-/* Bytes one expert of layer `layer` takes in the tier (its reads rounded to the I/O alignment). */
+/* Bytes one expert of layer `layer` needs in a frame (its reads rounded to the I/O alignment). */
 int64_t hy_tier_entry_bytes(const hy_tier * t, int layer);
+
+typedef struct hy_tier_arena_info {
+    ggml_backend_buffer_t buffer;  /* the arena's buffer (of the tier's buffer type) */
+    uint8_t * base;                /* frame 0 */
+    size_t frame_bytes;
+    int n_frames;
+} hy_tier_arena_info;
+
+/* The arena, made now if it is not yet (every layer must be registered by then: none can be added after). 0, or
+   -1 with the error set (the budget holds no frame, or the memory cannot be had). */
+int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info);
+/* Where kind `kind` of layer `layer`'s experts sits in every frame (bytes from the frame's start). */
+size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind);
+/* The arena's buffer type (a device's pinned host type: its uploads can read the frames directly; the CPU's when
+   the pinned allocation was refused). */
+ggml_backend_buffer_type_t hy_tier_buffer_type(const hy_tier * t);
 
 /* Start reading the experts `experts[0..n)` of `layer` that the tier does not hold, and keep all of them
    (held or in flight) until hy_tier_release. 0, or -1 with the error set (the file changed, out of budget). */
 int hy_tier_fetch(hy_tier * t, int layer, const int32_t * experts, int n);
 
-/* The bytes of expert `e` of `layer`, kind by kind in `src` (fetched first if the call did not), waiting for
-   its read. 0, or -1 with the error set (the read failed: nothing of it is kept). */
-int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src);
+/* The bytes of expert `e` of `layer`, kind by kind in `src`, and its frame in `frame` (either may be NULL),
+   fetched first if the call did not, waiting for its read; valid until hy_tier_release. 0, or -1 with the error
+   set (the read failed: nothing of it is kept). */
+int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src, int * frame);
 
 /* Read ahead the experts `experts[0..n)` of `layer` (a prediction of its next call, the likeliest first): start
    reading those the tier neither holds nor reads, as far as the budget allows without evicting an expert the

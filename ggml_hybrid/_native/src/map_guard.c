@@ -107,6 +107,16 @@ void hy_map_guard_remove(int id) {
     pthread_mutex_unlock(&lock);
 }
 
+int64_t hy_map_release(const void * addr, size_t size) {
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = ((uintptr_t) addr + page - 1) / page * page, end = ((uintptr_t) addr + size) / page * page;
+    if (end <= begin) {
+        return 0;
+    }
+    void * got = mmap((void *) begin, end - begin, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    return got == MAP_FAILED ? -1 : (int64_t) (end - begin);
+}
+
 uint64_t hy_map_guard_faults(int id) {
     if (id < 0 || id >= HY_MAP_GUARD_MAX) {
         return 0;

@@ -22,3 +22,8 @@ void hy_map_guard_remove(int id);
 
 /* Faults the guard caught in range `id` since it was added. */
 uint64_t hy_map_guard_faults(int id);
+
+/* Unmap the file from the whole pages inside [addr, addr + size) of a mapping: zero pages of no file take their
+   place (read-only, committed to nothing), so those bytes cost no page cache and a stray read gives zeros, never
+   the file. The bytes released (whole pages), or -1 with errno set. */
+int64_t hy_map_release(const void * addr, size_t size);

@@ -73,6 +73,12 @@ struct hy_moe_exec {
     uint8_t * pf_mark;       /* [n_expert]: prefetched, not yet judged */
     int32_t * pf_expert, * pf_slot; /* [n_expert]: prefetch loads to commit when the call starts (<= n_slots) */
     int n_pf;
+    /* the host tier's arena seen as this layer's expert tensors (host_tier.h): the expert index is the frame */
+    struct ggml_context * tier_ctx;
+    hy_experts tier_w;
+    int n_frames;
+    bool tier_pinned;        /* the tier's frames may be the device's pinned host buffer type (staged devices) */
+    ggml_backend_buffer_type_t stage_buft; /* the device's pinned host buffer type (staging) */
 };
 
 static int fail(hy_moe_exec * ex, int code, const char * fmt, const char * detail) {
@@ -182,6 +188,8 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
             ex->stage[i].event = dev != NULL ? ggml_backend_event_new(dev) : NULL;
         }
         ex->staged = host != NULL;
+        ex->stage_buft = host;
+        ex->tier_pinned = ex->staged && cfg->tier != NULL;
         if (!ex->staged && dev != NULL) {
             /* the backend copies the data when it queues the upload (GGML's RPC client does), so the
                mapping can be the source and reading the next expert overlaps sending this one */
@@ -209,6 +217,9 @@ void hy_moe_exec_free(hy_moe_exec * ex) {
         }
     }
     hy_graph_cache_free(&ex->graphs);
+    if (ex->tier_ctx != NULL) {
+        ggml_free(ex->tier_ctx);
+    }
     hy_cache_free(ex->cache);
     free(ex->n_cpu_table); free(ex->ids); free(ex->raw_ids); free(ex->x); free(ex->merged); free(ex->slot_ids);
     free(ex->rows_x); free(ex->rows_ids); free(ex->rows_pos); free(ex->rows_out); free(ex->cpu_x); free(ex->cpu_ids);
@@ -290,15 +301,59 @@ static bool expert_source(hy_moe_exec * ex, int e, const uint8_t ** src) {
         }
         return true;
     }
-    if (hy_tier_get(ex->cfg.tier, ex->cfg.tier_layer, e, src) != 0) {
+    if (hy_tier_get(ex->cfg.tier, ex->cfg.tier_layer, e, src, NULL) != 0) {
         fail_tier(ex);
         return false;
     }
     return true;
 }
 
-/* copy expert `e` from the mapping (or the host tier) into `slot` of every expert tensor; -1 on failure */
-static int64_t load(hy_moe_exec * ex, int e, int slot) {
+/* The tier's arena as this layer's expert tensors, made once: kind k of the expert in frame f at
+   base + pos[k] + f * frame_bytes, i.e. a 3-D tensor of n_frames experts with nb[2] = frame_bytes. The CPU's
+   mul_mat_id reads expert i at data + i * nb[2], so a frame index is an expert index: the CPU computes
+   straight from the tier. */
+static int tier_views(hy_moe_exec * ex) {
+    if (ex->tier_ctx != NULL) {
+        return HY_OK;
+    }
+    hy_tier_arena_info a;
+    if (hy_tier_arena(ex->cfg.tier, &a) != 0) {
+        return fail_tier(ex);
+    }
+    struct ggml_init_params params = { ggml_tensor_overhead() * HY_MAX_KINDS, NULL, true };
+    struct ggml_context * ctx = ggml_init(params);
+    if (ctx == NULL) {
+        return fail(ex, HY_ERR_ALLOC, "layer %d: out of host memory%s", "");
+    }
+    const hy_experts * s = &ex->cfg.slots;
+    for (int k = 0; k < ex->cfg.n_kinds; k++) {
+        const struct ggml_tensor * like = ex->cfg.slot_tensor[k];
+        struct ggml_tensor * t = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], a.n_frames);
+        t->nb[2] = a.frame_bytes;
+        t->nb[3] = a.frame_bytes * (size_t) a.n_frames;
+        t->data = a.base + hy_tier_kind_pos(ex->cfg.tier, ex->cfg.tier_layer, k);
+        t->buffer = a.buffer;
+        ggml_format_name(t, "tier.%d.%d", ex->cfg.layer, k);
+        if (like == s->gate_up) {
+            ex->tier_w.gate_up = t;
+        } else if (like == s->gate) {
+            ex->tier_w.gate = t;
+        } else if (like == s->up) {
+            ex->tier_w.up = t;
+        } else {
+            ex->tier_w.down = t;
+        }
+    }
+    ex->tier_ctx = ctx;
+    ex->n_frames = a.n_frames;
+    return HY_OK;
+}
+
+/* copy expert `e` from the mapping (or the host tier) into `slot` of every expert tensor; -1 on failure. A call's
+   own load from a tier whose frames are the device's pinned host memory uploads straight from the frame (no
+   staging copy): the frame stays the call's until its release, after the call's uploads are waited for. A prefetch
+   load (`ahead`) stages as before: its upload may outlive the call that pinned its frame. */
+static int64_t load(hy_moe_exec * ex, int e, int slot, bool ahead) {
     const uint8_t * srcs[HY_MAX_KINDS];
     if (!expert_source(ex, e, srcs)) {
         return -1;
@@ -307,7 +362,8 @@ static int64_t load(hy_moe_exec * ex, int e, int slot) {
     for (int i = 0; i < ex->cfg.n_kinds; i++) {
         const size_t nb = ex->cfg.nbytes[i];
         const uint8_t * src = srcs[i];
-        if (ex->async_loads) {
+        /* the tier's arena is the pinned type unless that allocation failed (then it is the CPU's) */
+        if (ex->async_loads || (ex->tier_pinned && !ahead && hy_tier_buffer_type(ex->cfg.tier) == ex->stage_buft)) {
             ggml_backend_tensor_set_async(ex->cfg.device, ex->cfg.slot_tensor[i], src, (size_t) slot * nb, nb);
             ex->async_pending = true;
         } else if (!ex->staged) {
@@ -499,7 +555,22 @@ static int submit_cpu(hy_moe_exec * ex, hy_call * call) {
         return fail(ex, HY_ERR_FILE, ERR_FILE, "");
     }
     call->checked = true;
-    read_x(ex, call);
+    /* fed by the host tier: each CPU expert's frame (its read started with the call's fetch), waited for here,
+       is the expert index the worker's rows use in the arena's tensors */
+    const bool tier = cfg->tier != NULL;
+    if (tier) {
+        if (tier_views(ex) != HY_OK) {
+            return -1;
+        }
+        for (int i = 0; i < call->n_cpu; i++) {
+            if (hy_tier_get(cfg->tier, cfg->tier_layer, ex->last_cpu[i], NULL, &ex->slot_of[ex->last_cpu[i]]) != 0) {
+                return fail_tier(ex);
+            }
+        }
+    }
+    if (!call->x_read) {
+        read_x(ex, call);
+    }
     /* the CPU's rows in row-major (token, expert) order, as mul_mat_id groups them */
     const int k = cfg->n_used, E = cfg->n_embd;
     int n = 0;
@@ -508,16 +579,16 @@ static int submit_cpu(hy_moe_exec * ex, hy_call * call) {
             const int e = ex->ids[t * k + j];
             if (ex->on_cpu[e]) {
                 memcpy(ex->cpu_x + (size_t) n * E, ex->x + (size_t) t * E, sizeof(float) * E);
-                ex->cpu_ids[n] = e;
+                ex->cpu_ids[n] = tier ? ex->slot_of[e] : e;
                 ex->cpu_pos[n] = t * k + j;
                 n++;
             }
         }
     }
     call->n_cpu_rows = n;
-    call->job = (hy_job) { .w = &cfg->host, .key = cfg->host.down, .glu = (enum ggml_glu_op) cfg->glu,
-                           .n_expert = cfg->n_expert, .n_embd = E, .n = n, .x = ex->cpu_x, .ids = ex->cpu_ids,
-                           .out = ex->cpu_out };
+    call->job = (hy_job) { .w = tier ? &ex->tier_w : &cfg->host, .key = tier ? ex->tier_w.down : cfg->host.down,
+                           .glu = (enum ggml_glu_op) cfg->glu, .n_expert = tier ? ex->n_frames : cfg->n_expert,
+                           .n_embd = E, .n = n, .x = ex->cpu_x, .ids = ex->cpu_ids, .out = ex->cpu_out };
     call->t_submit = hy_now_ns();
     hy_worker_submit(cfg->worker, &call->job);
     call->job_out = true;
@@ -546,15 +617,75 @@ static int plan(hy_moe_exec * ex, hy_call * call) {
         hy_tier_fetch(ex->cfg.tier, ex->cfg.tier_layer, call->plan->load_expert, call->plan->n_loads) != 0) {
         return fail_tier(ex);
     }
-    if (!call->checked && call->plan->n_loads > 0 && !file_unchanged(ex)) { /* loads read the mapping */
+    if (ex->cfg.tier == NULL && !call->checked && call->plan->n_loads > 0 && !file_unchanged(ex)) {
+        /* loads read the mapping */
         return fail(ex, HY_ERR_FILE, ERR_FILE, "");
     }
     /* one round and no CPU rows: the full graph over the slots, nothing leaves the device; otherwise each
        round computes only its own rows (compacted) and the rows merge on the host */
-    call->on_host = call->job_out || call->plan->n_rounds > 1;
+    call->on_host = call->n_cpu > 0 || call->plan->n_rounds > 1;
     if (call->on_host && !call->x_read) {
         read_x(ex, call);
     }
+    return HY_OK;
+}
+
+/* The host tier starts reading the CPU's experts first, before the device's loads (plan), so that the worker,
+   which waits for them, starts as early as it can. */
+static int fetch_cpu(hy_moe_exec * ex, hy_call * call) {
+    if (ex->cfg.tier == NULL || call->n_cpu == 0) {
+        return HY_OK;
+    }
+    if (hy_tier_fetch(ex->cfg.tier, ex->cfg.tier_layer, ex->last_cpu, call->n_cpu) != 0) {
+        return fail_tier(ex);
+    }
+    return HY_OK;
+}
+
+/* A CPU playing the device with the host tier (tier_direct): every expert of the call computed straight from the
+   tier's frames in the layer's whole graph, as the resident graph computes it; no slot, no copy. */
+static void predict(hy_moe_exec * ex, hy_call * call);
+
+static int run_direct(hy_moe_exec * ex, hy_call * call) {
+    const hy_moe_config * cfg = &ex->cfg;
+    if (tier_views(ex) != HY_OK) {
+        return -1;
+    }
+    const int64_t t1 = hy_now_ns();
+    if (hy_tier_fetch(cfg->tier, cfg->tier_layer, ex->experts, call->n_experts) != 0) {
+        return fail_tier(ex);
+    }
+    predict(ex, call); /* with moe_prefetch: the next layer's predicted experts read ahead behind this call's */
+    for (int i = 0; i < call->n_experts; i++) {
+        if (hy_tier_get(cfg->tier, cfg->tier_layer, ex->experts[i], NULL, &ex->slot_of[ex->experts[i]]) != 0) {
+            return fail_tier(ex);
+        }
+    }
+    const int64_t t2 = hy_now_ns();
+    call->full = hy_graph_get(&ex->graphs, HY_GRAPH_FULL, call->T, &ex->tier_w, ex->tier_w.down, cfg->n_used,
+                              cfg->n_embd, (enum ggml_glu_op) cfg->glu);
+    if (call->full == NULL) {
+        return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graph%s", "");
+    }
+    for (int i = 0; i < call->n_rows; i++) {
+        ex->slot_ids[i] = ex->slot_of[ex->ids[i]];
+    }
+    ggml_backend_tensor_copy(call->x, call->full->x);
+    ggml_backend_tensor_copy(call->w, call->full->w);
+    ggml_backend_tensor_set(call->full->ids, ex->slot_ids, 0, sizeof(int32_t) * call->n_rows);
+    if (ggml_backend_graph_compute(cfg->device, call->full->gf) != GGML_STATUS_SUCCESS) {
+        return fail(ex, HY_ERR_COMPUTE, "layer %d: the expert graph failed%s", "");
+    }
+    ggml_backend_tensor_copy(call->full->out, call->out);
+    hy_moe_counters * c = &ex->counters;
+    c->load_ns += t2 - t1; /* waiting for the tier's reads */
+    c->compute_ns += hy_now_ns() - t2;
+    c->calls++;
+    c->routed += call->n_rows;
+    c->distinct += call->n_experts;
+    c->hits += call->n_experts; /* none needed a load (hits + misses + cpu_misses = distinct still holds); the
+                                   tier's own counters tell those in RAM from those read from the file */
+    c->device_ns += hy_now_ns() - call->t0;
     return HY_OK;
 }
 
@@ -653,7 +784,7 @@ static int run_round(hy_moe_exec * ex, hy_call * call, int r) {
         if (ex->fail_after > 0) {
             ex->fail_after--;
         }
-        const int64_t n = load(ex, p->load_expert[i], p->load_slot[i]);
+        const int64_t n = load(ex, p->load_expert[i], p->load_slot[i], false);
         if (n < 0) {
             return -1;
         }
@@ -926,7 +1057,7 @@ static void prefetch(hy_moe_exec * ex, hy_call * call) {
             if (slot < 0) {
                 break;
             }
-            const int64_t bytes = load(nx, e, slot);
+            const int64_t bytes = load(nx, e, slot, true);
             if (bytes < 0) {
                 /* the tier refused (the file changed): the slot stays uncommitted, so the next call's plan empties
                    it; that call reports the file */
@@ -994,11 +1125,31 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
         return -1; /* nothing to undo yet */
     }
     count_rows(ex, &call);
+    if (ex->cfg.tier_direct) {
+        settle_prefetch(ex, &call); /* judges the read-ahead for this call (no slot is ever prefetched here) */
+        const int rc = run_direct(ex, &call);
+        if (rc != HY_OK && call.predicted) {
+            withdraw_prediction(ex->next);
+        }
+        clean_up(ex, &call, rc);
+        return rc;
+    }
     settle_prefetch(ex, &call);
     cpu_split(ex, &call);
-    int rc = submit_cpu(ex, &call);
-    if (rc == HY_OK) {
-        rc = plan(ex, &call);
+    int rc;
+    if (ex->cfg.tier == NULL) {
+        rc = submit_cpu(ex, &call);
+        if (rc == HY_OK) {
+            rc = plan(ex, &call);
+        }
+    } else { /* the tier reads the CPU's experts, then the device's loads, all in flight before any wait */
+        rc = fetch_cpu(ex, &call);
+        if (rc == HY_OK) {
+            rc = plan(ex, &call);
+        }
+        if (rc == HY_OK) {
+            rc = submit_cpu(ex, &call);
+        }
     }
     if (rc == HY_OK) {
         predict(ex, &call);
@@ -1056,6 +1207,7 @@ void hy_moe_exec_plain_loads(hy_moe_exec * ex) {
     /* calls never leave uploads in flight, so the buffers can simply go unused */
     ex->staged = false;
     ex->async_loads = false;
+    ex->tier_pinned = false;
 }
 
 int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
@@ -1063,6 +1215,15 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
     const int k = cfg->n_used, E = cfg->n_embd;
     const enum ggml_glu_op glu = (enum ggml_glu_op) cfg->glu;
     const int rows = hy_row_bucket(n_tokens * k); /* a round's row graph holds at most every row of the call */
+    if (cfg->tier_direct) {
+        if (tier_views(ex) != HY_OK) {
+            return -1;
+        }
+        if (hy_graph_get(&ex->graphs, HY_GRAPH_FULL, n_tokens, &ex->tier_w, ex->tier_w.down, k, E, glu) == NULL) {
+            return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graphs%s", "");
+        }
+        return HY_OK;
+    }
     if (hy_graph_get(&ex->graphs, HY_GRAPH_FULL, n_tokens, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
         hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
         hy_graph_get(&ex->graphs, HY_GRAPH_SUM, n_tokens, NULL, NULL, k, E, glu) == NULL) {

@@ -96,6 +96,8 @@ typedef struct hy_moe_config {
     int64_t n_route;
     hy_tier * tier;                   /* NULL: loads read the mapping; else the host tier (host_tier.h) */
     int tier_layer;                   /* this layer's index in the tier */
+    int tier_direct;                  /* a CPU playing the device computes every expert straight from the tier's
+                                         frames (no slots, no loads); the tier's buffers must be plain CPU ones */
 } hy_moe_config;
 
 typedef struct hy_moe_exec hy_moe_exec;

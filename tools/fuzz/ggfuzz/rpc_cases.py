@@ -14,7 +14,11 @@ exact ones to garbage, and a case is one connection's worth of them:
 - ``graphs``: the same buffer, then GRAPH_COMPUTE / GRAPH_RECOMPUTE of graphs of such tensors (ops,
   sources, views, counts that agree with the message or not);
 - ``ops``: the same buffer, then well-formed one-node graphs (every tensor a plausible type, packed, inside the
-  buffer) of any op with random small shapes, sources and parameters: what only the shape rules stop.
+  buffer) of any op with random small shapes, sources and parameters: what only the shape rules stop;
+- ``index``: the same buffer, then index data written with SET_TENSOR (in range, -1, the bound, 2^31-1, -2^31,
+  random) and well-formed one-node graphs of the ops whose kernels index by it (GET_ROWS, SET_ROWS, MUL_MAT_ID,
+  ADD_ID), each followed by ggml-hybrid's graph status request or, now and then, by another command (an
+  upstream client would not ask): what only the kernels' own checks stop (vendor patches 0009 and 0010).
 
 After each case the harness makes a fresh connection, says hello and asks the device count: the
 server must answer (it did not crash or hang), within a time limit.
@@ -38,12 +42,16 @@ ALLOC_BUFFER, GET_ALIGNMENT, GET_MAX_SIZE, BUFFER_GET_BASE, FREE_BUFFER, BUFFER_
 SET_TENSOR, SET_TENSOR_HASH, GET_TENSOR, COPY_TENSOR, GRAPH_COMPUTE, GET_DEVICE_MEMORY = range(6, 12)
 INIT_TENSOR, GET_ALLOC_SIZE, HELLO, DEVICE_COUNT, GRAPH_RECOMPUTE, MEMSET_TENSOR = range(12, 18)
 N_COMMANDS = 20  # RPC_CMD_COUNT; values from it up are unknown commands
+# ggml-hybrid's graph status request (vendor patch 0010): no payload; the reply is | status (int32) | message
+# (252 bytes, NUL-terminated) |. A server of ours marks its hello reply (the byte after the version) with
+# HYBRID_MARK; a client that does not ask after a failed graph is dropped.
+GRAPH_STATUS, HYBRID_MARK, STATUS_BYTES = 0xE0, 0x68, 256
 
 MAX_SRC, N_OP_PARAMS, MAX_NAME = 10, 16, 64
 N_TYPES, N_OPS = 41, 101  # GGML_TYPE_COUNT, GGML_OP_COUNT of the pinned GGML
 TENSOR_BYTES = 296
 HELLO_BYTES = 24
-KINDS = ("raw", "frames", "tensors", "graphs", "ops")
+KINDS = ("raw", "frames", "tensors", "graphs", "ops", "index")
 
 # op numbers (enum ggml_op of the pinned GGML). The graph cases draw their ops from those the server checks
 # the shapes of (docs/rpc.md#validation: every op of the language models' graphs), the ops that compute
@@ -299,6 +307,86 @@ def _op_graph(rng: random.Random) -> bytes:
     return frame(GRAPH_COMPUTE, payload)
 
 
+# -- index values (vendor patches 0009, 0010) --------------------------------------------------------------------
+
+INDEX_OPS = {"GET_ROWS": OP_GET_ROWS, "SET_ROWS": OP_SET_ROWS, "MUL_MAT_ID": OP_MUL_MAT_ID, "ADD_ID": OP_ADD_ID}
+I32 = 26  # GGML_TYPE_I32
+
+
+FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: a node without it is skipped by the CPU backend
+
+
+def _t32(id: int, type_: int, offset: int, ne: tuple[int, int, int, int], op: int = 0, src=(), buffer: int = BUF,
+         base: int = BASE) -> bytes:
+    """A packed 4-byte-element tensor at ``base + offset`` of the buffer (a node, flagged to be computed, when it
+    has an op)."""
+    nb = (4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2])
+    return tensor(id=id, type=type_, buffer=buffer, ne=ne, nb=nb, op=op, src=src, data=base + offset,
+                  name=f"t{id}".encode(), flags=FLAG_COMPUTE if op else 0)
+
+
+def index_graph(op: str, indices: list[int], buffer: int = BUF, base: int = BASE) -> tuple[list[bytes], int]:
+    """The messages of one ``op`` node whose index tensor holds ``indices`` (SET_TENSOR of the indices, then
+    GRAPH_COMPUTE), every tensor well-formed and inside a 4 KiB buffer at ``base``; and the valid bound (indices
+    must lie in 0..bound-1). GET_ROWS and SET_ROWS select among 4 rows of 4, MUL_MAT_ID among 3 experts, ADD_ID
+    among 3 rows; the index tensor is id 3 ("t3"), at offset 1024."""
+    n = len(indices)
+    idx_at, out_at = 1024, 2048
+    if op == "GET_ROWS":  # rows [4, 4] selected by n indices -> [n, 4]
+        bound = 4
+        idx = _t32(3, I32, idx_at, (n, 1, 1, 1), buffer=buffer, base=base)
+        srcs = [_t32(2, 0, 0, (4, 4, 1, 1), buffer=buffer, base=base), idx]
+        node = _t32(1, 0, out_at, (4, n, 1, 1), op=OP_GET_ROWS, src=(2, 3), buffer=buffer, base=base)
+    elif op == "SET_ROWS":  # n rows of 4 written into rows [4, 4] at the n indices (the node views the target)
+        bound = 4
+        idx = _t32(3, I32, idx_at, (n, 1, 1, 1), buffer=buffer, base=base)
+        srcs = [_t32(2, 0, 0, (4, n, 1, 1), buffer=buffer, base=base), idx,
+                _t32(4, 0, out_at, (4, 4, 1, 1), buffer=buffer, base=base)]
+        node = _t32(1, 0, out_at, (4, 4, 1, 1), op=OP_SET_ROWS, src=(2, 3, 4), buffer=buffer, base=base)
+    elif op == "MUL_MAT_ID":  # experts [3, 2, 4], inputs [T, 1, 4], ids [T, 2] -> [T, 2, 2]
+        bound, used = 3, 2
+        tokens = max(1, (n + used - 1) // used)
+        indices = (indices + [0] * used * tokens)[:used * tokens]
+        idx = _t32(3, I32, idx_at, (used, tokens, 1, 1), buffer=buffer, base=base)
+        srcs = [_t32(2, 0, 0, (4, 2, 3, 1), buffer=buffer, base=base),
+                _t32(4, 0, 512, (4, 1, tokens, 1), buffer=buffer, base=base), idx]
+        node = _t32(1, 0, out_at, (2, used, tokens, 1), op=OP_MUL_MAT_ID, src=(2, 4, 3), buffer=buffer, base=base)
+    elif op == "ADD_ID":  # a [T, 2, 4] + rows of b [3, 4] named by ids [T, 2]
+        bound, k = 3, 2
+        tokens = max(1, (n + k - 1) // k)
+        indices = (indices + [0] * k * tokens)[:k * tokens]
+        idx = _t32(3, I32, idx_at, (k, tokens, 1, 1), buffer=buffer, base=base)
+        srcs = [_t32(2, 0, 0, (4, k, tokens, 1), buffer=buffer, base=base),
+                _t32(4, 0, 512, (4, 3, 1, 1), buffer=buffer, base=base), idx]
+        node = _t32(1, 0, out_at, (4, k, tokens, 1), op=OP_ADD_ID, src=(2, 4, 3), buffer=buffer, base=base)
+    else:
+        raise ValueError(op)
+    data = struct.pack(f"<{len(indices)}i", *[((v + 2**31) % 2**32) - 2**31 for v in indices])
+    set_idx = frame(SET_TENSOR, idx + struct.pack("<BQ", 0, 0) + data)
+    graph = (struct.pack("<II", 0, 1) + struct.pack("<Q", 1) + struct.pack("<I", len(srcs) + 1) + b"".join(srcs)
+             + node)
+    return [set_idx, frame(GRAPH_COMPUTE, graph)], bound
+
+
+def graph_status(sock: socket.socket) -> tuple[int, str]:
+    """Ask a ggml-hybrid server how the last graph went: (GGML status, reason)."""
+    reply = request(sock, GRAPH_STATUS, b"")
+    status, message = struct.unpack("<i252s", reply)
+    return status, message.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _index_messages(rng: random.Random) -> list[bytes]:
+    op = _pick(rng, *INDEX_OPS)
+    n = _pick(rng, 1, 2, 3, 4)
+    bound = 4 if op in ("GET_ROWS", "SET_ROWS") else 3
+    values = [_pick(rng, 0, 1, bound - 1, -1, bound, bound + 1, 2**31 - 1, -2**31, rng.getrandbits(32) - 2**31)
+              for _ in range(n)]
+    messages, _ = index_graph(op, values)
+    after = _pick(rng, frame(GRAPH_STATUS, b""), frame(GRAPH_STATUS, b""), frame(GRAPH_STATUS, b""),
+                  frame(DEVICE_COUNT, b""), frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)), frame(GRAPH_STATUS, b"x"))
+    return messages + [after]
+
+
 def make_case(seed: int, index: int, n_messages: int = 8) -> Case:
     """Case ``index`` of ``seed``: the same bytes every time."""
     rng = random.Random(seed * 1_000_003 + index)
@@ -319,9 +407,12 @@ def make_case(seed: int, index: int, n_messages: int = 8) -> Case:
     else:
         case.needs_buffer = True
         case.messages.append(hello())
-        for _ in range(n_messages):
+        # an index round is three messages: as many rounds as make about n_messages
+        for _ in range(n_messages if kind != "index" else max(1, n_messages // 3)):
             if kind == "ops":
                 case.messages.append(_op_graph(rng))
+            elif kind == "index":
+                case.messages += _index_messages(rng)
             elif kind == "tensors" or rng.random() < 0.2:
                 case.messages.append(_tensor_command(rng, buf_size))
             elif rng.random() < 0.15:
