@@ -11,7 +11,10 @@ Steps, each cached:
 4. build each optional backend asked for (``BACKENDS``: CUDA with ``GGML_HYBRID_CUDA=1``,
    Vulkan with ``GGML_HYBRID_VULKAN=1``) in a tree of its own,
    as a library that GGML loads at run time (``GGML_BACKEND_DL``): an install with it still imports and runs
-   on a machine without the GPU, its driver or its runtime;
+   on a machine without the GPU, its driver or its runtime. It is built from the pin and its own patches only,
+   once per pin, as long as the ABI probe (``_native/abiprobe.py``: struct layouts, enum values, signatures,
+   inline code and macros of ggml-base's headers, the pin's against the patched ones) finds the patch series
+   keeps what a backend takes from ggml-base; otherwise with ggml-base's patches too;
 5. compile the cffi extension (API mode, out-of-line) against the patched headers, linked to ggml-base and ggml;
 6. copy the module into ``ggml_hybrid/_native``, the GGML libraries into ``_native/lib`` and the optional
    backends into ``_native/backends``.
@@ -27,6 +30,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -45,20 +49,23 @@ ROOT = Path(__file__).resolve().parent
 VENDOR = ROOT / "vendor"
 PACKAGE = ROOT / "ggml_hybrid"
 NATIVE = PACKAGE / "_native"
+# The unpatched pin's CPU backend library, for the test that loads it into our ggml-base (--pin-cpu)
+PIN_CPU_DIR = ROOT / "build" / "pin-cpu"
 # Bump when the way GGML is configured or linked changes, to invalidate caches.
 BUILD_SCHEME = "4"
 
 
-def _load_buildinfo():
+def _load_native(name: str):
     # loaded by path: the package itself cannot be imported before it is built
-    spec = importlib.util.spec_from_file_location("_ggml_hybrid_buildinfo", NATIVE / "buildinfo.py")
+    spec = importlib.util.spec_from_file_location(f"_ggml_hybrid_{name}", NATIVE / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
-info = _load_buildinfo()
+info = _load_native("buildinfo")
+abiprobe = _load_native("abiprobe")
 
 
 def log(msg: str) -> None:
@@ -154,8 +161,8 @@ class Options:
     build_type: str = "Release"
     jobs: int = os.cpu_count() or 2
 
-    def common_args(self) -> list[str]:
-        abi = info.abi_stamp() if self.patched else "upstream"
+    def common_args(self, abi: str | None = None) -> list[str]:
+        abi = abi or (abi_stamp() if self.patched else "upstream")
         return [f"-DCMAKE_BUILD_TYPE={self.build_type}", "-DGGML_CCACHE=OFF", f"-DGGML_HYBRID_ABI={abi}"]
 
     def core_args(self) -> list[str]:
@@ -175,9 +182,21 @@ class Options:
         # GGML refuses -march=native with dynamically loaded CPU backends: this one is linked to ggml
         return args + ["-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=OFF", "-DGGML_NATIVE=ON"]
 
+    def pin_cpu_args(self) -> list[str]:
+        """The CPU backend of the unpatched pin as a library GGML loads at run time, for this CPU as the core's is
+        (``-march=native``, which GGML refuses to set itself for a loadable CPU backend; its x86 feature options off,
+        so nothing else is added), stamped with the pin's ABI: it loads into our ggml-base only while the patch
+        series keeps the interface the pin's headers give a backend (tests/test_pin_backend.py)."""
+        features = ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX_VNNI", "AVX512")
+        return self.common_args(info.pin_abi_stamp(VENDOR)) + [
+            "-DGGML_OPENMP=OFF", "-DGGML_LLAMAFILE=ON", "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON",
+            "-DGGML_NATIVE=OFF", "-DCMAKE_C_FLAGS=-march=native", "-DCMAKE_CXX_FLAGS=-march=native",
+            *(f"-DGGML_{f}=OFF" for f in features)]
+
     def backend_args(self, name: str) -> list[str]:
         """One optional backend alone, as a library GGML loads at run time (no CPU backend in its tree)."""
-        return self.common_args() + ["-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU=OFF",
+        return self.common_args(abi_stamp_of(backend_patches(name), VENDOR)) + [
+            "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU=OFF",
                                      "-DGGML_NATIVE=OFF", *BACKENDS[name].cmake_args(self)]
 
 
@@ -229,22 +248,145 @@ BACKENDS: dict[str, BackendSpec] = {
 }
 
 
-def ggml_key(args: list[str], patched: bool, backend: str | None = None) -> str:
-    """The cache key of a build tree. An optional backend's tree depends only on the patches that reach it: those
-    of ggml-base (named by the ABI stamp in ``args``) and its own (``src/ggml-NAME/``); a patch of the CPU backend
-    or of another backend leaves it built, so a Vulkan or CUDA library is built once per pin and ggml-base ABI."""
+def ggml_key(args: list[str], patches: list[Path] | None) -> str:
+    """The cache key of a build tree: the pin, the CMake wrapper, the patches its source was made with (None: the
+    unpatched upstream build of the overhead benchmark) and its options (the ABI stamp among them)."""
     h = hashlib.sha256()
     h.update((VENDOR / "pin.json").read_bytes())
     h.update((VENDOR / "CMakeLists.txt").read_bytes())
-    if not patched:
+    if patches is None:
         h.update(b"unpatched")
-    elif backend is None:
-        h.update(info.patch_series_hash().encode())
     else:
-        h.update(info.backend_patch_hash(backend).encode())
+        h.update(info.patches_hash(patches).encode())
     h.update(" ".join(args).encode())
     h.update(BUILD_SCHEME.encode())
     return h.hexdigest()[:16]
+
+
+# -- the binary interface a backend library sees ------------------------------------------------------------------
+# A backend library is built once per pin: from the pin's source and its own patches only, stamped with the pin's
+# ABI, as long as the patch series leaves what a backend takes from ggml-base's headers as the pin has it (the
+# probe: ggml_hybrid/_native/abiprobe.py). A patch that changes it (a struct's layout, an enum member's value, a
+# function's signature, an inline function) gives ggml-base the series' stamp, and each backend is then built
+# with ggml-base's patches too.
+
+def header_sections(patch_text: str, keep) -> str:
+    """The parts of a unified diff (``git diff``'s or plain) whose file, relative to GGML's folder, ``keep`` accepts."""
+    lines = patch_text.splitlines(keepends=True)
+    git = any(line.startswith("diff --git ") for line in lines)
+    out, take = [], False
+    for i, line in enumerate(lines):
+        if git and line.startswith("diff --git "):
+            take = keep(line.split()[-1].split("/", 1)[-1])  # b/PATH
+        elif not git and line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            path = lines[i + 1][4:].split("\t")[0].strip()
+            take = keep(path.split("/", 1)[-1])
+        if take:
+            out.append(line)
+    return "".join(out)
+
+
+def _probed_header(path: str) -> bool:
+    return bool(re.fullmatch(r"(include|src)/[^/]+\.h", path))
+
+
+def header_tree(vendor: Path, patches: list[Path], dest: Path) -> None:
+    """GGML's headers (include/*.h, src/*.h) of the pin in dest, with the header parts of ``patches`` applied."""
+    pin = info.load_pin(vendor)
+    prefix = pin["ggml_path"].rstrip("/") + "/"
+    with tarfile.open(fetch_archive(pin)) as tar:
+        members = []
+        for m in tar.getmembers():
+            if m.isfile() and m.name.startswith(prefix) and _probed_header(m.name[len(prefix):]):
+                m.name = m.name[len(prefix):]
+                members.append(m)
+        tar.extractall(dest, members=members, filter="data")
+    patch_headers(dest, patches)
+
+
+def pin_headers(vendor: Path | None = None) -> Path:
+    """The pin's headers, unpatched, extracted once into the cache (reading the archive takes seconds)."""
+    pin = info.load_pin(vendor or VENDOR)
+    where = cache_root() / "abi" / f"headers-{pin['ggml_version']}-{pin['sha256'][:16]}"
+    with _locked(where):
+        if not (where / "DONE").exists():
+            shutil.rmtree(where, ignore_errors=True)
+            header_tree(vendor or VENDOR, [], where)
+            (where / "DONE").write_text(pin["archive"] + "\n")
+    return where
+
+
+def patch_headers(tree: Path, patches: list[Path]) -> None:
+    """Apply the header parts of ``patches`` to a tree of GGML's headers."""
+    for p in patches:
+        part = header_sections(p.read_text(errors="replace"), _probed_header)
+        if part:
+            run(["patch", "-p1", "--forward", "--batch", "-s", "-d", str(tree)], input=part.encode())
+
+
+def abi_verdict(vendor: Path | None = None, fresh: bool = False) -> dict:
+    """Whether the patch series keeps the interface a backend library takes from ggml-base's headers as the pin has
+    it: ``abiprobe.compare`` of the pin's headers and the patched ones. Cached by the pin, the series' patches of
+    ggml-base and the probe, so a build with nothing new only reads a file. Returns {"compatible", "differences",
+    "checked" (items), "seconds" (the probe's time when it ran)}."""
+    vendor = vendor or VENDOR
+    base = [p for p in info.patch_files(vendor) if info.touches_ggml_base(p)]
+    h = hashlib.sha256((vendor / "pin.json").read_bytes())
+    h.update(info.patches_hash(base).encode())
+    h.update((NATIVE / "abiprobe.py").read_bytes())
+    cached = cache_root() / "abi" / f"{h.hexdigest()[:16]}.json"
+    if cached.exists() and not fresh:
+        return json.loads(cached.read_text())
+    with _locked(cached):
+        if cached.exists() and not fresh:
+            return json.loads(cached.read_text())
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            pin_tree, patched_tree = pin_headers(vendor), Path(tmp) / "patched"
+            shutil.copytree(pin_tree, patched_tree)
+            patch_headers(patched_tree, base)
+            try:
+                verdict = abiprobe.compare(pin_tree, patched_tree)
+            except abiprobe.ProbeError as e:  # the safe side: backends built with ggml-base's patches, as before
+                verdict = abiprobe.Verdict([f"the ABI probe could not run: {e}"], 0, 0.0)
+        result = {"compatible": verdict.compatible, "differences": verdict.differences, "checked": verdict.checked,
+                  "seconds": round(time.monotonic() - t0, 3), "probe_seconds": round(verdict.seconds, 3),
+                  "patches": [p.name for p in base]}
+        if verdict.compatible:
+            log(f"ABI probe: the patch series keeps the interface of the pin's headers ({verdict.checked} items, "
+                f"{result['seconds']:.1f} s): backend libraries are built from the pin")
+        else:
+            log("ABI probe: the patch series changes the interface of the pin's headers, so backend libraries are "
+                "built with ggml-base's patches:\n  " + "\n  ".join(verdict.differences[:20]))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def abi_stamp(vendor: Path | None = None) -> str:
+    """ggml-base's ABI stamp: the pin's while the series keeps the pin's interface (a backend library built from
+    the pin loads), else the pin's and the series' patches of ggml-base."""
+    vendor = vendor or VENDOR
+    return info.pin_abi_stamp(vendor) if abi_verdict(vendor)["compatible"] else info.series_abi_stamp(vendor)
+
+
+def backend_patches(name: str, vendor: Path | None = None) -> list[Path]:
+    """The patches an optional backend's source gets: its own (src/ggml-NAME/, include/ggml-NAME.h), and those of
+    ggml-base only when the series changes the pin's interface (or one of its own reaches ggml-base too). A patch
+    of the CPU backend or another backend never reaches it."""
+    vendor = vendor or VENDOR
+    series = info.patch_files(vendor)
+    own = [p for p in series if info.touches_backend(p, name)]
+    if abi_verdict(vendor)["compatible"] and not any(info.touches_ggml_base(p) for p in own):
+        return own
+    return [p for p in series if p in own or info.touches_ggml_base(p)]
+
+
+def abi_stamp_of(patches: list[Path], vendor: Path | None = None) -> str:
+    """The stamp of a backend built from the pin with ``patches``: the pin's when they leave ggml-base as the pin
+    has it, else ggml-base's."""
+    vendor = vendor or VENDOR
+    return info.pin_abi_stamp(vendor) if not any(info.touches_ggml_base(p) for p in patches) else abi_stamp(vendor)
 
 
 def run(cmd: list[str], **kw) -> None:
@@ -286,8 +428,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def prepare_source(pin: dict, dest: Path, patched: bool) -> None:
-    """Extract GGML from the archive into dest and apply the patch series."""
+def prepare_source(pin: dict, dest: Path, patches: list[Path] | None) -> None:
+    """Extract GGML from the archive into dest and apply ``patches`` (None or []: none)."""
     archive = fetch_archive(pin)
     prefix = pin["ggml_path"].rstrip("/") + "/"
     tmp = dest.with_name(dest.name + ".tmp")
@@ -298,26 +440,26 @@ def prepare_source(pin: dict, dest: Path, patched: bool) -> None:
         for m in members:
             m.name = m.name[len(prefix):]
         tar.extractall(tmp, members=[m for m in members if m.name], filter="data")
-    if patched:
-        for p in info.patch_files():
-            log(f"applying {p.name}")
-            run(["patch", "-p1", "--forward", "--batch", "-s", "-d", str(tmp), "-i", str(p)])
+    for p in patches or []:
+        log(f"applying {p.name}")
+        run(["patch", "-p1", "--forward", "--batch", "-s", "-d", str(tmp), "-i", str(p)])
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
 
 
-def build_tree(kind: str, args: list[str], opts: Options, targets: tuple[str, ...] = (),
-               backend: str | None = None) -> Path:
+def build_tree(kind: str, args: list[str], opts: Options, patches: list[Path] | None,
+               targets: tuple[str, ...] = ()) -> Path:
     """Configure and build GGML with ``args`` (or reuse that build); returns its cache folder, whose
     ``out/`` holds the shared libraries it made, stripped."""
     pin = info.load_pin()
-    where = cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args, opts.patched, backend)}"
+    where = cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args, patches)}"
     with _locked(where):
-        _build_tree(where, pin, args, opts, targets)
+        _build_tree(where, pin, args, opts, patches, targets)
     return where
 
 
-def _build_tree(where: Path, pin: dict, args: list[str], opts: Options, targets: tuple[str, ...]) -> None:
+def _build_tree(where: Path, pin: dict, args: list[str], opts: Options, patches: list[Path] | None,
+                targets: tuple[str, ...]) -> None:
     stamp = where / "DONE"
     if stamp.exists():
         log(f"GGML up to date in {where}")
@@ -326,7 +468,7 @@ def _build_tree(where: Path, pin: dict, args: list[str], opts: Options, targets:
     if not (where / "ggml").is_dir():
         where.mkdir(parents=True, exist_ok=True)
         stage(f"fetching GGML {pin['ggml_version']} (the pinned source) and applying the patch series")
-        prepare_source(pin, where / "ggml", opts.patched)
+        prepare_source(pin, where / "ggml", patches)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     stage("configuring GGML with CMake")
     run(["cmake", "-S", str(VENDOR), "-B", str(where / "build"), *generator,
@@ -357,7 +499,19 @@ def collect_libraries(bin_dir: Path, out: Path) -> None:
 
 
 def build_core(opts: Options) -> Path:
-    return build_tree("ggml" if opts.patched else "ggml-upstream", opts.core_args(), opts)
+    if not opts.patched:
+        return build_tree("ggml-upstream", opts.core_args(), opts, None)
+    return build_tree("ggml", opts.core_args(), opts, info.patch_files())
+
+
+def build_pin_cpu(opts: Options) -> Path:
+    """The CPU backend library of the unpatched pin (``libggml-cpu.so``, loadable), cached like the other builds:
+    tests/test_pin_backend.py loads it into our ggml-base and runs the op tests through it."""
+    where = build_tree("pin-cpu", opts.pin_cpu_args(), opts, [], targets=("ggml-cpu",))
+    lib = where / "out" / "libggml-cpu.so"
+    if not lib.exists():
+        raise SystemExit(f"the pin's CPU build in {where} made no {lib.name}; delete that folder and rebuild")
+    return lib
 
 
 def build_backend(name: str, opts: Options) -> Path:
@@ -368,7 +522,7 @@ def build_backend(name: str, opts: Options) -> Path:
     if prebuilt:
         where = adopt_backend(name, Path(prebuilt), args, opts)
     else:
-        where = build_tree(f"backend-{name}", args, opts, targets=(f"ggml-{name}",), backend=name)
+        where = build_tree(f"backend-{name}", args, opts, backend_patches(name), targets=(f"ggml-{name}",))
     lib = where / "out" / f"libggml-{name}.so"
     if not lib.exists():
         raise SystemExit(f"the {name} build in {where} made no {lib.name}; delete that folder and rebuild")
@@ -381,7 +535,7 @@ def adopt_backend(name: str, lib: Path, args: list[str], opts: Options) -> Path:
     sdist, a rebuild) take it from there. It must carry this checkout's ABI stamp; the folder's own build, if
     finished, is kept."""
     pin = info.load_pin()
-    where = cache_root() / f"backend-{name}-{pin['ggml_version']}-{ggml_key(args, opts.patched, name)}"
+    where = cache_root() / f"backend-{name}-{pin['ggml_version']}-{ggml_key(args, backend_patches(name))}"
     with _locked(where):
         if (where / "DONE").exists():
             log(f"the {name} backend is already built in {where}; {lib} is not adopted")
@@ -407,7 +561,7 @@ def check_backend_library(name: str, lib: Path) -> None:
         data = lib.read_bytes()
     except OSError as e:
         raise SystemExit(f"{BACKENDS[name].switch}_LIB={lib}: cannot read it ({e.strerror})") from None
-    stamp = info.abi_stamp()
+    stamp = abi_stamp()
     if not data.startswith(b"\x7fELF"):
         raise SystemExit(f"{BACKENDS[name].switch}_LIB={lib}: not a shared library (no ELF header)")
     if b"ggml_hybrid_backend_abi" not in data or stamp.encode() not in data:
@@ -496,7 +650,7 @@ def build_cffi(core: Path, opts: Options) -> Path:
     name = module_name(opts)
     patch_hash = info.patch_series_hash() if opts.patched else "unpatched"
     source_hash = info.source_hash(opts.patched)
-    abi = info.abi_stamp() if opts.patched else "upstream"
+    abi = abi_stamp() if opts.patched else "upstream"
     cdef = cdef_source(opts.patched)
     includes = ["math.h", "ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]  # math.h: libm's logf
     includes += [p.name for p in info.c_sources() if p.suffix == ".h"]  # ours: the cdef declares from them
@@ -786,10 +940,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upstream", action="store_true",
                     help="build GGML without the patch series into --out (for benchmarks)")
     ap.add_argument("--out", type=Path, default=None, help="where to put the extension module")
+    ap.add_argument("--pin-cpu", action="store_true",
+                    help="also build the CPU backend of the unpatched pin as a loadable library, into "
+                         "build/pin-cpu/ (tests/test_pin_backend.py runs the op tests through it)")
+    ap.add_argument("--abi", action="store_true",
+                    help="run the ABI probe (the pin's headers against the patched ones), print its verdict and exit")
     ap.add_argument("--print-cache", action="store_true", help="print the cache folder and exit")
     ns = ap.parse_args(argv)
     if ns.print_cache:
         print(cache_root())
+        return 0
+    if ns.abi:
+        verdict = abi_verdict(fresh=True)
+        print(json.dumps({**verdict, "stamp": abi_stamp(), "pin_stamp": info.pin_abi_stamp()}, indent=1))
         return 0
     for name, spec in BACKENDS.items():
         prebuilt = getattr(ns, f"{name}_lib")
@@ -804,6 +967,11 @@ def main(argv: list[str] | None = None) -> int:
                        cuda_arch=ns.cuda_arch or env.cuda_arch)
     out = ns.out or (ROOT / "build" / "upstream" / "ggml_hybrid" / "_native" if ns.upstream else NATIVE)
     build(opts, out)
+    if ns.pin_cpu:
+        dest = PIN_CPU_DIR / "libggml-cpu.so"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _replace_file(build_pin_cpu(opts), dest)
+        log(f"installed the pin's CPU backend as {dest}")
     return 0
 
 

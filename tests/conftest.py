@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import compute
+from helpers import assert_same_bits, compute
 from hypothesis import HealthCheck, settings
 
 import ggml_hybrid as gh
@@ -39,10 +39,27 @@ def cpu_backend():
 
 
 @pytest.fixture(scope="session")
-def run(cpu_backend):
-    """``run(build, consts=..., inputs=...)``: compute a graph on the CPU backend, return numpy outputs."""
+def twin_backend():
+    """The backend of the library named by GGML_HYBRID_OPS_TWIN (tests/test_pin_backend.py names the unpatched pin's
+    CPU backend), or None."""
+    path = os.environ.get("GGML_HYBRID_OPS_TWIN")
+    if not path:
+        yield None
+        return
+    backend = gh.ggml.backend.backend_from_library(path, n_threads=2)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def run(cpu_backend, twin_backend):
+    """``run(build, consts=..., inputs=...)``: compute a graph on the CPU backend, return numpy outputs. With
+    GGML_HYBRID_OPS_TWIN set, the graph is also computed on that library's backend and must give the same bits."""
 
     def _run(build, consts=None, inputs=None, graph_size: int = 256):
-        return compute(cpu_backend, build, consts, inputs, graph_size)
+        out = compute(cpu_backend, build, consts, inputs, graph_size)
+        if twin_backend is not None:
+            assert_same_bits(out, compute(twin_backend, build, consts, inputs, graph_size))
+        return out
 
     return _run

@@ -96,6 +96,23 @@ def compute(backend, build, consts=None, inputs=None, graph_size: int = 256):
     return res[0] if single else res
 
 
+def assert_same_bits(ours, theirs) -> None:
+    """Two results of :func:`compute` (an array or a tuple of them) hold the same bytes: dtype, shape and every bit
+    (NaNs included)."""
+    ours = ours if isinstance(ours, (tuple, list)) else (ours,)
+    theirs = theirs if isinstance(theirs, (tuple, list)) else (theirs,)
+    assert len(ours) == len(theirs), f"{len(ours)} outputs vs {len(theirs)}"
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"output {i}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        bits_a = np.ascontiguousarray(a).view(f"u{a.itemsize}").ravel()
+        bits_b = np.ascontiguousarray(b).view(f"u{b.itemsize}").ravel()
+        bad = np.flatnonzero(bits_a != bits_b)
+        if bad.size:
+            i0 = bad[0]
+            raise AssertionError(f"output {i}: {bad.size} of {a.size} values differ; the first at flat index {i0}: "
+                                 f"{a.ravel()[i0]!r} vs {b.ravel()[i0]!r}")
+
+
 def canon(shape) -> tuple[int, ...]:
     """Drop leading size-1 dims (GGML cannot tell numpy shape (1, 3) from (3,)); keep at least one dim."""
     shape = tuple(int(s) for s in shape)

@@ -20,6 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import buildinfo
 from ._ggml import ffi, lib
@@ -74,6 +75,11 @@ _VK_CPU_HINT = ("GGML uses a CPU Vulkan driver such as Mesa's lavapipe only when
 
 def load_backend(path: Path) -> BackendStatus:
     """Load one backend library (see the module docstring); never raises for a library that cannot load."""
+    return load_backend_reg(path)[0]
+
+
+def load_backend_reg(path: Path) -> tuple[BackendStatus, Any]:
+    """:func:`load_backend`, and the registry GGML made of the library (NULL when it did not load)."""
     stem = path.name[len("libggml-"):-len(".so")]
     name = REGISTRY_NAMES.get(stem, stem.upper())
     err = ffi.new("char[]", _ERR_BYTES)
@@ -90,7 +96,7 @@ def load_backend(path: Path) -> BackendStatus:
                 # GGML's Vulkan backend gives no registry when it cannot create a Vulkan instance
                 why = ("no usable Vulkan driver: the Vulkan loader found none (driver files in "
                        "/usr/share/vulkan/icd.d, or VK_DRIVER_FILES), or none could create an instance")
-            return BackendStatus(name, str(path), False, 0, why)
+            return BackendStatus(name, str(path), False, 0, why), ffi.NULL
         tried.add(missing.group(1))
     n = int(lib.ggml_backend_reg_dev_count(reg))
     reg_name = ffi.string(lib.ggml_backend_reg_name(reg)).decode()
@@ -98,7 +104,7 @@ def load_backend(path: Path) -> BackendStatus:
     why = "" if n else _reason(log)
     if not n and reg_name == "Vulkan" and "GGML_VK_VISIBLE_DEVICES" not in os.environ:
         why += f"; {_VK_CPU_HINT}"
-    return BackendStatus(reg_name, str(path), True, n, why)
+    return BackendStatus(reg_name, str(path), True, n, why), reg
 
 
 def _reason(log: str) -> str:
@@ -139,4 +145,4 @@ def _preload(soname: str, seen: frozenset[str] = frozenset()) -> bool:
     return False
 
 
-__all__ = ["REGISTRY_NAMES", "BackendStatus", "load_backend", "optional_backends", "runtime_dirs"]
+__all__ = ["REGISTRY_NAMES", "BackendStatus", "load_backend", "load_backend_reg", "optional_backends", "runtime_dirs"]

@@ -30,8 +30,10 @@ UPSTREAM_MODULE = "_ggml_upstream"
 LIB_DIR = NATIVE_DIR / "lib"
 # Optional backends (libggml-cuda.so, ...), loaded at run time when present and usable.
 BACKEND_DIR = NATIVE_DIR / "backends"
-# Bump when ggml-base's binary interface changes in a way the pin and the patch series do not show.
-ABI_SCHEME = "1"
+# Bump when ggml-base's binary interface changes in a way the pin, the patch series and the ABI probe
+# (abiprobe.py: layouts, enum values, signatures, inline code and macros of the headers) do not show, such as
+# a patch that changes what a function of ggml-base does for a backend library without changing its signature.
+ABI_SCHEME = "2"
 
 
 def _digest(parts: list[tuple[str, bytes]]) -> str:
@@ -102,21 +104,26 @@ def touches_backend(patch: Path, name: str) -> bool:
     return any(p.startswith(f"src/ggml-{name}/") or p == f"include/ggml-{name}.h" for p in patched_paths(patch))
 
 
-def backend_patch_hash(name: str, vendor_dir: Path = VENDOR_DIR) -> str:
-    """The patches an optional backend's library is built from: those of ggml-base and its own. Patches of the CPU
-    backend or of another backend do not reach it."""
-    files = [p for p in patch_files(vendor_dir) if touches_ggml_base(p) or touches_backend(p, name)]
-    return _digest([(p.name, p.read_bytes()) for p in files])
+def patches_hash(patches: list[Path]) -> str:
+    """The names and contents of ``patches``, in order."""
+    return _digest([(p.name, p.read_bytes()) for p in patches])
 
 
-def abi_stamp(vendor_dir: Path = VENDOR_DIR) -> str:
-    """The binary interface of ggml-base: the pin and the patches that touch ggml-base (a patch confined to one
-    backend, such as the RPC client's, leaves it as it is). Compiled into ggml-base, the module and every
-    backend library; a backend library is loaded only into a ggml-base of the same stamp."""
+def pin_abi_stamp(vendor_dir: Path = VENDOR_DIR) -> str:
+    """The binary interface of the pin's ggml-base as a backend library sees it. ggml-base carries it while the
+    patch series keeps that interface (build.py's ABI probe), and so does every backend library built from the
+    pin and its own patches: such a library is built once per pin, whatever the series does to ggml-base's code."""
+    pin = (vendor_dir / "pin.json").read_bytes()
+    return _digest([("pin", pin), ("scheme", ABI_SCHEME.encode())])[:16]
+
+
+def series_abi_stamp(vendor_dir: Path = VENDOR_DIR) -> str:
+    """ggml-base's stamp when the patch series changes the interface the pin's headers give a backend (build.py's
+    ABI probe found a difference): the pin and the patches that touch ggml-base (a patch confined to one backend,
+    such as the RPC client's, leaves it as it is). Every backend library is then built with those patches."""
     pin = (vendor_dir / "pin.json").read_bytes()
     base = [p for p in patch_files(vendor_dir) if touches_ggml_base(p)]
-    patches = _digest([(p.name, p.read_bytes()) for p in base]).encode()
-    return _digest([("pin", pin), ("patches", patches), ("scheme", ABI_SCHEME.encode())])[:16]
+    return _digest([("pin", pin), ("patches", patches_hash(base).encode()), ("scheme", ABI_SCHEME.encode())])[:16]
 
 
 def load_pin(vendor_dir: Path = VENDOR_DIR) -> dict:

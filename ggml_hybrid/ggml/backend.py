@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from .._native import CData, cstr, ffi, lib
-from .._native.backends import optional_backends
+from .._native.backends import load_backend_reg, optional_backends
 from .._native.managed import Managed
 from ..checks import check_choice, check_int
 from ..errors import AllocationError, ArgumentError, BackendError
@@ -213,6 +214,48 @@ def cpu_instance(index: int, n_threads: int | None = None, poll: int = 0) -> Bac
     return b
 
 
+class LibraryBackend(Backend):
+    """A backend of a library :func:`backend_from_library` loaded: closing it also takes the library out of GGML's
+    registry (its devices leave :func:`devices`)."""
+
+    def __init__(self, ptr: CData, kind: str, reg: CData) -> None:
+        super().__init__(ptr, kind)
+        self._reg: CData | None = reg
+
+    def close(self) -> None:
+        super().close()
+        if self.closed and self._reg is not None:
+            lib.ggml_backend_unload(self._reg)
+            self._reg = None
+
+
+def backend_from_library(path: str | os.PathLike[str], n_threads: int | None = None) -> LibraryBackend:
+    """A backend on the first device of the GGML backend library at ``path``, loaded into this process's ggml-base
+    until the backend is closed: only a library that carries ggml-base's ABI stamp (built by build.py against the
+    same interface), and not one of this install's own (closing would unload it). Its threads are set through its
+    own registry (``ggml_backend_set_n_threads``). Used by the test that runs the op tests through the unpatched
+    pin's CPU backend (tests/test_pin_backend.py)."""
+    if n_threads is not None:
+        check_int(n_threads, "n_threads", 1, max_threads())
+    st, reg = load_backend_reg(Path(path))
+    if not st.loaded:
+        raise BackendError(f"backend library {os.fspath(path)!r} did not load: {st.detail}")
+    if not st.devices:
+        lib.ggml_backend_unload(reg)
+        raise BackendError(f"backend library {os.fspath(path)!r} has no device: {st.detail}")
+    ptr = lib.ggml_backend_dev_init(lib.ggml_backend_reg_dev_get(reg, 0), ffi.NULL)
+    if ptr == ffi.NULL:
+        lib.ggml_backend_unload(reg)
+    b = LibraryBackend(ptr, st.name, reg)
+    if n_threads is not None:
+        fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_set_n_threads")
+        if fn == ffi.NULL:
+            b.close()
+            raise BackendError(f"backend library {os.fspath(path)!r} has no thread count to set")
+        ffi.cast("void (*)(ggml_backend_t, int)", fn)(b.ptr, n_threads)
+    return b
+
+
 # The GPU backends a build may carry, in the order their devices are listed (as llama.cpp lists them): GGML's
 # registry name, which also prefixes each device's name (CUDA0, CUDA1, ..., Vulkan0, ...), and the build switch
 GPU_BACKENDS = {"CUDA": "cuda", "Vulkan": "vulkan"}
@@ -323,6 +366,6 @@ def devices() -> list[Device]:
     return out
 
 
-__all__ = ["GPU_BACKENDS", "Backend", "Buffer", "Device", "cpu", "cpu_features", "cpu_instance", "cpu_library",
-           "cuda", "cuda_available", "cuda_device_count", "devices", "gpu", "gpu_device_count", "gpu_device_names",
-           "vulkan", "vulkan_available", "vulkan_device_count"]
+__all__ = ["GPU_BACKENDS", "Backend", "Buffer", "Device", "LibraryBackend", "backend_from_library", "cpu",
+           "cpu_features", "cpu_instance", "cpu_library", "cuda", "cuda_available", "cuda_device_count", "devices",
+           "gpu", "gpu_device_count", "gpu_device_names", "vulkan", "vulkan_available", "vulkan_device_count"]

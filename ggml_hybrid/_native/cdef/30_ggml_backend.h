@@ -58,6 +58,7 @@ ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
 const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
 size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
 ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+void ggml_backend_unload(ggml_backend_reg_t reg);
 ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
 ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
 bool ggml_backend_dev_supports_op(ggml_backend_dev_t device, const struct ggml_tensor * op);
