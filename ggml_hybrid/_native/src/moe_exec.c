@@ -1,6 +1,7 @@
 #include "moe_exec.h"
 
 #include "map_guard.h"
+#include "sched_hooks.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -28,6 +29,7 @@ struct hy_moe_exec {
     int fail_after;          /* loads until an injected failure, -1: none */
     /* staging */
     bool staged;
+    bool compact;            /* rounds compute compacted rows (a CPU backend); else the call's graph (compute_rows) */
     bool async_loads;        /* no host buffer type, but uploads are queued (RPC): straight from the mapping */
     bool async_pending;
     hy_stage stage[2];
@@ -171,6 +173,7 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
         hy_cost_init(&ex->model, cfg->alpha, cfg->hysteresis, cfg->prior);
     }
     hy_graph_cache_init(&ex->graphs, cfg->scratch);
+    ex->compact = hy_is_cpu(cfg->device);
     if (cfg->staging) {
         ggml_backend_dev_t dev = ggml_backend_get_device(cfg->device);
         ggml_backend_buffer_type_t host = dev != NULL ? ggml_backend_dev_host_buffer_type(dev) : NULL;
@@ -726,9 +729,49 @@ static int compute_full(hy_moe_exec * ex, hy_call * call) {
     return HY_OK;
 }
 
+/* This round's rows on a device that is not a CPU backend: the call's own graph (every row, the ids remapped,
+   the rows of other rounds on the pad slot), so that the backend picks the kernels the resident graph gets
+   (GGML's Vulkan backend picks mul_mat_id's kernel by the call's token count: mat-vec up to 8 tokens, else
+   tiled, which rounds F32 operands to F16); this round's rows go to their places in merged. */
+static int compute_rows_call(hy_moe_exec * ex, hy_call * call) {
+    const hy_moe_config * cfg = &ex->cfg;
+    const int E = cfg->n_embd, pad_slot = cfg->n_slots;
+    int n = 0;
+    for (int i = 0; i < call->n_rows; i++) {
+        ex->slot_ids[i] = ex->slot_of[ex->ids[i]];
+        n += ex->slot_ids[i] != pad_slot;
+    }
+    const int64_t t = hy_now_ns();
+    if (n > 0) {
+        hy_graph * g = hy_graph_get(&ex->graphs, HY_GRAPH_CALL, call->T, &cfg->slots, cfg->slots.down, cfg->n_used,
+                                    E, (enum ggml_glu_op) cfg->glu);
+        if (g == NULL) {
+            return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graph%s", "");
+        }
+        ggml_backend_tensor_copy(call->x, g->x); /* device to device */
+        ggml_backend_tensor_set(g->ids, ex->slot_ids, 0, sizeof(int32_t) * call->n_rows);
+        if (ggml_backend_graph_compute(cfg->device, g->gf) != GGML_STATUS_SUCCESS) {
+            return fail(ex, HY_ERR_COMPUTE, "layer %d: the expert graph failed%s", "");
+        }
+        ggml_backend_tensor_get(g->out, ex->rows_out, 0, sizeof(float) * (size_t) call->n_rows * E);
+        for (int i = 0; i < call->n_rows; i++) {
+            if (ex->slot_ids[i] != pad_slot) {
+                memcpy(ex->merged + (size_t) i * E, ex->rows_out + (size_t) i * E, sizeof(float) * E);
+            }
+        }
+    }
+    call->round_ns = hy_now_ns() - t;
+    call->round_rows = n;
+    return HY_OK;
+}
+
 /* This round's rows only, compacted and padded to their row bucket (padding rows go to the zeroed pad
-   slot); the results go to their places in merged. */
+   slot); the results go to their places in merged. A CPU backend's mul_mat_id picks its kernel per expert
+   from that expert's rows, which compaction keeps; other devices run the call's graph (compute_rows_call). */
 static int compute_rows(hy_moe_exec * ex, hy_call * call) {
+    if (!ex->compact) {
+        return compute_rows_call(ex, call);
+    }
     const hy_moe_config * cfg = &ex->cfg;
     const int k = cfg->n_used, E = cfg->n_embd, pad_slot = cfg->n_slots;
     int n = 0;
@@ -1214,7 +1257,8 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
     const hy_moe_config * cfg = &ex->cfg;
     const int k = cfg->n_used, E = cfg->n_embd;
     const enum ggml_glu_op glu = (enum ggml_glu_op) cfg->glu;
-    const int rows = hy_row_bucket(n_tokens * k); /* a round's row graph holds at most every row of the call */
+    const int rows = hy_row_bucket(n_tokens * k); /* a round's row graph holds at most every row of the call;
+                                                     a device that is not a CPU backend runs the call's graph */
     if (cfg->tier_direct) {
         if (tier_views(ex) != HY_OK) {
             return -1;
@@ -1225,8 +1269,11 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
         return HY_OK;
     }
     if (hy_graph_get(&ex->graphs, HY_GRAPH_FULL, n_tokens, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
-        hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
-        hy_graph_get(&ex->graphs, HY_GRAPH_SUM, n_tokens, NULL, NULL, k, E, glu) == NULL) {
+        (ex->compact && hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E,
+                                     glu) == NULL) ||
+        hy_graph_get(&ex->graphs, HY_GRAPH_SUM, n_tokens, NULL, NULL, k, E, glu) == NULL ||
+        (!ex->compact && hy_graph_get(&ex->graphs, HY_GRAPH_CALL, n_tokens, &cfg->slots, cfg->slots.down, k, E,
+                                      glu) == NULL)) {
         return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graphs%s", "");
     }
     return HY_OK;
