@@ -253,7 +253,7 @@ def test_several_sequences_in_one_decode_step_against_their_lone_runs(model_path
     opts = SessionOptions.parse([*items, f"devices={GPU}", f"n_parallel={n}"])
     with MoEModel(model_path, opts) as m:
         if BACKEND == "Vulkan":
-            assert m.decode_rows == (8 if not items else 8 // 4)  # the mat-vec limit; with a cache, 4 rows a token
+            assert m.decode_rows == 8  # the mat-vec limit (a cache's rounds run the call's graph: the same kernels)
         firsts = [m.eval(p, seq=i)[-1] for i, p in enumerate(prompts)]
         together = np.stack([np.stack(firsts)] + [m.decode([(i, t[i]) for i in range(n)]) for t in toks], axis=1)
     rule = _rule(model_path, "alone")
