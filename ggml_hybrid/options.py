@@ -355,13 +355,15 @@ class SessionOptions:
 
     moe_prefetch: bool = _opt(
         False, "bool", _BOOL_RULE,
-        "Lookahead prefetch: after each disk layer's call of up to 16 tokens, apply the next disk layer's router to "
-        "the call's input and load the predicted misses into that layer's slots ahead of its call (docs/moe.md); "
-        "results never change.", _bool)
+        "Lookahead prefetch: in each disk layer's call of up to 16 tokens, apply the next disk layer's router to "
+        "the call's input and load the predicted misses into that layer's slots ahead of its call (with "
+        "host_cache_bytes, first read them ahead into the host tier, at once; docs/moe.md); results never change.",
+        _bool)
     moe_prefetch_bytes: int = _opt(
         0, "int", "an integer >= 0 (bytes)",
-        "Most bytes one layer call prefetches into the next layer (whole experts); 0 = the bytes of the next "
-        "layer's n_expert_used experts. Below one expert: predictions are counted, nothing is loaded.", _int(0))
+        "Most bytes one layer call prefetches into the next layer (whole experts), and with host_cache_bytes reads "
+        "ahead into the host tier; 0 = the bytes of the next layer's n_expert_used experts. Below one expert: "
+        "predictions are counted, nothing is loaded.", _int(0))
     moe_route_trace: Optional[str] = _opt(
         None, "str | None", "a routing trace file (.ghtrace) or none",
         "Benchmarks only (ggml-hybrid bench, tools/bench): each disk layer's routed experts are the next token rows "

@@ -1,7 +1,9 @@
-"""The host expert tier (host_cache_bytes): bit-identical to resident, its counters, its faults, its options.
+"""The host expert tier (host_cache_bytes): bit-identical to resident, its counters, its faults, its options, and its
+read-ahead of the lookahead prefetch's predictions (moe_prefetch).
 
 The oracle is the default resident path of the same file (no region, every expert in memory): every run with the
-tier must give its outputs bit for bit, and greedy decoding its tokens.
+tier must give its outputs bit for bit, and greedy decoding its tokens. A routing trace (moe_route_trace) is the
+oracle of the read-ahead: its prediction is the trace's own next rows, so nothing read ahead may be wasted.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,7 @@ from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.machine import cgroup_memory_left
 from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, HostTier, auto_budget, entry_bytes
 from ggml_hybrid.moe.stack_session import MoEStackSession
+from ggml_hybrid.moe.traces import Trace
 from ggml_hybrid.options import OptionError, SessionOptions
 from ggml_hybrid.plan.planner import plan
 from ggml_hybrid.runtime.moe_model import MoEModel
@@ -48,6 +52,16 @@ def _layer_need(path):
         store.close()
 
 
+def _expert_bytes(path):
+    """Bytes of one expert of layer 0 in the file (its tensors' rows)."""
+    store = GGUFStore(path)
+    try:
+        return sum(t.nbytes // t.shape[0] for t in store.tensors()
+                   if t.name.startswith("blk.0.ffn_") and t.name.endswith("_exps.weight"))
+    finally:
+        store.close()
+
+
 @st.composite
 def cases(draw):
     t = draw(st.sampled_from(TYPES))
@@ -60,7 +74,8 @@ def cases(draw):
         policy=draw(st.sampled_from(["freq", "lru", "lfu"])), fused=draw(st.booleans()), seed=draw(st.integers(0, 999)),
         budget_layers=draw(st.sampled_from([1.0, 1.5, 3.0])), share=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
         repack=draw(st.booleans()), fault=draw(st.sampled_from([None, None, "eio", "short"])),
-        fault_after=draw(st.integers(0, 12)))
+        fault_after=draw(st.integers(0, 12)), prefetch=draw(st.booleans()),
+        prefetch_experts=draw(st.integers(0, n_expert)))
 
 
 def _repacked(path, name="blk.0.ffn_down_exps.weight"):
@@ -85,11 +100,15 @@ def test_the_tier_is_bit_identical_to_resident(tmp_path, case):
     # experts are not repacked (repack=false, or a type the CPU does not repack)
     repack = case["repack"] and not (case["share"] and _repacked(path))
     budget = int(_layer_need(path) * case["budget_layers"])
-    xs = [_x(case["n_tokens"], case["n_embd"], case["seed"] + i) for i in range(3)]
+    # the drawn size, then decode-sized calls (the lookahead predicts calls of up to 16 tokens)
+    xs = [_x(n, case["n_embd"], case["seed"] + i) for i, n in enumerate([case["n_tokens"], 1, 2, 1])]
     with MoEStackSession(path, SessionOptions(repack=repack)) as s:
         refs = [s.forward(x) for x in xs]
     items = ["disk_experts=1", f"expert_cache_slots={case['slots']}", f"expert_eviction={case['policy']}",
              f"host_cache_bytes={budget}", f"moe_cpu_share={case['share']}", f"repack={int(repack)}"]
+    if case["prefetch"]:
+        # 0: the default bound (n_used experts)
+        items += ["moe_prefetch=1", f"moe_prefetch_bytes={case['prefetch_experts'] * _expert_bytes(path)}"]
     with MoEStackSession(path, SessionOptions.parse(items)) as s:
         direct = s.layers.executors[0].tier_direct
         assert direct == (case["share"] == 0 and not (repack and _repacked(path)))
@@ -102,23 +121,31 @@ def test_the_tier_is_bit_identical_to_resident(tmp_path, case):
                 assert "short read" in str(e) if case["fault"] == "short" else "Input/output error" in str(e)
                 faulted = 1
             s.layers.tier.inject_fault(after=-1)  # a fault that did not fire (fewer reads) fires on no later call
-            assert s.layers.tier.counters.faults == faulted
+            assert faulted <= s.layers.tier.counters.faults <= 1
         for x, ref in zip(xs, refs):
             np.testing.assert_array_equal(s.forward(x), ref)
         tier = s.layers.tier.counters
         slots = s.counters.total
-    assert tier.bytes_held <= budget and tier.faults == faulted
-    if faulted:
+    # a fault a read-ahead took is forgotten (the call reads the expert again): counted, no call failed
+    assert tier.bytes_held <= budget and faulted <= tier.faults <= (case["fault"] is not None)
+    if tier.faults:
         return  # the failed call's counts are partial
+    # every read-ahead was judged by the call it was for (each forward runs every layer): used if routed to
+    assert tier.ahead == tier.ahead_used + tier.ahead_wasted
+    assert tier.ahead_used <= slots.predicted_right
+    if not case["prefetch"]:
+        assert tier.ahead == 0 and slots.prefetched == 0
     if direct:  # every distinct expert of every call asked the tier once, no slot was loaded
-        assert tier.hits + tier.misses == slots.distinct == slots.hits and slots.misses == 0
-    else:  # every slot load and every CPU expert asked the tier once: from RAM (a hit) or from the file (a miss)
-        assert tier.hits + tier.misses == slots.misses + slots.cpu_misses
-    # each expert read from the file is its tensors' bytes, each rounded out to whole 4 KiB blocks
+        assert tier.hits + tier.misses == slots.distinct == slots.hits and slots.misses == slots.prefetched == 0
+    else:  # every slot load (a prefetch's too) and every CPU expert asked the tier once: from RAM or a read-ahead
+        # (a hit) or from the file (a miss); a prefetch's slot loads take only what the tier holds
+        assert tier.hits + tier.misses == slots.misses + slots.cpu_misses + slots.prefetched
+    # each expert read from the file, by a call or ahead, is its tensors' bytes, each rounded out to 4 KiB blocks
     expert = sum(GGUFStore(path).info(f"blk.0.ffn_{k}_exps.weight").nbytes // case["n_expert"]
                  for k in (("gate_up", "down") if case["fused"] else ("gate", "up", "down")))
     kinds = 2 if case["fused"] else 3
-    assert tier.misses * expert <= tier.bytes_read <= tier.misses * (expert + kinds * 8192)
+    reads = tier.misses + tier.ahead
+    assert reads * expert <= tier.bytes_read <= reads * (expert + kinds * 8192)
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +320,8 @@ def test_a_file_renamed_over_the_path_does_not_matter(tmp_path, stack):
         np.testing.assert_array_equal(s.forward(x), ref)
 
 
-def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path, prefetch):
     path = write_model(tmp_path / "q.gguf", arch="qwen3moe", n_layer=3, seed=5, expert_type="q8_0")
     base = dict(n_threads=1, n_ctx=64)
 
@@ -309,10 +337,142 @@ def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path):
 
     ref, ref_toks, _ = greedy(SessionOptions(**base))
     got, toks, tier = greedy(SessionOptions(**base, disk_experts=True, expert_cache_slots=2,
-                                            host_cache_bytes=_layer_need(path)))
+                                            host_cache_bytes=_layer_need(path), moe_prefetch=prefetch))
     assert toks == ref_toks
     np.testing.assert_array_equal(got, ref)
     assert tier is not None and tier.misses > 0 and tier.bytes_read > 0
+    assert (tier.ahead > 0) == prefetch and tier.ahead == tier.ahead_used + tier.ahead_wasted
+
+
+# -- read-ahead of the lookahead's predictions (moe_prefetch) ----------------------------------------------------
+
+def _route_trace(path, n_layer, n_expert, n_used, tokens, seed):
+    rng = np.random.default_rng(seed)
+    calls = [(layer, np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(t)]))
+             for t in tokens for layer in range(n_layer)]
+    Trace(n_layer, n_expert, n_used, calls=calls).write(path)
+    return calls
+
+
+@pytest.mark.parametrize("budget_layers", [1, 3])
+def test_read_ahead_on_a_route_trace_is_never_wasted_and_reads_each_routed_expert_once(tmp_path, stack,
+                                                                                      budget_layers):
+    """With moe_route_trace the prediction is the trace's own next rows (an oracle): every expert read ahead is
+    routed to by its call. With a budget holding every expert, each (layer, expert) the trace routes to is read
+    from the file exactly once, by a call or ahead of it, and a decode step's layers 1 and 2 read nothing."""
+    tokens = [5] + [1] * 10
+    calls = _route_trace(tmp_path / "r.ghtrace", 3, 16, 4, tokens, seed=2)
+    pairs = {(layer, int(e)) for layer, ids in calls for e in ids.ravel()}
+    decode_new = {int(e) for layer, ids in calls[3:] if layer == 0 for e in ids.ravel()} - \
+        {int(e) for e in calls[0][1].ravel()}  # layer 0's experts first routed in a decode step
+    xs = [_x(t, 256, 40 + i) for i, t in enumerate(tokens)]
+    base = ["disk_experts=1", "expert_cache_slots=4", f"moe_route_trace={tmp_path / 'r.ghtrace'}", "n_threads=1",
+            f"host_cache_bytes={budget_layers * _layer_need(stack)}"]
+    with MoEStackSession(stack, SessionOptions.parse(base), benchmark=True) as s:  # the tier, no lookahead
+        refs = [s.forward(x) for x in xs]
+        plain = s.layers.tier.counters
+    with MoEStackSession(stack, SessionOptions.parse([*base, "moe_prefetch=1"]), benchmark=True) as s:
+        np.testing.assert_array_equal(s.forward(xs[0]), refs[0])
+        after_prompt = s.layers.tier.counters
+        for x, ref in zip(xs[1:], refs[1:]):
+            np.testing.assert_array_equal(s.forward(x), ref)
+        tier, slots = s.layers.tier.counters, s.counters.total
+    assert slots.recall == 1.0 and slots.precision == 1.0  # the oracle
+    assert tier.ahead > 0 and tier.ahead_used == tier.ahead and tier.ahead_wasted == 0
+    assert tier.faults == 0 and plain.ahead == 0
+    if budget_layers == 3:  # nothing is ever evicted: one read per routed expert
+        assert plain.misses == len(pairs)
+        assert tier.misses + tier.ahead == len(pairs) and tier.misses < plain.misses
+        assert tier.misses - after_prompt.misses <= len(decode_new)
+
+
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_a_failed_read_fails_at_most_the_call_that_needed_it_with_read_ahead(stack, kind):
+    """A fault in a read-ahead is dropped (the call that needs the expert reads it again), or fails the call that
+    fetched it while it was in flight, with the typed error; every other call stays bit-identical."""
+    xs = [_x(1, 256, 300 + i) for i in range(10)]
+    with MoEStackSession(stack, SessionOptions()) as s:
+        refs = [s.forward(x) for x in xs]
+    items = ["disk_experts=1", "expert_cache_slots=2", "moe_prefetch=1", f"host_cache_bytes={_layer_need(stack)}"]
+    failed = 0
+    with MoEStackSession(stack, SessionOptions.parse(items)) as s:
+        for i, (x, ref) in enumerate(zip(xs, refs)):
+            if i == 3:
+                s.layers.tier.inject_fault(after=2, kind=kind)
+            try:
+                got = s.forward(x)
+            except gh.errors.ModelFileError:
+                failed += 1
+                continue
+            np.testing.assert_array_equal(got, ref)
+        tier = s.layers.tier.counters
+    assert tier.faults == 1 and failed <= 1 and tier.ahead > 0
+
+
+def test_a_failed_read_ahead_is_forgotten_and_read_again(machine_model):
+    store = GGUFStore(machine_model)
+    names = {k: f"blk.0.ffn_{k}_exps.weight" for k in ("gate", "up", "down")}
+    tier = HostTier(store, 2 * _layer_need(machine_model), "lru", n_threads=1)  # one thread: reads in queue order
+    try:
+        layer = tier.add_layer(0, names)
+        tier.inject_fault(after=0, kind="eio")  # the first read: expert 3's
+        assert lib.hy_tier_read_ahead(tier.ptr, layer, ffi.new("int32_t[]", [3, 5]), 2) == 2
+        deadline = time.monotonic() + 30
+        while not lib.hy_tier_holds(tier.ptr, layer, 5) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        c = tier.counters
+        assert c.faults == 1 and c.ahead == 2 and c.ahead_wasted == 1 and c.misses == 0
+        assert not lib.hy_tier_holds(tier.ptr, layer, 3)  # nothing of the failed read kept
+        assert lib.hy_tier_fetch(tier.ptr, layer, ffi.new("int32_t[]", [3, 5]), 2) == 0
+        src = ffi.new("const uint8_t *[3]")
+        for e in (3, 5):
+            assert lib.hy_tier_get(tier.ptr, layer, e, src, ffi.NULL) == 0, ffi.string(lib.hy_tier_error(tier.ptr))
+            for k, name in enumerate(names.values()):
+                want = np.asarray(store.raw(name))[e].tobytes()
+                assert bytes(ffi.buffer(src[k], len(want))) == want
+        lib.hy_tier_settle(tier.ptr, layer, ffi.new("int32_t[]", [3, 5]), 2)
+        lib.hy_tier_release(tier.ptr)
+        c = tier.counters
+        assert (c.misses, c.hits) == (1, 1)  # 3 read again by the call; 5 found held
+        assert (c.ahead, c.ahead_used, c.ahead_wasted) == (2, 1, 1)
+    finally:
+        tier.close()
+        store.close()
+
+
+def _wait_held(tier, layer, experts):
+    deadline = time.monotonic() + 30
+    while not all(lib.hy_tier_holds(tier.ptr, layer, e) for e in experts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_read_ahead_never_evicts_what_a_call_fetched_or_another_prediction(machine_model):
+    store = GGUFStore(machine_model)
+    per_expert = _layer_need(machine_model) // 16
+    tier = HostTier(store, _layer_need(machine_model), "lru", n_threads=2)  # room for 16 experts, of 2 layers
+    ids = lambda xs: ffi.new("int32_t[]", xs)
+    try:
+        a, b = (tier.add_layer(i, {k: f"blk.{i}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")})
+                for i in range(2))
+        assert lib.hy_tier_fetch(tier.ptr, a, ids(list(range(10))), 10) == 0  # the current call's: pinned
+        assert lib.hy_tier_read_ahead(tier.ptr, b, ids(list(range(6))), 6) == 6  # the room left
+        _wait_held(tier, b, range(6))
+        # the prediction grows: nothing can go (pinned, or predicted), so nothing more is read
+        assert lib.hy_tier_read_ahead(tier.ptr, b, ids(list(range(8))), 8) == 0
+        c = tier.counters
+        assert c.bytes_held == 16 * per_expert and c.evictions == 0 and c.ahead == 6
+        lib.hy_tier_release(tier.ptr)
+        lib.hy_tier_settle(tier.ptr, b, ffi.NULL, 0)  # b's call never came: all six wasted
+        assert tier.counters.ahead_wasted == 6
+        # a new prediction evicts by the policy: the wasted ones, never used, go first
+        assert lib.hy_tier_read_ahead(tier.ptr, b, ids([6, 7]), 2) == 2
+        _wait_held(tier, b, [6, 7])
+        assert tier.counters.evictions == 2
+        assert all(lib.hy_tier_holds(tier.ptr, a, e) for e in range(10))
+        assert sum(lib.hy_tier_holds(tier.ptr, b, e) for e in range(6)) == 4
+    finally:
+        tier.close()
+        store.close()
 
 
 @pytest.mark.parametrize("items, rule", [
@@ -385,9 +545,10 @@ def test_the_memory_cgroup_bounds_auto(tmp_path):
 # -- the tier alone, against the file's bytes ------------------------------------------------------------------
 
 class TierMachine(RuleBasedStateMachine):
-    """Random calls (fetch some experts, get some, inject a fault, release) on a tier over a real file: every
-    expert's bytes are the file's (read with numpy), the budget is never exceeded, a fault fails only its get and
-    the next get of that expert reads it again."""
+    """Random calls (fetch some experts, get some, read some ahead, settle a prediction, inject a fault, release) on
+    a tier over a real file: every expert's bytes are the file's (read with numpy), the budget is never exceeded,
+    read-aheads never keep a call from the budget, a fault fails only its get and the next get of that expert
+    reads it again."""
 
     def __init__(self):
         super().__init__()
@@ -451,6 +612,16 @@ class TierMachine(RuleBasedStateMachine):
             self.tier.inject_fault(after=0, kind=kind)
             self.faulted = True  # the next read fails (if a read happens before the machine ends)
 
+    @rule(layer=st.integers(0, 1), experts=st.lists(st.integers(0, 15), min_size=1, max_size=16, unique=True))
+    def read_ahead(self, layer, experts):
+        """A prediction: reads start in the background, within the budget, evicting nothing the call holds."""
+        n = lib.hy_tier_read_ahead(self.tier.ptr, self.layers[layer], ffi.new("int32_t[]", experts), len(experts))
+        assert 0 <= n <= len(experts)
+
+    @rule(layer=st.integers(0, 1), experts=st.lists(st.integers(0, 15), max_size=16, unique=True))
+    def settle(self, layer, experts):
+        lib.hy_tier_settle(self.tier.ptr, self.layers[layer], ffi.new("int32_t[]", experts or [0]), len(experts))
+
     @rule()
     def release(self):
         lib.hy_tier_release(self.tier.ptr)
@@ -461,6 +632,7 @@ class TierMachine(RuleBasedStateMachine):
         c = self.tier.counters
         assert 0 <= c.bytes_held <= self.budget
         assert c.bytes_held % (_layer_need(_MACHINE_MODEL[0]) // 16) == 0  # whole experts only
+        assert c.ahead_used + c.ahead_wasted <= c.ahead
 
 
 _MACHINE_MODEL: list[str] = []

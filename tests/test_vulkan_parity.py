@@ -51,17 +51,22 @@ def _vulkan0() -> str:
     return next(d.description for d in gh.devices() if d.name == "Vulkan0")
 
 
-# Cases whose logits on lavapipe are NOT bit-identical to llama.cpp's Vulkan build (recorded 2026-12-02): the max
-# relative difference of the first comparison that differs. Small (1e-7 .. 5e-4), the cause not found yet (not the
-# device: the same driver and GGML source; to look at: the ops each side places on the CPU, Vulkan's fusions of the
-# two graphs). Strict: a case that becomes bit-identical fails here until it is taken off the list.
-NOT_BIT_IDENTICAL = {"qwen35moe_f32": 8.11e-08, "qwen35moe_q8_0_ubatch7": 1.77e-05, "qwen3moe_f32": 1.26e-07,
-                     "qwen3moe_q4_0": 1.42e-07, "qwen3moe_q4_K_ubatch5": 6.27e-05, "qwen3moe_q8_0": 5.22e-04}
+# Cases whose logits on lavapipe are NOT bit-identical to llama.cpp's Vulkan build: the max relative difference of the
+# first comparison that differs (token-by-token decode; every position of the prompt and its last position are
+# bit-identical). The cause: GGML's Vulkan backend fuses the gated attention layers' output mul_mat with the residual
+# add after it (MUL_MAT_ADD) in ggml-hybrid's decode graph and not in llama.cpp's, where the pair is adjacent too: the
+# backend refuses a fusion for reasons that depend on where GGML's allocator put the tensors (an output over an input
+# the fused kernel still reads, a misaligned operand), and the two graphs place them differently (they read and write
+# the recurrent states differently: llama.cpp with get_rows through s_copy and cpy, ggml-hybrid with views and
+# set_rows). With GGML_VK_DISABLE_FUSION=1 on both sides they are bit-identical (docs/vulkan.md). Strict: a case that
+# becomes bit-identical fails here until it is taken off the list.
+NOT_BIT_IDENTICAL = {"qwen35moe_f32": 3.80e-06, "qwen35moe_q8_0_ubatch7": 2.06e-07}
 
 
 def _param(path):
     name = os.path.basename(path)[:-4]
-    why = f"differs from llama.cpp on Vulkan0 by {NOT_BIT_IDENTICAL.get(name, 0):.3g} (relative); cause not found"
+    why = (f"decode differs from llama.cpp on Vulkan0 by {NOT_BIT_IDENTICAL.get(name, 0):.3g} (relative): a Vulkan "
+           "fusion one graph gets and the other does not")
     marks = [pytest.mark.xfail(strict=True, reason=why)] if name in NOT_BIT_IDENTICAL else []
     return pytest.param(path, id=name, marks=marks)
 

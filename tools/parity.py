@@ -61,12 +61,14 @@ PARITY_RULES: dict[tuple[str, str, str], ParityRule] = {
                                                      f"{_LAVAPIPE}: GGML's Vulkan kernels quantize the activations "
                                                      "to Q8_1 (or take them as floats) where the CPU's quantize them "
                                                      "to Q8_0; the generated model's random weights amplify it"),
-    ("Vulkan", "resident", "f32"): ParityRule(PARITY_RTOL, True, f"measured 3.4e-4 over 64 tokens on {_LAVAPIPE}; "
-                                                                 "not bit-identical, cause not found yet "
-                                                                 "(docs/vulkan.md)"),
-    ("Vulkan", "resident", "q8_0"): ParityRule(PARITY_RTOL, True, f"measured 5.8e-4 over 64 tokens on {_LAVAPIPE}; "
-                                                                  "not bit-identical, cause not found yet "
-                                                                  "(docs/vulkan.md)"),
+    ("Vulkan", "resident", "f32"): ParityRule(0, True, f"measured bit-identical over 64 tokens on {_LAVAPIPE}: a "
+                                                       "multi-round call's rounds run the call's own graph, so the "
+                                                       "backend picks the resident graph's mul_mat_id kernel "
+                                                       "(docs/vulkan.md)"),
+    ("Vulkan", "resident", "q8_0"): ParityRule(0, True, f"measured bit-identical over 64 tokens on {_LAVAPIPE}: a "
+                                                        "multi-round call's rounds run the call's own graph, so the "
+                                                        "backend picks the resident graph's mul_mat_id kernel "
+                                                        "(docs/vulkan.md)"),
     ("CUDA", "alone", "f32"): ParityRule(PARITY_RTOL, True, "not measured: no GPU has run it; GGML's CUDA kernels "
                                                             "choose by the number of rows, as its Vulkan ones do"),
     ("CUDA", "alone", "q8_0"): ParityRule(PARITY_RTOL, True, "not measured: no GPU has run it; GGML's CUDA kernels "

@@ -54,7 +54,9 @@ def format_stats(r: dict) -> str:
         t = r["host_tier"]
         lines.append(f"host tier: hits {t['hits']}, misses {t['misses']}, read {format_bytes(t['bytes_read'])} in "
                      f"{t['read_ns'] / 1e9:.2f} s of I/O threads, {t['waits']} loads waited "
-                     f"{t['wait_ns'] / 1e9:.2f} s, holds {format_bytes(t['bytes_held'])}")
+                     f"{t['wait_ns'] / 1e9:.2f} s, holds {format_bytes(t['bytes_held'])}"
+                     + (f"; read ahead {t['ahead']} (used {t['ahead_used']}, wasted {t['ahead_wasted']})"
+                        if t.get("ahead") else ""))
     lines += [
         "layout: " + "; ".join(f"{dev}: " + ", ".join(f"{cls} {format_bytes(n)}" for cls, n in classes.items())
                                   for dev, classes in r["layout"]["tensors"].items()),

@@ -445,7 +445,10 @@ class OpsMixin:
         """Indices (I32) of the k largest entries of each row, largest first (a view of a descending argsort)."""
         _int("argsort_top_k", "k", k, 1, a.ne[0])
         order = self.argsort(a, descending=True)
-        return self.view(order, order.shape[:-1] + (k,), tuple(order.nb[i] for i in range(order.ndim - 1, 0, -1)))
+        # ggml_argsort_top_k's view: the argsort's strides in every dimension, even a dimension of size 1 (GGML's
+        # Vulkan top-k MoE fusion requires the row stride to be the argsort's)
+        ne, nb = order.ne, order.nb
+        return self._node(lib.ggml_view_4d(self.ptr, order.ptr, k, ne[1], ne[2], ne[3], nb[1], nb[2], nb[3], 0))
 
     def top_k(self, a: Tensor, k: int) -> Tensor:
         """Indices (I32) of the k largest entries of each row; their order among themselves is unspecified."""

@@ -65,7 +65,9 @@ def _beta_gate(b: Builder, il: int, x: Tensor, dn: DeltaNet) -> tuple[Tensor, Te
         alpha = c.reshape(c.cont(c.view(ba, (T, nk, r), strides, r * 4)), (T, nv))
     else:
         beta = c.sigmoid(c.reshape(b.linear(p + "ssm_beta", x), (T, nv, 1)))
-        alpha = b.linear(p + "ssm_alpha", x)
+        # reshaped before the bias as llama.cpp does (a mul_mat directly followed by an add is a fusion of GGML's
+        # Vulkan backend that llama.cpp's graph does not get here)
+        alpha = c.reshape(b.linear(p + "ssm_alpha", x), (T, nv))
     gate = c.mul(c.softplus(c.add(alpha, b.w[p + "ssm_dt.bias"])), b.w[p + "ssm_a"])
     return c.reshape(beta, (T, nv, 1)), c.reshape(gate, (T, nv, 1))
 

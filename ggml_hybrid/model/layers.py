@@ -119,6 +119,9 @@ class Builder:
         stores to and attends over its own slot."""
         q, k = self._hadamard(q, "k_rot"), self._hadamard(k, "k_rot")
         v = self._hadamard(v, "v_rot")
+        # llama.cpp's order: q, v, then k, whose rope is then followed by its store (GGML's Vulkan backend fuses
+        # the rope with the K store, and its graph optimizer keeps fusable neighbours together)
+        self.g.expand(q, v, k)
         # store this ubatch's K and V; the reads below come later in the graph
         self.mark("attn", il)  # from here to the output projection: where the KV cache lives
         out = self.per_sequence((q, k, v), lambda i, seg, q, k, v: self._attend_one(il, i, seg, q, k, v, sinks))
@@ -134,12 +137,14 @@ class Builder:
         assert kc is not None and vc is not None
         ek, ev = kv.n_embd_k, kv.n_embd_v
         k_idxs = self.inp[seq_input("k_idxs", i)]
-        g.expand(c.set_rows(kc, c.reshape(k, (T, ek)), k_idxs))
+        # the rows of K and V as llama.cpp's cpy_k/cpy_v give them to set_rows: views (a rope followed by a view and
+        # a set_rows is the pattern GGML's Vulkan backend fuses), or two reshapes for the transposed V
+        g.expand(c.set_rows(kc, c.view(k, (T, ek), (k.nb[2],)), k_idxs))
         if kv.v_trans:
-            flat = c.reshape(v, (T * ev, 1))
+            flat = c.reshape(c.reshape(v, (T, ev)), (T * ev, 1))
             g.expand(c.set_rows(c.reshape(vc, (kv.n_ctx * ev, 1)), flat, self.inp[seq_input("v_idxs", i)]))
         else:
-            g.expand(c.set_rows(vc, c.reshape(v, (T, ev)), k_idxs))
+            g.expand(c.set_rows(vc, c.view(v, (T, ev), (v.nb[2],)), k_idxs))
         keys = c.view(kc, (n_kv, hp.n_head_kv, hd), (kc.nb[1], kc.dtype.row_size(hd)))
         qp = c.permute(q, (1, 0, 2))                                  # [H, T, hd]
         kp = c.permute(keys, (1, 0, 2))                               # [Hkv, n_kv, hd]
@@ -169,7 +174,7 @@ class Builder:
         T, dk, R = q.ne[2], q.ne[0], v_mla.ne[0]
         kc = kv.k[seg.seq][il]
         assert kc is not None
-        g.expand(c.set_rows(kc, c.reshape(k, (T, dk)), self.inp[seq_input("k_idxs", i)]))
+        g.expand(c.set_rows(kc, c.view(k, (T, dk), (k.nb[2],)), self.inp[seq_input("k_idxs", i)]))
         row = kc.dtype.row_size(dk)
         keys = c.view(kc, (n_kv, 1, dk), (kc.nb[1], row))
         vals = c.view(kc, (n_kv, 1, R), (kc.nb[1], row))             # the same rows: their latent part

@@ -9,7 +9,9 @@ work); the rest asks the :class:`~ggml_hybrid.expert_cache.SlotCache` for a plan
 experts than there are slots). A single round with no CPU rows runs ``mul_mat_id``
 over the slot tensors with the ids remapped to slots (rows of other experts point at
 the pad slot); otherwise each round computes only its own rows, compacted (see
-:mod:`ggml_hybrid.row_graphs`), and the rows merge on the host. Either way every
+:mod:`ggml_hybrid.row_graphs`) on a CPU backend, and on any other device through the call's
+own graph with the other rows on the pad slot (a GPU backend picks ``mul_mat_id``'s kernel by
+the token count), and the rows merge on the host. Either way every
 expert sees exactly the rows, in the same order, as in the resident ``mul_mat_id``,
 which makes the result bit-identical on the CPU. The weighted sum over the selected
 experts is then built with the same ops as the resident graph.
@@ -288,6 +290,7 @@ class ExpertCacheExecutor:
         self._own_shared = shared is None
         shared = shared or (SharedBuffer(device), SharedBuffer(device))
         self._slot_rows = RowGraphs(self.slots, device, self.n_embd, glu, shared[1])  # compacted rounds
+        self._compact = device.is_cpu  # rounds compute compacted rows (else the call's graph, see _compute_rows)
         self.counters = LayerCounters()
         # one graph pair per token count, the least recently used dropped first: prompts of ever new
         # lengths must not grow memory (decode and recent lengths stay warm); all share one buffer
@@ -342,9 +345,11 @@ class ExpertCacheExecutor:
 
     def reserve(self, n_tokens: int) -> None:
         """Grow the compute memory to what a call of ``n_tokens`` tokens needs, the most a call can need:
-        its graphs over the slots, and the row graphs of all its rows (every (token, expert) pair)."""
+        its graphs over the slots, and on a CPU backend the row graphs of all its rows (every (token, expert) pair;
+        another device runs a round through the call's graph)."""
         self._bucket(n_tokens)
-        self._slot_rows.reserve(n_tokens * self.n_used)
+        if self._compact:
+            self._slot_rows.reserve(n_tokens * self.n_used)
 
     def _bucket(self, n_tokens: int) -> _Bucket:
         def build(arena: Arena) -> _Bucket:
@@ -493,8 +498,24 @@ class ExpertCacheExecutor:
 
     def _compute_rows(self, call: _Call) -> tuple[int, int]:
         """This round's rows only, compacted (:class:`RowGraphs` pads them to their row bucket, the padding on the
-        zeroed pad slot); the results go to their places in ``merged``. Its rows, and the nanoseconds."""
+        zeroed pad slot); the results go to their places in ``merged``. Its rows, and the nanoseconds.
+
+        On a device that is not a CPU backend the round runs the call's own graph instead (every row, those of
+        other rounds on the pad slot): a GPU backend picks ``mul_mat_id``'s kernel by the call's token count
+        (GGML's Vulkan backend: its mat-vec kernel up to 8 tokens, its tiled kernel, which rounds F32 operands
+        to F16, above), so compacted rows would get another kernel than the resident graph gives them."""
         b = call.bucket
+        if not self._compact:
+            sel = b.slot_ids != self.pad_slot
+            n = int(np.count_nonzero(sel))
+            t = time.perf_counter_ns()
+            if n:
+                lib.ggml_backend_tensor_copy(call.x.ptr, b.p_x)
+                lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
+                _compute(self.device.ptr, b.pg_experts)
+                rows = _read_rows(b.down, sel.size, self.n_embd, np.float32).reshape(b.merged.shape)
+                b.merged[sel] = rows[sel]
+            return n, time.perf_counter_ns() - t
         assert call.xv is not None  # read by _plan for every call that computes on the host
         sel = b.slot_ids != self.pad_slot
         t = time.perf_counter_ns()

@@ -308,7 +308,10 @@ class ExpertLayers:
                                     for n in ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "exp_probs_b.bias"))
             budget = opts.moe_prefetch_bytes or dst.n_used * dst.expert_bytes
             max_experts = min(budget // dst.expert_bytes, dst.n_slots)
-            src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS)  # type: ignore[arg-type]
+            # with a host tier (native executors only), as many predicted misses are read ahead into it
+            ahead = {"max_read_ahead": budget // dst.expert_bytes} if self.tier is not None else {}
+            src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS,  # type: ignore[arg-type]
+                             **ahead)
 
     def _tier_direct(self, store: GGUFStore, names: dict[str, str], device: Backend) -> bool:
         """Whether a disk layer's experts run straight from the host tier's frames: its cache is on a CPU (one

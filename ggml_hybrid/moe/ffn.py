@@ -151,8 +151,8 @@ def build_moe_ffn(ctx, graph, cur: Tensor, router: Tensor, experts: ExpertWeight
     if n_group > 1:
         sel = _group_mask(ctx, sel, n_group, n_group_used)
     # llama.cpp's selection: a descending argsort, so ids (and the weighted sum) come largest first
-    ids = ctx.cont(ctx.argsort_top_k(sel, n_used))                        # [T, k]
-    weights = ctx.get_rows(ctx.reshape(probs, (T, n_expert, 1)), ids)    # [T, k, 1]
+    top = ctx.argsort_top_k(sel, n_used)                                  # [T, k], a view of the argsort
+    weights = ctx.get_rows(ctx.reshape(probs, (T, n_expert, 1)), top)    # [T, k, 1]
     if gating == "softmax_weight":
         weights = ctx.reshape(ctx.soft_max(ctx.reshape(weights, (T, n_used))), (T, n_used, 1))
     if norm_weights:
@@ -161,6 +161,8 @@ def build_moe_ffn(ctx, graph, cur: Tensor, router: Tensor, experts: ExpertWeight
         weights = ctx.reshape(ctx.div(w2, total), (T, n_used, 1))
     if weights_scale not in (0.0, 1.0):
         weights = ctx.scale(weights, weights_scale)
+    graph.expand(weights)
+    ids = ctx.cont(top)
     x3 = ctx.reshape(cur, (T, 1, n_embd))
     for t, suffix in ((x3, "x"), (ids, "ids"), (weights, "weights")):
         t.name = f"{name}.{suffix}"

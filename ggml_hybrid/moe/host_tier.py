@@ -44,14 +44,17 @@ AUTO_MARGIN_FRACTION = 0.10
 class TierCounters:
     """The tier's counters (the fields of the C struct ``hy_tier_counters``, same order)."""
 
-    hits: int = 0          # experts a load found in the tier
-    misses: int = 0        # experts read from the file
+    hits: int = 0          # experts a call's loads found in the tier (held, or on their way by a read-ahead)
+    misses: int = 0        # experts a call's loads had to read from the file
     bytes_read: int = 0    # bytes read from the file (reads rounded out to 4 KiB)
     read_ns: int = 0       # time the I/O threads spent reading, summed over threads
     waits: int = 0         # loads that waited for their expert's read
     wait_ns: int = 0       # time they waited
     evictions: int = 0     # experts dropped to stay within the budget
     faults: int = 0        # failed reads
+    ahead: int = 0         # reads started ahead of a call for a predicted expert (moe_prefetch)
+    ahead_used: int = 0    # of which the predicted call routed to
+    ahead_wasted: int = 0  # of which it did not, or that were dropped first (evicted, failed)
     bytes_held: int = 0    # host memory the cached experts take now
 
     @classmethod

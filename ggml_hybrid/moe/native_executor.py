@@ -241,15 +241,17 @@ class NativeExpertExecutor:
 
     def set_prefetch(self, next_layer: NativeExpertExecutor | None, router: np.ndarray | None,
                      router_bias: np.ndarray | None = None, select_bias: np.ndarray | None = None,
-                     max_experts: int = 0, max_tokens: int = 0) -> None:
+                     max_experts: int = 0, max_tokens: int = 0, max_read_ahead: int = 0) -> None:
         """Lookahead prefetch into ``next_layer`` (:meth:`.executor.ExpertCacheExecutor.set_prefetch`; C reads
-        the arrays, kept here, during every call)."""
+        the arrays, kept here, during every call). With a host tier, up to ``max_read_ahead`` predicted misses are
+        read ahead into it (``moe_exec.h: hy_moe_exec_set_prefetch``)."""
         arrays = [None if a is None else np.ascontiguousarray(a, np.float32) for a in (router, router_bias,
                                                                                      select_bias)]
         self._prefetch_arrays = arrays
         ptrs = [ffi.NULL if a is None else ffi.cast("const float *", a.ctypes.data) for a in arrays]
         lib.hy_moe_exec_set_prefetch(self._exec.ptr, ffi.NULL if next_layer is None else next_layer._exec.ptr,
-                                     ptrs[0], ptrs[1], ptrs[2], max_experts, max_tokens)
+                                     ptrs[0], ptrs[1], ptrs[2], max_experts, max_tokens,
+                                     max_read_ahead)
 
     @property
     def predicted(self) -> tuple[int, ...]:

@@ -1,7 +1,9 @@
 """Compacted expert rows: ``expert_ffn`` over a list of (token row, expert) pairs.
 
-Both the CPU worker (host experts) and the device cache's later rounds (slot tensors)
-compute only the rows they own this way, instead of every row of the call. Row i of a
+Both the CPU worker (host experts) and the device cache's later rounds (slot tensors) on a CPU
+backend compute only the rows they own this way, instead of every row of the call (on another
+device a round runs the call's own graph: a GPU backend picks ``mul_mat_id``'s kernel by the
+token count, see :mod:`.executor`). Row i of a
 graph uses token row ``x[i]`` and expert ``ids[i]``; each expert sees exactly its rows,
 in call order, so GGML's CPU ``mul_mat_id`` picks the same kernel for it as in the
 resident graph (it chooses a tiled path per expert from that expert's row count) and

@@ -347,7 +347,7 @@ class MoEModel:
         if vulkan & set(self.layout.layer_device + self.layout.kv_device + (self.layout.output_device,)):
             rows = min(rows, VULKAN_MAT_VEC_ROWS)
         if any(ex is not None and ex.device.name in vulkan for ex in self.experts.executors):
-            rows = min(rows, max(1, VULKAN_MAT_VEC_ROWS // self.hp.n_used))
+            rows = min(rows, VULKAN_MAT_VEC_ROWS)  # a cache's rounds run the call's own graph: the same kernel
         tiled = any(ex is not None and w is not None and any(t.dtype in TILED_TYPES for t in w.kinds.values())
                     for ex, w in zip(self.experts.executors, self.experts.weights))
         if tiled:

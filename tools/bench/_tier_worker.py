@@ -6,9 +6,11 @@ requests on stdin (the protocol of _llama_worker.py).
 
 Request (one JSON line): {"tokens": [...], "n": N, "force": optional N-1 tokens decoded instead of the greedy
 ones}. Reply: {"prompt_s", "decode_s", "tokens", "read_prompt",
-"read_decode", "tier"}: the prompt in one eval, then N-1 greedy tokens one eval each; wall seconds of each, the
-bytes this process read from disk in each (``/proc/self/io`` read_bytes: what reached the block device, so page
-cache hits do not count) and the host tier's counters (None without one).
+"read_decode", "tier", "lookahead"}: the prompt in one eval, then N-1 greedy tokens one eval each; wall seconds of
+each, the bytes this process read from disk in each (``/proc/self/io`` read_bytes: what reached the block device,
+so page cache hits do not count), the host tier's counters (None without one) and the lookahead's, summed over the
+layers (moe_prefetch; zeros without it). The model is a benchmark's (``benchmark=True``), so ``moe_route_trace``
+is allowed.
 """
 
 import json
@@ -33,7 +35,7 @@ def read_bytes() -> int:
 @click.argument("path")
 @click.argument("items", nargs=-1)
 def main(path: str, items: tuple[str, ...]) -> int:
-    model = gh.MoEModel(path, gh.SessionOptions.parse(list(items)))
+    model = gh.MoEModel(path, gh.SessionOptions.parse(list(items)), benchmark=True)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -47,9 +49,11 @@ def main(path: str, items: tuple[str, ...]) -> int:
             out.append(int(np.argmax(model.eval([force[i] if force else out[-1]])[-1])))
         r2, t2 = read_bytes(), time.perf_counter()
         tier = model.experts.tier
+        look = {k: sum(getattr(c, k) for c in model.experts.counters)
+                for k in ("predicted", "predicted_right", "predicted_of", "prefetched", "prefetch_used")}
         print(json.dumps({"prompt_s": t1 - t0, "decode_s": t2 - t1, "tokens": out, "read_prompt": r1 - r0,
-                          "read_decode": r2 - r1, "tier": tier.counters.to_dict() if tier is not None else None}),
-              flush=True)
+                          "read_decode": r2 - r1, "tier": tier.counters.to_dict() if tier is not None else None,
+                          "lookahead": look}), flush=True)
     model.close()
     return 0
 

@@ -2,7 +2,8 @@
 enum { HY_TIER_FAULT_EIO, HY_TIER_FAULT_SHORT };
 
 typedef struct hy_tier_counters {
-    int64_t hits, misses, bytes_read, read_ns, waits, wait_ns, evictions, faults, bytes_held;
+    int64_t hits, misses, bytes_read, read_ns, waits, wait_ns, evictions, faults, ahead, ahead_used, ahead_wasted,
+        bytes_held;
 } hy_tier_counters;
 
 typedef struct hy_tier hy_tier;
@@ -23,6 +24,9 @@ int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info);
 size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind);
 ggml_backend_buffer_type_t hy_tier_buffer_type(const hy_tier * t);
 int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src, int * frame);
+int hy_tier_read_ahead(hy_tier * t, int layer, const int32_t * experts, int n);
+int hy_tier_holds(hy_tier * t, int layer, int e);
+void hy_tier_settle(hy_tier * t, int layer, const int32_t * experts, int n);
 void hy_tier_release(hy_tier * t);
 const char * hy_tier_error(const hy_tier * t);
 const hy_tier_counters * hy_tier_counters_of(const hy_tier * t);

@@ -105,5 +105,5 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens);
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);
 void hy_moe_exec_set_clock(hy_moe_exec * ex, const double clock[]);
 void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float * router, const float * router_bias,
-        const float * select_bias, int max_experts, int max_tokens);
+        const float * select_bias, int max_experts, int max_tokens, int max_read_ahead);
 int hy_moe_exec_predicted(const hy_moe_exec * ex, const int32_t ** experts);

@@ -39,6 +39,8 @@ typedef struct hy_tier_entry {
     int frame;            /* its frame in the arena while it is held or read (-1: none) */
     int state;
     bool pinned;          /* fetched by the current call: not evicted before hy_tier_release */
+    bool predicted;       /* predicted for its layer's next call: evicted last, until hy_tier_settle */
+    bool ahead;           /* read ahead for that call, not yet judged used or wasted */
     int layer, expert;
     int64_t uses, last_use;
     int err_no;           /* a failed read: errno, or 0 for a short read */
@@ -132,6 +134,8 @@ static bool read_kind(hy_tier * t, hy_tier_entry * en, const hy_tier_layer * L, 
     return true;
 }
 
+static void drop(hy_tier * t, hy_tier_entry * en);
+
 static void * io_thread(void * arg) {
     hy_tier * t = arg;
     pthread_mutex_lock(&t->mu);
@@ -174,6 +178,9 @@ static void * io_thread(void * arg) {
         } else {
             t->counters.faults++;
             en->state = ENTRY_FAILED;
+            if (!en->pinned) { /* a read ahead that no call has asked for yet: forget it, a call reads it again */
+                drop(t, en);
+            }
         }
         pthread_cond_broadcast(&t->done);
     }
@@ -406,13 +413,14 @@ static bool file_unchanged(const hy_tier * t) {
            (int64_t) st.st_size == t->file_id[2] && mtime == t->file_id[3];
 }
 
-/* the cached expert the policy drops first: not fetched by this call, least recently used (LRU) or least used,
-   the least recent among equals (LFU); -1 when none can go */
-static int victim(const hy_tier * t) {
+/* the cached expert the policy drops first: not fetched by this call, not predicted for a coming call (unless
+   `predicted_too` and nothing else can go), least recently used (LRU) or least used, the least recent among
+   equals (LFU); -1 when none can go */
+static int victim(const hy_tier * t, bool predicted_too) {
     int best = -1;
     for (int i = 0; i < t->n_entries; i++) {
         const hy_tier_entry * en = &t->entries[i];
-        if (en->state != ENTRY_READY || en->pinned) {
+        if (en->state != ENTRY_READY || en->pinned || (en->predicted && !predicted_too)) {
             continue;
         }
         if (best < 0) {
@@ -420,9 +428,14 @@ static int victim(const hy_tier * t) {
             continue;
         }
         const hy_tier_entry * b = &t->entries[best];
-        const bool better = t->policy == HY_POLICY_LFU
-            ? (en->uses < b->uses || (en->uses == b->uses && en->last_use < b->last_use))
-            : en->last_use < b->last_use;
+        bool better;
+        if (en->predicted != b->predicted) {
+            better = !en->predicted;
+        } else if (t->policy == HY_POLICY_LFU) {
+            better = en->uses < b->uses || (en->uses == b->uses && en->last_use < b->last_use);
+        } else {
+            better = en->last_use < b->last_use;
+        }
         if (better) {
             best = i;
         }
@@ -430,48 +443,78 @@ static int victim(const hy_tier * t) {
     return best;
 }
 
+/* whether a read no call fetched (a read-ahead) is still in flight: its entry can be evicted once it is done */
+static bool reading_ahead(const hy_tier * t) {
+    for (int i = 0; i < t->n_entries; i++) {
+        const hy_tier_entry * en = &t->entries[i];
+        if (!en->pinned && (en->state == ENTRY_QUEUED || en->state == ENTRY_READING)) {
+            return true;
+        }
+    }
+    return false;
+}
+
 static void drop(hy_tier * t, hy_tier_entry * en) {
     t->free_frames[t->n_free++] = en->frame;
     en->frame = -1;
     en->state = ENTRY_EMPTY;
     en->uses = 0;
+    en->predicted = false;
+    if (en->ahead) { /* read ahead, and gone before its call could use it */
+        en->ahead = false;
+        t->counters.ahead_wasted++;
+    }
     t->counters.bytes_held -= (int64_t) t->frame_bytes;
+}
+
+/* with the lock held: a frame for entry i (evicting `victim(predicted_too)`s) and its read queued. 0, or 1 when
+   no frame can be freed. */
+static int start_read(hy_tier * t, int i, bool predicted_too) {
+    hy_tier_entry * en = &t->entries[i];
+    while (t->n_free == 0) {
+        const int v = victim(t, predicted_too);
+        if (v >= 0) {
+            drop(t, &t->entries[v]);
+            t->counters.evictions++;
+        } else if (predicted_too && reading_ahead(t)) {
+            pthread_cond_wait(&t->done, &t->mu); /* a read-ahead's frame can go once its read is done */
+        } else {
+            return 1;
+        }
+    }
+    en->frame = t->free_frames[--t->n_free];
+    t->counters.bytes_held += (int64_t) t->frame_bytes;
+    en->state = ENTRY_QUEUED;
+    t->queue[(t->q_head + t->q_len) % t->n_entries] = i;
+    t->q_len++;
+    pthread_cond_signal(&t->work);
+    return 0;
 }
 
 /* with the lock held: fetch entry i for the current call */
 static int fetch_one(hy_tier * t, int i) {
     hy_tier_entry * en = &t->entries[i];
     const hy_tier_layer * L = &t->layers[en->layer];
+    const bool was_pinned = en->pinned;
     if (!en->pinned) {
         en->pinned = true;
         t->pinned[t->n_pinned++] = i;
     }
     en->uses++;
     en->last_use = ++t->tick;
-    if (en->state != ENTRY_EMPTY) { /* held, or already on its way for this call */
-        if (en->state == ENTRY_READY) {
+    if (en->state != ENTRY_EMPTY) { /* held, read ahead, or already on its way for this call */
+        if (en->state == ENTRY_READY || !was_pinned) { /* in flight and not fetched by this call: read ahead */
             t->counters.hits++;
         }
         return 0;
     }
     const int64_t need = (int64_t) t->frame_bytes;
-    while (t->n_free == 0) {
-        const int v = victim(t);
-        if (v < 0) {
-            return set_error(t, "layer %d: the host tier's budget (%lld bytes) cannot hold this call's experts "
-                             "(%d of %lld bytes each); give host_cache_bytes at least one layer's experts",
-                             L->label, (long long) t->budget, t->n_pinned, (long long) need);
-        }
-        drop(t, &t->entries[v]);
-        t->counters.evictions++;
+    if (start_read(t, i, true) != 0) {
+        return set_error(t, "layer %d: the host tier's budget (%lld bytes) cannot hold this call's experts "
+                         "(%d of %lld bytes each); give host_cache_bytes at least one layer's experts",
+                         L->label, (long long) t->budget, t->n_pinned, (long long) need);
     }
-    en->frame = t->free_frames[--t->n_free];
-    t->counters.bytes_held += need;
     t->counters.misses++;
-    en->state = ENTRY_QUEUED;
-    t->queue[(t->q_head + t->q_len) % t->n_entries] = i;
-    t->q_len++;
-    pthread_cond_signal(&t->work);
     return 0;
 }
 
@@ -541,6 +584,66 @@ int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src, int * frame
     }
     pthread_mutex_unlock(&t->mu);
     return rc;
+}
+
+int hy_tier_read_ahead(hy_tier * t, int layer, const int32_t * experts, int n) {
+    if (n <= 0 || !file_unchanged(t)) {
+        return 0;
+    }
+    const hy_tier_layer * L = &t->layers[layer];
+    pthread_mutex_lock(&t->mu);
+    char why[200];
+    if (ensure_arena(t, why, sizeof(why)) != 0) { /* the call that needs the experts reports it */
+        pthread_mutex_unlock(&t->mu);
+        return 0;
+    }
+    for (int j = 0; j < n; j++) { /* all of them first: none is evicted for another */
+        t->entries[L->first + experts[j]].predicted = true;
+    }
+    int started = 0;
+    for (int j = 0; j < n; j++) {
+        const int i = L->first + experts[j];
+        hy_tier_entry * en = &t->entries[i];
+        if (en->state != ENTRY_EMPTY) {
+            continue;
+        }
+        if (start_read(t, i, false) != 0) {
+            break; /* no room without evicting what matters more (or no memory): the rest are less likely still */
+        }
+        en->ahead = true;
+        t->counters.ahead++;
+        started++;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return started;
+}
+
+int hy_tier_holds(hy_tier * t, int layer, int e) {
+    pthread_mutex_lock(&t->mu);
+    const int held = t->entries[t->layers[layer].first + e].state == ENTRY_READY;
+    pthread_mutex_unlock(&t->mu);
+    return held;
+}
+
+void hy_tier_settle(hy_tier * t, int layer, const int32_t * experts, int n) {
+    const hy_tier_layer * L = &t->layers[layer];
+    pthread_mutex_lock(&t->mu);
+    for (int j = 0; j < n; j++) {
+        hy_tier_entry * en = &t->entries[L->first + experts[j]];
+        if (en->ahead) {
+            en->ahead = false;
+            t->counters.ahead_used++;
+        }
+    }
+    for (int e = 0; e < L->n_expert; e++) {
+        hy_tier_entry * en = &t->entries[L->first + e];
+        if (en->ahead) {
+            en->ahead = false;
+            t->counters.ahead_wasted++;
+        }
+        en->predicted = false;
+    }
+    pthread_mutex_unlock(&t->mu);
 }
 
 void hy_tier_release(hy_tier * t) {

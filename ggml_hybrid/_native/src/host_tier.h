@@ -16,7 +16,13 @@
    playing the device: no slot, no copy). The arena is one buffer of the buffer type the tier is made with: the
    device's pinned host type when there is a device, else the CPU's. A fault (an I/O error, a short read, the file truncated or rewritten since it was
    opened) fails the call that needed it with a message naming the layer, the expert, the offset and the
-   cause; nothing of it stays cached, so the next call reads again. */
+   cause; nothing of it stays cached, so the next call reads again.
+
+   Read-ahead (with the lookahead prefetch, moe_prefetch): after a layer's call, the executor predicts the next
+   layer's experts and hands the predicted ones its slots lack to hy_tier_read_ahead, which starts their reads
+   without waiting and keeps them (and the predicted experts already held) from eviction until that layer's call
+   judges them (hy_tier_settle): a read-ahead expert the call routed to was used, the others were wasted. The
+   call then finds them held or on their way (a hit) instead of reading them itself after its routing. */
 #pragma once
 
 #include <stddef.h>
@@ -28,14 +34,17 @@ enum { HY_TIER_FAULT_EIO = 0, HY_TIER_FAULT_SHORT = 1 };
 
 /* The tier's counters, summed since it was made. */
 typedef struct hy_tier_counters {
-    int64_t hits;        /* experts a call fetched that were already in the tier */
-    int64_t misses;      /* experts read from the file */
+    int64_t hits;        /* experts a call fetched that the tier held, or was already reading ahead */
+    int64_t misses;      /* experts a call fetched that had to be read from the file */
     int64_t bytes_read;  /* bytes read from the file (aligned reads included) */
     int64_t read_ns;     /* time the I/O threads spent reading, summed over them */
     int64_t waits;       /* gets that found their expert's read still in flight */
     int64_t wait_ns;     /* time those gets waited */
     int64_t evictions;   /* experts dropped to stay within the budget */
     int64_t faults;      /* reads that failed */
+    int64_t ahead;       /* reads started ahead of a call, for a predicted expert (hy_tier_read_ahead) */
+    int64_t ahead_used;  /* of which the predicted call routed to */
+    int64_t ahead_wasted; /* of which it did not, or that were dropped first (evicted, failed) */
     int64_t bytes_held;  /* bytes of host memory the cached experts take now */
 } hy_tier_counters;
 
@@ -82,6 +91,20 @@ int hy_tier_fetch(hy_tier * t, int layer, const int32_t * experts, int n);
    fetched first if the call did not, waiting for its read; valid until hy_tier_release. 0, or -1 with the error
    set (the read failed: nothing of it is kept). */
 int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src, int * frame);
+
+/* Read ahead the experts `experts[0..n)` of `layer` (a prediction of its next call, the likeliest first): start
+   reading those the tier neither holds nor reads, as far as the budget allows without evicting an expert the
+   current call fetched, a predicted one or one still being read, and keep all of them from eviction while any
+   other expert can go, until hy_tier_settle. Never waits and never fails: a full budget or a changed file only
+   stops it (the call that needs the expert reads it then, or reports). The number of reads started. */
+int hy_tier_read_ahead(hy_tier * t, int layer, const int32_t * experts, int n);
+
+/* whether expert `e` of `layer` is held with its read done (a get would not wait) */
+int hy_tier_holds(hy_tier * t, int layer, int e);
+
+/* The call of `layer` that a read-ahead predicted starts, routed to `experts[0..n)` (n = 0: it never came): the
+   experts read ahead for it count as used (routed to) or wasted (not), and none of the layer's stays kept. */
+void hy_tier_settle(hy_tier * t, int layer, const int32_t * experts, int n);
 
 /* The end of a call: waits for its reads still in flight, lets its experts be evicted again, forgets failed
    reads. */

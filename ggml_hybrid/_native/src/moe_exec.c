@@ -1,6 +1,7 @@
 #include "moe_exec.h"
 
 #include "map_guard.h"
+#include "sched_hooks.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -28,6 +29,7 @@ struct hy_moe_exec {
     int fail_after;          /* loads until an injected failure, -1: none */
     /* staging */
     bool staged;
+    bool compact;            /* rounds compute compacted rows (a CPU backend); else the call's graph (compute_rows) */
     bool async_loads;        /* no host buffer type, but uploads are queued (RPC): straight from the mapping */
     bool async_pending;
     hy_stage stage[2];
@@ -61,6 +63,7 @@ struct hy_moe_exec {
     hy_moe_exec * next;
     const float * router, * router_bias, * select_bias;
     int pf_max, pf_max_tokens;
+    int ahead_max;           /* most predicted misses read ahead into the host tier (with one) */
     double * scores;         /* [next's n_expert] */
     int32_t * votes;         /* [next's n_expert]: the tokens that predict each expert */
     int32_t * cand;          /* [next's n_expert]: the predicted misses in load order; first, the taken marks of vote */
@@ -170,6 +173,7 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
         hy_cost_init(&ex->model, cfg->alpha, cfg->hysteresis, cfg->prior);
     }
     hy_graph_cache_init(&ex->graphs, cfg->scratch);
+    ex->compact = hy_is_cpu(cfg->device);
     if (cfg->staging) {
         ggml_backend_dev_t dev = ggml_backend_get_device(cfg->device);
         ggml_backend_buffer_type_t host = dev != NULL ? ggml_backend_dev_host_buffer_type(dev) : NULL;
@@ -451,6 +455,8 @@ typedef struct hy_call {
     hy_graph * full;          /* the layer's whole graph over the slots (one round, nothing on the CPU) */
     int round_rows;           /* the rows the last round computed, and in how long */
     int64_t round_ns;
+    bool predicted;           /* this call predicted the next layer's experts (predict) */
+    int n_cand;               /* of which misses of its slots (ex->cand), to prefetch after the call */
 } hy_call;
 
 static const char * ERR_FILE = "layer %d: the model file changed on disk while it was in use%s; reload the model";
@@ -641,6 +647,8 @@ static int fetch_cpu(hy_moe_exec * ex, hy_call * call) {
 
 /* A CPU playing the device with the host tier (tier_direct): every expert of the call computed straight from the
    tier's frames in the layer's whole graph, as the resident graph computes it; no slot, no copy. */
+static void predict(hy_moe_exec * ex, hy_call * call);
+
 static int run_direct(hy_moe_exec * ex, hy_call * call) {
     const hy_moe_config * cfg = &ex->cfg;
     if (tier_views(ex) != HY_OK) {
@@ -650,6 +658,7 @@ static int run_direct(hy_moe_exec * ex, hy_call * call) {
     if (hy_tier_fetch(cfg->tier, cfg->tier_layer, ex->experts, call->n_experts) != 0) {
         return fail_tier(ex);
     }
+    predict(ex, call); /* with moe_prefetch: the next layer's predicted experts read ahead behind this call's */
     for (int i = 0; i < call->n_experts; i++) {
         if (hy_tier_get(cfg->tier, cfg->tier_layer, ex->experts[i], NULL, &ex->slot_of[ex->experts[i]]) != 0) {
             return fail_tier(ex);
@@ -720,9 +729,49 @@ static int compute_full(hy_moe_exec * ex, hy_call * call) {
     return HY_OK;
 }
 
+/* This round's rows on a device that is not a CPU backend: the call's own graph (every row, the ids remapped,
+   the rows of other rounds on the pad slot), so that the backend picks the kernels the resident graph gets
+   (GGML's Vulkan backend picks mul_mat_id's kernel by the call's token count: mat-vec up to 8 tokens, else
+   tiled, which rounds F32 operands to F16); this round's rows go to their places in merged. */
+static int compute_rows_call(hy_moe_exec * ex, hy_call * call) {
+    const hy_moe_config * cfg = &ex->cfg;
+    const int E = cfg->n_embd, pad_slot = cfg->n_slots;
+    int n = 0;
+    for (int i = 0; i < call->n_rows; i++) {
+        ex->slot_ids[i] = ex->slot_of[ex->ids[i]];
+        n += ex->slot_ids[i] != pad_slot;
+    }
+    const int64_t t = hy_now_ns();
+    if (n > 0) {
+        hy_graph * g = hy_graph_get(&ex->graphs, HY_GRAPH_CALL, call->T, &cfg->slots, cfg->slots.down, cfg->n_used,
+                                    E, (enum ggml_glu_op) cfg->glu);
+        if (g == NULL) {
+            return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graph%s", "");
+        }
+        ggml_backend_tensor_copy(call->x, g->x); /* device to device */
+        ggml_backend_tensor_set(g->ids, ex->slot_ids, 0, sizeof(int32_t) * call->n_rows);
+        if (ggml_backend_graph_compute(cfg->device, g->gf) != GGML_STATUS_SUCCESS) {
+            return fail(ex, HY_ERR_COMPUTE, "layer %d: the expert graph failed%s", "");
+        }
+        ggml_backend_tensor_get(g->out, ex->rows_out, 0, sizeof(float) * (size_t) call->n_rows * E);
+        for (int i = 0; i < call->n_rows; i++) {
+            if (ex->slot_ids[i] != pad_slot) {
+                memcpy(ex->merged + (size_t) i * E, ex->rows_out + (size_t) i * E, sizeof(float) * E);
+            }
+        }
+    }
+    call->round_ns = hy_now_ns() - t;
+    call->round_rows = n;
+    return HY_OK;
+}
+
 /* This round's rows only, compacted and padded to their row bucket (padding rows go to the zeroed pad
-   slot); the results go to their places in merged. */
+   slot); the results go to their places in merged. A CPU backend's mul_mat_id picks its kernel per expert
+   from that expert's rows, which compaction keeps; other devices run the call's graph (compute_rows_call). */
 static int compute_rows(hy_moe_exec * ex, hy_call * call) {
+    if (!ex->compact) {
+        return compute_rows_call(ex, call);
+    }
     const hy_moe_config * cfg = &ex->cfg;
     const int k = cfg->n_used, E = cfg->n_embd, pad_slot = cfg->n_slots;
     int n = 0;
@@ -900,6 +949,9 @@ static void settle_prefetch(hy_moe_exec * ex, const hy_call * call) {
     if (!ex->has_prediction) {
         return;
     }
+    if (ex->cfg.tier != NULL) { /* the host tier judges what it read ahead for this call */
+        hy_tier_settle(ex->cfg.tier, ex->cfg.tier_layer, ex->experts, call->n_experts);
+    }
     hy_moe_counters * c = &ex->counters;
     c->predicted += ex->n_pred;
     c->predicted_of += call->n_experts;
@@ -953,8 +1005,28 @@ static void vote(hy_moe_exec * ex, const float * x) {
     }
 }
 
-/* After a call: predict the next layer's experts from this call's x and load the predicted misses. */
-static void prefetch(hy_moe_exec * ex, hy_call * call) {
+/* A prediction of nx's coming call withdrawn unjudged (nx's call never ran, or the predicting call failed): what
+   it loaded or read ahead is wasted. */
+static void withdraw_prediction(hy_moe_exec * nx) {
+    if (!nx->has_prediction) {
+        return;
+    }
+    if (nx->cfg.tier != NULL) {
+        hy_tier_settle(nx->cfg.tier, nx->cfg.tier_layer, NULL, 0);
+    }
+    for (int i = 0; i < nx->n_pred; i++) {
+        const int e = nx->pred_list[i];
+        nx->counters.prefetch_wasted += nx->pf_mark[e];
+        nx->pf_mark[e] = 0;
+        nx->predicted[e] = 0;
+    }
+    nx->has_prediction = false;
+}
+
+/* As soon as the call's own loads are planned (their reads queued first): predict the next layer's experts from
+   this call's x, and with a host tier start reading the predicted misses it lacks, so that the reads overlap this
+   call's loads and compute as well as the next layer's dense part. */
+static void predict(hy_moe_exec * ex, hy_call * call) {
     hy_moe_exec * nx = ex->next;
     if (nx == NULL || call->T > ex->pf_max_tokens) {
         return;
@@ -964,14 +1036,8 @@ static void prefetch(hy_moe_exec * ex, hy_call * call) {
         read_x(ex, call);
     }
     const int X = nx->cfg.n_expert;
-    if (nx->has_prediction) { /* never judged (the next layer's call did not run): what it loaded is wasted */
-        for (int i = 0; i < nx->n_pred; i++) {
-            const int e = nx->pred_list[i];
-            nx->counters.prefetch_wasted += nx->pf_mark[e];
-            nx->pf_mark[e] = 0;
-            nx->predicted[e] = 0;
-        }
-    }
+    hy_tier * tier = nx->cfg.tier;
+    withdraw_prediction(nx); /* never judged (the next layer's call did not run) */
     memset(ex->votes, 0, sizeof(int32_t) * X);
     for (int t = 0; t < call->T; t++) {
         if (ex->router != NULL) {
@@ -1004,16 +1070,46 @@ static void prefetch(hy_moe_exec * ex, hy_call * call) {
     }
     nx->n_pred = n_pred;
     nx->has_prediction = true;
-    /* loads read the mapping: a changed file is left to the next call to report */
-    if (n_cand > 0 && ex->pf_max > 0 && (call->checked || file_unchanged(ex))) {
-        for (int i = 0; i < n_cand && i < ex->pf_max; i++) {
+    call->predicted = true;
+    call->n_cand = n_cand;
+    /* with a host tier, the predicted misses it lacks are read ahead now, without waiting */
+    if (tier != NULL && n_cand > 0 && ex->ahead_max > 0) {
+        hy_tier_read_ahead(tier, nx->cfg.tier_layer, ex->cand, n_cand < ex->ahead_max ? n_cand : ex->ahead_max);
+    }
+    nx->counters.prefetch_ns += hy_now_ns() - t0;
+}
+
+/* After a call: load the predicted misses (predict above) into the next layer's free or evictable slots. */
+static void prefetch(hy_moe_exec * ex, hy_call * call) {
+    hy_moe_exec * nx = ex->next;
+    const int n_cand = call->n_cand;
+    if (nx == NULL || n_cand == 0 || ex->pf_max <= 0) {
+        return;
+    }
+    const int64_t t0 = hy_now_ns();
+    hy_tier * tier = nx->cfg.tier;
+    /* loads read the mapping (or the tier): a changed file is left to the next call to report */
+    if (tier != NULL || call->checked || file_unchanged(ex)) {
+        for (int i = 0, n_loaded = 0; i < n_cand && n_loaded < ex->pf_max; i++) {
             int evicted;
             const int e = ex->cand[i];
+            if (tier != NULL && !hy_tier_holds(tier, nx->cfg.tier_layer, e)) {
+                continue; /* still being read: the call loads it from the tier, never waiting here for the disk */
+            }
             const int slot = hy_cache_prefetch(nx->cache, e, nx->predicted, &evicted);
             if (slot < 0) {
                 break;
             }
-            nx->counters.bytes_prefetched += load(nx, e, slot, true);
+            const int64_t bytes = load(nx, e, slot, true);
+            if (bytes < 0) {
+                /* the tier refused (the file changed): the slot stays uncommitted, so the next call's plan empties
+                   it; that call reports the file */
+                nx->err_code = HY_OK;
+                nx->err[0] = '\0';
+                break;
+            }
+            n_loaded++;
+            nx->counters.bytes_prefetched += bytes;
             nx->counters.prefetched++;
             nx->pf_mark[e] = 1;
             nx->pf_expert[nx->n_pf] = e;
@@ -1073,7 +1169,11 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
     }
     count_rows(ex, &call);
     if (ex->cfg.tier_direct) {
+        settle_prefetch(ex, &call); /* judges the read-ahead for this call (no slot is ever prefetched here) */
         const int rc = run_direct(ex, &call);
+        if (rc != HY_OK && call.predicted) {
+            withdraw_prediction(ex->next);
+        }
         clean_up(ex, &call, rc);
         return rc;
     }
@@ -1095,6 +1195,7 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
         }
     }
     if (rc == HY_OK) {
+        predict(ex, &call);
         call.d0 = hy_now_ns();
         for (int r = 0; r < call.plan->n_rounds && rc == HY_OK; r++) {
             rc = run_round(ex, &call, r);
@@ -1110,6 +1211,8 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
     if (rc == HY_OK) {
         prefetch(ex, &call);
         count_call(ex, &call);
+    } else if (call.predicted) {
+        withdraw_prediction(ex->next); /* a failed call predicts nothing */
     }
     clean_up(ex, &call, rc);
     return rc;
@@ -1154,7 +1257,8 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
     const hy_moe_config * cfg = &ex->cfg;
     const int k = cfg->n_used, E = cfg->n_embd;
     const enum ggml_glu_op glu = (enum ggml_glu_op) cfg->glu;
-    const int rows = hy_row_bucket(n_tokens * k); /* a round's row graph holds at most every row of the call */
+    const int rows = hy_row_bucket(n_tokens * k); /* a round's row graph holds at most every row of the call;
+                                                     a device that is not a CPU backend runs the call's graph */
     if (cfg->tier_direct) {
         if (tier_views(ex) != HY_OK) {
             return -1;
@@ -1165,15 +1269,18 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens) {
         return HY_OK;
     }
     if (hy_graph_get(&ex->graphs, HY_GRAPH_FULL, n_tokens, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
-        hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E, glu) == NULL ||
-        hy_graph_get(&ex->graphs, HY_GRAPH_SUM, n_tokens, NULL, NULL, k, E, glu) == NULL) {
+        (ex->compact && hy_graph_get(&ex->graphs, HY_GRAPH_ROWS, rows, &cfg->slots, cfg->slots.down, k, E,
+                                     glu) == NULL) ||
+        hy_graph_get(&ex->graphs, HY_GRAPH_SUM, n_tokens, NULL, NULL, k, E, glu) == NULL ||
+        (!ex->compact && hy_graph_get(&ex->graphs, HY_GRAPH_CALL, n_tokens, &cfg->slots, cfg->slots.down, k, E,
+                                      glu) == NULL)) {
         return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graphs%s", "");
     }
     return HY_OK;
 }
 
 void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float * router, const float * router_bias,
-                              const float * select_bias, int max_experts, int max_tokens) {
+                              const float * select_bias, int max_experts, int max_tokens, int max_read_ahead) {
     ex->next = NULL;
     if (next == NULL || next == ex || (router == NULL && next->cfg.route == NULL)) {
         return;
@@ -1189,6 +1296,7 @@ void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float 
     ex->select_bias = select_bias;
     ex->pf_max = max_experts;
     ex->pf_max_tokens = max_tokens;
+    ex->ahead_max = max_read_ahead;
 }
 
 int hy_moe_exec_predicted(const hy_moe_exec * ex, const int32_t ** experts) {

@@ -135,9 +135,13 @@ int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens);
    the predicted misses, most-voted first, at most max_experts, into next's empty or evictable slots (never one
    holding another prediction). next waits for the loads at the start of its call. NULL next: off. A NULL router
    with a next that follows a route trace (moe_route_trace, benchmarks) predicts the trace's coming rows of next:
-   an oracle, the bound of what a prediction can give. */
+   an oracle, the bound of what a prediction can give. The prediction is made as soon as the call's own loads are
+   planned; the slot loads after the call. With a host tier (cfg.tier), the predicted misses it lacks, at most
+   max_read_ahead, are read ahead into it right when predicted (hy_tier_read_ahead, no wait: the reads overlap the
+   call), and only the predicted misses it holds by the call's end are loaded into slots (from the tier; the others
+   load from it in next's call). */
 void hy_moe_exec_set_prefetch(hy_moe_exec * ex, hy_moe_exec * next, const float * router, const float * router_bias,
-                              const float * select_bias, int max_experts, int max_tokens);
+                              const float * select_bias, int max_experts, int max_tokens, int max_read_ahead);
 /* the last prediction of this layer's experts (by the previous layer's call), most-voted first, ties by id */
 int hy_moe_exec_predicted(const hy_moe_exec * ex, const int32_t ** experts);
 /* make the load after the next `after` loads fail (tests: a fault half way through a call) */

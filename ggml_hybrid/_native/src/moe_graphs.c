@@ -144,7 +144,7 @@ static bool build(hy_graph * g, int kind, int n, const hy_experts * w, int n_use
         g->out = hy_build_weighted_sum(ctx, g->experts_in, g->w);
     } else {
         /* TOKEN: the n experts of one token, the resident graph's shape at decode */
-        const int k = kind == HY_GRAPH_FULL ? n_used : kind == HY_GRAPH_TOKEN ? n : 1;
+        const int k = kind == HY_GRAPH_FULL || kind == HY_GRAPH_CALL ? n_used : kind == HY_GRAPH_TOKEN ? n : 1;
         const int T = kind == HY_GRAPH_TOKEN ? 1 : n;
         g->x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_embd, 1, T);
         g->ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);

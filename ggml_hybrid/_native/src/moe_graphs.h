@@ -38,11 +38,12 @@ typedef struct hy_scratch {
 hy_scratch * hy_scratch_new(ggml_backend_buffer_type_t buft);
 void hy_scratch_free(hy_scratch * s);
 
-enum { HY_GRAPH_FULL = 0, HY_GRAPH_ROWS = 1, HY_GRAPH_SUM = 2, HY_GRAPH_TOKEN = 3 };
+enum { HY_GRAPH_FULL = 0, HY_GRAPH_ROWS = 1, HY_GRAPH_SUM = 2, HY_GRAPH_TOKEN = 3, HY_GRAPH_CALL = 4 };
 
 /* A built graph: inputs x (rows x n_embd, shaped [n,1,E]; TOKEN: one row, [1,1,E]), ids ([n,k] or [n,1];
    TOKEN: [1,n], the n experts of that one row), w ([n,k,1]) and experts_in ([n,k,E], the sum's input),
-   and its output (out: [n,E] for FULL/SUM, [n,1,E] for ROWS, [1,n,E] for TOKEN). */
+   and its output (out: [n,E] for FULL/SUM, [n,1,E] for ROWS, [1,n,E] for TOKEN, [n,k,E] for CALL: FULL's
+   expert rows before the weighted sum). */
 typedef struct hy_graph {
     int kind, n;
     const void * key;            /* what the graph's weights are (the experts it multiplies) */
