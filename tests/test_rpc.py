@@ -71,6 +71,11 @@ class Server:
                     raise RuntimeError(f"rpc-server did not listen on {self.endpoint} within {START_S} s") from None
                 time.sleep(0.1)
 
+    def log(self) -> str:
+        """What the server wrote to stderr so far."""
+        self._err.seek(0)
+        return self._err.read()
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
@@ -509,6 +514,97 @@ HOSTILE = {
                                  rc.tensor(id=3, type=26, buffer=b, ne=(2, 1, 1, 1), data=base + 512), nodes=[1])),
 }
 
+# types (enum ggml_type) and their element sizes; a block type's size is its block's
+F32, F16, Q8_0, I8, I16, I32, BF16 = 0, 1, 8, 24, 25, 26, 30
+_TYPE_SIZE = {F32: 4, F16: 2, Q8_0: 34, I8: 1, I16: 2, I32: 4, BF16: 2}
+GELU, SWIGLU_OAI = 8, 3  # enum ggml_unary_op, enum ggml_glu_op
+
+
+def _t(id: int, type_: int, buffer: int, data: int, ne=(4, 1, 1, 1), **kw) -> bytes:
+    """A packed tensor of any type (a block type's ne[0] a whole number of 32-element blocks); a node (with an op)
+    is flagged to be computed, so the CPU backend runs its kernel."""
+    ts = _TYPE_SIZE[type_]
+    n0 = ne[0] // 32 if type_ == Q8_0 else ne[0]
+    nb = (ts, ts * n0, ts * n0 * ne[1], ts * n0 * ne[1] * ne[2])
+    flags = rc.FLAG_COMPUTE if kw.get("op") else 0
+    return rc.tensor(id=id, type=type_, buffer=buffer, ne=ne, nb=nb, data=data, flags=flags, **kw)
+
+
+def _f(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+# Well-formed one-node graphs whose shapes every rule of patch 0006 accepted but whose types the op's CPU kernel
+# has no code for: GGML_ABORT, or a call through a conversion or dot-product function the type lacks (a
+# segfault). The server's fuzzer sent nodes without GGML_TENSOR_FLAG_COMPUTE, so no kernel ever ran, until
+# 2026-12-02; each of these stopped the server then.
+KERNEL_TYPES = {
+    "GELU of an I32 tensor (unary kernel abort)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _t(1, I32, b, base, op=rc.OP_UNARY, src=[2], op_params=[GELU]), _t(2, I32, b, base + 64), nodes=[1])),
+    "ADD of I32 tensors (binary kernel abort)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _t(1, I32, b, base, op=rc.OP_ADD, src=[2, 3]), _t(2, I32, b, base + 64), _t(3, I32, b, base + 128),
+        nodes=[1])),
+    "RMS_NORM of an F16 tensor (kernel abort)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _t(1, F16, b, base, op=rc.OP_RMS_NORM, src=[2], op_params=[_f(1e-6)]), _t(2, F16, b, base + 64),
+        nodes=[1])),
+    "SCALE of an F16 tensor (kernel abort)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _t(1, F16, b, base, op=rc.OP_SCALE, src=[2], op_params=[_f(2.0), 0]), _t(2, F16, b, base + 64),
+        nodes=[1])),
+    "SWIGLU_OAI of an F16 tensor (kernel abort)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _t(1, F16, b, base, op=rc.OP_GLU, src=[2], op_params=[SWIGLU_OAI, 0, _f(1.702), _f(7.0)]),
+        _t(2, F16, b, base + 64, ne=(8, 1, 1, 1)), nodes=[1])),
+    "CPY of I32 into F16 (copy kernel abort)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _t(1, F16, b, base, op=rc.OP_CPY, src=[2, 3]), _t(2, I32, b, base + 64), _t(3, F16, b, base),
+        nodes=[1])),
+    "REPEAT of an I8 tensor (kernel abort)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _t(1, I8, b, base, ne=(8, 1, 1, 1), op=rc.OP_REPEAT, src=[2]), _t(2, I8, b, base + 64), nodes=[1])),
+    "GET_ROWS of I16 rows (kernel abort)": lambda b, base: rc.frame(rc.SET_TENSOR, _t(3, I32, b, base + 512, ne=(
+        2, 1, 1, 1)) + struct.pack("<BQ", 0, 0) + bytes(8)) + rc.frame(rc.GRAPH_COMPUTE, _graph(
+            _t(1, F32, b, base, ne=(4, 2, 1, 1), op=rc.OP_GET_ROWS, src=[2, 3]),
+            _t(2, I16, b, base + 256, ne=(4, 4, 1, 1)), _t(3, I32, b, base + 512, ne=(2, 1, 1, 1)), nodes=[1])),
+    "SET_ROWS into I16 rows (a call through a null from_float)": lambda b, base: rc.frame(rc.SET_TENSOR, _t(
+        3, I32, b, base + 512, ne=(2, 1, 1, 1)) + struct.pack("<BQ", 0, 0) + bytes(8)) + rc.frame(
+            rc.GRAPH_COMPUTE, _graph(
+                _t(1, I16, b, base, ne=(4, 4, 1, 1), op=rc.OP_SET_ROWS, src=[2, 3, 4]),
+                _t(2, F32, b, base + 256, ne=(4, 2, 1, 1)), _t(3, I32, b, base + 512, ne=(2, 1, 1, 1)),
+                _t(4, I16, b, base, ne=(4, 4, 1, 1)), nodes=[1])),
+    "CONT of Q8_0 into F32 (the kernel reads a second source CONT has not)": lambda b, base: rc.frame(
+        rc.GRAPH_COMPUTE, _graph(_t(1, F32, b, base, ne=(32, 1, 1, 1), op=rc.OP_CONT, src=[2]),
+                                 _t(2, Q8_0, b, base + 256, ne=(32, 1, 1, 1)), nodes=[1])),
+    "MUL_MAT of I32 weights (a call through a null vec_dot)": lambda b, base: rc.frame(rc.GRAPH_COMPUTE, _graph(
+        _t(1, F32, b, base, ne=(2, 1, 1, 1), op=rc.OP_MUL_MAT, src=[2, 3]), _t(2, I32, b, base + 64, ne=(4, 2, 1, 1)),
+        _t(3, F32, b, base + 128), nodes=[1])),
+    "MUL_MAT_ID of I32 experts (a call through a null vec_dot)": lambda b, base: rc.frame(rc.SET_TENSOR, _t(
+        4, I32, b, base + 512, ne=(1, 1, 1, 1)) + struct.pack("<BQ", 0, 0) + bytes(4)) + rc.frame(
+            rc.GRAPH_COMPUTE, _graph(
+                _t(1, F32, b, base, ne=(2, 1, 1, 1), op=rc.OP_MUL_MAT_ID, src=[2, 3, 4]),
+                _t(2, I32, b, base + 64, ne=(4, 2, 2, 1)), _t(3, F32, b, base + 256, ne=(4, 1, 1, 1)),
+                _t(4, I32, b, base + 512, ne=(1, 1, 1, 1)), nodes=[1])),
+    "FLASH_ATTN_EXT with I32 keys (a call through a null vec_dot)": lambda b, base: rc.frame(
+        rc.GRAPH_COMPUTE, _graph(
+            _t(1, F32, b, base, ne=(4, 1, 1, 1), op=rc.OP_FLASH_ATTN_EXT, src=[2, 3, 4], op_params=[_f(0.5), 0, 0]),
+            _t(2, F32, b, base + 64, ne=(4, 1, 1, 1)), _t(3, I32, b, base + 128, ne=(4, 2, 1, 1)),
+            _t(4, F32, b, base + 256, ne=(4, 2, 1, 1)), nodes=[1])),
+}
+
+
+@pytest.mark.parametrize("what", list(KERNEL_TYPES))
+def test_a_type_the_kernel_lacks_drops_its_client_not_the_server(hostile_server, what):
+    """Issue 28 item 4 (the kernels' types): each of these stopped the server once its node was flagged to be
+    computed; now the server refuses the graph with its usual message and drops that client only (the families'
+    own graphs still run: test_every_family_runs_on_the_rpc_device_bit_identical)."""
+    port = hostile_server.port
+    before = hostile_server.log().count(f"[graph_compute] graph node 0 ({what.split()[0]}) refused")
+    sock, buffer, base = _session(port)
+    with sock:
+        sock.sendall(KERNEL_TYPES[what](buffer, base))
+        sock.settimeout(20)
+        assert sock.recv(1) == b""  # the server closed the connection
+    assert rc.alive(port) == 1 and hostile_server.proc.poll() is None
+    # with its usual message, naming the node and its op
+    refusal = f"[graph_compute] graph node 0 ({what.split()[0]}) refused"
+    assert hostile_server.log().count(refusal) == before + 1, hostile_server.log()[-2000:]
+
 
 def _conv_transpose(b: int, base: int, stride: int) -> bytes:
     """A CONV_TRANSPOSE_1D node: kernel [3, 1, 1], input [2, 1], output [(2 - 1) * 1 + 3, 1] (for stride 1)."""
@@ -602,6 +698,30 @@ def test_bounded_random_message_fuzz(hostile_server):
     assert r["failed"] is None, r
     assert r["messages"] >= 2000 and all(r["kinds"].values()), r
     assert hostile_server.proc.poll() is None
+
+
+def _graph_nodes(message: bytes) -> list[tuple[int, int]]:
+    """The (op, flags) of each computed tensor a GRAPH_COMPUTE message carries."""
+    payload = message[9:]
+    (n_nodes,) = struct.unpack_from("<I", payload, 4)
+    (n_tensors,) = struct.unpack_from("<I", payload, 8 + 8 * n_nodes)
+    at = 12 + 8 * n_nodes
+    out = []
+    for i in range(n_tensors):
+        t = payload[at + i * rc.TENSOR_BYTES:at + (i + 1) * rc.TENSOR_BYTES]
+        (op,) = struct.unpack_from("<I", t, 52)
+        (flags,) = struct.unpack_from("<I", t, 120)
+        if op:
+            out.append((op, flags))
+    return out
+
+
+def test_the_fuzzers_op_graphs_run_their_kernels():
+    """The `ops` kind's nodes carry GGML_TENSOR_FLAG_COMPUTE: without it the CPU backend skips a node, and the
+    fuzzer had never run a kernel (until 2026-12-02)."""
+    nodes = [n for i in range(300) if (c := rc.make_case(13, i)).kind == "ops"
+             for m in c.messages[1:] for n in _graph_nodes(m)]
+    assert len(nodes) > 100 and all(flags & rc.FLAG_COMPUTE for _, flags in nodes)
 
 
 def test_a_frozen_server_is_a_timeout_not_a_hang(model, reference):

@@ -14,7 +14,8 @@ exact ones to garbage, and a case is one connection's worth of them:
 - ``graphs``: the same buffer, then GRAPH_COMPUTE / GRAPH_RECOMPUTE of graphs of such tensors (ops,
   sources, views, counts that agree with the message or not);
 - ``ops``: the same buffer, then well-formed one-node graphs (every tensor a plausible type, packed, inside the
-  buffer) of any op with random small shapes, sources and parameters: what only the shape rules stop;
+  buffer) of any op with random small shapes, sources and parameters, the node flagged to be computed: what only
+  the shape and type rules stop (a type the op's CPU kernel lacks aborts it);
 - ``index``: the same buffer, then index data written with SET_TENSOR (in range, -1, the bound, 2^31-1, -2^31,
   random) and well-formed one-node graphs of the ops whose kernels index by it (GET_ROWS, SET_ROWS, MUL_MAT_ID,
   ADD_ID), each followed by ggml-hybrid's graph status request or, now and then, by another command (an
@@ -48,6 +49,9 @@ N_COMMANDS = 20  # RPC_CMD_COUNT; values from it up are unknown commands
 GRAPH_STATUS, HYBRID_MARK, STATUS_BYTES = 0xE0, 0x68, 256
 
 MAX_SRC, N_OP_PARAMS, MAX_NAME = 10, 16, 64
+# GGML_TENSOR_FLAG_COMPUTE: the CPU backend skips a node without it (it computes nothing), so a graph built to run
+# a kernel sets it on its nodes
+FLAG_COMPUTE = 16
 N_TYPES, N_OPS = 41, 101  # GGML_TYPE_COUNT, GGML_OP_COUNT of the pinned GGML
 TENSOR_BYTES = 296
 HELLO_BYTES = 24
@@ -230,7 +234,7 @@ def _tensor_fields(rng: random.Random, buf_size: int, ids: list[int]) -> dict:
            for _ in range(MAX_SRC)]
     return dict(type=type_, buffer=buffer, ne=ne, nb=nb, op=op, op_params=op_params, src=src,
                 view_src=_pick(rng, 0, 0, 0, *(ids or [0]), _u64(rng)), view_offs=_pick(rng, 0, 0, 64, _u64(rng)),
-                data=data, flags=rng.getrandbits(32) if rng.random() < 0.1 else 0,
+                data=data, flags=rng.getrandbits(32) if rng.random() < 0.1 else FLAG_COMPUTE if op else 0,
                 name=bytes(rng.getrandbits(8) for _ in range(_pick(rng, 0, 8, 64))), use_count=rng.randrange(4))
 
 
@@ -286,14 +290,16 @@ def _graph(rng: random.Random, buf_size: int) -> bytes:
 
 def _op_graph(rng: random.Random) -> bytes:
     """A well-formed one-node graph of a random op: sources and node of random small shapes, packed, inside the
-    case's buffer, with random small parameters (only the op's shape rules tell it from a real one)."""
+    case's buffer, with random small parameters (only the op's shape rules tell it from a real one); the node is
+    flagged to be computed, so an accepted graph runs its CPU kernel."""
     def one(id: int, offset: int, op: int = 0, src: tuple[int, ...] = ()) -> tuple[bytes, int]:
-        type_, ts = _pick(rng, (0, 4), (0, 4), (1, 2), (26, 4))
+        # F32 mostly, F16, I32 and now and then a type few kernels take (BF16, I16, I8)
+        type_, ts = _pick(rng, (0, 4), (0, 4), (0, 4), (1, 2), (1, 2), (26, 4), (26, 4), (30, 2), (25, 2), (24, 1))
         ne = (rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 2), 1)
         nb = (ts, ts * ne[0], ts * ne[0] * ne[1], ts * ne[0] * ne[1] * ne[2])
         params = [_pick(rng, 0, 0, 1, 2, 3, 4, 8, 40, 2**32 - 1, rng.getrandbits(32)) for _ in range(N_OP_PARAMS)]
         return tensor(id=id, type=type_, buffer=BUF, ne=ne, nb=nb, op=op, op_params=params if op else (), src=src,
-                      data=BASE + offset), ts * ne[0] * ne[1] * ne[2]
+                      data=BASE + offset, flags=FLAG_COMPUTE if op else 0), ts * ne[0] * ne[1] * ne[2]
     n_src = rng.randint(1, 7)
     parts, offset = [], 0
     for i in range(n_src):
@@ -311,9 +317,6 @@ def _op_graph(rng: random.Random) -> bytes:
 
 INDEX_OPS = {"GET_ROWS": OP_GET_ROWS, "SET_ROWS": OP_SET_ROWS, "MUL_MAT_ID": OP_MUL_MAT_ID, "ADD_ID": OP_ADD_ID}
 I32 = 26  # GGML_TYPE_I32
-
-
-FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: a node without it is skipped by the CPU backend
 
 
 def _t32(id: int, type_: int, offset: int, ne: tuple[int, int, int, int], op: int = 0, src=(), buffer: int = BUF,
