@@ -645,9 +645,11 @@ static int fetch_cpu(hy_moe_exec * ex, hy_call * call) {
     return HY_OK;
 }
 
+static void predict(hy_moe_exec * ex, hy_call * call);
+static int full_graph(hy_moe_exec * ex, hy_call * call, const hy_experts * w, int64_t * compute_ns);
+
 /* A CPU playing the device with the host tier (tier_direct): every expert of the call computed straight from the
    tier's frames in the layer's whole graph, as the resident graph computes it; no slot, no copy. */
-static void predict(hy_moe_exec * ex, hy_call * call);
 
 static int run_direct(hy_moe_exec * ex, hy_call * call) {
     const hy_moe_config * cfg = &ex->cfg;
@@ -665,19 +667,10 @@ static int run_direct(hy_moe_exec * ex, hy_call * call) {
         }
     }
     const int64_t t2 = hy_now_ns();
-    call->full = hy_graph_get(&ex->graphs, HY_GRAPH_FULL, call->T, &ex->tier_w, ex->tier_w.down, cfg->n_used,
-                              cfg->n_embd, (enum ggml_glu_op) cfg->glu);
-    if (call->full == NULL) {
-        return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graph%s", "");
-    }
-    for (int i = 0; i < call->n_rows; i++) {
-        ex->slot_ids[i] = ex->slot_of[ex->ids[i]];
-    }
-    ggml_backend_tensor_copy(call->x, call->full->x);
-    ggml_backend_tensor_copy(call->w, call->full->w);
-    ggml_backend_tensor_set(call->full->ids, ex->slot_ids, 0, sizeof(int32_t) * call->n_rows);
-    if (ggml_backend_graph_compute(cfg->device, call->full->gf) != GGML_STATUS_SUCCESS) {
-        return fail(ex, HY_ERR_COMPUTE, "layer %d: the expert graph failed%s", "");
+    int64_t compute_ns;
+    const int rc = full_graph(ex, call, &ex->tier_w, &compute_ns); /* the frames' numbers are in slot_of */
+    if (rc != HY_OK) {
+        return rc;
     }
     ggml_backend_tensor_copy(call->full->out, call->out);
     hy_moe_counters * c = &ex->counters;
@@ -706,11 +699,13 @@ static void wait_loads(hy_moe_exec * ex) {
     }
 }
 
-/* The layer's whole graph over the slots: every row of the call, the ids remapped to slots. */
-static int compute_full(hy_moe_exec * ex, hy_call * call) {
+/* The layer's whole graph over experts `w` (the slots, or the tier's frames): every row of the call, each id
+   remapped through slot_of to its place in `w`; the graph is left in call->full, its compute's time in
+   *compute_ns. */
+static int full_graph(hy_moe_exec * ex, hy_call * call, const hy_experts * w, int64_t * compute_ns) {
     const hy_moe_config * cfg = &ex->cfg;
-    call->full = hy_graph_get(&ex->graphs, HY_GRAPH_FULL, call->T, &cfg->slots, cfg->slots.down, cfg->n_used,
-                              cfg->n_embd, (enum ggml_glu_op) cfg->glu);
+    call->full = hy_graph_get(&ex->graphs, HY_GRAPH_FULL, call->T, w, w->down, cfg->n_used, cfg->n_embd,
+                              (enum ggml_glu_op) cfg->glu);
     if (call->full == NULL) {
         return fail(ex, HY_ERR_ALLOC, "layer %d: cannot allocate the expert graph%s", "");
     }
@@ -724,9 +719,17 @@ static int compute_full(hy_moe_exec * ex, hy_call * call) {
     if (ggml_backend_graph_compute(cfg->device, call->full->gf) != GGML_STATUS_SUCCESS) {
         return fail(ex, HY_ERR_COMPUTE, "layer %d: the expert graph failed%s", "");
     }
-    call->round_ns = hy_now_ns() - t;
-    call->round_rows = call->n_rows;
+    *compute_ns = hy_now_ns() - t;
     return HY_OK;
+}
+
+/* The layer's whole graph over the slots. */
+static int compute_full(hy_moe_exec * ex, hy_call * call) {
+    const int rc = full_graph(ex, call, &ex->cfg.slots, &call->round_ns);
+    if (rc == HY_OK) {
+        call->round_rows = call->n_rows;
+    }
+    return rc;
 }
 
 /* This round's rows on a device that is not a CPU backend: the call's own graph (every row, the ids remapped,
