@@ -241,7 +241,7 @@ with gh.Context(n_tensors=3) as wctx:
     wctx.allocate(d, "weights")
     for t in W:
         t.set(w)
-    for r in range(40):
+    for r in range(200):
         n = 2 + r % 2
         with gh.Context(n_tensors=16, graph_size=32) as ctx:
             x = ctx.new_tensor("f32", (n, 1, 64), "x")
@@ -266,7 +266,9 @@ def test_device_buffers_freed_between_graphs_of_other_sizes():
     """An expert FFN graph (two mul_mat_id of one input, their SwiGLU, a third mul_mat_id) of 2 then 3 token rows,
     alternately, each in a context of its own allocated on Vulkan0 and freed after: no scheduler, no code of ours
     between GGML and the driver. Runs in a child process: the abort must not take the test run with it. The same
-    graphs with one row count, or with the contexts kept, run to the end."""
-    res = subprocess.run([sys.executable, "-c", _FREED_BETWEEN_SIZES], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, GGML_NO_BACKTRACE="1"))
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-500:]
+    graphs with one row count, or with the contexts kept, run to the end. The corruption shows by chance (every
+    child here, yet one CI run's child ran to the end), so up to five children run: all must end well."""
+    for _ in range(5):
+        res = subprocess.run([sys.executable, "-c", _FREED_BETWEEN_SIZES], capture_output=True, text=True,
+                             timeout=300, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+        assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-500:]
