@@ -293,3 +293,12 @@ def greedy_chat_reply(m, template, msgs, n: int) -> str:
         reply.append(tid)
         logits = m.eval([tid])
     return tok.decode(reply)
+
+
+# An OpenAI tool both the structured-output tests and the server's use: bounded arguments, so a forced call's
+# grammar is finite.
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"]}}}

@@ -19,7 +19,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 sandbox = pytest.importorskip("jinja2.sandbox")
 
-from helpers import rewrite_gguf  # noqa: E402
+from helpers import WEATHER_TOOL, rewrite_gguf  # noqa: E402
 from test_server import Server, get, post  # noqa: E402
 from test_structured import FAMILY_TEMPLATES, SCHEMAS, TEMPLATES, _schemas  # noqa: E402
 
@@ -28,11 +28,7 @@ from ggml_hybrid.synthetic import write_model  # noqa: E402
 from ggml_hybrid.text.tokenizer import Tokenizer  # noqa: E402
 
 N_CTX = 4096
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "city": {"type": "string", "maxLength": 10},
-                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                                               "required": ["city", "days"]}}},
+TOOLS = [WEATHER_TOOL,
          {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
              "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
                                               "b": {"type": "integer", "minimum": 0, "maximum": 999}},

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
+from helpers import WEATHER_TOOL  # noqa: E402
+
 from ggml_hybrid.errors import GrammarError  # noqa: E402
 from ggml_hybrid.gguf.store import GGUFStore  # noqa: E402
 from ggml_hybrid.runtime.grammar import MAX_GRAMMAR_CHARS, Grammar, closed_schema  # noqa: E402
@@ -206,11 +208,7 @@ def test_drawn_schemas(tok, schema, seed):
 
 # -- tool formats -------------------------------------------------------------------------------------
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "city": {"type": "string", "maxLength": 10},
-                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                                               "required": ["city", "days"]}}},
+TOOLS = [WEATHER_TOOL,
          {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
              "type": "object", "properties": {
              "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]

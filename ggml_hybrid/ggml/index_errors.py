@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 _ERROR_BYTES = 512
 _get: CData | None = None
+_take: CData | None = None
 
 
 def _getter() -> CData | None:
@@ -71,15 +72,26 @@ def local_error(backends: Iterable[Backend], graph: CData | None = None) -> Grap
     return None
 
 
+def _taker() -> CData | None:
+    """The RPC backend's ``ggml_backend_rpc_take_compute_error``, looked up once (this runs after every compute on
+    an RPC device)."""
+    global _take
+    if _take is None:
+        reg = lib.ggml_backend_reg_by_name(b"RPC")
+        ptr = (lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_take_compute_error")
+               if reg != ffi.NULL else ffi.NULL)
+        if ptr == ffi.NULL:
+            return None
+        _take = ffi.cast("size_t (*)(const char *, char *, size_t)", ptr)
+    return _take
+
+
 def take_remote_error(endpoint: str) -> str:
     """Why the last graph computed on ``endpoint``'s server failed there with the connection kept ('' if none);
     forgotten once read."""
-    reg = lib.ggml_backend_reg_by_name(b"RPC")
-    ptr = (lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_take_compute_error")
-           if reg != ffi.NULL else ffi.NULL)
-    if ptr == ffi.NULL:
+    take = _taker()
+    if take is None:
         return ""
-    take = ffi.cast("size_t (*)(const char *, char *, size_t)", ptr)
     buf = ffi.new("char[]", _ERROR_BYTES)
     take(endpoint.encode(), buf, _ERROR_BYTES)
     return cstr(buf)
