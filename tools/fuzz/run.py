@@ -117,7 +117,8 @@ def server(cases: int, seed: int, out: str, jobs: int, timeout: float, idle: int
     summary = server_cases.run(cases, seed, out, jobs, timeout, idle)
     click.echo(f"server: {cases} requests in {summary['seconds']} s: {json.dumps(summary['classes'])}; "
                f"/health under {idle} idle connections: {summary['idle']['health']}; exit status "
-               f"{summary['exit_status']}; log {summary['log_bytes']} bytes, {summary['log_tracebacks']} tracebacks")
+               f"{summary['exit_status']}; log {summary['log_bytes']} bytes, {summary['log_tracebacks']} tracebacks; "
+               f"/health throughout: {summary['health']}")
     for f in summary["failures"][:20]:
         click.echo(f"  {f}")
     click.echo(f"  summary: {os.path.join(out, 'summary-server.json')}")

@@ -5,14 +5,17 @@ whose chat template overruns its bounds) on a free loopback port; request i is d
 alone. A request is one of: a generation body built from valid fields with up to three fields replaced
 by odd values (wrong JSON types, NaN/huge/tiny numbers, lone surrogates, deep nesting, long strings,
 unknown options), malformed JSON, raw HTTP (bad framing, a body cut short and the socket closed, a
-half-close), streamed or not, or one of the other endpoints and methods. Requests run ``--jobs`` at a
-time, so they batch in the engine.
+half-close), streamed or not, or one of the other endpoints and methods; since issue 40 also ``/tokenize`` and
+``/detokenize`` far past their bounds, and ``pull`` against a hostile hub (``guard_cases.py``), with ``/health``
+watched throughout (``health`` in the summary: the slowest answer). Requests run ``--jobs`` at a time, so they
+batch in the engine.
 
 Each answer is classed: ``fine`` (any status below 500, or a documented 5xx: 500 ``chat_template_limit`` /
 ``chat_template_unusable``, 503 ``model_loading`` / ``shutting_down``), ``5xx`` (any other), ``bad_shape``
 (an error that is not OpenAI's error object), ``hang`` (no answer within the time limit) or ``crash`` (the
-server died). After the requests: 200 idle connections are opened and ``/health`` must still answer
-200, then SIGTERM must end the server with exit status 0 and no traceback in its log.
+server died); a hub case is ``fine``, ``escape``, ``hang``, ``traceback`` or ``wrong`` (``guard_cases.py``).
+After the requests: 200 idle connections are opened and ``/health`` must still answer 200, then SIGTERM must end
+the server with exit status 0 and no traceback in its log.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import threading
 import time
 from collections import Counter
 from typing import Any
+
+from . import guard_cases
 
 DOCUMENTED_5XX = {(500, "chat_template_limit"), (500, "chat_template_unusable"), (503, "model_loading"),
                   (503, "shutting_down")}
@@ -49,6 +54,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "parallel_tool_calls"]
 INFO = {"/tokenize": ["model", "content", "add_special", "with_pieces"], "/detokenize": ["model", "tokens"],
         "/v1/embeddings": ["model", "input"]}
+_OUT = ["fuzz-out"]  # the run's folder (the hub cases' own folders go under it)
 
 
 def write_models(folder: str) -> str:
@@ -154,8 +160,13 @@ def _classify_json(status: int, raw: bytes) -> str:
 def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
     """(class, what) of request i."""
     rng = random.Random(seed * 1_000_003 + i)
-    kind = rng.choices(["completion", "chat", "raw", "other", "info"], [42, 28, 12, 12, 6])[0]
+    kind = rng.choices(["completion", "chat", "raw", "other", "info", "huge", "hub"], [42, 28, 12, 12, 6, 2, 2])[0]
     try:
+        if kind == "hub":  # issue 40: `pull` against a hostile hub (guard_cases.py)
+            return guard_cases.hub_case(seed, i, _OUT[0], timeout)
+        if kind == "huge":  # issue 40: /tokenize and /detokenize far past their bounds
+            status, raw, what = guard_cases.huge_info(rng, port, timeout)
+            return _classify_json(status, raw), f"{what} {status}"
         if kind in ("completion", "chat"):
             body = _body(rng, kind == "chat")
             data = json.dumps(body).encode("utf-8", "surrogatepass")
@@ -261,6 +272,7 @@ def _health(port: int, timeout: float = 10.0) -> int:
 def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, idle: int = 200) -> dict[str, Any]:
     """Run the cases against a fresh server; the summary (also written to OUT/summary-server.json)."""
     cfg = write_models(os.path.join(out, "server-models"))
+    _OUT[0] = out
     port = _free_port()
     log = open(os.path.join(out, "server.log"), "w+")
     proc = subprocess.Popen([sys.executable, "-m", "ggml_hybrid.cli", "serve", "--config", cfg, "--port", str(port)],
@@ -270,6 +282,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
     t_start = time.monotonic()
     idle_ok = None
     rc = None
+    health: dict[str, Any] = {}
     try:
         end = time.monotonic() + 120
         while _health(port) != 200:
@@ -277,6 +290,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
                 raise RuntimeError("the server did not start")
             time.sleep(0.1)
         todo = iter(range(cases))
+        watch = guard_cases.HealthWatch(port)
 
         def worker() -> None:
             for i in todo:
@@ -291,6 +305,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
             t.start()
         for t in threads:
             t.join()
+        health = watch.stop()
         socks = []
         try:
             for _ in range(idle):
@@ -301,6 +316,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
             for s in socks:
                 s.close()
     finally:
+        guard_cases.stop()
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -319,6 +335,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
                "classes": dict(classes), "what": dict(Counter(w.split(" ")[0] + " " + w.split(" ")[-1]
                                                            for _, _, w in results)),
                "failures": failures[:200], "idle": {"connections": idle, "health": idle_ok}, "exit_status": rc,
+               "health": health,
                "log_bytes": len(text), "log_tracebacks": text.count("Traceback")}
     with open(os.path.join(out, "summary-server.json"), "w") as f:
         json.dump(summary, f, indent=1)
