@@ -9,7 +9,7 @@ The layers, bottom up (docs/architecture.md has the map):
   CPU share of misses, the CPU worker, FFN-only stack sessions and routing traces;
 - ``ggml_hybrid.model``: GGUF files, hyperparameters, the KV cache, the decoder graph, ``MoEModel``,
   tokenizer, sampling and generation;
-- ``ggml_hybrid.deploy``: tensor layout over devices, the devices, the memory planner;
+- ``ggml_hybrid.placement``: tensor layout over devices, the devices, the memory planner;
 - ``ggml_hybrid.cli``: the ``ggml-hybrid`` command.
 
 Everything a user needs is importable from here.

@@ -26,10 +26,10 @@ from click.testing import CliRunner
 from ggfuzz import rpc_cases as rc
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.deploy.devices import describe_devices, device_names
 from ggml_hybrid.errors import RPCError
 from ggml_hybrid.ggml import rpc
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.placement.devices import describe_devices, device_names
 from ggml_hybrid.plan.planner import plan
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model

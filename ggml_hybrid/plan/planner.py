@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks import check_int, check_type
-from ..deploy.devices import device_free_memory, plan_device_names
-from ..deploy.layout import CPU
 from ..errors import NotMoEError
 from ..ggml.backend import gpu_device_names
 from ..gguf.metadata import meta_int
@@ -29,6 +27,8 @@ from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
 from ..moe.host_tier import AUTO_MARGIN_MIN, auto_budget, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
+from ..placement.devices import device_free_memory, plan_device_names
+from ..placement.layout import CPU
 from ..runtime.cache_size import SlotChoice
 from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
 from ..units import GiB, MiB, format_bytes

@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .._native import CData, ffi
 from ..checks import check_callable, check_type
-from ..deploy.devices import open_devices
-from ..deploy.layout import CPU, Layout, plan_layout
 from ..errors import ArgumentError, ArgumentTypeError, ClosedError, ModelFileError, RPCError
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
@@ -45,6 +43,8 @@ from ..model.hparams import HParams
 from ..moe.expert_layers import ExpertLayers, check_moe_options
 from ..moe.stack_session import SessionCounters
 from ..options import MAX_DEVICES, OptionError, SessionOptions
+from ..placement.devices import open_devices
+from ..placement.layout import CPU, Layout, plan_layout
 from ..serial import Serial
 from ..text.tokenizer import Tokenizer
 

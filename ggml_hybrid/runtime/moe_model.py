@@ -26,11 +26,11 @@ import os
 import time
 from collections.abc import Callable
 
-from ..deploy.devices import device_free_memory, device_names
 from ..ggml.backend import Backend
 from ..machine import available_memory, default_threads
 from ..model.hparams import HParams
 from ..options import OptionError, SessionOptions
+from ..placement.devices import device_free_memory, device_names
 from .cache_size import SlotChoice, choose_slots
 from .loaded_model import LoadedModel, check_load_arguments, check_options
 from .session import MAX_GRAPHS, MAX_STEP_GRAPHS, Checkpoint, Session, context_warning

@@ -28,7 +28,6 @@ import numpy as np
 import numpy.typing as npt
 
 from ..checks import check_choice, check_int, check_type
-from ..deploy.layout import Layout
 from ..errors import ArgumentError, ClosedError, GgmlHybridError, IndexRangeError, ShapeError
 from ..ggml import rpc
 from ..ggml.backend import Backend
@@ -47,6 +46,7 @@ from ..model.step_feed import StepFeed
 from ..moe.expert_layers import ExpertLayers
 from ..moe.stack_session import SessionCounters
 from ..options import OptionError, SessionOptions
+from ..placement.layout import Layout
 from ..text.spm import SPMTokenizer
 from ..text.tokenizer import Tokenizer
 from .loaded_model import LoadedModel, check_context_options, lost_server
