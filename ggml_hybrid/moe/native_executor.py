@@ -314,10 +314,11 @@ class NativeExpertExecutor:
         self.ctx.close()
 
 
-Round = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], tuple[int, ...]]
+# a round of a C plan as plain tuples: slot_cache.Round's fields (hits, loads, evicted), compared with it in the tests
+RoundFields = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], tuple[int, ...]]
 
 
-def plan_rounds(p: CData) -> list[Round]:
+def plan_rounds(p: CData) -> list[RoundFields]:
     """A C plan (``hy_plan``) as ``[(hits, loads, evicted), ...]`` by round, the SlotCache's Round fields."""
     rounds: list[list[list[Any]]] = [[[], [], []] for _ in range(p.n_rounds)]
     if p.n_rounds:
