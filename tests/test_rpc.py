@@ -150,7 +150,7 @@ def test_the_host_tier_feeds_an_rpc_device_bit_identically(model, reference, ser
     """Queued uploads from the host tier's buffers (not the mapping) across a real process boundary."""
     tokens, ref = reference
     with MoEModel(model, opts(f"rpc={server.endpoint}", "disk_experts=true", "expert_cache_slots=2",
-                              "host_cache_bytes=16M")) as m:
+                              "host_tier_bytes=16M")) as m:
         got = run_both_halves(m, tokens)
         ex, tier = m.experts.executors[0], m.experts.tier.counters
         assert ex.load_mode == "queued" and tier.misses > 0
