@@ -121,17 +121,18 @@ def test_health_answers_while_the_biggest_requests_run(server, bound):
 
 
 def test_no_memory_is_held_after_big_requests(model, bound):
-    """The server's resident memory after four texts at the bound (two at a time) is what it was before, within
-    32 MiB: each request peaks at some 100 MiB here (its text, its ids, the tokenizer's encoding with offsets and
-    token strings for each id); once answered, nothing of it is kept. What may stay is the tokenizer's word cache
-    (at most 10,000 words of a few bytes) and the allocators' own bookkeeping, far under the bound. Before, the
-    freed encodings stayed in the allocator's per-thread heaps: hundreds of MiB held for good. (A server of its own:
-    the one the other tests share has run big requests already.)"""
+    """The server's resident memory after six texts at the bound (two at a time) is what it was before, within
+    64 MiB. Each request peaks at some 86 MiB here (two at once: 200 MiB): its text, its ids, the tokenizer's
+    encoding with offsets and a string per token. Once answered, what may stay is the pages of the C allocator's
+    per-thread heaps that a few small blocks still in use keep from being handed back (thread-local pools, the
+    tokenizer's own caches): 3 to 42 MiB in ten runs here, and no more after more requests (eight rounds ended at
+    3 and 7 MiB). Before, the freed encodings stayed in those heaps: 202 MiB held after four such requests. (A
+    server of its own: the one the other tests share has run big requests already.)"""
     with Server([model, "-c", str(N_CTX), "-t", "1", "-np", "1"]) as s:
         proc = psutil.Process(s.proc.pid)
         post(s.url + "/tokenize", json.dumps({"content": "warm up the code paths"}))
         before = proc.memory_info().rss
-        for _ in range(2):
+        for _ in range(3):
             jobs = [threading.Thread(target=post, args=(s.url + "/tokenize", json.dumps({"content": _text(bound)})))
                     for _ in range(2)]
             for j in jobs:
@@ -140,8 +141,8 @@ def test_no_memory_is_held_after_big_requests(model, bound):
                 j.join()
         # the memory goes back once the answers are sent, which the client may see first: a bounded wait for it
         end = time.monotonic() + 30
-        while (after := proc.memory_info().rss) - before >= 32 << 20 and time.monotonic() < end:
+        while (after := proc.memory_info().rss) - before >= 64 << 20 and time.monotonic() < end:
             time.sleep(0.05)
         rc, err = s.stop()
     assert rc == 0 and "Traceback" not in err, err
-    assert after - before < 32 << 20, f"{(after - before) / 2**20:.0f} MiB held ({before >> 20} -> {after >> 20} MiB)"
+    assert after - before < 64 << 20, f"{(after - before) / 2**20:.0f} MiB held ({before >> 20} -> {after >> 20} MiB)"
