@@ -298,6 +298,7 @@ def test_a_bad_key_is_an_authentication_error(server):
     ("/completion", {"prompt": "x", "return_tokens": "yes"}, "return_tokens"),
     ("/completion", {"prompt": "x", "grammar": 5}, "grammar"),
     ("/completion", {"prompt": ["a"] * 5, "n_cmpl": 4}, "n_cmpl"),
+    ("/completion", {"prompt": "a", "n_cmpl": 17}, "n_cmpl"),
     ("/apply-template", {"messages": "hi"}, "messages"),
     ("/apply-template", {"messages": [{"role": "user", "content": 5}]}, "messages"),
 ])

@@ -10,7 +10,7 @@
   likewise refuses pooling ``none`` on this endpoint.
 
 Each takes the model by name (``"model"`` in the body, ``?model=`` in the query); with one model served
-it may be left out.
+it may be left out, and any name is that model (llama-server's rule, :meth:`.routes.Routes.lookup`).
 """
 
 from __future__ import annotations

@@ -225,8 +225,11 @@ def completion_request(body: dict[str, Any], routes: Routes) -> tuple[Generation
     _samplers(body.get("samplers"))
     oa = {k: v for k, v in body.items() if k not in ("n_predict", "max_tokens", "max_completion_tokens", "stop",
                                                      "n", "n_cmpl", "logprobs", "n_probs")}
-    n = body.get("n_cmpl", body.get("n"))
+    n_param = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+    n = body.get(n_param)
     if n is not None:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+            raise bad(f"'{n_param}' must be an integer in 1..{MAX_CHOICES}, got {n!r}.", n_param)
         oa["n"] = n
     g = read_generation(oa, None, ("response_format",), routes.defaults)
     limit, param = next(((body[k], k) for k in ("n_predict", "max_completion_tokens", "max_tokens")
