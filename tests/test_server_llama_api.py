@@ -318,8 +318,8 @@ def test_llama_uis_sampler_fields_at_their_off_values_are_taken(server):
             "mirostat_tau": 5.0, "dry_base": 1.75}
     status, doc, _ = call(server, "/completion", body)
     assert status == 200, doc
-    assert doc["tokens"] == call(server, "/completion", {k: body[k] for k in ("prompt", "n_predict", "temperature",
-                                                                             "ignore_eos", "return_tokens")})[1]["tokens"]
+    plain = {k: body[k] for k in ("prompt", "n_predict", "temperature", "ignore_eos", "return_tokens")}
+    assert doc["tokens"] == call(server, "/completion", plain)[1]["tokens"]
 
 
 def test_slots_say_is_processing(server):
