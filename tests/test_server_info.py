@@ -64,6 +64,7 @@ def test_tokenize_follows_the_prompts_rule(server, bound, model):
     assert code == 400 and "characters" in doc["error"]["message"], doc
     code, doc = post(server.url + "/tokenize", json.dumps({"content": _text(bound + 1)}))
     assert code == 400 and doc["error"]["code"] == "context_length_exceeded" and doc["error"]["param"] == "content"
+    assert doc["error"]["type"] == "exceed_context_size_error" and doc["error"]["n_ctx"] == N_CTX  # as prompts'
     msg = doc["error"]["message"]
     assert f"{bound + 1} characters" in msg and str(N_CTX) in msg and str(bound) in msg, msg
     # at the bound: tokenized, as the tokenizer does it here
@@ -77,6 +78,7 @@ def test_detokenize_follows_the_context(server, model):
     """A sequence holds n_ctx tokens: more ids than that are no text a sequence could hold (refused, not decoded)."""
     code, doc = post(server.url + "/detokenize", json.dumps({"tokens": [5] * (N_CTX + 1)}))
     assert code == 400 and doc["error"]["code"] == "context_length_exceeded" and doc["error"]["param"] == "tokens"
+    assert doc["error"]["type"] == "exceed_context_size_error" and doc["error"]["n_prompt_tokens"] == N_CTX + 1
     assert f"{N_CTX + 1} token ids" in doc["error"]["message"] and str(N_CTX) in doc["error"]["message"], doc
     ids = [(i * 7919) % 384 for i in range(N_CTX)]
     code, doc = post(server.url + "/detokenize", json.dumps({"tokens": ids}))

@@ -6,14 +6,14 @@
   ``max_prompt_chars``), or more ids than ``n_ctx``, is a 400 ``context_length_exceeded`` before any work; the work
   runs off the event loop, and the memory a long text needed is handed back once it is answered.
 - ``GET /props``: the model, its context, slots, chat template, session options, sampling defaults.
-- ``GET /slots``: what each slot holds (its state, the positions its cells hold, the prompt tokens a next
-  request may reuse).
+- ``GET /slots``: what each slot holds (its state and llama-server's ``is_processing``, the positions its cells
+  hold, the prompt tokens a next request may reuse); with ``serve --no-slots``, a 501 as llama-server's.
 - ``POST /v1/embeddings``: a clear 400. Every family served is a generative model whose file declares no
   pooling (``{arch}.pooling_type`` absent or none), so no pooled embedding means anything for it; llama.cpp
   likewise refuses pooling ``none`` on this endpoint.
 
 Each takes the model by name (``"model"`` in the body, ``?model=`` in the query); with one model served
-it may be left out.
+it may be left out, and any name is that model (llama-server's rule, :meth:`.routes.Routes.lookup`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from starlette.routing import Route
 from ..errors import GgmlHybridError
 from ..machine import release_free_memory
 from .models import ServedModel
-from .protocol import DEFAULTS, APIError, bad
+from .protocol import APIError, bad, context_overflow
 from .routes import Routes
 
 MAX_TOKENIZE_CHARS = 1 << 22  # a text beyond this is refused before it is tokenized (the body limit is 16 MiB)
@@ -72,9 +72,9 @@ class InfoRoutes:
             raise bad("'content' must be a string (the text to tokenize).", "content")
         assert sm.model is not None
         if len(content) > sm.max_prompt_chars:  # the prompts' rule (server/routes.py): refused before tokenizing
-            raise bad(f"'content' has {len(content)} characters: more tokens than a sequence's context holds "
-                      f"({sm.model.n_ctx}), whatever they are (at most {sm.max_prompt_chars} characters are "
-                      "tokenized, as for prompts).", "content", "context_length_exceeded")
+            raise context_overflow(f"'content' has {len(content)} characters: more tokens than a sequence's context "
+                                   f"holds ({sm.model.n_ctx}), whatever they are (at most {sm.max_prompt_chars} "
+                                   "characters are tokenized, as for prompts).", "content", sm.model.n_ctx)
         if len(content) > MAX_TOKENIZE_CHARS:
             raise bad(f"'content' has {len(content)} characters; at most {MAX_TOKENIZE_CHARS} are tokenized.",
                       "content")
@@ -108,8 +108,8 @@ class InfoRoutes:
         if not isinstance(ids, list):
             raise bad("'tokens' must be an array of token ids (integers).", "tokens")
         if len(ids) > sm.model.n_ctx:  # no sequence holds more: refused before anything is decoded
-            raise bad(f"'tokens' has {len(ids)} token ids: more than a sequence's context holds ({sm.model.n_ctx}).",
-                      "tokens", "context_length_exceeded")
+            raise context_overflow(f"'tokens' has {len(ids)} token ids: more than a sequence's context holds "
+                                   f"({sm.model.n_ctx}).", "tokens", sm.model.n_ctx, len(ids))
 
         def answer() -> Response:
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -139,13 +139,17 @@ class InfoRoutes:
                                                        "batch_size": m.options.batch_size,
                                                        "max_checkpoints": sm.engine.cache.max_checkpoints},
             "session_options": m.options.to_dict(),
-            "default_generation_settings": dict(DEFAULTS),
+            "default_generation_settings": {**self.routes.defaults.sampling, "seed": self.routes.defaults.seed,
+                                            "n_predict": self.routes.defaults.n_predict},
         })
 
     async def slots(self, request: HTTPRequest) -> Response:
+        if not self.routes.settings.slots_endpoint:
+            raise APIError(501, "This server does not support the slots endpoint (it runs with --no-slots).",
+                           kind="not_supported_error")
         sm = self.model(request.query_params.get("model"))
         assert sm.engine is not None
-        return JSONResponse(sm.engine.slots())
+        return JSONResponse([{**s, "is_processing": s["state"] != "idle"} for s in sm.engine.slots()])
 
     async def embeddings(self, request: HTTPRequest) -> Response:
         body = await self.routes.read_body(request)
