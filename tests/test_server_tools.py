@@ -172,6 +172,27 @@ def test_auto_with_a_response_format_calls_or_answers(client, fmt):
     assert kinds == {"call", "answer"}
 
 
+def test_anthropic_tools_with_output_config_use_a_tool_or_answer(claude):
+    kinds = set()
+    for seed in range(10):
+        m = claude.messages.create(model="glm", max_tokens=600, tools=[_anthropic_tool(WEATHER)], messages=USER,
+                                   extra_body={"seed": seed, "output_config": {"format": {
+                                       "type": "json_schema", "schema": ANSWER}}})
+        if m.stop_reason == "tool_use":
+            use = [b for b in m.content if b.type == "tool_use"]
+            jsonschema.validate(use[0].input, WEATHER["function"]["parameters"])
+            kinds.add("call")
+        else:
+            assert m.stop_reason == "end_turn", m
+            jsonschema.validate(json.loads("".join(b.text for b in m.content if b.type == "text")), ANSWER)
+            kinds.add("answer")
+    assert kinds == {"call", "answer"}
+    m = claude.messages.create(model="glm", max_tokens=600, tools=[_anthropic_tool(WEATHER)], messages=USER,
+                               tool_choice={"type": "any"}, extra_body={"seed": 1, "output_config": {"format": {
+                                   "type": "json_schema", "schema": ANSWER}}})
+    assert m.stop_reason == "tool_use"
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_call_with_a_response_format_is_the_call(client, choice):
     c = _chat(client, "hermes", tools=[WEATHER], tool_choice=choice, response_format=RF, max_tokens=600,

@@ -5,11 +5,13 @@ whose chat template overruns its bounds) on a free loopback port; request i is d
 alone. A request is one of: a generation body built from valid fields with up to three fields replaced
 by odd values (wrong JSON types, NaN/huge/tiny numbers, lone surrogates, deep nesting, long strings,
 unknown options), malformed JSON, raw HTTP (bad framing, a body cut short and the socket closed, a
-half-close), streamed or not, or one of the other endpoints and methods. Requests run ``--jobs`` at a
-time, so they batch in the engine.
+half-close), streamed or not, one of the other endpoints and methods, or a tool-call case against a model of
+each family's call format (:mod:`.tool_cases`: calls cut by ``max_tokens``, whitespace runs in forced text, names and
+keys a format cannot carry). Requests run ``--jobs`` at a time, so they batch in the engine.
 
 Each answer is classed: ``fine`` (any status below 500, or a documented 5xx: 500 ``chat_template_limit`` /
-``chat_template_unusable``, 503 ``model_loading`` / ``shutting_down``), ``5xx`` (any other), ``bad_shape``
+``chat_template_unusable``, 503 ``model_loading`` / ``shutting_down``), ``5xx`` (any other), ``bad_call`` (a tool
+call invalid under its schema, or calls with ``finish_reason`` ``length``), ``bad_shape``
 (an error that is not OpenAI's error object), ``hang`` (no answer within the time limit) or ``crash`` (the
 server died). After the requests: 200 idle connections are opened and ``/health`` must still answer
 200, then SIGTERM must end the server with exit status 0 and no traceback in its log.
