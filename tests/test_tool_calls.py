@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
@@ -426,3 +428,33 @@ def test_a_stream_is_linear_in_its_pieces(fmt):
 
     ratio = _linear(stream)
     assert ratio < 64, f"{fmt}: 16x the pieces cost {ratio:.1f}x the time"
+
+
+# -- a stream is what the whole text reads as, however it is cut ---------------------------------------------------
+
+WHOLE = {"hermes": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+         "qwen3_xml": "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+         "glm": "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+         "deepseek": HEADS["deepseek"] + '{"a": 1}' + CALL_END["deepseek"] + "<\uff5ctool\u2581calls\u2581end\uff5c>",
+         "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "harmony": HEADS["harmony"] + '{"a": 1}'}
+
+
+@pytest.mark.parametrize("fmt", NAMES)
+@given(data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_a_stream_reads_as_the_whole_text(fmt, data):
+    """ToolStream's content, calls and finish reason, however the text is cut into pieces and whatever it ends with,
+    are what the whole text reads as (:meth:`ToolFormat.read`)."""
+    f = FMT[fmt]
+    tools = [tool("f", {"type": "object", "properties": {"a": {"type": "integer"}}})]
+    chars = sorted(set(WHOLE[fmt] + "ab \n"))
+    text = data.draw(st.text(alphabet=chars, max_size=40))
+    text += data.draw(st.sampled_from(["", WHOLE[fmt], WHOLE[fmt][:len(WHOLE[fmt]) // 2], " " + WHOLE[fmt] + "x"]))
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=8)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    finish = data.draw(st.sampled_from(["stop", "length"]))
+    s = ToolStream(f, tools)
+    sent = "".join(s.push(p) for p in pieces)
+    rest, calls, fin = s.end(finish)
+    want = f.read(text, tools, finish)
+    assert (sent + rest, calls, fin) == (want.content, want.calls, want.finish)

@@ -535,7 +535,7 @@ class KeyValue:
             raise refuse
         lits = [s["const"]] if "const" in s else s.get("enum")
         if isinstance(lits, list):
-            lits = [x for x in lits if isinstance(x, str) and _valid(root, schema, x)]
+            lits = _valid(root, schema, [x for x in lits if isinstance(x, str)])
             if not lits or any(self.value_close in x for x in lits):
                 raise refuse
             return "(" + " | ".join(lark_str(x) for x in lits) + ")"
@@ -588,19 +588,19 @@ def _slashes(regex: str) -> str:
     return "".join(out)
 
 
-def _valid(root: Any, schema: Any, value: Any) -> bool:
-    """Whether ``value`` is valid under ``schema`` (a part of ``root``); True without jsonschema (the server extra
-    brings it)."""
+def _valid(root: Any, schema: Any, values: list[str]) -> list[str]:
+    """The ``values`` valid under ``schema`` (a part of ``root``); all of them without jsonschema (the server extra
+    brings it) or when it cannot read the schema (the grammar compiler then names what is wrong with it)."""
     try:
         import jsonschema  # type: ignore[import-untyped]
     except ImportError:
-        return True
+        return values
     doc = alone(root, schema)
     try:
-        return bool(jsonschema.validators.validator_for(doc, default=jsonschema.Draft202012Validator)(doc)
-                    .is_valid(value))
+        v = jsonschema.validators.validator_for(doc, default=jsonschema.Draft202012Validator)(doc)
+        return [x for x in values if v.is_valid(x)]
     except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.RefResolutionError, RecursionError):
-        return True  # the grammar compiler names what is wrong with it
+        return values
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ def resolved(root: Any, schema: Any) -> Any:
     reference and annotations; itself otherwise."""
     for _ in range(MAX_REF_STEPS):
         ref = schema.get("$ref") if isinstance(schema, dict) else None
-        if not isinstance(ref, str) or set(schema) - ANNOTATIONS - {"$ref"}:
+        if not isinstance(ref, str) or set(schema) - ANNOTATIONS - {"$ref", "$defs", "definitions"}:
             return schema
         target = pointer(root, ref)
         if target is None:

@@ -255,13 +255,16 @@ class ToolStream:
         self.held = not fmt.start      # calls may be anywhere (harmony): everything waits for the end
 
     def push(self, piece: str) -> str:
+        if not piece:
+            return ""
         self._all.append(piece)
-        if self.held or not piece:
+        if self.held:
             return ""
         start = self.fmt.start
         self._n += len(piece)
         self._unsent.append(piece)
-        base = max(0, self._cut - len(start))  # the window searched: what may hold the start marker now
+        base = self._cut  # the window searched: the text after what is known not to be a call (a piece of the
+        # start marker at most) and the new piece
         window = "".join(self._all_tail(base))
         j = window.find(start)
         if j >= 0:
@@ -277,7 +280,7 @@ class ToolStream:
         return self._send(self._content_end)
 
     def _all_tail(self, base: int) -> list[str]:
-        """The pieces that hold text[base:] (at most the start marker's length before the newest piece)."""
+        """The pieces that hold text[base:] (less than the start marker's length before the newest piece)."""
         out, at = [], self._n
         for p in reversed(self._all):
             out.append(p)
