@@ -2,8 +2,9 @@
 exist, every patch they cite is in the series, and the map of the package is whole.
 
 Oracles: the import system (a dotted path imports, then each attribute is there), the file system (a cited file
-exists; a cited C function or Python name occurs in that file) and ``vendor/patches/`` (the series as shipped).
-The lab notebook (docs/benchmarks.md) records what was run then and is left out.
+exists; a cited C function or Python name occurs in that file), ``vendor/patches/`` (the series as shipped) and
+markdown-it with its anchors plugin (the headings' GitHub-style ids, the links as a renderer reads them).
+The lab notebook (docs/benchmarks.md) records what was run then and is left out, but for its links.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import re
 from pathlib import Path
 
 import pytest
+from markdown_it import MarkdownIt
+from mdit_py_plugins.anchors import anchors_plugin
 
 import ggml_hybrid
 
@@ -166,3 +169,34 @@ def test_architecture_names_every_subpackage_and_module():
             continue
         missing.append(info.name)
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+_MD = MarkdownIt("commonmark").use(anchors_plugin, max_level=6)
+
+
+def _anchors(path: Path) -> set[str]:
+    return {t.attrs["id"] for t in _MD.parse(_doc_text(path)) if t.type == "heading_open" and "id" in t.attrs}
+
+
+def _links(path: Path) -> list[str]:
+    out = []
+    for t in _MD.parse(_doc_text(path)):
+        for child in t.children or ():
+            if child.type == "link_open":
+                out.append(str(child.attrs["href"]))
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS + [ROOT / "docs" / "benchmarks.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_and_anchor_resolves(doc):
+    bad = []
+    for href in _links(doc):
+        if "://" in href or href.startswith("mailto:"):
+            continue
+        target, _, anchor = href.partition("#")
+        where = (doc.parent / target).resolve() if target else doc
+        if not where.exists():
+            bad.append(f"{href}: no such file")
+        elif anchor and where.suffix == ".md" and anchor not in _anchors(where):
+            bad.append(f"{href}: no heading #{anchor} in {where.relative_to(ROOT)}")
+    assert not bad, f"{doc.relative_to(ROOT)}: " + "; ".join(bad)
