@@ -532,10 +532,9 @@ def _tool_format(sm: ServedModel) -> ToolFormat:
 
 
 def _grammar(sm: ServedModel, g: Generation) -> Grammar | None:
-    """The request's grammar compiled for the model's vocabulary: its structure, its forced tool call, or (tools
-    offered with ``auto`` and a JSON schema) one grammar for either a call or the answer under the schema. A forced
-    call with a ``response_format`` is forced: the format shapes the answer of a later turn, after the tool results
-    (compiled here all the same, so a schema that cannot be is a 400 now)."""
+    """The request's grammar compiled for the model's vocabulary: its structure, its forced tool call, or (tools with
+    ``auto`` and a JSON schema) a call or the answer under the schema. A forced call with a ``response_format`` is
+    forced: the format shapes a later answer, after the tool results (compiled all the same: a 400 now if it cannot)."""
     assert sm.model is not None
     tok = sm.model.tokenizer
     tools = g.tools if g.tools is not None and g.tools.choice != "none" else None

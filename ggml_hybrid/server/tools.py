@@ -26,17 +26,8 @@ from ..errors import GrammarError
 from ..runtime.grammar import Grammar, TokenBytes, json_options
 from .protocol import bad
 from .structured import MAX_SCHEMA_DEPTH, depth
-from .tool_formats import (
-    FORMATS,
-    HERMES,
-    MARKERS,
-    SPECIALS,
-    Call,
-    Reading,
-    Refused,
-    ToolFormat,
-    tool_format,
-)
+from .tool_formats import FORMATS, HERMES, MARKERS, Call, Reading, ToolFormat, tool_format
+from .tool_grammar import SPECIALS, Refused
 from .tool_schema import allows_object
 
 # OpenAI's rule for a function's name (Anthropic's for a tool's is the same)
