@@ -215,22 +215,27 @@ class _Chat:
             return None
         return True
 
-    def turn(self, text: str, sampler: Sampler, n_predict: int, ignore_eos: bool, special: bool,
-             template: ChatTemplate) -> None:
+    def _prompt(self, text: str, template: ChatTemplate) -> list[int]:
+        """The conversation with ``text`` added, as token ids; the message is kept only if they can be evaluated (a
+        template that refuses the messages or stops at a bound, or a context too small, raise and keep nothing)."""
         m, tok = self.m, self.m.tokenizer
         self.messages.append({"role": "user", "content": text})
         try:
             rendered = template.render(self.messages, add_generation_prompt=True)
-        except ChatTemplateError:  # the template refuses these messages, or stopped at a bound: the message is not kept
+            add_bos = tok.add_bos and not (template.bos_token and rendered.startswith(template.bos_token))
+            ids = tok.encode(rendered, add_bos=add_bos, special=True)
+            if len(ids) >= m.n_ctx:
+                raise ContextFullError(f"the conversation is {len(ids)} tokens; the context holds {m.n_ctx} "
+                                       "(start with a larger -c, or /clear); the message was not sent")
+        except (ChatTemplateError, ContextFullError):
             self.messages.pop()
             raise
-        add_bos = tok.add_bos and not (template.bos_token and rendered.startswith(template.bos_token))
-        ids = tok.encode(rendered, add_bos=add_bos, special=True)
-        if len(ids) >= m.n_ctx:
-            self.messages.pop()
-            raise ContextFullError(f"the conversation is {len(ids)} tokens; the context holds {m.n_ctx} "
-                                   "(start with a larger -c, or /clear); "
-                                   "the message was not sent")
+        return ids
+
+    def turn(self, text: str, sampler: Sampler, n_predict: int, ignore_eos: bool, special: bool,
+             template: ChatTemplate) -> None:
+        m, tok = self.m, self.m.tokenizer
+        ids = self._prompt(text, template)
         keep = min(_common_prefix(self.history, ids), len(ids) - 1)  # at least one token to evaluate
         if m.recurrent and keep < m.n_past:
             # a recurrent state cannot go back to the shared prefix: evaluate the conversation anew
