@@ -149,6 +149,29 @@ class Tensor:
         lib.ggml_set_output(self.ptr)
         return self
 
+    def set_param(self) -> Tensor:
+        """Mark a leaf as a trainable parameter: :meth:`Graph.backward` computes the loss's gradient for it, and an
+        optimizer step updates it (``ggml_set_param``). F32 leaves with memory of their own (a weights context)."""
+        p = self.ptr
+        if p.op != lib.GGML_OP_NONE or self.is_view:
+            raise ArgumentError(f"set_param: {self!r} is computed by an op or is a view; only leaves (tensors made by "
+                                "new_tensor) are parameters")
+        if self.dtype != GGMLType.F32:
+            raise DTypeError(f"set_param: {self!r} must be F32 (the gradients and optimizer states are F32)")
+        lib.ggml_set_param(p)
+        return self
+
+    @property
+    def is_param(self) -> bool:
+        return bool(self.ptr.flags & lib.GGML_TENSOR_FLAG_PARAM)
+
+    def set_loss(self) -> Tensor:
+        """Mark a one-value F32 node as the loss a backward pass differentiates (``ggml_set_loss``)."""
+        if self.nelements != 1 or self.dtype != GGMLType.F32:
+            raise ShapeError(f"set_loss: a loss is one F32 value, got {self!r}")
+        lib.ggml_set_loss(self.ptr)
+        return self
+
     # -- numpy/PyTorch-style operators: nodes in this tensor's context ------------------------------
 
     def __len__(self) -> int:
