@@ -57,7 +57,8 @@ class ReduceOps(OpsBase):
         return self._node(lib.ggml_cumsum(self.ptr, a.ptr))
 
     def argmax(self, a: Tensor) -> Tensor:
-        """``np.argmax(a, axis=-1)`` of a matrix [m, n] -> [m] (I32; the first of equal maxima). F32."""
+        """The index of each row's maximum, a matrix [m, n] -> [m] (I32; of equal maxima the last, where numpy's
+        argmax takes the first). F32."""
         op = "argmax"
         self._own(op, a)
         types(op, a, {F32})
