@@ -133,14 +133,16 @@ class ConvOps(MatmulOps, LayoutOps):
         return self._node(lib.ggml_col2im_1d(self.ptr, cols.ptr, s, oc, p))
 
     def conv_1d(self, kernel: Tensor, data: Tensor, stride: int = 1, padding: int = 0, dilation: int = 1) -> Tensor:
-        """1-D convolution (GGML's im2col + mul_mat): kernel [OC, IC, K] (F16 or F32), data [N, IC, L] -> [N, OC,
-        OL]. The patches are F16 (F32 for a BF16 kernel), so an F32 kernel still multiplies F16-rounded data."""
+        """1-D convolution (im2col + mul_mat, as ``ggml_conv_1d`` for one sample, and right for a batch): kernel
+        [OC, IC, K] (F16 or F32), data [N, IC, L] -> [N, OC, OL]. The patches are F16, so data and kernel are
+        multiplied as F16 values (the product summed in float32)."""
         op = "conv_1d"
         types(op, kernel, {F16, F32}, "kernel")
         cols = self.im2col(kernel, data, stride, padding, dilation, is_2d=False, dtype=F16)  # [N, OL, IC K]
+        n, ol = cols.ne[2], cols.ne[1]
         w = self.reshape(kernel, (kernel.ne[2], kernel.ne[0] * kernel.ne[1]))
-        out = self.mul_mat(self.reshape(cols, (cols.ne[2] * cols.ne[1], cols.ne[0])), w)  # [OC, N OL]
-        return self.reshape(out, (cols.ne[2], kernel.ne[2], cols.ne[1]))
+        out = self.mul_mat(self.reshape(cols, (n * ol, cols.ne[0])), w)  # [OC, N OL]
+        return self.cont(self.permute(self.reshape(out, (kernel.ne[2], n, ol)), (1, 0, 2)))
 
     def conv_2d(self, kernel: Tensor, data: Tensor, stride: int | Sequence[int] = 1,
                 padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1) -> Tensor:

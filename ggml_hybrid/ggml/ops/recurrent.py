@@ -39,6 +39,9 @@ def _tokens(op: str, ref: Tensor, state: Tensor, *others: tuple[Tensor, str]) ->
     return S, H, T, n_seqs
 
 
+_WKV7_STEP = 64  # the largest GGML_F32_STEP of ggml-cpu/simd-mappings.h (AVX-512)
+
+
 class RecurrentOps(OpsBase):
     """Token-by-token recurrences over a carried state."""
 
@@ -133,8 +136,8 @@ class RecurrentOps(OpsBase):
         return self._node(lib.ggml_rwkv_wkv6(self.ptr, k.ptr, v.ptr, r.ptr, tf.ptr, td.ptr, state.ptr))
 
     def gated_linear_attn(self, k: Tensor, v: Tensor, q: Tensor, g: Tensor, state: Tensor, scale: float) -> Tensor:
-        """Gated linear attention: k, v, q, g [T, H, S], state [n_seqs, H S S]. Per token and head: ``M = M
-        exp(g)`` row by row (key i scaled by exp(g_i)), ``M += k v^T``, ``out = scale q^T M``."""
+        """Gated linear attention: k, v, q, g [T, H, S], state [n_seqs, H S S]. Per token and head, with the state M
+        [key i, value j]: ``M = diag(g) M + k v^T`` (g the decay itself, not its log), ``out = scale q^T M``."""
         op = "gated_linear_attn"
         self._own(op, k, v, q, g, state)
         for t, role in ((k, "k"), (v, "v"), (q, "q"), (g, "g"), (state, "state")):
@@ -152,7 +155,10 @@ class RecurrentOps(OpsBase):
         for t, role in ((r, "r"), (w, "w"), (k, "k"), (v, "v"), (a, "a"), (b, "b"), (state, "state")):
             types(op, t, {F32}, role)
             contiguous(op, t, role=role)
-        _tokens(op, k, state, (r, "r"), (w, "w"), (v, "v"), (a, "a"), (b, "b"))
+        S, _, _, _ = _tokens(op, k, state, (r, "r"), (w, "w"), (v, "v"), (a, "a"), (b, "b"))
+        # the CPU's SIMD kernel walks each head's rows in steps of GGML_F32_STEP floats (64 with AVX-512) and has no
+        # remainder loop that runs: a head size not a multiple reads and writes past the state
+        need(S % _WKV7_STEP == 0, op, f"the head size S must be a multiple of {_WKV7_STEP} (GGML's SIMD kernel)", k)
         return self._node(lib.ggml_rwkv_wkv7(self.ptr, r.ptr, w.ptr, k.ptr, v.ptr, a.ptr, b.ptr, state.ptr))
 
     def solve_tri(self, a: Tensor, b: Tensor) -> Tensor:
