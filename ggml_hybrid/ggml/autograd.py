@@ -146,10 +146,16 @@ def check_backward(graph: Graph, loss: Tensor) -> list[CData]:
         raise GradientError(f"backward: the loss {loss.name!r} is not a node of the graph (expand the graph with it)")
     if loss.nelements != 1 or loss.dtype != GGMLType.F32:
         raise GradientError(f"backward: the loss must be one F32 value, got {loss!r}")
+    return walk(nodes, lp)
+
+
+def walk(nodes: Sequence[CData], root: CData) -> list[CData]:
+    """GGML's passes over ``nodes`` (in graph order) from the gradient of ``root``: the parameters that get a
+    gradient, or a GradientError naming what GGML would abort on or get wrong."""
     if not any(p.flags & lib.GGML_TENSOR_FLAG_PARAM for p in nodes):
         raise GradientError("backward: no parameter in the graph; mark the tensors to differentiate with set_param()")
     needed = needs_grad(nodes)
-    has_grad = {_key(lp)}
+    has_grad = {_key(root)}
     params = []
     for p in reversed(nodes):
         if _key(p) not in has_grad:
