@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -13,13 +14,14 @@ from .._native import CData, ffi, lib
 from .._native.status import check_status
 from ..checks import check_int, check_real
 from ..errors import AllocationError, BackendError, GradientError, IndexRangeError
-from . import autograd, index_errors
+from . import autograd, graph_view, index_errors
 from .dtypes import GGMLType
 from .tensor import Tensor, _buffer_of
 
 if TYPE_CHECKING:
     from .backend import Backend
     from .context import Context
+    from .sched import Scheduler
 
 _contexts: weakref.WeakSet[Context] = weakref.WeakSet()
 # sessions in several threads create contexts while another thread lists them: a WeakSet defers the
@@ -241,6 +243,21 @@ class Graph:
             raise GradientError("Graph.grad: the graph has no backward pass; call backward(loss) first")
         g = lib.ggml_graph_get_grad(self.ptr, t.ptr)
         return None if g == ffi.NULL else Tensor(g, self._ctx)
+
+    # -- seeing it ---------------------------------------------------------------------------------------------
+
+    def describe(self, sched: Scheduler | None = None) -> str:
+        """The nodes as a table: op, numpy-order shape, type, the backend ``sched`` gave each (after its alloc),
+        flags and sources (:mod:`.graph_view`)."""
+        return graph_view.describe(self, sched)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def dot(self, path: str | os.PathLike[str] | None = None, forward: Graph | None = None) -> str:
+        """GGML's dot text of the graph (``ggml_graph_dump_dot``), also written to ``path`` if given; render it with
+        Graphviz. ``forward``: the forward part of a graph with gradients (coloured apart)."""
+        return graph_view.dot(self, path, forward)
 
     def set_rowwise(self) -> int:
         """Make every matrix product of the graph compute each row of its second operand as a product of

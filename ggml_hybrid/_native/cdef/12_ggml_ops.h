@@ -163,3 +163,5 @@ void ggml_graph_reset(struct ggml_cgraph * cgraph);
 
 // seeing a graph: GGML's dot format (gb: the graph drawn; gf: a forward graph whose nodes are drawn as such, or NULL)
 void ggml_graph_dump_dot(const struct ggml_cgraph * gb, const struct ggml_cgraph * gf, const char * filename);
+// GGML's info line after a dump names the file: dropped while Graph.dot writes its temporary file
+extern "Python" void _hy_drop_log(enum ggml_log_level level, const char * text, void * user_data);
