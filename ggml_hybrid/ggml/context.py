@@ -42,6 +42,7 @@ DEFAULT_GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE
 
 # ggml_new_object aligns every object; leave room for that padding per tensor
 _ALIGN_SLACK = 64
+_TENSOR_OVERHEAD = int(lib.ggml_tensor_overhead())  # a constant of the library: asked once, not per op
 
 
 class Arena:
@@ -133,8 +134,8 @@ class Context(OpsMixin, Managed):
         return int(lib.ggml_used_mem(self.ptr))
 
     def _reserve(self, op: str, n_tensors: int, data_bytes: int = 0) -> None:
-        need = n_tensors * (lib.ggml_tensor_overhead() + _ALIGN_SLACK) + data_bytes
-        if self.used + need > self.mem_size:
+        need = n_tensors * (_TENSOR_OVERHEAD + _ALIGN_SLACK) + data_bytes
+        if lib.ggml_used_mem(self.ptr) + need > self.mem_size:
             raise AllocationError(f"{op}: the context's pool is full ({self.used} of {self.mem_size} bytes used, "
                                   f"{need} more needed); create the Context with a larger n_tensors or mem_size")
 

@@ -103,7 +103,9 @@ def triple(op: str, name: str, value: int | Sequence[int], lo: int) -> tuple[int
 def rows_contiguous(op: str, *tensors: Tensor) -> None:
     """CPU kernels read each row as one run of elements (GGML_ASSERT(nb0 == type size))."""
     for t in tensors:
-        need(t.nb[0] == t.dtype.type_size, op, "rows must be contiguous (use cont() first)", t)
+        p = t.ptr
+        if p.nb[0] != lib.ggml_type_size(p.type):
+            need(False, op, "rows must be contiguous (use cont() first)", t)
 
 
 def contiguous(op: str, *tensors: Tensor, role: str = "a") -> None:
