@@ -14,6 +14,7 @@ Each measurement alternates C and Python (C, Python, Python, C, ...) after a war
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 import click
 import numpy as np
@@ -29,20 +31,24 @@ import ggml_hybrid as gh
 from ggml_hybrid._native import buildinfo
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-import digits as D  # noqa: E402  (tools/)
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    """A module of this checkout by its file (tools/digits.py, build.py), without touching sys.path."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # registered before it runs: its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+D = _load("digits", HERE.parent / "digits.py")
 
 
 def compile_c(out_dir: Path) -> Path:
     """scripting_c.c against the pin's headers and the package's GGML libraries."""
-    sys.path.insert(0, str(HERE.parents[1]))
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ggml_hybrid_build_script", HERE.parents[1] / "build.py")
-    assert spec is not None and spec.loader is not None
-    build = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = build
-    spec.loader.exec_module(build)
+    build = _load("ggml_hybrid_build_script", HERE.parents[1] / "build.py")
     include = build.pin_headers() / "include"
     libdir = buildinfo.NATIVE_DIR / "lib"
     exe = out_dir / "scripting_c"
@@ -81,12 +87,12 @@ def c_lines(exe: Path, *args: str) -> list[list[float]]:
     return [[float(v) for v in line.split()] for line in res.stdout.splitlines() if line.strip()]
 
 
-def write_digits(path: Path, data: D.Split, params: dict[str, np.ndarray]) -> None:
+def write_digits(path: Path, data, params: dict[str, np.ndarray]) -> None:
     parts = [params[n] for n in ("w1", "b1", "w2", "b2")] + [data.x_train, data.y_train, data.x_test, data.y_test]
     path.write_bytes(b"".join(np.ascontiguousarray(p, np.float32).tobytes() for p in parts))
 
 
-def py_epochs(data: D.Split, params: dict[str, np.ndarray], epochs: int) -> list[list[float]]:
+def py_epochs(data, params: dict[str, np.ndarray], epochs: int) -> list[list[float]]:
     """seconds of each training epoch (no shuffling, as the C run), its losses and accuracies."""
     from ggml_hybrid.ggml.opt import Dataset
 
