@@ -12,10 +12,10 @@ held-out accuracy stays under 95%.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+import click
 import digits as D
 import numpy as np
 
@@ -25,18 +25,17 @@ from ggml_hybrid.ggml.backend import gpu_device_names
 U = 2.0 ** -24
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("--progress", action="store_true", help="a progress bar per epoch")
-    args = ap.parse_args(argv)
+@click.command(help=__doc__)
+@click.option("--epochs", default=20, show_default=True, help="training epochs")
+@click.option("--progress", is_flag=True, help="a progress bar per epoch")
+def main(epochs: int, progress: bool) -> None:
 
     data = D.load(seed=0)
     params = D.init_params(seed=0)
     t0 = time.perf_counter()
-    ref, _ = D.numpy_fit(data, params, args.epochs)
-    ref32, _ = D.numpy_fit(data, params, args.epochs, dtype=np.float32)
-    print(f"numpy reference: {args.epochs} epochs in {time.perf_counter() - t0:.1f} s")
+    ref, _ = D.numpy_fit(data, params, epochs)
+    ref32, _ = D.numpy_fit(data, params, epochs, dtype=np.float32)
+    print(f"numpy reference: {epochs} epochs in {time.perf_counter() - t0:.1f} s")
 
     ok = True
     cpu = gh.cpu(n_threads=1)
@@ -46,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         runs.append((name, [dev, cpu], 2.0 ** -10))
     for label, backends, rel in runs:
         t0 = time.perf_counter()
-        hist, _ = D.ggml_fit(backends, data, params, args.epochs, progress=args.progress)
+        hist, _ = D.ggml_fit(backends, data, params, epochs, progress=progress)
         secs = time.perf_counter() - t0
-        print(f"\n{label}: {args.epochs} epochs in {secs:.2f} s")
+        print(f"\n{label}: {epochs} epochs in {secs:.2f} s")
         print(" epoch |  train loss: ggml    numpy  |  held-out loss: ggml  numpy  |  held-out accuracy: ggml  numpy")
         for h, r, r32 in zip(hist, ref, ref32):
             agree = True
@@ -68,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             b.close()
     cpu.close()
     print("\nggml and numpy agree within the bound" if ok else "\nFAILED: see the marks above", file=sys.stderr)
-    return 0 if ok else 1
+    if not ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

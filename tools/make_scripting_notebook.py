@@ -9,8 +9,9 @@ this script's, run.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+import click
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "scripting.ipynb"
 
@@ -88,14 +89,14 @@ def run(nb):
     return nb
 
 
-def main() -> int:
+@click.command(help=__doc__)
+def main() -> None:
     import nbformat
 
     nb = run(build())
     nbformat.write(nb, str(OUT))
     print(f"wrote {OUT}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
