@@ -479,3 +479,48 @@ def test_tile_helper_is_numpys_tile():
     """tests/oracles.tile_to and helpers.tile_to are one rule (the references and the older tests agree)."""
     b = np.arange(6.0).reshape(2, 3)
     assert np.array_equal(O.tile_to(b, (4, 6)), tile_to(b, (4, 6)))
+
+
+def _cubic(x, a=-0.75):
+    """The cubic convolution kernel's weights for offset x in [0, 1) (PyTorch's and GGML's, alpha -0.75)."""
+    w1 = lambda t: ((a + 2) * t - (a + 3)) * t * t + 1
+    w2 = lambda t: ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+    return np.stack([w2(x + 1), w1(x), w1(1 - x), w2(2 - x)], axis=-1)
+
+
+@given(lead=st.lists(st.integers(1, 2), max_size=1), h=st.integers(1, 5), w=st.integers(1, 5), oh=st.integers(1, 8),
+       ow=st.integers(1, 8), align=st.booleans(), seed=SEEDS)
+def test_interpolate_bicubic(run, lead, h, w, oh, ow, align, seed):
+    x = rng_of(seed).standard_normal((*lead, h, w)).astype(np.float32)
+    got = run(lambda c, t: c.interpolate(t["x"], (*lead, oh, ow), "bicubic", align_corners=align), consts={"x": x})
+    f32 = np.float32
+
+    def coords(n_out, n_in):  # GGML's source coordinate in float32, its floor and fraction
+        sf = f32(n_out) / f32(n_in)
+        off = f32(0.5)
+        if align:
+            off = f32(0)
+            if n_out > 1 and n_in > 1:
+                sf = f32(n_out - 1) / f32(n_in - 1)
+        pos = (np.arange(n_out, dtype=np.float32) + off) / sf - off
+        i0 = np.floor(pos).astype(np.int64)
+        return i0, (pos - i0.astype(np.float32)).astype(np.float64)
+
+    y0, dy = coords(oh, h)
+    x0, dx = coords(ow, w)
+    wy, wx = _cubic(dy), _cubic(dx)  # [oh, 4], [ow, 4]
+    ry = np.clip(y0[:, None] + np.arange(-1, 3)[None, :], 0, h - 1)  # [oh, 4]
+    rx = np.clip(x0[:, None] + np.arange(-1, 3)[None, :], 0, w - 1)
+    x64 = x.astype(np.float64)
+    patch = x64[..., ry[:, None, :, None], rx[None, :, None, :]]  # [.., oh, ow, 4, 4]
+    ref = np.einsum("...ijab,ia,jb->...ij", patch, wy, wx)
+    # the weights are cubic polynomials of the float32 fraction, the sums nested: 32 u of the absolute terms
+    tol = 32 * U * np.einsum("...ijab,ia,jb->...ij", np.abs(patch), np.abs(wy), np.abs(wx))
+    check_close(got.reshape(ref.shape), ref, tol + 1e-30, f"bicubic align={align}")
+
+
+@given(h=st.integers(1, 4), w=st.integers(1, 4), factor=st.integers(2, 3), seed=SEEDS)
+def test_upscale_repeats_each_pixel(run, h, w, factor, seed):
+    x = rng_of(seed).standard_normal((2, h, w)).astype(np.float32)
+    got = run(lambda c, t: c.upscale(t["x"], factor), consts={"x": x})
+    assert np.array_equal(got.reshape(2, h * factor, w * factor), np.repeat(np.repeat(x, factor, 1), factor, 2))
