@@ -142,9 +142,17 @@ def _raw(port: int, data: bytes, timeout: float, close_early: bool = False, half
         s.settimeout(timeout)
         while chunk := s.recv(65536):
             out += chunk
-            if b"\r\n\r\n" in out and not out.startswith(b"HTTP/1.1 200"):
+            reply = _past_informational(out)  # a half-closed client gets 100 lines until its reply starts
+            if b"\r\n\r\n" in reply and not reply.startswith(b"HTTP/1.1 200"):
                 break
         return out
+
+
+def _past_informational(out: bytes) -> bytes:
+    """What follows the complete 1xx replies at the start of `out`."""
+    while out.startswith(b"HTTP/1.1 1") and b"\r\n\r\n" in out:
+        out = out.split(b"\r\n\r\n", 1)[1]
+    return out
 
 
 def _classify_json(status: int, raw: bytes) -> str:
@@ -218,8 +226,7 @@ def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
                 out = _raw(port, head + b"Content-Length: -5\r\n\r\n" + body, timeout)
             else:
                 out = _raw(port, head + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n0\r\n\r\n", timeout)
-            while out.startswith(b"HTTP/1.1 1") and b"\r\n\r\n" in out:  # 1xx lines (the half-close probe)
-                out = out.split(b"\r\n\r\n", 1)[1]
+            out = _past_informational(out)  # 1xx lines (the half-close probe)
             status = int(out[9:12]) if out.startswith(b"HTTP/1.1 ") else 0
             if what == "half" and status != 200:  # a whole request, then a half-close: the reply still comes
                 return "bad_shape", f"raw half: {out[:200]!r}"
