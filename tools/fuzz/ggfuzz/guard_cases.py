@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -268,6 +269,7 @@ class HealthWatch:
 
     def __init__(self, port: int) -> None:
         self.port, self.slowest, self.failed, self.asked = port, 0.0, 0, 0
+        self.slowest_window = (0.0, 0.0)  # monotonic start and end of the slowest answer
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -285,12 +287,17 @@ class HealthWatch:
                 c.close()
             self.asked += 1
             self.failed += not ok
-            self.slowest = max(self.slowest, time.monotonic() - t)
+            if time.monotonic() - t > self.slowest:
+                self.slowest, self.slowest_window = time.monotonic() - t, (t, time.monotonic())
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self, spans: Sequence[tuple[float, float, str]] = ()) -> dict[str, Any]:
+        """The counts, and the cases whose (start, end, what) ``spans`` overlap the slowest answer."""
         self.stopping.set()
         self.thread.join(70)
-        return {"asked": self.asked, "failed": self.failed, "slowest_s": round(self.slowest, 3)}
+        a, b = self.slowest_window
+        during = sorted(w for t0, t1, w in spans if t0 < b and t1 > a)
+        return {"asked": self.asked, "failed": self.failed, "slowest_s": round(self.slowest, 3),
+                "slowest_during": during}
 
 
 __all__ = ["HealthWatch", "HostileHub", "draw", "hub_case", "huge_info", "start", "stop"]

@@ -9,7 +9,8 @@ half-close), streamed or not, one of the other endpoints and methods, or a tool-
 each family's call format (:mod:`.tool_cases`: calls cut by ``max_tokens``, whitespace runs in forced text, names and
 keys a format cannot carry); since issue 40 also ``/tokenize`` and ``/detokenize`` far past their bounds, and
 ``pull`` against a hostile hub (``guard_cases.py``), with ``/health`` watched throughout (``health`` in the summary:
-the slowest answer). Requests run ``--jobs`` at a time, so they batch in the engine.
+the slowest answer, and the cases in flight while it was awaited). Requests run ``--jobs`` at a time, so they batch
+in the engine.
 
 Each answer is classed: ``fine`` (any status below 500, or a documented 5xx: 500 ``chat_template_limit`` /
 ``chat_template_unusable``, 503 ``model_loading`` / ``shutting_down``), ``5xx`` (any other), ``bad_call`` (a tool
@@ -295,6 +296,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
     proc = subprocess.Popen([sys.executable, "-m", "ggml_hybrid.cli", "serve", "--config", cfg, "--port", str(port)],
                             stderr=log)
     results: list[tuple[int, str, str]] = []
+    spans: list[tuple[float, float, str]] = []  # each case's start, end and what: the slowest /health's company
     lock = threading.Lock()
     t_start = time.monotonic()
     idle_ok = None
@@ -311,18 +313,20 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
 
         def worker() -> None:
             for i in todo:
+                t0 = time.monotonic()
                 cls, what = one(seed, i, port, timeout)
                 if cls != "fine" and proc.poll() is not None:
                     cls = "crash"
                 with lock:
                     results.append((i, cls, what))
+                    spans.append((t0, time.monotonic(), f"{i}: {what[:80]}"))
 
         threads = [threading.Thread(target=worker) for _ in range(jobs)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        health = watch.stop()
+        health = watch.stop(spans)
         socks = []
         try:
             for _ in range(idle):
