@@ -28,11 +28,14 @@ from .recurrent_state import RecurrentState
 class Builder:
     def __init__(self, c: Context, g: Graph, hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights | None],
                  kv: KVCache, inp: dict[str, Tensor], seq_rows: tuple[SeqRows, ...], flash: bool,
-                 rs: RecurrentState | None = None) -> None:
+                 rs: RecurrentState | None = None, late_rows: bool = False, n_layers: int | None = None) -> None:
+        """``late_rows``: the last layer runs over every row (:meth:`rows` picks none); ``n_layers``: the layers a
+        graph may hold (default the model's; the draft head's block is layer ``n_layer``)."""
         self.c, self.g, self.hp, self.w, self.experts, self.kv = c, g, hp, w, experts, kv
         self.inp, self.seq_rows, self.flash = inp, seq_rows, flash
         self.rs = rs  # the recurrent states of delta-net layers (None: a model without them)
-        self.regions: list[MoERegion | None] = [None] * hp.n_layer
+        self.late_rows = late_rows
+        self.regions: list[MoERegion | None] = [None] * (hp.n_layer if n_layers is None else n_layers)
         # (first tensor-struct offset in c's pool, kind, layer): which part of the model built a node
         self.segments: list[tuple[int, str, int]] = []
 
@@ -63,7 +66,7 @@ class Builder:
 
     def rows(self, il: int, *xs: Tensor) -> tuple[Tensor, ...]:
         """In the last layer, only the rows whose logits are wanted (llama.cpp's ``inp_out_ids``)."""
-        if il != self.hp.n_layer - 1 or "out_ids" not in self.inp or self.hp.out_rows_late:
+        if il != self.hp.n_layer - 1 or "out_ids" not in self.inp or self.hp.out_rows_late or self.late_rows:
             return xs
         return tuple(self.c.get_rows(x, self.inp["out_ids"]) for x in xs)
 

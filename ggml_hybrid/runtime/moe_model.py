@@ -56,6 +56,7 @@ from ..model.families import read_hparams, tensor_shapes
 from ..model.families.recurrent import check_cuda
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache, SeqRows, rotation_sizes, seq_input
+from ..model.mtp import build_head, check_head, head_context_size, head_layer
 from ..model.recurrent_state import RecurrentState
 from ..model.rope import positions
 from ..model.step_feed import StepFeed
@@ -65,11 +66,13 @@ from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..serial import Serial
 from ..text.tokenizer import Tokenizer
 from .cache_size import SlotChoice, choose_slots
+from .draft_head import DraftHead
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per model (one per ubatch shape), least recently used dropped first
 MAX_STEP_GRAPHS = 64  # at most this many graphs of decode steps of several sequences
-GraphKey = tuple[tuple[SeqRows, ...], int]  # an ubatch's seq_rows and its number of outputs
+# an ubatch's seq_rows, its number of outputs, and which graph: "" the model's, "fill" / "draft" the draft head's
+GraphKey = tuple[tuple[SeqRows, ...], int, str]
 
 
 def auto_cache_slots(path: str | os.PathLike[str], opts: SessionOptions, devices: list[str] | None = None,
@@ -177,6 +180,7 @@ def _device_names(names: object) -> list[str]:
 
 class MoEModel:
     # set by _load; close() releases whichever of them a failed load got to
+    head: DraftHead | None = None  # the draft head's cache and per-sequence state (spec_type=draft-mtp)
     devices: dict[str, Backend]
     host: Backend
     device: Backend
@@ -251,8 +255,17 @@ class MoEModel:
         # engine keeps its sequences in the lowest slots, so about one graph per number of sequences)
         self._graphs: GraphCache[DecoderGraph] = GraphCache(MAX_GRAPHS + opts.n_parallel - 1, context_size(hp),
                                                             self._forget_graph)
+        # verify steps (speculative decoding) meet more shapes: every draft length of every set of sequences
+        n_verify = 2 * (opts.draft_max + 1) if opts.spec_type != "none" else 0
         self._step_graphs: GraphCache[DecoderGraph] = GraphCache(
-            min(2 * opts.n_parallel, MAX_STEP_GRAPHS), context_size(hp, opts.n_parallel), self._forget_graph)
+            min(2 * opts.n_parallel, MAX_STEP_GRAPHS) + n_verify,
+            context_size(hp, opts.n_parallel * (opts.draft_max + 1 if n_verify else 1)), self._forget_graph)
+        self._head_graphs: GraphCache[DecoderGraph] = GraphCache(
+            MAX_GRAPHS, head_context_size(hp, opts.n_parallel), self._forget_graph)
+        #: whether every graph of the model also gives the hidden state of its rows (the draft head reads them)
+        self.hidden = opts.spec_type == "draft-mtp"
+        # per sequence with a verify step waiting for accept(): (start, tokens, hidden rows, recurrent rows)
+        self._verifying: dict[int, tuple[int, list[int], np.ndarray | None, list[tuple[int, int]]]] = {}
         self._active: GraphKey | None = None  # key of the graph whose regions are registered
         self._active_entry: DecoderGraph | None = None  # and that graph
         try:
@@ -284,7 +297,12 @@ class MoEModel:
         self.device = next(iter(self.devices.values()))
         check_cuda(store.path, hp, list(self.devices))
         required = list(tensor_shapes(hp))
-        self.layout = plan_layout(required, hp.n_layer, opts, list(self.devices), hp.tied_output)
+        # the draft head's block is one more layer (blk.n_layer), placed and cached like any other
+        self.head_layer = head_layer(hp, store.path) if opts.spec_type == "draft-mtp" else None
+        if self.head_layer is not None:
+            required += [n for n in check_head(store, hp) if n not in required]
+        # llama.cpp's layout counts every block of the file, the next-token-prediction ones included (loaded or not)
+        self.layout = plan_layout(required, hp.n_layer_all or hp.n_layer, opts, list(self.devices), hp.tied_output)
         self.sched = Scheduler(list(self.devices.values()) + [self.host],
                                graph_size=2 * graph_size(hp, opts.n_parallel))
         dense = [n for n in required if not is_expert_tensor(n)]
@@ -298,10 +316,12 @@ class MoEModel:
 
         self._load_dense(dense, tick)
         lay = self.layout
-        self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick,
-                                    modes=list(lay.expert_mode), backend_of=lambda n: self.devices.get(lay.tensors[n]),
-                                    load=not self.dry_run, moe_layers=hp.moe_layers, glu=hp.routing.glu,
-                                    benchmark=benchmark)
+        heads = [] if self.head_layer is None else [self.head_layer]
+        self.experts = ExpertLayers(store, hp.n_layer + len(heads), hp.n_used, opts, self.device, n_threads,
+                                    on_tensor=tick, modes=list(lay.expert_mode),
+                                    backend_of=lambda n: self.devices.get(lay.tensors[n]), load=not self.dry_run,
+                                    moe_layers=hp.moe_layers + heads, glu=hp.routing.glu, benchmark=benchmark,
+                                    unlinked=heads)
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
         self.flash_attn = self._resolve_flash_attn(opts, hp)
         self._mask_dtype = np.float16 if self.flash_attn else np.float32  # flash attention takes an F16 mask
@@ -313,10 +333,18 @@ class MoEModel:
                           v_trans=not self.flash_attn, clear=not self.dry_run, rot=rot,
                           n_swa=hp.swa.n_swa if hp.swa is not None else 0, layers=hp.kv_layers,
                           n_seq=opts.n_parallel)
+        if self.head_layer is not None:  # the head's own cache: its one layer, on that layer's KV device
+            self.head = DraftHead(KVCache(hp.n_layer + 1, n_ctx, hp.kv_k, hp.kv_v, opts.cache_type_k,
+                                          opts.cache_type_v, kv_backends, v_trans=not self.flash_attn,
+                                          clear=not self.dry_run, rot=rot, layers=[self.head_layer],
+                                          n_seq=opts.n_parallel), hp.n_embd)
         dn = hp.delta_net
-        # a recurrent model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule)
+        # a recurrent model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule);
+        # a verify step of draft_max + 1 tokens writes each token's state to a row of its own
+        depth = opts.draft_max + 2 if opts.spec_type != "none" else 2
         self.rs = None if dn is None else RecurrentState(hp.n_layer, dn.layers, dn.conv_state, dn.ssm_state,
-                                                         kv_backends, n_seq=opts.n_parallel, clear=not self.dry_run)
+                                                         kv_backends, n_seq=opts.n_parallel, clear=not self.dry_run,
+                                                         depth=depth)
         # like llama.cpp: size the compute buffers for the largest ubatch once, at load; the expert caches'
         # own graphs too, so that a run never allocates more than the load (and the planner's dry run) did;
         # with several sequences also for a decode step of as many of them as one ubatch takes, each at a
@@ -328,6 +356,10 @@ class MoEModel:
         n_step = min(opts.n_parallel, self.decode_rows)
         if n_step > 1:
             self.sched.reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)), n_step).graph)
+        if self.head is not None:  # and the head's graphs: a prompt's fill, a draft step of every sequence
+            self.sched.reserve(self._graph((SeqRows(0, ub, n_ctx),), ub, "fill").graph)
+            self.sched.reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)), n_step,
+                                           "draft").graph)
 
     def _decode_rows(self) -> int:
         """Most sequences one decode ubatch takes: ``ubatch_size``, and fewer than GGML's tiled threshold when an
@@ -467,6 +499,10 @@ class MoEModel:
             if self.rs is not None:
                 for s in range(self.rs.n_seq) if seq is None else (seq,):
                     self.rs.clear(s)
+            if self.head is not None:
+                self.head.clear(seq)
+            for s in range(self.kv.n_seq) if seq is None else (seq,):
+                self._verifying.pop(s, None)
 
     @property
     def recurrent(self) -> bool:
@@ -485,7 +521,10 @@ class MoEModel:
                                 f"{self.hp.arch}'s recurrent state cannot go back to an earlier position "
                                 "(reset the sequence instead)")
         with self._serial.turn("truncate"):
+            self._verifying.pop(seq, None)
             self.kv.used[seq] = min(n_keep, self.kv.used[seq])
+            if self.head is not None:
+                self.head.truncate(seq, self.kv.used[seq])
 
     def checkpoint(self, seq: int = 0) -> Checkpoint:
         """Where sequence ``seq`` stands now, to go back to later with :meth:`restore`: its position, and a
@@ -494,6 +533,7 @@ class MoEModel:
         self._check_open("checkpoint")
         self._check_seq(seq, "checkpoint")
         with self._serial.turn("checkpoint"):
+            self._check_idle(seq, "checkpoint")
             return Checkpoint(self.kv.used[seq], self.rs.save(seq) if self.rs is not None else None)
 
     def restore(self, cp: Checkpoint, seq: int = 0) -> None:
@@ -510,9 +550,12 @@ class MoEModel:
             raise ArgumentError("restore: the checkpoint is not of this model (recurrent states "
                                 f"{'missing' if cp.states is None else 'given to a model without them'})")
         with self._serial.turn("restore"):
+            self._verifying.pop(seq, None)
             if self.rs is not None and cp.states is not None:
                 self.rs.load(seq, cp.states)
             self.kv.used[seq] = cp.position
+            if self.head is not None:
+                self.head.truncate(seq, cp.position)
 
     def move(self, src: int, dst: int) -> None:
         """Move sequence ``src`` into the empty slot ``dst`` (its cells copied, ``src`` emptied): it goes on
@@ -524,9 +567,12 @@ class MoEModel:
             raise ArgumentError(f"move: slot {dst} must be empty and other than {src} (it holds "
                                 f"{self.kv.used[dst]} positions)")
         with self._serial.turn("move"):
+            self._check_idle(src, "move")
             self.kv.move(src, dst)
             if self.rs is not None:
                 self.rs.move(src, dst)
+            if self.head is not None:
+                self.head.move(src, dst)
 
     def _check_seq(self, seq: int, op: str) -> int:
         check_int(seq, f"{op}: seq", 0, self.kv.n_seq - 1)
@@ -534,23 +580,33 @@ class MoEModel:
 
     # -- evaluation -----------------------------------------------------------
 
-    def _graph(self, seq_rows: tuple[SeqRows, ...], n_out: int) -> DecoderGraph:
-        key: GraphKey = (seq_rows, n_out)
+    def _graph(self, seq_rows: tuple[SeqRows, ...], n_out: int, kind: str = "") -> DecoderGraph:
+        """The graph of an ubatch of ``seq_rows`` with ``n_out`` outputs: the model's (``kind`` ""), or the draft
+        head's (``"fill"``: its cache only; ``"draft"``: its logits)."""
+        key: GraphKey = (seq_rows, n_out, kind)
 
         def build(arena: Arena) -> DecoderGraph:
-            entry = build_decoder(self.hp, self.weights, self.experts.weights, self.kv, seq_rows, n_out,
-                                  self.flash_attn, arena, self.rs)
-            if len(seq_rows) > 1:
-                # a decode step of several sequences: each row as the one-row product of its sequence alone
+            if kind:
+                assert self.head is not None
+                entry = build_head(self.hp, self.weights, self.experts.weights, self.head.kv, seq_rows,
+                                   self.flash_attn, kind == "fill", arena)
+            else:
+                entry = build_decoder(self.hp, self.weights, self.experts.weights, self.kv, seq_rows, n_out,
+                                      self.flash_attn, arena, self.rs, hidden=self.hidden)
+            if len(seq_rows) > 1 and kind != "fill":
+                # a decode step of several sequences (or a verify step: several tokens of one): each row as the
+                # one-row product of its sequence alone
                 entry.graph.set_rowwise()
             self.sched.set_pins(entry.graph, self._pins(entry))
-            entry.feed = StepFeed.of(self.kv, self.rs, self.hp.rope, seq_rows, n_out, entry.inputs, entry.logits,
-                                     self._mask_dtype)
+            if not kind and entry.logits is not None:
+                entry.feed = StepFeed.of(self.kv, self.rs, self.hp.rope, seq_rows, n_out, entry.inputs,
+                                         entry.logits, self._mask_dtype)
             return entry
 
         if key == self._active and self._active_entry is not None:
             return self._active_entry  # the graph of the last call (a decode step's), most recently used already
-        entry = (self._graphs if len(seq_rows) == 1 else self._step_graphs).get(key, build)
+        cache = self._head_graphs if kind else self._graphs if len(seq_rows) == 1 else self._step_graphs
+        entry = cache.get(key, build)
         if self._active != key:
             self.sched.clear_regions()
             self.experts.register(self.sched, entry.regions)
@@ -655,6 +711,11 @@ class MoEModel:
         # zeros (the mapping's guard), and these logits must not be used; the sequence stays as it was
         self.store.check_reads()
         self.experts.flush_traces()
+        if self.head is not None:  # the draft head reads the target's hidden state of every position
+            hidden, r0 = g.read_hidden().reshape(-1, self.hp.n_embd), 0
+            for seq, toks in parts:
+                self.head.record(seq, toks, hidden[r0:r0 + len(toks)])
+                r0 += len(toks)
         for seq, toks in parts:
             kv.used[seq] += len(toks)
             if self.rs is not None:
@@ -662,14 +723,18 @@ class MoEModel:
         return logits.reshape(n_out, self.hp.n_vocab)
 
     def _inputs(self, parts: list[tuple[int, np.ndarray]], seq_rows: tuple[SeqRows, ...], n_out: int,
-                out_ids: bool) -> dict[str, np.ndarray]:
-        """The inputs of any ubatch, built anew (prompts); decode steps write theirs in place (:class:`StepFeed`)."""
-        kv = self.kv
+                out_ids: bool, kv: KVCache | None = None, offsets: Sequence[int] | None = None,
+                rs_rows: Sequence[tuple[int, int]] | None = None) -> dict[str, np.ndarray]:
+        """The inputs of any ubatch, built anew (prompts); decode steps write theirs in place (:class:`StepFeed`).
+
+        ``kv``: the cache the graph attends over (default the model's); ``offsets[i]``: part i's first position
+        past its sequence's (a verify step's, the draft head's); ``rs_rows[i]``: its recurrent state rows."""
+        kv = self.kv if kv is None else kv
         mask_dtype = self._mask_dtype
         feed: dict[str, np.ndarray] = {}
         pos = []
         for i, seg in enumerate(seq_rows):
-            one = kv.inputs(seg.n_tokens, seg.n_kv, mask_dtype, seg.seq)
+            one = kv.inputs(seg.n_tokens, seg.n_kv, mask_dtype, seg.seq, offsets[i] if offsets is not None else 0)
             pos.append(one.pop("pos"))
             for name in ("k_rot", "v_rot"):
                 if name in one:
@@ -678,13 +743,195 @@ class MoEModel:
         feed["tokens"] = np.concatenate([toks for _, toks in parts])
         # M-RoPE lays its four rows out over the whole ubatch: built from every sequence's positions at once
         feed["pos"] = positions(self.hp.rope, np.concatenate(pos))
-        if self.rs is not None:
+        if self.rs is not None and kv is self.kv:
             for i, (seq, _) in enumerate(parts):
-                feed.update({seq_input(name, i): arr for name, arr in self.rs.inputs(seq).items()})
+                if rs_rows is not None:
+                    read, write = rs_rows[i]
+                    one = {"rs_read": np.array([read], np.int32), "rs_write": np.array([write], np.int32)}
+                else:
+                    one = self.rs.inputs(seq)
+                feed.update({seq_input(name, i): arr for name, arr in one.items()})
         n = len(feed["tokens"])
         if out_ids:
             feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)
         return feed
+
+    # -- speculative decoding: verify steps and the draft head -------------------------
+
+    def verify(self, batch: Sequence[tuple[int, Sequence[int]]]) -> list[np.ndarray]:
+        """Several tokens of each of several sequences, ``(seq, tokens)`` pairs, computed as one step (a verify
+        step of speculative decoding: the last accepted token and the drafts after it).
+
+        Each token is computed as a decode step of its own would compute it, bit for bit: one row of its own
+        (its own attention over the cells before it, one-row products: ``Graph.set_rowwise``), its recurrent state
+        written to a row of its own. Every layer's routed experts are one call over all the step's rows (the
+        expert cache loads each distinct expert once). Returns the logits [len(tokens), n_vocab] of each
+        sequence, in batch order. The sequences stay where they were until :meth:`accept` keeps the tokens the
+        drafts earned. All or nothing, as :meth:`decode`.
+        """
+        self._check_open("verify")
+        if self.options.spec_type == "none":
+            raise ArgumentError("verify: the model was loaded without speculative decoding (spec_type=none); its "
+                                "recurrent state keeps no row per verified token")
+        try:
+            items = [(s, list(t)) for s, t in batch]
+        except (TypeError, ValueError):
+            raise ShapeError("verify: batch must be a non-empty sequence of (seq, tokens) pairs") from None
+        if not items:
+            raise ShapeError("verify: batch must be a non-empty sequence of (seq, tokens) pairs")
+        most = self.options.draft_max + 1
+        checked: list[tuple[int, np.ndarray]] = []
+        for seq, toks in items:
+            self._check_seq(seq, "verify")
+            if not 1 <= len(toks) <= most:
+                raise ArgumentError(f"verify: sequence {seq} has {len(toks)} tokens; a verify step takes 1.."
+                                    f"{most} (draft_max={self.options.draft_max} drafts after the last token)")
+            checked.append((seq, self._check_tokens(toks)))
+        seqs = [s for s, _ in checked]
+        if len(set(seqs)) != len(seqs):
+            raise ArgumentError(f"verify: a sequence appears more than once in the batch {seqs}")
+        with self._serial.turn("verify"):
+            for seq, toks in checked:
+                self._check_idle(seq, "verify")
+                self.kv.n_kv_for(len(toks), seq)  # every sequence has room, or nothing is evaluated
+            rows: list[tuple[int, int, int, tuple[int, int]]] = []  # (seq, token, offset, recurrent rows)
+            chains: dict[int, list[tuple[int, int]]] = {}
+            for seq, toks in checked:
+                chain = self.rs.chain(seq, len(toks)) if self.rs is not None else [(0, 0)] * len(toks)
+                chains[seq] = chain
+                rows += [(seq, int(t), i, chain[i]) for i, t in enumerate(toks)]
+            logits, hidden = [], []
+            for u0 in range(0, len(rows), self.decode_rows):
+                lg, hd = self._verify_ubatch(rows[u0:u0 + self.decode_rows])
+                logits.append(lg)
+                hidden.append(hd)
+            all_logits = np.concatenate(logits, axis=0)
+            all_hidden = np.concatenate(hidden, axis=0) if self.head is not None else None
+            out, r0 = [], 0
+            for seq, toks in checked:
+                n = len(toks)
+                out.append(all_logits[r0:r0 + n])
+                h = all_hidden[r0:r0 + n] if all_hidden is not None else None
+                self._verifying[seq] = (self.kv.used[seq], [int(t) for t in toks], h, chains[seq])
+                r0 += n
+            return out
+
+    def _verify_ubatch(self, rows: list[tuple[int, int, int, tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
+        """One ubatch of a verify step: each row one token of a sequence at ``offset`` past its position."""
+        if self._threads[False] != self._threads_now:
+            self._use_threads(False)  # rows of one-token steps, with a one-token step's threads
+        kv = self.kv
+        seq_rows = tuple([SeqRows(seq, 1, kv.n_kv_for(1, seq, off)) for seq, _, off, _ in rows])
+        g = self._graph(seq_rows, len(rows))
+        if g.feed is not None:
+            g.feed.write([t for _, t, _, _ in rows], [off for _, _, off, _ in rows], [r for *_, r in rows])
+            logits = self.sched.step(g.graph, g.feed.io)
+        else:
+            self.sched.prepare(g.graph)
+            parts = [(seq, np.array([t], np.int32)) for seq, t, _, _ in rows]
+            feed = self._inputs(parts, seq_rows, len(rows), "out_ids" in g.inputs,
+                                offsets=[off for _, _, off, _ in rows], rs_rows=[r for *_, r in rows])
+            for name, t in g.inputs.items():
+                t._set_trusted(feed[name])
+            self.sched.compute(g.graph)
+            logits = g.read_logits()
+        self.store.check_reads()
+        self.experts.flush_traces()
+        hidden = g.read_hidden().reshape(-1, self.hp.n_embd) if self.head is not None else np.zeros((0, 0), np.float32)
+        return logits.reshape(len(rows), self.hp.n_vocab), hidden
+
+    def accept(self, seq: int, n_keep: int) -> None:
+        """Keep the first ``n_keep`` tokens of sequence ``seq``'s last :meth:`verify` step (0: none): the sequence
+        goes on exactly as if those tokens had been evaluated one at a time, the rest never were."""
+        self._check_seq(seq, "accept")
+        pending = self._verifying.get(seq)
+        if pending is None:
+            raise ArgumentError(f"accept: sequence {seq} has no verify step waiting")
+        start, toks, hidden, chain = pending
+        check_int(n_keep, "accept: n_keep", 0, len(toks))
+        with self._serial.turn("accept"):
+            del self._verifying[seq]
+            if self.rs is not None:
+                self.rs.commit_row(seq, chain[n_keep - 1][1] if n_keep else None)
+            if self.head is not None and hidden is not None and n_keep:
+                self.head.record(seq, toks[:n_keep], hidden[:n_keep])
+            self.kv.used[seq] = start + n_keep
+
+    def _check_idle(self, seq: int, op: str) -> None:
+        """Refuse ``op`` on a sequence whose verify step waits for :meth:`accept`."""
+        if seq in self._verifying:
+            raise ArgumentError(f"{op}: sequence {seq} has a verify step waiting for accept()")
+
+    def draft_fill(self, seqs: Sequence[int]) -> int:
+        """Write the draft head's cache cells of every position of ``seqs`` the target has evaluated since the head's
+        last fill (llama.cpp's MTP ``process``), in batches of up to ``ubatch_size`` rows; returns the rows."""
+        head = self.head
+        if head is None:
+            raise ArgumentError("draft_fill: the model was loaded without its draft head (spec_type=draft-mtp)")
+        parts: list[tuple[int, np.ndarray, np.ndarray, int]] = []  # (seq, tokens, hidden rows, offset)
+        taken = []
+        with self._serial.turn("draft_fill"):
+            try:
+                for seq in seqs:
+                    toks, rows = head.take(seq)
+                    taken.append((seq, toks, rows))
+                    for r0 in range(0, len(toks), self.options.ubatch_size):
+                        r1 = r0 + self.options.ubatch_size
+                        parts.append((seq, np.array(toks[r0:r1], np.int32), rows[r0:r1], r0))
+                done = 0
+                while done < len(parts):  # as many parts per ubatch as fit in ubatch_size rows
+                    n, k = 0, done
+                    while k < len(parts) and (k == done or n + len(parts[k][1]) <= self.options.ubatch_size):
+                        n += len(parts[k][1])
+                        k += 1
+                    self._head_ubatch(parts[done:k], fill=True)
+                    done = k
+            except BaseException:
+                for seq, toks, rows in reversed(taken):  # nothing was written for good: all wait again
+                    head.put_back(seq, toks, rows)
+                raise
+            for seq, toks, _ in taken:
+                head.kv.used[seq] += len(toks)
+            return sum(len(t) for _, t, _ in taken)
+
+    def draft_step(self, rows: Sequence[tuple[int, int, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """One step of the draft head for several sequences, ``(seq, token, hidden, offset)`` rows: the token at
+        ``offset`` past the sequence's position, the hidden state before it (the target's, or the head's own of
+        the step before). Returns the head's logits [rows, n_vocab] and its hidden states [rows, n_embd]. The
+        head's cache cells past its filled ones are scratch: the next fill overwrites them."""
+        if self.head is None:
+            raise ArgumentError("draft_step: the model was loaded without its draft head (spec_type=draft-mtp)")
+        with self._serial.turn("draft_step"):
+            parts = [(seq, np.array([tok], np.int32), np.asarray(h, np.float32)[None, :], off)
+                     for seq, tok, h, off in rows]
+            out = self._head_ubatch(parts, fill=False)
+            assert out is not None
+            return out
+
+    def _head_ubatch(self, parts: list[tuple[int, np.ndarray, np.ndarray, int]],
+                     fill: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """One ubatch of the draft head: ``(seq, tokens, hidden rows, offset)`` parts, rows in that order, each
+        ``offset`` past the head's filled cells of its sequence."""
+        head = self.head
+        assert head is not None
+        n = sum(len(t) for _, t, _, _ in parts)
+        if self._threads[n > 1] != self._threads_now:
+            self._use_threads(n > 1)
+        seq_rows = tuple([SeqRows(seq, len(toks), head.kv.n_kv_for(len(toks), seq, off))
+                          for seq, toks, _, off in parts])
+        g = self._graph(seq_rows, n, "fill" if fill else "draft")
+        self.sched.prepare(g.graph)
+        feed = self._inputs([(seq, toks) for seq, toks, _, _ in parts], seq_rows, n, False, kv=head.kv,
+                            offsets=[off for *_, off in parts])
+        feed["h"] = np.ascontiguousarray(np.concatenate([h for _, _, h, _ in parts], axis=0), np.float32)
+        for name, t in g.inputs.items():  # a fill graph has no masks: what it lacks is not set
+            t._set_trusted(feed[name])
+        self.sched.compute(g.graph)
+        self.store.check_reads()
+        self.experts.flush_traces()
+        if fill:
+            return None
+        return g.read_logits().reshape(n, self.hp.n_vocab), g.read_hidden().reshape(n, self.hp.n_embd)
 
     def _check_open(self, op: str) -> None:
         if self.dry_run:
@@ -702,6 +949,8 @@ class MoEModel:
             self._check_seq(seq, "eval")
         arr = self._check_tokens(tokens)
         with self._serial.turn("eval"):
+            if self._verifying:
+                self._check_idle(seq, "eval")
             self.kv.n_kv_for(len(arr), seq)  # the whole call fits, or nothing is evaluated
             start = self.kv.used[seq]
             if self.rs is not None:
@@ -715,6 +964,8 @@ class MoEModel:
                 self.kv.used[seq] = start
                 if self.rs is not None:
                     self.rs.abandon(seq)
+                if self.head is not None:
+                    self.head.truncate(seq, start)
                 raise
             if self.rs is not None:
                 self.rs.commit(seq)
@@ -768,6 +1019,8 @@ class MoEModel:
         order = sorted(range(len(pairs)), key=lambda i: seqs[i])
         with self._serial.turn("decode"):
             for s in seqs:
+                if self._verifying:
+                    self._check_idle(s, "decode")
                 self.kv.n_kv_for(1, s)  # every sequence has room, or nothing is evaluated
             start = list(self.kv.used)
             rs = self.rs
@@ -786,6 +1039,9 @@ class MoEModel:
                 if rs is not None:
                     for s in seqs:
                         rs.abandon(s)
+                if self.head is not None:
+                    for s in seqs:
+                        self.head.truncate(s, start[s])
                 raise
             if rs is not None:
                 for s in seqs:
@@ -815,7 +1071,7 @@ class MoEModel:
             b = self.devices[name]
             out["weights"] += sum(t.nbytes for dev, ctx in self.weight_ctxs if dev == name for t in ctx.tensors())
             out["experts"] += self.experts.device_bytes(b)
-            out["kv_cache"] += self.kv.nbytes(b)
+            out["kv_cache"] += self.kv.nbytes(b) + (self.head.kv.nbytes(b) if self.head is not None else 0)
             out["recurrent"] += self.rs.nbytes(b) if self.rs is not None else 0
             out["compute"] += self.sched.buffer_size(b) + self.experts.compute_bytes(b)
         return out
@@ -852,6 +1108,7 @@ class MoEModel:
             self.experts.close()  # first: its CPU worker may still read the mapped experts
         self._graphs.clear()
         self._step_graphs.clear()
+        self._head_graphs.clear()
         if hasattr(self, "sched"):
             self.sched.close()
         if hasattr(self, "kv"):
@@ -859,6 +1116,8 @@ class MoEModel:
         rs = getattr(self, "rs", None)
         if rs is not None:
             rs.close()
+        if self.head is not None:
+            self.head.close()
         for _, ctx in self.weight_ctxs:
             ctx.close()
         self.store.close()
