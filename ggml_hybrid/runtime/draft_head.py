@@ -49,6 +49,11 @@ class DraftHead:
         self.last_h[seq] = np.array(prev, np.float32, copy=True)
         self.n[seq] += len(tokens)
 
+    def target_hidden(self, seq: int) -> np.ndarray:
+        """The target's hidden states [waiting, n_embd] of the positions waiting for a fill, in order."""
+        rows = self.hidden[seq][1:] + [self.last_h[seq]] if self.tokens[seq] else []
+        return np.stack(rows).astype(np.float32, copy=False) if rows else np.zeros((0, self.n_embd), np.float32)
+
     def take(self, seq: int) -> tuple[list[int], np.ndarray]:
         """The waiting pairs of ``seq`` (tokens, hidden rows [n, n_embd]), removed: the caller fills them now."""
         toks, rows = self.tokens[seq], self.hidden[seq]

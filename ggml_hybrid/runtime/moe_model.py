@@ -894,17 +894,31 @@ class MoEModel:
                 head.kv.used[seq] += len(toks)
             return sum(len(t) for _, t, _ in taken)
 
-    def draft_step(self, rows: Sequence[tuple[int, int, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """One step of the draft head for several sequences, ``(seq, token, hidden, offset)`` rows: the token at
-        ``offset`` past the sequence's position, the hidden state before it (the target's, or the head's own of
-        the step before). Returns the head's logits [rows, n_vocab] and its hidden states [rows, n_embd]. The
-        head's cache cells past its filled ones are scratch: the next fill overwrites them."""
+    def draft_step(self, parts: Sequence[tuple[int, Sequence[int], npt.ArrayLike, int]]) -> tuple[np.ndarray,
+                                                                                                  np.ndarray]:
+        """The draft head over ``(seq, tokens, hidden, offset)`` parts in one ubatch (rows in that order): each
+        part's tokens at ``offset`` past its sequence's filled head cells, ``hidden`` [len(tokens), n_embd] the
+        hidden state before each (the target's, or the head's own of the step before). Returns the head's logits
+        [rows, n_vocab] and its hidden states [rows, n_embd]. A draft step is one token of each drafting sequence;
+        the cells written past the filled ones are scratch (the next fill overwrites them)."""
         if self.head is None:
             raise ArgumentError("draft_step: the model was loaded without its draft head (spec_type=draft-mtp)")
+        checked = []
+        for seq, toks, h, off in parts:
+            self._check_seq(seq, "draft_step")
+            arr = self._check_tokens(list(toks))
+            rows = np.ascontiguousarray(h, np.float32).reshape(-1, self.hp.n_embd) \
+                if np.size(h) == len(arr) * self.hp.n_embd else None
+            if rows is None:
+                raise ShapeError(f"draft_step: sequence {seq}: hidden must be [{len(arr)}, {self.hp.n_embd}], got "
+                                 f"{np.shape(h)}")
+            check_int(off, "draft_step: offset", 0)
+            self.head.kv.n_kv_for(len(arr), seq, off)  # room, or nothing is computed
+            checked.append((seq, arr, rows, off))
+        if not checked:
+            raise ShapeError("draft_step: parts must be a non-empty sequence of (seq, tokens, hidden, offset)")
         with self._serial.turn("draft_step"):
-            parts = [(seq, np.array([tok], np.int32), np.asarray(h, np.float32)[None, :], off)
-                     for seq, tok, h, off in rows]
-            out = self._head_ubatch(parts, fill=False)
+            out = self._head_ubatch(checked, fill=False)
             assert out is not None
             return out
 
