@@ -2,6 +2,10 @@
 
 ``n_predict=-1`` generates until an end-of-generation token or a full context (llama.cpp's ``-n -1``).
 
+A model loaded with speculative decoding (``spec_type``) generates with a :class:`~.speculative.Speculator`: each
+step drafts tokens and verifies them in one target step; the tokens (and, greedy, every evaluated position's
+logits) are those of plain decoding.
+
 ``generate`` yields text pieces as they become complete UTF-8 and fills a
 :class:`GenerationStats` with timings and (optionally) every evaluated
 position's logits, which is what the CLI prints and writes.
@@ -20,6 +24,7 @@ from ..errors import ArgumentError, NonFiniteError
 from ..text.vocab import check_ids
 from .moe_model import MoEModel
 from .sampling import Sampler
+from .speculative import SpecCounters, Speculator
 
 
 @dataclass
@@ -33,6 +38,8 @@ class GenerationStats:
     # "eos" (any end-of-generation token), "length", "context", or "interrupted" (KeyboardInterrupt)
     stop_reason: str = ""
     logits: list[np.ndarray] = field(default_factory=list)
+    spec: SpecCounters | None = None  # speculative decoding's counters (None: plain decoding)
+    benchmark_only: bool = False      # the drafts were replayed (spec_type=replay): a benchmark's run
 
     @property
     def prompt_tps(self) -> float:
@@ -61,16 +68,23 @@ def check_finite(model: MoEModel, logits: np.ndarray) -> np.ndarray:
 
 def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
              stats: GenerationStats | None = None, keep_logits: bool = False,
-             stop_at_eos: bool = True) -> Generator[str, None, None]:
+             stop_at_eos: bool = True, speculator: Speculator | None = None) -> Generator[str, None, None]:
     """Yield the generated text piece by piece; ``stats`` (if given) is filled as it goes.
 
     ``n_predict=-1``: until end of generation or a full context. A ``sampler`` with ``accept``
     and ``reset`` (a :class:`Sampler`) is shown the prompt and every kept token, for its penalties.
     On a ``KeyboardInterrupt`` the stats describe what ran (``stop_reason`` "interrupted") and
-    the interrupt propagates.
+    the interrupt propagates. ``speculator``: speculative decoding's drafts and limits (default, for a model
+    loaded with ``spec_type=draft-mtp``: its head's, with the model's options; speculation needs a
+    :class:`Sampler`).
     """
     check_int(n_predict, "generate: n_predict (-1 = until the end)", -1)
     sampler = Sampler() if sampler is None else check_callable(sampler, "generate: sampler")
+    if speculator is None and model.options.spec_type == "draft-mtp":
+        speculator = Speculator(model)
+    if speculator is not None and not isinstance(sampler, Sampler):
+        raise ArgumentError("generate: speculative decoding judges drafts by the sampler's distribution; give a "
+                            "Sampler")
     st = stats if stats is not None else GenerationStats()
     prompt = check_ids(prompt_tokens, model.tokenizer.n_vocab, "generate: prompt_tokens")
     if not prompt:
@@ -79,6 +93,12 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
     if hasattr(sampler, "reset"):
         sampler.reset()
     model.reset()
+    before = None
+    if speculator is not None:
+        speculator.forget(0)
+        st.spec = SpecCounters()
+        st.benchmark_only = speculator.benchmark_only
+        before = speculator.counters.copy()
     text = model.tokenizer.stream()
     eog = model.tokenizer.eog_ids
     t0 = time.perf_counter()
@@ -96,12 +116,13 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
         phase = "decode"
         t0 = time.perf_counter()
         i = 0
+        queue = [sampler(logits[-1])]  # tokens emitted and not yet shown: one, or a speculative step's several
         while n_predict < 0 or i < n_predict:
-            tok = sampler(logits[-1])
+            tok = queue.pop(0)
             if stop_at_eos and tok in eog:
                 st.stop_reason = "eos"
                 break
-            if accept is not None:
+            if accept is not None and not queue:  # a kept draft (not the step's last token) is accepted already
                 accept(tok)
             st.tokens.append(tok)
             st.generated_tokens += 1
@@ -111,17 +132,32 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
             i += 1
             if i == n_predict:
                 break
+            if queue:
+                continue
             if model.n_past >= model.n_ctx:
                 st.stop_reason = "context"
                 break
-            logits = check_finite(model, model.eval([tok], "last"))
-            st.decode_steps += 1
+            if speculator is None:
+                logits = check_finite(model, model.eval([tok], "last"))
+                st.decode_steps += 1
+                if keep_logits:
+                    st.logits.append(logits)
+                queue = [sampler(logits[-1])]
+                continue
+            budget = n_predict - i if n_predict >= 0 else model.n_ctx
+            start = model.n_past
+            queue = speculator.step([(0, tok, sampler, budget)], stop=eog if stop_at_eos else ())[0]
+            rows = speculator.last_rows[0]
+            check_finite(model, rows[:model.n_past - start])
+            st.decode_steps += model.n_past - start
             if keep_logits:
-                st.logits.append(logits)
+                st.logits.append(rows[:model.n_past - start])
     except KeyboardInterrupt:
         st.stop_reason = "interrupted"
         raise
     finally:
+        if speculator is not None and before is not None:
+            st.spec = speculator.counters.since(before)
         if phase == "prompt":
             st.prompt_seconds = time.perf_counter() - t0
         else:
@@ -132,10 +168,11 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
 
 
 def complete(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
-             keep_logits: bool = False, stop_at_eos: bool = True) -> tuple[str, GenerationStats]:
+             keep_logits: bool = False, stop_at_eos: bool = True,
+             speculator: Speculator | None = None) -> tuple[str, GenerationStats]:
     """:func:`generate` run to the end: the whole text and its stats."""
     st = GenerationStats()
-    text = "".join(generate(model, prompt_tokens, n_predict, sampler, st, keep_logits, stop_at_eos))
+    text = "".join(generate(model, prompt_tokens, n_predict, sampler, st, keep_logits, stop_at_eos, speculator))
     return text, st
 
 

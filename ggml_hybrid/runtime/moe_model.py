@@ -301,8 +301,10 @@ class MoEModel:
         self.head_layer = head_layer(hp, store.path) if opts.spec_type == "draft-mtp" else None
         if self.head_layer is not None:
             required += [n for n in check_head(store, hp) if n not in required]
-        # llama.cpp's layout counts every block of the file, the next-token-prediction ones included (loaded or not)
-        self.layout = plan_layout(required, hp.n_layer_all or hp.n_layer, opts, list(self.devices), hp.tied_output)
+        # llama.cpp's offload rule counts every block of the file, the next-token-prediction ones included (loaded or
+        # not); the layers that run are the graph's and the head's
+        self.layout = plan_layout(required, hp.n_layer + (self.head_layer is not None), opts, list(self.devices),
+                                  hp.tied_output, n_blocks=hp.n_layer_all or hp.n_layer)
         self.sched = Scheduler(list(self.devices.values()) + [self.host],
                                graph_size=2 * graph_size(hp, opts.n_parallel))
         dense = [n for n in required if not is_expert_tensor(n)]

@@ -1,0 +1,290 @@
+"""Speculative decoding: greedy with speculation is greedy without it, token for token and logit for logit, on every
+family with a draft head and in every expert mode, with the head's drafts and with replayed drafts kept at every rate;
+verify steps are sequential decode steps bit for bit; the rejection rule keeps the target's distribution; the head's
+cache follows the sequence; bad requests are refused in one error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import rewrite_gguf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from ggml_hybrid.errors import ArgumentError, ModelFileError, OptionError
+from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.generate import complete
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.runtime.sampling import Sampler
+from ggml_hybrid.runtime.speculative import ReplayDrafts, Speculator, accept_drafts, draft_choice
+from ggml_hybrid.synthetic import ModelSpec, write_model
+
+# the families whose pinned llama.cpp runs a next-token-prediction head, as small generated models with one
+SPECS = {
+    "glm4moe": dict(arch="glm4moe", n_layer=2, n_rot=16, n_dense_lead=1, qk_norm=True),
+    "deepseek2": dict(arch="deepseek2", n_layer=2, weight_type="q8_0", n_embd=64),
+    "qwen3next": dict(arch="qwen3next", n_layer=2, n_rot=8, attn_interval=2),
+    "qwen35moe": dict(arch="qwen35moe", n_layer=2, n_rot=8, attn_interval=2, weight_type="q8_0"),
+}
+MODES = {
+    "resident": {},
+    "cache": dict(disk_experts=True, expert_cache_slots=3),
+    "share_0.5": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share=0.5),
+    "share_auto": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share="auto"),
+    "host_tier": dict(disk_experts=True, expert_cache_slots=3, host_cache_bytes=8 << 20),
+}
+N = 24  # tokens generated per run
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mtp")
+    return {name: write_model(d / f"{name}.gguf", seed=5, nextn=1, **spec) for name, spec in SPECS.items()}
+
+
+def _opts(**kw) -> SessionOptions:
+    return SessionOptions(n_threads=1, n_ctx=256, **kw)
+
+
+def _plain(path: str, mode: dict) -> tuple[list[int], list[int], np.ndarray]:
+    with MoEModel(path, _opts(**mode)) as m:
+        prompt = m.tokenizer.encode("The cache runs the hits first, then the misses.")
+        _, st_ = complete(m, prompt, N, Sampler(), keep_logits=True, stop_at_eos=False)
+        return prompt, st_.tokens, st_.all_logits()
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    """Each family's plain greedy run, resident (every mode is bit-identical to it: tests/test_recurrent_families.py
+    and the converted fixtures)."""
+    return {name: _plain(path, {}) for name, path in models.items()}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_greedy_with_speculation_is_greedy_without(models, plain, family, mode):
+    prompt, want, want_logits = plain[family]
+    kw = MODES[mode]
+    with MoEModel(models[family], _opts(spec_type="draft-mtp", draft_max=3, **kw)) as m:
+        _, st_ = complete(m, prompt, N, Sampler(), keep_logits=True, stop_at_eos=False)
+        assert st_.tokens == want
+        assert np.array_equal(st_.all_logits(), want_logits)
+        assert st_.spec is not None and st_.spec.verify_steps > 0 and st_.spec.draft_steps > 0
+        assert not st_.benchmark_only
+        if mode != "resident":
+            head = m.experts.counters[m.head_layer]  # the head's experts go through the cache like any layer's
+            assert head.calls > 0
+    with MoEModel(models[family], _opts(spec_type="replay", draft_max=4, **kw)) as m:
+        for accept in (0.0, 0.5, 1.0):
+            sp = Speculator(m, ReplayDrafts(prompt + want, accept=accept, seed=3), backoff=False)
+            _, st_ = complete(m, prompt, N, Sampler(), keep_logits=True, stop_at_eos=False, speculator=sp)
+            assert st_.tokens == want, accept
+            assert np.array_equal(st_.all_logits(), want_logits), accept
+            assert st_.benchmark_only and st_.spec is not None
+            if accept == 0.0:
+                assert st_.spec.accepted == 0 and st_.spec.drafted > 0
+            elif accept == 1.0:
+                assert st_.spec.accepted == st_.spec.drafted > 0 and st_.spec.verify_steps < N // 2
+            else:
+                assert 0 < st_.spec.accepted < st_.spec.drafted
+
+
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+          deadline=None)
+@given(family=st.sampled_from(sorted(SPECS)), mode=st.sampled_from(sorted(MODES)), k=st.integers(1, 6),
+       pattern=st.lists(st.booleans(), min_size=1, max_size=9), backoff=st.booleans())
+def test_any_draft_length_and_acceptance_pattern(models, plain, family, mode, k, pattern, backoff):
+    prompt, want, want_logits = plain[family]
+    with MoEModel(models[family], _opts(spec_type="replay", draft_max=k, **MODES[mode])) as m:
+        sp = Speculator(m, ReplayDrafts(prompt + want, pattern=pattern), backoff=backoff)
+        _, st_ = complete(m, prompt, N, Sampler(), keep_logits=True, stop_at_eos=False, speculator=sp)
+    assert st_.tokens == want
+    assert np.array_equal(st_.all_logits(), want_logits)
+    assert st_.spec is not None and st_.spec.accepted <= st_.spec.drafted
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_verify_rows_are_decode_steps(models, family):
+    """Several sequences' verify rows in one step: each row bit-identical to its own decode step (a recurrent
+    model's states chained per token), and accept() keeps exactly the first tokens."""
+    path = models[family]
+    rng = np.random.default_rng(7)
+    with MoEModel(path, _opts(n_parallel=2, spec_type="replay", draft_max=4)) as m:
+        toks = [list(rng.integers(0, m.hp.n_vocab, 12)) for _ in range(2)]
+        ref = []
+        for s in range(2):
+            m.eval(toks[s][:7], seq=s)
+            ref.append(np.concatenate([m.eval([t], seq=s) for t in toks[s][7:12]]))
+            m.reset(s)
+        for s in range(2):
+            m.eval(toks[s][:7], seq=s)
+        rows = m.verify([(1, toks[1][7:10]), (0, toks[0][7:12])])
+        assert np.array_equal(rows[0], ref[1][:3]) and np.array_equal(rows[1], ref[0])
+        with pytest.raises(ArgumentError, match="waiting for accept"):
+            m.eval([1], seq=0)
+        m.accept(0, 2)
+        m.accept(1, 0)
+        assert m.position(0) == 9 and m.position(1) == 7
+        # each goes on exactly as if only the kept tokens had been evaluated
+        assert np.array_equal(m.eval([toks[0][9]], seq=0), ref[0][2:3])
+        assert np.array_equal(m.eval([toks[1][7]], seq=1), ref[1][0:1])
+
+
+def test_rejection_rule_keeps_the_target_distribution():
+    """The emitted token of a step is distributed as the target's sampler distribution, whatever the drafts' (a
+    chi-square test over 20,000 steps on a 6-token vocabulary; seeded), for drafts drawn from a distribution q and for
+    deterministic ones; and given the first draft kept, the second emitted token follows the second row."""
+    rows = np.log(np.array([[0.05, 0.4, 0.1, 0.25, 0.15, 0.05],
+                            [0.3, 0.05, 0.05, 0.2, 0.1, 0.3],
+                            [0.1, 0.1, 0.5, 0.1, 0.1, 0.1]]))
+    p0, p1 = np.exp(rows[0]), np.exp(rows[1])
+    q = np.array([[0.3, 0.1, 0.3, 0.05, 0.05, 0.2], [0.1, 0.1, 0.4, 0.1, 0.2, 0.1]])
+    sampler = Sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    draws = np.random.default_rng(12)
+    for source in ("q", "deterministic"):
+        first, second = np.zeros(6), np.zeros(6)
+        for _ in range(20000):
+            if source == "q":
+                drafts = [int(draws.choice(6, p=q[0])), int(draws.choice(6, p=q[1]))]
+                out = accept_drafts(sampler, rows, drafts, q=q)
+            else:
+                drafts = [1, 0]
+                out = accept_drafts(sampler, rows, drafts)
+            first[out[0]] += 1
+            if out[0] == drafts[0]:
+                second[out[1]] += 1
+            sampler.reset()
+        assert stats.chisquare(first, first.sum() * p0).pvalue > 1e-3, (source, first)
+        assert stats.chisquare(second, second.sum() * p1).pvalue > 1e-3, (source, second)
+
+
+def test_greedy_rule_keeps_argmax_drafts_only():
+    rows = np.array([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    s = Sampler()
+    assert accept_drafts(s, rows, [1, 0]) == [1, 0, 2]     # both kept, then the last row's argmax
+    assert accept_drafts(s, rows, [1, 2]) == [1, 0]        # the second draft is not the argmax: corrected
+    assert accept_drafts(s, rows, [2, 0]) == [1]
+    assert accept_drafts(s, rows, [1, 0], stop={0}) == [1, 0]  # an end-of-generation draft ends the step
+    with pytest.raises(ArgumentError, match="one more"):
+        accept_drafts(s, rows, [1, 0, 2])
+
+
+def test_draft_choice_is_llama_cpps_top10_greedy():
+    z = np.array([5.0, 1.0, 4.0] + [0.0] * 20)
+    tok, p = draft_choice(z)
+    top = np.sort(z)[::-1][:10]
+    assert tok == 0 and p == pytest.approx(1 / np.exp(top - 5.0).sum())
+
+
+def test_p_min_stops_the_draft_and_backoff_pauses_it(models, plain):
+    prompt, want, _ = plain["qwen35moe"]
+    with MoEModel(models["qwen35moe"], _opts(spec_type="draft-mtp", draft_max=3, draft_p_min=1.0)) as m:
+        sp = Speculator(m, backoff=False)
+        _, st_ = complete(m, prompt, N, Sampler(), stop_at_eos=False, speculator=sp)
+        assert st_.tokens == want
+        assert st_.spec is not None and st_.spec.drafted == 0 and st_.spec.draft_steps > 0
+        sp = Speculator(m, backoff=True)
+        _, st2 = complete(m, prompt, N, Sampler(), stop_at_eos=False, speculator=sp)
+        assert st2.tokens == want
+        # paused after two empty drafts: 2, then 4, 8 tokens without the head
+        assert st2.spec is not None and st2.spec.draft_steps < st_.spec.draft_steps // 2
+
+
+def test_head_cache_follows_the_sequence(models, plain):
+    """A truncated, restored or moved sequence's head state follows it, and a reset one starts clean: generation
+    from it is the plain one."""
+    prompt, want, _ = plain["glm4moe"]
+    with MoEModel(models["glm4moe"], _opts(n_parallel=2, spec_type="draft-mtp")) as m:
+        m.eval(prompt[:5])
+        cp = m.checkpoint()
+        m.eval(prompt[5:])
+        assert m.head is not None and m.head.n[0] == len(prompt)
+        m.restore(cp)
+        assert m.head.n[0] == 5
+        m.truncate(3)
+        assert m.head.n[0] == 3
+        m.move(0, 1)
+        assert m.head.n[1] == 3 and m.head.n[0] == 0
+        m.reset()
+        _, st_ = complete(m, prompt, N, Sampler(), stop_at_eos=False)
+        assert st_.tokens == want
+
+
+def test_models_without_a_head_are_refused(tmp_path):
+    no_head = write_model(tmp_path / "glm.gguf", arch="glm4moe", n_layer=2, n_dense_lead=1)
+    with pytest.raises(ModelFileError, match="no next-token-prediction .MTP. head"):
+        MoEModel(no_head, _opts(spec_type="draft-mtp"))
+    other = write_model(tmp_path / "q3.gguf", arch="qwen3moe", n_layer=2)
+    with pytest.raises(ModelFileError, match="qwen3moe has no next-token-prediction"):
+        MoEModel(other, _opts(spec_type="draft-mtp"))
+    with MoEModel(no_head, _opts(spec_type="replay")) as m:  # replayed drafts need no head
+        with pytest.raises(ArgumentError, match="needs a draft source"):
+            Speculator(m)
+
+
+def test_a_head_with_missing_or_truncated_tensors_is_refused(models, tmp_path):
+    import gguf
+
+    src = models["glm4moe"]
+    missing = str(tmp_path / "missing.gguf")
+    rewrite_gguf(src, missing, drop_tensors={"blk.2.nextn.eh_proj.weight"})
+    with MoEModel(missing, _opts()) as m:  # the trunk runs without the head
+        assert m.head is None
+    with pytest.raises(ModelFileError, match=r"blk\.2\.nextn\.eh_proj\.weight.*draft-mtp runs"):
+        MoEModel(missing, _opts(spec_type="draft-mtp"))
+    # the head's tensors moved to the end of the file, and the file cut inside the last one: refused at open,
+    # naming it (as llama.cpp's loader checks every tensor's bytes against the file)
+    head = {t.name: np.array(t.data) for t in gguf.GGUFReader(src).tensors if t.name.startswith("blk.2.nextn.")}
+    last = str(tmp_path / "last.gguf")
+    rewrite_gguf(src, last, drop_tensors=set(head), tensors=head)
+    cut = str(tmp_path / "cut.gguf")
+    with open(last, "rb") as f:
+        data = f.read()
+    with open(cut, "wb") as f:
+        f.write(data[:len(data) - 100])
+    with pytest.raises(ModelFileError, match=r"tensor 'blk\.2\.nextn\.shared_head_norm\.weight'.*truncated"):
+        MoEModel(cut, _opts(spec_type="draft-mtp"))
+
+
+@pytest.mark.parametrize("items, match", [
+    (["draft_max=0"], r"draft_max=0: must be an integer in 1\.\.64"),
+    (["draft_max=10000"], r"draft_max=10000: must be an integer in 1\.\.64"),
+    (["draft_min=4", "draft_max=2"], "draft_min=4: must not exceed draft_max=2"),
+    (["draft_p_min=1.5"], r"draft_p_min=1.5: must be a number in \[0, 1\]"),
+    (["spec_type=ngram"], "spec_type=ngram: must be one of 'none', 'draft-mtp', 'replay'"),
+])
+def test_bad_speculation_options_are_refused(items, match):
+    with pytest.raises(OptionError, match=match):
+        SessionOptions.parse(items)
+
+
+def test_verify_refuses_what_it_cannot_do(models):
+    with MoEModel(models["glm4moe"], _opts()) as m:
+        with pytest.raises(ArgumentError, match="without speculative decoding"):
+            m.verify([(0, [1, 2])])
+    with MoEModel(models["glm4moe"], _opts(spec_type="replay", draft_max=2)) as m:
+        with pytest.raises(ArgumentError, match=r"takes 1\.\.3"):
+            m.verify([(0, [1, 2, 3, 4])])
+        with pytest.raises(ArgumentError, match="no verify step waiting"):
+            m.accept(0, 1)
+        m.verify([(0, [1, 2])])
+        with pytest.raises(Exception, match="n_keep"):
+            m.accept(0, 3)
+        m.accept(0, 2)
+        assert m.position() == 2
+
+
+def test_offload_rule_counts_the_head_block_loaded_or_not():
+    """llama.cpp's -ngl counts every block of the file (llama-model.cpp: ``i_gpu_start = n_layer_all + 1 -
+    n_gpu_layers``), the next-token-prediction block too: -ngl 2 on a 2-layer file with a head offloads the output
+    and the head's block, not the last layer."""
+    from ggml_hybrid.deploy.layout import plan_layout
+
+    names = ["token_embd.weight", "output.weight", "blk.0.attn_q.weight", "blk.1.attn_q.weight", "blk.2.attn_q.weight"]
+    opts = SessionOptions(n_gpu_layers=2)
+    lay = plan_layout(names, 2, opts, ["DEV0"], False, n_blocks=3)
+    assert lay.layer_device == ("CPU", "CPU") and lay.output_device == "DEV0"
+    with_head = plan_layout(names, 3, opts, ["DEV0"], False, n_blocks=3)
+    assert with_head.layer_device == ("CPU", "CPU", "DEV0") and with_head.tensors["blk.2.attn_q.weight"] == "DEV0"
+    assert plan_layout(names[:4], 2, opts, ["DEV0"], False).layer_device == ("CPU", "DEV0")  # a file without one
