@@ -283,7 +283,7 @@ def test_offload_rule_counts_the_head_block_loaded_or_not():
 
     names = ["token_embd.weight", "output.weight", "blk.0.attn_q.weight", "blk.1.attn_q.weight", "blk.2.attn_q.weight"]
     opts = SessionOptions(n_gpu_layers=2)
-    lay = plan_layout(names, 2, opts, ["DEV0"], False, n_blocks=3)
+    lay = plan_layout(names[:4], 2, opts, ["DEV0"], False, n_blocks=3)  # the head's block not loaded
     assert lay.layer_device == ("CPU", "CPU") and lay.output_device == "DEV0"
     with_head = plan_layout(names, 3, opts, ["DEV0"], False, n_blocks=3)
     assert with_head.layer_device == ("CPU", "CPU", "DEV0") and with_head.tensors["blk.2.attn_q.weight"] == "DEV0"
