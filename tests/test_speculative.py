@@ -18,7 +18,7 @@ from ggml_hybrid.runtime.generate import complete
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.runtime.sampling import Sampler
 from ggml_hybrid.runtime.speculative import ReplayDrafts, Speculator, accept_drafts, draft_choice
-from ggml_hybrid.synthetic import ModelSpec, write_model
+from ggml_hybrid.synthetic import write_model
 
 # the families whose pinned llama.cpp runs a next-token-prediction head, as small generated models with one
 SPECS = {
@@ -288,3 +288,118 @@ def test_offload_rule_counts_the_head_block_loaded_or_not():
     with_head = plan_layout(names, 3, opts, ["DEV0"], False, n_blocks=3)
     assert with_head.layer_device == ("CPU", "CPU", "DEV0") and with_head.tensors["blk.2.attn_q.weight"] == "DEV0"
     assert plan_layout(names[:4], 2, opts, ["DEV0"], False).layer_device == ("CPU", "DEV0")  # a file without one
+
+
+def _engine_run(m: MoEModel, prompts: list[str], temp: float = 0.0, max_tokens: int = 12, **kw):
+    from ggml_hybrid.runtime.engine import Engine, Request
+
+    e = Engine(m)
+    try:
+        reqs = [e.submit(Request(m.tokenizer.encode(p), Sampler(temperature=temp, seed=i), max_tokens, **kw))
+                for i, p in enumerate(prompts)]
+        for r in reqs:
+            assert r.done.wait(120)
+        return reqs, e.stats
+    finally:
+        e.close()
+
+
+PROMPTS = ["The cache runs the hits first", "a", "Once upon a time in a land far away there lived a", "misses",
+           "then the", "CPU share of"]
+
+
+@pytest.mark.parametrize("family", ["glm4moe", "qwen35moe"])
+def test_every_concurrent_sequence_speculates_and_keeps_its_tokens(models, family):
+    """The server's engine: six requests over three slots, each speculating with the head in shared verify steps,
+    give the tokens of plain decoding one at a time; the step's counters and each request's are kept."""
+    path = models[family]
+    with MoEModel(path, _opts(ubatch_size=8)) as m:
+        want, _ = _engine_run(m, PROMPTS)
+    with MoEModel(path, _opts(ubatch_size=8, n_parallel=3, spec_type="draft-mtp", draft_backoff=False)) as m:
+        got, stats = _engine_run(m, PROMPTS)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert stats.spec is not None and stats.spec.verify_steps > 0 and stats.spec.drafted == \
+        sum(r.n_drafted for r in got)
+    assert stats.spec.accepted == sum(r.n_accepted for r in got)
+
+
+class _EvenTokens:
+    """A test double of a grammar's constraint: only even token ids, done after four tokens."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def mask(self, logits):
+        out = np.array(logits, copy=True)
+        out[1::2] = -np.inf
+        return out
+
+    def accept(self, tok: int) -> None:
+        assert tok % 2 == 0
+        self.n += 1
+
+    @property
+    def done(self) -> bool:
+        return self.n >= 4
+
+
+def test_constrained_requests_draft_nothing_and_keep_their_mask(models):
+    path = models["glm4moe"]
+    with MoEModel(path, _opts(ubatch_size=8, n_parallel=2, spec_type="draft-mtp", draft_backoff=False)) as m:
+        from ggml_hybrid.runtime.engine import Engine, Request
+
+        e = Engine(m)
+        try:
+            free = e.submit(Request(m.tokenizer.encode(PROMPTS[0]), Sampler(), 10))
+            masked = e.submit(Request(m.tokenizer.encode(PROMPTS[1]), Sampler(), 10, constraint=_EvenTokens()))
+            assert free.done.wait(120) and masked.done.wait(120)
+        finally:
+            e.close()
+    assert masked.n_drafted == 0 and len(masked.tokens) == 4 and all(t % 2 == 0 for t in masked.tokens)
+    assert free.n_drafted > 0
+
+
+def test_seeded_sampling_with_speculation_runs_to_its_limits(models):
+    with MoEModel(models["qwen3next"], _opts(ubatch_size=8, n_parallel=2, spec_type="draft-mtp")) as m:
+        got, stats = _engine_run(m, PROMPTS[:4], temp=0.9, max_tokens=9)
+    assert all(r.finish_reason in ("length", "stop") and len(r.tokens) <= 9 for r in got)
+    assert all(len(r.tokens) == 9 for r in got if r.finish_reason == "length")
+
+
+def test_serve_reports_speculation_in_timings_and_metrics(models, tmp_path):
+    """``serve --spec-type draft-mtp``: a completion's ``timings`` carry llama-server's ``draft_n`` and
+    ``draft_n_accepted``, ``/metrics`` the counters, and the text is the plain server's."""
+    from test_server import Server, post, scrape
+
+    body = '{"model": "qwen35moe", "prompt": "The cache runs the hits first", "max_tokens": 16, "temperature": 0}'
+    args = [models["qwen35moe"], "-t", "1", "-c", "128", "-np", "2"]
+    with Server(args) as plain:
+        status, want = post(plain.url + "/v1/completions", body)
+        assert status == 200
+        plain.stop()
+    with Server(args + ["--spec-type", "draft-mtp", "--draft-max", "2", "-o", "draft_backoff=false"]) as srv:
+        status, got = post(srv.url + "/v1/completions", body)
+        assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"]
+        t = got["timings"]
+        assert t["draft_n"] > 0 and 0 <= t["draft_n_accepted"] <= t["draft_n"]
+        m = scrape(srv.url)
+        model = (("model", got["model"]),)
+        assert m[("ggml_hybrid_speculative_drafted_tokens_total", model)] == t["draft_n"]
+        assert m[("ggml_hybrid_speculative_accepted_tokens_total", model)] == t["draft_n_accepted"]
+        assert m[("ggml_hybrid_speculative_verify_steps_total", model)] > 0
+        rc, _ = srv.stop()
+        assert rc == 0
+    assert "draft_n" not in want["timings"]
+
+
+def test_serve_refuses_replay_and_a_model_without_a_head(tmp_path):
+    from click.testing import CliRunner
+
+    from ggml_hybrid.cli import main
+
+    path = write_model(tmp_path / "q3.gguf", arch="qwen3moe", n_layer=2)
+    r = CliRunner().invoke(main, ["serve", path, "--spec-type", "draft-mtp"])
+    assert r.exit_code != 0 and r.output.count("error:") == 1 and "no next-token-prediction" in r.output
+    r = CliRunner().invoke(main, ["serve", path, "-o", "spec_type=replay"])
+    assert r.exit_code != 0 and "replayed drafts are for benchmarks" in r.output

@@ -51,9 +51,9 @@ def main() -> int:
     lib = L.llama_cpp._lib
     # the staging API of src/llama-ext.h: exported with C++ linkage (the header has no extern "C"), not bound by
     # llama-cpp-python
-    set_nextn = getattr(lib, "_Z26llama_set_embeddings_nextnP13llama_contextbb")
+    set_nextn = lib._Z26llama_set_embeddings_nextnP13llama_contextbb
     set_nextn.argtypes, set_nextn.restype = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None
-    get_nextn_ith = getattr(lib, "_Z30llama_get_embeddings_nextn_ithP13llama_contexti")
+    get_nextn_ith = lib._Z30llama_get_embeddings_nextn_ithP13llama_contexti
     get_nextn_ith.argtypes, get_nextn_ith.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)
 
     L.llama_backend_init()

@@ -114,14 +114,21 @@ def read_prompt_file(path: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streamed text and stats.")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="Write every evaluated position's logits, float32 [positions, vocab], to this .npy file.")
+@click.option("--draft-replay", metavar="FILE", help=(
+    "Benchmarks only: speculative decoding with drafts replayed from FILE (the `--json` report of a run of this "
+    "prompt, or a JSON list of token ids by position), each kept with probability --draft-accept: speculation's "
+    "speed at a chosen acceptance on a model whose own head would be noise. Marked benchmark-only in the output."))
+@click.option("--draft-accept", type=click.FloatRange(0, 1), metavar="P", help=(
+    "With --draft-replay: the probability that a replayed draft token is right (default 1)."))
+@click.option("--draft-seed", type=click.IntRange(0), metavar="N", help="With --draft-replay: its seed (default 0).")
 @click.pass_context
 def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None,
         prompt: str | None, prompt_file: str | None,
         tokens: str | None, escape: bool, n_predict: int, seed: int | None, temp: float, top_k: int, top_p: float,
         min_p: float, repeat_penalty: float, repeat_last_n: int, presence_penalty: float, frequency_penalty: float,
         ignore_eos: bool, conversation: bool, no_conversation: bool, system_prompt: str | None, special: bool,
-        as_json: bool,
-        logits_out: str | None, **flags: Any) -> None:
+        as_json: bool, logits_out: str | None, draft_replay: str | None, draft_accept: float | None,
+        draft_seed: int | None, **flags: Any) -> None:
     """Generate text from MODEL (a GGUF file, or a model name or role in --config)."""
     from ..files import check_output
     from ..runtime.generate import GenerationStats, generate
@@ -143,6 +150,9 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         raise click.UsageError("give exactly one of -p/--prompt, -f/--file and --tokens"
                                + (f" (got {', '.join(given)})" if given else ""))
     _refuse_ignored(ctx, temp, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, tokens)
+    replay = _replay_file(draft_replay, draft_accept, draft_seed, conversation)
+    if replay is not None:
+        flags["session_options"] = tuple(flags.get("session_options") or ()) + ("spec_type=replay",)
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
     if prompt is not None:
@@ -192,7 +202,15 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         st = GenerationStats()
         pieces: list[str] = []
         interrupted = False
-        gen = generate(m, ids, n_predict, sampler, st, keep_logits=logits_out is not None, stop_at_eos=not ignore_eos)
+        speculator = None
+        if replay is not None:
+            from ..runtime.speculative import ReplayDrafts, Speculator
+
+            known = replay if isinstance(replay, list) else list(ids) + [int(t) for t in replay["tokens"]]
+            speculator = Speculator(m, ReplayDrafts(known, accept=1.0 if draft_accept is None else draft_accept,
+                                                    seed=draft_seed or 0))
+        gen = generate(m, ids, n_predict, sampler, st, keep_logits=logits_out is not None, stop_at_eos=not ignore_eos,
+                       speculator=speculator)
         try:
             for piece in gen:
                 pieces.append(piece)
@@ -233,6 +251,33 @@ def _refuse_ignored(ctx: click.Context, temp: float, repeat_penalty: float, repe
                                "some tokens")
     if tokens is not None and explicit(ctx, "escape"):
         raise click.UsageError("-e/--no-escape: no effect with --tokens (escapes apply to prompt text)")
+
+
+def _replay_file(path: str | None, accept: float | None, seed: int | None,
+                 conversation: bool) -> list[int] | dict[str, Any] | None:
+    """``--draft-replay``'s token ids: a JSON list, or a ``run --json`` report (its ``tokens`` follow the prompt)."""
+    if path is None:
+        for flag, v in (("--draft-accept", accept), ("--draft-seed", seed)):
+            if v is not None:
+                raise click.UsageError(f"{flag} needs --draft-replay")
+        return None
+    if conversation:
+        raise click.UsageError("--draft-replay does not go with -cnv (replayed drafts are a benchmark's)")
+    from ..files import not_a_file
+
+    why = not_a_file(path)
+    if why is not None:
+        raise click.BadParameter(f"{path!r} {why}", param_hint="--draft-replay")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise click.BadParameter(f"{path!r} is not a JSON file: {exc}", param_hint="--draft-replay") from None
+    ids = data.get("tokens") if isinstance(data, dict) else data
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise click.BadParameter(f"{path!r}: expected a JSON list of token ids or a `run --json` report with "
+                                 "\"tokens\"", param_hint="--draft-replay")
+    return data if isinstance(data, dict) else ids
 
 
 def _check_conversation(no_conversation: bool, tokens: str | None, as_json: bool, logits_out: str | None) -> None:

@@ -50,8 +50,9 @@ def head_layer(hp: HParams, path: str = "") -> int:
                              "needs one of " + ", ".join(sorted(a for a, f in FAMILIES.items()
                                                                if f.head_attention is not None)))
     if n_nextn == 0:
-        raise ModelFileError(f"{where}the model has no next-token-prediction (MTP) head ({hp.arch}.nextn_predict_layers "
-                             "is 0 or absent: converted without it, e.g. with --no-mtp)")
+        raise ModelFileError(f"{where}the model has no next-token-prediction (MTP) head "
+                             f"({hp.arch}.nextn_predict_layers is 0 or absent: converted without it, e.g. with "
+                             "--no-mtp)")
     if n_nextn != 1:
         raise ModelFileError(f"{where}{hp.arch}.nextn_predict_layers = {n_nextn}: llama.cpp's {hp.arch} MTP graph runs "
                              "a single head block")

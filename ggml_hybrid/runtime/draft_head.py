@@ -39,7 +39,7 @@ class DraftHead:
         """Positions whose pairs wait for a fill."""
         return len(self.tokens[seq])
 
-    def record(self, seq: int, tokens: Sequence[int], hidden: np.ndarray) -> None:
+    def record(self, seq: int, tokens: Sequence[int] | np.ndarray, hidden: np.ndarray) -> None:
         """The target appended ``tokens`` to sequence ``seq``; ``hidden`` [len(tokens), n_embd] are its states."""
         prev = self.last_h[seq]
         for t, h in zip(tokens, hidden):

@@ -24,7 +24,7 @@ from ..errors import ArgumentError, NonFiniteError
 from ..text.vocab import check_ids
 from .moe_model import MoEModel
 from .sampling import Sampler
-from .speculative import SpecCounters, Speculator
+from .speculative import SpecCounters, SpecItem, Speculator
 
 
 @dataclass
@@ -146,7 +146,9 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
                 continue
             budget = n_predict - i if n_predict >= 0 else model.n_ctx
             start = model.n_past
-            queue = speculator.step([(0, tok, sampler, budget)], stop=eog if stop_at_eos else ())[0]
+            queue = speculator.step([SpecItem(0, tok, sampler, budget, eog if stop_at_eos else ())])[0]
+            if speculator.last_errors[0] is not None:
+                raise speculator.last_errors[0]
             rows = speculator.last_rows[0]
             check_finite(model, rows[:model.n_past - start])
             st.decode_steps += model.n_past - start

@@ -793,15 +793,15 @@ class MoEModel:
         if len(set(seqs)) != len(seqs):
             raise ArgumentError(f"verify: a sequence appears more than once in the batch {seqs}")
         with self._serial.turn("verify"):
-            for seq, toks in checked:
+            for seq, arr in checked:
                 self._check_idle(seq, "verify")
-                self.kv.n_kv_for(len(toks), seq)  # every sequence has room, or nothing is evaluated
+                self.kv.n_kv_for(len(arr), seq)  # every sequence has room, or nothing is evaluated
             rows: list[tuple[int, int, int, tuple[int, int]]] = []  # (seq, token, offset, recurrent rows)
             chains: dict[int, list[tuple[int, int]]] = {}
-            for seq, toks in checked:
-                chain = self.rs.chain(seq, len(toks)) if self.rs is not None else [(0, 0)] * len(toks)
+            for seq, arr in checked:
+                chain = self.rs.chain(seq, len(arr)) if self.rs is not None else [(0, 0)] * len(arr)
                 chains[seq] = chain
-                rows += [(seq, int(t), i, chain[i]) for i, t in enumerate(toks)]
+                rows += [(seq, int(t), i, chain[i]) for i, t in enumerate(arr)]
             logits, hidden = [], []
             for u0 in range(0, len(rows), self.decode_rows):
                 lg, hd = self._verify_ubatch(rows[u0:u0 + self.decode_rows])
@@ -810,11 +810,11 @@ class MoEModel:
             all_logits = np.concatenate(logits, axis=0)
             all_hidden = np.concatenate(hidden, axis=0) if self.head is not None else None
             out, r0 = [], 0
-            for seq, toks in checked:
-                n = len(toks)
+            for seq, arr in checked:
+                n = len(arr)
                 out.append(all_logits[r0:r0 + n])
                 h = all_hidden[r0:r0 + n] if all_hidden is not None else None
-                self._verifying[seq] = (self.kv.used[seq], [int(t) for t in toks], h, chains[seq])
+                self._verifying[seq] = (self.kv.used[seq], [int(t) for t in arr], h, chains[seq])
                 r0 += n
             return out
 

@@ -23,10 +23,10 @@ The draft sources:
   marked benchmark-only wherever it is reported, and the server refuses it.
 
 *Backoff* (``draft_backoff``, on by default): after two verify steps in a row that kept no draft (a draft step that
-proposed none counts as one), a sequence pauses drafting for 2, then 4, ... up to 64 tokens, decoding plain steps; the head's cache is caught
-up in one batch when drafting resumes (its input rows wait in :class:`~ggml_hybrid.runtime.draft_head.DraftHead`).
-A step that keeps a draft resets the pause. Speculation that does not pay thus costs a probe every 64 tokens. The
-tokens never change.
+proposed none counts as one), a sequence pauses drafting for 2, then 4, ... up to 64 tokens, decoding plain steps;
+the head's cache is caught up in one batch when drafting resumes (its input rows wait in
+:class:`~ggml_hybrid.runtime.draft_head.DraftHead`). A step that keeps a draft resets the pause. Speculation that
+does not pay thus costs a probe every 64 tokens. The tokens never change.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -79,6 +79,18 @@ class SpecCounters:
         return {"drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": round(self.acceptance, 6),
                 "verify_steps": self.verify_steps, "draft_steps": self.draft_steps, "head_rows_filled": self.filled,
                 "plain_steps": self.plain_steps}
+
+
+class SpecItem(NamedTuple):
+    """One sequence of a speculative step: its last token (sampled, not evaluated), its sampler (``None``: no drafts,
+    and the caller samples from the step's row itself: a request whose logits a grammar masks), the tokens it may
+    still emit (at least 1) and its end-of-generation tokens."""
+
+    seq: int
+    id_last: int
+    sampler: Sampler | None
+    budget: int
+    stop: Collection[int] = ()
 
 
 @dataclass
@@ -278,6 +290,8 @@ class Speculator:
         self._seqs: dict[int, _SeqState] = {}
         #: the logits of the last step's verify rows, per item (row i: after the i-th token of its step)
         self.last_rows: list[np.ndarray] = []
+        #: per item of the last step: the exception its sampler raised (it emitted nothing), or None
+        self.last_errors: list[Exception | None] = []
 
     @property
     def benchmark_only(self) -> bool:
@@ -287,44 +301,56 @@ class Speculator:
         """Sequence ``seq`` starts anew (its backoff too)."""
         self._seqs.pop(seq, None)
 
-    def step(self, items: Sequence[tuple[int, int, Sampler, int]], stop: Collection[int] = ()) -> list[list[int]]:
-        """One step of several sequences, ``(seq, id_last, sampler, budget)``: each drafts up to ``min(draft_max,
-        budget - 1)`` tokens (``budget``: the tokens it may still emit, at least 1), all verify together, and each
-        keeps what its sampler's rejection rule keeps. Returns the emitted tokens of each sequence (at least one:
-        the last is not evaluated yet, the step's new ``id_last``; a token of ``stop`` is emitted last)."""
+    def step(self, items: Sequence[SpecItem]) -> list[list[int]]:
+        """One step of several sequences: each drafts up to ``min(draft_max, budget - 1)`` tokens, all verify
+        together, and each keeps what its sampler's rejection rule keeps. Returns the emitted tokens of each item (at
+        least one: the last is not evaluated yet, the sequence's next ``id_last``; a token of its ``stop`` is emitted
+        last); none for an item without a sampler (its one row is :attr:`last_rows`' to sample from: the sequence
+        keeps ``id_last`` only)."""
         model = self.model
-        requests, plain = [], []
-        for seq, id_last, _, budget in items:
-            st = self._seqs.setdefault(seq, _SeqState())
-            room = model.n_ctx - model.position(seq) - 1  # the verify step's rows must fit the context
-            n_max = min(self.draft_max, budget - 1, room)
+        requests = []
+        for it in items:
+            st = self._seqs.setdefault(it.seq, _SeqState())
+            room = model.n_ctx - model.position(it.seq) - 1  # the verify step's rows must fit the context
+            n_max = min(self.draft_max, it.budget - 1, room) if it.sampler is not None else 0
             if st.paused > 0 or n_max < max(self.draft_min, 1):
                 st.paused = max(st.paused - 1, 0)
-                plain.append(seq)
                 continue
-            requests.append(DraftRequest(seq, id_last, n_max))
+            requests.append(DraftRequest(it.seq, it.id_last, n_max))
         drafts = {r.seq: d for r, d in zip(requests, self.source.propose(model, requests, self.counters))} \
             if requests else {}
         for seq, d in list(drafts.items()):
             if len(d) < max(self.draft_min, 1):
                 drafts[seq] = []
                 self._missed(seq)  # nothing worth verifying: a plain step
-        batch = [(seq, [id_last] + drafts.get(seq, [])) for seq, id_last, _, _ in items]
+        batch = [(it.seq, [it.id_last] + drafts.get(it.seq, [])) for it in items]
         rows = self.last_rows = model.verify(batch)
-        out = []
-        for (seq, _, sampler, _), (_, toks), lg in zip(items, batch, rows):
+        out: list[list[int]] = []
+        self.last_errors = [None] * len(items)
+        for i, (it, (_, toks), lg) in enumerate(zip(items, batch, rows)):
             d = toks[1:]
-            emitted = accept_drafts(sampler, lg, d, stop=stop)
+            if it.sampler is None:
+                model.accept(it.seq, 1)
+                self.counters.plain_steps += 1
+                out.append([])
+                continue
+            try:
+                emitted = accept_drafts(it.sampler, lg, d, stop=it.stop)
+            except Exception as exc:  # this sequence's sampler failed: it alone fails, it keeps id_last only
+                model.accept(it.seq, 1)
+                self.last_errors[i] = exc
+                out.append([])
+                continue
             kept = len(emitted) - 1
-            model.accept(seq, 1 + kept)
+            model.accept(it.seq, 1 + kept)
             if d:
                 self.counters.drafted += len(d)
                 self.counters.accepted += kept
                 self.counters.verify_steps += 1
                 if kept:
-                    self._seqs[seq] = _SeqState()
+                    self._seqs[it.seq] = _SeqState()
                 else:
-                    self._missed(seq)
+                    self._missed(it.seq)
             else:
                 self.counters.plain_steps += 1
             out.append(emitted)
@@ -338,5 +364,5 @@ class Speculator:
             st.backoff = min(2 * st.backoff, BACKOFF_MAX)
 
 
-__all__ = ["BACKOFF_MAX", "DRAFT_TOP_K", "MISSES_TO_PAUSE", "DraftRequest", "DraftSource", "HeadDrafts", "ReplayDrafts", "SpecCounters",
-           "Speculator", "accept_drafts", "draft_choice"]
+__all__ = ["BACKOFF_MAX", "DRAFT_TOP_K", "MISSES_TO_PAUSE", "DraftRequest", "DraftSource", "HeadDrafts", "ReplayDrafts",
+           "SpecCounters", "SpecItem", "Speculator", "accept_drafts", "draft_choice"]

@@ -4,7 +4,9 @@ Every metric is prefixed ``ggml_hybrid_`` and labelled with the model (``model``
 Counters (``_total``): ``http_requests`` (endpoint, status), ``requests`` (finish_reason: stop, length,
 cancelled, error), ``prompt_tokens``, ``prompt_tokens_reused`` and ``prompt_tokens_evaluated`` (kept from a
 slot's cells by prompt reuse, computed), ``generated_tokens``, ``expert_cache_hits``, ``expert_cache_misses``,
-``expert_cache_cpu_misses``, ``expert_cache_bytes_loaded``. Gauges: ``model_loaded``, ``slots``,
+``expert_cache_cpu_misses``, ``expert_cache_bytes_loaded``, and with speculative decoding
+``speculative_drafted_tokens``, ``speculative_accepted_tokens``, ``speculative_verify_steps`` (llama-server's
+``spec_decode_num_*``) and the gauge ``speculative_acceptance_rate``. Gauges: ``model_loaded``, ``slots``,
 ``busy_slots``, ``queue_depth``, ``tokens_per_second`` (generated tokens per second of decode steps
 over the last 10 s), ``moe_cpu_share_applied``, ``hybrid_offload_active`` (0/1) and
 ``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute). docs/serve.md lists them.
@@ -60,6 +62,10 @@ class ServerCollector(Collector):
         offload = gauge("hybrid_offload_active", "1 when the CPU has computed part of the routed-expert work")
         memory = GaugeMetricFamily(P + "device_memory_bytes", "Bytes held on each device, by purpose",
                                    labels=["model", "device", "purpose"])
+        drafted = counter("speculative_drafted_tokens", "Speculative decoding: draft tokens verified")
+        accepted = counter("speculative_accepted_tokens", "Speculative decoding: draft tokens the target kept")
+        verify = counter("speculative_verify_steps", "Speculative decoding: verify steps (a sequence's drafts)")
+        acceptance = gauge("speculative_acceptance_rate", "Speculative decoding: accepted / drafted tokens")
         for name, sm in ms.models.items():
             up.add_metric([name], 1.0 if sm.ready else 0.0)
             if sm.engine is None:
@@ -75,6 +81,11 @@ class ServerCollector(Collector):
             busy.add_metric([name], st.busy_slots)
             queue.add_metric([name], st.queued)
             tps.add_metric([name], st.tokens_per_second)
+            if st.spec is not None:
+                drafted.add_metric([name], st.spec.drafted)
+                accepted.add_metric([name], st.spec.accepted)
+                verify.add_metric([name], st.spec.verify_steps)
+                acceptance.add_metric([name], st.spec.acceptance)
             snap = sm.snapshot
             hits.add_metric([name], snap.hits)
             misses.add_metric([name], snap.misses)
@@ -86,7 +97,7 @@ class ServerCollector(Collector):
                 for purpose, n in purposes.items():
                     memory.add_metric([name, dev, purpose], n)
         yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, slots,
-                    busy, queue, tps, share, offload, memory)
+                    busy, queue, tps, share, offload, memory, drafted, accepted, verify, acceptance)
 
 
 def registry(models: ModelSet) -> CollectorRegistry:

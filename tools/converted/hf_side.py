@@ -10,9 +10,9 @@ does not import ggml_hybrid. Subcommands (one JSON line on stdout each):
 
 ``make`` saves what ``save_pretrained`` writes, plus, for the families whose published checkpoints carry
 next-token-prediction (MTP) weights that transformers does not model (GLM-4.5's and GLM-4.7-Flash's
-``model.layers.N``, Qwen3-Next's and Qwen3.5's ``mtp.*``), those tensors in the published layout, so the converter sees what it sees on a
-published checkpoint. ``logits`` evaluates the token ids in float32 with eager attention and prints the greedy
-continuation of ``--greedy`` tokens.
+``model.layers.N``, Qwen3-Next's and Qwen3.5's ``mtp.*``), those tensors in the published layout, so the converter
+sees what it sees on a published checkpoint. ``logits`` evaluates the token ids in float32 with eager attention and
+prints the greedy continuation of ``--greedy`` tokens.
 """
 
 from __future__ import annotations
