@@ -5,6 +5,8 @@ cache follows the sequence; bad requests are refused in one error."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from helpers import rewrite_gguf
@@ -403,3 +405,66 @@ def test_serve_refuses_replay_and_a_model_without_a_head(tmp_path):
     assert r.exit_code != 0 and r.output.count("error:") == 1 and "no next-token-prediction" in r.output
     r = CliRunner().invoke(main, ["serve", path, "-o", "spec_type=replay"])
     assert r.exit_code != 0 and "replayed drafts are for benchmarks" in r.output
+
+
+def _cli(*args: str):
+    from click.testing import CliRunner
+
+    from ggml_hybrid.cli import main
+
+    r = CliRunner().invoke(main, list(args))
+    return r, (json.loads(r.stdout) if r.exit_code == 0 and "--json" in args else None)
+
+
+def test_run_speculates_and_replays_with_the_plain_tokens(models, tmp_path):
+    path = models["qwen35moe"]
+    common = ["run", path, "-p", "The cache runs", "-n", "20", "--temp", "0", "--ignore-eos", "-t", "1", "--json"]
+    r, plain = _cli(*common)
+    assert r.exit_code == 0, r.output
+    assert plain["speculative"] is None
+    r, mtp = _cli(*common, "--spec-type", "draft-mtp", "--draft-max", "2")
+    assert r.exit_code == 0, r.output
+    assert mtp["tokens"] == plain["tokens"]
+    sp = mtp["speculative"]
+    assert sp["type"] == "draft-mtp" and sp["draft_max"] == 2 and sp["verify_steps"] > 0 and not sp["benchmark_only"]
+    report = tmp_path / "plain.json"
+    report.write_text(json.dumps(plain))  # a plain run's --json report
+    r, rep = _cli(*common, "--draft-replay", str(report), "--draft-accept", "1")
+    assert r.exit_code == 0, r.output
+    assert rep["tokens"] == plain["tokens"]
+    assert rep["speculative"]["benchmark_only"] and rep["speculative"]["acceptance_rate"] == 1.0
+    text, _ = _cli(*common[:-1], "--draft-replay", str(report))
+    assert text.exit_code == 0 and "BENCHMARK ONLY: drafts replayed" in text.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--spec-type", "draft-mtp", "--draft-max", "0"], "0 is not in the range 1<=x<=64"),
+    (["--spec-type", "draft-mtp", "--draft-max", "10000"], "10000 is not in the range 1<=x<=64"),
+    (["--spec-type", "ngram-simple"], "--spec-type ngram-simple is not supported by ggml-hybrid"),
+    (["--spec-type", "mtp"], "--spec-type 'mtp': not a speculative decoding type"),
+    (["--draft-accept", "0.5"], "--draft-accept needs --draft-replay"),
+])
+def test_run_refuses_bad_speculation_flags_in_one_line(models, args, fragment):
+    r, _ = _cli("run", models["glm4moe"], "-p", "hi", "-n", "2", *args)
+    assert r.exit_code != 0 and fragment in r.output
+    assert r.output.count("error:") == 1 and "Traceback" not in r.output
+
+
+def test_run_refuses_draft_mtp_without_a_head_in_one_line(tmp_path):
+    path = write_model(tmp_path / "q3.gguf", arch="qwen3moe", n_layer=2)
+    r, _ = _cli("run", path, "-p", "hi", "-n", "2", "--spec-type", "draft-mtp")
+    assert r.exit_code != 0 and r.output.count("error:") == 1 and "no next-token-prediction (MTP) head" in r.output
+
+
+def test_bench_times_speculation_and_marks_replay_benchmark_only(models):
+    r, rows = _cli("bench", models["glm4moe"], "-p", "0", "-n", "12", "-r", "1", "-t", "1", "--draft-accept",
+                   "0,1", "--json")
+    assert r.exit_code == 0, r.output
+    assert [x["mode"] for x in rows] == ["greedy", "replay 0", "replay 1"]
+    assert all(x["speculative"]["benchmark_only"] for x in rows[1:])
+    assert rows[1]["speculative"]["accepted"] == 0 and rows[2]["speculative"]["acceptance_rate"] == 1.0
+    r, rows = _cli("bench", models["glm4moe"], "-p", "0", "-n", "12", "-r", "1", "-t", "1", "--spec-type",
+                   "draft-mtp", "--json")
+    assert r.exit_code == 0, r.output
+    assert [x["mode"] for x in rows] == ["greedy", "draft-mtp"]
+    assert not rows[1]["speculative"]["benchmark_only"] and rows[1]["speculative"]["draft_steps"] > 0
