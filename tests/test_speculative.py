@@ -34,7 +34,7 @@ MODES = {
     "cache": dict(disk_experts=True, expert_cache_slots=3),
     "share_0.5": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share=0.5),
     "share_auto": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share="auto"),
-    "host_tier": dict(disk_experts=True, expert_cache_slots=3, host_cache_bytes=8 << 20),
+    "host_tier": dict(disk_experts=True, expert_cache_slots=3, host_tier_bytes=8 << 20),
 }
 N = 24  # tokens generated per run
 
@@ -75,7 +75,7 @@ def test_greedy_with_speculation_is_greedy_without(models, plain, family, mode):
         assert st_.spec is not None and st_.spec.verify_steps > 0 and st_.spec.draft_steps > 0
         assert not st_.benchmark_only
         if mode != "resident":
-            head = m.experts.counters[m.head_layer]  # the head's experts go through the cache like any layer's
+            head = m.experts.counters[m.model.head_layer]  # the head's experts go through the cache like any layer's
             assert head.calls > 0
     with MoEModel(models[family], _opts(spec_type="replay", draft_max=4, **kw)) as m:
         for accept in (0.0, 0.5, 1.0):
@@ -281,7 +281,7 @@ def test_offload_rule_counts_the_head_block_loaded_or_not():
     """llama.cpp's -ngl counts every block of the file (llama-model.cpp: ``i_gpu_start = n_layer_all + 1 -
     n_gpu_layers``), the next-token-prediction block too: -ngl 2 on a 2-layer file with a head offloads the output
     and the head's block, not the last layer."""
-    from ggml_hybrid.deploy.layout import plan_layout
+    from ggml_hybrid.placement.layout import plan_layout
 
     names = ["token_embd.weight", "output.weight", "blk.0.attn_q.weight", "blk.1.attn_q.weight", "blk.2.attn_q.weight"]
     opts = SessionOptions(n_gpu_layers=2)

@@ -2,10 +2,10 @@
 
 A *step* of a sequence starts from its last token ``id_last`` (sampled, not yet evaluated). A draft source proposes
 up to ``draft_max`` tokens after it; the target evaluates ``[id_last, d1, ..., dk]`` as one verify step
-(:meth:`MoEModel.verify`: each row bit-identical to a one-token decode step, every layer's experts one call); then
+(:meth:`Session.verify`: each row bit-identical to a one-token decode step, every layer's experts one call); then
 the rows' distributions decide, left to right, which drafts the target keeps (:func:`accept_drafts`) and the first
 row not explained by a draft gives one more token. The step emits the kept drafts and that token;
-:meth:`MoEModel.accept` keeps ``id_last`` and the kept drafts in the sequence. With greedy sampling a draft is kept
+:meth:`Session.accept` keeps ``id_last`` and the kept drafts in the sequence. With greedy sampling a draft is kept
 exactly when it is the target's argmax, so the tokens are those of plain decoding, and so are the logits of every
 evaluated position, bit for bit.
 
@@ -13,7 +13,7 @@ The draft sources:
 
 - :class:`HeadDrafts` (``spec_type=draft-mtp``): the model's own next-token-prediction head, as llama.cpp's
   ``draft-mtp`` runs it (``common/speculative.cpp``): the head's cache is filled with the positions the target
-  evaluated (in one batch, when it next drafts: :meth:`MoEModel.draft_fill`), then each draft step runs the head on
+  evaluated (in one batch, when it next drafts: :meth:`Session.draft_fill`), then each draft step runs the head on
   the token before with the hidden state before it (the target's, then the head's own) and takes the head's argmax;
   drafting stops at ``draft_max`` tokens or at a token whose probability among the head's top 10 is below
   ``draft_p_min`` (llama.cpp's draft sampler: top-k 10, greedy); a draft shorter than ``draft_min`` is dropped.
@@ -41,8 +41,8 @@ import numpy.typing as npt
 
 from ..checks import check_int, check_real
 from ..errors import ArgumentError
-from .moe_model import MoEModel
 from .sampling import Sampler
+from .session import Session
 
 DRAFT_TOP_K = 10  # llama.cpp's draft sampler: top-k 10, the probability of the best among them (common_speculative)
 BACKOFF_MAX = 64  # the longest pause, in tokens
@@ -106,7 +106,7 @@ class DraftSource(Protocol):
     #: whether what it produces is the model's own (False) or a benchmark's staging (True)
     benchmark_only: bool
 
-    def propose(self, model: MoEModel, requests: Sequence[DraftRequest], counters: SpecCounters) -> list[list[int]]:
+    def propose(self, model: Session, requests: Sequence[DraftRequest], counters: SpecCounters) -> list[list[int]]:
         """The drafts of each request, in order (each at most its ``n_max`` tokens)."""
         ...
 
@@ -118,7 +118,7 @@ class HeadDrafts:
     p_min: float = 0.0
     benchmark_only: bool = False
 
-    def propose(self, model: MoEModel, requests: Sequence[DraftRequest], counters: SpecCounters) -> list[list[int]]:
+    def propose(self, model: Session, requests: Sequence[DraftRequest], counters: SpecCounters) -> list[list[int]]:
         head = model.head
         if head is None:
             raise ArgumentError("HeadDrafts: the model was loaded without its draft head (spec_type=draft-mtp)")
@@ -183,7 +183,7 @@ class ReplayDrafts:
             return self.pattern[pos % len(self.pattern)]
         return bool(self._right[pos]) if pos < len(self._right) else False
 
-    def propose(self, model: MoEModel, requests: Sequence[DraftRequest], counters: SpecCounters) -> list[list[int]]:
+    def propose(self, model: Session, requests: Sequence[DraftRequest], counters: SpecCounters) -> list[list[int]]:
         out = []
         for r in requests:
             pos = model.position(r.seq) + 1  # the first draft follows id_last
@@ -267,7 +267,7 @@ class Speculator:
     ``spec_type=replay``). ``draft_max``, ``draft_min``, ``p_min``, ``backoff``: the model's options unless given.
     """
 
-    def __init__(self, model: MoEModel, source: DraftSource | None = None, *, draft_max: int | None = None,
+    def __init__(self, model: Session, source: DraftSource | None = None, *, draft_max: int | None = None,
                  draft_min: int | None = None, p_min: float | None = None, backoff: bool | None = None) -> None:
         opts = model.options
         if opts.spec_type == "none":
