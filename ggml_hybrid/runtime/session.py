@@ -21,7 +21,7 @@ context options (:data:`CONTEXT_OPTIONS`); every other option is the model's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -40,7 +40,7 @@ from ..gguf.store import GGUFStore
 from ..model.decoder import DecoderGraph, build_decoder, context_size, graph_size
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache, SeqRows, rotation_sizes, seq_input
-from ..model.mtp import build_head, head_context_size
+from ..model.mtp import build_head, head_context_size, head_graph_size
 from ..model.recurrent_state import RecurrentState
 from ..model.rope import positions
 from ..model.step_feed import StepFeed
@@ -158,6 +158,10 @@ class Session:
         self._verifying: dict[int, tuple[int, list[int], np.ndarray | None, list[tuple[int, int]]]] = {}
         self._active: GraphKey | None = None  # key of the graph whose regions are registered
         self._active_entry: DecoderGraph | None = None  # and that graph
+        # the draft head's graphs run on schedulers of their own, one for fills and one for draft steps: a step
+        # alternates target, fill and draft graphs, and a scheduler allocates anew whenever its graph changes
+        self._head_scheds: dict[str, Scheduler] = {}
+        self._head_active: dict[str, tuple[GraphKey, DecoderGraph]] = {}
         model.add_session(self)
         try:
             self._allocate(opts, hp)
@@ -209,9 +213,12 @@ class Session:
         if n_step > 1:
             self.sched.reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)), n_step).graph)
         if self.head is not None:  # and the head's graphs: a prompt's fill, a draft step of every sequence
-            self.sched.reserve(self._graph((SeqRows(0, ub, n_ctx),), ub, "fill").graph)
-            self.sched.reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)), n_step,
-                                           "draft").graph)
+            for kind in ("fill", "draft"):
+                self._head_scheds[kind] = Scheduler(list(model.devices.values()) + [model.host],
+                                                    graph_size=2 * head_graph_size(hp, opts.n_parallel))
+            self._head_scheds["fill"].reserve(self._graph((SeqRows(0, ub, n_ctx),), ub, "fill").graph)
+            self._head_scheds["draft"].reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)),
+                                                           n_step, "draft").graph)
 
     def _decode_rows(self) -> int:
         """Most sequences one decode ubatch takes: ``ubatch_size``, and fewer than GGML's tiled threshold when an
@@ -464,16 +471,17 @@ class Session:
                 # a decode step of several sequences (or a verify step: several tokens of one): each row as the
                 # one-row product of its sequence alone
                 entry.graph.set_rowwise()
-            self.sched.set_pins(entry.graph, self._pins(entry))
+            (self._head_scheds[kind] if kind else self.sched).set_pins(entry.graph, self._pins(entry))
             if not kind and entry.logits is not None:
                 entry.feed = StepFeed.of(self.kv, self.rs, model.hp.rope, seq_rows, n_out, entry.inputs,
                                          entry.logits, self._mask_dtype)
             return entry
 
+        if kind:
+            return self._head_graph(key, build)
         if key == self._active and self._active_entry is not None:
             return self._active_entry  # the graph of the last call (a decode step's), most recently used already
-        cache = self._head_graphs if kind else self._graphs if len(seq_rows) == 1 else self._step_graphs
-        entry = cache.get(key, build)
+        entry = (self._graphs if len(seq_rows) == 1 else self._step_graphs).get(key, build)
         if self._active != key:
             self.sched.clear_regions()
             self.model.experts.register(self.sched, entry.regions)
@@ -481,11 +489,28 @@ class Session:
         self._active_entry = entry
         return entry
 
+    def _head_graph(self, key: GraphKey, build: Callable[[Arena], DecoderGraph]) -> DecoderGraph:
+        """A draft head graph (``key``'s kind), its regions registered with its own scheduler."""
+        kind = key[2]
+        active = self._head_active.get(kind)
+        if active is not None and active[0] == key:
+            return active[1]
+        entry = self._head_graphs.get(key, build)
+        sched = self._head_scheds[kind]
+        sched.clear_regions()
+        self.model.experts.register(sched, entry.regions)
+        self._head_active[kind] = (key, entry)
+        return entry
+
     def _forget_graph(self, key: Hashable, entry: DecoderGraph) -> None:
         if self._active == key:  # its regions are registered with the scheduler
             self.sched.clear_regions()
             self._active = None
             self._active_entry = None
+        for kind, (k, _) in list(self._head_active.items()):
+            if k == key:
+                self._head_scheds[kind].clear_regions()
+                del self._head_active[kind]
 
     def _pins(self, entry: DecoderGraph) -> list[tuple[Tensor, Backend]]:
         """Each node's backend (:meth:`LoadedModel.pins`)."""
@@ -750,14 +775,16 @@ class Session:
             self.model.use_threads(self._threads[n > 1])
         seq_rows = tuple([SeqRows(seq, len(toks), head.kv.n_kv_for(len(toks), seq, off))
                           for seq, toks, _, off in parts])
-        g = self._graph(seq_rows, n, "fill" if fill else "draft")
-        self.sched.prepare(g.graph)
+        kind = "fill" if fill else "draft"
+        g = self._graph(seq_rows, n, kind)
+        sched = self._head_scheds[kind]
+        sched.prepare(g.graph)
         feed = self._inputs([(seq, toks) for seq, toks, _, _ in parts], seq_rows, n, False, kv=head.kv,
                             offsets=[off for *_, off in parts])
         feed["h"] = np.ascontiguousarray(np.concatenate([h for _, _, h, _ in parts], axis=0), np.float32)
         for name, t in g.inputs.items():  # a fill graph has no masks: what it lacks is not set
             t._set_trusted(feed[name])
-        self.sched.compute(g.graph)
+        sched.compute(g.graph)
         self.model.store.check_reads()
         self.model.experts.flush_traces()
         if fill:
@@ -895,7 +922,7 @@ class Session:
             b = model.devices[name]
             out["kv_cache"] += self.kv.nbytes(b) + (self.head.kv.nbytes(b) if self.head is not None else 0)
             out["recurrent"] += self.rs.nbytes(b) if self.rs is not None else 0
-            out["compute"] += self.sched.buffer_size(b)
+            out["compute"] += self.sched.buffer_size(b) + sum(h.buffer_size(b) for h in self._head_scheds.values())
         return out
 
     # -- lifetime -------------------------------------------------------------
@@ -909,6 +936,8 @@ class Session:
             self._graphs.clear()
             self._step_graphs.clear()
             self._head_graphs.clear()
+        for h in getattr(self, "_head_scheds", {}).values():
+            h.close()
         if hasattr(self, "sched"):
             self.sched.close()
         if hasattr(self, "kv"):
