@@ -3,10 +3,10 @@
 
     python _spec_worker.py MODEL OPTION=VALUE...
 
-Two sessions over the file: ``plain`` (the options as given) and, unless the options ask for none, ``spec`` (the
-same with ``spec_type``: ``draft-mtp`` when the file has a head and ``--`` asks for it, else ``replay``). Request
+The model with the options given; with ``spec_type=draft-mtp`` another without it for the plain side. Request
 (one JSON line): {"side": "plain" | "replay" | "mtp", "start": token, "n": N, "k": drafts per step, "accept": P,
-"tokens": the plain run's tokens (replay), "p_min": P, "backoff": bool}. Reply: {"seconds", "tokens", "steps" (target
+"tokens": the plain run's tokens (replay), "p_min": P, "backoff": bool, "force": a token sequence decoded instead of
+the greedy one (:class:`ForcedSampler`)}. Reply: {"seconds", "tokens", "steps" (target
 steps: decode or verify), "loaded" (bytes copied into expert cache slots), "tier_read" (bytes the host tier read
 from the file), "io_read" (bytes this process read from the block device), "spec" (the speculative counters)}: one
 greedy generation of ``n`` evaluated positions from ``start`` (a tgN test), timed whole.
@@ -17,11 +17,32 @@ import sys
 import time
 
 import click
+import numpy as np
 
 import ggml_hybrid as gh
 from ggml_hybrid.runtime.generate import complete
 from ggml_hybrid.runtime.sampling import Sampler
 from ggml_hybrid.runtime.speculative import ReplayDrafts, Speculator
+
+
+class ForcedSampler(Sampler):
+    """The target's "choice" at position p is ``tokens[p]`` (a point mass): a fixed varied sequence decoded as if
+    generated (a random-weight model's greedy loop repeats one token and its routing, which flatters every cache);
+    drafts replayed from the same sequence are then kept exactly as a model's own greedy tokens would be."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.n = 0
+
+    def accept(self, token: int) -> None:
+        self.n += 1
+
+    def reset(self) -> None:
+        self.n = 0
+
+    def candidates(self, logits):  # type: ignore[no-untyped-def]
+        return np.array([self.tokens[self.n]]), np.array([1.0])
 
 
 def read_bytes() -> int:
@@ -43,9 +64,11 @@ def loaded(m: gh.MoEModel) -> tuple[int, int]:
 @click.argument("items", nargs=-1)
 def main(path: str, items: tuple[str, ...]) -> int:
     opts = gh.SessionOptions.parse(list(items))
-    models = {"plain": gh.MoEModel(path, opts.merged(spec_type="none"), benchmark=True)}
-    if opts.spec_type != "none":
-        models["spec"] = gh.MoEModel(path, opts, benchmark=True)
+    # a replay model's graphs are the plain model's (no hidden state, no head): it runs the plain side too (one model
+    # in a memory cgroup); a draft-mtp model computes its hidden states, so plain decoding gets a model of its own
+    models = {"spec": gh.MoEModel(path, opts, benchmark=True)}
+    models["plain"] = models["spec"] if opts.spec_type != "draft-mtp" else \
+        gh.MoEModel(path, opts.merged(spec_type="none"), benchmark=True)
     print(json.dumps({"ready": True, "spec_type": opts.spec_type}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -59,14 +82,16 @@ def main(path: str, items: tuple[str, ...]) -> int:
             sp = Speculator(m, draft_max=req["k"], p_min=req.get("p_min", 0.0), backoff=req.get("backoff", True))
         b0, t0r, io0 = *loaded(m), read_bytes()
         t0 = time.perf_counter()
-        _, st = complete(m, [req["start"]], req["n"] - 1, Sampler(), stop_at_eos=False, speculator=sp)
+        force = req.get("force")
+        sampler = ForcedSampler([req["start"]] + force) if force else Sampler()
+        _, st = complete(m, [req["start"]], req["n"] - 1, sampler, stop_at_eos=False, speculator=sp)
         dt = time.perf_counter() - t0
         b1, t1r, io1 = *loaded(m), read_bytes()
         spec = st.spec.to_json() if st.spec is not None else None
         steps = (spec["verify_steps"] + spec["plain_steps"]) if spec is not None else st.decode_steps
         print(json.dumps({"seconds": dt, "tokens": st.tokens, "steps": steps, "loaded": b1 - b0,
                           "tier_read": t1r - t0r, "io_read": io1 - io0, "spec": spec}), flush=True)
-    for m in models.values():
+    for m in {id(m): m for m in models.values()}.values():
         m.close()
     return 0
 

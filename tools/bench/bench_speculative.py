@@ -24,19 +24,24 @@ Parts (--parts):
 - ``zero`` (resident): the model's own head (random weights: acceptance about 0), k = 3, drafting until it stops
   (--p-min 0, no backoff), stopped by ``draft_p_min`` = --p-min, and with the backoff: tok/s against plain.
 
-The model (default: generated once into ~/.cache/ggml-hybrid/bench/spec-glm4moe.gguf) is a GLM-4.5-layout glm4moe
-with a next-token-prediction head, Q4_K experts; --trace replays a real model's routing
-(``moe_route_trace``, in the modes with an expert cache: the model then has the trace's experts and top-k), since a
-random model's greedy loop repeats its routing and flatters every cache.
+The model (default: generated once into ~/.cache/ggml-hybrid/bench/spec-qwen35moe-60x4.gguf, 480 MiB) is a
+Qwen3.5-MoE-layout qwen35moe (gated delta-net layers, one attention layer in four) with a next-token-prediction head,
+60 Q4_K experts per layer, top-4 (a generated glm4moe routes nearly every token to the same experts: its selection
+bias outweighs its random router). A random-weight model's greedy loop
+repeats one token and its routing, which flatters every cache; so the verify and tps parts decode a fixed varied
+sequence instead (random tokens, seeded; ``_spec_worker.py``'s forced sampler), whose replayed drafts are kept as
+the model's own greedy tokens would be (a routing trace cannot stand in: it is consumed by calls, and rejected drafts
+would consume rows of it). The zero part decodes the model's own greedy tokens (its head drafts against them).
 
     sudo python tools/bench/bench_speculative.py [--modes resident,rpc,tier] [--parts verify,tps,zero] [--n 48]
-        [--rounds 3] [--slots 16] [--tier 64M] [--limit 200M] [--trace TRACE] [--llama-python /opt/llref/bin/python]
+        [--rounds 3] [--slots 8] [--tier 96M] [--limit 320M] [--llama-python /opt/llref/bin/python]
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -52,22 +57,17 @@ CGROUP = Path("/sys/fs/cgroup/memory/hy_spec")
 START = 17  # the first token of every generation
 
 
-def model_path(trace: str | None) -> str:
+def model_path() -> str:
     from ggml_hybrid.synthetic import write_model
 
-    n_expert, n_used = 60, 4  # the Qwen1.5-MoE traces' (their routing replays onto the model)
-    if trace:
-        from ggml_hybrid.moe.traces import read_trace
-
-        t = read_trace(trace)
-        n_expert, n_used = t.n_expert, t.n_used
     d = Path.home() / ".cache" / "ggml-hybrid" / "bench"
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"spec-glm4moe-{n_expert}x{n_used}.gguf"
+    path = d / "spec-qwen35moe-60x4.gguf"
     if not path.exists():
-        write_model(path.with_suffix(".part"), arch="glm4moe", n_layer=8, nextn=1, n_embd=512, n_head=8,
-                    n_head_kv=2, head_dim=64, n_rot=32, n_ff_exp=512, n_expert=n_expert, n_used=n_used, n_shared=1,
-                    n_dense_lead=0, vocab_size=2048, weight_type="q8_0", expert_type="q4_k", seed=42)
+        write_model(path.with_suffix(".part"), arch="qwen35moe", n_layer=8, nextn=1, n_embd=512, n_head=8,
+                    n_head_kv=2, head_dim=64, n_rot=32, rope_sections="8,4,4,0", n_ff_exp=1024, n_ff_shexp=512,
+                    n_expert=60, n_used=4, vocab_size=2048, weight_type="q8_0", expert_type="q4_k", d_state=64,
+                    n_k_heads=4, n_v_heads=8, attn_interval=4, seed=42)
         os.replace(path.with_suffix(".part"), path)
     return str(path)
 
@@ -117,13 +117,15 @@ class Worker:
         self.proc.wait()
 
 
-def run_sides(w: Worker, sides: dict[str, dict], n: int, rounds: int) -> dict[str, dict]:
-    """Each side ``rounds`` times after a warm-up round, alternating; per side the median run and its counters."""
-    want = w.ask({"side": "plain", "start": START, "n": n})["tokens"]
+def run_sides(w: Worker, sides: dict[str, dict], n: int, rounds: int, forced: bool) -> dict[str, dict]:
+    """Each side ``rounds`` times after a warm-up round, alternating; per side the median run and its counters.
+    ``forced``: a fixed varied sequence is decoded instead of the greedy one."""
+    force = [int(t) for t in random.Random(5).choices(range(1000), k=n)] if forced else None
+    want = w.ask({"side": "plain", "start": START, "n": n, "force": force})["tokens"]
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for r in range(rounds + 1):
         for name, req in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
-            rep = w.ask({"start": START, "n": n, "tokens": want, **req})
+            rep = w.ask({"start": START, "n": n, "tokens": want, "force": force, **req})
             if rep["tokens"] != want:
                 raise SystemExit(f"{name}: the tokens differ from plain decoding's (a bug: they never change)")
             if r:
@@ -148,22 +150,20 @@ def mib(b: float) -> str:
 @click.option("--parts", default="verify,tps,zero", show_default=True)
 @click.option("--n", default=48, show_default=True, help="evaluated positions per generation")
 @click.option("--rounds", default=3, show_default=True)
-@click.option("--slots", default=16, show_default=True, help="expert cache slots per layer (rpc, tier)")
-@click.option("--tier", default="64M", show_default=True, help="host_tier_bytes (tier)")
-@click.option("--limit", default="200M", show_default=True, help="the tier mode's cgroup memory limit")
+@click.option("--slots", default=8, show_default=True, help="expert cache slots per layer (rpc, tier)")
+@click.option("--tier", default="96M", show_default=True, help="host_tier_bytes (tier)")
+@click.option("--limit", default="320M", show_default=True, help="the tier mode's cgroup memory limit")
 @click.option("--p-min", "p_min", default=0.5, show_default=True, help="draft_p_min of the zero part")
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="moe_route_trace: real routing")
 @click.option("--llama-python", default="/opt/llref/bin/python", show_default=True)
 def main(model: str | None, modes: str, parts: str, n: int, rounds: int, slots: int, tier: str, limit: str,
-         p_min: float, trace: str | None, llama_python: str) -> None:
+         p_min: float, llama_python: str) -> None:
     from ggml_hybrid.units import parse_size
 
-    path = model or model_path(trace)
+    path = model or model_path()
     part_list, mode_list = parts.split(","), modes.split(",")
     print(f"model {path} ({mib(os.path.getsize(path))} MiB), N={n}, rounds={rounds}, 1 thread, load average "
           f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     base = ["n_threads=1", "n_ctx=512"]
-    routed = [f"moe_route_trace={trace}"] if trace else []  # the expert cache's (a resident run routes by itself)
     rpc = None
     try:
         for mode in mode_list:
@@ -171,9 +171,9 @@ def main(model: str | None, modes: str, parts: str, n: int, rounds: int, slots: 
             limit_b = None
             if mode == "rpc":
                 rpc = rpc or start_rpc()
-                items += [f"rpc={rpc[1]}", "disk_experts=1", f"expert_cache_slots={slots}", "repack=false", *routed]
+                items += [f"rpc={rpc[1]}", "disk_experts=1", f"expert_cache_slots={slots}", "repack=false"]
             elif mode == "tier":
-                items += ["disk_experts=1", f"expert_cache_slots={slots}", f"host_tier_bytes={tier}", *routed]
+                items += ["disk_experts=1", f"expert_cache_slots={slots}", f"host_tier_bytes={tier}"]
                 limit_b = parse_size(limit)
             spec_parts = [p for p in part_list if p in ("verify", "tps")]
             if spec_parts:
@@ -185,7 +185,7 @@ def main(model: str | None, modes: str, parts: str, n: int, rounds: int, slots: 
                                       for k in (1, 2, 3)})
                     if "tps" in spec_parts:
                         sides.update({f"replay {a}": {"side": "replay", "k": 3, "accept": a} for a in (0.5, 0.7, 0.9)})
-                    report(mode, run_sides(w, sides, n, rounds))
+                    report(mode, run_sides(w, sides, n, rounds, forced=True))
                 finally:
                     w.close()
             if "zero" in part_list and mode == "resident":
@@ -195,7 +195,7 @@ def main(model: str | None, modes: str, parts: str, n: int, rounds: int, slots: 
                              "mtp, no stop": {"side": "mtp", "k": 3, "p_min": 0.0, "backoff": False},
                              f"mtp, p_min {p_min}": {"side": "mtp", "k": 3, "p_min": p_min, "backoff": False},
                              "mtp, backoff": {"side": "mtp", "k": 3, "p_min": 0.0, "backoff": True}}
-                    report(mode + " (the head's own drafts)", run_sides(w, sides, n, rounds))
+                    report(mode + " (the head's own drafts)", run_sides(w, sides, n, rounds, forced=False))
                 finally:
                     w.close()
         if "verify" in part_list and "resident" in mode_list and os.path.exists(llama_python):
