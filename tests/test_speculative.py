@@ -468,3 +468,36 @@ def test_bench_times_speculation_and_marks_replay_benchmark_only(models):
     assert r.exit_code == 0, r.output
     assert [x["mode"] for x in rows] == ["greedy", "draft-mtp"]
     assert not rows[1]["speculative"]["benchmark_only"] and rows[1]["speculative"]["draft_steps"] > 0
+
+
+def test_backoff_pauses_grow_and_probes_draft_one_token(models, plain):
+    """Drafts that are never kept: two full drafts, then pauses of 2, 4, 8 plain steps, each followed by a probe of
+    one draft token; a probe that is kept restores full drafts."""
+    prompt, want, _ = plain["glm4moe"]
+
+    class Recording(ReplayDrafts):
+        """Wrong drafts for the first ``wrong`` proposals, right ones after."""
+
+        wrong = 0
+
+        def right(self, pos: int) -> bool:
+            return len(lengths) >= self.wrong
+
+        def propose(self, model, requests, counters):
+            out = super().propose(model, requests, counters)
+            lengths.extend(len(d) for d in out)
+            steps.append(model.position(0))
+            return out
+
+    for wrong, expect in ((N, [3, 3, 1, 1, 1]), (3, [3, 3, 1, 1, 3])):
+        lengths: list[int] = []
+        steps: list[int] = []
+        with MoEModel(models["glm4moe"], _opts(spec_type="replay", draft_max=3)) as m:
+            source = Recording(prompt + want)
+            source.wrong = wrong
+            _, st_ = complete(m, prompt, N, Sampler(), stop_at_eos=False, speculator=Speculator(m, source))
+        assert st_.tokens == want
+        assert lengths[:5] == expect
+        if wrong == N:
+            gaps = [b - a for a, b in zip(steps, steps[1:])]
+            assert gaps == [1, 3, 5, 9]  # a verify step, then 2, 4, 8 plain steps before each probe

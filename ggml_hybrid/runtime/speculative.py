@@ -25,8 +25,9 @@ The draft sources:
 *Backoff* (``draft_backoff``, on by default): after two verify steps in a row that kept no draft (a draft step that
 proposed none counts as one), a sequence pauses drafting for 2, then 4, ... up to 64 tokens, decoding plain steps;
 the head's cache is caught up in one batch when drafting resumes (its input rows wait in
-:class:`~ggml_hybrid.runtime.draft_head.DraftHead`). A step that keeps a draft resets the pause. Speculation that
-does not pay thus costs a probe every 64 tokens. The tokens never change.
+:class:`~ggml_hybrid.runtime.draft_head.DraftHead`). The step after a pause is a *probe*: it drafts one token
+(``draft_min`` if larger), so a probe that fails costs one head step and one more verified row. A step that keeps a
+draft resets the pause. Speculation that does not pay thus costs a probe every 64 tokens. The tokens never change.
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ MISSES_TO_PAUSE = 2  # verify steps in a row that keep nothing before drafting p
 class _SeqState:
     misses: int = 0       # verify steps in a row that kept nothing
     paused: int = 0       # plain steps left before the next probe
+    probing: bool = False  # a pause ended: the next step drafts one token only (a probe is cheap when it fails)
     backoff: int = 2      # the next pause's length (doubles, up to BACKOFF_MAX)
 
 
@@ -314,8 +316,12 @@ class Speculator:
             room = model.n_ctx - model.position(it.seq) - 1  # the verify step's rows must fit the context
             n_max = min(self.draft_max, it.budget - 1, room) if it.sampler is not None else 0
             if st.paused > 0 or n_max < max(self.draft_min, 1):
-                st.paused = max(st.paused - 1, 0)
+                if st.paused > 0:
+                    st.paused -= 1
+                    st.probing = st.paused == 0
                 continue
+            if st.probing:
+                n_max = min(n_max, max(self.draft_min, 1))
             requests.append(DraftRequest(it.seq, it.id_last, n_max))
         drafts = {r.seq: d for r, d in zip(requests, self.source.propose(model, requests, self.counters))} \
             if requests else {}

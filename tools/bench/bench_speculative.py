@@ -149,14 +149,16 @@ def mib(b: float) -> str:
 @click.option("--modes", default="resident,rpc,tier", show_default=True)
 @click.option("--parts", default="verify,tps,zero", show_default=True)
 @click.option("--n", default=48, show_default=True, help="evaluated positions per generation")
+@click.option("--n-zero", "n_zero", default=256, show_default=True, help="the same for the zero part (the backoff's "
+              "pauses grow to 64 tokens: a short run is mostly its first probes)")
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--slots", default=8, show_default=True, help="expert cache slots per layer (rpc, tier)")
 @click.option("--tier", default="96M", show_default=True, help="host_tier_bytes (tier)")
 @click.option("--limit", default="320M", show_default=True, help="the tier mode's cgroup memory limit")
 @click.option("--p-min", "p_min", default=0.5, show_default=True, help="draft_p_min of the zero part")
 @click.option("--llama-python", default="/opt/llref/bin/python", show_default=True)
-def main(model: str | None, modes: str, parts: str, n: int, rounds: int, slots: int, tier: str, limit: str,
-         p_min: float, llama_python: str) -> None:
+def main(model: str | None, modes: str, parts: str, n: int, n_zero: int, rounds: int, slots: int, tier: str,
+         limit: str, p_min: float, llama_python: str) -> None:
     from ggml_hybrid.units import parse_size
 
     path = model or model_path()
@@ -195,7 +197,8 @@ def main(model: str | None, modes: str, parts: str, n: int, rounds: int, slots: 
                              "mtp, no stop": {"side": "mtp", "k": 3, "p_min": 0.0, "backoff": False},
                              f"mtp, p_min {p_min}": {"side": "mtp", "k": 3, "p_min": p_min, "backoff": False},
                              "mtp, backoff": {"side": "mtp", "k": 3, "p_min": 0.0, "backoff": True}}
-                    report(mode + " (the head's own drafts)", run_sides(w, sides, n, rounds, forced=False))
+                    report(mode + f" (the head's own drafts, N={n_zero})", run_sides(w, sides, n_zero, rounds,
+                                                                                      forced=False))
                 finally:
                     w.close()
         if "verify" in part_list and "resident" in mode_list and os.path.exists(llama_python):
