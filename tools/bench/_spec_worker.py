@@ -4,9 +4,9 @@
     python _spec_worker.py MODEL OPTION=VALUE...
 
 The model with the options given; with ``spec_type=draft-mtp`` another without it for the plain side. Request
-(one JSON line): {"side": "plain" | "replay" | "mtp", "start": token, "n": N, "k": drafts per step, "accept": P,
-"tokens": the plain run's tokens (replay), "p_min": P, "backoff": bool, "force": a token sequence decoded instead of
-the greedy one (:class:`ForcedSampler`)}. Reply: {"seconds", "tokens", "steps" (target
+(one JSON line): {"side": "plain" | "replay" | "mtp" | "nodraft", "start": token, "n": N, "k": drafts per step,
+"accept": P, "tokens": the plain run's tokens (replay), "p_min": P, "backoff": bool, "force": a token sequence
+decoded instead of the greedy one (:class:`ForcedSampler`)}. Reply: {"seconds", "tokens", "steps" (target
 steps: decode or verify), "loaded" (bytes copied into expert cache slots), "tier_read" (bytes the host tier read
 from the file), "io_read" (bytes this process read from the block device), "spec" (the speculative counters)}: one
 greedy generation of ``n`` evaluated positions from ``start`` (a tgN test), timed whole.
@@ -45,6 +45,15 @@ class ForcedSampler(Sampler):
         return np.array([self.tokens[self.n]]), np.array([1.0])
 
 
+class NoDrafts:
+    """A draft source that proposes nothing: every step a verify step of one token."""
+
+    benchmark_only = True
+
+    def propose(self, model, requests, counters):  # type: ignore[no-untyped-def]
+        return [[] for _ in requests]
+
+
 def read_bytes() -> int:
     with open("/proc/self/io") as f:
         for line in f:
@@ -80,6 +89,8 @@ def main(path: str, items: tuple[str, ...]) -> int:
             sp = Speculator(m, drafts, draft_max=req["k"], backoff=False)
         elif side == "mtp":
             sp = Speculator(m, draft_max=req["k"], p_min=req.get("p_min", 0.0), backoff=req.get("backoff", True))
+        elif side == "nodraft":  # speculation's path (verify steps of one token, the head's rows kept) without drafts
+            sp = Speculator(m, NoDrafts(), draft_max=req["k"], backoff=False)
         b0, t0r, io0 = *loaded(m), read_bytes()
         t0 = time.perf_counter()
         force = req.get("force")

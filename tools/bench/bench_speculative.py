@@ -22,7 +22,9 @@ Parts (--parts):
 - ``tps``: tok/s with k = 3 replayed drafts right with probability 0.5, 0.7, 0.9 (realised acceptance shown),
   against plain decoding;
 - ``zero`` (resident): the model's own head (random weights: acceptance about 0), k = 3, drafting until it stops
-  (--p-min 0, no backoff), stopped by ``draft_p_min`` = --p-min, and with the backoff: tok/s against plain.
+  (--p-min 0, no backoff), stopped by ``draft_p_min`` = --p-min, and with the backoff: tok/s against plain; and
+  speculation's path without any draft (every step a verify step of one token on the head's model: what the path
+  itself costs).
 
 The model (default: generated once into ~/.cache/ggml-hybrid/bench/spec-qwen35moe-60x4.gguf, 480 MiB) is a
 Qwen3.5-MoE-layout qwen35moe (gated delta-net layers, one attention layer in four) with a next-token-prediction head,
@@ -134,7 +136,8 @@ def run_sides(w: Worker, sides: dict[str, dict], n: int, rounds: int, forced: bo
     for name, reps in runs.items():
         med = statistics.median(r["seconds"] for r in reps)
         last = reps[-1]
-        out[name] = {"seconds": med, "tok_s": (n - 1) / med, "steps": last["steps"],
+        out[name] = {"seconds": med, "min_s": min(r["seconds"] for r in reps), "tok_s": (n - 1) / med,
+                     "steps": last["steps"],
                      "per_step_ms": 1e3 * med / max(last["steps"], 1), "loaded": last["loaded"],
                      "tier_read": last["tier_read"], "io_read": last["io_read"], "spec": last["spec"]}
     return out
@@ -194,6 +197,7 @@ def main(model: str | None, modes: str, parts: str, n: int, n_zero: int, rounds:
                 w = Worker(path, [*items, "spec_type=draft-mtp", "draft_max=3"])
                 try:
                     sides = {"plain": {"side": "plain"},
+                             "spec path, no drafts": {"side": "nodraft", "k": 3},
                              "mtp, no stop": {"side": "mtp", "k": 3, "p_min": 0.0, "backoff": False},
                              f"mtp, p_min {p_min}": {"side": "mtp", "k": 3, "p_min": p_min, "backoff": False},
                              "mtp, backoff": {"side": "mtp", "k": 3, "p_min": 0.0, "backoff": True}}
@@ -219,15 +223,19 @@ def main(model: str | None, modes: str, parts: str, n: int, n_zero: int, rounds:
 def report(mode: str, res: dict[str, dict]) -> None:
     plain = res["plain"]
     print(f"\n{mode}:")
-    print("| side | tok/s | vs plain | target steps | ms/step | step vs plain step | MiB loaded/step | "
-          "MiB tier read/step | MiB disk read/step | acceptance |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| side | tok/s | vs plain | vs plain, fastest runs | target steps | ms/step | step vs plain step | "
+          "MiB loaded/step | MiB tier read/step | MiB disk read/step | acceptance | verify steps | head steps | "
+          "head rows filled |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in res.items():
         steps = max(r["steps"], 1)
-        acc = f"{100 * r['spec']['acceptance_rate']:.0f}%" if r["spec"] else "-"
-        print(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / plain['tok_s']:.2f} | {r['steps']} | "
-              f"{r['per_step_ms']:.2f} | {r['per_step_ms'] / plain['per_step_ms']:.2f} | {mib(r['loaded'] / steps)} | "
-              f"{mib(r['tier_read'] / steps)} | {mib(r['io_read'] / steps)} | {acc} |")
+        sp = r["spec"]
+        acc = f"{100 * sp['acceptance_rate']:.0f}%" if sp else "-"
+        counts = f"{sp['verify_steps']} | {sp['draft_steps']} | {sp['head_rows_filled']}" if sp else "- | - | -"
+        print(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / plain['tok_s']:.2f} | {plain['min_s'] / r['min_s']:.2f} | "
+              f"{r['steps']} | {r['per_step_ms']:.2f} | {r['per_step_ms'] / plain['per_step_ms']:.2f} | "
+              f"{mib(r['loaded'] / steps)} | {mib(r['tier_read'] / steps)} | {mib(r['io_read'] / steps)} | {acc} | "
+              f"{counts} |")
 
 
 if __name__ == "__main__":
