@@ -35,6 +35,7 @@ MODES = {
     "share_0.5": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share=0.5),
     "share_auto": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share="auto"),
     "host_tier": dict(disk_experts=True, expert_cache_slots=3, host_tier_bytes=8 << 20),
+    "python_executor": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share=0.5, moe_executor="python"),
 }
 N = 24  # tokens generated per run
 
@@ -501,3 +502,31 @@ def test_backoff_pauses_grow_and_probes_draft_one_token(models, plain):
         if wrong == N:
             gaps = [b - a for a, b in zip(steps, steps[1:])]
             assert gaps == [1, 3, 5, 9]  # a verify step, then 2, 4, 8 plain steps before each probe
+
+
+def test_a_conversation_refuses_speculation_in_one_line(models):
+    r, _ = _cli("run", models["glm4moe"], "-cnv", "--spec-type", "draft-mtp")
+    assert r.exit_code != 0 and r.output.count("error:") == 1 and "does not speculate" in r.output
+
+
+def test_a_failing_sampler_fails_its_request_alone(models):
+    """In a speculative step, one sequence's sampler raising fails that request; the others go on unchanged."""
+    from ggml_hybrid.runtime.engine import Engine, Request
+
+    class Broken(Sampler):
+        def candidates(self, logits):
+            raise RuntimeError("this sampler is broken")
+
+    path = models["qwen35moe"]
+    with MoEModel(path, _opts(ubatch_size=8)) as m:
+        want, _ = _engine_run(m, PROMPTS[:2])
+    with MoEModel(path, _opts(ubatch_size=8, n_parallel=3, spec_type="draft-mtp", draft_backoff=False)) as m:
+        e = Engine(m)
+        try:
+            good = [e.submit(Request(m.tokenizer.encode(p), Sampler(), 12)) for p in PROMPTS[:2]]
+            bad = e.submit(Request(m.tokenizer.encode(PROMPTS[2]), Broken(), 12))
+            assert all(r.done.wait(120) for r in good + [bad])
+        finally:
+            e.close()
+    assert bad.finish_reason == "error" and "broken" in (bad.error or "")
+    assert [r.tokens for r in good] == [r.tokens for r in want]

@@ -168,6 +168,9 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
     if opts.n_parallel > 1:
         raise click.UsageError(f"n_parallel={opts.n_parallel}: `run` generates one sequence; several share a model "
                                "in `ggml-hybrid serve`, and `plan -np N` sizes their KV cache")
+    if conversation and opts.spec_type != "none":
+        raise click.UsageError(f"spec_type={opts.spec_type}: a conversation (-cnv) does not speculate; speculative "
+                               "decoding runs in `run` without -cnv, `serve` and `bench`")
     if logits_out is not None:
         logits_out = check_output(logits_out, [path], "--logits-out")
     sampler = Sampler(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
