@@ -119,13 +119,14 @@ def new_inputs(c: Context, hp: HParams, kv: KVCache, seq_rows: tuple[SeqRows, ..
 
 def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights | None], kv: KVCache,
                   seq_rows: tuple[SeqRows, ...], n_out: int, flash: bool, arena: Arena | None = None,
-                  rs: RecurrentState | None = None, hidden: bool = False) -> DecoderGraph:
+                  rs: RecurrentState | None = None) -> DecoderGraph:
     """Logits [n_out, n_vocab] of the last ``n_out`` rows of an ubatch of ``seq_rows`` (rows in that order;
     ``rs``: the recurrent states of a recurrent model's delta-net layers).
 
-    ``hidden``: also the output-normed hidden state of every row (the draft head's input), as llama.cpp's target
-    context computes it for an MTP draft context (``embeddings_nextn``): the last layer then runs over every row
-    and the output rows are picked after the output norm."""
+    A model loaded with its draft head (``w`` holds the head's ``nextn`` weights) also gives the output-normed hidden
+    state of every row (the head's input), as llama.cpp's target context computes it for an MTP draft context
+    (``embeddings_nextn``): the last layer then runs over every row and the output rows are picked after the output
+    norm."""
     family = FAMILIES[hp.arch]
     size = graph_size(hp, len(seq_rows))
     n_tokens = sum(s.n_tokens for s in seq_rows)
@@ -137,7 +138,9 @@ def build_decoder(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights
         inp["out_ids"] = c.new_tensor("i32", (n_out,), "inp_out_ids")
     for t in inp.values():
         t.set_input()
-    b = Builder(c, g, hp, w, experts, kv, inp, seq_rows, flash, rs, late_rows=hidden)
+    hidden = f"blk.{hp.n_layer}.nextn.eh_proj.weight" in w
+    b = Builder(c, g, hp, w, experts, kv, inp, seq_rows, flash, rs)
+    b.late_rows = hidden
     b.mark("embd", -1)
     cur = c.get_rows(w["token_embd.weight"], inp["tokens"])
     for il in range(hp.n_layer):

@@ -28,14 +28,13 @@ from .recurrent_state import RecurrentState
 class Builder:
     def __init__(self, c: Context, g: Graph, hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights | None],
                  kv: KVCache, inp: dict[str, Tensor], seq_rows: tuple[SeqRows, ...], flash: bool,
-                 rs: RecurrentState | None = None, late_rows: bool = False, n_layers: int | None = None) -> None:
-        """``late_rows``: the last layer runs over every row (:meth:`rows` picks none); ``n_layers``: the layers a
-        graph may hold (default the model's; the draft head's block is layer ``n_layer``)."""
+                 rs: RecurrentState | None = None) -> None:
         self.c, self.g, self.hp, self.w, self.experts, self.kv = c, g, hp, w, experts, kv
         self.inp, self.seq_rows, self.flash = inp, seq_rows, flash
         self.rs = rs  # the recurrent states of delta-net layers (None: a model without them)
-        self.late_rows = late_rows
-        self.regions: list[MoERegion | None] = [None] * (hp.n_layer if n_layers is None else n_layers)
+        self.late_rows = False  # the last layer runs over every row (:meth:`rows` picks none): a draft head's input
+        # one per layer with routed experts, a loaded draft head's block (layer n_layer) included
+        self.regions: list[MoERegion | None] = [None] * max(hp.n_layer, len(experts))
         # (first tensor-struct offset in c's pool, kind, layer): which part of the model built a node
         self.segments: list[tuple[int, str, int]] = []
 

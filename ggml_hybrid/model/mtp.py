@@ -118,7 +118,7 @@ def build_head(hp: HParams, w: dict[str, Tensor], experts: list[ExpertWeights | 
     inp.update(new_inputs(c, hp, kv, seq_rows, n_tokens, flash, None))
     for t in inp.values():
         t.set_input()
-    b = Builder(c, g, hp, w, experts, kv, inp, seq_rows, flash, None, n_layers=il + 1)
+    b = Builder(c, g, hp, w, experts, kv, inp, seq_rows, flash, None)
     b.mark("embd", -1)
     embd = c.get_rows(w.get(p + "nextn.embed_tokens.weight", w["token_embd.weight"]), inp["tokens"])
     b.mark("layer", il)

@@ -21,31 +21,30 @@ context options (:data:`CONTEXT_OPTIONS`); every other option is the model's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from ..checks import check_choice, check_int, check_type
-from ..errors import ArgumentError, ClosedError, GgmlHybridError, IndexRangeError, ShapeError
+from ..errors import ArgumentError, ClosedError, IndexRangeError, ShapeError
 from ..ggml import rpc
 from ..ggml.backend import Backend
-from ..ggml.context import Arena, Context
-from ..ggml.graph import REPACK_GEMM_MIN_ROWS, ROWWISE_REPACK_TYPE, TILED_MIN_ROWS, TILED_TYPES, VULKAN_MAT_VEC_ROWS
+from ..ggml.context import Arena
 from ..ggml.graph_cache import GraphCache
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
 from ..model.decoder import DecoderGraph, build_decoder, context_size, graph_size
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache, SeqRows, rotation_sizes, seq_input
-from ..model.mtp import build_head, head_context_size, head_graph_size
 from ..model.recurrent_state import RecurrentState
 from ..model.rope import positions
 from ..model.step_feed import StepFeed
 from ..options import OptionError, SessionOptions
 from .draft_head import DraftHead
-from .loaded_model import LoadedModel, ModelView, check_context_options, lost_server
+from .loaded_model import LoadedModel, ModelView, check_context_options, decode_rows, lost_server, resolve_flash_attn
+from .verify_steps import VerifySteps
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per session (one per ubatch shape), least recently used dropped first
@@ -105,7 +104,7 @@ def _pairs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(int(p[0]), int(p[1])) for p in items]
 
 
-class Session(ModelView):
+class Session(VerifySteps, ModelView):
     """A run over ``model`` with ``options`` (default: the model's; see :func:`session_options`)."""
 
     CONTEXT_OPTIONS = CONTEXT_OPTIONS
@@ -144,18 +143,9 @@ class Session(ModelView):
         self._step_graphs: GraphCache[DecoderGraph] = GraphCache(
             min(2 * opts.n_parallel, MAX_STEP_GRAPHS) + n_verify,
             context_size(hp, opts.n_parallel * (opts.draft_max + 1 if n_verify else 1)), self._forget_graph)
-        self._head_graphs: GraphCache[DecoderGraph] = GraphCache(
-            MAX_GRAPHS, head_context_size(hp, opts.n_parallel), self._forget_graph)
-        #: whether every graph of the model also gives the hidden state of its rows (the draft head reads them)
-        self.hidden = model.head_layer is not None
-        # per sequence with a verify step waiting for accept(): (start, tokens, hidden rows, recurrent rows)
-        self._verifying: dict[int, tuple[int, list[int], np.ndarray | None, list[tuple[int, int]]]] = {}
         self._active: GraphKey | None = None  # key of the graph whose regions are registered
         self._active_entry: DecoderGraph | None = None  # and that graph
-        # the draft head's graphs run on schedulers of their own, one for fills and one for draft steps: a step
-        # alternates target, fill and draft graphs, and a scheduler allocates anew whenever its graph changes
-        self._head_scheds: dict[str, Scheduler] = {}
-        self._head_active: dict[str, tuple[GraphKey, DecoderGraph]] = {}
+        self._init_speculation(MAX_GRAPHS)
         model.add_session(self)
         try:
             self._allocate(opts, hp)
@@ -173,7 +163,7 @@ class Session(ModelView):
         self.sched = Scheduler(list(model.devices.values()) + [model.host],
                                graph_size=2 * graph_size(hp, opts.n_parallel))
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
-        self.flash_attn = self._resolve_flash_attn(opts, hp)
+        self.flash_attn = resolve_flash_attn(model, opts)
         self._mask_dtype = np.float16 if self.flash_attn else np.float32  # flash attention takes an F16 mask
         # latent attention has no Hadamard rotation (llama.cpp's K-only cache input has none)
         rot = (0, 0) if hp.mla is not None else rotation_sizes(opts.cache_type_k, opts.cache_type_v, hp.head_dim,
@@ -183,11 +173,8 @@ class Session(ModelView):
                           v_trans=not self.flash_attn, clear=not model.dry_run, rot=rot,
                           n_swa=hp.swa.n_swa if hp.swa is not None else 0, layers=hp.kv_layers,
                           n_seq=opts.n_parallel)
-        if model.head_layer is not None:  # the head's own cache: its one layer, on that layer's KV device
-            self.head = DraftHead(KVCache(hp.n_layer + 1, n_ctx, hp.kv_k, hp.kv_v, opts.cache_type_k,
-                                          opts.cache_type_v, kv_backends, v_trans=not self.flash_attn,
-                                          clear=not model.dry_run, rot=rot, layers=[model.head_layer],
-                                          n_seq=opts.n_parallel), hp.n_embd)
+        if model.head_layer is not None:
+            self._allocate_head(n_ctx, kv_backends, rot)
         dn = hp.delta_net
         # a recurrent model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule);
         # a verify step of draft_max + 1 tokens writes each token's state to a row of its own
@@ -202,67 +189,12 @@ class Session(ModelView):
         ub = min(opts.ubatch_size, n_ctx)
         self.sched.reserve(self._graph((SeqRows(0, ub, n_ctx),), ub).graph)
         model.experts.reserve(ub)
-        self.decode_rows = self._decode_rows()
+        self.decode_rows = decode_rows(model, opts.ubatch_size)
         n_step = min(opts.n_parallel, self.decode_rows)
         if n_step > 1:
             self.sched.reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)), n_step).graph)
-        if self.head is not None:  # and the head's graphs: a prompt's fill, a draft step of every sequence
-            for kind in ("fill", "draft"):
-                self._head_scheds[kind] = Scheduler(list(model.devices.values()) + [model.host],
-                                                    graph_size=2 * head_graph_size(hp, opts.n_parallel))
-            self._head_scheds["fill"].reserve(self._graph((SeqRows(0, ub, n_ctx),), ub, "fill").graph)
-            self._head_scheds["draft"].reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)),
-                                                           n_step, "draft").graph)
-
-    def _decode_rows(self) -> int:
-        """Most sequences one decode ubatch takes: ``ubatch_size``, and fewer than GGML's tiled threshold when an
-        expert cache computes experts of a tiled type: its graphs (and its CPU worker's) are not rowwise, so at
-        the threshold rows of one expert would take another kernel than a lone sequence's one row. Likewise
-        fewer than GGML's repacked gemm threshold when dense weights are in an extra buffer type other than
-        ``CPU_REPACK`` (AMX, KleidiAI): those products take gemm from that many rows, whose bits differ from a
-        lone row's gemv, and no patch of ours steers them. ``CPU_REPACK`` products honour GGML_HINT_ROWWISE
-        (patch 0005: gemv for every row); their expert products are gemv per row already.
-
-        On a Vulkan device, at most GGML's mat-vec limit (8 rows; a tiled kernel above, F16 operands: 1e-3 from a
-        lone run), and with an expert cache there, as many sequences as keep a call's rows (a sequence's
-        ``n_used`` each) within it: its rounds compute their rows together. Within the limit a sequence differs
-        from its lone run by about 2e-7 relative on lavapipe, not bit-identical (docs/vulkan.md)."""
-        model = self.model
-        rows = self.options.ubatch_size
-        vulkan = {name for name in model.devices if name.startswith("Vulkan")}
-        if vulkan & set(model.layout.layer_device + model.layout.kv_device + (model.layout.output_device,)):
-            rows = min(rows, VULKAN_MAT_VEC_ROWS)
-        experts = model.experts
-        if any(ex is not None and ex.device.name in vulkan for ex in experts.executors):
-            rows = min(rows, VULKAN_MAT_VEC_ROWS)  # a cache's rounds run the call's own graph: the same kernel
-        tiled = any(ex is not None and w is not None and any(t.dtype in TILED_TYPES for t in w.kinds.values())
-                    for ex, w in zip(experts.executors, experts.weights))
-        if tiled:
-            rows = min(rows, TILED_MIN_ROWS - 1)
-        if model.repack_types - {ROWWISE_REPACK_TYPE}:
-            rows = min(rows, REPACK_GEMM_MIN_ROWS - 1)
-        return rows
-
-    def _resolve_flash_attn(self, opts: SessionOptions, hp: HParams) -> bool:
-        """``flash_attn`` as a bool; ``auto`` is llama.cpp's rule: on when every backend that runs
-        attention (where the KV cache lives) supports the fused op for this model's shapes and types."""
-        if opts.flash_attn != "auto":
-            return bool(opts.flash_attn)
-        with Context(n_tensors=8) as ctx:
-            q = ctx.new_tensor("f32", (hp.n_head, 1, hp.head_dim))
-            k = ctx.new_tensor(opts.cache_type_k, (hp.n_head_kv, 256, hp.head_dim))
-            v = ctx.new_tensor(opts.cache_type_v, (hp.n_head_kv, 256, hp.head_dim_v))
-            mask = ctx.new_tensor("f16", (1, 256))
-            try:
-                probe = ctx.flash_attn(q, k, v, mask)
-            except GgmlHybridError:  # shapes or types the fused op does not take: no
-                on = False
-            else:
-                on = all(self.model.backend(d).supports(probe) for d in set(self.model.layout.kv_device))
-        if not on and opts.cache_type_v == "q8_0":
-            raise OptionError("cache_type_v=q8_0 with flash_attn=auto: the backends cannot run flash attention for "
-                              "this model, and a quantized V cache needs it")
-        return on
+        if self.head is not None:
+            self._reserve_head(n_ctx, ub, n_step)
 
     # -- state ----------------------------------------------------------------
 
@@ -293,10 +225,8 @@ class Session(ModelView):
             if self.rs is not None:
                 for s in range(self.rs.n_seq) if seq is None else (seq,):
                     self.rs.clear(s)
-            if self.head is not None:
-                self.head.clear(seq)
             for s in range(self.kv.n_seq) if seq is None else (seq,):
-                self._verifying.pop(s, None)
+                self._rewound(s, 0)
 
     @property
     def recurrent(self) -> bool:
@@ -315,10 +245,8 @@ class Session(ModelView):
                                 f"{self.hp.arch}'s recurrent state cannot go back to an earlier position "
                                 "(reset the sequence instead)")
         with self._serial.turn("truncate"):
-            self._verifying.pop(seq, None)
             self.kv.used[seq] = min(n_keep, self.kv.used[seq])
-            if self.head is not None:
-                self.head.truncate(seq, self.kv.used[seq])
+            self._rewound(seq, self.kv.used[seq])
 
     def checkpoint(self, seq: int = 0) -> Checkpoint:
         """Where sequence ``seq`` stands now, to go back to later with :meth:`restore`: its position, and a
@@ -344,12 +272,10 @@ class Session(ModelView):
             raise ArgumentError("restore: the checkpoint is not of this model (recurrent states "
                                 f"{'missing' if cp.states is None else 'given to a model without them'})")
         with self._serial.turn("restore"):
-            self._verifying.pop(seq, None)
             if self.rs is not None and cp.states is not None:
                 self.rs.load(seq, cp.states)
             self.kv.used[seq] = cp.position
-            if self.head is not None:
-                self.head.truncate(seq, cp.position)
+            self._rewound(seq, cp.position)
 
     def move(self, src: int, dst: int) -> None:
         """Move sequence ``src`` into the empty slot ``dst`` (its cells copied, ``src`` emptied): it goes on
@@ -365,7 +291,7 @@ class Session(ModelView):
             self.kv.move(src, dst)
             if self.rs is not None:
                 self.rs.move(src, dst)
-            if self.head is not None:
+            if self.head is not None:  # its draft head's cells go with it
                 self.head.move(src, dst)
 
     def _check_seq(self, seq: int, op: str) -> int:
@@ -376,30 +302,25 @@ class Session(ModelView):
 
     def _graph(self, seq_rows: tuple[SeqRows, ...], n_out: int, kind: str = "") -> DecoderGraph:
         """The graph of an ubatch of ``seq_rows`` with ``n_out`` outputs: the model's (``kind`` ""), or the draft
-        head's (``"fill"``: its cache only; ``"draft"``: its logits)."""
+        head's (``"fill"``, ``"draft"``: :meth:`VerifySteps._head_graph`)."""
+        if kind:
+            return self._head_graph((seq_rows, n_out, kind))
         key: GraphKey = (seq_rows, n_out, kind)
 
         def build(arena: Arena) -> DecoderGraph:
             model = self.model
-            if kind:
-                assert self.head is not None
-                entry = build_head(model.hp, model.weights, model.experts.weights, self.head.kv, seq_rows,
-                                   self.flash_attn, kind == "fill", arena)
-            else:
-                entry = build_decoder(model.hp, model.weights, model.experts.weights, self.kv, seq_rows, n_out,
-                                      self.flash_attn, arena, self.rs, hidden=self.hidden)
-            if len(seq_rows) > 1 and kind != "fill":
+            entry = build_decoder(model.hp, model.weights, model.experts.weights, self.kv, seq_rows, n_out,
+                                  self.flash_attn, arena, self.rs)
+            if len(seq_rows) > 1:
                 # a decode step of several sequences (or a verify step: several tokens of one): each row as the
                 # one-row product of its sequence alone
                 entry.graph.set_rowwise()
-            (self._head_scheds[kind] if kind else self.sched).set_pins(entry.graph, self._pins(entry))
-            if not kind and entry.logits is not None:
-                entry.feed = StepFeed.of(self.kv, self.rs, model.hp.rope, seq_rows, n_out, entry.inputs,
-                                         entry.logits, self._mask_dtype)
+            self.sched.set_pins(entry.graph, self._pins(entry))
+            assert entry.logits is not None
+            entry.feed = StepFeed.of(self.kv, self.rs, model.hp.rope, seq_rows, n_out, entry.inputs, entry.logits,
+                                     self._mask_dtype)
             return entry
 
-        if kind:
-            return self._head_graph(key, build)
         if key == self._active and self._active_entry is not None:
             return self._active_entry  # the graph of the last call (a decode step's), most recently used already
         entry = (self._graphs if len(seq_rows) == 1 else self._step_graphs).get(key, build)
@@ -410,28 +331,11 @@ class Session(ModelView):
         self._active_entry = entry
         return entry
 
-    def _head_graph(self, key: GraphKey, build: Callable[[Arena], DecoderGraph]) -> DecoderGraph:
-        """A draft head graph (``key``'s kind), its regions registered with its own scheduler."""
-        kind = key[2]
-        active = self._head_active.get(kind)
-        if active is not None and active[0] == key:
-            return active[1]
-        entry = self._head_graphs.get(key, build)
-        sched = self._head_scheds[kind]
-        sched.clear_regions()
-        self.model.experts.register(sched, entry.regions)
-        self._head_active[kind] = (key, entry)
-        return entry
-
     def _forget_graph(self, key: Hashable, entry: DecoderGraph) -> None:
         if self._active == key:  # its regions are registered with the scheduler
             self.sched.clear_regions()
             self._active = None
             self._active_entry = None
-        for kind, (k, _) in list(self._head_active.items()):
-            if k == key:
-                self._head_scheds[kind].clear_regions()
-                del self._head_active[kind]
 
     def _pins(self, entry: DecoderGraph) -> list[tuple[Tensor, Backend]]:
         """Each node's backend (:meth:`LoadedModel.pins`)."""
@@ -473,11 +377,8 @@ class Session(ModelView):
         # zeros (the mapping's guard), and these logits must not be used; the sequence stays as it was
         model.store.check_reads()
         model.experts.flush_traces()
-        if self.head is not None:  # the draft head reads the target's hidden state of every position
-            hidden, r0 = g.read_hidden().reshape(-1, model.hp.n_embd), 0
-            for seq, toks in parts:
-                self.head.record(seq, toks, hidden[r0:r0 + len(toks)])
-                r0 += len(toks)
+        if self.head is not None:  # the draft head reads the model's hidden state of every position
+            self._record_hidden(g, parts)
         for seq, toks in parts:
             kv.used[seq] += len(toks)
             if self.rs is not None:
@@ -518,200 +419,6 @@ class Session(ModelView):
             feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)
         return feed
 
-    # -- speculative decoding: verify steps and the draft head -------------------------
-
-    def verify(self, batch: Sequence[tuple[int, Sequence[int]]]) -> list[np.ndarray]:
-        """Several tokens of each of several sequences, ``(seq, tokens)`` pairs, computed as one step (a verify
-        step of speculative decoding: the last accepted token and the drafts after it).
-
-        Each token is computed as a decode step of its own would compute it, bit for bit: one row of its own
-        (its own attention over the cells before it, one-row products: ``Graph.set_rowwise``), its recurrent state
-        written to a row of its own. Every layer's routed experts are one call over all the step's rows (the
-        expert cache loads each distinct expert once). Returns the logits [len(tokens), n_vocab] of each
-        sequence, in batch order. The sequences stay where they were until :meth:`accept` keeps the tokens the
-        drafts earned. All or nothing, as :meth:`decode`.
-        """
-        self._check_open("verify")
-        if self.options.spec_type == "none":
-            raise ArgumentError("verify: the model was loaded without speculative decoding (spec_type=none); its "
-                                "recurrent state keeps no row per verified token")
-        try:
-            items = [(s, list(t)) for s, t in batch]
-        except (TypeError, ValueError):
-            raise ShapeError("verify: batch must be a non-empty sequence of (seq, tokens) pairs") from None
-        if not items:
-            raise ShapeError("verify: batch must be a non-empty sequence of (seq, tokens) pairs")
-        most = self.options.draft_max + 1
-        checked: list[tuple[int, np.ndarray]] = []
-        for seq, toks in items:
-            self._check_seq(seq, "verify")
-            if not 1 <= len(toks) <= most:
-                raise ArgumentError(f"verify: sequence {seq} has {len(toks)} tokens; a verify step takes 1.."
-                                    f"{most} (draft_max={self.options.draft_max} drafts after the last token)")
-            checked.append((seq, self._check_tokens(toks)))
-        seqs = [s for s, _ in checked]
-        if len(set(seqs)) != len(seqs):
-            raise ArgumentError(f"verify: a sequence appears more than once in the batch {seqs}")
-        with self._serial.turn("verify"):
-            for seq, arr in checked:
-                self._check_idle(seq, "verify")
-                self.kv.n_kv_for(len(arr), seq)  # every sequence has room, or nothing is evaluated
-            rows: list[tuple[int, int, int, tuple[int, int]]] = []  # (seq, token, offset, recurrent rows)
-            chains: dict[int, list[tuple[int, int]]] = {}
-            for seq, arr in checked:
-                chain = self.rs.chain(seq, len(arr)) if self.rs is not None else [(0, 0)] * len(arr)
-                chains[seq] = chain
-                rows += [(seq, int(t), i, chain[i]) for i, t in enumerate(arr)]
-            logits, hidden = [], []
-            for u0 in range(0, len(rows), self.decode_rows):
-                lg, hd = self._verify_ubatch(rows[u0:u0 + self.decode_rows])
-                logits.append(lg)
-                hidden.append(hd)
-            all_logits = np.concatenate(logits, axis=0)
-            all_hidden = np.concatenate(hidden, axis=0) if self.head is not None else None
-            out, r0 = [], 0
-            for seq, arr in checked:
-                n = len(arr)
-                out.append(all_logits[r0:r0 + n])
-                h = all_hidden[r0:r0 + n] if all_hidden is not None else None
-                self._verifying[seq] = (self.kv.used[seq], [int(t) for t in arr], h, chains[seq])
-                r0 += n
-            return out
-
-    def _verify_ubatch(self, rows: list[tuple[int, int, int, tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
-        """One ubatch of a verify step: each row one token of a sequence at ``offset`` past its position."""
-        if self._threads[False] != self.model.threads_now:
-            self.model.use_threads(self._threads[False])  # rows of one-token steps, with a one-token step's threads
-        kv = self.kv
-        seq_rows = tuple([SeqRows(seq, 1, kv.n_kv_for(1, seq, off)) for seq, _, off, _ in rows])
-        g = self._graph(seq_rows, len(rows))
-        if g.feed is not None:
-            g.feed.write([t for _, t, _, _ in rows], [off for _, _, off, _ in rows], [r for *_, r in rows])
-            logits = self.sched.step(g.graph, g.feed.io)
-        else:
-            self.sched.prepare(g.graph)
-            parts = [(seq, np.array([t], np.int32)) for seq, t, _, _ in rows]
-            feed = self._inputs(parts, seq_rows, len(rows), "out_ids" in g.inputs,
-                                offsets=[off for _, _, off, _ in rows], rs_rows=[r for *_, r in rows])
-            for name, t in g.inputs.items():
-                t._set_trusted(feed[name])
-            self.sched.compute(g.graph)
-            logits = g.read_logits()
-        self.model.store.check_reads()
-        self.model.experts.flush_traces()
-        n_embd = self.model.hp.n_embd
-        hidden = g.read_hidden().reshape(-1, n_embd) if self.head is not None else np.zeros((0, 0), np.float32)
-        return logits.reshape(len(rows), self.model.hp.n_vocab), hidden
-
-    def accept(self, seq: int, n_keep: int) -> None:
-        """Keep the first ``n_keep`` tokens of sequence ``seq``'s last :meth:`verify` step (0: none): the sequence
-        goes on exactly as if those tokens had been evaluated one at a time, the rest never were."""
-        self._check_seq(seq, "accept")
-        pending = self._verifying.get(seq)
-        if pending is None:
-            raise ArgumentError(f"accept: sequence {seq} has no verify step waiting")
-        start, toks, hidden, chain = pending
-        check_int(n_keep, "accept: n_keep", 0, len(toks))
-        with self._serial.turn("accept"):
-            del self._verifying[seq]
-            if self.rs is not None:
-                self.rs.commit_row(seq, chain[n_keep - 1][1] if n_keep else None)
-            if self.head is not None and hidden is not None and n_keep:
-                self.head.record(seq, toks[:n_keep], hidden[:n_keep])
-            self.kv.used[seq] = start + n_keep
-
-    def _check_idle(self, seq: int, op: str) -> None:
-        """Refuse ``op`` on a sequence whose verify step waits for :meth:`accept`."""
-        if seq in self._verifying:
-            raise ArgumentError(f"{op}: sequence {seq} has a verify step waiting for accept()")
-
-    def draft_fill(self, seqs: Sequence[int]) -> int:
-        """Write the draft head's cache cells of every position of ``seqs`` the target has evaluated since the head's
-        last fill (llama.cpp's MTP ``process``), in batches of up to ``ubatch_size`` rows; returns the rows."""
-        head = self.head
-        if head is None:
-            raise ArgumentError("draft_fill: the model was loaded without its draft head (spec_type=draft-mtp)")
-        parts: list[tuple[int, np.ndarray, np.ndarray, int]] = []  # (seq, tokens, hidden rows, offset)
-        taken = []
-        with self._serial.turn("draft_fill"):
-            try:
-                for seq in seqs:
-                    toks, rows = head.take(seq)
-                    taken.append((seq, toks, rows))
-                    for r0 in range(0, len(toks), self.options.ubatch_size):
-                        r1 = r0 + self.options.ubatch_size
-                        parts.append((seq, np.array(toks[r0:r1], np.int32), rows[r0:r1], r0))
-                done = 0
-                while done < len(parts):  # as many parts per ubatch as fit in ubatch_size rows
-                    n, k = 0, done
-                    while k < len(parts) and (k == done or n + len(parts[k][1]) <= self.options.ubatch_size):
-                        n += len(parts[k][1])
-                        k += 1
-                    self._head_ubatch(parts[done:k], fill=True)
-                    done = k
-            except BaseException:
-                for seq, toks, rows in reversed(taken):  # nothing was written for good: all wait again
-                    head.put_back(seq, toks, rows)
-                raise
-            for seq, toks, _ in taken:
-                head.kv.used[seq] += len(toks)
-            return sum(len(t) for _, t, _ in taken)
-
-    def draft_step(self, parts: Sequence[tuple[int, Sequence[int], npt.ArrayLike, int]]) -> tuple[np.ndarray,
-                                                                                                  np.ndarray]:
-        """The draft head over ``(seq, tokens, hidden, offset)`` parts in one ubatch (rows in that order): each
-        part's tokens at ``offset`` past its sequence's filled head cells, ``hidden`` [len(tokens), n_embd] the
-        hidden state before each (the target's, or the head's own of the step before). Returns the head's logits
-        [rows, n_vocab] and its hidden states [rows, n_embd]. A draft step is one token of each drafting sequence;
-        the cells written past the filled ones are scratch (the next fill overwrites them)."""
-        if self.head is None:
-            raise ArgumentError("draft_step: the model was loaded without its draft head (spec_type=draft-mtp)")
-        checked = []
-        for seq, toks, h, off in parts:
-            self._check_seq(seq, "draft_step")
-            arr = self._check_tokens(list(toks))
-            rows = np.ascontiguousarray(h, np.float32).reshape(-1, self.model.hp.n_embd) \
-                if np.size(h) == len(arr) * self.model.hp.n_embd else None
-            if rows is None:
-                raise ShapeError(f"draft_step: sequence {seq}: hidden must be [{len(arr)}, {self.model.hp.n_embd}], "
-                                 f"got {np.shape(h)}")
-            check_int(off, "draft_step: offset", 0)
-            self.head.kv.n_kv_for(len(arr), seq, off)  # room, or nothing is computed
-            checked.append((seq, arr, rows, off))
-        if not checked:
-            raise ShapeError("draft_step: parts must be a non-empty sequence of (seq, tokens, hidden, offset)")
-        with self._serial.turn("draft_step"):
-            out = self._head_ubatch(checked, fill=False)
-            assert out is not None
-            return out
-
-    def _head_ubatch(self, parts: list[tuple[int, np.ndarray, np.ndarray, int]],
-                     fill: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        """One ubatch of the draft head: ``(seq, tokens, hidden rows, offset)`` parts, rows in that order, each
-        ``offset`` past the head's filled cells of its sequence."""
-        head = self.head
-        assert head is not None
-        n = sum(len(t) for _, t, _, _ in parts)
-        if self._threads[n > 1] != self.model.threads_now:
-            self.model.use_threads(self._threads[n > 1])
-        seq_rows = tuple([SeqRows(seq, len(toks), head.kv.n_kv_for(len(toks), seq, off))
-                          for seq, toks, _, off in parts])
-        kind = "fill" if fill else "draft"
-        g = self._graph(seq_rows, n, kind)
-        sched = self._head_scheds[kind]
-        sched.prepare(g.graph)
-        feed = self._inputs([(seq, toks) for seq, toks, _, _ in parts], seq_rows, n, False, kv=head.kv,
-                            offsets=[off for *_, off in parts])
-        feed["h"] = np.ascontiguousarray(np.concatenate([h for _, _, h, _ in parts], axis=0), np.float32)
-        for name, t in g.inputs.items():  # a fill graph has no masks: what it lacks is not set
-            t._set_trusted(feed[name])
-        sched.compute(g.graph)
-        self.model.store.check_reads()
-        self.model.experts.flush_traces()
-        if fill:
-            return None
-        return g.read_logits().reshape(n, self.model.hp.n_vocab), g.read_hidden().reshape(n, self.model.hp.n_embd)
-
     def _check_open(self, op: str) -> None:
         if self.model.dry_run:
             raise ClosedError(f"{op}: this model was opened for planning (dry run) and holds no weights")
@@ -728,8 +435,7 @@ class Session(ModelView):
             self._check_seq(seq, "eval")
         arr = self._check_tokens(tokens)
         with self._serial.turn("eval"):
-            if self._verifying:
-                self._check_idle(seq, "eval")
+            self._check_idle(seq, "eval")
             self.kv.n_kv_for(len(arr), seq)  # the whole call fits, or nothing is evaluated
             start = self.kv.used[seq]
             if self.rs is not None:
@@ -743,8 +449,7 @@ class Session(ModelView):
                 self.kv.used[seq] = start
                 if self.rs is not None:
                     self.rs.abandon(seq)
-                if self.head is not None:
-                    self.head.truncate(seq, start)
+                self._rewound(seq, start)
                 raise
             if self.rs is not None:
                 self.rs.commit(seq)
@@ -798,8 +503,7 @@ class Session(ModelView):
         order = sorted(range(len(pairs)), key=lambda i: seqs[i])
         with self._serial.turn("decode"):
             for s in seqs:
-                if self._verifying:
-                    self._check_idle(s, "decode")
+                self._check_idle(s, "decode")
                 self.kv.n_kv_for(1, s)  # every sequence has room, or nothing is evaluated
             start = list(self.kv.used)
             rs = self.rs
@@ -815,12 +519,10 @@ class Session(ModelView):
                 out = np.concatenate(rows, axis=0)
             except BaseException:
                 self.kv.used[:] = start
-                if rs is not None:
-                    for s in seqs:
+                for s in seqs:
+                    if rs is not None:
                         rs.abandon(s)
-                if self.head is not None:
-                    for s in seqs:
-                        self.head.truncate(s, start[s])
+                    self._rewound(s, start[s])
                 raise
             if rs is not None:
                 for s in seqs:
@@ -856,9 +558,7 @@ class Session(ModelView):
         if hasattr(self, "_graphs"):
             self._graphs.clear()
             self._step_graphs.clear()
-            self._head_graphs.clear()
-        for h in getattr(self, "_head_scheds", {}).values():
-            h.close()
+        self._close_speculation()
         if hasattr(self, "sched"):
             self.sched.close()
         if hasattr(self, "kv"):
@@ -866,8 +566,6 @@ class Session(ModelView):
         rs = getattr(self, "rs", None)
         if rs is not None:
             rs.close()
-        if self.head is not None:
-            self.head.close()
 
     def __enter__(self) -> Session:
         return self

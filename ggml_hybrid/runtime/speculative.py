@@ -309,58 +309,57 @@ class Speculator:
         least one: the last is not evaluated yet, the sequence's next ``id_last``; a token of its ``stop`` is emitted
         last); none for an item without a sampler (its one row is :attr:`last_rows`' to sample from: the sequence
         keeps ``id_last`` only)."""
-        model = self.model
-        requests = []
-        for it in items:
-            st = self._seqs.setdefault(it.seq, _SeqState())
-            room = model.n_ctx - model.position(it.seq) - 1  # the verify step's rows must fit the context
-            n_max = min(self.draft_max, it.budget - 1, room) if it.sampler is not None else 0
-            if st.paused > 0 or n_max < max(self.draft_min, 1):
-                if st.paused > 0:
-                    st.paused -= 1
-                    st.probing = st.paused == 0
-                continue
-            if st.probing:
-                n_max = min(n_max, max(self.draft_min, 1))
-            requests.append(DraftRequest(it.seq, it.id_last, n_max))
-        drafts = {r.seq: d for r, d in zip(requests, self.source.propose(model, requests, self.counters))} \
+        requests = [r for r in (self._request(it) for it in items) if r is not None]
+        drafts = {r.seq: d for r, d in zip(requests, self.source.propose(self.model, requests, self.counters))} \
             if requests else {}
         for seq, d in list(drafts.items()):
             if len(d) < max(self.draft_min, 1):
                 drafts[seq] = []
                 self._missed(seq)  # nothing worth verifying: a plain step
         batch = [(it.seq, [it.id_last] + drafts.get(it.seq, [])) for it in items]
-        rows = self.last_rows = model.verify(batch)
-        out: list[list[int]] = []
+        rows = self.last_rows = self.model.verify(batch)
         self.last_errors = [None] * len(items)
-        for i, (it, (_, toks), lg) in enumerate(zip(items, batch, rows)):
-            d = toks[1:]
-            if it.sampler is None:
-                model.accept(it.seq, 1)
-                self.counters.plain_steps += 1
-                out.append([])
-                continue
-            try:
-                emitted = accept_drafts(it.sampler, lg, d, stop=it.stop)
-            except Exception as exc:  # this sequence's sampler failed: it alone fails, it keeps id_last only
-                model.accept(it.seq, 1)
-                self.last_errors[i] = exc
-                out.append([])
-                continue
-            kept = len(emitted) - 1
-            model.accept(it.seq, 1 + kept)
-            if d:
-                self.counters.drafted += len(d)
-                self.counters.accepted += kept
-                self.counters.verify_steps += 1
-                if kept:
-                    self._seqs[it.seq] = _SeqState()
-                else:
-                    self._missed(it.seq)
-            else:
-                self.counters.plain_steps += 1
-            out.append(emitted)
-        return out
+        return [self._keep(i, it, toks[1:], lg) for i, (it, (_, toks), lg) in enumerate(zip(items, batch, rows))]
+
+    def _request(self, it: SpecItem) -> DraftRequest | None:
+        """Whether ``it`` drafts this step, and how many tokens at most (the pause, the budget, the context)."""
+        st = self._seqs.setdefault(it.seq, _SeqState())
+        room = self.model.n_ctx - self.model.position(it.seq) - 1  # the verify step's rows must fit the context
+        n_max = min(self.draft_max, it.budget - 1, room) if it.sampler is not None else 0
+        if st.paused > 0 or n_max < max(self.draft_min, 1):
+            if st.paused > 0:
+                st.paused -= 1
+                st.probing = st.paused == 0
+            return None
+        if st.probing:
+            n_max = min(n_max, max(self.draft_min, 1))
+        return DraftRequest(it.seq, it.id_last, n_max)
+
+    def _keep(self, i: int, it: SpecItem, drafts: list[int], rows: np.ndarray) -> list[int]:
+        """Item ``i``'s emitted tokens by its sampler's rule; the sequence keeps ``id_last`` and the kept drafts."""
+        if it.sampler is None:
+            self.model.accept(it.seq, 1)
+            self.counters.plain_steps += 1
+            return []
+        try:
+            emitted = accept_drafts(it.sampler, rows, drafts, stop=it.stop)
+        except Exception as exc:  # this sequence's sampler failed: it alone fails, it keeps id_last only
+            self.model.accept(it.seq, 1)
+            self.last_errors[i] = exc
+            return []
+        kept = len(emitted) - 1
+        self.model.accept(it.seq, 1 + kept)
+        if not drafts:
+            self.counters.plain_steps += 1
+            return emitted
+        self.counters.drafted += len(drafts)
+        self.counters.accepted += kept
+        self.counters.verify_steps += 1
+        if kept:
+            self._seqs[it.seq] = _SeqState()
+        else:
+            self._missed(it.seq)
+        return emitted
 
     def _missed(self, seq: int) -> None:
         st = self._seqs.setdefault(seq, _SeqState())

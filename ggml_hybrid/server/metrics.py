@@ -62,10 +62,6 @@ class ServerCollector(Collector):
         offload = gauge("hybrid_offload_active", "1 when the CPU has computed part of the routed-expert work")
         memory = GaugeMetricFamily(P + "device_memory_bytes", "Bytes held on each device, by purpose",
                                    labels=["model", "device", "purpose"])
-        drafted = counter("speculative_drafted_tokens", "Speculative decoding: draft tokens verified")
-        accepted = counter("speculative_accepted_tokens", "Speculative decoding: draft tokens the target kept")
-        verify = counter("speculative_verify_steps", "Speculative decoding: verify steps (a sequence's drafts)")
-        acceptance = gauge("speculative_acceptance_rate", "Speculative decoding: accepted / drafted tokens")
         for name, sm in ms.models.items():
             up.add_metric([name], 1.0 if sm.ready else 0.0)
             if sm.engine is None:
@@ -81,11 +77,6 @@ class ServerCollector(Collector):
             busy.add_metric([name], st.busy_slots)
             queue.add_metric([name], st.queued)
             tps.add_metric([name], st.tokens_per_second)
-            if st.spec is not None:
-                drafted.add_metric([name], st.spec.drafted)
-                accepted.add_metric([name], st.spec.accepted)
-                verify.add_metric([name], st.spec.verify_steps)
-                acceptance.add_metric([name], st.spec.acceptance)
             snap = sm.snapshot
             hits.add_metric([name], snap.hits)
             misses.add_metric([name], snap.misses)
@@ -97,7 +88,27 @@ class ServerCollector(Collector):
                 for purpose, n in purposes.items():
                     memory.add_metric([name, dev, purpose], n)
         yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, slots,
-                    busy, queue, tps, share, offload, memory, drafted, accepted, verify, acceptance)
+                    busy, queue, tps, share, offload, memory)
+        yield from self._speculative()
+
+    def _speculative(self) -> Iterator[Metric]:
+        """Speculative decoding's counters, per model that speculates (llama-server's ``spec_decode_num_*``)."""
+        drafted = CounterMetricFamily(P + "speculative_drafted_tokens", "Speculative decoding: draft tokens verified",
+                                      labels=["model"])
+        accepted = CounterMetricFamily(P + "speculative_accepted_tokens",
+                                       "Speculative decoding: draft tokens the target kept", labels=["model"])
+        verify = CounterMetricFamily(P + "speculative_verify_steps",
+                                     "Speculative decoding: verify steps (a sequence's drafts)", labels=["model"])
+        acceptance = GaugeMetricFamily(P + "speculative_acceptance_rate",
+                                       "Speculative decoding: accepted / drafted tokens", labels=["model"])
+        for name, sm in self.models.models.items():
+            spec = sm.engine.stats.spec if sm.engine is not None else None
+            if spec is not None:
+                drafted.add_metric([name], spec.drafted)
+                accepted.add_metric([name], spec.accepted)
+                verify.add_metric([name], spec.verify_steps)
+                acceptance.add_metric([name], spec.acceptance)
+        yield from (drafted, accepted, verify, acceptance)
 
 
 def registry(models: ModelSet) -> CollectorRegistry:
