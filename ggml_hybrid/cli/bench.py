@@ -46,16 +46,12 @@ def _int_list(text: str, flag: str) -> list[int]:
     "probability P (one tgN row per P, marked BENCHMARK ONLY): speculation's speed at a chosen acceptance."))
 def bench(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, n_prompt: str,
           n_gen: str, repetitions: int, output: str | None, as_json: bool, a_opts: str | None, b_opts: str | None,
-          draft_accept: str | None, **flags: Any) -> None:
+          **flags: Any) -> None:
     """Time MODEL as llama-bench does (pp512 and tg128, mean ± standard deviation), or compare two session
     configurations side by side in one process (--a/--b)."""
     fmt = _output_format(flags, output, as_json)
     prompts, gens = _int_list(n_prompt, "-p/--n-prompt"), _int_list(n_gen, "-n/--n-gen")
-    accepts = _accepts(draft_accept)
-    if accepts:
-        if a_opts is not None or b_opts is not None:
-            raise click.UsageError("--draft-accept does not go with --a/--b")
-        flags["session_options"] = tuple(flags.get("session_options") or ()) + ("spec_type=replay",)
+    accepts = _accepts(flags, a_opts is not None or b_opts is not None)
     path, role, base = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=fmt != "md"), flags)
     warn_busy_threads(base)
     if a_opts is not None or b_opts is not None:
@@ -87,9 +83,14 @@ def bench(model: str | None, model_flag: str | None, hf_repo: str | None, hf_fil
         click.echo(f"warning: {w}", err=True)
 
 
-def _accepts(text: str | None) -> list[float]:
+def _accepts(flags: dict[str, Any], ab: bool) -> list[float]:
+    """``--draft-accept``'s probabilities (taken out of ``flags``); any turns replayed drafts on."""
+    text = flags.pop("draft_accept", None)
     if text is None:
         return []
+    if ab:
+        raise click.UsageError("--draft-accept does not go with --a/--b")
+    flags["session_options"] = tuple(flags.get("session_options") or ()) + ("spec_type=replay",)
     try:
         out = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:

@@ -85,6 +85,18 @@ class Layout:
         return out
 
 
+def _offloaded(n_gpu_layers: int, blocks: int, devices: list[str]) -> tuple[int, int]:
+    """``-ngl``'s layers offloaded, and the first of them."""
+    if n_gpu_layers < -1:
+        raise OptionError(f"n_gpu_layers={n_gpu_layers}: must be -1 (all) or >= 0")
+    # llama.cpp's rule: the output layer counts as layer n_blocks; -ngl N offloads the last N of the
+    # n_blocks + 1, so the output goes first and -ngl 99 simply means everything
+    ngl = blocks + 1 if n_gpu_layers == -1 else min(n_gpu_layers, blocks + 1)
+    if ngl and not devices:
+        raise OptionError(f"n_gpu_layers={n_gpu_layers}: there is no device to offload to")
+    return ngl, max(blocks + 1 - ngl, 0)
+
+
 def plan_layout(names: Iterable[str], n_layer: int, opts: SessionOptions, devices: list[str],
                 tied_output: bool, n_blocks: int | None = None) -> Layout:
     """Place every tensor in ``names`` (GGUF names) on one of ``devices`` or the CPU.
@@ -95,15 +107,7 @@ def plan_layout(names: Iterable[str], n_layer: int, opts: SessionOptions, device
     devices = list(devices)
     known = set(devices) | {CPU}
     blocks = n_layer if n_blocks is None else n_blocks
-    ngl = opts.n_gpu_layers
-    if ngl < -1:
-        raise OptionError(f"n_gpu_layers={ngl}: must be -1 (all) or >= 0")
-    # llama.cpp's rule: the output layer counts as layer n_blocks; -ngl N offloads the last N of the
-    # n_blocks + 1, so the output goes first and -ngl 99 simply means everything
-    ngl = blocks + 1 if ngl == -1 else min(ngl, blocks + 1)
-    if ngl and not devices:
-        raise OptionError(f"n_gpu_layers={opts.n_gpu_layers}: there is no device to offload to")
-    i_gpu_start = max(blocks + 1 - ngl, 0)
+    ngl, i_gpu_start = _offloaded(opts.n_gpu_layers, blocks, devices)
     if opts.split_mode == "none" or len(devices) <= 1:
         split = [1.0] + [0.0] * (len(devices) - 1)
         if opts.tensor_split and len(devices) > 1:

@@ -14,7 +14,7 @@ position's logits, which is what the CLI prints and writes.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Collection, Generator, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,11 +80,6 @@ def generate(model: Session, prompt_tokens: Iterable[int], n_predict: int, sampl
     """
     check_int(n_predict, "generate: n_predict (-1 = until the end)", -1)
     sampler = Sampler() if sampler is None else check_callable(sampler, "generate: sampler")
-    if speculator is None and model.options.spec_type == "draft-mtp":
-        speculator = Speculator(model)
-    if speculator is not None and not isinstance(sampler, Sampler):
-        raise ArgumentError("generate: speculative decoding judges drafts by the sampler's distribution; give a "
-                            "Sampler")
     st = stats if stats is not None else GenerationStats()
     prompt = check_ids(prompt_tokens, model.tokenizer.n_vocab, "generate: prompt_tokens")
     if not prompt:
@@ -93,12 +88,7 @@ def generate(model: Session, prompt_tokens: Iterable[int], n_predict: int, sampl
     if hasattr(sampler, "reset"):
         sampler.reset()
     model.reset()
-    before = None
-    if speculator is not None:
-        speculator.forget(0)
-        st.spec = SpecCounters()
-        st.benchmark_only = speculator.benchmark_only
-        before = speculator.counters.copy()
+    steps = _Steps(model, sampler, speculator, st, keep_logits, model.tokenizer.eog_ids if stop_at_eos else ())
     text = model.tokenizer.stream()
     eog = model.tokenizer.eog_ids
     t0 = time.perf_counter()
@@ -117,7 +107,13 @@ def generate(model: Session, prompt_tokens: Iterable[int], n_predict: int, sampl
         t0 = time.perf_counter()
         i = 0
         queue = [sampler(logits[-1])]  # tokens emitted and not yet shown: one, or a speculative step's several
+        tok = -1
         while n_predict < 0 or i < n_predict:
+            if not queue:  # the last one shown is evaluated
+                if model.n_past >= model.n_ctx:
+                    st.stop_reason = "context"
+                    break
+                queue = steps.next(tok, n_predict - i if n_predict >= 0 else model.n_ctx)
             tok = queue.pop(0)
             if stop_at_eos and tok in eog:
                 st.stop_reason = "eos"
@@ -130,36 +126,11 @@ def generate(model: Session, prompt_tokens: Iterable[int], n_predict: int, sampl
             if piece:
                 yield piece
             i += 1
-            if i == n_predict:
-                break
-            if queue:
-                continue
-            if model.n_past >= model.n_ctx:
-                st.stop_reason = "context"
-                break
-            if speculator is None:
-                logits = check_finite(model, model.eval([tok], "last"))
-                st.decode_steps += 1
-                if keep_logits:
-                    st.logits.append(logits)
-                queue = [sampler(logits[-1])]
-                continue
-            budget = n_predict - i if n_predict >= 0 else model.n_ctx
-            start = model.n_past
-            queue = speculator.step([SpecItem(0, tok, sampler, budget, eog if stop_at_eos else ())])[0]
-            if speculator.last_errors[0] is not None:
-                raise speculator.last_errors[0]
-            rows = speculator.last_rows[0]
-            check_finite(model, rows[:model.n_past - start])
-            st.decode_steps += model.n_past - start
-            if keep_logits:
-                st.logits.append(rows[:model.n_past - start])
     except KeyboardInterrupt:
         st.stop_reason = "interrupted"
         raise
     finally:
-        if speculator is not None and before is not None:
-            st.spec = speculator.counters.since(before)
+        steps.finish()
         if phase == "prompt":
             st.prompt_seconds = time.perf_counter() - t0
         else:
@@ -167,6 +138,50 @@ def generate(model: Session, prompt_tokens: Iterable[int], n_predict: int, sampl
     rest = text.flush()
     if rest:
         yield rest
+
+
+class _Steps:
+    """:func:`generate`'s decode steps: one token each, or (``speculator``, the default for a model loaded with
+    ``spec_type=draft-mtp``) a speculative step's several, whose counters go to ``st.spec``."""
+
+    def __init__(self, model: Session, sampler: Callable[[np.ndarray], int], speculator: Speculator | None,
+                 st: GenerationStats, keep_logits: bool, stop_at: Collection[int]):
+        if speculator is None and model.options.spec_type == "draft-mtp":
+            speculator = Speculator(model)
+        if speculator is not None and not isinstance(sampler, Sampler):
+            raise ArgumentError("generate: speculative decoding judges drafts by the sampler's distribution; give a "
+                                "Sampler")
+        self.model, self.sampler, self.speculator, self.st = model, sampler, speculator, st
+        self.keep_logits, self.stop_at = keep_logits, stop_at
+        if speculator is not None:
+            speculator.forget(0)
+            st.spec = SpecCounters()
+            st.benchmark_only = speculator.benchmark_only
+            self.before = speculator.counters.copy()
+
+    def next(self, tok: int, budget: int) -> list[int]:
+        """Evaluate ``tok`` (and any drafts, at most ``budget`` tokens kept): the tokens that follow it."""
+        model, st = self.model, self.st
+        start = model.n_past
+        if self.speculator is None:
+            rows = model.eval([tok], "last")
+            out = None
+        else:
+            assert isinstance(self.sampler, Sampler)
+            out = self.speculator.step([SpecItem(0, tok, self.sampler, budget, self.stop_at)])[0]
+            error = self.speculator.last_errors[0]
+            if error is not None:
+                raise error
+            rows = self.speculator.last_rows[0][:model.n_past - start]
+        check_finite(model, rows)
+        st.decode_steps += model.n_past - start
+        if self.keep_logits:
+            st.logits.append(rows)
+        return [self.sampler(rows[-1])] if out is None else out
+
+    def finish(self) -> None:
+        if self.speculator is not None:
+            self.st.spec = self.speculator.counters.since(self.before)
 
 
 def complete(model: Session, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
