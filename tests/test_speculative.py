@@ -36,6 +36,7 @@ MODES = {
     "share_auto": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share="auto"),
     "host_tier": dict(disk_experts=True, expert_cache_slots=3, host_tier_bytes=8 << 20),
     "python_executor": dict(disk_experts=True, expert_cache_slots=3, moe_cpu_share=0.5, moe_executor="python"),
+    "prefetch_tier": dict(disk_experts=True, expert_cache_slots=3, host_tier_bytes=8 << 20, moe_prefetch=True),
 }
 N = 24  # tokens generated per run
 
@@ -178,6 +179,29 @@ def test_draft_choice_is_llama_cpps_top10_greedy():
     tok, p = draft_choice(z)
     top = np.sort(z)[::-1][:10]
     assert tok == 0 and p == pytest.approx(1 / np.exp(top - 5.0).sum())
+
+
+@pytest.mark.parametrize("family", ["deepseek2", "qwen35moe", "qwen3next"])  # two MoE layers: one lookahead link
+def test_lookahead_predicts_every_row_of_a_verify_step(models, plain, family):
+    """With moe_prefetch a verify step's first MoE layer predicts the next one's experts for every row, the drafts'
+    included: each verify call's prediction is scored against the distinct experts of all its rows, and the tokens
+    stay plain's."""
+    prompt, want, _ = plain[family]
+    opts = _opts(spec_type="replay", draft_max=3, **MODES["prefetch_tier"])
+    with MoEModel(models[family], opts) as m:
+        m.eval(prompt)  # the prompt alone: more tokens than a lookahead takes
+        moe = [i for i, c in enumerate(m.experts.counters) if c is not None and i != m.model.head_layer]
+        prompt_distinct = m.experts.counters[moe[1]].distinct
+    with MoEModel(models[family], opts) as m:
+        sp = Speculator(m, ReplayDrafts(prompt + want, accept=1.0), backoff=False)
+        _, st_ = complete(m, prompt, N, Sampler(), stop_at_eos=False, speculator=sp)
+        assert st_.tokens == want
+        nxt = m.experts.counters[moe[1]]
+        assert st_.spec is not None and nxt.calls == 1 + st_.spec.verify_steps  # the prompt, then verify steps
+        assert nxt.predicted_of == nxt.distinct - prompt_distinct > 0
+        if family != "deepseek2":  # the generated deepseek2 routes every token to the same two experts
+            # more than one token's experts a call: the drafts' rows were predicted too
+            assert nxt.predicted_of > m.hp.n_used * st_.spec.verify_steps
 
 
 def test_p_min_stops_the_draft_and_backoff_pauses_it(models, plain):
