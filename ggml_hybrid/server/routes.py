@@ -47,7 +47,7 @@ from .protocol import (
     timings,
     usage,
 )
-from .structured import compile_structure, read_structure
+from .structured import compile_structure, generation_error, read_structure
 from .tools import (
     Call,
     ToolFormat,
@@ -63,6 +63,7 @@ from .tools import (
 WAIT_POLL = 0.25  # seconds between disconnect checks of a non-streamed request
 BODY_SECONDS = 30.0  # a request body not received whole within this is refused (408): no drip-fed bodies
 TEXT_THREADS = 4  # prompts tokenized and templates rendered at once (the others wait their turn)
+GRAMMAR_WAITERS = 16  # requests waiting on the grammar compile pool at once (its own threads do the work)
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -83,6 +84,8 @@ class Routes:
         self.drain_seconds = drain_seconds
         self.registry = metrics.registry(models)
         self.text_limiter = anyio.CapacityLimiter(TEXT_THREADS)
+        # compiles never hold a text thread: their callers wait here, their work runs in the compile pool
+        self.grammar_limiter = anyio.CapacityLimiter(GRAMMAR_WAITERS)
 
     def table(self) -> list[Route]:
         """The routes, each handler counted under its path."""
@@ -163,7 +166,7 @@ class Routes:
         g.structure = read_structure(body)
         sm = self.lookup(g.model)
         prompts = await anyio.to_thread.run_sync(_tokenize_prompts, sm, g, limiter=self.text_limiter)
-        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
         return await self.generate(request, sm, g, prompts, "completion", grammar)
 
     async def chat(self, request: HTTPRequest) -> Response:
@@ -176,7 +179,7 @@ class Routes:
                       f"'{g.structure.param}'.", g.structure.param)
         sm = self.lookup(g.model)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
-        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
         return await self.generate(request, sm, g, [prompt], "chat", grammar)
 
     async def messages(self, request: HTTPRequest) -> Response:
@@ -187,7 +190,7 @@ class Routes:
             g.tools = read_tools(chat)
             sm = self.lookup(g.model)
             prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
-            grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+            grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
             return await self.generate(request, sm, g, [prompt], "messages", grammar)
         except APIError as e:
             return JSONResponse(anthropic.error_body(e), status_code=e.status)
@@ -267,7 +270,7 @@ class Routes:
         if failed:
             r = failed[0]
             if r.finish_reason == "error":
-                raise APIError(500, f"Generation failed: {r.error}")
+                raise generation_error(r.exception, r.error, _grammar_param(g))
             raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
         if kind == "messages":
             r = reqs[0]
@@ -335,11 +338,12 @@ class Routes:
                                 doc["timings"] = timings(r)
                                 last = {"data": json.dumps(doc)}
                             yield last
+                        elif r.finish_reason == "error":
+                            yield {"data": json.dumps(generation_error(r.exception, r.error,
+                                                                       _grammar_param(g)).body())}
                         else:
-                            msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
-                                "The server shut down before the request finished."
-                            yield {"data": json.dumps(APIError(500 if r.error else 503, msg, code=None if r.error
-                                                               else "shutting_down").body())}
+                            yield {"data": json.dumps(APIError(503, "The server shut down before the request "
+                                                               "finished.", code="shutting_down").body())}
                 if len(ended) < len(reqs):
                     await wake.wait()
             if g.include_usage:
@@ -368,10 +372,9 @@ class Routes:
                     break
                 await wake.wait()
             if r.finish_reason not in ("stop", "length"):
-                msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
-                    "The server shut down before the request finished."
-                yield anthropic.event("error", error=anthropic.error_body(APIError(500 if r.error else 503, msg))[
-                    "error"])
+                failure = generation_error(r.exception, r.error, _grammar_param(g)) if r.finish_reason == "error" \
+                    else APIError(503, "The server shut down before the request finished.")
+                yield anthropic.event("error", error=anthropic.error_body(failure)["error"])
                 return
             found: list[Call] = []
             if calls is not None:
@@ -444,8 +447,16 @@ def _tool_format(sm: ServedModel) -> ToolFormat:
     return tool_format(sm.template.source if sm.template is not None else "")
 
 
+def _grammar_param(g: Generation) -> str | None:
+    """The field a request's grammar came from (for its errors)."""
+    if g.structure is not None:
+        return str(g.structure.param)
+    return "tools" if g.tools is not None and g.tools.forced else None
+
+
 def _grammar(sm: ServedModel, g: Generation) -> Grammar | None:
-    """The request's grammar compiled for the model's vocabulary: its structure, or its forced tool call."""
+    """The request's grammar compiled for the model's vocabulary: its structure, or its forced tool call (in the
+    compile pool: this thread only waits for it)."""
     assert sm.model is not None
     if g.structure is not None:
         return compile_structure(sm.model.tokenizer, g.structure)

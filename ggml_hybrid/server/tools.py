@@ -31,7 +31,7 @@ from typing import Any
 from ..errors import GrammarError
 from ..runtime.grammar import Grammar, TokenBytes, json_options
 from .protocol import bad
-from .structured import MAX_SCHEMA_DEPTH, depth
+from .structured import check_schema_field
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_TOOLS = 128
@@ -125,9 +125,7 @@ def read_tools(body: dict[str, Any]) -> ToolRequest | None:
         params = f.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise bad(f"'{p}.function.parameters' must be a JSON Schema object.", f"{p}.function.parameters")
-        if depth(params, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-            raise bad(f"'{p}.function.parameters' nests deeper than {MAX_SCHEMA_DEPTH} levels.",
-                      f"{p}.function.parameters")
+        check_schema_field(params, f"{p}.function.parameters", "invalid_tool_schema")  # bounds before llguidance
         _check_schema(params, f"{p}.function.parameters")
         fn: dict[str, Any] = {"name": name, "parameters": params}
         if desc is not None:
