@@ -12,19 +12,25 @@ import json
 import threading
 import urllib.request
 
+import gguf
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 pytest.importorskip("jinja2.sandbox")
 
+from helpers import rewrite_gguf  # noqa: E402
 from test_grammar_bounds import WIDE, gbnf_chain, ref_chain, slow_gbnf  # noqa: E402
 from test_server import Server, get, post, scrape  # noqa: E402
+from test_structured import FAMILY_TEMPLATES, TEMPLATES  # noqa: E402
 
 from ggml_hybrid.synthetic import write_model  # noqa: E402
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-DEEP_PARAMETERS = {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "$defs": ref_chain(2500)["$defs"]}
+# 1,200 hops through 'properties' (2,402 levels; past an 8 MiB stack on main), small enough for the prompt the
+# template renders the tools into
+DEEP_PARAMETERS = {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}},
+                   "$defs": ref_chain(1200, "properties")["$defs"]}
 FORCED_TOOL = [{"type": "function", "function": {"name": "deep", "parameters": DEEP_PARAMETERS}}]
 
 
@@ -32,15 +38,20 @@ FORCED_TOOL = [{"type": "function", "function": {"name": "deep", "parameters": D
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("gbs")
     write_model(d / "m.gguf", arch="qwen3moe", weight_type="q8_0", seed=4)
+    # a format whose forced call embeds the tool's parameters as they are (their $refs resolve: hermes' wrapper
+    # leaves them dangling, issue 40's E8)
+    rewrite_gguf(d / "m.gguf", d / "mistral.gguf", set_keys={"tokenizer.chat_template": (
+        (TEMPLATES / FAMILY_TEMPLATES["mistral"]).read_text(), gguf.GGUFValueType.STRING)})
     cfg = d / "server.toml"
-    cfg.write_text('[models.m]\npath = "m.gguf"\n[models.m.session_options]\nn_ctx = 1024\nn_threads = 1\n'
-                   'n_parallel = 2\n')
+    cfg.write_text("".join(f'[models.{n}]\npath = "{n}.gguf"\n[models.{n}.session_options]\nn_ctx = {ctx}\n'
+                           f'n_threads = 1\nn_parallel = {par}\n' for n, ctx, par in (("m", 1024, 2),
+                                                                                     ("mistral", 32768, 1))))
     with Server(["--config", str(cfg)]) as s:
         yield s
 
 
 def _chat(**kw) -> str:
-    return json.dumps({"model": "m", "messages": USER, "max_tokens": 4, **kw})
+    return json.dumps({"model": kw.pop("model", "m"), "messages": USER, "max_tokens": 4, **kw})
 
 
 def _completion(**kw) -> str:
@@ -56,7 +67,7 @@ E1 = [
     ("/v1/chat/completions", _chat(grammar=gbnf_chain(4000)), "grammar"),
     ("/v1/completions", _completion(json_schema=ref_chain(2500)), "json_schema"),
     ("/v1/completions", _completion(grammar=gbnf_chain(4000)), "grammar"),
-    ("/v1/chat/completions", _chat(tools=FORCED_TOOL, tool_choice="required"), "tools[0].function.parameters"),
+    ("/v1/chat/completions", _chat(model="mistral", tools=FORCED_TOOL, tool_choice="required"), "tools"),
 ]
 
 
@@ -70,7 +81,7 @@ def test_what_crashed_the_server_is_a_400_naming_the_bound(server, path, body, p
 
 
 def test_anthropic_forced_tool_with_a_deep_schema_is_anthropics_400(server):
-    body = json.dumps({"model": "m", "max_tokens": 8, "messages": USER, "tool_choice": {"type": "any"},
+    body = json.dumps({"model": "mistral", "max_tokens": 8, "messages": USER, "tool_choice": {"type": "any"},
                        "tools": [{"name": "deep", "input_schema": DEEP_PARAMETERS}]})
     status, doc = post(server.url + "/v1/messages", body)
     assert status == 400 and doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", doc

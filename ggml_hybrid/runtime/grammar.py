@@ -35,6 +35,8 @@ from .grammar_check import (
     MAX_GRAMMAR_CHARS,
     MAX_LEVELS,
     MAX_SCHEMA_DEPTH,
+    CheckError,
+    check_shape,
     closed_schema,
     json_options,
 )
@@ -183,14 +185,18 @@ class Grammar:
         """``source`` (a JSON schema for ``json_schema``, GBNF or Lark text) checked and compiled in ``pool`` (the
         process's: :func:`~.grammar_pool.grammar_pool`)."""
         _llguidance()
-        try:
-            text = source if isinstance(source, str) else json.dumps(source)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise GrammarError(f"{what} is not JSON: {exc}") from None
         if kind == "json_schema" and not isinstance(source, (dict, bool)):
             raise GrammarError(f"{what} must be a JSON Schema (an object or a boolean), got {type(source).__name__}")
         if kind != "json_schema" and not isinstance(source, str):
             raise GrammarError(f"{what} must be text, got {type(source).__name__}")
+        try:
+            if not isinstance(source, str):
+                check_shape(source, what)  # before serializing it (one call that holds the interpreter)
+            text = source if isinstance(source, str) else json.dumps(source)
+        except CheckError as exc:
+            raise GrammarError(str(exc)) from None
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise GrammarError(f"{what} is not JSON: {exc}") from None
         if len(text) > MAX_GRAMMAR_CHARS:  # the checker says so too; this spares sending it there
             raise GrammarError(f"{what} has {len(text)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
         request = {"kind": kind, "source": source, "what": what}

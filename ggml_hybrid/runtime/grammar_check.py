@@ -37,6 +37,7 @@ from typing import IO, Any
 
 MAX_GRAMMAR_CHARS = 256 << 10  # a grammar or schema text beyond this is refused before it is compiled
 MAX_SCHEMA_DEPTH = 64          # nesting of a schema document's objects and arrays
+MAX_SCHEMA_VALUES = MAX_GRAMMAR_CHARS // 2  # a JSON value takes 2 characters at least: more cannot fit the size
 MAX_LEVELS = 1000              # the compiler's recursion: rule references or subschemas and $refs along one path
 MAX_EXACT_INT = 1 << 53        # the largest integer a 64-bit float holds exactly (llguidance's numeric bounds)
 CHECK_STACK = 64 << 20         # stack of the thread that validates here: MAX_LEVELS x 9.7 KB fits it 6 times
@@ -81,6 +82,34 @@ def depth(v: Any, limit: int) -> int:
         elif isinstance(x, list):
             stack.extend((y, d + 1) for y in x)
     return deepest
+
+
+def check_shape(v: Any, what: str) -> None:
+    """Refuse a JSON value that nests deeper than :data:`MAX_SCHEMA_DEPTH` or holds more than
+    :data:`MAX_SCHEMA_VALUES` values, stopping as soon as it knows (iteratively; Python bytecode, which lets other
+    threads run, unlike a serializer's single call): what any other walk of a schema may then afford."""
+    stack = [(v, 1)]
+    n = 0
+    while stack:
+        x, d = stack.pop()
+        n += 1
+        if d > MAX_SCHEMA_DEPTH:
+            raise CheckError("bound", f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if n > MAX_SCHEMA_VALUES:
+            raise CheckError("bound", f"{what} holds more than {MAX_SCHEMA_VALUES} values (more than "
+                                      f"{MAX_GRAMMAR_CHARS} characters)")
+        if isinstance(x, dict):
+            stack.extend((y, d + 1) for y in x.values())
+        elif isinstance(x, list):
+            stack.extend((y, d + 1) for y in x)
+
+
+def check_options(schema: Any, what: str) -> None:
+    """Refuse a request's schema that carries llguidance's own options (``x-guidance``, read at its top only)."""
+    if isinstance(schema, dict) and "x-guidance" in schema:
+        raise CheckError("bound", f"{what} carries 'x-guidance' (llguidance's own options: whitespace, separators, "
+                                  "lenient, coerce_one_of): not accepted, since they let the text be other than JSON "
+                                  "valid under the schema; the server sets them")
 
 
 def _pointer(root: Any, ref: str) -> Any:
@@ -191,12 +220,9 @@ def _check_bounds(node: dict[str, Any], what: str) -> None:
 def check_schema(schema: Any, what: str, client: bool = True) -> None:
     """Refuse (:class:`CheckError`) a JSON schema that nests too deep, compiles too many levels deep, carries bounds
     llguidance does not hold exactly or (``client``: a request's schema) llguidance's own ``x-guidance`` options."""
-    if depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise CheckError("bound", f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    if client and isinstance(schema, dict) and "x-guidance" in schema:
-        raise CheckError("bound", f"{what} carries 'x-guidance' (llguidance's own options: whitespace, separators, "
-                                  "lenient, coerce_one_of): not accepted, since they let the text be other than JSON "
-                                  "valid under the schema; the server sets them")
+    check_shape(schema, what)
+    if client:
+        check_options(schema, what)
     levels = schema_levels(schema)
     if levels > MAX_LEVELS:
         raise CheckError("bound", f"{what}: its subschemas and $ref chains go {levels} levels deep; at most "

@@ -12,9 +12,10 @@ Each is compiled against the model's vocabulary (:class:`~ggml_hybrid.runtime.gr
 the request is queued, in the compile pool (checked in a child process, then compiled on a thread of its own:
 :mod:`~ggml_hybrid.runtime.grammar_pool`), never on the threads that tokenize and render: a schema or grammar that does
 not compile, passes a bound (:mod:`~ggml_hybrid.runtime.grammar_check`) or outruns the compile's time is a 400 naming
-the field. A schema is checked here as soon as the body is read (its nesting, its levels, its bounds, no
-``x-guidance``), and ``stop`` strings are refused with a structure: the grammar ends the text where it is whole, and a
-stop string could only cut it where it does not parse (OpenAI answers ``"stop"`` then; here ``"stop"`` always parses).
+the field. A schema's shape is checked here as soon as the body is read (its nesting and size, no ``x-guidance``),
+the rest with the compile; and ``stop`` strings are refused with a structure: the grammar ends the text where it is
+whole, and a stop string could only cut it where it does not parse (OpenAI answers ``"stop"`` then; here ``"stop"``
+always parses).
 A grammar that llguidance cannot continue mid-generation fails that request with the same typed 400
 (:func:`generation_error`).
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 from ..errors import GrammarError, MissingDependencyError
 from ..runtime.grammar import Grammar, TokenBytes
-from ..runtime.grammar_check import MAX_SCHEMA_DEPTH, CheckError, check_schema, depth
+from ..runtime.grammar_check import MAX_SCHEMA_DEPTH, CheckError, check_options, check_shape, depth
 from .protocol import APIError, bad
 
 
@@ -41,16 +42,17 @@ class Structure:
 
 
 def check_schema_field(v: Any, param: str, code: str = "invalid_grammar") -> dict[str, Any] | bool:
-    """``v`` if it is a JSON Schema this server compiles (an object or a boolean, within the bounds of
-    :func:`~ggml_hybrid.runtime.grammar_check.check_schema`); a 400 naming ``param`` otherwise."""
+    """``v`` if it can be a JSON Schema this server compiles (an object or a boolean, nested at most
+    ``MAX_SCHEMA_DEPTH`` deep, not too large, no ``x-guidance``); a 400 naming ``param`` otherwise. What costs a walk
+    of the schema's references (its levels, its bounds) is checked with the compile, off the event loop."""
     if not isinstance(v, (dict, bool)):
         raise bad(f"'{param}' must be a JSON Schema (an object), got {type(v).__name__}.", param)
     try:
-        check_schema(v, f"'{param}'")
+        check_shape(v, f"'{param}'")
+        check_options(v, f"'{param}'")
     except CheckError as exc:
         raise bad(f"{exc}.", param, code) from None
     return v
-
 
 
 def read_structure(body: dict[str, Any]) -> Structure | None:
@@ -63,8 +65,9 @@ def read_structure(body: dict[str, Any]) -> Structure | None:
         kind = rf.get("type")
         if kind == "json_object":
             schema = rf.get("schema")
-            asks.append(Structure("json_schema", {"type": "object"} if schema is None else
-                                  check_schema_field(schema, "response_format.schema"), "response_format"))
+            asks.append(Structure("json_schema", {"type": "object"}, "response_format") if schema is None else
+                        Structure("json_schema", check_schema_field(schema, "response_format.schema"),
+                                  "response_format.schema"))
         elif kind == "json_schema":
             js = rf.get("json_schema")
             if not isinstance(js, dict):
