@@ -179,3 +179,30 @@ def test_a_grammar_that_fails_mid_stream_ends_with_a_typed_error_event(server):
     errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
     assert len(errors) == 1, events
     assert errors[0]["type"] == "invalid_request_error" and errors[0]["code"] == "invalid_grammar", errors
+
+
+# -- the other APIs' routes (Anthropic's output_config, llama-server's /completion) ---------------------------------
+
+def test_anthropic_output_config_with_stop_sequences_is_refused(server):
+    body = {"model": "m", "max_tokens": 8, "messages": USER,
+            "output_config": {"format": {"type": "json_schema", "schema": {"type": "string"}}}}
+    status, doc = post(server.url + "/v1/messages", json.dumps({**body, "stop_sequences": ["}"]}))
+    assert status == 400 and doc["type"] == "error" and "cannot be combined" in doc["error"]["message"], doc
+    status, doc = post(server.url + "/v1/messages", json.dumps({**body, "output_config": {"format": {
+        "type": "json_schema", "schema": ref_chain(2500)}}}))
+    assert status == 400 and "levels deep" in doc["error"]["message"], doc
+
+
+def test_llama_server_completion_bounds_and_typed_failures(server):
+    body = {"model": "m", "prompt": "Answer:", "n_predict": 200, "seed": 3, "temperature": 1.0}
+    status, doc = post(server.url + "/completion", json.dumps({**body, "grammar": gbnf_chain(4000)}))
+    assert status == 400 and "levels deep" in doc["error"]["message"], doc
+    status, doc = post(server.url + "/completion", json.dumps({**body, "grammar": FAILS_LATER}))
+    assert status == 400 and doc["error"]["code"] == "invalid_grammar", doc
+    req = urllib.request.Request(server.url + "/completion", data=json.dumps(
+        {**body, "grammar": FAILS_LATER, "stream": True}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [json.loads(ln[6:]) for ln in r.read().decode().splitlines() if ln.startswith("data: ")
+                  and ln[6:] != "[DONE]"]
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1 and errors[0]["code"] == "invalid_grammar", events

@@ -89,11 +89,25 @@ def read_structure(body: dict[str, Any]) -> Structure | None:
     if len(asks) > 1:
         given = ", ".join(a.param for a in asks)
         raise bad(f"give one of 'response_format', 'json_schema' and 'grammar' (got {given}).", asks[1].param)
-    if asks and body.get("stop") not in (None, [], ""):
-        raise bad(f"'stop' cannot be combined with '{asks[0].param}': the grammar ends the text where it is whole, and "
-                  "a stop string could only cut it where it does not parse (leave 'stop' out, or write the end into "
-                  "the grammar).", "stop")
+    if asks:
+        refuse_stops(asks[0], body.get("stop"), "stop")
     return asks[0] if asks else None
+
+
+def refuse_stops(st: Structure, stops: Any, param: str) -> None:
+    """A 400 when stop strings (``param``: ``stop``, Anthropic's ``stop_sequences``) come with a structure: the
+    grammar ends the text where it is whole, and a stop string could only cut it where it does not parse."""
+    items = [stops] if isinstance(stops, str) else stops if isinstance(stops, (list, tuple)) else []
+    if any(isinstance(x, str) and x for x in items):  # empty ones stop nothing (the engine drops them)
+        raise bad(f"'{param}' cannot be combined with '{st.param}': the grammar ends the text where it is whole, and "
+                  "a stop string could only cut it where it does not parse (leave it out, or write the end into the "
+                  "grammar).", param)
+
+
+def schema_structure(v: Any, param: str) -> Structure:
+    """A JSON schema given in another API's field (``param``: Anthropic's ``output_config.format.schema``), checked
+    as ``response_format``'s are."""
+    return Structure("json_schema", check_schema_field(v, param), param)
 
 
 def compile_structure(tok: TokenBytes, st: Structure) -> Grammar:
@@ -117,4 +131,4 @@ def generation_error(exc: BaseException | None, error: str | None, param: str | 
 
 
 __all__ = ["MAX_SCHEMA_DEPTH", "Structure", "check_schema_field", "compile_structure", "depth", "generation_error",
-           "read_structure"]
+           "read_structure", "refuse_stops", "schema_structure"]
