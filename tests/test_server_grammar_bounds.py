@@ -206,3 +206,33 @@ def test_llama_server_completion_bounds_and_typed_failures(server):
                   and ln[6:] != "[DONE]"]
     errors = [e["error"] for e in events if "error" in e]
     assert len(errors) == 1 and errors[0]["code"] == "invalid_grammar", events
+
+
+def test_a_heavy_tool_schema_is_read_off_the_event_loop(server):
+    """A tool's parameters are checked against JSON Schema's meta-schema (jsonschema: seconds for thousands of
+    $defs, found by the fuzzer's chains: /health stalled 1.9 s); that runs off the event loop, so /health answers
+    meanwhile, time after time (on main three came before the check began or between its parts, none during it)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}, "b": {"type": "string"}}}
+            for i in range(2500)}
+    defs["d2500"] = {"type": "integer"}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "$defs": defs}}}]
+    done = threading.Event()
+    answer: list[tuple[int, dict]] = []
+
+    def send() -> None:
+        # a tool_choice naming no tool given: refused right after the tools are read (reading them is all it costs)
+        answer.append(post(server.url + "/v1/chat/completions", _chat(tools=tools, tool_choice={
+            "type": "function", "function": {"name": "nope"}})))
+        done.set()
+
+    t = threading.Thread(target=send)
+    t.start()
+    during = 0
+    while not done.is_set():
+        status, _ = get(server.url + "/health")
+        assert status == 200
+        during += not done.is_set()
+    t.join()
+    assert answer[0][0] == 400 and answer[0][1]["error"]["param"] == "tool_choice.function.name", answer
+    assert during >= 10, f"/health answered {during} times while the tools were read"

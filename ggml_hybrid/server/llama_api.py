@@ -88,7 +88,7 @@ class LlamaRoutes:
     async def apply_template(self, request: HTTPRequest) -> Response:
         body = await self.routes.read_body(request)
         g = chat_request(body, self.routes.defaults)
-        g.tools = read_tools(body)
+        g.tools = await anyio.to_thread.run_sync(read_tools, body, limiter=self.routes.text_limiter)
         sm = self.routes.resolve(g)
         text = await anyio.to_thread.run_sync(chat_text, sm, g, limiter=self.routes.text_limiter)
         return JSONResponse({"prompt": text})

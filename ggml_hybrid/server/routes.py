@@ -197,7 +197,9 @@ class Routes:
         body = await self.read_body(request)
         g = chat_request(body, self.defaults)
         g.structure = read_structure(body)
-        g.tools = read_tools(body)
+        # off the event loop: tool schemas are checked against JSON Schema's meta-schema, which takes seconds for
+        # thousands of $defs
+        g.tools = await anyio.to_thread.run_sync(read_tools, body, limiter=self.text_limiter)
         _check_forced(g)
         sm = self.resolve(g)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
@@ -206,7 +208,8 @@ class Routes:
 
     async def messages(self, request: HTTPRequest) -> Response:
         """Anthropic's Messages API: read into a chat request (server/anthropic.py), answered in Anthropic's shapes."""
-        g, sm = self._messages_request(await self.read_body(request))
+        body = await self.read_body(request)
+        g, sm = await anyio.to_thread.run_sync(self._messages_request, body, limiter=self.text_limiter)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
         return await self.generate(request, sm, g, [prompt], "messages", grammar)
@@ -214,11 +217,13 @@ class Routes:
     async def count_tokens(self, request: HTTPRequest) -> Response:
         """Anthropic's ``POST /v1/messages/count_tokens``: the tokens of the prompt the request renders to (tools
         included), as ``/v1/messages`` would evaluate it."""
-        g, sm = self._messages_request(await self.read_body(request), count_only=True)
+        body = await self.read_body(request)
+        g, sm = await anyio.to_thread.run_sync(self._messages_request, body, True, limiter=self.text_limiter)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         return JSONResponse({"input_tokens": len(prompt)})
 
     def _messages_request(self, body: dict[str, Any], count_only: bool = False) -> tuple[Generation, ServedModel]:
+        # (run off the event loop: its tools are checked against JSON Schema's meta-schema)
         m = anthropic.read_request(body, count_only)
         g = chat_request(m.chat, self.defaults)
         g.stop = m.stop
