@@ -40,7 +40,6 @@ from .logprobs import llama_probs
 from .models import ServedModel
 from .protocol import (
     MAX_CHOICES,
-    APIError,
     Generation,
     bad,
     chat_request,
@@ -51,7 +50,7 @@ from .protocol import (
     timings,
 )
 from .routes import Routes, chat_text
-from .structured import compile_structure, generation_error, read_structure
+from .structured import compile_structure, failure, grammar_field, read_structure
 from .tools import read_tools
 
 # the sampling chain here, in its order (llama.cpp's names); a request's ``samplers`` must keep it
@@ -114,8 +113,7 @@ class LlamaRoutes:
             return self.routes.event_stream(self.stream(reqs, wake, answer))
         self.routes.models.begin()
         try:
-            left = await self.routes.finish(request, reqs, wake,
-                                            None if g.structure is None else str(g.structure.param))
+            left = await self.routes.finish(request, reqs, wake, grammar_field(g))
         finally:
             self.routes.models.end()
         if left is not None:
@@ -151,10 +149,7 @@ class LlamaRoutes:
                         continue
                     ended.add(i)
                     if r.finish_reason not in ("stop", "length"):
-                        param = None if answer.g.structure is None else str(answer.g.structure.param)
-                        yield _data((generation_error(r.exception, r.error, param) if r.finish_reason == "error" else
-                                     APIError(503, "The server shut down before the request finished.",
-                                              code="shutting_down")).body())
+                        yield _data(failure(r, grammar_field(answer.g)).body())
                         return
                     yield _data(answer.final(i, r, "", r.take_logprobs(), stream=True))
                 if len(ended) < len(reqs):

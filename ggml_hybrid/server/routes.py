@@ -51,7 +51,7 @@ from .protocol import (
     usage,
 )
 from .settings import ServerSettings
-from .structured import compile_structure, generation_error, read_structure, refuse_stops
+from .structured import compile_structure, failure, grammar_field, read_structure, refuse_stops
 from .tools import (
     Call,
     ToolFormat,
@@ -90,7 +90,6 @@ class Routes:
         self.defaults = self.settings.defaults
         self.registry = metrics.registry(models)
         self.text_limiter = anyio.CapacityLimiter(TEXT_THREADS)
-        # compiles never hold a text thread: their callers wait here, their work runs in the compile pool
         self.grammar_limiter = anyio.CapacityLimiter(GRAMMAR_WAITERS)
 
     def table(self) -> list[Route]:
@@ -197,8 +196,6 @@ class Routes:
         body = await self.read_body(request)
         g = chat_request(body, self.defaults)
         g.structure = read_structure(body)
-        # off the event loop: tool schemas are checked against JSON Schema's meta-schema, which takes seconds for
-        # thousands of $defs
         g.tools = await anyio.to_thread.run_sync(read_tools, body, limiter=self.text_limiter)
         _check_forced(g)
         sm = self.resolve(g)
@@ -223,7 +220,6 @@ class Routes:
         return JSONResponse({"input_tokens": len(prompt)})
 
     def _messages_request(self, body: dict[str, Any], count_only: bool = False) -> tuple[Generation, ServedModel]:
-        # (run off the event loop: its tools are checked against JSON Schema's meta-schema)
         m = anthropic.read_request(body, count_only)
         g = chat_request(m.chat, self.defaults)
         g.stop = m.stop
@@ -313,10 +309,7 @@ class Routes:
             _cancel(reqs)  # a handler cancelled (shutdown) leaves no request running
         failed = [r for r in reqs if r.finish_reason in ("error", "cancelled")]
         if failed:
-            r = failed[0]
-            if r.finish_reason == "error":
-                raise generation_error(r.exception, r.error, grammar_param)
-            raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
+            raise failure(failed[0], grammar_param)
         return None
 
     def event_stream(self, events: AsyncIterator[dict[str, str]]) -> Response:
@@ -334,7 +327,7 @@ class Routes:
 
     async def wait(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str,
                     created: int, g: Generation, n_prompt: int, sm: ServedModel) -> Response:
-        left = await self.finish(request, reqs, wake, _grammar_param(g))
+        left = await self.finish(request, reqs, wake, grammar_field(g))
         if left is not None:
             return left
         if kind == "messages":
@@ -411,12 +404,8 @@ class Routes:
                                 doc["timings"] = timings(r)
                                 last = {"data": json.dumps(doc)}
                             yield last
-                        elif r.finish_reason == "error":
-                            yield {"data": json.dumps(generation_error(r.exception, r.error,
-                                                                       _grammar_param(g)).body())}
                         else:
-                            yield {"data": json.dumps(APIError(503, "The server shut down before the request "
-                                                               "finished.", code="shutting_down").body())}
+                            yield {"data": json.dumps(failure(r, grammar_field(g)).body())}
                 if len(ended) < len(reqs):
                     await wake.wait()
             if g.include_usage:
@@ -450,9 +439,7 @@ class Routes:
                     break
                 await wake.wait()
             if r.finish_reason not in ("stop", "length"):
-                failure = generation_error(r.exception, r.error, _grammar_param(g)) if r.finish_reason == "error" \
-                    else APIError(503, "The server shut down before the request finished.")
-                yield anthropic.event("error", error=anthropic.error_body(failure)["error"])
+                yield anthropic.event("error", error=anthropic.error_body(failure(r, grammar_field(g)))["error"])
                 return
             found: list[Call] = []
             if calls is not None:
@@ -541,13 +528,6 @@ def _tokenize_prompts(sm: ServedModel, g: Generation) -> list[list[int]]:
 
 def _tool_format(sm: ServedModel) -> ToolFormat:
     return tool_format(sm.template.source if sm.template is not None else "")
-
-
-def _grammar_param(g: Generation) -> str | None:
-    """The field a request's grammar came from (for its errors)."""
-    if g.structure is not None:
-        return str(g.structure.param)
-    return "tools" if g.tools is not None and g.tools.forced else None
 
 
 def _grammar(sm: ServedModel, g: Generation) -> Grammar | None:

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GrammarError, MissingDependencyError
+from ..runtime.engine import Request
 from ..runtime.grammar import Grammar, TokenBytes
 from ..runtime.grammar_check import MAX_SCHEMA_DEPTH, CheckError, check_options, check_shape, depth
-from .protocol import APIError, bad
+from .protocol import APIError, Generation, bad
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,21 @@ def compile_structure(tok: TokenBytes, st: Structure) -> Grammar:
         raise APIError(501, f"{exc}.", st.param, "unsupported_parameter") from None
 
 
+def grammar_field(g: Generation) -> str | None:
+    """The field a request's grammar came from (for its errors): its structure's, ``tools`` for a forced call."""
+    if g.structure is not None:
+        return str(g.structure.param)
+    return "tools" if g.tools is not None and g.tools.forced else None
+
+
+def failure(r: Request, param: str | None) -> APIError:
+    """The answer to a request that ended without its text: failed (:func:`generation_error`), or stopped by the
+    server's shutdown (503)."""
+    if r.finish_reason == "error":
+        return generation_error(r.exception, r.error, param)
+    return APIError(503, "The server shut down before the request finished.", code="shutting_down")
+
+
 def generation_error(exc: BaseException | None, error: str | None, param: str | None) -> APIError:
     """The answer to a generation that failed: its grammar's fault (llguidance could not go on: a right-recursive
     rule past llguidance's row limit, a mask over its work bound) is a 400 naming the field (``param``: the structure's,
@@ -130,5 +146,5 @@ def generation_error(exc: BaseException | None, error: str | None, param: str | 
     return APIError(500, f"Generation failed: {error}", code="generation_failed")
 
 
-__all__ = ["MAX_SCHEMA_DEPTH", "Structure", "check_schema_field", "compile_structure", "depth", "generation_error",
-           "read_structure", "refuse_stops", "schema_structure"]
+__all__ = ["MAX_SCHEMA_DEPTH", "Structure", "check_schema_field", "compile_structure", "depth", "failure",
+           "generation_error", "grammar_field", "read_structure", "refuse_stops", "schema_structure"]
