@@ -476,8 +476,9 @@ def handle(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def _limit_self() -> None:
-    """An address-space bound, Ctrl-C left to the parent, and (Linux) an end with the parent (as the template
-    renderer's child does, text/template_worker.py)."""
+    """An address-space bound, Ctrl-C left to the parent, and (Linux) an end with the parent thread that started
+    this process: PR_SET_PDEATHSIG follows that thread, which here is the compile thread that owns this checker for
+    its whole life (the template renderer, started from threads that end sooner, watches a lifeline pipe instead)."""
     import resource
     import signal
 
