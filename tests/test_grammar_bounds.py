@@ -17,7 +17,7 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from helpers import assert_typed_error_isolated  # noqa: E402
+from helpers import assert_typed_error_isolated, run_isolated  # noqa: E402
 
 from ggml_hybrid.errors import GgmlHybridError, GrammarError  # noqa: E402
 from ggml_hybrid.gguf.store import GGUFStore  # noqa: E402
@@ -95,6 +95,49 @@ def test_what_crashed_the_interpreter_is_refused_naming_the_bound(model_path, tm
             raise
     """
     assert_typed_error_isolated(code, "GrammarError")
+
+
+# a forced tool call's grammar (server/tool_grammar.py: Lark text with a %json block per call, or per argument in the
+# XML formats, each carrying the tool's parameters as the root of its $refs)
+DEEP_TOOLS = {
+    "ref-chain-2500": ref_chain(2500),
+    "ref-chain-through-properties-1800": ref_chain(1800, "properties"),
+}
+
+
+@pytest.mark.parametrize("chain", sorted(DEEP_TOOLS))
+def test_a_forced_call_of_a_tool_with_a_deep_chain_is_refused_in_every_format(model_path, tmp_path, chain):
+    """On main a tool whose parameters hold a 2,500-long $ref chain took the interpreter down (SIGSEGV) when its
+    forced call was compiled, in every call format: here each format's grammar (``required`` and a named tool) is
+    a 400 naming the bound, in one child process that must survive them all."""
+    params = {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "required": ["x"],
+              "$defs": DEEP_TOOLS[chain]["$defs"]}
+    src = tmp_path / "params.json"
+    src.write_text(json.dumps(params))
+    p = run_isolated(f"""
+        import json
+        from ggml_hybrid.gguf.store import GGUFStore
+        from ggml_hybrid.server.protocol import APIError
+        from ggml_hybrid.server.tools import FORMATS, read_tools, tools_grammar
+        from ggml_hybrid.text.tokenizer import Tokenizer
+        tok = Tokenizer.from_gguf(GGUFStore({str(model_path)!r}))
+        tools = [{{"type": "function", "function": {{"name": "deep", "parameters": json.load(open({str(src)!r}))}}}}]
+        for fmt in FORMATS:
+            for choice in ("required", {{"type": "function", "function": {{"name": "deep"}}}}):
+                req = read_tools({{"tools": tools, "tool_choice": choice}})
+                try:
+                    tools_grammar(tok, fmt, req)
+                    print(json.dumps([fmt.name, "compiled"]))
+                except APIError as exc:
+                    print(json.dumps([fmt.name, exc.status, exc.param, exc.code, exc.message]))
+    """, timeout=600)
+    assert p.returncode == 0, f"child exit code {p.returncode}, stdout {p.stdout[-800:]!r}, stderr {p.stderr[-1500:]!r}"
+    answers = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("[")]
+    from ggml_hybrid.server.tools import FORMATS
+
+    assert sorted({a[0] for a in answers}) == sorted(f.name for f in FORMATS) and len(answers) == 2 * len(FORMATS)
+    for a in answers:
+        assert a[1:4] == [400, "tools", "invalid_tool_schema"] and "levels deep" in a[4] and "1000" in a[4], a
 
 
 def test_the_counts_are_the_compilers_recursion():

@@ -32,6 +32,9 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 DEEP_PARAMETERS = {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}},
                    "$defs": ref_chain(1200, "properties")["$defs"]}
 FORCED_TOOL = [{"type": "function", "function": {"name": "deep", "parameters": DEEP_PARAMETERS}}]
+# a plain $ref chain of 2,500 in a tool's parameters (the forced call's Lark grammar: server/tool_grammar.py)
+CHAIN_TOOL = [{"type": "function", "function": {"name": "chain", "parameters": {
+    "type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "$defs": ref_chain(2500)["$defs"]}}}]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,8 @@ E1 = [
     ("/v1/completions", _completion(json_schema=ref_chain(2500)), "json_schema"),
     ("/v1/completions", _completion(grammar=gbnf_chain(4000)), "grammar"),
     ("/v1/chat/completions", _chat(model="mistral", tools=FORCED_TOOL, tool_choice="required"), "tools"),
+    ("/v1/chat/completions", _chat(model="mistral", tools=CHAIN_TOOL, tool_choice={
+        "type": "function", "function": {"name": "chain"}}), "tools"),
 ]
 
 
