@@ -91,13 +91,18 @@ class ServerCollector(Collector):
                     memory.add_metric([name, dev, purpose], n)
         yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, slots,
                     busy, queue, tps, share, offload, memory)
+        yield self._compiles()
+        yield from self._speculative()
+
+    @staticmethod
+    def _compiles() -> Metric:
+        """The process's grammar compile pool: compiles running and waiting for a compile thread."""
         compiles = GaugeMetricFamily(P + "grammar_compiles", "Grammar compiles in the compile pool, by state",
                                      labels=["state"])
         pool = grammar_pool()
         compiles.add_metric(["running"], pool.running)
         compiles.add_metric(["waiting"], pool.waiting)
-        yield compiles
-        yield from self._speculative()
+        return compiles
 
     def _speculative(self) -> Iterator[Metric]:
         """Speculative decoding's counters, per model that speculates (llama-server's ``spec_decode_num_*``)."""
