@@ -3,7 +3,7 @@
 - ``huge``: ``/tokenize`` of texts around the prompts' bound and far past it (up to 4 Mi characters), with and
   without pieces, and ``/detokenize`` of id arrays around ``n_ctx`` and far past it (up to 4 M ids). Any answer
   below 500 in OpenAI's error shape is fine (server_cases classes it); ``/health`` is watched throughout
-  (:class:`HealthWatch`).
+  (``server_cases.HealthWatch``).
 - ``hub``: ``ggml-hybrid pull fuzz/case-I`` in a process of its own against :class:`HostileHub`, a stand-in Hugging
   Face Hub on loopback whose answers for that repository are drawn from ``(seed, I)``: listings with null, missing,
   ``..`` or absolute names, not a list, not JSON, stalled or dripped; file answers with ETags, ``X-Linked-Etag``s
@@ -25,8 +25,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -264,40 +262,4 @@ def huge_info(rng: random.Random, port: int, timeout: float) -> tuple[int, bytes
         c.close()
 
 
-class HealthWatch:
-    """/health asked again and again while the cases run; the slowest answer (seconds) and the failures."""
-
-    def __init__(self, port: int) -> None:
-        self.port, self.slowest, self.failed, self.asked = port, 0.0, 0, 0
-        self.slowest_window = (0.0, 0.0)  # monotonic start and end of the slowest answer
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stopping.wait(0.2):
-            t = time.monotonic()
-            c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-            try:
-                c.request("GET", "/health")
-                ok = c.getresponse().status == 200
-            except OSError:
-                ok = False
-            finally:
-                c.close()
-            self.asked += 1
-            self.failed += not ok
-            if time.monotonic() - t > self.slowest:
-                self.slowest, self.slowest_window = time.monotonic() - t, (t, time.monotonic())
-
-    def stop(self, spans: Sequence[tuple[float, float, str]] = ()) -> dict[str, Any]:
-        """The counts, and the cases whose (start, end, what) ``spans`` overlap the slowest answer."""
-        self.stopping.set()
-        self.thread.join(70)
-        a, b = self.slowest_window
-        during = sorted(w for t0, t1, w in spans if t0 < b and t1 > a)
-        return {"asked": self.asked, "failed": self.failed, "slowest_s": round(self.slowest, 3),
-                "slowest_during": during}
-
-
-__all__ = ["HealthWatch", "HostileHub", "draw", "hub_case", "huge_info", "start", "stop"]
+__all__ = ["HostileHub", "draw", "hub_case", "huge_info", "start", "stop"]
