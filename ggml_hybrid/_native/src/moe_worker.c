@@ -4,17 +4,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "clock.h"
 #include "ggml-cpu.h"
 #include "sched_hooks.h"
 #include "moe_exec.h"
-
-int64_t hy_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 /* The graph row count for n rows (hy_row_bucket) and the expert padding rows use: one absent from the job,
    so that no computed expert gets rows it would not have in the resident graph; exact when every expert is
