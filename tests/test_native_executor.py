@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import ggml_hybrid as gh
 from ggml_hybrid.moe.cpu_share import COEFFICIENTS
-from ggml_hybrid.moe.executor import SyntheticClock
+from ggml_hybrid.moe.layer_cache import SyntheticClock
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
 from ggml_hybrid.synthetic import write_moe_stack
@@ -31,30 +31,6 @@ WORK = ("calls", "routed", "distinct", "hits", "misses", "bytes_loaded", "evicti
 
 def _session(path, executor: str, items) -> MoEStackSession:
     return MoEStackSession(path, SessionOptions.parse([*items, f"moe_executor={executor}"]))
-
-
-class Recorder:
-    """Wraps a Python executor's cache and CPU split to keep each call's decision (the native one reports its own)."""
-
-    def __init__(self, ex) -> None:
-        self.rounds: list = []
-        self.cpu: tuple[int, ...] = ()
-        plan, split = ex.cache.plan, ex._cpu_split
-
-        def recording_plan(*args, **kwargs):
-            self.rounds = plan(*args, **kwargs)
-            return self.rounds
-
-        def recording_split(*args):
-            s = split(*args)
-            self.cpu = tuple(sorted(s.cpu_misses)) if s is not None else ()
-            return s
-
-        ex.cache.plan, ex._cpu_split = recording_plan, recording_split
-
-    def decision(self) -> dict:
-        return {"rounds": [(tuple(r.hits), tuple(r.loads), tuple(r.evicted)) for r in self.rounds],
-                "cpu": self.cpu}
 
 
 @st.composite
@@ -87,17 +63,99 @@ def test_native_decisions_counters_and_outputs_equal_the_python_executor(tmp_pat
         for p_ex, n_ex in zip(py.executors, nat.executors):
             p_ex.clock = CLOCK
             n_ex.use_clock(CLOCK)
-        recorders = [Recorder(ex) for ex in py.executors]
         for x in xs:
             np.testing.assert_array_equal(nat.forward(x), py.forward(x))
-            for layer, (rec, n_ex) in enumerate(zip(recorders, nat.executors)):
-                assert n_ex.last_decision() == rec.decision(), f"layer {layer}, {len(x)} tokens"
+            for layer, (p_ex, n_ex) in enumerate(zip(py.executors, nat.executors)):
+                assert n_ex.last_decision() == p_ex.last_decision(), f"layer {layer}, {len(x)} tokens"
         for p_ex, n_ex in zip(py.executors, nat.executors):
             assert [getattr(n_ex.counters, k) for k in WORK] == [getattr(p_ex.counters, k) for k in WORK]
             assert n_ex.counters.share_sum == pytest.approx(p_ex.counters.share_sum, rel=1e-12)
             if case["share"] == "auto":  # the learnt coefficients agree to the bit
                 want = p_ex.model.estimate(p_ex.expert_bytes)
                 assert _native_estimate(n_ex) == [want[k] for k in COEFFICIENTS]
+
+
+# the tier's counts that do not depend on timing (without read-ahead every read of a call is waited for by its end)
+TIER_WORK = ("hits", "misses", "bytes_read", "evictions", "faults", "bytes_held")
+
+
+def _repacked(path) -> bool:
+    from ggml_hybrid.ggml.repack import repack_buffer_type
+    from ggml_hybrid.gguf.store import GGUFStore
+
+    store = GGUFStore(path)
+    try:
+        info = store.info("blk.0.ffn_down_exps.weight")
+        return repack_buffer_type(info.dtype, info.shape, "mul_mat_id") is not None
+    finally:
+        store.close()
+
+
+def _layer_need(path) -> int:
+    from ggml_hybrid.gguf.store import GGUFStore
+    from ggml_hybrid.moe.host_tier import entry_bytes
+
+    store = GGUFStore(path)
+    try:
+        infos = [store.info(f"blk.0.ffn_{k}_exps.weight") for k in ("gate", "up", "down")]
+        return entry_bytes([i.nbytes // i.shape[0] for i in infos]) * infos[0].shape[0]
+    finally:
+        store.close()
+
+
+@st.composite
+def tier_cases(draw):
+    t = draw(st.sampled_from(["f32", "q8_0", "q4_K"]))
+    unit = gh.as_ggml_type(t).block_size if t.startswith("q") else 32
+    n_expert = draw(st.integers(2, 16))
+    return dict(expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(4, n_expert))), n_embd=unit,
+                slots=draw(st.integers(1, n_expert)), policy=draw(st.sampled_from(["freq", "lru", "lfu"])),
+                share=draw(st.sampled_from(["0", "0", "0.5", "1", "auto"])), repack=draw(st.booleans()),
+                budget_layers=draw(st.sampled_from([1.0, 1.5, 3.0])), prefetch=draw(st.booleans()),
+                tokens=draw(st.lists(st.integers(1, 12), min_size=2, max_size=6)), seed=draw(st.integers(0, 999)))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=tier_cases())
+def test_with_the_host_tier_the_native_executor_is_the_python_one_and_resident(tmp_path, case):
+    """The host tier's steps against their Python reference (moe_executor=python runs the same steps, read from
+    moe_call.c: STEPS, over the same tier) and both against the resident graph, the oracle: every mode (a CPU
+    playing the device straight from the tier's frames; slots fed from the tier, with the CPU worker's rows from
+    the frames), every output bit for bit. Without the lookahead (whose slot loads take only what the tier holds by
+    then: timing) the decisions, the layer's counters and the tier's are the same call by call."""
+    path = write_moe_stack(tmp_path / f"t{case['seed']}.gguf", n_layer=3, n_embd=case["n_embd"],
+                           n_ff=case["n_embd"], n_expert=case["n_expert"], n_used=case["n_used"],
+                           expert_type=case["expert_type"], seed=case["seed"])
+    # the worker computes plain rows from the tier's frames: resident's where its experts are not repacked
+    repack = case["repack"] and not (case["share"] != "0" and _repacked(path))
+    rng = np.random.default_rng(case["seed"])
+    xs = [rng.standard_normal((n, case["n_embd"])).astype(np.float32) for n in case["tokens"]]
+    with MoEStackSession(path, SessionOptions(repack=repack, n_threads=1)) as s:
+        refs = [s.forward(x) for x in xs]
+    items = ["disk_experts=1", f"expert_cache_slots={case['slots']}", f"expert_eviction={case['policy']}",
+             f"moe_cpu_share={case['share']}", "n_threads=1", f"repack={int(repack)}",
+             f"host_cache_bytes={int(_layer_need(path) * case['budget_layers'])}"]
+    if case["prefetch"]:
+        items.append("moe_prefetch=1")
+    with _session(path, "python", items) as py, _session(path, "native", items) as nat:
+        modes = {ex.config.mode for ex in py.executors + nat.executors}
+        assert modes == {"direct" if case["share"] == "0" and not (repack and _repacked(path)) else "tier"}
+        assert [ex.native for ex in py.executors + nat.executors] == [False] * 3 + [True] * 3
+        for p_ex, n_ex in zip(py.executors, nat.executors):
+            p_ex.clock = CLOCK
+            n_ex.use_clock(CLOCK)
+        for x, ref in zip(xs, refs):
+            np.testing.assert_array_equal(py.forward(x), ref)
+            np.testing.assert_array_equal(nat.forward(x), ref)
+            if not case["prefetch"]:
+                for layer, (p_ex, n_ex) in enumerate(zip(py.executors, nat.executors)):
+                    assert n_ex.last_decision() == p_ex.last_decision(), f"layer {layer}, {len(x)} tokens"
+        if case["prefetch"]:
+            return
+        for p_ex, n_ex in zip(py.executors, nat.executors):
+            assert [getattr(n_ex.counters, k) for k in WORK] == [getattr(p_ex.counters, k) for k in WORK]
+        p_tier, n_tier = py.layers.tier.counters, nat.layers.tier.counters
+        assert [getattr(n_tier, k) for k in TIER_WORK] == [getattr(p_tier, k) for k in TIER_WORK]
 
 
 def _native_estimate(ex) -> list[float]:

@@ -342,7 +342,7 @@ def test_native_worker_rows_equal_mul_mat_id(tmp_path, repack):
     from ggml_hybrid.ggml.ops import GLU_OPS
     from ggml_hybrid.gguf.store import GGUFStore, load_into, repack_rule
     from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
-    from ggml_hybrid.moe.native_executor import NativeWorker
+    from ggml_hybrid.moe.cpu_worker import NativeWorker
     from ggml_hybrid.synthetic import write_moe_stack
 
     dtype = REPACKED[0] if REPACKED else "q8_0"

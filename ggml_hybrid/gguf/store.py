@@ -51,8 +51,12 @@ def _declared(k: KeyInfo) -> str:
     return TYPE_NAMES[k.type]
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+def _identity(fd: int) -> tuple[int, ...] | None:
+    """The identity of open descriptor ``fd`` (device, inode, size, modification time in ns), or None when it
+    cannot be read: ``_native/src/file_id.h``, the one definition, which the native executor and the host tier
+    compare against this before they read the file."""
+    out = ffi.new("int64_t[]", lib.HY_FILE_ID_N)
+    return tuple(int(v) for v in out) if lib.hy_file_identity(fd, out) == 0 else None
 
 
 def same_shape(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
@@ -80,8 +84,10 @@ class GGUFStore:
         # mapping keeps) is unchanged; a truncation or a rewrite in place changes it
         self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._close_fd_once = weakref.finalize(self, os.close, self._fd)  # at close(), or when dropped
-        self._identity = _identity(os.fstat(self._fd))
-        # (the native executor fstat()s this descriptor before its loads: moe_exec.c file_unchanged)
+        identity = _identity(self._fd)
+        if identity is None:
+            raise ModelFileError(f"model file {self.path!r}: its identity cannot be read (fstat failed)")
+        self._identity: tuple[int, ...] = identity
         # the header is walked and every tensor checked against the file before the gguf package reads it
         self.header = header = read_header(self.path)
         try:
@@ -104,6 +110,21 @@ class GGUFStore:
             self._guard = int(lib.hy_map_guard_add(at, self._map.nbytes))
         self._unguard = weakref.finalize(self, lib.hy_map_guard_remove, self._guard)
 
+    @property
+    def fd(self) -> int | None:
+        """The file as opened (None once closed, or its experts unmapped: :meth:`unmap`)."""
+        return self._fd
+
+    @property
+    def identity(self) -> tuple[int, ...]:
+        """The file's identity when it was opened (``_native/src/file_id.h``)."""
+        return self._identity
+
+    @property
+    def map_guard(self) -> int:
+        """The mapping's guard id (``_native/src/map_guard.h``), -1 for none."""
+        return self._guard
+
     def check_reads(self) -> None:
         """Raise :class:`ModelFileError` if a read of the mapping since the file was opened went past the end of
         the file (it was truncated under us): that read gave zeros, and what was computed from it is wrong.
@@ -123,11 +144,7 @@ class GGUFStore:
         races a truncation past this check is caught by the mapping's guard (:meth:`check_reads`).
         """
         self.check_reads()
-        try:
-            now = _identity(os.fstat(self._fd)) if self._fd is not None else None
-        except OSError:
-            now = None
-        if now != self._identity:
+        if self._fd is None or _identity(self._fd) != self._identity:
             raise ModelFileError(f"model file {self.path!r} changed on disk while it was in use (truncated or "
                                  "rewritten in place: its size or time differ from when it was opened); reload "
                                  "the model")

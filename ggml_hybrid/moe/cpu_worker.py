@@ -1,4 +1,5 @@
-"""A persistent CPU worker that computes MoE experts from host (memory-mapped) weights.
+"""The persistent CPU workers that compute MoE experts from host (memory-mapped) weights: the Python executor's
+(:class:`CPUWorker`) and the native executor's (:class:`NativeWorker`, a C thread: ``_native/src/moe_worker.c``).
 
 One thread, started on first use and stopped by :meth:`CPUWorker.close` (also at
 interpreter exit and when the owner is collected), with its own GGML CPU backend and
@@ -21,7 +22,9 @@ import weakref
 
 import numpy as np
 
-from ..errors import ClosedError
+from .._native import ffi, lib
+from .._native.managed import Managed
+from ..errors import BackendError, ClosedError
 from ..ggml.backend import Backend, cpu
 from .ffn import ExpertWeights
 from .row_graphs import RowGraphs
@@ -121,3 +124,25 @@ class CPUWorker:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+
+
+class NativeWorker(Managed):
+    """A session's native CPU worker: a C thread with its own CPU backend and threadpool."""
+
+    _kind = "native_worker"
+
+    def __init__(self, n_threads: int) -> None:
+        ptr = lib.hy_worker_new(n_threads)
+        if ptr == ffi.NULL:
+            raise BackendError(f"could not start the native CPU worker with {n_threads} threads")
+        super().__init__(ptr, lib.hy_worker_free)
+        self.n_threads = n_threads
+
+    @property
+    def allocations(self) -> int:
+        """Graphs built so far (constant once warm)."""
+        return int(lib.hy_worker_graph_builds(self.ptr))
+
+    def fail_next_job(self) -> None:
+        """Make the next job fail (tests: a worker error must reach the caller, the next call must work)."""
+        self.ptr.fail_next = 1
