@@ -298,8 +298,11 @@ def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "we
               ctx: Context | None = None):
     """A context with the named tensors, filled from the file.
 
-    The tensors go to one buffer of ``backend``, or, with ``backend=None`` (the CPU), are used in place
-    from the memory-mapped file (no copy, as llama.cpp's mmap). ``repack(name)`` (see :func:`repack_rule`;
+    The tensors go to one buffer of ``backend``, or, with ``backend=None`` (the CPU) or a CPU backend (a CPU
+    instance playing a device), are used in place from the memory-mapped file (no copy, as llama.cpp's mmap
+    does for every CPU buffer: the page cache maps a large file's pages as huge pages where it can, which a
+    copy in this process's memory would not get; decode, which reads every weight once a token, was 10-20%
+    slower on copies of Q8_0 weights, docs/benchmarks.md section 19). ``repack(name)`` (see :func:`repack_rule`;
     only for CPU backends) may name a CPU extra buffer type for a tensor instead: it is loaded there,
     repacked. ``on_tensor(name)`` is called after each tensor is placed (progress reporting). With
     ``load=False`` (planning) memory is only reserved (``virtual``) and no tensor data is read. ``ctx``:
@@ -318,12 +321,13 @@ def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "we
             groups.setdefault(int(ffi.cast("uintptr_t", buft)), (buft, []))[1].append(t)
     for buft, group in groups.values():
         ctx.allocate_group(group, buft, usage, virtual=not load)
-    if backend is None:
+    in_place = backend is None or backend.is_cpu
+    if in_place:
         for t in rest:
             store.place(t)
     elif rest:
         ctx.allocate(backend, usage, virtual=not load)
-    mapped = {id(t) for t in rest} if backend is None else set()
+    mapped = {id(t) for t in rest} if in_place else set()
     for n, t in tensors.items():
         if load and id(t) not in mapped:
             store.load(t)
