@@ -138,7 +138,7 @@ def test_with_the_host_tier_the_native_executor_is_the_python_one_and_resident(t
     if case["prefetch"]:
         items.append("moe_prefetch=1")
     with _session(path, "python", items) as py, _session(path, "native", items) as nat:
-        modes = {ex.config.mode for ex in py.executors + nat.executors}
+        modes = {ex.mode for ex in py.executors + nat.executors}
         assert modes == {"direct" if case["share"] == "0" and not (repack and _repacked(path)) else "tier"}
         assert [ex.native for ex in py.executors + nat.executors] == [False] * 3 + [True] * 3
         for p_ex, n_ex in zip(py.executors, nat.executors):

@@ -363,8 +363,8 @@ def test_native_worker_rows_equal_mul_mat_id(tmp_path, repack):
     equals GGML's mul_mat_id over the same experts, repacked or used in place from the mapping."""
     from ggml_hybrid.ggml.ops import GLU_OPS
     from ggml_hybrid.gguf.store import GGUFStore, load_into, repack_rule
-    from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
     from ggml_hybrid.moe.cpu_worker import NativeWorker
+    from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
     from ggml_hybrid.synthetic import write_moe_stack
 
     dtype = REPACKED[0] if REPACKED else "q8_0"

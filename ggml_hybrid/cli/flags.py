@@ -14,12 +14,12 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 import click
 
 from ..errors import OptionError
-from ..options import MAX_DEVICES, SessionOptions
+from ..options import MAX_DEVICES, EvictionPolicy, KVCacheType, SessionOptions, SplitMode
 from ..server.config import load_config, pick
 
 # -- the model: a positional argument or -m/--model, as llama.cpp users type it ------------------
@@ -103,8 +103,12 @@ def _ngl(value: str) -> str:
     return str(n)
 
 
+# llama.cpp's -sm modes that split a layer's weights across devices: known, refused with a reason
+_SPLIT_UNSUPPORTED = ("row", "tensor")
+
+
 def _split_mode(value: str) -> str:
-    if value in ("row", "tensor"):
+    if value in _SPLIT_UNSUPPORTED:
         raise click.UsageError(f"-sm {value} (weights split across devices by rows) is not supported by ggml-hybrid; "
                                "use -sm layer or -sm none")
     return value
@@ -150,7 +154,8 @@ class Flag:
         return self.decls[-1]
 
 
-_KV_TYPES = click.Choice(["f32", "f16", "q8_0"])
+# the choices of the options' Literal types (options.py), the one list of each
+_KV_TYPES = click.Choice(get_args(KVCacheType))
 
 SESSION_FLAGS: tuple[Flag, ...] = (
     Flag(("-t", "--threads", "threads"), "n_threads", dict(type=int, metavar="N", help=(
@@ -195,7 +200,7 @@ SESSION_FLAGS: tuple[Flag, ...] = (
     Flag(("-nkvo", "--no-kv-offload", "no_kv_offload"), "no_kv_offload", dict(is_flag=True, default=None, help=(
         "KV cache in host memory, attention on the CPU.")), lambda v: "true" if v else None),
     Flag(("-sm", "--split-mode", "split_mode"), "split_mode", dict(
-        type=click.Choice(["none", "layer", "row", "tensor"]), help=(
+        type=click.Choice([*get_args(SplitMode), *_SPLIT_UNSUPPORTED]), help=(
             "How layers spread over several devices: layer (default) or none (row, tensor: not supported)."
         )), _split_mode),
     Flag(("-ts", "--tensor-split", "tensor_split"), "tensor_split", dict(metavar="N0,N1,...", help=(
@@ -220,7 +225,7 @@ SESSION_FLAGS: tuple[Flag, ...] = (
             "after the dense weights, KV cache and compute buffers, less a margin (`plan` shows the choice).")),
         implies=("disk_experts=true",)),
     Flag(("--expert-eviction", "expert_eviction"), "expert_eviction", dict(
-        type=click.Choice(["freq", "lru", "lfu"]), help="Expert cache victim order (default freq).")),
+        type=click.Choice(get_args(EvictionPolicy)), help="Expert cache victim order (default freq).")),
     Flag(("--moe-cpu-share", "moe_cpu_share"), "moe_cpu_share", dict(metavar="X|auto", help=(
         "Share of the cache misses the CPU runs: a number in [0, 1] or auto (a non-zero share implies "
         "--disk-experts)."))),

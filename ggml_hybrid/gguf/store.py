@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
@@ -213,6 +214,16 @@ class GGUFStore:
         """Point ``tensor`` at its data inside the mapped file: no copy."""
         self.mapped_buffer().place(tensor, self.info(tensor.name).offset)
 
+    def populate(self, name: str) -> None:
+        """Read tensor ``name``'s pages of the mapping now (``map_guard.h: hy_map_populate``), as a copy would: a
+        tensor used in place then takes no page fault when it is first computed with (a fault's readahead would
+        bring neighbouring pages of the file into the page cache: experts the host tier reads itself)."""
+        info = self.info(name)
+        if info.nbytes and lib.hy_map_populate(ffi.cast("const void *", self._map.ctypes.data + info.offset),
+                                               info.nbytes) != 0:
+            raise ModelFileError(f"{self.path!r}: cannot read tensor {name!r} from the mapping: "
+                                 f"{os.strerror(ffi.errno)}")
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes (a read-only view of the mapping), shaped [..., row bytes]."""
         info = self.info(name)
@@ -255,9 +266,16 @@ class GGUFStore:
         they cost no page cache and a stray read gives zeros. The bytes released. Only for a store no one else
         reads these tensors from: :meth:`raw` of them gives zeros after."""
         spans = sorted((self.info(n).offset, self.info(n).offset + self.info(n).nbytes) for n in names)
+        released = set(names)
+        others = sorted(t.offset for t in self.header.tensors if t.name not in released)
+
+        def other_in(lo: int, hi: int) -> bool:  # a tensor still read through the mapping starts in [lo, hi)
+            i = bisect_left(others, lo)
+            return i < len(others) and others[i] < hi
+
         merged: list[list[int]] = []
-        for start, end in spans:  # neighbours (alignment padding between them) in one range
-            if merged and start - merged[-1][1] < 4096:
+        for start, end in spans:  # neighbours in one range when only alignment padding lies between them (a small
+            if merged and not other_in(merged[-1][1], start):  # tensor between two experts stays mapped)
                 merged[-1][1] = max(merged[-1][1], end)
             else:
                 merged.append([start, end])
@@ -325,12 +343,14 @@ def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "we
     if in_place:
         for t in rest:
             store.place(t)
-    elif rest:
+    elif rest and backend is not None:
         ctx.allocate(backend, usage, virtual=not load)
     mapped = {id(t) for t in rest} if in_place else set()
     for n, t in tensors.items():
         if load and id(t) not in mapped:
             store.load(t)
+        elif load and backend is not None:  # a CPU backend's tensor used in place: read now, as a copy would be
+            store.populate(n)
         if on_tensor is not None:
             on_tensor(n)
     return ctx, tensors

@@ -243,6 +243,11 @@ class ExpertCacheExecutor:
         return self.config.mode == "direct"
 
     @property
+    def mode(self) -> str:
+        """Which step order its calls run (:data:`~.layer_cache.STEPS`)."""
+        return self.config.mode
+
+    @property
     def shared_buffers(self) -> tuple[SharedBuffer, SharedBuffer]:
         """The compute buffers its graphs are placed in (perhaps shared with other executors)."""
         return self._shared, self._slot_rows.shared

@@ -148,6 +148,9 @@ class LayerExecutor(Protocol):
     @property
     def tier_direct(self) -> bool: ...
 
+    @property
+    def mode(self) -> str: ...
+
     def last_decision(self) -> dict[str, Any]: ...
 
     def set_prefetch(self, next_layer: Any, router: np.ndarray | None, router_bias: np.ndarray | None = None,

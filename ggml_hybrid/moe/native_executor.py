@@ -32,7 +32,7 @@ from ..gguf.store import GGUFStore
 from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
 from .cpu_worker import NativeWorker
 from .ffn import ExpertWeights
-from .layer_cache import LayerCacheConfig, LayerCounters, SyntheticClock, allocate_slots, slot_tensors
+from .layer_cache import MODES, LayerCacheConfig, LayerCounters, SyntheticClock, allocate_slots, slot_tensors
 from .slot_cache import POLICY_CODES
 
 _ERRORS: dict[int, type[GgmlHybridError]] = {
@@ -120,6 +120,11 @@ class NativeExpertExecutor:
     @property
     def tier_direct(self) -> bool:
         return self.config.mode == "direct"
+
+    @property
+    def mode(self) -> str:
+        """Which step order its calls run (``enum hy_exec_mode``), as the C executor took it from the config."""
+        return MODES[lib.hy_moe_exec_mode(self._exec.ptr)]
 
     @property
     def worker(self) -> NativeWorker | None:

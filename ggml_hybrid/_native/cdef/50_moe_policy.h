@@ -28,7 +28,6 @@ typedef struct hy_slot_cache {
 
 hy_slot_cache * hy_cache_new(int n_experts, int n_slots, int policy);
 void hy_cache_free(hy_slot_cache * c);
-void hy_cache_reset(hy_slot_cache * c);
 const hy_plan * hy_cache_plan(hy_slot_cache * c, const int32_t * experts, const int32_t * rows, int n,
         bool deferred_loads);
 void hy_cache_commit(hy_slot_cache * c, int slot, int expert);
