@@ -226,3 +226,28 @@ def test_a_synthetic_clock_takes_exactly_the_cost_models_coefficients():
         SyntheticClock(**{**CLOCK.coefficients, "load_per_byte": -1.0})
     assert CLOCK.seconds("cpu", 10, 3) == 5e-10 * 10 + 2e-6 * 3
     assert CLOCK.seconds("load", 7, 0) == 1e-9 * 7 and CLOCK.seconds("job", 0, 0) == 3e-6
+
+
+def test_the_steps_are_one_list_named_alike_in_c_python_and_the_docs():
+    """The steps of a call and their order, per mode, are written once (moe_call.c: STEPS, read through cffi); each
+    is a method of the Python executor and a function of the C one of the same name, in the file docs/moe.md's
+    table names, and that table describes every step of the list and no other."""
+    import re
+    from pathlib import Path
+
+    from ggml_hybrid.moe.executor import ExpertCacheExecutor
+    from ggml_hybrid.moe.layer_cache import MODES, STEPS
+
+    root = Path(__file__).resolve().parents[1]
+    assert set(STEPS) == set(MODES) == {"slots", "tier", "direct"}
+    steps = {s for order in STEPS.values() for s in order}
+    assert {"read_ids", "plan", "run_rounds", "weighted_sum", "fetch_direct", "count_call"} <= steps
+    for order in STEPS.values():  # every mode starts with the routing and ends with the counters
+        assert order[:3] == ("read_ids", "count_rows", "settle_prefetch") and order[-1] == "count_call"
+    table = dict(re.findall(r"^\| `(\w+)` \| [^\n]* \| `(moe_\w+\.c)` \|$", (root / "docs/moe.md").read_text(), re.M))
+    assert set(table) == steps
+    src = root / "ggml_hybrid/_native/src"
+    for step, file in table.items():
+        assert callable(getattr(ExpertCacheExecutor, "_" + step, None)), step
+        assert re.search(rf"^(static )?int {step}\(hy_moe_exec \* ex, hy_call \* call\) \{{",
+                         (src / file).read_text(), re.M), (step, file)

@@ -25,14 +25,16 @@ from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
 from ..ggml.quant import dequantize
+from ..ggml.regions import NativeExecutor, RegionCall
 from ..ggml.repack import repack_buffer_type
+from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
 from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule, same_shape
 from ..machine import available_memory
 from ..options import OptionError, SessionOptions
 from .cpu_worker import CPUWorker, NativeWorker
 from .executor import ExpertCacheExecutor
-from .ffn import ExpertWeights
+from .ffn import ExpertWeights, MoERegion
 from .host_tier import HostTier, check_tier_budget, frame_bytes, resolve_budget
 from .layer_cache import LayerCacheConfig, LayerCounters, LayerExecutor
 from .native_executor import NativeExpertExecutor, Scratch
@@ -169,10 +171,11 @@ class ExpertLayers:
     """
 
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
-                 n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
+                 n_threads: int, simulated_bus_bytes_per_s: float | None = None,
+                 on_tensor: Callable[[str], None] | None = None,
                  modes: list[ExpertMode] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
                  load: bool = True, moe_layers: Sequence[int] | None = None, glu: str = "swiglu",
-                 benchmark: bool = False):
+                 benchmark: bool = False) -> None:
         self.store, self.options, self.device = store, options, device
         self.n_layer, self.n_used, self.glu, self.load = n_layer, n_used, glu, load
         self.moe_layers = list(range(n_layer)) if moe_layers is None else list(moe_layers)
@@ -285,7 +288,7 @@ class ExpertLayers:
         return TraceWriter(path, len(self.moe_layers), self.n_expert, self.n_used,
                            predictions=self.options.moe_prefetch)
 
-    def _load_resident(self, on_tensor) -> dict[str, Tensor]:
+    def _load_resident(self, on_tensor: Callable[[str], None] | None) -> dict[str, Tensor]:
         """The resident layers' experts, loaded onto the backends the layout gives them (repacked on a CPU)."""
         by_backend: dict[int, tuple[Backend, list[str]]] = {}
         for i, layer_names in self.named.items():
@@ -304,7 +307,7 @@ class ExpertLayers:
             loaded.update(tensors)
         return loaded
 
-    def _load_host(self, on_tensor, loaded: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _load_host(self, on_tensor: Callable[[str], None] | None, loaded: dict[str, Tensor]) -> dict[str, Tensor]:
         """The rest (cpu layers' experts, tensors a layout put on the CPU, disk layers' experts: the CPU worker's host
         experts) on the host: used in place from the mapped file, or repacked into host RAM as llama.cpp does for CPU
         weights (--no-repack: not)."""
@@ -317,7 +320,7 @@ class ExpertLayers:
         host_rule = self._recording(lambda n: rule(n) if n not in disk or copy_disk else None, True, True)
         self.mapped_ctx, mapped = load_into(store, host_names, None, on_tensor=on_tensor, load=self.load,
                                             repack=host_rule, n_extra=1)
-        return mapped
+        return dict(mapped)
 
     def _executor(self, i: int, routes: list[np.ndarray] | None,
                   simulated_bus_bytes_per_s: float | None) -> LayerExecutor:
@@ -423,13 +426,15 @@ class ExpertLayers:
             return "cpu"
         return "resident"
 
-    def register(self, sched, regions, prefix: str = "blk") -> None:
+    def register(self, sched: Scheduler, regions: Sequence[MoERegion | None], prefix: str = "blk") -> None:
         """Hand the disk layers' regions of one graph to their executors (after ``sched.clear_regions()``);
         ``regions`` has one entry per layer (``None`` for a dense layer)."""
         for i, r in enumerate(regions):
-            if self.executors[i] is not None and r is not None:
-                sched.add_region(r.inputs, [r.out], self.executors[i], backend=self.layer_backends[i],
-                                 name=f"{prefix}.{i}.experts")
+            ex = self.executors[i]
+            if ex is not None and r is not None:
+                # the region's executor: the Python one is called, the native one's C function is
+                run = cast("Callable[[RegionCall], object] | NativeExecutor", ex)
+                sched.add_region(r.inputs, [r.out], run, backend=self.layer_backends[i], name=f"{prefix}.{i}.experts")
 
     def reserve(self, n_tokens: int) -> None:
         """Size the cache executors' compute memory for calls of up to ``n_tokens`` tokens, now."""
