@@ -33,15 +33,22 @@ def _session(path, executor: str, items) -> MoEStackSession:
     return MoEStackSession(path, SessionOptions.parse([*items, f"moe_executor={executor}"]))
 
 
-@st.composite
-def cases(draw):
+def _case(draw, max_expert: int, max_used: int, shares: list[str], max_tokens: int, max_calls: int) -> dict:
+    """A stack and its calls: the experts' type, count, use per token, the cache's slots and policy, the CPU share,
+    the token count of each call."""
     t = draw(st.sampled_from(["f32", "q8_0", "q4_K"]))
     unit = gh.as_ggml_type(t).block_size if t.startswith("q") else 32
-    n_expert = draw(st.integers(2, 24))
-    return dict(expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(6, n_expert))), n_embd=unit,
+    n_expert = draw(st.integers(2, max_expert))
+    return dict(expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(max_used, n_expert))), n_embd=unit,
                 slots=draw(st.integers(1, n_expert)), policy=draw(st.sampled_from(["freq", "lru", "lfu"])),
-                share=draw(st.sampled_from(["0", "0.25", "0.5", "0.75", "1", "auto"])),
-                tokens=draw(st.lists(st.integers(1, 20), min_size=2, max_size=7)), seed=draw(st.integers(0, 999)))
+                share=draw(st.sampled_from(shares)),
+                tokens=draw(st.lists(st.integers(1, max_tokens), min_size=2, max_size=max_calls)),
+                seed=draw(st.integers(0, 999)))
+
+
+@st.composite
+def cases(draw):
+    return _case(draw, 24, 6, ["0", "0.25", "0.5", "0.75", "1", "auto"], 20, 7)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -105,14 +112,8 @@ def _layer_need(path) -> int:
 
 @st.composite
 def tier_cases(draw):
-    t = draw(st.sampled_from(["f32", "q8_0", "q4_K"]))
-    unit = gh.as_ggml_type(t).block_size if t.startswith("q") else 32
-    n_expert = draw(st.integers(2, 16))
-    return dict(expert_type=t, n_expert=n_expert, n_used=draw(st.integers(1, min(4, n_expert))), n_embd=unit,
-                slots=draw(st.integers(1, n_expert)), policy=draw(st.sampled_from(["freq", "lru", "lfu"])),
-                share=draw(st.sampled_from(["0", "0", "0.5", "1", "auto"])), repack=draw(st.booleans()),
-                budget_layers=draw(st.sampled_from([1.0, 1.5, 3.0])), prefetch=draw(st.booleans()),
-                tokens=draw(st.lists(st.integers(1, 12), min_size=2, max_size=6)), seed=draw(st.integers(0, 999)))
+    return {**_case(draw, 16, 4, ["0", "0", "0.5", "1", "auto"], 12, 6), "repack": draw(st.booleans()),
+            "budget_layers": draw(st.sampled_from([1.0, 1.5, 3.0])), "prefetch": draw(st.booleans())}
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -40,7 +40,7 @@ ExecMode = Literal["slots", "tier", "direct"]
 
 
 def _steps(mode: int) -> tuple[str, ...]:
-    names = enum_names("enum hy_step", "HY_STEP_")
+    names = [ffi.string(lib.hy_moe_exec_step_name(i)).decode() for i in range(lib.HY_STEP_N)]
     p = ffi.new("const uint8_t **")
     n = lib.hy_moe_exec_steps(mode, p)
     return tuple(names[p[0][i]] for i in range(n))

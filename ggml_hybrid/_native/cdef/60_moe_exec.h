@@ -42,13 +42,9 @@ enum { HY_OK, HY_ERR_FILE, HY_ERR_COMPUTE, HY_ERR_ALLOC, HY_ERR_WORKER, HY_ERR_I
 enum { HY_SHARE_NONE, HY_SHARE_FIXED, HY_SHARE_AUTO };
 enum hy_load_mode { HY_LOAD_COPY, HY_LOAD_STAGED, HY_LOAD_QUEUED, HY_LOAD_N };
 enum hy_exec_mode { HY_MODE_SLOTS, HY_MODE_TIER, HY_MODE_DIRECT, HY_MODE_N };
-enum hy_step {
-    HY_STEP_READ_IDS, HY_STEP_COUNT_ROWS, HY_STEP_SETTLE_PREFETCH, HY_STEP_CPU_SPLIT, HY_STEP_FETCH_CPU,
-    HY_STEP_PLAN, HY_STEP_FETCH_LOADS, HY_STEP_SUBMIT_CPU, HY_STEP_PREDICT, HY_STEP_RUN_ROUNDS, HY_STEP_MERGE,
-    HY_STEP_WEIGHTED_SUM, HY_STEP_PREFETCH, HY_STEP_FETCH_DIRECT, HY_STEP_COMPUTE_DIRECT, HY_STEP_COUNT_CALL,
-    HY_STEP_N
-};
+#define HY_STEP_N ...
 int hy_moe_exec_steps(int mode, const uint8_t ** steps);
+const char * hy_moe_exec_step_name(int step);
 
 typedef struct hy_moe_counters {
     int64_t calls, routed, distinct, hits, misses, bytes_loaded, evictions, rounds;

@@ -263,9 +263,10 @@ static int submit_cpu(hy_moe_exec * ex, hy_call * call) {
         return hy_exec_fail(ex, HY_ERR_FILE, HY_ERR_FILE_TEXT, "");
     }
     call->checked = true;
-    /* fed by the host tier: each CPU expert's frame is the expert index the worker's rows use */
+    /* fed by the host tier: each CPU expert's frame (its read started by fetch_cpu) is the expert index the
+       worker's rows use */
     const bool tier = ex->mode == HY_MODE_TIER;
-    if (tier && cpu_frames(ex, call) != HY_OK) {
+    if (tier && tier_frames(ex, per->last_cpu, call->n_cpu) != HY_OK) {
         return -1;
     }
     if (!call->x_read) {
@@ -589,7 +590,7 @@ static int weighted_sum(hy_moe_exec * ex, hy_call * call) {
    read is done; no slot, no copy. The call's experts count as hits (none needed a load: hits + misses +
    cpu_misses = distinct still holds); the tier's own counters tell those in RAM from those read from the file. */
 static int compute_direct(hy_moe_exec * ex, hy_call * call) {
-    if (direct_frames(ex, call) != HY_OK) {
+    if (tier_frames(ex, ex->per.experts, call->n_experts) != HY_OK) { /* the ids the graph over the frames uses */
         return -1;
     }
     const int64_t t2 = hy_now_ns();
@@ -639,14 +640,13 @@ static void clean_up(hy_moe_exec * ex, const hy_call * call, int rc) {
 
 typedef int (*hy_step_fn)(hy_moe_exec * ex, hy_call * call);
 
-static const hy_step_fn STEP_FN[HY_STEP_N] = {
-    [HY_STEP_READ_IDS] = read_ids, [HY_STEP_COUNT_ROWS] = count_rows,
-    [HY_STEP_SETTLE_PREFETCH] = settle_prefetch, [HY_STEP_CPU_SPLIT] = cpu_split, [HY_STEP_FETCH_CPU] = fetch_cpu,
-    [HY_STEP_PLAN] = plan, [HY_STEP_FETCH_LOADS] = fetch_loads, [HY_STEP_SUBMIT_CPU] = submit_cpu,
-    [HY_STEP_PREDICT] = predict, [HY_STEP_RUN_ROUNDS] = run_rounds, [HY_STEP_MERGE] = merge,
-    [HY_STEP_WEIGHTED_SUM] = weighted_sum, [HY_STEP_PREFETCH] = prefetch, [HY_STEP_FETCH_DIRECT] = fetch_direct,
-    [HY_STEP_COMPUTE_DIRECT] = compute_direct, [HY_STEP_COUNT_CALL] = count_call,
-};
+/* each step's function and name, from the one list (moe_exec.h: HY_STEPS): a step is its function's name */
+#define STEP_FN_OF(NAME, name) [HY_STEP_##NAME] = name,
+#define STEP_NAME_OF(NAME, name) [HY_STEP_##NAME] = #name,
+static const hy_step_fn STEP_FN[HY_STEP_N] = { HY_STEPS(STEP_FN_OF) };
+static const char * const STEP_NAME[HY_STEP_N] = { HY_STEPS(STEP_NAME_OF) };
+
+const char * hy_moe_exec_step_name(int step) { return step >= 0 && step < HY_STEP_N ? STEP_NAME[step] : NULL; }
 
 int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * const * inputs, int n_inputs,
                     struct ggml_tensor * const * outputs, int n_outputs, void * user_data) {

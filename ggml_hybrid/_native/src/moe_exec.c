@@ -20,30 +20,26 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
     ex->mode = cfg->tier == NULL ? HY_MODE_SLOTS : cfg->tier_direct ? HY_MODE_DIRECT : HY_MODE_TIER;
     ex->loads.fail_after = -1;
     ex->cache = hy_cache_new(cfg->n_expert, cfg->n_slots, cfg->policy);
+    /* the arrays of one entry per expert, zeroed, in two blocks (the fixed share's table has one more) */
     const size_t n = (size_t) cfg->n_expert;
     hy_expert_arrays * per = &ex->per;
-    per->n_cpu_table = malloc(sizeof(int32_t) * (n + 1));
-    per->counts = calloc(n, sizeof(int32_t));
-    per->experts = malloc(sizeof(int32_t) * n);
-    per->expert_rows = malloc(sizeof(int32_t) * n);
-    per->dev_experts = malloc(sizeof(int32_t) * n);
-    per->dev_rows = malloc(sizeof(int32_t) * n);
-    per->miss_e = malloc(sizeof(int32_t) * n);
-    per->miss_r = malloc(sizeof(int32_t) * n);
-    per->slot_of = malloc(sizeof(int32_t) * n);
-    per->on_cpu = calloc(n, 1);
-    per->last_cpu = malloc(sizeof(int32_t) * n);
     hy_prediction * pred = &ex->pred;
-    pred->marked = calloc(n, 1);
-    pred->list = malloc(sizeof(int32_t) * n);
-    pred->prefetched = calloc(n, 1);
-    pred->pf_expert = malloc(sizeof(int32_t) * n);
-    pred->pf_slot = malloc(sizeof(int32_t) * n);
-    if (ex->cache == NULL || !per->n_cpu_table || !per->counts || !per->experts || !per->expert_rows ||
-        !per->dev_experts || !per->dev_rows || !per->miss_e || !per->miss_r || !per->slot_of || !per->on_cpu ||
-        !per->last_cpu || !pred->marked || !pred->list || !pred->prefetched || !pred->pf_expert || !pred->pf_slot) {
+    int32_t ** i32[] = { &per->counts, &per->experts, &per->expert_rows, &per->dev_experts, &per->dev_rows,
+                         &per->miss_e, &per->miss_r, &per->slot_of, &per->last_cpu, &pred->list, &pred->pf_expert,
+                         &pred->pf_slot, &per->n_cpu_table };
+    uint8_t ** u8[] = { &per->on_cpu, &pred->marked, &pred->prefetched };
+    const size_t n_i32 = sizeof(i32) / sizeof(i32[0]), n_u8 = sizeof(u8) / sizeof(u8[0]);
+    ex->i32_block = calloc(n_i32 * n + 1, sizeof(int32_t));
+    ex->u8_block = calloc(n_u8 * n, 1);
+    if (ex->cache == NULL || ex->i32_block == NULL || ex->u8_block == NULL) {
         hy_moe_exec_free(ex);
         return NULL;
+    }
+    for (size_t i = 0; i < n_i32; i++) {
+        *i32[i] = ex->i32_block + i * n;
+    }
+    for (size_t i = 0; i < n_u8; i++) {
+        *u8[i] = ex->u8_block + i * n;
     }
     if (cfg->share_mode == HY_SHARE_FIXED) {
         memcpy(per->n_cpu_table, cfg->n_cpu_table, sizeof(int32_t) * (n + 1));
@@ -80,14 +76,10 @@ void hy_moe_exec_free(hy_moe_exec * ex) {
     free(b->ids); free(b->raw_ids); free(b->x); free(b->merged); free(b->slot_ids); free(b->rows_x);
     free(b->rows_ids); free(b->rows_pos); free(b->rows_out); free(b->cpu_x); free(b->cpu_ids); free(b->cpu_pos);
     free(b->cpu_out);
-    hy_expert_arrays * per = &ex->per;
-    free(per->n_cpu_table); free(per->counts); free(per->experts); free(per->expert_rows); free(per->dev_experts);
-    free(per->dev_rows); free(per->miss_e); free(per->miss_r); free(per->slot_of); free(per->on_cpu);
-    free(per->last_cpu);
+    free(ex->i32_block);
+    free(ex->u8_block);
     free(ex->trace.data);
     free(ex->ahead.scores); free(ex->ahead.votes); free(ex->ahead.cand);
-    free(ex->pred.marked); free(ex->pred.list); free(ex->pred.prefetched); free(ex->pred.pf_expert);
-    free(ex->pred.pf_slot);
     free(ex);
 }
 

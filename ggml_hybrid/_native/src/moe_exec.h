@@ -33,17 +33,22 @@ enum hy_load_mode { HY_LOAD_COPY, HY_LOAD_STAGED, HY_LOAD_QUEUED, HY_LOAD_N };
    playing the device that computes every expert straight from the tier's frames (no slots, no loads). */
 enum hy_exec_mode { HY_MODE_SLOTS, HY_MODE_TIER, HY_MODE_DIRECT, HY_MODE_N };
 
-/* The steps a call can run, each a function of the C executor and a method of the Python one of the same name
-   (Python's with a leading underscore); which of them a mode runs, and in which order: hy_moe_exec_steps. */
-enum hy_step {
-    HY_STEP_READ_IDS, HY_STEP_COUNT_ROWS, HY_STEP_SETTLE_PREFETCH, HY_STEP_CPU_SPLIT, HY_STEP_FETCH_CPU,
-    HY_STEP_PLAN, HY_STEP_FETCH_LOADS, HY_STEP_SUBMIT_CPU, HY_STEP_PREDICT, HY_STEP_RUN_ROUNDS, HY_STEP_MERGE,
-    HY_STEP_WEIGHTED_SUM, HY_STEP_PREFETCH, HY_STEP_FETCH_DIRECT, HY_STEP_COMPUTE_DIRECT, HY_STEP_COUNT_CALL,
-    HY_STEP_N
-};
+/* The steps a call can run, listed once: each X(NAME, name) is the enum member HY_STEP_NAME, the C executor's
+   function `name` (moe_call.c builds its table of functions and names from this list) and the Python executor's
+   method `_name`. Which of them a mode runs, and in which order: hy_moe_exec_steps. */
+#define HY_STEPS(X)                                                                                             \
+    X(READ_IDS, read_ids) X(COUNT_ROWS, count_rows) X(SETTLE_PREFETCH, settle_prefetch) X(CPU_SPLIT, cpu_split)  \
+    X(FETCH_CPU, fetch_cpu) X(PLAN, plan) X(FETCH_LOADS, fetch_loads) X(SUBMIT_CPU, submit_cpu)                \
+    X(PREDICT, predict) X(RUN_ROUNDS, run_rounds) X(MERGE, merge) X(WEIGHTED_SUM, weighted_sum)                \
+    X(PREFETCH, prefetch) X(FETCH_DIRECT, fetch_direct) X(COMPUTE_DIRECT, compute_direct)                       \
+    X(COUNT_CALL, count_call)
+#define HY_STEP_MEMBER(NAME, name) HY_STEP_##NAME,
+enum hy_step { HY_STEPS(HY_STEP_MEMBER) HY_STEP_N };
 
 /* the steps of a call in `mode` (HY_MODE_*), in order: their number, the list in *steps */
 int hy_moe_exec_steps(int mode, const uint8_t ** steps);
+/* step `step`'s name (its function's), NULL outside 0..HY_STEP_N - 1 */
+const char * hy_moe_exec_step_name(int step);
 
 /* A layer's counters, summed over its calls. The one list of them: Python's LayerCounters (both executors')
    takes its fields from this struct through cffi, in this order. */

@@ -116,7 +116,9 @@ struct hy_moe_exec {
     int err_code;            /* the last failure (HY_ERR_*), and its text */
     char err[320];
     hy_call_arrays buf;
-    hy_expert_arrays per;
+    hy_expert_arrays per;    /* and pred's arrays: slices of the two blocks */
+    int32_t * i32_block;
+    uint8_t * u8_block;
     hy_loads loads;
     hy_trace_buf trace;
     hy_lookahead ahead;
@@ -172,8 +174,7 @@ HY_INTERNAL int tier_views(hy_moe_exec * ex);
 HY_INTERNAL int fetch_cpu(hy_moe_exec * ex, hy_call * call);
 HY_INTERNAL int fetch_loads(hy_moe_exec * ex, hy_call * call);
 HY_INTERNAL int fetch_direct(hy_moe_exec * ex, hy_call * call);
-HY_INTERNAL int cpu_frames(hy_moe_exec * ex, hy_call * call);
-HY_INTERNAL int direct_frames(hy_moe_exec * ex, hy_call * call);
+HY_INTERNAL int tier_frames(hy_moe_exec * ex, const int32_t * experts, int n);
 
 /* the lookahead (moe_lookahead.c) */
 HY_INTERNAL int settle_prefetch(hy_moe_exec * ex, hy_call * call);

@@ -188,18 +188,22 @@ int tier_views(hy_moe_exec * ex) {
     return HY_OK;
 }
 
-/* expert e's frame in the tier, waited for: the expert index the tier's tensors give it (-1, the error set, when its
-   read failed) */
-static int frame_of(hy_moe_exec * ex, int e) {
-    int frame;
-    if (hy_tier_get(ex->cfg.tier, ex->cfg.tier_layer, e, NULL, &frame) != 0) {
-        return hy_exec_fail_tier(ex);
+/* experts[0..n)'s frames in the tier, each read waited for, in per.slot_of: the expert indices the tier's tensors
+   give them (-1, the error set, when a read failed) */
+int tier_frames(hy_moe_exec * ex, const int32_t * experts, int n) {
+    if (tier_views(ex) != HY_OK) {
+        return -1;
     }
-    return frame;
+    for (int i = 0; i < n; i++) {
+        if (hy_tier_get(ex->cfg.tier, ex->cfg.tier_layer, experts[i], NULL, &ex->per.slot_of[experts[i]]) != 0) {
+            return hy_exec_fail_tier(ex);
+        }
+    }
+    return HY_OK;
 }
 
 /* The host tier starts reading the CPU's experts first, before the device's loads, so that the worker, which waits
-   for them (cpu_frames), starts as early as it can. */
+   for them (submit_cpu), starts as early as it can. */
 int fetch_cpu(hy_moe_exec * ex, hy_call * call) {
     if (call->n_cpu > 0 && hy_tier_fetch(ex->cfg.tier, ex->cfg.tier_layer, ex->per.last_cpu, call->n_cpu) != 0) {
         return hy_exec_fail_tier(ex);
@@ -217,22 +221,6 @@ int fetch_loads(hy_moe_exec * ex, hy_call * call) {
     return HY_OK;
 }
 
-/* The CPU's experts' frames (their reads started by fetch_cpu), waited for, in per.slot_of: the expert indices the
-   worker's rows use in the arena's tensors. */
-int cpu_frames(hy_moe_exec * ex, hy_call * call) {
-    if (tier_views(ex) != HY_OK) {
-        return -1;
-    }
-    for (int i = 0; i < call->n_cpu; i++) {
-        const int e = ex->per.last_cpu[i], f = frame_of(ex, e);
-        if (f < 0) {
-            return -1;
-        }
-        ex->per.slot_of[e] = f;
-    }
-    return HY_OK;
-}
-
 /* Tier-direct: every expert of the call read (or found) in the tier, the reads started now; call->d0 marks the start
    of the wait that compute_direct counts as loading. */
 int fetch_direct(hy_moe_exec * ex, hy_call * call) {
@@ -242,18 +230,6 @@ int fetch_direct(hy_moe_exec * ex, hy_call * call) {
     call->d0 = hy_now_ns();
     if (hy_tier_fetch(ex->cfg.tier, ex->cfg.tier_layer, ex->per.experts, call->n_experts) != 0) {
         return hy_exec_fail_tier(ex);
-    }
-    return HY_OK;
-}
-
-/* Tier-direct: each expert's frame, waited for, in per.slot_of (the ids the whole graph over the frames uses). */
-int direct_frames(hy_moe_exec * ex, hy_call * call) {
-    for (int i = 0; i < call->n_experts; i++) {
-        const int e = ex->per.experts[i], f = frame_of(ex, e);
-        if (f < 0) {
-            return -1;
-        }
-        ex->per.slot_of[e] = f;
     }
     return HY_OK;
 }
