@@ -252,3 +252,18 @@ def test_the_steps_are_one_list_named_alike_in_c_python_and_the_docs():
         assert callable(getattr(ExpertCacheExecutor, "_" + step, None)), step
         assert re.search(rf"^(static )?int {step}\(hy_moe_exec \* ex, hy_call \* call\) \{{",
                          (src / file).read_text(), re.M), (step, file)
+
+
+@pytest.mark.parametrize("executor", ["native", "python"])
+def test_both_executors_are_one_interface(model, executor):
+    """Both executors take one LayerCacheConfig and satisfy one interface (LayerExecutor), which the session uses and
+    nothing else: its counters, decisions, lookahead and memory."""
+    from ggml_hybrid.moe.layer_cache import LayerCacheConfig, LayerCounters, LayerExecutor
+
+    with _session(model, executor, ["disk_experts=1", "expert_cache_slots=3", "n_threads=1"]) as s:
+        s.forward(np.ones((2, 256), np.float32))
+        for ex in s.executors:
+            assert isinstance(ex, LayerExecutor) and isinstance(ex.config, LayerCacheConfig)
+            assert ex.native == (executor == "native") and ex.mode == ex.config.mode == "slots"
+            assert isinstance(ex.counters, LayerCounters) and ex.counters.calls == 1
+            assert set(ex.last_decision()) == {"rounds", "cpu"} and ex.slot_bytes > 0 and ex.compute_bytes >= 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -120,6 +120,7 @@ class LayerCacheConfig:
         return self.worker is not None and self.share != 0.0
 
 
+@runtime_checkable
 class LayerExecutor(Protocol):
     """What a session asks of a disk layer's executor, native or Python (``tests/test_native_executor.py`` holds
     both to it): its counters, its decisions, the lookahead, its memory; the call itself is the region's (a Python
