@@ -1,4 +1,4 @@
-"""The native expert-cache executor: one layer's region run by C code (``_native/src/moe_exec.c``).
+"""The native expert-cache executor: one layer's region run by C code (``_native/src/moe_call.c`` and its neighbours).
 
 Python builds it (slot tensors, the layer's mapped experts, the options), registers its C function with
 the scheduler as the region's executor, and afterwards only reads its counters, its trace records and,

@@ -2,7 +2,7 @@
    explicit reads (pread on a small pool of I/O threads, O_DIRECT where the filesystem allows it), never
    through page faults of the mapping inside a kernel.
 
-   Between the device's slots and the file: a disk layer's executor (moe_exec.c) asks the tier for the
+   Between the device's slots and the file: a disk layer's executor (moe_loads.c) asks the tier for the
    experts its call will load as soon as the plan names them (hy_tier_fetch: the reads start at once, several
    in flight), then takes each one's bytes when it loads it (hy_tier_get: waits only for that expert's read)
    and copies them into its slot. One tier serves every disk layer of a model, within one byte budget; whole
