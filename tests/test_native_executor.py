@@ -78,7 +78,7 @@ def test_native_decisions_counters_and_outputs_equal_the_python_executor(tmp_pat
             assert [getattr(n_ex.counters, k) for k in WORK] == [getattr(p_ex.counters, k) for k in WORK]
             assert n_ex.counters.share_sum == pytest.approx(p_ex.counters.share_sum, rel=1e-12)
             if case["share"] == "auto":  # the learnt coefficients agree to the bit
-                want = p_ex.model.estimate(p_ex.expert_bytes)
+                want = p_ex.cost.estimate(p_ex.expert_bytes)
                 assert _native_estimate(n_ex) == [want[k] for k in COEFFICIENTS]
 
 
@@ -135,7 +135,7 @@ def test_with_the_host_tier_the_native_executor_is_the_python_one_and_resident(t
         refs = [s.forward(x) for x in xs]
     items = ["disk_experts=1", f"expert_cache_slots={case['slots']}", f"expert_eviction={case['policy']}",
              f"moe_cpu_share={case['share']}", "n_threads=1", f"repack={int(repack)}",
-             f"host_cache_bytes={int(_layer_need(path) * case['budget_layers'])}"]
+             f"host_tier_bytes={int(_layer_need(path) * case['budget_layers'])}"]
     if case["prefetch"]:
         items.append("moe_prefetch=1")
     with _session(path, "python", items) as py, _session(path, "native", items) as nat:

@@ -13,7 +13,7 @@ expert sees exactly the rows, in the same order, as in the resident ``mul_mat_id
 bit-identical on the CPU. The weighted sum over the selected experts is then built with the same ops as the
 resident graph.
 
-With the host tier (``host_cache_bytes``, :mod:`.host_tier`) the loads and the CPU's rows read the tier instead
+With the host tier (``host_tier_bytes``, :mod:`.host_tier`) the loads and the CPU's rows read the tier instead
 of the mapping (its reads started as soon as a call knows its experts), and a CPU playing the device computes
 every expert straight from the tier's frames (``tier_direct``: no slots).
 
@@ -185,7 +185,7 @@ class ExpertCacheExecutor:
         self.store, self.names, self.device = store, names, device
         self.layer, self.n_used, self.glu, self.n_slots = cfg.layer, cfg.n_used, cfg.glu, cfg.n_slots
         self.worker: CPUWorker | None = cfg.worker if cfg.cpu_share else None
-        self.model = CostModel() if cfg.share == "auto" else None  # the CPU share's "auto": an online cost model
+        self.cost = CostModel() if cfg.share == "auto" else None  # the CPU share's "auto": an online cost model
         self.clock: SyntheticClock | None = None  # set by tests and replays that need repeatable decisions
         self.simulated_bus = simulated_bus_bytes_per_s
         self.trace = cfg.trace  # a TraceWriter shared by the session's layers, or None
@@ -339,8 +339,8 @@ class ExpertCacheExecutor:
             return
         experts, rows = call.experts.tolist(), call.counts[call.experts].tolist()
         resident = self.cache.resident()
-        if self.model is not None:
-            split = self.model.choose(experts, rows, resident, self.expert_bytes, self.cache.reuse_key)
+        if self.cost is not None:
+            split = self.cost.choose(experts, rows, resident, self.expert_bytes, self.cache.reuse_key)
         else:
             assert isinstance(self.config.share, float)  # "auto" has a model
             split = split_misses(experts, rows, resident, self.config.share, self.cache.reuse_key)
@@ -432,11 +432,11 @@ class ExpertCacheExecutor:
         c.hits += len(rnd.hits)
         c.misses += len(rnd.loads)
         c.evictions += len(rnd.evicted)
-        if self.model is not None:
+        if self.cost is not None:
             loaded = len(rnd.loads) * self.expert_bytes
             if loaded:
-                self.model.observe_load(loaded, self._seconds("load", loaded, 0, t2 - t1))
-            self.model.observe_device(n_rows, self._seconds("device", 0, n_rows, ns))
+                self.cost.observe_load(loaded, self._seconds("load", loaded, 0, t2 - t1))
+            self.cost.observe_device(n_rows, self._seconds("device", 0, n_rows, ns))
 
     def _load(self, expert: int, slot: int) -> int:
         """Copy ``expert`` from the mapping (or the host tier, which reads it first if it has not yet) into ``slot``
@@ -504,11 +504,11 @@ class ExpertCacheExecutor:
         c = self.counters
         c.cpu_ns += c1 - c0
         c.overlap_ns += max(0, min(call.d1, c1) - max(call.d0, c0)) if call.rounds else 0
-        if self.model is not None:
+        if self.cost is not None:
             cpu_bytes = len(call.cpu) * self.expert_bytes
             cpu_s = self._seconds("cpu", cpu_bytes, len(rows_out), c1 - c0)
-            self.model.observe_cpu(cpu_bytes, len(rows_out), cpu_s)
-            self.model.observe_cpu_job(self._seconds("job", 0, 0, c0 - call.t_submit))
+            self.cost.observe_cpu(cpu_bytes, len(rows_out), cpu_s)
+            self.cost.observe_cpu_job(self._seconds("job", 0, 0, c0 - call.t_submit))
 
     def _weighted_sum(self, call: _Call) -> None:
         """The weighted sum over each token's experts, with the resident graph's ops, into the region's output."""

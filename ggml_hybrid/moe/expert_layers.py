@@ -60,9 +60,9 @@ def slots_needed(opts: SessionOptions, n_expert: int, n_used: int = 0) -> Option
     used = f", at least the {n_used} used per token" if n_used else ""
     tier = (" (a CPU playing the device computes straight from the host tier's frames, without slots, only without "
             "a CPU share and with experts it does not repack: --no-repack or a type it does not repack)"
-            if opts.host_cache_bytes != 0 else "")
+            if opts.host_tier_bytes != 0 else "")
     return OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts=true (--disk-experts; a non-zero "
-                       f"--moe-cpu-share or --host-cache implies it) needs expert cache slots per layer{tier}: give "
+                       f"--moe-cpu-share or --host-tier implies it) needs expert cache slots per layer{tier}: give "
                        f"--expert-cache-slots N (-o expert_cache_slots=N), e.g. {s} (a quarter of the model's "
                        f"{n_expert} experts{used}; `ggml-hybrid plan --vram ...` sizes it)")
 
@@ -79,7 +79,7 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used:
                           "model loads (MoEModel, `ggml-hybrid plan`); this session needs a number of slots")
     slots = cast(int, opts.expert_cache_slots)
     # with the host tier, a CPU playing the device may not use slots at all: ExpertLayers decides (_cache_slots)
-    if opts.disk_experts and slots < 1 and opts.host_cache_bytes == 0:
+    if opts.disk_experts and slots < 1 and opts.host_tier_bytes == 0:
         raise slots_needed(opts, n_expert, n_used)
     if slots > n_expert:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the model has only "
@@ -89,8 +89,8 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used:
     if opts.moe_cpu_share != 0.0 and not opts.disk_experts:
         raise OptionError(f"moe_cpu_share={opts.moe_cpu_share}: a CPU share of cache misses needs "
                           "disk_experts=true (with resident or CPU-placed experts there are no misses)")
-    if opts.host_cache_bytes != 0 and not opts.disk_experts:
-        raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier feeds the expert cache's loads, "
+    if opts.host_tier_bytes != 0 and not opts.disk_experts:
+        raise OptionError(f"host_tier_bytes={opts.host_tier_bytes}: the host tier feeds the expert cache's loads, "
                           "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
     if opts.trace_path is not None and not opts.disk_experts:
         raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
@@ -250,18 +250,18 @@ class ExpertLayers:
         slots = cast(int, self.options.expert_cache_slots)  # a number here: auto is chosen before a model loads
         if slots or not self.disk_layers:
             return slots
-        if self.options.host_cache_bytes != 0 and all(self.direct.get(i, False) for i in self.disk_layers):
+        if self.options.host_tier_bytes != 0 and all(self.direct.get(i, False) for i in self.disk_layers):
             return self.n_used
         raise slots_needed(self.options, self.n_expert, self.n_used)
 
     def _open_tier(self) -> HostTier | None:
-        """The host expert tier between the disk layers' slots and the file (``host_cache_bytes``), its budget
+        """The host expert tier between the disk layers' slots and the file (``host_tier_bytes``), its budget
         checked before any I/O thread starts."""
         opts, store = self.options, self.store
-        if opts.host_cache_bytes == 0 or not self.disk_layers or not self.load:
+        if opts.host_tier_bytes == 0 or not self.disk_layers or not self.load:
             return None
         if not all(tier_holds(self.named[i]) for i in self.disk_layers):
-            raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier holds experts without "
+            raise OptionError(f"host_tier_bytes={opts.host_tier_bytes}: the host tier holds experts without "
                               "biases (gpt-oss's experts have them)")
         per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in self.named[i].values()]
                       for i in self.disk_layers}
@@ -272,8 +272,8 @@ class ExpertLayers:
         host_slots = sum((self.n_slots + 1) * sum(per_expert[i]) for i in self.disk_layers
                          if (b := self.backend_of(self.named[i]["down"])) is not None and b.is_cpu
                          and not self.direct.get(i, False))
-        budget = resolve_budget(opts.host_cache_bytes, need, host_slots)
-        check_tier_budget(budget, frame * max(n_of.values()), opts.host_cache_bytes)
+        budget = resolve_budget(opts.host_tier_bytes, need, host_slots)
+        check_tier_budget(budget, frame * max(n_of.values()), opts.host_tier_bytes)
         devices = [self.backend_of(self.named[i]["down"]) for i in self.disk_layers]
         return HostTier(store, budget, opts.expert_eviction, buffer_type=self._pinned_host_type(devices))
 
@@ -370,7 +370,7 @@ class ExpertLayers:
         playing the device), no CPU share is asked for (the worker then takes misses from slots, as with a
         device), and none of its expert tensors would be repacked there (the frames are plain CPU memory; the
         repacked kernels give other bits than the plain ones, and resident experts are repacked)."""
-        if not device.is_cpu or self.options.moe_cpu_share != 0.0 or self.options.host_cache_bytes == 0:
+        if not device.is_cpu or self.options.moe_cpu_share != 0.0 or self.options.host_tier_bytes == 0:
             return False
         return not self.options.repack or all(
             repack_buffer_type(self.store.info(n).dtype, self.store.info(n).shape, "mul_mat_id") is None

@@ -3,9 +3,9 @@
 One thread, the engine's, runs *steps* on the model (it alone calls it while the engine is open):
 
 - a **decode step** computes the next token of every sequence that is generating, all in one
-  ubatch (:meth:`MoEModel.decode`);
+  ubatch (:meth:`Session.decode`);
 - a **prompt step** evaluates the next piece of one waiting prompt, cut where a lone ``eval`` of
-  the whole prompt cuts its ubatches (:meth:`MoEModel.ubatch_ends`), so the prompt's logits and KV
+  the whole prompt cuts its ubatches (:meth:`Session.ubatch_ends`), so the prompt's logits and KV
   cells are the lone run's.
 
 When prompts wait while sequences generate, prompt and decode steps alternate, so a long prompt
@@ -19,7 +19,7 @@ A :class:`Request` is filled from the engine thread: text pieces as they become 
 that may be the start of a stop string is held back until it is not), then the finish reason. A request
 with a ``constraint`` (a grammar's state, :mod:`.grammar`) has its logits masked by it before its sampler
 draws, and ends ("stop") when the grammar takes nothing more.
-``listener`` (if given) is called, from the engine thread, after each change.
+``listener`` (if given) is called, from the engine thread, after each change (and after each prompt step).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from ..errors import ArgumentError, ClosedError, ContextFullError
 from ..text.vocab import TextStream
 from .grammar import Constraint
 from .logprobs import TokenLogprob, token_logprob
-from .moe_model import MoEModel
 from .prompt_cache import MAX_CHECKPOINTS, PromptCache
 from .sampling import Sampler
+from .session import Session
 
 QUEUED, PROMPT, DECODE, DONE = "queued", "prompt", "decode", "done"
 RATE_WINDOW = 10.0  # seconds of decode steps the tokens-per-second figure covers
@@ -197,6 +197,11 @@ class Request:
     def completion_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def prompt_done(self) -> int:
+        """The prompt positions the slot holds so far: those reused, then those evaluated by prompt steps."""
+        return self._n_prompt_done
+
     # -- the engine's side ----------------------------------------------------
 
     def _post(self, text: str) -> None:
@@ -233,7 +238,7 @@ class Engine:
     A finished request's cells stay in its slot for a later prompt that begins alike (:class:`PromptCache`;
     ``max_checkpoints``: recurrent state copies kept per slot)."""
 
-    def __init__(self, model: MoEModel, name: str = "model",
+    def __init__(self, model: Session, name: str = "model",
                  after_step: Callable[[Engine], object] | None = None,
                  max_checkpoints: int = MAX_CHECKPOINTS) -> None:
         self.model = model
@@ -375,7 +380,7 @@ class Engine:
         A decoder graph is built per set of slots a step decodes; with holes left by finished requests
         every mix of slots would be a graph of its own (a build costs tens of ms). Packed, the busy
         slots are 0..k-1 and decode steps meet about one graph per k. A moved sequence computes
-        exactly as before (:meth:`MoEModel.move` copies its cells)."""
+        exactly as before (:meth:`Session.move` copies its cells)."""
         with self._cond:
             if self._queue:
                 return  # the free slots are about to be taken
@@ -435,6 +440,8 @@ class Engine:
             self.stats.prompt_tokens += len(r.prompt)
             r.state = DECODE
             self._next(r, logits[-1])
+        else:
+            r._notify()  # a stream may report the prompt's progress (llama-server's return_progress)
 
     def _decode_step(self, rs: list[Request]) -> None:
         t0 = time.perf_counter_ns()
