@@ -32,20 +32,18 @@ import time
 from typing import Any, ClassVar
 
 import numpy as np
-import numpy.typing as npt
 
-from .._native import CData, ffi, lib
-from .._native.status import check_status
+from .._native import ffi, lib
 from ..errors import ModelFileError, OptionError
 from ..ggml.backend import Backend
 from ..ggml.context import Arena, Context
 from ..ggml.graph_cache import GraphCache, SharedBuffer
 from ..ggml.regions import RegionCall
-from ..ggml.tensor import Tensor
 from ..gguf.store import GGUFStore
+from .call_graphs import BUCKET_GRAPH, BUCKET_TENSORS, MAX_BUCKETS, Bucket, HostScratch, compute, read_rows
 from .cpu_share import CostModel, MissSplit, split_misses
 from .cpu_worker import CPUWorker
-from .ffn import ExpertWeights, expert_ffn, weighted_sum
+from .ffn import ExpertWeights
 from .layer_cache import (
     STEPS,
     LayerCacheConfig,
@@ -57,80 +55,6 @@ from .layer_cache import (
 )
 from .row_graphs import RowGraphs
 from .slot_cache import Round, SlotCache
-
-MAX_BUCKETS = 8  # token-count graphs kept per layer
-_BUCKET_TENSORS, _BUCKET_GRAPH = 32, 64
-
-
-class _HostScratch:
-    """The host arrays of a layer's calls, sized for the most tokens seen (grown by powers of two)."""
-
-    def __init__(self, n_used: int, n_embd: int) -> None:
-        self.n_used, self.n_embd, self.rows = n_used, n_embd, 0
-        self.slot_ids = np.empty((0, n_used), np.int32)
-        self.merged = np.empty((0, n_used, n_embd), np.float32)
-
-    def views(self, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        if n_tokens > self.rows:
-            self.rows = 1 << (n_tokens - 1).bit_length()
-            self.slot_ids = np.empty((self.rows, self.n_used), np.int32)
-            self.merged = np.empty((self.rows, self.n_used, self.n_embd), np.float32)
-        return self.slot_ids[:n_tokens], self.merged[:n_tokens]
-
-
-class _Bucket:
-    """Preallocated graphs for one token count: expert FFN over the slots (or the tier's frames), and the weighted
-    sum.
-
-    The hot path uses raw pointers and preallocated host arrays: the graphs are checked once here, and each call
-    then costs a handful of C calls. The tensors live in the layer's shared compute buffer, the structs in an arena
-    of its graph cache, the host arrays are views of the layer's scratch: a new token count allocates nothing once
-    those have grown to the largest count seen.
-    """
-
-    def __init__(self, experts: ExpertWeights, device: Backend, n_tokens: int, n_used: int, n_embd: int, glu: str,
-                 arena: Arena, host: _HostScratch) -> None:
-        self.ctx = c = Context(n_tensors=_BUCKET_TENSORS, graph_size=_BUCKET_GRAPH, arena=arena)
-        self.x = c.new_tensor("f32", (n_tokens, 1, n_embd), "x")
-        self.ids = c.new_tensor("i32", (n_tokens, n_used), "slot_ids")
-        self.down = expert_ffn(c, experts, self.x, self.ids, glu)
-        self.g_experts = c.new_graph(32).expand(self.down)
-        self.experts_in = c.new_tensor("f32", (n_tokens, n_used, n_embd), "experts")
-        self.w = c.new_tensor("f32", (n_tokens, n_used, 1), "weights")
-        self.out = weighted_sum(c, self.experts_in, self.w)
-        self.g_sum = c.new_graph(32).expand(self.out)
-        for g in (self.g_experts, self.g_sum):
-            g.check_supported([device], id(device))
-        self.slot_ids, self.merged = host.views(n_tokens)
-        self.b_slot_ids, self.b_merged = ffi.from_buffer(self.slot_ids), ffi.from_buffer(self.merged)
-
-    def pointers(self) -> None:
-        """Raw pointers for the hot path, once the tensors have their memory."""
-        self.p_x, self.p_ids, self.p_down, self.p_experts, self.p_w, self.p_out = (
-            t.ptr for t in (self.x, self.ids, self.down, self.experts_in, self.w, self.out))
-        self.pg_experts, self.pg_sum = self.g_experts.ptr, self.g_sum.ptr
-
-    def close(self) -> None:
-        self.ctx.close()
-
-
-def _compute(backend_ptr: CData, graph_ptr: CData) -> None:
-    status = lib.ggml_backend_graph_compute(backend_ptr, graph_ptr)
-    check_status(status, "expert cache graph")
-
-
-def _read_rows(t: Tensor, n_rows: int, n_cols: int, dtype: npt.DTypeLike) -> np.ndarray:
-    """A [rows, cols] tensor that may be a strided view (top-k ids are one), read from any backend."""
-    p = t.ptr
-    nb1 = p.nb[1]
-    raw = np.empty(int(lib.ggml_nbytes(p)), np.uint8)
-    lib.ggml_backend_tensor_get(p, ffi.from_buffer(raw), 0, raw.nbytes)
-    item = np.dtype(dtype).itemsize
-    if nb1 == n_cols * item:
-        return raw.view(dtype).reshape(n_rows, n_cols)
-    padded = np.empty(n_rows * nb1, np.uint8)
-    padded[:raw.nbytes] = raw
-    return padded.view(dtype).reshape(n_rows, nb1 // item)[:, :n_cols]
 
 
 class _Call:
@@ -145,7 +69,7 @@ class _Call:
     experts: np.ndarray      # the distinct experts, in id order
     cpu_rows: np.ndarray     # [T, k]: the rows the CPU computes
     t_submit: int
-    bucket: _Bucket          # the graphs and host arrays of this token count
+    bucket: Bucket          # the graphs and host arrays of this token count
     on_host: bool            # rounds compute their own rows, compacted, merged on the host
     d0: int                  # the device rounds' start and end (tier-direct: the tier's reads' start)
     d1: int
@@ -214,10 +138,10 @@ class ExpertCacheExecutor:
         self.counters = LayerCounters()
         # one graph pair per token count, the least recently used dropped first: prompts of ever new
         # lengths must not grow memory (decode and recent lengths stay warm); all share one buffer
-        self._buckets: GraphCache[_Bucket] = GraphCache(
-            MAX_BUCKETS, Context.size_for(_BUCKET_TENSORS, graph_size=_BUCKET_GRAPH))
+        self._buckets: GraphCache[Bucket] = GraphCache(
+            MAX_BUCKETS, Context.size_for(BUCKET_TENSORS, graph_size=BUCKET_GRAPH))
         self._shared = shared[0]
-        self._host = _HostScratch(cfg.n_used, self.n_embd)
+        self._host = HostScratch(cfg.n_used, self.n_embd)
         self.route = None if cfg.route is None else np.ascontiguousarray(cfg.route, np.int32)
         self._route_pos = 0
         # the host tier: this layer's index in it, and its arena seen as the layer's expert tensors (made at the
@@ -291,11 +215,11 @@ class ExpertCacheExecutor:
         if self._compact and not self.tier_direct:
             self._slot_rows.reserve(n_tokens * self.n_used)
 
-    def _bucket(self, n_tokens: int) -> _Bucket:
+    def _bucket(self, n_tokens: int) -> Bucket:
         experts = self._tier_views() if self.tier_direct else self.slots
 
-        def build(arena: Arena) -> _Bucket:
-            b = _Bucket(experts, self.device, n_tokens, self.n_used, self.n_embd, self.glu, arena, self._host)
+        def build(arena: Arena) -> Bucket:
+            b = Bucket(experts, self.device, n_tokens, self.n_used, self.n_embd, self.glu, arena, self._host)
             if self._shared.place(b.ctx):  # grown: the graphs placed in the old buffer go
                 self._buckets.clear()
             b.pointers()
@@ -319,7 +243,7 @@ class ExpertCacheExecutor:
 
     def _read_ids(self, call: _Call) -> None:
         """The routed ids, read (from any backend, strides included) and traced."""
-        call.ids = _read_rows(call.ids_t, call.n_tokens, self.n_used, np.int32)
+        call.ids = read_rows(call.ids_t, call.n_tokens, self.n_used, np.int32)
         if self.route is not None:  # moe_route_trace: the trace's routing, token by token, instead of the router's
             rows = (self._route_pos + np.arange(call.n_tokens)) % len(self.route)
             call.ids = self.route[rows]
@@ -463,7 +387,7 @@ class ExpertCacheExecutor:
         lib.ggml_backend_tensor_copy(call.x.ptr, b.p_x)  # device to device: the input never comes to the host
         lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
         t = time.perf_counter_ns()
-        _compute(self.device.ptr, b.pg_experts)
+        compute(self.device.ptr, b.pg_experts)
         ns = time.perf_counter_ns() - t
         lib.ggml_backend_tensor_copy(b.p_down, b.p_experts)
         return int(call.ids.size), ns
@@ -484,8 +408,8 @@ class ExpertCacheExecutor:
             if n:
                 lib.ggml_backend_tensor_copy(call.x.ptr, b.p_x)
                 lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
-                _compute(self.device.ptr, b.pg_experts)
-                rows = _read_rows(b.down, sel.size, self.n_embd, np.float32).reshape(b.merged.shape)
+                compute(self.device.ptr, b.pg_experts)
+                rows = read_rows(b.down, sel.size, self.n_embd, np.float32).reshape(b.merged.shape)
                 b.merged[sel] = rows[sel]
             return n, time.perf_counter_ns() - t
         assert call.xv is not None  # read by _run_rounds for every call that computes on the host
@@ -519,10 +443,10 @@ class ExpertCacheExecutor:
             lib.ggml_backend_tensor_set(call.bucket.p_experts, call.bucket.b_merged, 0, call.bucket.merged.nbytes)
         self._sum_into_output(call.bucket, call)
 
-    def _sum_into_output(self, b: _Bucket, call: _Call) -> None:
+    def _sum_into_output(self, b: Bucket, call: _Call) -> None:
         lib.ggml_backend_tensor_copy(call.w.ptr, b.p_w)
         t = time.perf_counter_ns()
-        _compute(self.device.ptr, b.pg_sum)
+        compute(self.device.ptr, b.pg_sum)
         self.counters.compute_ns += time.perf_counter_ns() - t
         lib.ggml_backend_tensor_copy(b.p_out, call.out.ptr)
 
@@ -588,7 +512,7 @@ class ExpertCacheExecutor:
         np.take(slot_of, call.ids, out=b.slot_ids)
         lib.ggml_backend_tensor_copy(call.x.ptr, b.p_x)
         lib.ggml_backend_tensor_set(b.p_ids, b.b_slot_ids, 0, b.slot_ids.nbytes)
-        _compute(self.device.ptr, b.pg_experts)
+        compute(self.device.ptr, b.pg_experts)
         lib.ggml_backend_tensor_copy(b.p_down, b.p_experts)
         compute_ns = self.counters.compute_ns
         self._sum_into_output(b, call)
@@ -722,4 +646,4 @@ class ExpertCacheExecutor:
         self.ctx.close()
 
 
-__all__ = ["ExpertCacheExecutor", "MAX_BUCKETS"]
+__all__ = ["ExpertCacheExecutor"]
