@@ -518,7 +518,7 @@ static int fetch_one(hy_tier * t, int i) {
     const int64_t need = (int64_t) t->frame_bytes;
     if (start_read(t, i, true) != 0) {
         return set_error(t, "layer %d: the host tier's budget (%lld bytes) cannot hold this call's experts "
-                         "(%d of %lld bytes each); give host_cache_bytes at least one layer's experts",
+                         "(%d of %lld bytes each); give host_tier_bytes at least one layer's experts",
                          L->label, (long long) t->budget, t->n_pinned, (long long) need);
     }
     t->counters.misses++;

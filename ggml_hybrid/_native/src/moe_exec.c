@@ -1,7 +1,7 @@
 /* The native executor made, freed and read from Python; its calls are in moe_call.c. */
 #include "moe_exec_state.h"
 
-#include "sched_hooks.h"
+#include "cpu_backend.h"
 
 #include <stdio.h>
 #include <stdlib.h>

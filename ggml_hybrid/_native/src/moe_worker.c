@@ -6,8 +6,8 @@
 #include <string.h>
 
 #include "clock.h"
+#include "cpu_backend.h"
 #include "ggml-cpu.h"
-#include "sched_hooks.h"
 #include "moe_exec.h"
 
 /* The graph row count for n rows (hy_row_bucket) and the expert padding rows use: one absent from the job,
@@ -148,7 +148,7 @@ hy_worker * hy_worker_new(int n_threads) {
         return NULL;
     }
     w->n_threads = n_threads;
-    /* through GGML's registry (sched_hooks.c): a portable build loads its CPU library at run time */
+    /* through GGML's registry (cpu_backend.c): a portable build loads its CPU library at run time */
     w->backend = hy_cpu_init();
     if (w->backend == NULL) {
         free(w);
