@@ -49,6 +49,11 @@ enum ggml_tensor_flag {
     GGML_TENSOR_FLAG_LOSS, ...
 };
 
+enum ggml_log_level {
+    GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_INFO, GGML_LOG_LEVEL_WARN,
+    GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ...
+};
+
 struct ggml_context;
 struct ggml_cgraph;
 struct ggml_backend_buffer;
@@ -75,6 +80,8 @@ struct ggml_tensor {
     ...;
 };
 
+typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+void ggml_log_set(ggml_log_callback log_callback, void * user_data);
 
 const char * ggml_status_to_string(enum ggml_status status);
 
@@ -90,6 +97,7 @@ int64_t ggml_blck_size(enum ggml_type type);
 size_t ggml_type_size(enum ggml_type type);
 size_t ggml_row_size(enum ggml_type type, int64_t ne);
 const char * ggml_type_name(enum ggml_type type);
+const char * ggml_op_name(enum ggml_op op);
 const char * ggml_op_desc(const struct ggml_tensor * t);
 bool ggml_is_quantized(enum ggml_type type);
 int64_t ggml_nelements(const struct ggml_tensor * tensor);
