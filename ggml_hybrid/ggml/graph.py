@@ -160,6 +160,9 @@ class Graph:
             self._input_marks = (self.version, marks, list(by_set.values()))
         return self._input_marks
 
+    def contains(self, t: Tensor) -> bool:
+        return bool(lib.hy_graph_contains(self.ptr, t.ptr))
+
     def expand(self, *tensors: Tensor) -> Graph:
         """Add the tensors and everything they depend on (ggml_build_forward_expand)."""
         p = self.ptr
