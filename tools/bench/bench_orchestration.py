@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -65,19 +64,11 @@ def main(base: Path | None, pairs: int, steps: int, as_worker: tuple[str, int] |
         return
     if base is None:
         raise click.UsageError("give --base (a built checkout of the earlier commit)")
+    from _alternate import alternate_builds
     from bench_expert_cache import model_path
 
     builds = {"base": base.resolve(), "head": Path(__file__).resolve().parents[2]}
-    runs: dict[str, list[dict]] = {k: [] for k in builds}
-    for p in range(pairs):
-        for name in (list(builds) if p % 2 == 0 else list(builds)[::-1]):
-            cmd = [sys.executable, __file__, "--worker", model_path(), str(steps)]
-            out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(builds[name])}, check=True,
-                                 capture_output=True, text=True)
-            got = json.loads(out.stdout.splitlines()[-1])
-            if builds[name] not in Path(got["where"]).resolve().parents:
-                raise SystemExit(f"the worker for {builds[name]} imported ggml_hybrid from {got['where']}")
-            runs[name].append(got)
+    runs = alternate_builds([sys.executable, __file__, "--worker", model_path(), str(steps)], builds, pairs)
     print(f"{pairs} pairs of processes, {steps} decode steps each; load average {os.getloadavg()[0]:.1f}")
     print(f"{'slots':<6} {'figure µs/call':<16} {'q':<4} {'base':>8} {'head':>8} {'head/base':>10}  per pair")
     for slots in ("64", "16"):
