@@ -219,7 +219,7 @@ def test_repacked_weights_are_exactly_the_products_matrices(tmp_path, family):
 def test_a_cpu_devices_weights_are_the_mapping_unless_repacked(tmp_path, wtype):
     """A CPU instance playing the device computes from the memory-mapped file's bytes, in place, as llama.cpp's mmap
     does for every CPU buffer (a copy in this process's memory gets 4 KiB pages where the page cache maps the file
-    with huge pages: Q8_0 decode ran 10-20% slower, docs/benchmarks.md section 22); only repacked weights are
+    with huge pages: Q8_0 decode ran 10-20% slower, docs/benchmarks.md section 23); only repacked weights are
     copies. Dense weights and resident experts alike; the outputs are those of the copies (bit for bit, the
     llama.cpp fixtures of test_families)."""
     path = write_model(tmp_path / "m.gguf", ModelSpec(**Q4, weight_type=wtype, seed=8))

@@ -320,7 +320,7 @@ def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "we
     instance playing a device), are used in place from the memory-mapped file (no copy, as llama.cpp's mmap
     does for every CPU buffer: the page cache maps a large file's pages as huge pages where it can, which a
     copy in this process's memory would not get; decode, which reads every weight once a token, was 10-20%
-    slower on copies of Q8_0 weights, docs/benchmarks.md section 22). ``repack(name)`` (see :func:`repack_rule`;
+    slower on copies of Q8_0 weights, docs/benchmarks.md section 23). ``repack(name)`` (see :func:`repack_rule`;
     only for CPU backends) may name a CPU extra buffer type for a tensor instead: it is loaded there,
     repacked. ``on_tensor(name)`` is called after each tensor is placed (progress reporting). With
     ``load=False`` (planning) memory is only reserved (``virtual``) and no tensor data is read. ``ctx``:
