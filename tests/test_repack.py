@@ -215,6 +215,28 @@ def test_repacked_weights_are_exactly_the_products_matrices(tmp_path, family):
         assert repacked  # the model has repacked weights at all
 
 
+@pytest.mark.parametrize("wtype", ["q8_0", "f16", *REPACKED[:1]])
+def test_a_cpu_devices_weights_are_the_mapping_unless_repacked(tmp_path, wtype):
+    """A CPU instance playing the device computes from the memory-mapped file's bytes, in place, as llama.cpp's mmap
+    does for every CPU buffer (a copy in this process's memory gets 4 KiB pages where the page cache maps the file
+    with huge pages: Q8_0 decode ran 10-20% slower, docs/benchmarks.md section 23); only repacked weights are
+    copies. Dense weights and resident experts alike; the outputs are those of the copies (bit for bit, the
+    llama.cpp fixtures of test_families)."""
+    path = write_model(tmp_path / "m.gguf", ModelSpec(**Q4, weight_type=wtype, seed=8))
+    with MoEModel(path, SessionOptions(n_threads=1, n_ctx=64)) as m:
+        assert m.device.is_cpu
+        base, size = int(m.store._map.ctypes.data), m.store._map.nbytes
+        tensors = dict(m.weights)
+        for ew in m.experts.weights:
+            if ew is not None:
+                tensors.update({t.name: t for t in ew.kinds.values()})
+        repacked = m.repacked | m.experts.repacked
+        placed = {name: base <= int(ffi.cast("uintptr_t", t.ptr.data)) < base + size for name, t in tensors.items()}
+        assert any(placed.values())
+        for name, in_mapping in placed.items():
+            assert in_mapping == (name not in repacked), name
+
+
 # -- every mode bit-identical to resident, and llama.cpp's logits ---------------------------------------------
 
 
@@ -341,8 +363,8 @@ def test_native_worker_rows_equal_mul_mat_id(tmp_path, repack):
     equals GGML's mul_mat_id over the same experts, repacked or used in place from the mapping."""
     from ggml_hybrid.ggml.ops import GLU_OPS
     from ggml_hybrid.gguf.store import GGUFStore, load_into, repack_rule
+    from ggml_hybrid.moe.cpu_worker import NativeWorker
     from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
-    from ggml_hybrid.moe.native_executor import NativeWorker
     from ggml_hybrid.synthetic import write_moe_stack
 
     dtype = REPACKED[0] if REPACKED else "q8_0"

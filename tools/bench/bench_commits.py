@@ -10,7 +10,7 @@ After a warm-up each, rounds alternate A,B,B,A (A = base, B = head); a run is a 
 then ``--n`` greedy tokens one eval each. Prints the medians, head / base ratios (of the medians and of each
 A,B,B,A block) and whether both sides chose the same greedy tokens (they must: the logits are bit-identical).
 
-    python tools/bench/bench_commits.py --base /tmp/base [--type Q8_0] [--threads 1] [--rounds 6]
+    python tools/bench/bench_commits.py --base /tmp/base [--type Q8_0] [--threads 1] [--rounds 6] [--model M.gguf]
 """
 
 from __future__ import annotations
@@ -63,8 +63,11 @@ class Side:
 @click.option("--rounds", type=int, default=6, show_default=True, help="A,B,B,A blocks")
 @click.option("--prompt", type=int, default=64, show_default=True)
 @click.option("--n", type=int, default=33, show_default=True, help="greedy tokens (n-1 decode steps)")
-def main(base: Path, head: Path, wtype: str, threads: int, rounds: int, prompt: int, n: int) -> None:
-    path = model_path(wtype, SPEC)
+@click.option("--model", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a model file instead of the synthetic one of --type (e.g. one quantized by llama.cpp)")
+def main(base: Path, head: Path, wtype: str, threads: int, rounds: int, prompt: int, n: int,
+         model: str | None) -> None:
+    path = model or model_path(wtype, SPEC)
     tokens = np.random.default_rng(0).integers(0, 8000, prompt).tolist()
     sides = {"A": Side(base, path, threads, 512), "B": Side(head, path, threads, 512)}
     runs: dict[str, list[dict]] = {"A": [], "B": []}

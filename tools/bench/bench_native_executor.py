@@ -25,16 +25,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import click
 import numpy as np
-from _alternate import alternate
+from _alternate import alternate, alternate_builds
 from bench_expert_cache import SHAPE, model_path
 from bench_rpc import start_server
 
@@ -92,15 +90,7 @@ def ab(base: str, rounds: int, steps: int, warmup: int) -> None:
     builds = {"base": Path(base).resolve(), "head": Path(__file__).resolve().parents[2]}
     worker = [sys.executable, str(Path(__file__).with_name("_native_stack_worker.py")), model_path(),
               *map(str, (SHAPE["n_layer"], SHAPE["n_embd"], steps, warmup))]
-    runs: dict[str, list[dict]] = {k: [] for k in builds}
-    for r in range(rounds):
-        for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
-            out = subprocess.run(worker, env={**os.environ, "PYTHONPATH": str(builds[name])}, check=True,
-                                 capture_output=True, text=True)
-            got = json.loads(out.stdout.splitlines()[-1])
-            if builds[name] not in Path(got["where"]).resolve().parents:
-                raise SystemExit(f"the worker for {builds[name]} imported ggml_hybrid from {got['where']}")
-            runs[name].append(got)
+    runs = alternate_builds(worker, builds, rounds)
     print(f"native executor, {rounds} rounds (a fresh process of each build per round, alternating), each {steps} "
           f"decode steps after {warmup}; base = {builds['base']}, head = {builds['head']}; "
           f"load average {os.getloadavg()[0]:.1f}")
