@@ -61,7 +61,8 @@ def test_sdist_holds_what_a_build_needs_and_no_build_output(sdist):
 
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    for need in ("build.py", "build_backend.py", "setup.py", "pyproject.toml", "vendor/pin.json",
+    for need in ("ggml_hybrid_build/__main__.py", "ggml_hybrid_build/stub.py", "build_backend.py", "setup.py",
+                 "pyproject.toml", "vendor/pin.json",
                  "vendor/CMakeLists.txt", "ggml_hybrid/_native/src/hybrid.c", "ggml_hybrid/_native/cdef/90_build.h"):
         assert need in names, need
     assert any(n.startswith("vendor/patches/") and n.endswith(".patch") for n in names)
@@ -87,6 +88,7 @@ def test_wheel_is_tagged_for_this_interpreter_and_runs(sdist, tmp_path):
     assert [n for n in names if "/_ggml." in n and n.endswith(".so")] == [f"ggml_hybrid/_native/_ggml{ext}"]
     for lib in ("libggml-base.so.0", "libggml.so.0", "libggml-cpu.so.0"):
         assert f"ggml_hybrid/_native/lib/{lib}" in names
+    assert not [n for n in names if n.startswith("ggml_hybrid_build/")]  # the build is no part of what runs
     bin_dir = _fresh_venv(tmp_path / "venv")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -36,7 +36,7 @@ def _proc(name: str, ctype: str) -> CData:
         reg = lib.ggml_backend_reg_by_name(b"RPC")
         ptr = lib.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg != ffi.NULL else ffi.NULL
         if ptr == ffi.NULL:
-            raise RPCError(f"this build of GGML has no RPC backend ({name} not found); rebuild with build.py")
+            raise RPCError(f"this build of GGML has no RPC backend ({name} not found); rebuild with ggml_hybrid_build")
         fn = _procs[name] = ffi.cast(ctype, ptr)
     return fn
 
