@@ -55,12 +55,12 @@ def _edit(src: Path, dest: Path, rel: str, old: str, new: str) -> Path:
 
 # (header, text in the pin, its replacement, compatible, a difference the probe must name)
 CHANGES = {
-    "enum member appended (patch 0004's kind)": (
+    "enum member appended (patch 0005's kind)": (
         "include/ggml.h", "GGML_HINT_SRC0_IS_HADAMARD = 1,",
         "GGML_HINT_SRC0_IS_HADAMARD = 1,\n        GGML_HINT_SYNTHETIC = 2,", True, None),
     "op appended before GGML_OP_COUNT": (
         "include/ggml.h", "        GGML_OP_GLU,\n", "        GGML_OP_GLU,\n        GGML_OP_SYNTHETIC,\n", True, None),
-    "function and struct added (patch 0001's kind)": (
+    "function and struct added (patch 0002's kind)": (
         "include/ggml-backend.h", "#ifdef  __cplusplus\n}", "struct hy_synthetic { int a; };\n"
         "GGML_API int ggml_backend_synthetic(struct hy_synthetic * s);\n#ifdef  __cplusplus\n}", True, None),
     "member inserted into ggml_tensor's padding": (
@@ -182,12 +182,12 @@ def test_a_backend_is_rebuilt_only_when_a_patch_changes_the_interface(vendor, tm
         assert any("struct ggml_tensor" in d for d in verdict["differences"]), verdict["differences"]
         # ggml-base gets the series' stamp, the backend is built again with ggml-base's patches and carries it
         assert abi.abi_stamp() == stamp == buildinfo.series_abi_stamp(vendor) != stamp0
-        assert key != key0 and "0950-synthetic.patch" in patches and "0004-cpu-rowwise-matmul.patch" in patches
-        assert "0003-cpu-repack-expert-slices.patch" not in patches  # a CPU backend patch never reaches it
+        assert key != key0 and "0950-synthetic.patch" in patches and "0005-cpu-rowwise-matmul.patch" in patches
+        assert "0004-cpu-repack-expert-slices.patch" not in patches  # a CPU backend patch never reaches it
 
 
 def test_patches_of_ggml_base_code_and_of_other_backends_never_reach_a_backend(vendor):
-    """Patch 0008's kind (ggml-base's code, no header) and the CPU's, RPC's, CUDA's own: the backend's build stays."""
+    """Patch 0001's kind (ggml-base's code, no header) and the CPU's, RPC's, CUDA's own: the backend's build stays."""
     before = _backend_build()
     for i, f in enumerate(["src/ggml-backend.cpp", "src/ggml.c", "src/ggml-cpu/ops.cpp", "src/ggml-rpc/ggml-rpc.cpp",
                            "src/ggml-cuda/mmq.cu"]):

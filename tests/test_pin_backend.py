@@ -45,7 +45,7 @@ def pin_cpu() -> Path:
 def test_ggml_base_carries_the_stamp_the_abi_probe_gives_it():
     verdict = abi.abi_verdict()
     assert cstr(lib.hy_abi()) == cstr(lib.ggml_hybrid_base_abi()) == abi.abi_stamp()
-    # today's series keeps the pin's interface: 0001 adds functions, 0004 appends a member to ggml_op_hint, the rest
+    # today's series keeps the pin's interface: 0002 adds functions, 0005 appends a member to ggml_op_hint, the rest
     # change code only; the Vulkan and CUDA libraries are then built from the pin and carry its stamp
     assert verdict["compatible"], verdict["differences"]
     assert abi.abi_stamp() == buildinfo.pin_abi_stamp()
