@@ -8,10 +8,13 @@
 //
 // This program serves the CPU over GGML's RPC backend in a thread of its own, so that a second backend with
 // buffers the CPU cannot read exists on any machine, and computes, with one scheduler over [RPC, CPU]:
-//   A: z = 2*x + w    (2*x on the CPU, the add on RPC next to its weight w: the add reads a copy of 2*x)
-//   B: z = (3*x) * w  (the same placement)
+//   A: z = 2*x + wa
+//   B: z = (3*x) * wb
 //   A again
-// checking every result against the same arithmetic on the host. Exit status 0: all three right.
+// where the weights wa and wb live in an RPC buffer and the small ops run on the CPU, which reads a copy of the
+// weight: the scheduler points z's source at that copy. B's split puts the copy of wb where the copy of wa was, and
+// the third compute reads wb in place of wa: on the pin it prints a wrong result (exit status 1). Each compute has
+// an input of its own and is checked against the same arithmetic on the host. Exit status 0: all three right.
 //
 // Build against GGML with its CPU and RPC backends (static):
 //   cc sched_replaced_sources.c -I GGML/include -o repro libggml.a libggml-rpc.a libggml-cpu.a libggml-base.a \
@@ -84,7 +87,7 @@ struct graph {
     struct ggml_cgraph * gf;
     struct ggml_tensor * x;  // input, on the CPU
     struct ggml_tensor * y;  // computed on the CPU
-    struct ggml_tensor * z;  // computed on RPC, from a copy of y
+    struct ggml_tensor * z;  // computed from y and a weight on RPC
 };
 
 static struct graph make_graph(struct ggml_tensor * w, float scale, int add) {
@@ -102,11 +105,11 @@ static struct graph make_graph(struct ggml_tensor * w, float scale, int add) {
 }
 
 // compute g as a caller that keeps its graphs does: reset, place, allocate, set the input, compute, read
-static int run(const char * what, ggml_backend_sched_t sched, ggml_backend_t cpu, struct graph * g,
+static int run(const char * what, int k, ggml_backend_sched_t sched, ggml_backend_t cpu, struct graph * g,
                const float * w, float scale, int add) {
     float x[N], z[N];
     for (int i = 0; i < N; i++) {
-        x[i] = (float) (i + 1);
+        x[i] = (float) (1000 * k + i + 1);  // the k-th compute's own input: stale data cannot pass for it
     }
     ggml_backend_sched_reset(sched);
     ggml_backend_sched_set_tensor_backend(sched, g->y, cpu);
@@ -146,25 +149,28 @@ int main(void) {
         return 2;
     }
 
-    // the weight, in a buffer of the RPC backend
-    struct ggml_init_params params = { ggml_tensor_overhead(), NULL, true };
+    // the weights, in a buffer of the RPC backend
+    struct ggml_init_params params = { 2 * ggml_tensor_overhead(), NULL, true };
     struct ggml_context * ctx_w = ggml_init(params);
-    struct ggml_tensor * w = ggml_new_tensor_1d(ctx_w, GGML_TYPE_F32, N);
+    struct ggml_tensor * wa = ggml_new_tensor_1d(ctx_w, GGML_TYPE_F32, N);
+    struct ggml_tensor * wb = ggml_new_tensor_1d(ctx_w, GGML_TYPE_F32, N);
     ggml_backend_buffer_t buf_w = ggml_backend_alloc_ctx_tensors(ctx_w, rpc);
-    float wv[N];
+    float wav[N], wbv[N];
     for (int i = 0; i < N; i++) {
-        wv[i] = (float) (100 + i);
+        wav[i] = (float) (100 + i);
+        wbv[i] = (float) (500 + i);
     }
-    ggml_backend_tensor_set(w, wv, 0, sizeof(wv));
+    ggml_backend_tensor_set(wa, wav, 0, sizeof(wav));
+    ggml_backend_tensor_set(wb, wbv, 0, sizeof(wbv));
 
     ggml_backend_t backends[2] = { rpc, cpu };
     ggml_backend_sched_t sched = ggml_backend_sched_new(backends, NULL, 2, 64, false, true);
-    struct graph a = make_graph(w, 2.0f, 1);
-    struct graph b = make_graph(w, 3.0f, 0);
+    struct graph a = make_graph(wa, 2.0f, 1);
+    struct graph b = make_graph(wb, 3.0f, 0);
 
-    int failed = run("graph A", sched, cpu, &a, wv, 2.0f, 1);
-    failed |= run("graph B", sched, cpu, &b, wv, 3.0f, 0);
-    failed |= run("graph A again, after B", sched, cpu, &a, wv, 2.0f, 1);
+    int failed = run("graph A", 0, sched, cpu, &a, wav, 2.0f, 1);
+    failed |= run("graph B", 1, sched, cpu, &b, wbv, 3.0f, 0);
+    failed |= run("graph A again, after B", 2, sched, cpu, &a, wav, 2.0f, 1);
 
     ggml_backend_sched_free(sched);
     ggml_free(a.ctx);
