@@ -16,15 +16,30 @@ Each GGML build takes minutes the first time (cached in the build's cache folder
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
+
+def _build_package() -> ModuleType:
+    """The checkout's build package, loaded by its folder (it is no part of the install; sys.path stays as it is)."""
+    pkg = ROOT / "ggml_hybrid_build"
+    spec = importlib.util.spec_from_file_location("ggml_hybrid_build", pkg / "__init__.py",
+                                                  submodule_search_locations=[str(pkg)])
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_build_package()
 from ggml_hybrid_build import cffi_module, cmake, paths  # noqa: E402
 from ggml_hybrid_build.options import Options  # noqa: E402
 

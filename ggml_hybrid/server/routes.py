@@ -370,6 +370,7 @@ class Routes:
                     if i in ended:
                         continue
                     done = r.done.is_set()  # before take(): every piece of a finished request is posted
+                    pieces = r.take()  # before the progress: a token taken means its prompt was done when read
                     if g.return_progress and r.started_at is not None and r.prompt_done > shown[i]:
                         shown[i] = r.prompt_done
                         empty = choice(kind, i, "", None, True) if kind == "completion" else \
@@ -377,7 +378,6 @@ class Routes:
                         doc = envelope(kind, rid, created, g.model, [empty], True)
                         doc["prompt_progress"] = prompt_progress(r)
                         yield {"data": json.dumps(doc)}
-                    pieces = r.take()
                     # a piece's chunk carries the tokens' logprobs that came with it (the last: any still held);
                     # text a tool call parser holds back goes out later, as content or as the call
                     for k, piece in enumerate(pieces):
