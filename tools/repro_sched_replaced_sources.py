@@ -15,7 +15,6 @@ Each GGML build takes minutes the first time (cached in the build's cache folder
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import shutil
 import subprocess
@@ -23,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
+
+import click
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,21 +82,20 @@ def _report(name: str, res: subprocess.CompletedProcess[str]) -> None:
     print("\n".join("   " + ln for ln in lines[-8:]))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["pin", "fixed"], default=None, help="run against one tree only")
-    ns = ap.parse_args()
+@click.command(help=__doc__)
+@click.option("--only", type=click.Choice(["pin", "fixed"]), default=None, help="run against one tree only")
+def main(only: str | None) -> None:
     ok = True
-    if ns.only in (None, "pin"):
+    if only in (None, "pin"):
         res = run(False)
         _report("the pin", res)
         ok &= res.returncode != 0
-    if ns.only in (None, "fixed"):
+    if only in (None, "fixed"):
         res = run(True)
         _report(f"the pin with {FIX}", res)
         ok &= res.returncode == 0
-    return 0 if ok else 1
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
