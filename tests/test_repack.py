@@ -1,4 +1,4 @@
-"""Repacked CPU weights (GGML's CPU extra buffer types, llama.cpp's default): patch 0003's one-expert writes, which
+"""Repacked CPU weights (GGML's CPU extra buffer types, llama.cpp's default): patch 0004's one-expert writes, which
 weights qualify (GGML's rule, checked against the decoder graphs), every mode bit-identical to resident with them,
 llama.cpp's logits only with them, ``repack=false``, and the memory they take."""
 
@@ -35,7 +35,7 @@ def _raw(t) -> bytes:
     return bytes(ffi.buffer(t.ptr.data, t.nbytes))
 
 
-# -- patch 0003: one expert at a time ------------------------------------------------------------------------
+# -- patch 0004: one expert at a time ------------------------------------------------------------------------
 
 
 @needs_repack
@@ -125,7 +125,7 @@ def _repacked_mul_mat(dtype: str, raw: np.ndarray, x: np.ndarray, rowwise: bool)
 @needs_repack
 @pytest.mark.parametrize("dtype", REPACKED)
 def test_rowwise_repacked_products_equal_one_row_products(dtype):
-    """Patch 0005: a rowwise product over repacked weights gives every row its one-row product's bits (gemv),
+    """Patch 0006: a rowwise product over repacked weights gives every row its one-row product's bits (gemv),
     whatever the batch; without the hint 4+ rows take gemm, which rounds differently for some of them."""
     rng = np.random.default_rng(5)
     rows, k, n = 512, 512, 9  # 288-byte rows: the rowwise path reads them in blocks of 224, 224 and 64 columns

@@ -199,7 +199,7 @@ def allocate_slots(ctx: Context, slots: dict[str, Tensor], device: Backend, repa
     """Memory for a layer's slot tensors on ``device``, zeroed when ``clear`` (the pad slot's zeros absorb
     padding rows). On a CPU device with ``repack`` (the session's option), a kind whose experts GGML's CPU
     extra buffer types take goes there, as its resident experts would: a slot then computes with the same
-    kernels, and a load repacks one expert (vendor patch 0003)."""
+    kernels, and a load repacks one expert (vendor patch 0004)."""
     groups: dict[int, tuple[CData, list[Tensor]]] = {}
     rest = []
     for t in slots.values():

@@ -2,7 +2,7 @@
 """Prompt and decode tok/s of two checkouts of ggml-hybrid on the same model, A/B alternated in one run.
 
 A refactoring must not cost speed; this measures it. ``--base`` is a checkout of the earlier commit whose native
-module is built (``git worktree add /tmp/base REV && cd /tmp/base && python build.py``; GGML comes from the
+module is built (``git worktree add /tmp/base REV && cd /tmp/base && python -m ggml_hybrid_build``; GGML comes from the
 build cache when the pin and patches are the same), ``--head`` the one to compare (default: this checkout).
 Each side runs in its own worker process (``_ours_worker.py`` with ``PYTHONPATH`` set to its checkout) that loads
 the model once: bench_vs_llama's synthetic qwen3moe (8 layers, embd 1024, 64 experts, top-8) of ``--type``.

@@ -14,7 +14,8 @@
    and 64 tokens: time per layer, load time per call, MB/s.
 
 3. ``ab``: the native executor's orchestration against another build of the package (``--base DIR``: a
-   checkout built with ``python build.py``, e.g. ``git worktree add /tmp/base COMMIT``), alternated in one run:
+   checkout built with ``python -m ggml_hybrid_build``, e.g. ``git worktree add /tmp/base COMMIT``), alternated in one
+   run:
    each of ``--rounds`` rounds runs the stack of part 1 (resident, native with 64 and 16 slots) once in a fresh
    process of each build (``_native_stack_worker.py``), in alternating order; medians over the rounds and
    their ratio, head / base (bench_commits.py does the same for a whole model's tok/s).
