@@ -28,7 +28,8 @@ pytest.importorskip("matplotlib")
 TRACES = Path(os.environ.get("GGML_HYBRID_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 MIXTRAL = TRACES / "mixtral-8x7b_gsm8k_decode_p1.ghtrace"
 QWEN = TRACES / "qwen1.5-moe-a2.7b_4bit_mlx_cooking_1.ghtrace"
-pytestmark = pytest.mark.skipif(not MIXTRAL.exists(), reason=f"the real traces are not at {TRACES}")
+real = pytest.mark.skipif(not MIXTRAL.exists(), reason=f"the real traces are not at {TRACES}")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def replay_cli(*args: str) -> subprocess.CompletedProcess:
@@ -67,6 +68,7 @@ class _Table(HTMLParser):
             self._cell.append(data)
 
 
+@real
 def test_the_heatmap_counts_the_routing_of_the_npz_twin():
     """Per layer and expert, the calls asking for it: the prompt's call once for any of its tokens, then each
     decode token's; from the ``.npz`` (cells lost at capture, -1, left out)."""
@@ -83,6 +85,7 @@ def test_the_heatmap_counts_the_routing_of_the_npz_twin():
         assert np.array_equal(requests_matrix(tr), want), trace.name
 
 
+@real
 @pytest.mark.parametrize("ext", [".png", ".html"])
 def test_the_plot_draws_the_points_replay_json_prints(tmp_path, ext):
     out = tmp_path / f"mixtral{ext}"
@@ -119,9 +122,43 @@ def test_the_plot_draws_the_points_replay_json_prints(tmp_path, ext):
     assert np.allclose(heat.get_images()[0].get_array(), requests_matrix(tr) / calls[:, None])
 
 
+@real
 def test_a_plot_file_of_another_kind_is_one_error_line(tmp_path):
     r = replay_cli(str(MIXTRAL), "--slots", "2", "--plot", str(tmp_path / "x.svg"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and ".png or .html" in r.stderr
     assert not (tmp_path / "x.svg").exists()
     r = replay_cli(str(MIXTRAL), "--slots", "9")
     assert r.returncode == 2 and "exceeds the trace's n_expert=8" in r.stderr
+
+
+def drawn_points(path: Path) -> dict[tuple[str, str], list[tuple[int, int]]]:
+    page = _Table()
+    page.feed(path.read_text(encoding="utf-8"))
+    out: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for policy, share, slots, loads, *_ in (row for row in page.rows if row):
+        out.setdefault((policy, str(float(share))), []).append((int(slots), int(loads)))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_plan_draws_a_traces_curves_for_the_model(tmp_path):
+    """``plan MODEL --trace T --plot F``: the curves of T for the model's experts and its CPU share, the same points
+    as ``replay T --json`` with that share; a trace of another shape is one error line."""
+    from ggml_hybrid.synthetic import write_model
+
+    model = write_model(tmp_path / "glm.gguf", arch="glm4moe", weight_type="q8_0", seed=4)
+    tool = str(ROOT / "tools" / "replay_trace.py")
+    for name, experts in (("t8", 8), ("t16", 16)):
+        r = subprocess.run([sys.executable, tool, "synth", str(tmp_path / name), "--layers", "2", "--experts",
+                            str(experts), "--used", "2", "--calls", "120"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    out = tmp_path / "curve.html"
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "plan", model, "--moe-cpu-share", "0.5", "-o",
+                        "expert_cache_slots=3", "--trace", str(tmp_path / "t8"), "--plot", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    want = replay_cli(str(tmp_path / "t8"), "--share", "0,0.5", "--json")
+    assert want.returncode == 0, want.stderr
+    assert drawn_points(out) == points_of(json.loads(want.stdout))
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "plan", model, "--trace", str(tmp_path / "t16"),
+                        "--plot", str(tmp_path / "x.png")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "a trace of another model" in r.stderr
