@@ -324,6 +324,8 @@ def test_between_steps_runs_on_the_engine_thread_never_inside_a_step(path):
             assert r.done.wait(60)
         finally:
             e.close()
+    with pytest.raises(ClosedError):
+        e.between_steps(lambda: None)  # a closed engine runs nothing more: said at once
     assert all(name == "engine-model" and not busy for name, _, busy in seen), seen
     steps = [n for _, n, _ in seen]
     assert steps == sorted(steps) and e.stats.decode_ns > 0 and e.stats.prompt_ns > 0

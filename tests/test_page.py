@@ -192,22 +192,33 @@ def view_steps_now(server) -> int:
 
 
 def test_a_hostile_answer_renders_as_text(server, driver, tmp_path):
+    """The model's answer is forced (a grammar the test adds to the page's request) to hold a script, an image with
+    onerror and Markdown around markup: streamed into the page, and again rendered from the stored conversation
+    after a reload, it shows as text; nothing runs."""
     d = driver
-    d.get(server.url + "/")
-    conv = [{"role": "user", "content": "show me"}, {"role": "assistant", "content": HOSTILE}]
-    d.execute_script("localStorage.setItem('ggml-hybrid.conversation', arguments[0])", json.dumps(conv))
     open_page(d, server.url)
-    body = d.find_elements("css selector", ".msg.assistant .body")[0]
-    assert body.find_elements("css selector", "script, img") == []
-    assert "<script>document.title" in body.text and "onerror=" in body.text
-    assert body.find_element("css selector", "pre code").text == "<script>alert(1)</script>"
-    assert body.find_element("css selector", "li strong").text == "bold"
-    assert body.find_element("css selector", "li code").text == "<b>code</b>"
-    # the same text streamed: the renderer the stream uses, on a fresh element
-    made = d.execute_script("const e = document.createElement('div'); window.ggmlHybridPage.renderMarkdown("
-                            "arguments[0], e); return [e.querySelectorAll('script,img,[onerror]').length, "
-                            "e.textContent];", HOSTILE)
-    assert made[0] == 0 and "<img src=x onerror=" in made[1]
+    d.execute_script("""
+        const grammar = arguments[0], f = window.fetch;
+        window.fetch = (url, opts) => {
+          if (url === '/v1/chat/completions') {
+            const body = JSON.parse(opts.body);
+            body.grammar = grammar;
+            opts = {...opts, body: JSON.stringify(body)};
+          }
+          return f(url, opts);
+        };""", "root ::= " + json.dumps(HOSTILE))
+    send(d, "show me", 400)
+    wait_for("the answer", lambda: answers_done(d) >= 1)
+    assert stored(d)[-1]["content"] == HOSTILE  # the model's own answer, streamed
+    for reload in (False, True):
+        if reload:  # the same answer from the stored conversation
+            open_page(d, server.url)
+        body = d.find_elements("css selector", ".msg.assistant .body")[-1]
+        assert body.find_elements("css selector", "script, img, [onerror]") == []
+        assert "<script>document.title" in body.text and "onerror=" in body.text
+        assert body.find_element("css selector", "pre code").text == "<script>alert(1)</script>"
+        assert body.find_element("css selector", "li strong").text == "bold"
+        assert body.find_element("css selector", "li code").text == "<b>code</b>"
     assert d.title == "ggml-hybrid"  # nothing ran
     assert severe(d) == []
     shot(d, tmp_path, "page-hostile.png")

@@ -320,9 +320,11 @@ class Engine:
 
     def between_steps(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the engine thread before its next step (at once when it is idle): it sees the model as no
-        step is computing with it. An exception of ``fn`` is its own (``fn`` must catch it); nothing runs after
-        :meth:`close`."""
+        step is computing with it. An exception of ``fn`` is its own (``fn`` must catch it). Once :meth:`close` has
+        begun, a :class:`ClosedError` (what was given before still runs)."""
         with self._cond:
+            if self._stop:
+                raise ClosedError(f"{self.name}: the engine is closed")
             self._calls.append(fn)
             self._cond.notify()
 

@@ -34,6 +34,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..errors import ClosedError
 from ..moe.executor import ExpertCacheExecutor
 from ..moe.native_executor import NativeExpertExecutor
 from ..moe.residency import residency
@@ -131,7 +132,11 @@ class ExpertViewRoutes:
                 loop.call_soon_threadsafe(_settle, fut, view)
 
             fut.add_done_callback(lambda _f: self._pending.pop(key, None))
-            engine.between_steps(on_engine)
+            try:
+                engine.between_steps(on_engine)
+            except ClosedError:
+                fut.cancel()
+                raise APIError(503, f"The model '{sm.name}' is shutting down.", code="closed") from None
         try:
             return await asyncio.wait_for(asyncio.shield(fut), READ_SECONDS)
         except asyncio.TimeoutError:

@@ -149,6 +149,7 @@ async function loadModels() {
     if (ids.includes(want)) select.value = want;
     $('status').textContent = '';
     $('page-ready') || markReady();
+    tick(); // the view at once, not a poll interval later
   } catch (e) {
     if (!(e instanceof NeedKey)) $('status').textContent = 'Could not list the models: ' + e.message;
   }
@@ -441,12 +442,19 @@ function start() {
   $('model').addEventListener('change', () => { samples = []; save('model', $('model').value); });
   showConversation();
   loadModels();
-  let polling = false;
-  setInterval(async () => {
-    if (polling) return;
-    polling = true;
-    try { await poll(); } finally { polling = false; }
-  }, POLL_MS);
+  setInterval(tick, POLL_MS);
+}
+
+let polling = false;
+
+async function tick() {
+  if (polling) return; // one poll at a time: a slow answer is not stacked on
+  polling = true;
+  try {
+    await poll();
+  } finally {
+    polling = false;
+  }
 }
 
 window.ggmlHybridPage = {renderMarkdown};
