@@ -26,6 +26,11 @@ def _with(opts: SessionOptions, combination: str) -> list[str]:
     return [x for x in opts.to_items() if x.split("=", 1)[0] not in keys] + items
 
 
+def _keep(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """--trace and --plot: kept in the context (read by :func:`plan`), not passed as arguments."""
+    ctx.meta[f"plan.{param.name}"] = value
+
+
 def _plot(path: str, p: Any, opts: SessionOptions, trace: str, plot_file: str) -> None:
     """The trace's curves for this model: its experts' bytes, the runtime's policies, the share asked for."""
     import os
@@ -62,13 +67,13 @@ def _plot(path: str, p: Any, opts: SessionOptions, trace: str, plot_file: str) -
               help="The server's port (--format k8s).")
 @click.option("--api-key-secret", metavar="NAME", default=None,
               help="--format k8s: the server takes its API keys from this Secret's 'api-keys' entry (one key a line).")
-@click.option("--trace", "trace", type=click.Path(dir_okay=False),
+@click.option("--trace", type=click.Path(dir_okay=False), expose_value=False, callback=_keep,
               help="A routing trace of this model (moe_trace_path): with --plot, its loads-against-slots curves.")
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False),
+@click.option("--plot", type=click.Path(dir_okay=False), expose_value=False, callback=_keep,
               help="Draw --trace's heatmap and loads-against-slots curves for this model to FILE (.png or .html).")
 def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, vram: str | None,
          ram: str | None, fmt: str, as_json: bool, image: str, port: int, api_key_secret: str | None,
-         trace: str | None, plot_file: str | None, **flags: Any) -> None:
+         **flags: Any) -> None:
     """What MODEL needs per device and in host memory under the given options, from metadata alone."""
     from ..plan.planner import format_k8s, format_text
     from ..plan.planner import plan as make_plan
@@ -80,6 +85,7 @@ def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file
         fmt = "json"
     if api_key_secret is not None and fmt != "k8s":
         raise click.UsageError("--api-key-secret is for --format k8s (the Deployment's server reads its keys there)")
+    trace, plot_file = (click.get_current_context().meta.get(f"plan.{k}") for k in ("trace", "plot"))
     if (trace is None) != (plot_file is None):
         raise click.UsageError("--trace and --plot go together: the curves of a trace for this model")
     path, _, opts = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=fmt != "text"), flags)
