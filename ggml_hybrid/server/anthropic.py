@@ -11,8 +11,10 @@ its events (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``,
 
 from __future__ import annotations
 
+import datetime
 import json
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from .protocol import APIError, bad
@@ -220,6 +222,21 @@ class MessageEvents:
         out.append(event("message_stop"))
         return out
 
+    def error(self, e: APIError) -> list[dict[str, str]]:
+        """A generation that failed mid-stream: Anthropic's ``error`` event."""
+        return [event("error", error=error_body(e)["error"])]
 
-__all__ = ["ERROR_TYPES", "MessageEvents", "blocks", "error_body", "event", "message", "new_id", "stop_reason",
-           "to_chat", "tool_use_id"]
+
+def asked(headers: Mapping[str, str]) -> bool:
+    """Whether a request comes from an Anthropic client (its SDK sends ``anthropic-version`` with every request)."""
+    return "anthropic-version" in headers
+
+
+def model_info(name: str, created: int) -> dict[str, Any]:
+    """Anthropic's model object (``GET /v1/models`` and ``/v1/models/{id}`` asked with Anthropic's headers)."""
+    when = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": name, "display_name": name, "created_at": when}
+
+
+__all__ = ["ERROR_TYPES", "MessageEvents", "asked", "blocks", "error_body", "event", "message", "model_info",
+           "new_id", "stop_reason", "to_chat", "tool_use_id"]

@@ -314,9 +314,10 @@ def choice(kind: str, index: int, text: str, finish: str | None, stream: bool, f
 
 
 def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]], stream: bool,
-             use: dict[str, int] | None = None) -> dict[str, Any]:
+             use: dict[str, int] | None = None, fingerprint: str | None = None) -> dict[str, Any]:
     obj = ("chat.completion.chunk" if stream else "chat.completion") if kind == "chat" else "text_completion"
-    out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
+                           "system_fingerprint": fingerprint, "choices": choices}
     if use is not None:
         out["usage"] = use
     return out

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from sse_starlette import EventSourceResponse
@@ -65,6 +65,40 @@ BODY_SECONDS = 30.0  # a request body not received whole within this is refused 
 TEXT_THREADS = 4  # prompts tokenized and templates rendered at once (the others wait their turn)
 
 
+class Events(Protocol):
+    """One generation's events in another API's shape (:meth:`Routes.stream_events` drives it)."""
+
+    def start(self) -> list[dict[str, str]]: ...
+    def text(self, piece: str) -> list[dict[str, str]]: ...
+    def end(self, calls: list[Call], finish: str | None, stopped_by: str | None, n_out: int
+            ) -> list[dict[str, str]]: ...
+    def error(self, e: APIError) -> list[dict[str, str]]: ...
+
+
+class Shape(Protocol):
+    """How one generation is answered in another API's shape: the object of a plain answer, the events of a stream
+    (``text``: the content, without the calls)."""
+
+    def answer(self, r: Request, text: str, calls: list[Call], n_prompt: int) -> dict[str, Any]: ...
+    def events(self, r: Request, n_prompt: int) -> Events: ...
+
+
+def chat_generation(body: dict[str, Any]) -> Generation:
+    """A chat request body read: the generation, its structured output and its tools (400 naming the field)."""
+    g = chat_request(body)
+    g.structure = read_structure(body)
+    g.tools = read_tools(body)
+    if g.tools is not None and g.tools.forced and g.structure is not None:
+        raise bad(f"a forced tool call ('tool_choice': {g.tools.choice}) cannot also follow "
+                  f"'{g.structure.param}'.", g.structure.param)
+    return g
+
+
+def _model(name: str, sm: ServedModel) -> dict[str, Any]:
+    """OpenAI's model object."""
+    return {"id": name, "object": "model", "created": sm.created, "owned_by": "ggml-hybrid"}
+
+
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -89,6 +123,7 @@ class Routes:
         return [
             Route("/health", self.counted("/health", self.health), methods=["GET"]),
             Route("/v1/models", self.counted("/v1/models", self.list_models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self.counted("/v1/models/{id}", self.get_model), methods=["GET"]),
             Route("/metrics", self.counted("/metrics", self.metrics), methods=["GET"]),
             Route("/v1/completions", self.counted("/v1/completions", self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self.counted("/v1/chat/completions", self.chat), methods=["POST"]),
@@ -119,9 +154,27 @@ class Routes:
         return JSONResponse({"status": "ok"})
 
     async def list_models(self, request: HTTPRequest) -> Response:
-        data = [{"id": n, "object": "model", "created": sm.created, "owned_by": "ggml-hybrid"}
-                for n, sm in self.models.names.items()]
+        if anthropic.asked(request.headers):
+            data = [anthropic.model_info(n, sm.created) for n, sm in self.models.names.items()]
+            return JSONResponse({"data": data, "first_id": data[0]["id"] if data else None,
+                                 "last_id": data[-1]["id"] if data else None, "has_more": False})
+        data = [_model(n, sm) for n, sm in self.models.names.items()]
         return JSONResponse({"object": "list", "data": data})
+
+    async def get_model(self, request: HTTPRequest) -> Response:
+        """``GET /v1/models/{id}``: one model (a name or an alias), in Anthropic's shape when asked with its
+        headers."""
+        name = request.path_params["model"]
+        sm = self.models.names.get(name)
+        if sm is None:
+            e = APIError(404, f"The model '{name}' does not exist; GET /v1/models lists the models served.", "model",
+                         "model_not_found")
+            if anthropic.asked(request.headers):
+                return JSONResponse(anthropic.error_body(e), status_code=404)
+            raise e
+        if anthropic.asked(request.headers):
+            return JSONResponse(anthropic.model_info(name, sm.created))
+        return JSONResponse(_model(name, sm))
 
     async def metrics(self, request: HTTPRequest) -> Response:
         body, ctype = metrics.render(self.registry)
@@ -167,13 +220,7 @@ class Routes:
         return await self.generate(request, sm, g, prompts, "completion", grammar)
 
     async def chat(self, request: HTTPRequest) -> Response:
-        body = await self.read_body(request)
-        g = chat_request(body)
-        g.structure = read_structure(body)
-        g.tools = read_tools(body)
-        if g.tools is not None and g.tools.forced and g.structure is not None:
-            raise bad(f"a forced tool call ('tool_choice': {g.tools.choice}) cannot also follow "
-                      f"'{g.structure.param}'.", g.structure.param)
+        g = chat_generation(await self.read_body(request))
         sm = self.lookup(g.model)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
@@ -193,7 +240,9 @@ class Routes:
             return JSONResponse(anthropic.error_body(e), status_code=e.status)
 
     async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
-                       kind: str, grammar: Grammar | None = None) -> Response:
+                       kind: str, grammar: Grammar | None = None, shape: Shape | None = None) -> Response:
+        """Run ``g`` on ``prompts`` and answer in ``kind``'s shape (``shape``'s, when given: one generation in another
+        API's shape, streamed as its events)."""
         if self.models.draining:
             raise APIError(503, "The server is shutting down and takes no new requests.", code="shutting_down")
         engine = sm.engine
@@ -231,12 +280,16 @@ class Routes:
         n_prompt = sum(len(p) for p in prompts)
         self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
         if g.stream:
-            events = self.stream_messages(reqs[0], wake, rid, g, n_prompt) if kind == "messages" else \
-                self.stream(reqs, wake, kind, rid, created, g, n_prompt, sm)
+            if shape is not None:
+                events = self.stream_events(reqs[0], wake, g, shape.events(reqs[0], n_prompt))
+            elif kind == "messages":
+                events = self.stream_events(reqs[0], wake, g, anthropic.MessageEvents(rid, g.model, n_prompt))
+            else:
+                events = self.stream(reqs, wake, kind, rid, created, g, n_prompt, sm)
             return EventSourceResponse(self._counted_stream(events),
                                        ping=600, sep="\n", shutdown_grace_period=self.drain_seconds)
         try:
-            return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt, sm)
+            return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt, sm, shape)
         finally:
             self.models.end()
 
@@ -248,7 +301,8 @@ class Routes:
             self.models.end()
 
     async def wait(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str,
-                    created: int, g: Generation, n_prompt: int, sm: ServedModel) -> Response:
+                    created: int, g: Generation, n_prompt: int, sm: ServedModel, shape: Shape | None = None
+                    ) -> Response:
         try:
             while not all(r.done.is_set() for r in reqs):
                 wake.clear()
@@ -269,11 +323,13 @@ class Routes:
             if r.finish_reason == "error":
                 raise APIError(500, f"Generation failed: {r.error}")
             raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
-        if kind == "messages":
+        if kind == "messages" or shape is not None:
             r = reqs[0]
             fmt = _tool_format(self.models.names[g.model])
             found = fmt.calls(r.text, g.tools.tools) if g.tools is not None and g.tools.choice != "none" else []
             text = fmt.content(r.text) if found else r.text
+            if shape is not None:
+                return JSONResponse(shape.answer(r, text, found, n_prompt))
             return JSONResponse(anthropic.message(rid, g.model, text, found, r.finish_reason, r.stop_string,
                                                   n_prompt, r.completion_tokens))
         lps = _logprobs_of(sm, kind, g)
@@ -283,7 +339,7 @@ class Routes:
             fmt = _tool_format(self.lookup(g.model))
             choices = [chat_message(c, fmt, r.text, g.tools.tools) for c, r in zip(choices, reqs)]
         use = usage(n_prompt, sum(r.completion_tokens for r in reqs), sum(r.n_reused for r in reqs))
-        out = envelope(kind, rid, created, g.model, choices, False, use)
+        out = envelope(kind, rid, created, g.model, choices, False, use, sm.fingerprint)
         if len(reqs) == 1:
             out["timings"] = timings(reqs[0])
         return JSONResponse(out)
@@ -291,7 +347,10 @@ class Routes:
     async def stream(self, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str, created: int, g: Generation,
                       n_prompt: int, sm: ServedModel) -> AsyncIterator[dict[str, str]]:
         def event(choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> dict[str, str]:
-            return {"data": json.dumps(envelope(kind, rid, created, g.model, choices, True, use))}
+            doc = envelope(kind, rid, created, g.model, choices, True, use, sm.fingerprint)
+            if g.include_usage and use is None:
+                doc["usage"] = None  # OpenAI's: every chunk but the usage chunk says null
+            return {"data": json.dumps(doc)}
 
         lps = _logprobs_of(sm, kind, g, stream=True)
         calls = None
@@ -348,10 +407,10 @@ class Routes:
         finally:
             _cancel(reqs)  # the client went away (or the stream ended): free the slots
 
-    async def stream_messages(self, r: Request, wake: asyncio.Event, rid: str, g: Generation, n_prompt: int
-                              ) -> AsyncIterator[dict[str, str]]:
-        """Anthropic's events of one generation (server/anthropic.py's MessageEvents)."""
-        ev = anthropic.MessageEvents(rid, g.model, n_prompt)
+    async def stream_events(self, r: Request, wake: asyncio.Event, g: Generation, ev: Events
+                            ) -> AsyncIterator[dict[str, str]]:
+        """The events of one generation in another API's shape (Anthropic's MessageEvents, the Responses API's
+        ResponseEvents): its text as it comes, held where a tool call may begin, then the calls and the end."""
         calls = None
         if g.tools is not None and g.tools.choice != "none":
             calls = ToolStream(_tool_format(self.models.names[g.model]), g.tools.tools)
@@ -370,8 +429,8 @@ class Routes:
             if r.finish_reason not in ("stop", "length"):
                 msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
                     "The server shut down before the request finished."
-                yield anthropic.event("error", error=anthropic.error_body(APIError(500 if r.error else 503, msg))[
-                    "error"])
+                for e in ev.error(APIError(500 if r.error else 503, msg)):
+                    yield e
                 return
             found: list[Call] = []
             if calls is not None:
@@ -491,4 +550,4 @@ def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
     return ids
 
 
-__all__ = ["Routes"]
+__all__ = ["Events", "Routes", "Shape", "chat_generation"]
