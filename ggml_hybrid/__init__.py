@@ -9,7 +9,7 @@ The layers, bottom up (docs/architecture.md has the map):
   CPU share of misses, the CPU worker, FFN-only stack sessions and routing traces;
 - ``ggml_hybrid.model``: GGUF files, hyperparameters, the KV cache, the decoder graph, ``MoEModel``,
   tokenizer, sampling and generation;
-- ``ggml_hybrid.deploy``: tensor layout over devices, the devices, the memory planner;
+- ``ggml_hybrid.placement``: tensor layout over devices, the devices, the memory planner;
 - ``ggml_hybrid.cli``: the ``ggml-hybrid`` command.
 
 Everything a user needs is importable from here.
@@ -33,16 +33,18 @@ from .ggml.tensor import Tensor
 from .moe.stack_session import MoEStackSession
 from .options import SessionOptions
 from .runtime.generate import GenerationStats, complete, generate
+from .runtime.loaded_model import LoadedModel
 from .runtime.moe_model import MoEModel
 from .runtime.sampling import Sampler
+from .runtime.session import Session
 from .text.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DECLINE", "GGML_VERSION", "Backend", "Buffer", "Context", "Device", "GGMLType", "GenerationStats",
-    "GgmlHybridError", "Graph", "MoEModel", "MoEStackSession", "Region", "RegionCall", "Sampler", "Scheduler",
-    "SessionOptions", "StepIO", "Tensor", "Tokenizer", "__version__", "as_ggml_type", "complete", "cpu", "cuda",
-    "cuda_available", "dequantize", "devices", "errors", "ffi", "generate", "gpu", "lib", "live_objects", "quantize",
-    "vulkan", "vulkan_available",
+    "GgmlHybridError", "Graph", "LoadedModel", "MoEModel", "MoEStackSession", "Region", "RegionCall", "Sampler",
+    "Scheduler", "Session", "SessionOptions", "StepIO", "Tensor", "Tokenizer", "__version__", "as_ggml_type",
+    "complete", "cpu", "cuda", "cuda_available", "dequantize", "devices", "errors", "ffi", "generate", "gpu", "lib",
+    "live_objects", "quantize", "vulkan", "vulkan_available",
 ]

@@ -346,7 +346,7 @@ class SessionOptions:
         "Repack the weights that live on CPU backends into GGML's CPU extra buffer types where the type and CPU "
         "allow (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2), for its faster kernels; false = llama.cpp's --no-repack.",
         _bool)
-    host_cache_bytes: Union[int, str] = _opt(
+    host_tier_bytes: Union[int, str] = _opt(
         0, "int | 'auto'", "a size >= 0 (bytes, or with a K/M/G/T suffix) or 'auto'; > 0 needs disk_experts",
         "Host-RAM expert tier between the device's slots and the file: whole experts read from the GGUF by I/O "
         "threads (O_DIRECT where allowed) into at most this many bytes of host memory, which also feed the CPU "
@@ -357,11 +357,11 @@ class SessionOptions:
         False, "bool", _BOOL_RULE,
         "Lookahead prefetch: in each disk layer's call of up to 16 tokens, apply the next disk layer's router to "
         "the call's input and load the predicted misses into that layer's slots ahead of its call (with "
-        "host_cache_bytes, first read them ahead into the host tier, at once; docs/moe.md); results never change.",
+        "host_tier_bytes, first read them ahead into the host tier, at once; docs/moe.md); results never change.",
         _bool)
     moe_prefetch_bytes: int = _opt(
         0, "int", "an integer >= 0 (bytes)",
-        "Most bytes one layer call prefetches into the next layer (whole experts), and with host_cache_bytes reads "
+        "Most bytes one layer call prefetches into the next layer (whole experts), and with host_tier_bytes reads "
         "ahead into the host tier; 0 = the bytes of the next layer's n_expert_used experts. Below one expert: "
         "predictions are counted, nothing is loaded.", _int(0))
     moe_route_trace: Optional[str] = _opt(

@@ -83,16 +83,27 @@ def test_expert_cache_slots_implies_disk_experts(model):
                expect=["disk_experts given twice"])
 
 
+def test_host_tier_is_the_flag_and_host_cache_the_same_one(model):
+    """One word for the host tier: --host-tier, and --host-cache (the name users know) sets the same option;
+    the option's old key is refused with the new one named."""
+    a = run_json(model, "--tokens", "1,2", "-n", 2, *T1, "--expert-cache-slots", 2, "--host-tier", "64M")
+    b = run_json(model, "--tokens", "1,2", "-n", 2, *T1, "--expert-cache-slots", 2, "--host-cache", "64M")
+    assert a["options"] == b["options"] and a["options"]["host_tier_bytes"] == 64 << 20
+    assert a["tokens"] == b["tokens"] and a["host_tier"]["bytes_read"] > 0
+    user_error("run", model, "--tokens", "1", *T1, "--expert-cache-slots", 2, "-o", "host_cache_bytes=64M",
+               expect=["unknown option 'host_cache_bytes'", "did you mean 'host_tier_bytes'"])
+
+
 def test_host_cache_feeds_the_expert_cache_and_reports_its_reads(model):
     ref = run_json(model, "--tokens", "1,2,3", "-n", 4, *T1)
     d = run_json(model, "--tokens", "1,2,3", "-n", 4, *T1, "--expert-cache-slots", 2, "--host-cache", "64M")
     assert d["tokens"] == ref["tokens"] and ref["host_tier"] is None
-    assert d["options"]["disk_experts"] is True and d["options"]["host_cache_bytes"] == 64 << 20
+    assert d["options"]["disk_experts"] is True and d["options"]["host_tier_bytes"] == 64 << 20
     # CPU only, experts the CPU does not repack: every expert runs straight from the tier (no slot loads)
     t, c = d["host_tier"], d["counters"]
     assert t["misses"] > 0 and t["bytes_read"] > 0 and c["misses"] == 0 and t["hits"] + t["misses"] == c["distinct"]
     user_error("run", model, "--tokens", "1", *T1, "--expert-cache-slots", 2, "--host-cache", "lots",
-               expect=["host_cache_bytes=lots"])
+               expect=["host_tier_bytes=lots"])
     # with a CPU share the worker's rows come from the tier too
     d = run_json(model, "--tokens", "1,2,3", "-n", 4, *T1, "--expert-cache-slots", 2, "--host-cache", "64M",
                  "--moe-cpu-share", "0.5")

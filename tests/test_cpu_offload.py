@@ -230,7 +230,7 @@ def test_replayed_counters_equal_live_counters(model, tmp_path, share, executor)
                 if executor == "native":
                     ex.use_cost_model(CostModel.fixed(cost.coefficients()))
                 else:
-                    ex.model = CostModel.fixed(cost.coefficients())
+                    ex.cost = CostModel.fixed(cost.coefficients())
         for i, n in enumerate((1, 7, 1, 1, 12, 2, 1, 30, 1)):
             s.forward(_x(n, 256, 300 + i))
         live = s.counters.layers

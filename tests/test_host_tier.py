@@ -1,4 +1,4 @@
-"""The host expert tier (host_cache_bytes): bit-identical to resident, its counters, its faults, its options, and its
+"""The host expert tier (host_tier_bytes): bit-identical to resident, its counters, its faults, its options, and its
 read-ahead of the lookahead prefetch's predictions (moe_prefetch).
 
 The oracle is the default resident path of the same file (no region, every expert in memory): every run with the
@@ -105,7 +105,7 @@ def test_the_tier_is_bit_identical_to_resident(tmp_path, case):
     with MoEStackSession(path, SessionOptions(repack=repack)) as s:
         refs = [s.forward(x) for x in xs]
     items = ["disk_experts=1", f"expert_cache_slots={case['slots']}", f"expert_eviction={case['policy']}",
-             f"host_cache_bytes={budget}", f"moe_cpu_share={case['share']}", f"repack={int(repack)}"]
+             f"host_tier_bytes={budget}", f"moe_cpu_share={case['share']}", f"repack={int(repack)}"]
     if case["prefetch"]:
         # 0: the default bound (n_used experts)
         items += ["moe_prefetch=1", f"moe_prefetch_bytes={case['prefetch_experts'] * _expert_bytes(path)}"]
@@ -204,7 +204,7 @@ def test_a_cpu_playing_the_device_runs_straight_from_the_tier_with_the_experts_u
     assert not _repacked(path)
     spans = _expert_spans(path)
     xs = [_x(n, 256, 20 + n) for n in (7, 1, 1, 3)]
-    items = ["disk_experts=1", "expert_cache_slots=2", f"host_cache_bytes={2 * _layer_need(path)}"]
+    items = ["disk_experts=1", "expert_cache_slots=2", f"host_tier_bytes={2 * _layer_need(path)}"]
     with MoEStackSession(path, SessionOptions.parse(items)) as s:
         # the file's pages out of the page cache now: the buffered reads of its header at load read ahead into the
         # experts (a small file), which the tier then must not bring back
@@ -242,7 +242,7 @@ def test_the_cpu_worker_runs_from_the_tier(stack):
     with MoEStackSession(stack, SessionOptions(repack=False)) as s:
         refs = [s.forward(x) for x in xs]
     items = ["disk_experts=1", "expert_cache_slots=2", "moe_cpu_share=0.5", "repack=0",
-             f"host_cache_bytes={_layer_need(stack)}"]
+             f"host_tier_bytes={_layer_need(stack)}"]
     with MoEStackSession(stack, SessionOptions.parse(items)) as s:
         assert not s.layers.executors[0].tier_direct
         for x, ref in zip(xs, refs):
@@ -261,7 +261,7 @@ def test_a_budget_holding_every_expert_reads_each_once(stack):
     with MoEStackSession(stack, SessionOptions()) as s:
         refs = [s.forward(x) for x in xs]
     with MoEStackSession(stack, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
-                                                      "host_cache_bytes=64M"])) as s:
+                                                      "host_tier_bytes=64M"])) as s:
         for x, ref in zip(xs, refs):
             np.testing.assert_array_equal(s.forward(x), ref)
         tier, slots = s.layers.tier.counters, s.counters.total
@@ -272,7 +272,7 @@ def test_a_budget_holding_every_expert_reads_each_once(stack):
 
 def test_the_budget_is_capped_at_what_the_tier_can_hold(stack):
     with MoEStackSession(stack, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
-                                                      "host_cache_bytes=1T"])) as s:
+                                                      "host_tier_bytes=1T"])) as s:
         assert s.layers.tier.budget == 3 * _layer_need(stack)
 
 
@@ -282,7 +282,7 @@ def test_a_failed_read_is_a_typed_error_and_the_next_call_works(stack, kind):
     with MoEStackSession(stack, SessionOptions()) as s:
         ref = s.forward(x)
     with MoEStackSession(stack, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=4",
-                                                      f"host_cache_bytes={_layer_need(stack)}"])) as s:
+                                                      f"host_tier_bytes={_layer_need(stack)}"])) as s:
         s.layers.tier.inject_fault(after=5, kind=kind)
         why = "Input/output error" if kind == "eio" else "short read"
         with pytest.raises(gh.errors.ModelFileError, match=f"layer [0-2]: .*{why}"):
@@ -296,7 +296,7 @@ def test_a_truncated_copy_is_a_typed_error_not_a_crash(tmp_path, stack):
     copy = tmp_path / "copy.gguf"
     shutil.copy(stack, copy)
     with MoEStackSession(copy, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
-                                                     "host_cache_bytes=64M"])) as s:
+                                                     "host_tier_bytes=64M"])) as s:
         s.forward(_x(2, 256, 0))
         with open(copy, "r+b") as f:
             f.truncate(Path(copy).stat().st_size // 2)
@@ -313,7 +313,7 @@ def test_a_file_renamed_over_the_path_does_not_matter(tmp_path, stack):
     with MoEStackSession(stack, SessionOptions()) as s:
         ref = s.forward(x)
     with MoEStackSession(copy, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2",
-                                                     "host_cache_bytes=64M"])) as s:
+                                                     "host_tier_bytes=64M"])) as s:
         other = tmp_path / "other.gguf"
         other.write_bytes(b"\0" * 4096)
         other.replace(copy)
@@ -337,7 +337,7 @@ def test_a_decoder_with_the_tier_gives_the_resident_tokens_and_logits(tmp_path, 
 
     ref, ref_toks, _ = greedy(SessionOptions(**base))
     got, toks, tier = greedy(SessionOptions(**base, disk_experts=True, expert_cache_slots=2,
-                                            host_cache_bytes=_layer_need(path), moe_prefetch=prefetch))
+                                            host_tier_bytes=_layer_need(path), moe_prefetch=prefetch))
     assert toks == ref_toks
     np.testing.assert_array_equal(got, ref)
     assert tier is not None and tier.misses > 0 and tier.bytes_read > 0
@@ -367,7 +367,7 @@ def test_read_ahead_on_a_route_trace_is_never_wasted_and_reads_each_routed_exper
         {int(e) for e in calls[0][1].ravel()}  # layer 0's experts first routed in a decode step
     xs = [_x(t, 256, 40 + i) for i, t in enumerate(tokens)]
     base = ["disk_experts=1", "expert_cache_slots=4", f"moe_route_trace={tmp_path / 'r.ghtrace'}", "n_threads=1",
-            f"host_cache_bytes={budget_layers * _layer_need(stack)}"]
+            f"host_tier_bytes={budget_layers * _layer_need(stack)}"]
     with MoEStackSession(stack, SessionOptions.parse(base), benchmark=True) as s:  # the tier, no lookahead
         refs = [s.forward(x) for x in xs]
         plain = s.layers.tier.counters
@@ -393,7 +393,7 @@ def test_a_failed_read_fails_at_most_the_call_that_needed_it_with_read_ahead(sta
     xs = [_x(1, 256, 300 + i) for i in range(10)]
     with MoEStackSession(stack, SessionOptions()) as s:
         refs = [s.forward(x) for x in xs]
-    items = ["disk_experts=1", "expert_cache_slots=2", "moe_prefetch=1", f"host_cache_bytes={_layer_need(stack)}"]
+    items = ["disk_experts=1", "expert_cache_slots=2", "moe_prefetch=1", f"host_tier_bytes={_layer_need(stack)}"]
     failed = 0
     with MoEStackSession(stack, SessionOptions.parse(items)) as s:
         for i, (x, ref) in enumerate(zip(xs, refs)):
@@ -476,8 +476,8 @@ def test_read_ahead_never_evicts_what_a_call_fetched_or_another_prediction(machi
 
 
 @pytest.mark.parametrize("items, rule", [
-    (["host_cache_bytes=1G"], "needs disk_experts=true"),
-    (["disk_experts=1", "expert_cache_slots=2", "host_cache_bytes=1K"], "at least one layer's experts"),
+    (["host_tier_bytes=1G"], "needs disk_experts=true"),
+    (["disk_experts=1", "expert_cache_slots=2", "host_tier_bytes=1K"], "at least one layer's experts"),
 ])
 def test_options_the_tier_cannot_serve_are_refused_before_running(stack, items, rule):
     with pytest.raises(OptionError, match=rule):
@@ -488,14 +488,14 @@ def test_options_the_tier_cannot_serve_are_refused_before_running(stack, items, 
 
 @pytest.mark.parametrize("text, value", [("0", 0), ("2G", 2 << 30), ("1.5M", 3 * MiB // 2), ("auto", "auto"),
                                          ("AUTO", "auto"), ("4096", 4096)])
-def test_host_cache_bytes_reads_sizes(text, value):
-    assert SessionOptions.parse([f"host_cache_bytes={text}"]).host_cache_bytes == value
+def test_host_tier_bytes_reads_sizes(text, value):
+    assert SessionOptions.parse([f"host_tier_bytes={text}"]).host_tier_bytes == value
 
 
 @pytest.mark.parametrize("text", ["-1", "lots", "1X", "nan", ""])
-def test_host_cache_bytes_refuses_what_is_not_a_size(text):
-    with pytest.raises(OptionError, match="host_cache_bytes"):
-        SessionOptions.parse([f"host_cache_bytes={text}"])
+def test_host_tier_bytes_refuses_what_is_not_a_size(text):
+    with pytest.raises(OptionError, match="host_tier_bytes"):
+        SessionOptions.parse([f"host_tier_bytes={text}"])
 
 
 def test_auto_leaves_a_margin():
@@ -511,14 +511,14 @@ def test_plan_counts_the_tier_and_says_when_the_model_does_not_fit(tmp_path):
     base = dict(n_ctx=64, disk_experts=True, expert_cache_slots=2)
     without = plan(path, SessionOptions(**base), ram=1 << 30)
     assert without.host.host_tier == 0 and not any("does not fit" in w for w in without.warnings)
-    small = plan(path, SessionOptions(**base, host_cache_bytes=routed // 2), ram=1 << 30)
+    small = plan(path, SessionOptions(**base, host_tier_bytes=routed // 2), ram=1 << 30)
     assert small.host.host_tier == routed // 2
     assert small.host.resident_total == without.host.resident_total + routed // 2
-    big = plan(path, SessionOptions(**base, host_cache_bytes=1 << 40), ram=1 << 30)
+    big = plan(path, SessionOptions(**base, host_tier_bytes=1 << 40), ram=1 << 30)
     assert big.host.host_tier == routed  # never more than it can hold
     tight = plan(path, SessionOptions(**base), ram=size // 2)
-    assert any("does not fit in --ram" in w and "--host-cache" in w for w in tight.warnings)
-    auto = plan(path, SessionOptions(**base, host_cache_bytes="auto"), ram=1 << 40)
+    assert any("does not fit in --ram" in w and "--host-tier" in w for w in tight.warnings)
+    auto = plan(path, SessionOptions(**base, host_tier_bytes="auto"), ram=1 << 40)
     assert auto.host.host_tier == routed
 
 

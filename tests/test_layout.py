@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.deploy.layout import CPU, plan_layout
 from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.model.families import read_hparams, tensor_shapes
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.placement.layout import CPU, plan_layout
 from ggml_hybrid.plan.planner import k8s_resources, plan
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model

@@ -96,7 +96,7 @@ def test_native_decisions_counters_and_outputs_equal_the_python_executor(tmp_pat
             assert [getattr(n_ex.counters, k) for k in WORK] == [getattr(p_ex.counters, k) for k in WORK]
             assert n_ex.counters.share_sum == pytest.approx(p_ex.counters.share_sum, rel=1e-12)
             if case["share"] == "auto":  # the learnt coefficients agree to the bit
-                want = p_ex.model.estimate(p_ex.expert_bytes)
+                want = p_ex.cost.estimate(p_ex.expert_bytes)
                 assert _native_estimate(n_ex) == [want[k] for k in COEFFICIENTS]
 
 

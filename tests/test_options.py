@@ -24,7 +24,7 @@ DEFAULT = SessionOptions()
 def test_defaults():
     assert DEFAULT.to_dict() == {
         "moe_cpu_share": 0.0, "expert_cache_slots": 0, "expert_eviction": "freq", "n_threads": None,
-        "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "host_cache_bytes": 0, "trace_path": None,
+        "disk_experts": False, "cpu_moe": False, "n_cpu_moe": 0, "host_tier_bytes": 0, "trace_path": None,
         "n_ctx": 0, "n_parallel": 1, "batch_size": 2048, "ubatch_size": 512, "cache_type_k": "f16",
         "cache_type_v": "f16", "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
         "tensor_split": None, "no_kv_offload": False, "check_tensors": False, "virtual_devices": 1,

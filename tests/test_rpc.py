@@ -26,10 +26,10 @@ from click.testing import CliRunner
 from ggfuzz import rpc_cases as rc
 
 from ggml_hybrid.cli import main
-from ggml_hybrid.deploy.devices import describe_devices, device_names
 from ggml_hybrid.errors import RPCError
 from ggml_hybrid.ggml import rpc
 from ggml_hybrid.options import OptionError, SessionOptions
+from ggml_hybrid.placement.devices import describe_devices, device_names
 from ggml_hybrid.plan.planner import plan
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model
@@ -150,7 +150,7 @@ def test_the_host_tier_feeds_an_rpc_device_bit_identically(model, reference, ser
     """Queued uploads from the host tier's buffers (not the mapping) across a real process boundary."""
     tokens, ref = reference
     with MoEModel(model, opts(f"rpc={server.endpoint}", "disk_experts=true", "expert_cache_slots=2",
-                              "host_cache_bytes=16M")) as m:
+                              "host_tier_bytes=16M")) as m:
         got = run_both_halves(m, tokens)
         ex, tier = m.experts.executors[0], m.experts.tier.counters
         assert ex.load_mode == "queued" and tier.misses > 0

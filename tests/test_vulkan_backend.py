@@ -218,7 +218,7 @@ def test_the_host_tier_on_vulkan_uses_its_pinned_host_buffers(tmp_path, share):
     with gh.vulkan(0) as vk, \
             MoEStackSession(path, SessionOptions.parse(items) if share else SessionOptions(), device=vk) as s:
         refs = [s.forward(x) for x in xs]
-    items.append("host_cache_bytes=16M")
+    items.append("host_tier_bytes=16M")
     with gh.vulkan(0) as vk, MoEStackSession(path, SessionOptions.parse(items), device=vk) as s:
         assert s.layers.tier.buffer_type == "Vulkan_Host" and not s.layers.executors[0].tier_direct
         assert s.layers.executors[0].load_mode == "staged"

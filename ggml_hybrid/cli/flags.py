@@ -224,10 +224,11 @@ SESSION_FLAGS: tuple[Flag, ...] = (
     Flag(("--moe-cpu-share", "moe_cpu_share"), "moe_cpu_share", dict(metavar="X|auto", help=(
         "Share of the cache misses the CPU runs: a number in [0, 1] or auto (a non-zero share implies "
         "--disk-experts)."))),
-    Flag(("--host-cache", "host_cache"), "host_cache_bytes", dict(metavar="SIZE|auto", help=(
+    Flag(("--host-tier", "--host-cache", "host_tier"), "host_tier_bytes", dict(metavar="SIZE|auto", help=(
         "Host-RAM expert tier between the expert cache and the file: whole experts read from the GGUF by I/O "
         "threads (O_DIRECT where allowed), at most SIZE (e.g. 8G); auto = the memory available less a margin "
-        "(implies --disk-experts; needs --expert-cache-slots)")), implies=("disk_experts=true",)),
+        "(implies --disk-experts; needs --expert-cache-slots). --host-cache is the same flag.")),
+         implies=("disk_experts=true",)),
     Flag(("-lm", "--load-mode", "load_mode"), None, dict(
         type=click.Choice(["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"]), help=(
             "Model loading: auto and mmap (the default) only; the file is always memory-mapped.")), _load_mode),

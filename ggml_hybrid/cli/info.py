@@ -30,7 +30,7 @@ def inspect(model, model_flag, hf_repo, hf_file, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def devices(virtual_devices, rpc, as_json):
     """The device names that layout options accept (RPC0, ..., CUDA0, ..., Vulkan0, ... or DEV0, ... and CPU)."""
-    from ..deploy.devices import backend_notes, describe_devices
+    from ..placement.devices import backend_notes, describe_devices
 
     items = [f"virtual_devices={virtual_devices}"] if virtual_devices else []
     opts = SessionOptions.parse(items + ([f"rpc={rpc}"] if rpc is not None else []))

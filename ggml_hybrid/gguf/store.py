@@ -233,7 +233,7 @@ class GGUFStore:
                                          "infinite values (check_tensors)")
 
     def unmap(self, names: list[str]) -> int:
-        """Stop mapping the named tensors' bytes (``host_cache_bytes``: the host tier reads them with ``pread``, and
+        """Stop mapping the named tensors' bytes (``host_tier_bytes``: the host tier reads them with ``pread``, and
         nothing may read them through the mapping): zero pages of no file replace the whole pages inside them, so
         they cost no page cache and a stray read gives zeros. The bytes released. Only for a store no one else
         reads these tensors from: :meth:`raw` of them gives zeros after."""

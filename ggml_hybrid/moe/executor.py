@@ -263,7 +263,7 @@ class ExpertCacheExecutor:
         self.n_used, self.glu = n_used, glu
         # the CPU share: a fixed fraction of the misses, or "auto" (an online cost model)
         self.worker, self.share, self.host_experts = worker, share, host_experts
-        self.model = CostModel() if share == "auto" else None
+        self.cost = CostModel() if share == "auto" else None
         self.clock: SyntheticClock | None = None  # set by tests and replays that need repeatable decisions
         # benchmarks on a machine without a bus: each load also waits bytes / bandwidth
         self.simulated_bus = simulated_bus_bytes_per_s
@@ -400,8 +400,8 @@ class ExpertCacheExecutor:
         if self.worker is None or self.share == 0.0:
             return None
         resident = self.cache.resident()
-        if self.model is not None:
-            split = self.model.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes,
+        if self.cost is not None:
+            split = self.cost.choose(experts.tolist(), rows.tolist(), resident, self.expert_bytes,
                                       self.cache.reuse_key)
         else:
             assert isinstance(self.share, float)  # "auto" has a model
@@ -468,11 +468,11 @@ class ExpertCacheExecutor:
         c.hits += len(rnd.hits)
         c.misses += len(rnd.loads)
         c.evictions += len(rnd.evicted)
-        if self.model is not None:
+        if self.cost is not None:
             loaded = len(rnd.loads) * self.expert_bytes
             if loaded:
-                self.model.observe_load(loaded, self._seconds("load", loaded, 0, t2 - t1))
-            self.model.observe_device(n_rows, self._seconds("device", 0, n_rows, ns))
+                self.cost.observe_load(loaded, self._seconds("load", loaded, 0, t2 - t1))
+            self.cost.observe_device(n_rows, self._seconds("device", 0, n_rows, ns))
 
     def _load(self, expert: int, slot: int) -> int:
         """Copy ``expert`` from the mapping into ``slot`` of every expert tensor; the bytes copied."""
@@ -531,11 +531,11 @@ class ExpertCacheExecutor:
         c = self.counters
         c.cpu_ns += c1 - c0
         c.overlap_ns += max(0, min(call.d1, c1) - max(call.d0, c0)) if call.rounds else 0
-        if self.model is not None:
+        if self.cost is not None:
             cpu_bytes = len(call.split.cpu_misses) * self.expert_bytes
             cpu_s = self._seconds("cpu", cpu_bytes, len(rows_out), c1 - c0)
-            self.model.observe_cpu(cpu_bytes, len(rows_out), cpu_s)
-            self.model.observe_cpu_job(self._seconds("job", 0, 0, c0 - call.t_submit))
+            self.cost.observe_cpu(cpu_bytes, len(rows_out), cpu_s)
+            self.cost.observe_cpu_job(self._seconds("job", 0, 0, c0 - call.t_submit))
 
     def _weighted_sum(self, call: _Call) -> None:
         """The weighted sum over each token's experts, with the resident graph's ops, into the region's output."""

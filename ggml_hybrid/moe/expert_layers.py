@@ -71,8 +71,8 @@ def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used:
     if opts.moe_cpu_share != 0.0 and not opts.disk_experts:
         raise OptionError(f"moe_cpu_share={opts.moe_cpu_share}: a CPU share of cache misses needs "
                           "disk_experts=true (with resident or CPU-placed experts there are no misses)")
-    if opts.host_cache_bytes != 0 and not opts.disk_experts:
-        raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier feeds the expert cache's loads, "
+    if opts.host_tier_bytes != 0 and not opts.disk_experts:
+        raise OptionError(f"host_tier_bytes={opts.host_tier_bytes}: the host tier feeds the expert cache's loads, "
                           "which needs disk_experts=true (--disk-experts; --expert-cache-slots implies it)")
     if opts.trace_path is not None and not opts.disk_experts:
         raise OptionError(f"trace_path={opts.trace_path}: routing traces are recorded by the expert cache "
@@ -184,12 +184,12 @@ class ExpertLayers:
         if opts.moe_cpu_share != 0.0 and any(m == "disk" for m in self.modes):
             self.worker = NativeWorker(n_threads) if self.native else CPUWorker(n_threads)
         self._scratch: dict[int, Scratch] = {}  # the native executors' compute buffer, one per device
-        # the host expert tier between the disk layers' slots and the file (host_cache_bytes)
+        # the host expert tier between the disk layers' slots and the file (host_tier_bytes)
         self.tier: HostTier | None = None
         disk_layers = [i for i in self.moe_layers if self.modes[i] == "disk"]
-        if opts.host_cache_bytes != 0 and disk_layers and load:
+        if opts.host_tier_bytes != 0 and disk_layers and load:
             if not self.native:
-                raise OptionError(f"host_cache_bytes={opts.host_cache_bytes}: the host tier feeds the native "
+                raise OptionError(f"host_tier_bytes={opts.host_tier_bytes}: the host tier feeds the native "
                                   "executor's loads; these layers run the Python executor (moe_executor=python, "
                                   "expert biases or gpt-oss's clamped SwiGLU)")
             per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in named[i].values()]
@@ -201,8 +201,8 @@ class ExpertLayers:
             host_slots = sum((cast(int, opts.expert_cache_slots) + 1) * sum(per_expert[i]) for i in disk_layers
                              if (b := backend_of(named[i]["down"])) is not None and b.is_cpu
                              and not self._tier_direct(store, named[i], b))
-            budget = resolve_budget(opts.host_cache_bytes, need, host_slots)
-            check_tier_budget(budget, frame * max(n_of.values()), opts.host_cache_bytes)  # before any I/O thread
+            budget = resolve_budget(opts.host_tier_bytes, need, host_slots)
+            check_tier_budget(budget, frame * max(n_of.values()), opts.host_tier_bytes)  # before any I/O thread
             self.tier = HostTier(store, budget, opts.expert_eviction,
                                  buffer_type=self._pinned_host_type([backend_of(named[i]["down"])
                                                                      for i in disk_layers]))

@@ -1,6 +1,6 @@
 """The host expert tier: a bounded cache of whole experts in host RAM between the device's slots and the file.
 
-``host_cache_bytes=N`` (``--host-cache SIZE``) gives a model's disk layers one tier (``_native/src/host_tier.c``)
+``host_tier_bytes=N`` (``--host-tier SIZE``) gives a model's disk layers one tier (``_native/src/host_tier.c``)
 of at most N bytes. The native executor of each disk layer asks it for the experts a call loads as soon as the
 call's plan names them: I/O threads read each whole expert from the GGUF with large aligned reads (``pread``,
 ``O_DIRECT`` where the filesystem allows it, so the reads cost no page cache), several in flight, and each load
@@ -66,7 +66,7 @@ class TierCounters:
 
 
 def auto_budget(available: int | None = None) -> int:
-    """``host_cache_bytes=auto``: the memory available now (``MemAvailable``, or what this process's memory cgroup
+    """``host_tier_bytes=auto``: the memory available now (``MemAvailable``, or what this process's memory cgroup
     still allows, whichever is less) less a margin of 10% of it, at least 128 MiB."""
     if available is None:
         avail = available_memory()
@@ -76,8 +76,8 @@ def auto_budget(available: int | None = None) -> int:
     else:
         avail = available
     if avail is None:
-        raise OptionError("host_cache_bytes=auto: this system does not say how much memory is available "
-                          "(/proc/meminfo); give a size, e.g. --host-cache 8G")
+        raise OptionError("host_tier_bytes=auto: this system does not say how much memory is available "
+                          "(/proc/meminfo); give a size, e.g. --host-tier 8G")
     margin = max(AUTO_MARGIN_MIN, int(avail * AUTO_MARGIN_FRACTION))
     return max(0, avail - margin)
 
@@ -102,7 +102,7 @@ class HostTier(Managed):
     def __init__(self, store: GGUFStore, budget: int, policy: str = "freq", n_threads: int = IO_THREADS,
                  direct: bool = True, buffer_type: CData | None = None) -> None:
         if store._fd is None:
-            raise OptionError(f"host_cache_bytes: the model file {store.path!r} is closed")
+            raise OptionError(f"host_tier_bytes: the model file {store.path!r} is closed")
         file_id = ffi.new("int64_t[4]", list(store._identity))
         err = ffi.new("char[]", 400)
         # the tier's own counts: `freq` (fewest uses, then least recent) is its LFU, which breaks ties by recency
@@ -163,14 +163,14 @@ class HostTier(Managed):
 def check_tier_budget(budget: int, layer_need: int, given: int | str) -> None:
     """The tier must hold one layer's experts (``layer_need`` bytes in it): a call may load all of them."""
     if budget < layer_need:
-        what = "" if given == budget else f" (host_cache_bytes={given} gives {budget} bytes here)"
-        raise OptionError(f"host_cache_bytes={budget} ({format_bytes(budget)}){what}: the host tier must hold at "
+        what = "" if given == budget else f" (host_tier_bytes={given} gives {budget} bytes here)"
+        raise OptionError(f"host_tier_bytes={budget} ({format_bytes(budget)}){what}: the host tier must hold at "
                           f"least one layer's experts (a call may load all of them): {layer_need} bytes "
-                          f"({format_bytes(layer_need)}); give --host-cache {-(-layer_need // MiB)}M or more")
+                          f"({format_bytes(layer_need)}); give --host-tier {-(-layer_need // MiB)}M or more")
 
 
 def resolve_budget(value: int | str, need_total: int, host_slots: int = 0) -> int:
-    """The byte budget of ``host_cache_bytes=value``: a size as given, ``auto`` from the memory available less
+    """The byte budget of ``host_tier_bytes=value``: a size as given, ``auto`` from the memory available less
     ``host_slots`` (the bytes of expert slots still to be allocated in host memory: a CPU playing the device);
     never more than every disk layer's experts (``need_total`` bytes in the tier), which is all it can hold."""
     budget = max(0, auto_budget() - host_slots) if value == "auto" else int(value)

@@ -155,7 +155,7 @@ class NativeExpertExecutor:
         cfg.device = self.device.ptr
         cfg.scratch = self.scratch.ptr
         cfg.worker = self.worker.ptr if self.worker is not None and self.share != 0.0 else ffi.NULL
-        model = CostModel()
+        cost = CostModel()
         if self.worker is None or self.share == 0.0:
             cfg.share_mode = lib.HY_SHARE_NONE
         elif self.share == "auto":
@@ -166,9 +166,9 @@ class NativeExpertExecutor:
             table = ffi.new("int32_t[]", [n_cpu_for_share(float(self.share), n) for n in range(self.n_expert + 1)])
             self._keep.append(table)
             cfg.n_cpu_table = table
-        cfg.alpha, cfg.hysteresis = model.alpha, model.hysteresis
+        cfg.alpha, cfg.hysteresis = cost.alpha, cost.hysteresis
         for i, k in enumerate(PRIOR_KEYS):
-            cfg.prior[i] = model.prior[k]
+            cfg.prior[i] = cost.prior[k]
         cfg.fd = -1 if self.store._fd is None else self.store._fd  # the open file, not whatever the path names now
         for i, v in enumerate(self.store._identity):
             cfg.file_id[i] = v
@@ -288,13 +288,13 @@ class NativeExpertExecutor:
     def slot_bytes(self) -> int:
         return 0 if self.tier_direct else sum(t.nbytes for t in self.slot_tensors.values())
 
-    def use_cost_model(self, model: CostModel) -> None:
-        """Replace the layer's cost model (``auto``) by one with ``model``'s fixed coefficients or priors."""
+    def use_cost_model(self, cost: CostModel) -> None:
+        """Replace the layer's cost model (``auto``) by one with ``cost``'s fixed coefficients or priors."""
         c = lib.hy_moe_exec_cost_model(self._exec.ptr)
-        if model._fixed is not None:
-            lib.hy_cost_init_fixed(c, model.hysteresis, [model._fixed[k] for k in COEFFICIENTS])
+        if cost._fixed is not None:
+            lib.hy_cost_init_fixed(c, cost.hysteresis, [cost._fixed[k] for k in COEFFICIENTS])
         else:
-            lib.hy_cost_init(c, model.alpha, model.hysteresis, [model.prior[k] for k in PRIOR_KEYS])
+            lib.hy_cost_init(c, cost.alpha, cost.hysteresis, [cost.prior[k] for k in PRIOR_KEYS])
 
     def use_clock(self, clock: SyntheticClock) -> None:
         """Observe durations computed from the work (repeatable ``auto`` decisions)."""
@@ -314,10 +314,11 @@ class NativeExpertExecutor:
         self.ctx.close()
 
 
-Round = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], tuple[int, ...]]
+# a round of a C plan as plain tuples: slot_cache.Round's fields (hits, loads, evicted), compared with it in the tests
+RoundFields = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], tuple[int, ...]]
 
 
-def plan_rounds(p: CData) -> list[Round]:
+def plan_rounds(p: CData) -> list[RoundFields]:
     """A C plan (``hy_plan``) as ``[(hits, loads, evicted), ...]`` by round, the SlotCache's Round fields."""
     rounds: list[list[list[Any]]] = [[[], [], []] for _ in range(p.n_rounds)]
     if p.n_rounds:

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks import check_int, check_type
-from ..deploy.devices import device_free_memory, plan_device_names
-from ..deploy.layout import CPU
 from ..errors import NotMoEError
 from ..ggml.backend import gpu_device_names
 from ..gguf.metadata import meta_int
@@ -29,6 +27,8 @@ from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
 from ..moe.host_tier import AUTO_MARGIN_MIN, auto_budget, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
+from ..placement.devices import device_free_memory, plan_device_names
+from ..placement.layout import CPU
 from ..runtime.cache_size import SlotChoice
 from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
 from ..units import GiB, MiB, format_bytes
@@ -92,7 +92,7 @@ class HostPlan(_ToDict):
     resident_total: int  # the host tier included
     ram: int | None = None
     fits: bool | None = None
-    host_tier: int = 0  # the host expert tier's budget (host_cache_bytes, resolved: auto from --ram or available)
+    host_tier: int = 0  # the host expert tier's budget (host_tier_bytes, resolved: auto from --ram or available)
 
 
 @dataclass
@@ -300,12 +300,12 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
     copies = meas.layout["tensors"].get(CPU, {})  # CPU weights copied into RAM: the repacked ones (repack=true)
     host_resident = meas.host_kv + meas.host_recurrent + meas.host_compute + sum(copies.values())
     tier = 0
-    if opts.host_cache_bytes != 0 and opts.disk_experts:
+    if opts.host_tier_bytes != 0 and opts.disk_experts:
         routed = info["experts"]["bytes_per_layer"] * info["experts"]["moe_layers"]
-        if opts.host_cache_bytes == "auto":  # what a run would take: the RAM given less the buffers, or what is free
+        if opts.host_tier_bytes == "auto":  # what a run would take: the RAM given less the buffers, or what is free
             tier = min(routed, auto_budget(ram - host_resident) if ram is not None else auto_budget())
         else:
-            tier = resolve_budget(opts.host_cache_bytes, routed)
+            tier = resolve_budget(opts.host_tier_bytes, routed)
     host_resident += tier
     dn = hp.delta_net
     p = Plan(
@@ -535,12 +535,12 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     # a model larger than the memory: the page cache cannot hold its experts, the host tier reads them explicitly
     memory = h.ram if h.ram is not None else available_memory()
     file_bytes = os.path.getsize(p.model)
-    if memory is not None and file_bytes > memory and not opts.host_cache_bytes:
+    if memory is not None and file_bytes > memory and not opts.host_tier_bytes:
         budget = max(0, memory - h.resident_total - max(AUTO_MARGIN_MIN, memory // 10))
         where = f"--ram {format_bytes(memory)}" if h.ram is not None else f"the {format_bytes(memory)} available now"
         w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}: run its experts from disk through "
-                 f"a host tier, e.g. --expert-cache-slots {max(hp.n_used, 1)} --host-cache {budget // MiB}M "
-                 "(host_cache_bytes=auto takes what is "
+                 f"a host tier, e.g. --expert-cache-slots {max(hp.n_used, 1)} --host-tier {budget // MiB}M "
+                 "(host_tier_bytes=auto takes what is "
                  "available less a margin); see docs/moe.md, \"The host expert tier\"")
     if opts.disk_experts and isinstance(opts.expert_cache_slots, int) and opts.expert_cache_slots < hp.n_used:
         w.append(f"expert_cache_slots={opts.expert_cache_slots} is smaller than the {hp.n_used} experts used per "

@@ -3,9 +3,9 @@
 One thread, the engine's, runs *steps* on the model (it alone calls it while the engine is open):
 
 - a **decode step** computes the next token of every sequence that is generating, all in one
-  ubatch (:meth:`MoEModel.decode`);
+  ubatch (:meth:`Session.decode`);
 - a **prompt step** evaluates the next piece of one waiting prompt, cut where a lone ``eval`` of
-  the whole prompt cuts its ubatches (:meth:`MoEModel.ubatch_ends`), so the prompt's logits and KV
+  the whole prompt cuts its ubatches (:meth:`Session.ubatch_ends`), so the prompt's logits and KV
   cells are the lone run's.
 
 When prompts wait while sequences generate, prompt and decode steps alternate, so a long prompt
@@ -39,9 +39,9 @@ from ..errors import ArgumentError, ClosedError, ContextFullError
 from ..text.vocab import TextStream
 from .grammar import Constraint
 from .logprobs import TokenLogprob, token_logprob
-from .moe_model import MoEModel
 from .prompt_cache import MAX_CHECKPOINTS, PromptCache
 from .sampling import Sampler
+from .session import Session
 
 QUEUED, PROMPT, DECODE, DONE = "queued", "prompt", "decode", "done"
 RATE_WINDOW = 10.0  # seconds of decode steps the tokens-per-second figure covers
@@ -233,7 +233,7 @@ class Engine:
     A finished request's cells stay in its slot for a later prompt that begins alike (:class:`PromptCache`;
     ``max_checkpoints``: recurrent state copies kept per slot)."""
 
-    def __init__(self, model: MoEModel, name: str = "model",
+    def __init__(self, model: Session, name: str = "model",
                  after_step: Callable[[Engine], object] | None = None,
                  max_checkpoints: int = MAX_CHECKPOINTS) -> None:
         self.model = model
@@ -375,7 +375,7 @@ class Engine:
         A decoder graph is built per set of slots a step decodes; with holes left by finished requests
         every mix of slots would be a graph of its own (a build costs tens of ms). Packed, the busy
         slots are 0..k-1 and decode steps meet about one graph per k. A moved sequence computes
-        exactly as before (:meth:`MoEModel.move` copies its cells)."""
+        exactly as before (:meth:`Session.move` copies its cells)."""
         with self._cond:
             if self._queue:
                 return  # the free slots are about to be taken

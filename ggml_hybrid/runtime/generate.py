@@ -18,8 +18,8 @@ import numpy as np
 from ..checks import check_callable, check_int
 from ..errors import ArgumentError, NonFiniteError
 from ..text.vocab import check_ids
-from .moe_model import MoEModel
 from .sampling import Sampler
+from .session import Session
 
 
 @dataclass
@@ -47,7 +47,7 @@ class GenerationStats:
         return np.concatenate(self.logits, axis=0).astype(np.float32) if self.logits else np.zeros((0, 0), np.float32)
 
 
-def check_finite(model: MoEModel, logits: np.ndarray) -> np.ndarray:
+def check_finite(model: Session, logits: np.ndarray) -> np.ndarray:
     """``logits`` (the rows of the positions just evaluated) if all are finite; else a :class:`NonFiniteError`
     naming the first bad position. NaN logits come from broken weights, and sampling would hide them."""
     ok = np.isfinite(logits).all(axis=-1)
@@ -59,7 +59,7 @@ def check_finite(model: MoEModel, logits: np.ndarray) -> np.ndarray:
     return logits
 
 
-def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
+def generate(model: Session, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
              stats: GenerationStats | None = None, keep_logits: bool = False,
              stop_at_eos: bool = True) -> Generator[str, None, None]:
     """Yield the generated text piece by piece; ``stats`` (if given) is filled as it goes.
@@ -131,7 +131,7 @@ def generate(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, samp
         yield rest
 
 
-def complete(model: MoEModel, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
+def complete(model: Session, prompt_tokens: Iterable[int], n_predict: int, sampler: Sampler | None = None,
              keep_logits: bool = False, stop_at_eos: bool = True) -> tuple[str, GenerationStats]:
     """:func:`generate` run to the end: the whole text and its stats."""
     st = GenerationStats()

@@ -5,14 +5,14 @@ that shares a prefix with them keeps the cells of that prefix and evaluates only
 must be the logits of evaluating its whole prompt in an empty slot, bit for bit, and a cell's values
 depend on the ubatch that computed it (a kernel may take another path for another number of rows). So a
 prefix is kept only up to a *fixed cut*: a position where every prompt longer than it cuts an ubatch
-(:meth:`MoEModel.ubatch_ends`: multiples of ``ubatch_size`` within each ``batch_size``). Below a fixed cut,
+(:meth:`Session.ubatch_ends`: multiples of ``ubatch_size`` within each ``batch_size``). Below a fixed cut,
 the slot's cells were computed by the very ubatches (same tokens, same positions, same cells seen) that
 a cold run of the new prompt computes, and from it the new prompt goes on with its cold run's cuts. The
 tokens a request generated are never kept: they were computed one per step, a prompt computes them in
 ubatches. Cells past the kept prefix are masked (``-inf``: they add exact zeros) until overwritten.
 
 A recurrent model's state has no earlier positions to go back to: its slots keep *checkpoints*, copies
-of the states at the last few fixed cuts a prompt passed (:meth:`MoEModel.checkpoint`), and reuse only
+of the states at the last few fixed cuts a prompt passed (:meth:`Session.checkpoint`), and reuse only
 reaches back to one of them; with none that fits, the prompt is evaluated whole.
 
 Among the free slots a request takes the one that lets it reuse the most (then the longest common prefix,
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int
-from .moe_model import Checkpoint, MoEModel
+from .session import Checkpoint, Session
 
 MAX_CHECKPOINTS = 3  # recurrent models: state copies kept per slot (the last fixed cuts its prompt passed)
 
@@ -57,7 +57,7 @@ class PromptCache:
 
     Called from the engine's thread only (it alone touches the model)."""
 
-    def __init__(self, model: MoEModel, max_checkpoints: int = MAX_CHECKPOINTS) -> None:
+    def __init__(self, model: Session, max_checkpoints: int = MAX_CHECKPOINTS) -> None:
         self.model = model
         self.max_checkpoints = check_int(max_checkpoints, "PromptCache: max_checkpoints", 1)
         self.held: list[Held | None] = [None] * model.n_parallel
@@ -133,7 +133,7 @@ class PromptCache:
         self.model.reset(seq)
 
     def moved(self, src: int, dst: int) -> None:
-        """The sequence of slot ``src`` moved to slot ``dst`` (:meth:`MoEModel.move`)."""
+        """The sequence of slot ``src`` moved to slot ``dst`` (:meth:`Session.move`)."""
         self.held[dst], self.held[src] = self.held[src], None
 
     def report(self, seq: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ Each run is a fresh process in a cgroup v1 memory group (``/sys/fs/cgroup/memory
   memory at load: the whole model would be copied into RAM, which the cgroup kills);
 - ``mapped``: ggml-hybrid, disk experts behind --slots expert cache slots per layer on the CPU playing the
   device, loads copied from the mapping (the page cache) as before the host tier;
-- ``tier``: the same with ``host_cache_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT), loads
+- ``tier``: the same with ``host_tier_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT), loads
   copied from the tier into the slots (repacked Q4_K slots where the CPU repacks, as resident experts are);
 - ``tier-cpu``: the CPU-only tier: every expert computed straight from the tier's frames, no slot and no copy,
   the file's experts unmapped; ``repack=0``, since the frames are plain memory (Q4_K is repacked otherwise);
@@ -160,7 +160,7 @@ def run_side(side: str, ns: dict) -> dict:
     else:
         items = ["n_threads=1", "n_ctx=256", "disk_experts=1", f"expert_cache_slots={ns['slots']}"]
         if spec["kind"].startswith("tier"):
-            items.append(f"host_cache_bytes={spec['tier']}")
+            items.append(f"host_tier_bytes={spec['tier']}")
         if spec["kind"] == "tier-cpu":
             items.append("repack=0")
         if spec["kind"] == "tier-share":
@@ -199,7 +199,7 @@ def run_side(side: str, ns: dict) -> dict:
 @click.option("--llama-python", default="/opt/llref/bin/python", show_default=True)
 @click.option("--limit", default="700M", show_default=True, help="The cgroup's memory limit.")
 @click.option("--slots", default=8, show_default=True)
-@click.option("--tier", default="192M", show_default=True, help="host_cache_bytes of the tier side.")
+@click.option("--tier", default="192M", show_default=True, help="host_tier_bytes of the tier side.")
 @click.option("--rounds", default=2, show_default=True)
 @click.option("--prompt", default=8, show_default=True)
 @click.option("--n", default=9, show_default=True, help="Greedy tokens (the first from the prompt's logits).")
@@ -208,7 +208,7 @@ def run_side(side: str, ns: dict) -> dict:
                    "+ahead, +trace.")
 @click.option("--share", default=0.5, show_default=True, help="moe_cpu_share of the tier-share side.")
 @click.option("--tier-cpu", "tier_cpu", default=None,
-              help="host_cache_bytes of the tier-cpu side (default: --tier); it has no slots, so giving it the slots' "
+              help="host_tier_bytes of the tier-cpu side (default: --tier); it has no slots, so giving it the slots' "
                    "memory too compares equal footprints.")
 @click.option("--trace", "trace", type=click.Path(exists=True, dir_okay=False),
               help="The routing trace of +trace sides (moe_route_trace), e.g. ../shared/traces/*.ghtrace.")

@@ -1,4 +1,5 @@
-// Declared in src/sched_hooks.h, defined in src/sched_hooks.c (compiled into the module with GGML).
+// Declared in src/buildinfo.h, cpu_backend.h, backend_loader.h, graph_access.h and sched_step.h, defined in the .c file
+// of each name (compiled into the module with GGML).
 #define HY_SCHED_MAX_BACKENDS ...
 #define HY_MAX_INSTANCES ...
 
