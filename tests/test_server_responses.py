@@ -144,8 +144,7 @@ def test_the_streamed_events_are_openais_and_add_up_to_the_answer(server, client
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
     end = "response.incomplete" if events[-1]["response"]["status"] == "incomplete" else "response.completed"
-    n_delta = kinds.count("response.output_text.delta")
-    assert n_delta >= 1
+    n_delta = kinds.count("response.output_text.delta")  # (0 when the model ends at once: the same items, empty)
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.content_part.added", *["response.output_text.delta"] * n_delta,
                      "response.output_text.done", "response.content_part.done", "response.output_item.done", end]
@@ -458,8 +457,8 @@ def test_bad_requests_leave_the_other_clients_alone(server, client):
             started.set()
             assert bad_done.wait(300)
             last = first
-            for last in events:
-                pass
+            for e in events:
+                last = e
             got["text"] = last.response.output_text
         finally:
             started.set()
@@ -478,8 +477,11 @@ def test_bad_requests_leave_the_other_clients_alone(server, client):
 
 
 def test_a_stream_cut_by_the_server_ends_with_error_and_response_failed(files):
-    with Server([files["slow"], "-np", "1", "-c", "512", "-t", "1", "-a", "m", "--drain-timeout", "0"]) as s:
-        body = {"model": "m", "input": "Go on", "max_output_tokens": 400, "temperature": 0, "stream": True}
+    with Server([files["slow"], "-np", "1", "-c", "4096", "-t", "1", "-a", "m", "--drain-timeout", "0"]) as s:
+        # a string the grammar keeps open for 3,000 tokens: the generation cannot end before the drain cuts it
+        long = {"type": "json_schema", "name": "long", "schema": {"type": "string", "minLength": 20000}}
+        body = {"model": "m", "input": "Go on", "max_output_tokens": 3000, "temperature": 0, "stream": True,
+                "text": {"format": long}}
         req = urllib.request.Request(s.url + "/v1/responses", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         events = []
