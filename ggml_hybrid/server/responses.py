@@ -361,27 +361,25 @@ class Answer:
     """One response of ``turn``: its id, creation time and the ids of its output items, so that the events of a
     stream and the object they end with (and a ``GET`` of it) agree."""
 
-    def __init__(self, turn: Turn, model: str, store: ResponseStore, fingerprint: str | None = None) -> None:
+    def __init__(self, turn: Turn, model: str, store: ResponseStore) -> None:
         self.turn, self.model, self.store = turn, model, store
         self.id, self.created = new_id("resp"), now()
         self.message_id = new_id("msg")
-        self.fingerprint = fingerprint
 
     def obj(self, status: str, output: list[dict[str, Any]], use: dict[str, Any] | None,
             error: dict[str, Any] | None = None) -> dict[str, Any]:
         """The response object."""
-        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-               "completed_at": now() if status in ("completed", "incomplete") else None, "error": error,
-               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-               "model": self.model, "output": output, "usage": use, **self.turn.echo}
-        return out
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "completed_at": now() if status in ("completed", "incomplete") else None, "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "model": self.model, "output": output, "usage": use, **self.turn.echo}
 
     def output(self, text: str, calls: list[Call], finish: str | None) -> tuple[str, list[dict[str, Any]]]:
         """The status and output items of a generation that ended with ``finish``: the text as a message (left out
         when there are calls and no text), then the calls."""
         status = "incomplete" if finish == "length" and not calls else "completed"
         items = [message_item(self.message_id, text, status)] if text or not calls else []
-        items += [call_item(f"fc_{c.id[5:]}" if c.id.startswith("call_") else new_id("fc"), c.id, c) for c in calls]
+        items += [call_item(new_id("fc"), c.id, c) for c in calls]
         return status, items
 
     def finish(self, text: str, calls: list[Call], finish: str | None, use: dict[str, Any]) -> dict[str, Any]:

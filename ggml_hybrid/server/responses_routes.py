@@ -64,7 +64,7 @@ class ResponsesRoutes:
             _check_length(sm, turn)
             prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.routes.text_limiter)
             grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.routes.text_limiter)
-            shape = ResponsesShape(Answer(turn, g.model, self.store, sm.fingerprint))
+            shape = ResponsesShape(Answer(turn, g.model, self.store))
             return await self.routes.generate(request, sm, g, [prompt], "chat", grammar, shape)
         except APIError as e:
             raise renamed(e) from None
