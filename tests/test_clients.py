@@ -268,7 +268,9 @@ def test_litellm_completion_and_responses(url, monkeypatch):
     assert text == chat.choices[0].message.content
     tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}
-    called = litellm.responses(input="Weather?", tools=[tool], tool_choice="required", max_output_tokens=MAX, **kw)
+    called = litellm.responses(input="Weather?", tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                               max_output_tokens=MAX, **kw)
+    assert called.parallel_tool_calls is False  # passed on: one call
     (call,) = [i for i in called.output if i.type == "function_call"]
     assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
     streamed = litellm.responses(input="Hi", max_output_tokens=16, temperature=1.0, extra_body={"seed": 5},

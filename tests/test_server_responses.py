@@ -435,9 +435,14 @@ BAD = [
 def test_bad_requests_are_openais_errors_naming_the_field(server, extra, status, param):
     got, doc = post(server.url + "/v1/responses", json.dumps({"model": "chatml", **extra}))
     assert got == status, doc
-    assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}, doc
+    assert set(doc) == {"error"} and {"message", "type", "param", "code"} <= set(doc["error"]), doc
     assert doc["error"]["param"] == param, doc
-    assert doc["error"]["type"] == "invalid_request_error"
+    if extra.get("instructions") == MIB_INSTRUCTIONS:  # a prompt that cannot fit: llama-server's type, with n_ctx
+        assert doc["error"]["type"] == "exceed_context_size_error" and doc["error"]["n_ctx"] == N_CTX, doc
+        assert doc["error"]["code"] == "context_length_exceeded"
+    else:
+        assert set(doc["error"]) == {"message", "type", "param", "code"} and doc["error"]["type"] == \
+            "invalid_request_error", doc
     assert param.split("[")[0].split(".")[0] in doc["error"]["message"] or got == 404, doc
 
 

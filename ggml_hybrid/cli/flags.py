@@ -9,6 +9,7 @@ llama.cpp has but that would do nothing here is refused with the reason, never i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -20,7 +21,10 @@ import click
 
 from ..errors import OptionError
 from ..options import MAX_DEVICES, SessionOptions
+from ..runtime.sampling import LLAMA_DEFAULTS
 from ..server.config import load_config, pick
+
+SEED_MAX = 2**32 - 1
 
 # -- the model: a positional argument or -m/--model, as llama.cpp users type it ------------------
 
@@ -293,9 +297,21 @@ def session_items(values: dict[str, Any]) -> tuple[str | None, list[str]]:
 
 def session_from_flags(model: str, values: dict[str, Any]) -> Session:
     """(model path, role, options) from the model argument and the shared flags (popped from ``values``)."""
+    flags = {k: values.get(k) for k in ("batch_size", "ubatch_size")}
     config, items = session_items(values)
     path, role, base = resolve_model(model, config)
-    return Session(path, role, SessionOptions.parse(items, role=role, base=base))
+    return Session(path, role, clamp_ubatch(SessionOptions.parse(items, role=role, base=base), flags))
+
+
+def clamp_ubatch(opts: SessionOptions, flags: dict[str, Any]) -> SessionOptions:
+    """``-ub`` above ``-b`` is clamped to ``-b`` with a warning, as llama.cpp does (a physical batch cannot be larger
+    than the logical one); ``flags``: the flags' values (by dest). Set through ``-o``/a config file, the same is an
+    error naming both options (the options are taken as written)."""
+    if opts.ubatch_size <= opts.batch_size or (flags.get("ubatch_size") is None and flags.get("batch_size") is None):
+        return opts
+    click.echo(f"warning: -ub {opts.ubatch_size} is larger than -b {opts.batch_size}: using -ub {opts.batch_size} "
+               "(as llama.cpp)", err=True)
+    return dataclasses.replace(opts, ubatch_size=opts.batch_size)
 
 
 def flags_for(items: list[str]) -> list[str]:
@@ -361,6 +377,42 @@ def _dedupe(items: list[str]) -> list[str]:
     """An implied item repeated by two flags (disk_experts=true) is one item."""
     seen: set[str] = set()
     return [x for x in items if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]
+
+
+# -- sampling -------------------------------------------------------------------------------------------
+
+# (declarations, the sampler's name, click type, help) of llama.cpp's sampling flags
+_SAMPLING: tuple[tuple[tuple[str, ...], str, Any, str], ...] = (
+    (("--temp", "--temperature", "temp"), "temperature", click.FloatRange(0), "Temperature; 0 = greedy"),
+    (("--top-k", "top_k"), "top_k", click.IntRange(0), "Top-k (0 = off)"),
+    (("--top-p", "top_p"), "top_p", click.FloatRange(0, 1, min_open=True), "Top-p (1 = off)"),
+    (("--min-p", "min_p"), "min_p", click.FloatRange(0, 1), "Min-p (0 = off)"),
+    (("--repeat-penalty", "repeat_penalty"), "repeat_penalty", click.FloatRange(0, min_open=True),
+     "Penalize the last --repeat-last-n tokens (1 = off)"),
+    (("--repeat-last-n", "repeat_last_n"), "repeat_last_n", click.IntRange(0),
+     "Tokens the penalties look back over (0 = penalties off)"),
+    (("--presence-penalty", "presence_penalty"), "presence_penalty", float, "Presence penalty (0 = off)"),
+    (("--frequency-penalty", "frequency_penalty"), "frequency_penalty", float, "Frequency penalty (0 = off)"),
+)
+SAMPLING_DESTS = tuple(d[-1] for d, _, _, _ in _SAMPLING)
+
+
+def sampling_flags(defaults: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """llama.cpp's sampling flags, ``-s/--seed`` and ``-n/--predict``, defined once: ``run`` takes them with
+    llama.cpp's defaults (``defaults``); ``serve`` without (a flag not given leaves each request's own default)."""
+    where = "" if defaults else " for requests that give none (default: each request's own, llama-server's)"
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for decls, name, kind, text in reversed(_SAMPLING):
+            fn = click.option(*decls, type=kind, default=LLAMA_DEFAULTS[name] if defaults else None,
+                              show_default=defaults, help=text + where + ".")(fn)
+        fn = click.option("-s", "--seed", type=click.IntRange(-1, SEED_MAX), help=(
+            "Sampling seed (default -1 = random); with --temp > 0" + where + "."))(fn)
+        return click.option("-n", "--predict", "--n-predict", "n_predict", default=-1 if defaults else None,
+                            show_default=defaults, type=click.IntRange(-1), help=(
+                                "Tokens to generate; -1 = until end of generation or a full context (as llama.cpp)"
+                                + where + "."))(fn)
+    return deco
 
 
 # -- argument checks click does not make -----------------------------------------------------------

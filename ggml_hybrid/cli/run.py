@@ -11,20 +11,19 @@ from typing import Any
 import click
 import numpy as np
 
-from ..runtime.sampling import LLAMA_DEFAULTS
 from .flags import (
     check_model_args,
     explicit,
     model_argument,
     pick_model,
     progress_bar,
+    sampling_flags,
     session_flags,
     session_from_flags,
     warn_busy_threads,
 )
 from .main import EXIT_INTERRUPTED, ignore_interrupts, main
 
-_SEED_MAX = 2**32 - 1
 _ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
 
 
@@ -82,27 +81,8 @@ def read_prompt_file(path: str) -> str:
 @click.option("--tokens", help="Prompt as comma-separated token ids (instead of -p or -f).")
 @click.option("-e", "--escape/--no-escape", "escape", default=True,
               help="Process escapes (\\n, \\t, \\xHH, ...) in the prompt, as llama.cpp does (default: on).")
-@click.option("-n", "--predict", "--n-predict", "n_predict", default=-1, show_default=True, type=click.IntRange(-1),
-              help="Tokens to generate; -1 = until end of generation or a full context (as llama.cpp).")
 @session_flags
-@click.option("-s", "--seed", type=click.IntRange(-1, _SEED_MAX), help="Sampling seed (default -1 = random); with "
-              "--temp > 0.")
-@click.option("--temp", "--temperature", "temp", default=LLAMA_DEFAULTS["temperature"], show_default=True,
-              type=click.FloatRange(0), help="Temperature; 0 = greedy (the default is llama.cpp's and serve's).")
-@click.option("--top-k", default=LLAMA_DEFAULTS["top_k"], show_default=True, type=click.IntRange(0),
-              help="Top-k (0 = off).")
-@click.option("--top-p", default=LLAMA_DEFAULTS["top_p"], show_default=True,
-              type=click.FloatRange(0, 1, min_open=True), help="Top-p (1 = off).")
-@click.option("--min-p", default=LLAMA_DEFAULTS["min_p"], show_default=True, type=click.FloatRange(0, 1),
-              help="Min-p (0 = off).")
-@click.option("--repeat-penalty", default=LLAMA_DEFAULTS["repeat_penalty"], show_default=True,
-              type=click.FloatRange(0, min_open=True), help="Penalize the last --repeat-last-n tokens (1 = off).")
-@click.option("--repeat-last-n", default=LLAMA_DEFAULTS["repeat_last_n"], show_default=True, type=click.IntRange(0),
-              help="Tokens the penalties look back over (0 = penalties off).")
-@click.option("--presence-penalty", default=LLAMA_DEFAULTS["presence_penalty"], show_default=True, type=float,
-              help="Presence penalty (0 = off).")
-@click.option("--frequency-penalty", default=LLAMA_DEFAULTS["frequency_penalty"], show_default=True, type=float,
-              help="Frequency penalty (0 = off).")
+@sampling_flags(defaults=True)
 @click.option("--ignore-eos", is_flag=True, help="Generate past end-of-generation tokens.")
 @click.option("-cnv", "--conversation", "conversation", is_flag=True,
               help="Chat in the terminal with the model's chat template (-p/-f: the first message; -n: per reply).")

@@ -6,6 +6,12 @@ every model). The server listens at once and loads the models in the background 
 then 200). SIGTERM stops accepting, lets in-flight requests finish for ``--drain-timeout`` seconds,
 cancels what is left and exits 0. It binds to 127.0.0.1 unless told otherwise. With ``--api-key`` (or
 ``--api-key-file``) every endpoint but ``/health`` needs one of the keys.
+
+llama-server's server-wide flags: the sampling flags, ``--seed`` and ``-n`` set what a request that leaves the field
+out gets; ``--chat-template`` (``chatml`` or Jinja text) and ``--chat-template-file`` replace the model's template,
+``--no-jinja`` goes with ``--chat-template chatml`` (and refuses tools, as llama-server); ``--cors-origins`` lets
+browser pages call the API; ``--metrics`` is accepted (``/metrics`` is always served), ``--no-slots`` turns
+``/slots`` off; ``-ub`` above ``-b`` is clamped with a warning.
 """
 
 from __future__ import annotations
@@ -15,15 +21,30 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..errors import ConfigError, MissingDependencyError
 from ..options import SessionOptions
 from ..server.config import ModelEntry, load_config
-from .flags import model_argument, pick_model, session_flags, session_items
+from .flags import (
+    SAMPLING_DESTS,
+    clamp_ubatch,
+    model_argument,
+    pick_model,
+    sampling_flags,
+    session_flags,
+    session_items,
+)
 from .main import main
+
+if TYPE_CHECKING:
+    from ..server.protocol import Defaults
+    from ..server.settings import ServerSettings
+
+CHATML = "chatml"  # the one built-in template name (llama.cpp's fallback too)
+MAX_TEMPLATE_BYTES = 1 << 20
 
 
 @main.command()
@@ -42,12 +63,30 @@ from .main import main
               help="A file of API keys, one a line ('#' starts a comment line).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
+@click.option("--cors-origins", metavar="ORIGINS", help=(
+    "Web pages whose scripts may call the API from a browser: comma-separated origins (http://host:port), '*' (any, "
+    "llama-server's default) or 'localhost' (pages from this machine). Default: none."))
+@click.option("--chat-template", "chat_template", metavar="chatml|JINJA", help=(
+    "The chat template instead of the model's: 'chatml' (the one built in) or a Jinja template's text."))
+@click.option("--chat-template-file", type=click.Path(dir_okay=False), help="The chat template from a Jinja file.")
+@click.option("--jinja/--no-jinja", "jinja", default=True, help=(
+    "--no-jinja: do not run the model's Jinja template; needs --chat-template chatml, and requests with tools are "
+    "refused (as llama-server's)."))
+@click.option("--metrics", is_flag=True, help="Accepted: GET /metrics is always served (llama-server needs this flag).")
+@click.option("--slots/--no-slots", "slots", default=True, help="Serve GET /slots (default: on).")
+@sampling_flags(defaults=False)
 @session_flags
 def serve(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, host: str, port: int,
           aliases: tuple[str, ...], drain_timeout: float, api_keys: tuple[str, ...], api_key_file: str | None,
-          log_level: str, **flags: Any) -> None:
+          log_level: str, cors_origins: str | None, chat_template: str | None, chat_template_file: str | None,
+          jinja: bool, metrics: bool, slots: bool, **flags: Any) -> None:
     """Serve MODEL (a GGUF file), or every model of --config, over OpenAI's HTTP API."""
+    from ..server.settings import ServerSettings, parse_origins
+
     keys = _api_keys(api_keys, api_key_file)
+    settings = ServerSettings(_defaults(flags), parse_origins(cors_origins), slots)
+    template = _chat_template(chat_template, chat_template_file, jinja)
+    batch = {k: flags.get(k) for k in ("batch_size", "ubatch_size")}
     config, items = session_items(flags)
     if config is not None:
         if model is not None or model_flag is not None or hf_repo is not None:
@@ -55,23 +94,75 @@ def serve(model: str | None, model_flag: str | None, hf_repo: str | None, hf_fil
                                    "the file)")
         if aliases:
             raise click.UsageError("--alias names the model of MODEL; with --config, give 'aliases' in the file")
+        if template is not None or not jinja:
+            raise click.UsageError("--chat-template, --chat-template-file and --no-jinja apply to the model of MODEL, "
+                                   "not to every model of --config")
         entries = []
         for e in load_config(config).values():
             try:
                 opts = SessionOptions.parse(items, role=e.role, base=e.options)
             except ValueError as exc:
                 raise ConfigError(f"{config}: [models.{e.name}]: {exc}") from None
-            entries.append(ModelEntry(e.name, e.path, e.role, opts, e.aliases))
+            entries.append(ModelEntry(e.name, e.path, e.role, clamp_ubatch(opts, batch), e.aliases))
     elif model is None and model_flag is None and hf_repo is None:
         raise click.UsageError("give MODEL (a GGUF file), -hf REPO[:QUANT] or --config FILE")
     else:
-        opts = SessionOptions.parse(items)
+        opts = clamp_ubatch(SessionOptions.parse(items), batch)
         model = pick_model(model, model_flag, hf_repo, hf_file)
         name = os.path.splitext(os.path.basename(model))[0]
-        entries = [ModelEntry(name, model, None, opts, tuple(a for a in aliases if a != name))]
+        entries = [ModelEntry(name, model, None, opts, tuple(a for a in aliases if a != name), template, jinja)]
     for e in entries:
         _precheck(e)
-    _run_server(entries, host, port, drain_timeout, log_level, keys)
+    _run_server(entries, host, port, drain_timeout, log_level, keys, settings)
+
+
+def _defaults(flags: dict[str, Any]) -> Defaults:
+    """The request defaults the sampling flags, ``--seed`` and ``-n`` set (popped from ``flags``)."""
+    from ..errors import GgmlHybridError
+    from ..runtime.sampling import Sampler
+    from ..server.protocol import DEFAULTS, Defaults
+
+    given = {dest: flags.pop(dest) for dest in SAMPLING_DESTS}
+    sampling: dict[str, Any] = dict(DEFAULTS)
+    sampling.update({("temperature" if k == "temp" else k): v for k, v in given.items() if v is not None})
+    try:
+        Sampler(**sampling)
+    except GgmlHybridError as exc:
+        raise click.UsageError(f"the sampling flags: {exc}") from None
+    seed, n = flags.pop("seed"), flags.pop("n_predict")
+    if n == 0:
+        raise click.UsageError("-n 0 (generate nothing) is not a default a server can use: give -1 (until the end) or "
+                               "a number >= 1")
+    return Defaults(sampling, None if seed is None or seed < 0 else seed, n)
+
+
+def _chat_template(name: str | None, path: str | None, jinja: bool) -> str | None:
+    """The template ``--chat-template``/``--chat-template-file`` give (None: the model's), as Jinja source."""
+    from ..server.config import read_bounded
+    from ..text.chat import DEFAULT_TEMPLATE
+
+    if name is not None and path is not None:
+        raise click.UsageError("give --chat-template or --chat-template-file, not both")
+    source: str | None = None
+    if path is not None:
+        try:
+            source = read_bounded(path, "chat template file", MAX_TEMPLATE_BYTES).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"chat template file {path!r} is not UTF-8 text") from None
+    elif name is not None:
+        if name.strip().lower() == CHATML:
+            source = DEFAULT_TEMPLATE
+        elif "{{" in name or "{%" in name:
+            source = name
+        else:
+            raise click.UsageError(f"--chat-template {name!r}: give 'chatml' (the one template built in here; "
+                                   "llama.cpp's other built-in names are not) or a Jinja template's text "
+                                   "(--chat-template-file FILE reads one from a file)")
+    if not jinja and source != DEFAULT_TEMPLATE:
+        raise click.UsageError("--no-jinja needs --chat-template chatml: llama.cpp then formats chats with a built-in "
+                               "C++ template it recognises in the model's; ggml-hybrid has only ChatML built in (leave "
+                               "--no-jinja out to use the model's template, rendered in a sandbox)")
+    return source
 
 
 def _api_keys(given: tuple[str, ...], path: str | None) -> list[str]:
@@ -84,11 +175,19 @@ def _api_keys(given: tuple[str, ...], path: str | None) -> list[str]:
 
 
 def _precheck(e: ModelEntry) -> None:
-    """What can be known without loading: the file is a GGUF model we run, and the options suit it."""
-    from ..errors import GgmlHybridError
+    """What can be known without loading: the file is a GGUF model we run, the options suit it, a chat template
+    given on the command line compiles."""
+    from ..errors import ChatTemplateError, GgmlHybridError
     from ..gguf.store import GGUFStore
     from ..model.families import read_hparams
     from ..runtime.moe_model import check_options
+    from ..text.chat import ChatTemplate
+
+    if e.chat_template is not None:
+        try:
+            ChatTemplate(e.chat_template)
+        except ChatTemplateError as exc:
+            raise ConfigError(f"--chat-template: {' '.join(str(exc).split())}") from None
 
     try:
         store = GGUFStore(e.path)
@@ -101,7 +200,7 @@ def _precheck(e: ModelEntry) -> None:
 
 
 def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: float, log_level: str,
-                api_keys: list[str]) -> None:
+                api_keys: list[str], settings: ServerSettings | None = None) -> None:
     try:
         import uvicorn
 
@@ -156,7 +255,7 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
                    "authentication: anyone who can reach this port can use the models (give --api-key or "
                    "--api-key-file)",
                    err=True)
-    app = create_app(models, drain_timeout, lifespan=lifespan, api_keys=api_keys)
+    app = create_app(models, drain_timeout, lifespan=lifespan, api_keys=api_keys, settings=settings)
     logs.install()
     max_connections = guard.connection_limit(guard.raise_fd_limit())
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",

@@ -19,7 +19,7 @@ A :class:`Request` is filled from the engine thread: text pieces as they become 
 that may be the start of a stop string is held back until it is not), then the finish reason. A request
 with a ``constraint`` (a grammar's state, :mod:`.grammar`) has its logits masked by it before its sampler
 draws, and ends ("stop") when the grammar takes nothing more.
-``listener`` (if given) is called, from the engine thread, after each change.
+``listener`` (if given) is called, from the engine thread, after each change (and after each prompt step).
 """
 
 from __future__ import annotations
@@ -196,6 +196,11 @@ class Request:
     @property
     def completion_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def prompt_done(self) -> int:
+        """The prompt positions the slot holds so far: those reused, then those evaluated by prompt steps."""
+        return self._n_prompt_done
 
     # -- the engine's side ----------------------------------------------------
 
@@ -435,6 +440,8 @@ class Engine:
             self.stats.prompt_tokens += len(r.prompt)
             r.state = DECODE
             self._next(r, logits[-1])
+        else:
+            r._notify()  # a stream may report the prompt's progress (llama-server's return_progress)
 
     def _decode_step(self, rs: list[Request]) -> None:
         t0 = time.perf_counter_ns()

@@ -1,10 +1,13 @@
 """API keys: every endpoint but ``/health`` answers only requests that carry one (``serve --api-key``).
 
 A request gives its key as OpenAI's clients send it, ``Authorization: Bearer KEY`` (or ``X-Api-Key: KEY``,
-as llama.cpp's server also takes). Each given key is compared with every configured one in constant time
-(:func:`hmac.compare_digest`, no early exit: the time taken tells nothing of how much of a key matched,
-nor which). Without a valid key the answer is a 401 in OpenAI's error shape (``invalid_api_key``), sent
-before the body is read.
+as Anthropic's clients and llama.cpp's server do). Each given key is compared with every configured one in
+constant time (:func:`hmac.compare_digest`, no early exit: the time taken tells nothing of how much of a key
+matched, nor which). Without a valid key the answer is a 401, sent before the body is read: in OpenAI's error
+shape (type ``authentication_error``, as llama-server's, and code ``invalid_api_key``), or Anthropic's
+(``authentication_error``) on Anthropic's paths and to Anthropic's clients. A browser's CORS preflight
+(``OPTIONS``) carries no key by design: it passes (the CORS middleware, or a 405, answers it; it reaches no
+endpoint).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import ConfigError
+from . import anthropic
 from .config import read_bounded
 from .protocol import APIError
 
@@ -80,7 +84,7 @@ class APIKeyMiddleware:
         self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
+        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = _given_key(scope)
@@ -89,7 +93,10 @@ class APIKeyMiddleware:
             return
         msg = ("You didn't provide an API key: give it as 'Authorization: Bearer KEY'." if given is None else
                "Incorrect API key provided.")
-        body = json.dumps(APIError(401, msg, code="invalid_api_key").body()).encode()
+        e = APIError(401, msg, code="invalid_api_key", kind="authentication_error")
+        path = str(scope.get("path", ""))
+        body = json.dumps(anthropic.error_body(e) if anthropic.owns(path, scope.get("headers", [])) else
+                          e.body()).encode()
         self.count("unauthorized", 401)
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -39,6 +39,8 @@ class ModelEntry:
     role: str | None
     options: SessionOptions
     aliases: tuple[str, ...] = ()
+    chat_template: str | None = None  # Jinja source used instead of the file's (serve --chat-template)
+    jinja: bool = True  # False (serve --no-jinja): the file's template is not run, and tools are refused
 
 
 def read_bounded(path: str, what: str = "config file", limit: int = MAX_CONFIG_BYTES) -> bytes:

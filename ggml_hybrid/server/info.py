@@ -3,14 +3,14 @@
 - ``POST /tokenize`` ``{"content": str, "add_special": bool, "with_pieces": bool}`` -> ``{"tokens": [...]}``
   (with pieces: ``[{"id", "piece"}]``); ``POST /detokenize`` ``{"tokens": [...]}`` -> ``{"content": str}``.
 - ``GET /props``: the model, its context, slots, chat template, session options, sampling defaults.
-- ``GET /slots``: what each slot holds (its state, the positions its cells hold, the prompt tokens a next
-  request may reuse).
+- ``GET /slots``: what each slot holds (its state and llama-server's ``is_processing``, the positions its cells
+  hold, the prompt tokens a next request may reuse); with ``serve --no-slots``, a 501 as llama-server's.
 - ``POST /v1/embeddings``: a clear 400. Every family served is a generative model whose file declares no
   pooling (``{arch}.pooling_type`` absent or none), so no pooled embedding means anything for it; llama.cpp
   likewise refuses pooling ``none`` on this endpoint.
 
 Each takes the model by name (``"model"`` in the body, ``?model=`` in the query); with one model served
-it may be left out.
+it may be left out, and any name is that model (llama-server's rule, :meth:`.routes.Routes.lookup`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from ..errors import GgmlHybridError
 from .models import ServedModel
-from .protocol import DEFAULTS, APIError, bad
+from .protocol import APIError, bad
 from .routes import Routes
 
 MAX_TOKENIZE_CHARS = 1 << 22  # a text beyond this is refused before it is tokenized (the body limit is 16 MiB)
@@ -115,13 +115,17 @@ class InfoRoutes:
                                                        "batch_size": m.options.batch_size,
                                                        "max_checkpoints": sm.engine.cache.max_checkpoints},
             "session_options": m.options.to_dict(),
-            "default_generation_settings": dict(DEFAULTS),
+            "default_generation_settings": {**self.routes.defaults.sampling, "seed": self.routes.defaults.seed,
+                                            "n_predict": self.routes.defaults.n_predict},
         })
 
     async def slots(self, request: HTTPRequest) -> Response:
+        if not self.routes.settings.slots_endpoint:
+            raise APIError(501, "This server does not support the slots endpoint (it runs with --no-slots).",
+                           kind="not_supported_error")
         sm = self.model(request.query_params.get("model"))
         assert sm.engine is not None
-        return JSONResponse(sm.engine.slots())
+        return JSONResponse([{**s, "is_processing": s["state"] != "idle"} for s in sm.engine.slots()])
 
     async def embeddings(self, request: HTTPRequest) -> Response:
         body = await self.routes.read_body(request)

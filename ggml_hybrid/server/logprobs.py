@@ -56,4 +56,11 @@ class CompletionLogprobs:
         return out
 
 
-__all__ = ["CompletionLogprobs", "chat_logprobs"]
+def llama_probs(entries: list[TokenLogprob], token_bytes: TokenBytes) -> list[dict[str, Any]]:
+    """llama-server's ``completion_probabilities`` (``n_probs``): per token ``{"id", "token", "bytes", "logprob",
+    "top_logprobs": [{"id", "token", "bytes", "logprob"}]}``."""
+    return [{"id": e.token, **_one(token_bytes, e.token, e.logprob),
+             "top_logprobs": [{"id": t, **_one(token_bytes, t, lp)} for t, lp in e.top]} for e in entries]
+
+
+__all__ = ["CompletionLogprobs", "chat_logprobs", "llama_probs"]

@@ -63,6 +63,7 @@ class ServedModel:
 
     def __init__(self, entry: ModelEntry) -> None:
         self.name, self.aliases, self.path, self.options = entry.name, entry.aliases, entry.path, entry.options
+        self.chat_template, self.jinja = entry.chat_template, entry.jinja
         self.created = int(time.time())
         self.model: MoEModel | None = None
         self.engine: Engine | None = None
@@ -89,7 +90,9 @@ class ServedModel:
         try:
             tok = model.tokenizer
             try:
-                self.template = ChatTemplate.from_gguf(model.store, tok.tokens, tok.bos_id, tok.eos_id, pool=pool)
+                # serve --chat-template: that template instead of the file's
+                self.template = ChatTemplate.from_gguf(model.store, tok.tokens, tok.bos_id, tok.eos_id, pool=pool,
+                                                       source=self.chat_template)
             except Exception as exc:  # completions still work; chat answers with this error
                 self.template_error = " ".join(str(exc).split())
             # the longest text a token stands for: a text of more than max_prompt_chars characters cannot fit in

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,10 @@ from ..runtime.sampling import Sampler
 MAX_BODY_BYTES = 16 << 20   # a request body beyond this is refused (413) before it is parsed
 MAX_CHOICES = 16            # prompts x n per request
 MAX_STOP = 4                # stop strings, as OpenAI
+# stop strings where an API sets no count (Anthropic's stop_sequences, llama-server's stop): each is checked against
+# the text's tail after every token, at a cost that grows with its length squared, so both are bounded
+MAX_STOP_CHARS = 256        # characters in one stop string
+MAX_STOP_TOTAL = 4096       # characters in all of them
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none: until the end)
 
 # OpenAI's documented ranges (the sampler is safe beyond them, but a value there is a client's mistake)
@@ -33,22 +38,34 @@ DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "pres
 
 
 class APIError(Exception):
-    """An error response: HTTP ``status`` and OpenAI's error object."""
+    """An error response: HTTP ``status`` and OpenAI's error object; ``extra``: fields added to that object
+    (llama-server's ``n_prompt_tokens`` and ``n_ctx`` of a context overflow)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str | None = None) -> None:
+                 kind: str | None = None, extra: dict[str, Any] | None = None) -> None:
         # it may quote what the client sent: cut, and a lone surrogate (which UTF-8 cannot carry) escaped
         message = shorten(message).encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.extra = dict(extra or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code,
+                          **self.extra}}
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
+
+
+def context_overflow(message: str, param: str, n_ctx: int, n_prompt: int | None = None) -> APIError:
+    """A prompt longer than a sequence's context: OpenAI's ``context_length_exceeded`` code, llama-server's
+    ``exceed_context_size_error`` type with its ``n_ctx`` and (where the prompt was counted) ``n_prompt_tokens``."""
+    extra: dict[str, Any] = {"n_ctx": n_ctx}
+    if n_prompt is not None:
+        extra["n_prompt_tokens"] = n_prompt
+    return APIError(400, message, param, "context_length_exceeded", "exceed_context_size_error", extra)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -60,6 +77,24 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise bad(f"The request body must be a JSON object, got {type(doc).__name__}.")
     return doc
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that leaves a field out gets: the sampling settings, the seed and the tokens to generate.
+
+    ``serve --temp/--top-k/... --seed -n`` set them server-wide, as llama-server's flags do; without them the
+    sampling settings are :data:`DEFAULTS` (llama-server's), the seed random and ``max_tokens`` each route's own
+    (completions: OpenAI's 16; chat: until the end)."""
+
+    sampling: Mapping[str, float | int] = field(default_factory=lambda: dict(DEFAULTS))
+    seed: int | None = None
+    n_predict: int | None = None  # None: each route's own default; -1: until the end; n >= 1: n tokens
+
+    def max_tokens(self, route_default: int | None) -> int | None:
+        if self.n_predict is None:
+            return route_default
+        return None if self.n_predict < 0 else self.n_predict
 
 
 @dataclass
@@ -81,6 +116,7 @@ class Generation:
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat
     structure: Any = None  # server/structured.py's Structure: what the text must be (None: free)
     tools: Any = None      # server/tools.py's ToolRequest (chat): the tools and the choice among them
+    return_progress: bool = False  # llama-server's: streamed prompt-processing progress chunks
 
     def sampler(self, choice: int) -> Sampler:
         """The sampler of choice ``choice`` (seeded choices draw from seed + choice)."""
@@ -170,10 +206,30 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def _common(body: dict[str, Any], max_tokens_default: int | None, supported: tuple[str, ...] = ()) -> Generation:
+def read_stops(v: Any, param: str) -> tuple[str, ...]:
+    """Stop strings of an API that sets no count on them (Anthropic's ``stop_sequences``, llama-server's ``stop``):
+    an array of strings, each of at most :data:`MAX_STOP_CHARS` characters, :data:`MAX_STOP_TOTAL` in all."""
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad(f"'{param}' must be an array of strings.", param)
+    for i, s in enumerate(v):
+        if len(s) > MAX_STOP_CHARS:
+            raise bad(f"'{param}[{i}]' has {len(s)} characters; a stop sequence has at most {MAX_STOP_CHARS}.",
+                      f"{param}[{i}]")
+    total = sum(len(s) for s in v)
+    if total > MAX_STOP_TOTAL:
+        raise bad(f"'{param}' has {total} characters in all; at most {MAX_STOP_TOTAL} are taken.", param)
+    return tuple(s for s in v if s)
+
+
+def _common(body: dict[str, Any], max_tokens_default: int | None, supported: tuple[str, ...] = (),
+            defaults: Defaults | None = None) -> Generation:
+    d = defaults if defaults is not None else Defaults()
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("'model' is required: the name of a model from GET /v1/models.", "model")
+    if model is not None and not isinstance(model, str):
+        raise bad(f"'model' must be the name of a model from GET /v1/models, got {_json_type(model)}.", "model")
+    model = model or ""  # left out: the server's one model (Routes.lookup; with several it is required)
     _unsupported(body, supported)
     stream = _get(body, "stream", (bool,), "a boolean", False)
     opts = _get(body, "stream_options", (dict,), "an object", {})
@@ -182,11 +238,11 @@ def _common(body: dict[str, Any], max_tokens_default: int | None, supported: tup
     mct = _int(body, "max_completion_tokens", 1)
     if max_tokens is not None and mct is not None and max_tokens != mct:
         raise bad("give one of 'max_tokens' and 'max_completion_tokens' (they differ).", "max_completion_tokens")
-    max_tokens = max_tokens if max_tokens is not None else mct if mct is not None else max_tokens_default
+    max_tokens = max_tokens if max_tokens is not None else mct if mct is not None else d.max_tokens(max_tokens_default)
     n = _int(body, "n", 1, MAX_CHOICES, 1)
     assert n is not None
     sampling: dict[str, Any] = {}
-    for name, default in DEFAULTS.items():
+    for name, default in d.sampling.items():
         v: float | int | None
         if name in ("top_k", "repeat_last_n"):
             v = _int(body, name, -1 if name == "repeat_last_n" else 0)
@@ -200,7 +256,9 @@ def _common(body: dict[str, Any], max_tokens_default: int | None, supported: tup
         if not lo <= v <= hi:
             raise bad(f"'{name}' must be a number in {lo:g}..{hi:g}, got {v!r}.", name)
     seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
-    if seed is not None and seed < 0:
+    if seed is None:
+        seed = d.seed
+    elif seed < 0:
         seed = None  # llama.cpp: -1 (any negative) = a random seed
     try:
         Sampler(**sampling)
@@ -209,8 +267,16 @@ def _common(body: dict[str, Any], max_tokens_default: int | None, supported: tup
         raise bad(str(exc).replace("Sampler: ", ""), param) from None
     ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean", False)
     cache_prompt = _get(body, "cache_prompt", (bool,), "a boolean", True)
+    progress = bool(stream) and _get(body, "return_progress", (bool,), "a boolean", False)
     return Generation(model, bool(stream), max_tokens, _stop(body), n, sampling, seed, bool(ignore_eos),
-                      include_usage, cache_prompt=bool(cache_prompt))
+                      include_usage, cache_prompt=bool(cache_prompt), return_progress=bool(progress))
+
+
+def read_generation(body: dict[str, Any], max_tokens_default: int | None, supported: tuple[str, ...] = (),
+                    defaults: Defaults | None = None) -> Generation:
+    """The fields every generation route shares (model, sampling, limits, stop strings, stream), checked; another
+    API's route (llama-server's ``/completion``) reads its own fields around them."""
+    return _common(body, max_tokens_default, supported, defaults)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -233,9 +299,9 @@ def _completion_logprobs(body: dict[str, Any]) -> int | None:
     return _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
 
 
-def completion_request(body: dict[str, Any]) -> Generation:
+def completion_request(body: dict[str, Any], defaults: Defaults | None = None) -> Generation:
     """``POST /v1/completions``: ``prompt`` is a string, an array of strings, token ids, or arrays of them."""
-    g = _common(body, COMPLETION_MAX_TOKENS, ("response_format",))
+    g = _common(body, COMPLETION_MAX_TOKENS, ("response_format",), defaults)
     g.logprobs = _completion_logprobs(body)
     p = body.get("prompt")
     rule = "'prompt' must be a string, an array of strings, an array of token ids, or an array of those arrays."
@@ -257,9 +323,9 @@ def completion_request(body: dict[str, Any]) -> Generation:
     return g
 
 
-def chat_request(body: dict[str, Any]) -> Generation:
+def chat_request(body: dict[str, Any], defaults: Defaults | None = None) -> Generation:
     """``POST /v1/chat/completions``: ``messages`` as OpenAI's (text content only)."""
-    g = _common(body, None, ("response_format", "tools", "tool_choice"))
+    g = _common(body, None, ("response_format", "tools", "tool_choice"), defaults)
     g.logprobs = _chat_logprobs(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -295,11 +361,22 @@ def timings(r: Request) -> dict[str, float]:
     end = r.finished_at if r.finished_at is not None else first
     prompt_ms, predicted_ms = (first - start) * 1e3, (end - first) * 1e3
     n = r.completion_tokens
-    return {"prompt_n": r.prompt_tokens - r.n_reused, "cache_n": r.n_reused, "prompt_ms": prompt_ms,
-            "prompt_per_second": (r.prompt_tokens - r.n_reused) / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+    evaluated = r.prompt_tokens - r.n_reused
+    return {"prompt_n": evaluated, "cache_n": r.n_reused, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / evaluated if evaluated > 0 else 0.0,
+            "prompt_per_second": evaluated / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
             "predicted_n": n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / (n - 1) if n > 1 else 0.0,
             "predicted_per_second": (n - 1) / predicted_ms * 1e3 if n > 1 and predicted_ms > 0 else 0.0,
             "queued_ms": (start - r.queued_at) * 1e3}
+
+
+def prompt_progress(r: Request) -> dict[str, float]:
+    """llama-server's ``prompt_progress`` of a request: the prompt's tokens, those reused, those done so far
+    (reused ones included) and the milliseconds since it took a slot."""
+    start = r.started_at if r.started_at is not None else r.queued_at
+    return {"total": r.prompt_tokens, "cache": r.n_reused, "processed": r.prompt_done,
+            "time_ms": (time.perf_counter() - start) * 1e3}
 
 
 def choice(kind: str, index: int, text: str, finish: str | None, stream: bool, first: bool = False,
@@ -323,6 +400,7 @@ def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict[s
     return out
 
 
-__all__ = ["APIError", "COMPLETION_MAX_TOKENS", "DEFAULTS", "Generation", "MAX_BODY_BYTES", "MAX_CHOICES", "bad",
-           "chat_request", "choice", "completion_request", "envelope", "new_id", "now", "parse_json", "timings",
-           "usage"]
+__all__ = ["APIError", "COMPLETION_MAX_TOKENS", "DEFAULTS", "Defaults", "Generation", "MAX_BODY_BYTES", "MAX_CHOICES",
+           "MAX_STOP_CHARS", "MAX_STOP_TOTAL", "bad", "chat_request", "choice", "completion_request",
+           "context_overflow", "envelope", "new_id", "now", "parse_json", "prompt_progress", "read_generation",
+           "read_stops", "timings", "usage"]

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..runtime.engine import Request
 from .protocol import DEFAULTS, APIError, bad, now, usage
 from .response_store import ResponseStore
 from .tools import Call, new_call_id
@@ -58,7 +59,7 @@ def renamed(e: APIError) -> APIError:
         new = re.sub(pat, rep, new)
     if new == e.param:
         return e
-    return APIError(e.status, e.message.replace(f"'{e.param}'", f"'{new}'"), new, e.code, e.kind)
+    return APIError(e.status, e.message.replace(f"'{e.param}'", f"'{new}'"), new, e.code, e.kind, e.extra)
 
 
 def not_found(rid: object, param: str | None = None) -> APIError:
@@ -347,12 +348,12 @@ def call_item(iid: str, call_id: str, c: Call, status: str = "completed") -> dic
             "arguments": c.arguments if status == "completed" else "", "status": status}
 
 
-def response_usage(n_prompt: int, n_out: int, n_reused: int) -> dict[str, Any]:
+def response_usage(n_prompt: int, n_out: int, n_reused: int, n_written: int) -> dict[str, Any]:
     """The Responses API's ``usage``: ``cached_tokens`` the prompt tokens a slot held (reused), ``cache_write_tokens``
-    the others (evaluated, and left in the slot for a later prompt to reuse)."""
+    those evaluated that stay in the slot for a later prompt that begins alike (up to the last fixed cut)."""
     u = usage(n_prompt, n_out, n_reused)
     return {"input_tokens": u["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": n_reused, "cache_write_tokens": n_prompt - n_reused},
+            "input_tokens_details": {"cached_tokens": n_reused, "cache_write_tokens": n_written},
             "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u["total_tokens"]}
 
@@ -412,8 +413,10 @@ class ResponseEvents:
     ``.incomplete`` at ``max_output_tokens``), or ``error`` and ``response.failed``. Every event has its
     ``sequence_number``."""
 
-    def __init__(self, answer: Answer, n_prompt: int, reused: Callable[[], int]) -> None:
-        self.a, self.n_prompt, self.reused = answer, n_prompt, reused
+    after_slot = False  # response.created at once, as OpenAI sends it
+
+    def __init__(self, answer: Answer, usage_of: Callable[[Request], dict[str, Any]]) -> None:
+        self.a, self.usage_of = answer, usage_of
         self.n = 0
         self.text_so_far: list[str] = []
         self.open = False
@@ -425,7 +428,7 @@ class ResponseEvents:
     def _ev(self, kind: str, **doc: Any) -> dict[str, str]:
         return event(self._seq, kind, **doc)
 
-    def start(self) -> list[dict[str, str]]:
+    def start(self, r: Request | None = None) -> list[dict[str, str]]:
         obj = self.a.obj("in_progress", [], None)
         return [self._ev("response.created", response=obj), self._ev("response.in_progress", response=obj)]
 
@@ -445,11 +448,10 @@ class ResponseEvents:
                             delta=piece, logprobs=[]))
         return out
 
-    def end(self, calls: list[Call], finish: str | None, stopped_by: str | None, n_out: int) -> list[dict[str, str]]:
+    def end(self, calls: list[Call], r: Request) -> list[dict[str, str]]:
         calls = with_ids(calls)
         text = "".join(self.text_so_far)
-        use = response_usage(self.n_prompt, n_out, self.reused())
-        obj = self.a.finish(text, calls, finish, use)
+        obj = self.a.finish(text, calls, r.finish_reason, self.usage_of(r))
         out = []
         items = obj["output"]
         for k, item in enumerate(items):

@@ -21,22 +21,25 @@ from .models import ServedModel
 from .protocol import APIError, bad
 from .response_store import ResponseStore
 from .responses import Answer, ResponseEvents, Turn, not_found, read_request, renamed, response_usage, with_ids
-from .routes import Routes, _chat_prompt, _grammar, chat_generation
+from .routes import Routes, _chat_prompt, _grammar, _too_long, prompt_use
 from .tools import Call
 
 
 class ResponsesShape:
     """A generation answered as a response object, or streamed as its events (routes.Shape)."""
 
-    def __init__(self, answer: Answer) -> None:
-        self.a = answer
+    def __init__(self, answer: Answer, sm: ServedModel) -> None:
+        self.a, self.sm = answer, sm
 
-    def answer(self, r: Request, text: str, calls: list[Call], n_prompt: int) -> dict[str, Any]:
-        return self.a.finish(text, with_ids(calls), r.finish_reason,
-                             response_usage(n_prompt, r.completion_tokens, r.n_reused))
+    def usage(self, r: Request) -> dict[str, Any]:
+        use = prompt_use(self.sm, r)
+        return response_usage(use.total, r.completion_tokens, use.read, use.created)
 
-    def events(self, r: Request, n_prompt: int) -> ResponseEvents:
-        return ResponseEvents(self.a, n_prompt, lambda: r.n_reused)
+    def answer(self, r: Request, text: str, calls: list[Call]) -> dict[str, Any]:
+        return self.a.finish(text, with_ids(calls), r.finish_reason, self.usage(r))
+
+    def events(self, r: Request) -> ResponseEvents:
+        return ResponseEvents(self.a, self.usage)
 
 
 class ResponsesRoutes:
@@ -59,12 +62,12 @@ class ResponsesRoutes:
         body = await self.routes.read_body(request)
         try:
             turn = read_request(body, self.store)
-            g = chat_generation(turn.chat)
-            sm = self.routes.lookup(g.model)
+            g = self.routes.chat_generation(turn.chat)
+            sm = self.routes.resolve(g)
             _check_length(sm, turn)
             prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.routes.text_limiter)
             grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.routes.text_limiter)
-            shape = ResponsesShape(Answer(turn, g.model, self.store))
+            shape = ResponsesShape(Answer(turn, g.model, self.store), sm)
             return await self.routes.generate(request, sm, g, [prompt], "chat", grammar, shape)
         except APIError as e:
             raise renamed(e) from None
@@ -88,14 +91,12 @@ class ResponsesRoutes:
 
 def _check_length(sm: ServedModel, turn: Turn) -> None:
     """A text too long for the context whatever its tokens is refused before it is rendered, naming its field."""
-    assert sm.model is not None
     instructions = turn.echo["instructions"] or ""
     chars = sum(len(m["content"]) for m in turn.chat["messages"] if isinstance(m.get("content"), str))
     for what, n, param in (("'instructions'", len(instructions), "instructions"),
                            ("the conversation's text", chars, "input")):
         if n > sm.max_prompt_chars:
-            raise bad(f"{what} has {n} characters: more tokens than a sequence's context holds ({sm.model.n_ctx}), "
-                      "whatever they are.", param, "context_length_exceeded")
+            raise _too_long(what, n, sm, param)
 
 
 __all__ = ["ResponsesRoutes", "ResponsesShape"]

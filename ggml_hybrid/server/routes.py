@@ -1,11 +1,14 @@
 """The handlers of the OpenAI-compatible HTTP API: one method of :class:`Routes` per endpoint (``Routes.table``).
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-Anthropic's ``POST /v1/messages`` (all streamed with ``stream: true``) and ``GET /metrics``. Every error is
-OpenAI's error object (Anthropic's on ``/v1/messages``) with a 4xx/5xx status; nothing a client sends takes
-the server down. A generation is one engine request per choice; the handler waits on them without blocking
-the event loop (the engine thread wakes it), and a client that goes away cancels them, which frees their
-slots before the engine's next step.
+Routes: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
+``POST /v1/chat/completions``, Anthropic's ``POST /v1/messages`` (all streamed with ``stream: true``) and
+``POST /v1/messages/count_tokens``, and ``GET /metrics``; OpenAI's Responses API (:mod:`.responses_routes`) generates
+through :meth:`Routes.generate` with a :class:`Shape` of its own. Every error is OpenAI's error object (Anthropic's
+on its paths: :func:`.anthropic.owns`) with a 4xx/5xx status; nothing a client sends takes the server down. With one
+model served, a request may leave ``model`` out or name any model (llama-server's rule); with several, it names one of
+them. A generation is one engine request per choice; the handler waits on them without blocking the event loop (the
+engine thread wakes it), and a client that goes away cancels them, which frees their slots before the engine's next
+step.
 """
 
 from __future__ import annotations
@@ -40,13 +43,16 @@ from .protocol import (
     chat_request,
     choice,
     completion_request,
+    context_overflow,
     envelope,
     new_id,
     now,
     parse_json,
+    prompt_progress,
     timings,
     usage,
 )
+from .settings import ServerSettings
 from .structured import compile_structure, read_structure
 from .tools import (
     Call,
@@ -65,42 +71,8 @@ BODY_SECONDS = 30.0  # a request body not received whole within this is refused 
 TEXT_THREADS = 4  # prompts tokenized and templates rendered at once (the others wait their turn)
 
 
-class Events(Protocol):
-    """One generation's events in another API's shape (:meth:`Routes.stream_events` drives it)."""
-
-    def start(self) -> list[dict[str, str]]: ...
-    def text(self, piece: str) -> list[dict[str, str]]: ...
-    def end(self, calls: list[Call], finish: str | None, stopped_by: str | None, n_out: int
-            ) -> list[dict[str, str]]: ...
-    def error(self, e: APIError) -> list[dict[str, str]]: ...
-
-
-class Shape(Protocol):
-    """How one generation is answered in another API's shape: the object of a plain answer, the events of a stream
-    (``text``: the content, without the calls)."""
-
-    def answer(self, r: Request, text: str, calls: list[Call], n_prompt: int) -> dict[str, Any]: ...
-    def events(self, r: Request, n_prompt: int) -> Events: ...
-
-
-def chat_generation(body: dict[str, Any]) -> Generation:
-    """A chat request body read: the generation, its structured output and its tools (400 naming the field)."""
-    g = chat_request(body)
-    g.structure = read_structure(body)
-    g.tools = read_tools(body)
-    if g.tools is not None and g.tools.forced and g.structure is not None:
-        raise bad(f"a forced tool call ('tool_choice': {g.tools.choice}) cannot also follow "
-                  f"'{g.structure.param}'.", g.structure.param)
-    return g
-
-
-def _model(name: str, sm: ServedModel) -> dict[str, Any]:
-    """OpenAI's model object."""
-    return {"id": name, "object": "model", "created": sm.created, "owned_by": "ggml-hybrid"}
-
-
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: APIError, anthropic_shape: bool = False) -> JSONResponse:
+    return JSONResponse(anthropic.error_body(e) if anthropic_shape else e.body(), status_code=e.status)
 
 
 def _not_loaded(sm: ServedModel) -> APIError:
@@ -112,9 +84,11 @@ class Routes:
     """The endpoints over ``models``: each a method, counted in ``/metrics`` by :meth:`counted`; generations end by
     ``drain_seconds`` after a drain begins."""
 
-    def __init__(self, models: ModelSet, drain_seconds: float) -> None:
+    def __init__(self, models: ModelSet, drain_seconds: float, settings: ServerSettings | None = None) -> None:
         self.models = models
         self.drain_seconds = drain_seconds
+        self.settings = settings if settings is not None else ServerSettings()
+        self.defaults = self.settings.defaults
         self.registry = metrics.registry(models)
         self.text_limiter = anyio.CapacityLimiter(TEXT_THREADS)
 
@@ -128,20 +102,23 @@ class Routes:
             Route("/v1/completions", self.counted("/v1/completions", self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self.counted("/v1/chat/completions", self.chat), methods=["POST"]),
             Route("/v1/messages", self.counted("/v1/messages", self.messages), methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.counted("/v1/messages/count_tokens", self.count_tokens),
+                  methods=["POST"]),
         ]
 
     def counted(self, endpoint: str, fn: Callable[[HTTPRequest], Awaitable[Response]]
                 ) -> Callable[[HTTPRequest], Awaitable[Response]]:
         async def handler(request: HTTPRequest) -> Response:
+            shape = anthropic.owns(endpoint, request.headers)  # Anthropic's error shape on its paths
             try:
                 resp = await fn(request)
             except APIError as e:
-                resp = _error(e)
+                resp = _error(e, shape)
             except ClientDisconnect:  # the client left before its body was whole: nobody to answer
                 resp = Response(status_code=499)
-            except Exception as exc:  # a bug: still OpenAI's shape, still counted, one log line per cause
+            except Exception as exc:  # a bug: still the API's error shape, still counted, one log line per cause
                 log_once(f"internal error on {endpoint}: {type(exc).__name__}", exc)
-                resp = _error(APIError(500, f"Internal error: {type(exc).__name__}: {shorten(str(exc))}"))
+                resp = _error(APIError(500, f"Internal error: {type(exc).__name__}: {shorten(str(exc))}"), shape)
             self.models.count(endpoint, resp.status_code)
             return resp
         return handler
@@ -154,25 +131,21 @@ class Routes:
         return JSONResponse({"status": "ok"})
 
     async def list_models(self, request: HTTPRequest) -> Response:
-        if anthropic.asked(request.headers):
+        if anthropic.owns(request.url.path, request.headers):  # asked by Anthropic's client: its list
             data = [anthropic.model_info(n, sm.created) for n, sm in self.models.names.items()]
             return JSONResponse({"data": data, "first_id": data[0]["id"] if data else None,
                                  "last_id": data[-1]["id"] if data else None, "has_more": False})
-        data = [_model(n, sm) for n, sm in self.models.names.items()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [_model(n, sm) for n, sm in self.models.names.items()]})
 
     async def get_model(self, request: HTTPRequest) -> Response:
-        """``GET /v1/models/{id}``: one model (a name or an alias), in Anthropic's shape when asked with its
-        headers."""
+        """``GET /v1/models/{id}``: one model by name or alias (OpenAI's model object; Anthropic's when asked by its
+        client). A name not served is a 404, whatever the number of models (only generation takes any name)."""
         name = request.path_params["model"]
         sm = self.models.names.get(name)
         if sm is None:
-            e = APIError(404, f"The model '{name}' does not exist; GET /v1/models lists the models served.", "model",
-                         "model_not_found")
-            if anthropic.asked(request.headers):
-                return JSONResponse(anthropic.error_body(e), status_code=404)
-            raise e
-        if anthropic.asked(request.headers):
+            raise APIError(404, f"The model '{name}' does not exist; GET /v1/models lists the models served.",
+                           "model", "model_not_found")
+        if anthropic.owns(request.url.path, request.headers):
             return JSONResponse(anthropic.model_info(name, sm.created))
         return JSONResponse(_model(name, sm))
 
@@ -202,47 +175,102 @@ class Routes:
         return parse_json(b"".join(chunks))
 
     def lookup(self, name: str) -> ServedModel:
+        """The model named ``name``; with one model served, that model whatever the name ("": none given), as
+        llama-server answers; with several, an unknown name is a 404 and none a 400."""
         sm = self.models.names.get(name)
+        if sm is None and len(self.models.models) == 1:
+            sm = next(iter(self.models.models.values()))
         if sm is None:
+            if not name:
+                raise bad(f"'model' is required: {len(self.models.models)} models are served (GET /v1/models lists "
+                          "them).", "model")
             raise APIError(404, f"The model '{name}' does not exist; GET /v1/models lists the models served.",
                            "model", "model_not_found")
         if sm.engine is None:
             raise _not_loaded(sm)
         return sm
 
+    def resolve(self, g: Generation) -> ServedModel:
+        """The model ``g`` asks for (:meth:`lookup`); ``g.model`` becomes the name its answer carries: the one asked
+        for when the server knows it, else the model's own."""
+        sm = self.lookup(g.model)
+        if g.model not in self.models.names:
+            g.model = sm.name
+        return sm
+
     async def completions(self, request: HTTPRequest) -> Response:
         body = await self.read_body(request)
-        g = completion_request(body)
+        g = completion_request(body, self.defaults)
         g.structure = read_structure(body)
-        sm = self.lookup(g.model)
+        sm = self.resolve(g)
         prompts = await anyio.to_thread.run_sync(_tokenize_prompts, sm, g, limiter=self.text_limiter)
         grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
         return await self.generate(request, sm, g, prompts, "completion", grammar)
 
     async def chat(self, request: HTTPRequest) -> Response:
-        g = chat_generation(await self.read_body(request))
-        sm = self.lookup(g.model)
+        g = self.chat_generation(await self.read_body(request))
+        sm = self.resolve(g)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
         return await self.generate(request, sm, g, [prompt], "chat", grammar)
 
+    def chat_generation(self, body: dict[str, Any]) -> Generation:
+        """A chat request body read (the server's defaults applied): the generation, its structured output and its
+        tools (400 naming the field). The Responses API's requests are read into one too."""
+        g = chat_request(body, self.defaults)
+        g.structure = read_structure(body)
+        g.tools = read_tools(body)
+        _check_forced(g)
+        return g
+
     async def messages(self, request: HTTPRequest) -> Response:
         """Anthropic's Messages API: read into a chat request (server/anthropic.py), answered in Anthropic's shapes."""
-        try:
-            chat = anthropic.to_chat(await self.read_body(request))
-            g = chat_request(chat)
-            g.tools = read_tools(chat)
-            sm = self.lookup(g.model)
-            prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
-            grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
-            return await self.generate(request, sm, g, [prompt], "messages", grammar)
-        except APIError as e:
-            return JSONResponse(anthropic.error_body(e), status_code=e.status)
+        g, sm = self._messages_request(await self.read_body(request))
+        prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        return await self.generate(request, sm, g, [prompt], "messages", grammar)
+
+    async def count_tokens(self, request: HTTPRequest) -> Response:
+        """Anthropic's ``POST /v1/messages/count_tokens``: the tokens of the prompt the request renders to (tools
+        included), as ``/v1/messages`` would evaluate it."""
+        g, sm = self._messages_request(await self.read_body(request), count_only=True)
+        prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
+        return JSONResponse({"input_tokens": len(prompt)})
+
+    def _messages_request(self, body: dict[str, Any], count_only: bool = False) -> tuple[Generation, ServedModel]:
+        m = anthropic.read_request(body, count_only)
+        g = chat_request(m.chat, self.defaults)
+        g.stop = m.stop
+        g.tools = read_tools(m.chat)
+        g.structure = m.structure
+        _check_forced(g)
+        return g, self.resolve(g)
 
     async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
                        kind: str, grammar: Grammar | None = None, shape: Shape | None = None) -> Response:
-        """Run ``g`` on ``prompts`` and answer in ``kind``'s shape (``shape``'s, when given: one generation in another
-        API's shape, streamed as its events)."""
+        """Run ``g`` on ``prompts`` and answer in ``kind``'s shape, or ``shape``'s (one generation answered in
+        another API's shape: the Responses API's)."""
+        reqs, wake = self.submit(sm, g, prompts, kind, grammar)
+        rid, created = anthropic.new_id() if kind == "messages" else new_id(kind), now()
+        n_prompt = sum(len(p) for p in prompts)
+        if g.stream:
+            if shape is not None:
+                return self.event_stream(self.stream_events(reqs[0], wake, g, sm, shape.events(reqs[0])))
+            return self.event_stream(self.stream_messages(reqs[0], wake, rid, g, sm) if kind == "messages" else
+                                     self.stream(reqs, wake, kind, rid, created, g, n_prompt, sm))
+        self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
+        try:
+            if shape is not None:
+                left = await self.finish(request, reqs, wake)
+                return left if left is not None else JSONResponse(shape.answer(reqs[0], *_parsed(sm, g, reqs[0])))
+            return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt, sm)
+        finally:
+            self.models.end()
+
+    def submit(self, sm: ServedModel, g: Generation, prompts: list[list[int]], kind: str,
+               grammar: Grammar | None = None) -> tuple[list[Request], asyncio.Event]:
+        """One engine request per prompt and choice, and the event the engine sets when a stream has news (a plain
+        answer: when every request is done). Every route that generates submits here."""
         if self.models.draining:
             raise APIError(503, "The server is shutting down and takes no new requests.", code="shutting_down")
         engine = sm.engine
@@ -266,9 +294,14 @@ class Routes:
                                                       g.ignore_eos, listener, cache_prompt=g.cache_prompt,
                                                       logprobs=g.logprobs, constraint=None if grammar is None
                                                       else grammar.constraint())))
-        except ContextFullError as exc:
+        except ContextFullError:
             _cancel(reqs)
-            raise bad(f"{exc}.", "prompt" if kind == "completion" else "messages", "context_length_exceeded") from None
+            assert sm.model is not None
+            n = max(len(p) for p in prompts)
+            param = "messages" if kind in ("chat", "messages") else "prompt"
+            raise context_overflow(f"The request ({n} tokens) exceeds the available context size ({sm.model.n_ctx} "
+                                   "tokens): the prompt and at least one generated token must fit.",
+                                   param, sm.model.n_ctx, n) from None
         except ClosedError:
             _cancel(reqs)
             raise APIError(503, "The server is shutting down and takes no new requests.",
@@ -276,33 +309,11 @@ class Routes:
         except GgmlHybridError as exc:
             _cancel(reqs)
             raise bad(str(exc), "prompt") from None
-        rid, created = new_id(kind), now()
-        n_prompt = sum(len(p) for p in prompts)
-        self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
-        if g.stream:
-            if shape is not None:
-                events = self.stream_events(reqs[0], wake, g, shape.events(reqs[0], n_prompt))
-            elif kind == "messages":
-                events = self.stream_events(reqs[0], wake, g, anthropic.MessageEvents(rid, g.model, n_prompt))
-            else:
-                events = self.stream(reqs, wake, kind, rid, created, g, n_prompt, sm)
-            return EventSourceResponse(self._counted_stream(events),
-                                       ping=600, sep="\n", shutdown_grace_period=self.drain_seconds)
-        try:
-            return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt, sm, shape)
-        finally:
-            self.models.end()
+        return reqs, wake
 
-    async def _counted_stream(self, events: AsyncIterator[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
-        try:
-            async for e in events:
-                yield e
-        finally:
-            self.models.end()
-
-    async def wait(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str,
-                    created: int, g: Generation, n_prompt: int, sm: ServedModel, shape: Shape | None = None
-                    ) -> Response:
+    async def finish(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event) -> Response | None:
+        """Wait for ``reqs`` (a plain answer's): None once every one ended well; a 499 when the client went away
+        (they are cancelled); a 500 or 503 (raised) when one failed or the server shut down first."""
         try:
             while not all(r.done.is_set() for r in reqs):
                 wake.clear()
@@ -323,20 +334,36 @@ class Routes:
             if r.finish_reason == "error":
                 raise APIError(500, f"Generation failed: {r.error}")
             raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
-        if kind == "messages" or shape is not None:
+        return None
+
+    def event_stream(self, events: AsyncIterator[dict[str, str]]) -> Response:
+        """``events`` sent as server-sent events; the server's drain waits for the stream to end."""
+        self.models.begin()
+        return EventSourceResponse(self._counted_stream(events), ping=600, sep="\n",
+                                   shutdown_grace_period=self.drain_seconds)
+
+    async def _counted_stream(self, events: AsyncIterator[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
+        try:
+            async for e in events:
+                yield e
+        finally:
+            self.models.end()
+
+    async def wait(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str,
+                    created: int, g: Generation, n_prompt: int, sm: ServedModel) -> Response:
+        left = await self.finish(request, reqs, wake)
+        if left is not None:
+            return left
+        if kind == "messages":
             r = reqs[0]
-            fmt = _tool_format(self.models.names[g.model])
-            found = fmt.calls(r.text, g.tools.tools) if g.tools is not None and g.tools.choice != "none" else []
-            text = fmt.content(r.text) if found else r.text
-            if shape is not None:
-                return JSONResponse(shape.answer(r, text, found, n_prompt))
+            text, found = _parsed(sm, g, r)
             return JSONResponse(anthropic.message(rid, g.model, text, found, r.finish_reason, r.stop_string,
-                                                  n_prompt, r.completion_tokens))
+                                                  prompt_use(sm, r), r.completion_tokens))
         lps = _logprobs_of(sm, kind, g)
         choices = [choice(kind, i, r.text, r.finish_reason, False,
                           logprobs=lps[i](r.take_logprobs()) if lps else None) for i, r in enumerate(reqs)]
         if g.tools is not None and g.tools.choice != "none":
-            fmt = _tool_format(self.lookup(g.model))
+            fmt = _tool_format(sm)
             choices = [chat_message(c, fmt, r.text, g.tools.tools) for c, r in zip(choices, reqs)]
         use = usage(n_prompt, sum(r.completion_tokens for r in reqs), sum(r.n_reused for r in reqs))
         out = envelope(kind, rid, created, g.model, choices, False, use, sm.fingerprint)
@@ -355,18 +382,28 @@ class Routes:
         lps = _logprobs_of(sm, kind, g, stream=True)
         calls = None
         if g.tools is not None and g.tools.choice != "none":
-            fmt = _tool_format(self.models.names[g.model])
+            fmt = _tool_format(sm)
             calls = [ToolStream(fmt, g.tools.tools) for _ in reqs]
         try:
             if kind == "chat":
                 yield event([choice(kind, i, "", None, True, first=True) for i in range(len(reqs))])
             ended: set[int] = set()
+            shown = [0] * len(reqs)  # prompt positions whose progress went out (return_progress)
             while len(ended) < len(reqs):
                 wake.clear()
                 for i, r in enumerate(reqs):
                     if i in ended:
                         continue
                     done = r.done.is_set()  # before take(): every piece of a finished request is posted
+                    if g.return_progress and r.started_at is not None and r.prompt_done > shown[i]:
+                        shown[i] = r.prompt_done
+                        empty = choice(kind, i, "", None, True) if kind == "completion" else \
+                            {"index": i, "delta": {}, "logprobs": None, "finish_reason": None}
+                        doc = envelope(kind, rid, created, g.model, [empty], True, None, sm.fingerprint)
+                        doc["prompt_progress"] = prompt_progress(r)
+                        if g.include_usage:
+                            doc["usage"] = None
+                        yield {"data": json.dumps(doc)}
                     pieces = r.take()
                     # a piece's chunk carries the tokens' logprobs that came with it (the last: any still held);
                     # text a tool call parser holds back goes out later, as content or as the call
@@ -407,15 +444,26 @@ class Routes:
         finally:
             _cancel(reqs)  # the client went away (or the stream ended): free the slots
 
-    async def stream_events(self, r: Request, wake: asyncio.Event, g: Generation, ev: Events
+    def stream_messages(self, r: Request, wake: asyncio.Event, rid: str, g: Generation, sm: ServedModel
+                        ) -> AsyncIterator[dict[str, str]]:
+        """Anthropic's events of one generation (server/anthropic.py's MessageEvents). ``message_start`` waits for the
+        request to take a slot: its ``usage`` says how much of the prompt was reused."""
+        return self.stream_events(r, wake, g, sm, _MessagesEvents(anthropic.MessageEvents(rid, g.model), sm))
+
+    async def stream_events(self, r: Request, wake: asyncio.Event, g: Generation, sm: ServedModel, ev: Events
                             ) -> AsyncIterator[dict[str, str]]:
-        """The events of one generation in another API's shape (Anthropic's MessageEvents, the Responses API's
-        ResponseEvents): its text as it comes, held where a tool call may begin, then the calls and the end."""
+        """One generation's events in another API's shape (Anthropic's, the Responses API's): ``ev.start()`` (once the
+        request holds a slot when ``ev.after_slot``), its text as it comes (held where a tool call may begin), then
+        the calls and the end, or an error."""
         calls = None
         if g.tools is not None and g.tools.choice != "none":
-            calls = ToolStream(_tool_format(self.models.names[g.model]), g.tools.tools)
+            calls = ToolStream(_tool_format(sm), g.tools.tools)
         try:
-            for e in ev.start():
+            while ev.after_slot and r.started_at is None and not r.done.is_set():
+                wake.clear()
+                if r.started_at is None and not r.done.is_set():
+                    await wake.wait()  # the engine notifies after each prompt step, and at the end
+            for e in ev.start(r):
                 yield e
             while True:
                 wake.clear()
@@ -437,7 +485,7 @@ class Routes:
                 tail, found = calls.end()
                 for e in ev.text(tail):
                     yield e
-            for e in ev.end(found, r.finish_reason, r.stop_string, r.completion_tokens):
+            for e in ev.end(found, r):
                 yield e
         finally:
             _cancel([r])
@@ -446,12 +494,66 @@ class Routes:
         assert isinstance(exc, HTTPException)
         self.models.count("other", exc.status_code)
         msg = "Not found." if exc.status_code == 404 else str(exc.detail)
-        return _error(APIError(exc.status_code, f"{msg} ({request.method} {request.url.path})"))
+        return _error(APIError(exc.status_code, f"{msg} ({request.method} {request.url.path})"),
+                      anthropic.owns(request.url.path, request.headers))
 
     async def server_error(self, request: HTTPRequest, exc: Exception) -> Response:
         self.models.count("other", 500)  # outside the routes (every route answers its own errors): still counted
         log_once(f"internal error: {type(exc).__name__}", exc)
-        return _error(APIError(500, f"Internal error: {type(exc).__name__}: {shorten(str(exc))}"))
+        return _error(APIError(500, f"Internal error: {type(exc).__name__}: {shorten(str(exc))}"),
+                      anthropic.owns(request.url.path, request.headers))
+
+
+class Events(Protocol):
+    """One generation's events in another API's shape (:meth:`Routes.stream_events` drives them)."""
+
+    after_slot: bool  # start() once the request holds a slot (its prompt's reuse is known then)
+
+    def start(self, r: Request) -> list[dict[str, str]]: ...
+    def text(self, piece: str) -> list[dict[str, str]]: ...
+    def end(self, calls: list[Call], r: Request) -> list[dict[str, str]]: ...
+    def error(self, e: APIError) -> list[dict[str, str]]: ...
+
+
+class Shape(Protocol):
+    """One generation answered in another API's shape: the object of a plain answer (``text``: the content beside
+    the ``calls``), the events of a stream."""
+
+    def answer(self, r: Request, text: str, calls: list[Call]) -> dict[str, Any]: ...
+    def events(self, r: Request) -> Events: ...
+
+
+class _MessagesEvents:
+    """Anthropic's MessageEvents as :class:`Events` (with the prompt's reuse in Anthropic's terms)."""
+
+    after_slot = True
+
+    def __init__(self, ev: anthropic.MessageEvents, sm: ServedModel) -> None:
+        self.ev, self.sm = ev, sm
+
+    def start(self, r: Request) -> list[dict[str, str]]:
+        return self.ev.start(prompt_use(self.sm, r))
+
+    def text(self, piece: str) -> list[dict[str, str]]:
+        return self.ev.text(piece)
+
+    def end(self, calls: list[Call], r: Request) -> list[dict[str, str]]:
+        return self.ev.end(calls, r.finish_reason, r.stop_string, prompt_use(self.sm, r), r.completion_tokens)
+
+    def error(self, e: APIError) -> list[dict[str, str]]:
+        return [anthropic.event("error", error=anthropic.error_body(e)["error"])]
+
+
+def _model(name: str, sm: ServedModel) -> dict[str, Any]:
+    """OpenAI's model object."""
+    return {"id": name, "object": "model", "created": sm.created, "owned_by": "ggml-hybrid"}
+
+
+def _parsed(sm: ServedModel, g: Generation, r: Request) -> tuple[str, list[Call]]:
+    """A finished generation's content and the tool calls in its text (none without tools)."""
+    fmt = _tool_format(sm)
+    found = fmt.calls(r.text, g.tools.tools) if g.tools is not None and g.tools.choice != "none" else []
+    return (fmt.content(r.text) if found else r.text), found
 
 
 def _logprobs_of(sm: ServedModel, kind: str, g: Generation, stream: bool = False
@@ -466,6 +568,20 @@ def _logprobs_of(sm: ServedModel, kind: str, g: Generation, stream: bool = False
     return [CompletionLogprobs(token_bytes) for _ in range(g.n_choices)]
 
 
+def _check_forced(g: Generation) -> None:
+    if g.tools is not None and g.tools.forced and g.structure is not None:
+        raise bad(f"a forced tool call ('tool_choice': {g.tools.choice}) cannot also follow "
+                  f"'{g.structure.param}'.", g.structure.param)
+
+
+def prompt_use(sm: ServedModel, r: Request) -> anthropic.PromptUse:
+    """How ``r``'s prompt used the slot's cells (Anthropic's cache figures): reused, and newly left for later
+    requests (up to the last fixed cut: :class:`~ggml_hybrid.runtime.prompt_cache.PromptCache`)."""
+    assert sm.engine is not None
+    kept = sm.engine.cache.last_fixed_cut(r.prompt_tokens) if r.cache_prompt else 0
+    return anthropic.PromptUse(r.prompt_tokens, r.n_reused, max(0, kept - r.n_reused))
+
+
 def _cancel(reqs: list[Request]) -> None:
     for r in reqs:
         if not r.done.is_set():
@@ -473,9 +589,11 @@ def _cancel(reqs: list[Request]) -> None:
 
 
 def _too_long(what: str, chars: int, sm: ServedModel, param: str) -> APIError:
+    """A text refused before it is tokenized (it cannot fit, whatever its tokens): no ``n_prompt_tokens``."""
     assert sm.model is not None
-    return bad(f"{what} has {chars} characters: more tokens than a sequence's context holds ({sm.model.n_ctx}), "
-               "whatever they are.", param, "context_length_exceeded")
+    return context_overflow(f"{what} has {chars} characters: more tokens than a sequence's context holds "
+                            f"({sm.model.n_ctx}), whatever they are; the request exceeds the available context size.",
+                            param, sm.model.n_ctx)
 
 
 def _tokenize_prompts(sm: ServedModel, g: Generation) -> list[list[int]]:
@@ -513,11 +631,15 @@ def _grammar(sm: ServedModel, g: Generation) -> Grammar | None:
     return None
 
 
-def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
+def chat_text(sm: ServedModel, g: Generation) -> str:
+    """The prompt text ``g``'s messages (and tools) render to with ``sm``'s chat template."""
     if sm.template is None:
         raise APIError(500, f"The model's chat template cannot be used: {shorten(sm.template_error or '')}",
                        code="chat_template_unusable")
     assert sm.model is not None
+    if not sm.jinja and g.tools is not None:
+        raise bad("'tools' need the model's own (Jinja) chat template, and this server runs with --no-jinja "
+                  "(as llama-server, which refuses tools without --jinja).", "tools")
     chars = sum(len(c) for m in g.messages if isinstance(m, dict) for c in (m.get("content"),) if isinstance(c, str))
     if chars > sm.max_prompt_chars:
         raise _too_long("the messages' content", chars, sm, "messages")
@@ -529,8 +651,8 @@ def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
                                   max_chars=sm.max_prompt_chars, **extra)
     except ChatTemplateLimitError as exc:
         if exc.kind == "output":
-            raise bad(f"the messages render to a prompt longer than a sequence's context holds "
-                      f"({sm.model.n_ctx} tokens): {exc}", "messages", "context_length_exceeded") from None
+            raise context_overflow(f"the messages render to a prompt longer than a sequence's context holds "
+                                   f"({sm.model.n_ctx} tokens): {exc}", "messages", sm.model.n_ctx) from None
         if exc.kind == "stopped":
             raise APIError(503, "The server is shutting down and takes no new requests.",
                            code="shutting_down") from None
@@ -538,6 +660,12 @@ def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
             from None
     except ChatTemplateError as exc:
         raise bad(shorten(str(exc)), "messages") from None
+    return text
+
+
+def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
+    text = chat_text(sm, g)
+    assert sm.model is not None and sm.template is not None
     tok = sm.model.tokenizer
     # the template writes BOS itself when it wants one (most do); otherwise the model's rule adds it
     add_bos = tok.add_bos and not (sm.template.bos_token and text.startswith(sm.template.bos_token))
@@ -550,4 +678,4 @@ def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
     return ids
 
 
-__all__ = ["Events", "Routes", "Shape", "chat_generation"]
+__all__ = ["Events", "Routes", "Shape", "chat_text", "prompt_use"]

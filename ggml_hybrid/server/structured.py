@@ -94,6 +94,12 @@ def read_structure(body: dict[str, Any]) -> Structure | None:
     return asks[0] if asks else None
 
 
+def schema_structure(v: Any, param: str) -> Structure:
+    """A JSON schema given in another API's field (``param``: Anthropic's ``output_config.format.schema``), checked
+    as ``response_format``'s are."""
+    return Structure("json_schema", _schema(v, param), param)
+
+
 def compile_structure(tok: TokenBytes, st: Structure) -> Grammar:
     """``st`` compiled for ``tok``'s vocabulary (400 naming the field when it cannot be)."""
     try:
@@ -108,4 +114,4 @@ def compile_structure(tok: TokenBytes, st: Structure) -> Grammar:
         raise APIError(501, f"{exc}.", st.param, "unsupported_parameter") from None
 
 
-__all__ = ["MAX_SCHEMA_DEPTH", "Structure", "compile_structure", "depth", "read_structure"]
+__all__ = ["MAX_SCHEMA_DEPTH", "Structure", "compile_structure", "depth", "read_structure", "schema_structure"]

@@ -224,16 +224,21 @@ class ChatTemplate:
 
     @classmethod
     def from_gguf(cls, store: GGUFStore, tokens: Sequence[str], bos_id: int | None,
-                  eos_id: int | None, pool: RenderPool | None = None) -> ChatTemplate:
-        """The file's ``tokenizer.chat_template`` (ChatML when it has none), with its BOS/EOS texts."""
-        source = store.meta("tokenizer.chat_template", "") or None  # absent (or empty): ChatML
+                  eos_id: int | None, pool: RenderPool | None = None, source: str | None = None) -> ChatTemplate:
+        """The file's ``tokenizer.chat_template`` (ChatML when it has none), with its BOS/EOS texts; ``source``: a
+        template given instead of the file's (``serve --chat-template``)."""
+        given = source is not None
+        if not given:
+            source = store.meta("tokenizer.chat_template", "") or None  # absent (or empty): ChatML
         if source is not None and not isinstance(source, str):
             raise ChatTemplateError(f"{store.path}: tokenizer.chat_template is not a string")
 
         def text(i: int | None) -> str:
             return tokens[i] if i is not None and 0 <= i < len(tokens) else ""
 
-        return cls(source, text(bos_id), text(eos_id), pool=pool)
+        t = cls(source, text(bos_id), text(eos_id), pool=pool)
+        t.from_model = t.from_model and not given
+        return t
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                max_chars: int = MAX_OUTPUT_CHARS, **extra: Any) -> str:
