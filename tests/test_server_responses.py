@@ -247,6 +247,20 @@ def test_a_bad_schema_is_a_400_naming_text_format(server):
     assert status == 400 and doc["error"]["param"].startswith("text.format"), doc
 
 
+def test_the_servers_defaults_apply_and_are_repeated(files):
+    """``serve --temp 0.3 --top-p 0.5 -n 5``: a request silent on them runs with them, and says so."""
+    with Server([files["chatml"], "-np", "1", "-c", "512", "-t", "1", "--temp", "0.3", "--top-p", "0.5",
+                 "-n", "5"]) as s:
+        r = s.client().responses.create(model="chatml", input="Hello", extra_body={"seed": 4})
+        assert (r.temperature, r.top_p, r.max_output_tokens) == (0.3, 0.5, 5)
+        assert r.usage.output_tokens <= 5
+        twin = s.client().chat.completions.create(model="chatml", messages=[{"role": "user", "content": "Hello"}],
+                                                  seed=4)
+        assert r.output_text == twin.choices[0].message.content
+        rc, err = s.stop()
+    assert rc == 0, err
+
+
 # -- the store ------------------------------------------------------------------------------------------
 
 def test_previous_response_id_continues_without_the_old_instructions(server, client):

@@ -322,6 +322,8 @@ def read_request(body: dict[str, Any], store: ResponseStore) -> Turn:
     rf, text_echo = _text(body)
     if rf is not None:
         chat["response_format"] = rf
+    # (the route sets max_output_tokens, temperature and top_p to what the generation runs with: the server's own
+    # defaults may apply)
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "metadata": _metadata(body) or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": prev, "temperature": body.get("temperature", DEFAULTS["temperature"]),
