@@ -1,16 +1,30 @@
 """ggml-hybrid: run Mixture-of-Experts models larger than GPU memory over a patched GGML scheduler.
 
-The layers, bottom up (docs/architecture.md has the map):
+The layers, bottom up; each imports only the layers below it (docs/architecture.md has the map):
 
-- ``ggml_hybrid._native``: the cffi module (pinned GGML, the patch series, our C);
-- ``ggml_hybrid.ggml``: owned Python objects over GGML: backends, contexts, tensors, ops, graphs,
-  the scheduler and its regions;
-- ``ggml_hybrid.moe``: the routed-expert FFN, the device expert cache (slot cache, executor), the
-  CPU share of misses, the CPU worker, FFN-only stack sessions and routing traces;
-- ``ggml_hybrid.model``: GGUF files, hyperparameters, the KV cache, the decoder graph, ``MoEModel``,
-  tokenizer, sampling and generation;
-- ``ggml_hybrid.placement``: tensor layout over devices, the devices, the memory planner;
+- ``ggml_hybrid._native``: the cffi module: the pinned GGML with the patch series (vendor/), our C
+  (``_native/src``), the build's fingerprints checked at import, optional backends loaded at run time;
+- ``ggml_hybrid.ggml``: owned Python objects over GGML: backends, contexts, tensors, ops, graphs, the scheduler
+  and its regions, RPC devices;
+- ``ggml_hybrid.options``: ``SessionOptions``, every option with its rule;
+- ``ggml_hybrid.gguf``: the memory-mapped GGUF file, its header, metadata and tensor-name rules;
+- ``ggml_hybrid.moe``: the routed-expert FFN and its region, the device expert cache (slot cache, native and
+  Python executors), the CPU share of misses, the CPU worker, the host tier, FFN-only stack sessions, routing
+  traces;
+- ``ggml_hybrid.model``: graph building: hyperparameters, one module per family, layers, the KV cache and
+  recurrent states, the decoder graph;
+- ``ggml_hybrid.placement``: the layout (which device holds each tensor, from llama.cpp's flags) and the devices;
+- ``ggml_hybrid.text``: tokenizers (byte-level BPE, SentencePiece) and chat templates;
+- ``ggml_hybrid.runtime``: ``LoadedModel`` (what was loaded), ``Session`` (what a run holds), ``MoEModel`` (the
+  session that loads its own model), the serving engine, generation, sampling, constrained decoding;
+- ``ggml_hybrid.synthetic``: GGUF writers of every family (random weights), for tests, benchmarks and the demo;
+- ``ggml_hybrid.plan``: the planner (bytes per device before loading), ``inspect``, the Kubernetes Deployment;
+- ``ggml_hybrid.server``: ``serve``'s HTTP app (OpenAI's and Anthropic's APIs; /tokenize, /props, /slots, metrics);
 - ``ggml_hybrid.cli``: the ``ggml-hybrid`` command.
+
+Shared by every layer: ``ggml_hybrid.errors`` (every exception), ``ggml_hybrid.checks`` (argument rules),
+``ggml_hybrid.units`` (byte sizes), ``ggml_hybrid.files`` (output files), ``ggml_hybrid.serial`` (one call at a
+time), ``ggml_hybrid.machine`` (cores and memory).
 
 Everything a user needs is importable from here.
 """

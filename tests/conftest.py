@@ -1,8 +1,10 @@
-"""Test configuration: hypothesis profiles, a shared CPU backend, the graph helper."""
+"""Test configuration: hypothesis profiles, a shared CPU backend, the graph helper, the install kept as found."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 import pytest
 from helpers import assert_same_bits, compute
@@ -29,6 +31,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+NATIVE = Path(gh.__file__).resolve().parent / "_native"
+
+
+def native_libraries() -> dict[str, str]:
+    """The package's compiled files (the cffi module, GGML's libraries, optional backends, the stub) by sha256."""
+    files = [p for p in NATIVE.rglob("*") if p.is_file() and (".so" in p.suffixes or p.suffix == ".pyi")]
+    return {p.relative_to(NATIVE).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(files)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def install_kept_as_found():
+    """The suite never changes the user's install: a test that exercises the build builds in a copy or a
+    temporary folder. Fails the run (an error at the last test's teardown) if any compiled file of the package
+    was added, removed or changed, whatever backends the checkout was built with."""
+    before = native_libraries()
+    yield
+    after = native_libraries()
+    changed = sorted(n for n in before.keys() & after.keys() if before[n] != after[n])
+    removed, added = sorted(before.keys() - after.keys()), sorted(after.keys() - before.keys())
+    if changed or removed or added:
+        pytest.fail(f"the suite changed the package's compiled files in {NATIVE}: removed {removed}, added {added}, "
+                    f"changed {changed}; a test that builds must build in a copy", pytrace=False)
 
 
 @pytest.fixture(scope="session")

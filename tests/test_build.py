@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -18,19 +19,33 @@ PKG = Path(ggml_hybrid.__file__).resolve().parent
 
 
 def _installed_build_flags() -> list[str]:
-    """build.py's flags for what this checkout has installed, so the rebuild below keeps it as it is."""
+    """build.py's flags for what this checkout has installed, so that the build below finds all of it cached."""
     native = PKG / "_native"
     return ((["--cuda"] if (native / "backends" / "libggml-cuda.so").exists() else [])
+            + (["--vulkan"] if (native / "backends" / "libggml-vulkan.so").exists() else [])
             + (["--portable"] if any((native / "lib").glob("libggml-cpu-*.so")) else []))
 
 
-def test_second_build_reuses_the_cached_ggml():
-    res = subprocess.run([sys.executable, str(ROOT / "build.py"), *_installed_build_flags()], capture_output=True,
-                         text=True, timeout=600)
+def test_second_build_reuses_the_cached_ggml(tmp_path):
+    """A build of a copy of the checkout (never the checkout itself: a build installs into the tree it runs in, and
+    one without the checkout's backend flags would take its backends out) comes whole from the cache."""
+    root = tmp_path / "checkout"
+    shutil.copytree(PKG, root / "ggml_hybrid", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.so.*"))
+    shutil.copytree(ROOT / "vendor", root / "vendor")
+    shutil.copy2(ROOT / "build.py", root / "build.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_HYBRID_")}  # the flags say it all
+    res = subprocess.run([sys.executable, str(root / "build.py"), *_installed_build_flags()], capture_output=True,
+                         text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr
     assert "GGML up to date" in res.stderr
     # neither CMake nor a compiler ran: the GGML build and the cffi module came from the cache
     assert "$ cmake" not in res.stderr and "compiling cffi module" not in res.stderr
+    # and the copy, which held no compiled file, now holds what the checkout holds, byte for byte
+    built = root / "ggml_hybrid" / "_native"
+    for lib in [*(PKG / "_native").glob("*.so"), *(PKG / "_native" / "lib").glob("*.so*"),
+                *(PKG / "_native" / "backends").glob("*.so")]:
+        copy = built / lib.relative_to(PKG / "_native")
+        assert copy.read_bytes() == lib.read_bytes(), f"{copy} differs from the checkout's"
 
 
 def _copy_package(tmp_path: Path, with_vendor: bool) -> Path:

@@ -46,6 +46,7 @@ from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..placement.devices import open_devices
 from ..placement.layout import CPU, Layout, plan_layout
 from ..serial import Serial
+from ..text.spm import SPMTokenizer
 from ..text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -284,21 +285,34 @@ class LoadedModel:
                 b.set_threads(n, self.options.poll)
         self.threads_now = n
 
-    def pins(self, entry: DecoderGraph) -> list[tuple[Tensor, Backend]]:
-        """Each node's backend: where its weight lives, else its layer's device (attention: its KV's)."""
+    def _weight_homes(self) -> dict[int, Backend]:
+        """The backend of every weight and routed expert tensor, by the address of its struct."""
         addr: Callable[[Tensor], int] = lambda t: int(ffi.cast("uintptr_t", t.ptr))
         lay, home = self.layout, {}
         for name, t in self.weights.items():
             home[addr(t)] = self.backend(lay.tensors.get(name) or lay.tensors["output.weight(tied)"])
         for i, ew in enumerate(self.experts.weights):
-            if ew is None:
-                continue
-            for t in ew.kinds.values():
-                cache_on = self.experts.layer_backends[i]
-                if cache_on is not None:  # a disk layer: the region runs on its cache's device
-                    home[addr(t)] = cache_on
-                else:
-                    home[addr(t)] = self.backend(lay.tensors[t.name])
+            cache_on = self.experts.layer_backends[i]
+            for t in ew.kinds.values() if ew is not None else ():
+                # a disk layer's region runs on its cache's device
+                home[addr(t)] = cache_on if cache_on is not None else self.backend(lay.tensors[t.name])
+        return home
+
+    def _owner_backend(self, entry: DecoderGraph, node: Tensor) -> Backend:
+        """A node without a weight runs on its layer's device (attention: its KV's; the output's; else the host)."""
+        kind, il = entry.owner(node)
+        lay = self.layout
+        if kind == "attn":
+            return self.backend(lay.kv_device[il])
+        if kind == "layer":
+            return self.backend(lay.layer_device[il])
+        if kind == "output":
+            return self.backend(lay.output_device)
+        return self.host
+
+    def pins(self, entry: DecoderGraph) -> list[tuple[Tensor, Backend]]:
+        """Each node's backend: where its weight lives, else its layer's device (attention: its KV's)."""
+        home = self._weight_homes()
         pins = []
         for node in entry.graph.nodes:
             if node.ptr.view_src != ffi.NULL:
@@ -308,20 +322,11 @@ class LoadedModel:
             b = None
             for src in node.src:
                 p = src.ptr
-                base = p.view_src if p.view_src != ffi.NULL else p
-                b = home.get(int(ffi.cast("uintptr_t", base)))
+                b = home.get(int(ffi.cast("uintptr_t", p.view_src if p.view_src != ffi.NULL else p)))
                 if b is not None:
                     break
             if b is None:
-                kind, il = entry.owner(node)
-                if kind == "attn":
-                    b = self.backend(lay.kv_device[il])
-                elif kind == "layer":
-                    b = self.backend(lay.layer_device[il])
-                elif kind == "output":
-                    b = self.backend(lay.output_device)
-                else:
-                    b = self.host
+                b = self._owner_backend(entry, node)
             # an op the chosen backend cannot run is left to the scheduler, which falls back (to the CPU)
             if b.supports(node):
                 pins.append((node, b))
@@ -415,4 +420,83 @@ class LoadedModel:
         self.close()
 
 
-__all__ = ["LoadedModel", "check_context_options", "check_load_arguments", "check_options", "lost_server"]
+class ModelView:
+    """What a session shows of its model, read-only (``session.hp``, ``session.tokenizer``, ...): the attributes
+    ``MoEModel`` always had, now the loaded model's."""
+
+    model: LoadedModel
+
+
+    @property
+    def hp(self) -> HParams:
+        return self.model.hp
+
+    @property
+    def store(self) -> GGUFStore:
+        return self.model.store
+
+    @property
+    def tokenizer(self) -> Tokenizer | SPMTokenizer:
+        return self.model.tokenizer
+
+    @property
+    def layout(self) -> Layout:
+        return self.model.layout
+
+    @property
+    def experts(self) -> ExpertLayers:
+        return self.model.experts
+
+    @property
+    def devices(self) -> dict[str, Backend]:
+        return self.model.devices
+
+    @property
+    def host(self) -> Backend:
+        return self.model.host
+
+    @property
+    def device(self) -> Backend:
+        return self.model.device
+
+    @property
+    def weights(self) -> dict[str, Tensor]:
+        return self.model.weights
+
+    @property
+    def weight_ctxs(self) -> list[tuple[str, Context]]:
+        return self.model.weight_ctxs
+
+    @property
+    def repacked(self) -> set[str]:
+        return self.model.repacked
+
+    @property
+    def repack_types(self) -> set[str]:
+        return self.model.repack_types
+
+    @property
+    def dry_run(self) -> bool:
+        return self.model.dry_run
+
+    @property
+    def counters(self) -> SessionCounters:
+        return self.model.counters
+
+    @property
+    def route_trace(self) -> str | None:
+        return self.model.route_trace
+
+    @property
+    def cpu_experts_active(self) -> bool:
+        return self.model.cpu_experts_active
+
+    def layout_report(self) -> dict[str, Any]:
+        return self.model.layout_report()
+
+    def backend(self, name: str) -> Backend:
+        """The backend of a device name of this session's model (``CPU``: the host backend)."""
+        return self.model.backend(name)
+
+
+__all__ = ["LoadedModel", "ModelView", "check_context_options", "check_load_arguments", "check_options", "lost_server"]

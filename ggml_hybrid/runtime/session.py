@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -36,20 +36,14 @@ from ..ggml.graph import REPACK_GEMM_MIN_ROWS, ROWWISE_REPACK_TYPE, TILED_MIN_RO
 from ..ggml.graph_cache import GraphCache
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
-from ..gguf.store import GGUFStore
 from ..model.decoder import DecoderGraph, build_decoder, context_size, graph_size
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache, SeqRows, rotation_sizes, seq_input
 from ..model.recurrent_state import RecurrentState
 from ..model.rope import positions
 from ..model.step_feed import StepFeed
-from ..moe.expert_layers import ExpertLayers
-from ..moe.stack_session import SessionCounters
 from ..options import OptionError, SessionOptions
-from ..placement.layout import Layout
-from ..text.spm import SPMTokenizer
-from ..text.tokenizer import Tokenizer
-from .loaded_model import LoadedModel, check_context_options, lost_server
+from .loaded_model import LoadedModel, ModelView, check_context_options, lost_server
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per session (one per ubatch shape), least recently used dropped first
@@ -108,7 +102,7 @@ def _pairs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(int(p[0]), int(p[1])) for p in items]
 
 
-class Session:
+class Session(ModelView):
     """A run over ``model`` with ``options`` (default: the model's; see :func:`session_options`)."""
 
     CONTEXT_OPTIONS = CONTEXT_OPTIONS
@@ -236,79 +230,6 @@ class Session:
             raise OptionError("cache_type_v=q8_0 with flash_attn=auto: the backends cannot run flash attention for "
                               "this model, and a quantized V cache needs it")
         return on
-
-    # -- the model's (read-only) ----------------------------------------------
-
-    @property
-    def hp(self) -> HParams:
-        return self.model.hp
-
-    @property
-    def store(self) -> GGUFStore:
-        return self.model.store
-
-    @property
-    def tokenizer(self) -> Tokenizer | SPMTokenizer:
-        return self.model.tokenizer
-
-    @property
-    def layout(self) -> Layout:
-        return self.model.layout
-
-    @property
-    def experts(self) -> ExpertLayers:
-        return self.model.experts
-
-    @property
-    def devices(self) -> dict[str, Backend]:
-        return self.model.devices
-
-    @property
-    def host(self) -> Backend:
-        return self.model.host
-
-    @property
-    def device(self) -> Backend:
-        return self.model.device
-
-    @property
-    def weights(self) -> dict[str, Tensor]:
-        return self.model.weights
-
-    @property
-    def weight_ctxs(self) -> list[tuple[str, Context]]:
-        return self.model.weight_ctxs
-
-    @property
-    def repacked(self) -> set[str]:
-        return self.model.repacked
-
-    @property
-    def repack_types(self) -> set[str]:
-        return self.model.repack_types
-
-    @property
-    def dry_run(self) -> bool:
-        return self.model.dry_run
-
-    @property
-    def counters(self) -> SessionCounters:
-        return self.model.counters
-
-    @property
-    def route_trace(self) -> str | None:
-        return self.model.route_trace
-
-    @property
-    def cpu_experts_active(self) -> bool:
-        return self.model.cpu_experts_active
-
-    def layout_report(self) -> dict[str, Any]:
-        return self.model.layout_report()
-
-    def backend(self, name: str) -> Backend:
-        """The backend of a device name of this session's model (``CPU``: the host backend)."""
-        return self.model.backend(name)
 
     # -- state ----------------------------------------------------------------
 
