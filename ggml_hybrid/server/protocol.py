@@ -353,6 +353,14 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, 
     return out
 
 
+def null_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    """A chunk of a stream whose last chunk brings the usage (``include_usage``): ``"usage": null`` until then, as
+    OpenAI's chunks say."""
+    if include_usage and "usage" not in chunk:
+        chunk["usage"] = None
+    return chunk
+
+
 def timings(r: Request) -> dict[str, float]:
     """llama.cpp's ``timings`` extension (OpenAI clients ignore it): the prompt (from taking a slot to the
     first token, other sequences' steps included) and the decode (first token to the last)."""
@@ -402,5 +410,5 @@ def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict[s
 
 __all__ = ["APIError", "COMPLETION_MAX_TOKENS", "DEFAULTS", "Defaults", "Generation", "MAX_BODY_BYTES", "MAX_CHOICES",
            "MAX_STOP_CHARS", "MAX_STOP_TOTAL", "bad", "chat_request", "choice", "completion_request",
-           "context_overflow", "envelope", "new_id", "now", "parse_json", "prompt_progress", "read_generation",
-           "read_stops", "timings", "usage"]
+           "context_overflow", "envelope", "new_id", "now", "null_usage", "parse_json", "prompt_progress",
+           "read_generation", "read_stops", "timings", "usage"]

@@ -131,6 +131,33 @@ def _calls_in(conversation: list[dict[str, Any]]) -> set[str]:
     return {c["id"] for m in conversation for c in m.get("tool_calls") or [] if isinstance(c, dict)}
 
 
+def _message(it: dict[str, Any], p: str) -> dict[str, Any]:
+    role = it.get("role")
+    if role not in _ROLES:
+        raise bad(f"'{p}.role' must be one of {', '.join(_ROLES)}, got {role!r}.", f"{p}.role")
+    return {"role": role, "content": _text_of(it.get("content"), f"{p}.content", role)}
+
+
+def _function_call(it: dict[str, Any], p: str) -> dict[str, Any]:
+    """A ``function_call`` item as a chat tool call."""
+    call_id, name = it.get("call_id"), it.get("name")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad(f"'{p}.call_id' must be a non-empty string.", f"{p}.call_id")
+    if not isinstance(name, str) or not name:
+        raise bad(f"'{p}.name' must be a non-empty string.", f"{p}.name")
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": _arguments(it.get("arguments"), f"{p}.arguments")}}
+
+
+def _call_output(it: dict[str, Any], p: str, calls: set[str]) -> dict[str, Any]:
+    """A ``function_call_output`` item as a tool message (its call among ``calls``, those before it)."""
+    call_id = it.get("call_id")
+    if not isinstance(call_id, str) or call_id not in calls:
+        raise bad(f"'{p}.call_id': no function_call item with call_id {call_id!r} comes before this output "
+                  "(in 'input' or in the conversation of 'previous_response_id').", f"{p}.call_id")
+    return {"role": "tool", "tool_call_id": call_id, "content": _text_of(it.get("output"), f"{p}.output", "tool")}
+
+
 def read_items(items: Any, before: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``input`` as chat messages; ``before``: the stored conversation it follows (its calls may be answered)."""
     if isinstance(items, str):
@@ -145,30 +172,16 @@ def read_items(items: Any, before: list[dict[str, Any]]) -> list[dict[str, Any]]
             raise bad(f"'{p}' must be an object (an input item).", p)
         kind = it.get("type", "message" if "role" in it else None)
         if kind == "message":
-            role = it.get("role")
-            if role not in _ROLES:
-                raise bad(f"'{p}.role' must be one of {', '.join(_ROLES)}, got {role!r}.", f"{p}.role")
-            out.append({"role": role, "content": _text_of(it.get("content"), f"{p}.content", role)})
+            out.append(_message(it, p))
         elif kind == "function_call":
-            call_id, name = it.get("call_id"), it.get("name")
-            if not isinstance(call_id, str) or not call_id:
-                raise bad(f"'{p}.call_id' must be a non-empty string.", f"{p}.call_id")
-            if not isinstance(name, str) or not name:
-                raise bad(f"'{p}.name' must be a non-empty string.", f"{p}.name")
-            call = {"id": call_id, "type": "function",
-                    "function": {"name": name, "arguments": _arguments(it.get("arguments"), f"{p}.arguments")}}
-            calls.add(call_id)
+            call = _function_call(it, p)
+            calls.add(call["id"])
             if out and out[-1]["role"] == "assistant":  # one assistant turn: its text, then its calls
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            call_id = it.get("call_id")
-            if not isinstance(call_id, str) or call_id not in calls:
-                raise bad(f"'{p}.call_id': no function_call item with call_id {call_id!r} comes before this output "
-                          "(in 'input' or in the conversation of 'previous_response_id').", f"{p}.call_id")
-            out.append({"role": "tool", "tool_call_id": call_id,
-                        "content": _text_of(it.get("output"), f"{p}.output", "tool")})
+            out.append(_call_output(it, p, calls))
         else:
             raise bad(f"'{p}.type': an input item of type {kind!r} is not supported by this server (supported: "
                       f"{', '.join(_ITEM_TYPES)}).", f"{p}.type", "unsupported_parameter")
@@ -277,9 +290,8 @@ def _reasoning(body: dict[str, Any]) -> None:
                   "unsupported_parameter")
 
 
-def read_request(body: dict[str, Any], store: ResponseStore) -> Turn:
-    """The chat request a Responses request amounts to (fields checked: 400 naming the field; an unknown
-    ``previous_response_id``: 404)."""
+def _refused(body: dict[str, Any]) -> None:
+    """A field this server does not implement, unless its value asks for nothing: a 400 naming it."""
     for name in body:
         if name not in _READ and name not in _NOTHING:
             raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
@@ -293,18 +305,29 @@ def read_request(body: dict[str, Any], store: ResponseStore) -> Turn:
             k != "include_obfuscation" or v not in (None, False) for k, v in opts.items())):
         raise bad("'stream_options' is not supported by this server beyond {\"include_obfuscation\": false} (its "
                   "events carry no obfuscation padding).", "stream_options", "unsupported_parameter")
+
+
+def _previous(body: dict[str, Any], store: ResponseStore) -> tuple[str | None, list[dict[str, Any]]]:
+    """``previous_response_id`` and the conversation stored with it (a 404 when it is not stored)."""
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return None, []
+    if not isinstance(prev, str):
+        raise bad("'previous_response_id' must be a string.", "previous_response_id")
+    found = store.get(prev)
+    if found is None:
+        raise not_found(prev, "previous_response_id")
+    return prev, found.conversation
+
+
+def read_request(body: dict[str, Any], store: ResponseStore) -> Turn:
+    """The chat request a Responses request amounts to (fields checked: 400 naming the field; an unknown
+    ``previous_response_id``: 404)."""
+    _refused(body)
     keep = body.get("store", True)
     if not isinstance(keep, bool):
         raise bad("'store' must be a boolean.", "store")
-    before: list[dict[str, Any]] = []
-    prev = body.get("previous_response_id")
-    if prev is not None:
-        if not isinstance(prev, str):
-            raise bad("'previous_response_id' must be a string.", "previous_response_id")
-        found = store.get(prev)
-        if found is None:
-            raise not_found(prev, "previous_response_id")
-        before = found.conversation
+    prev, before = _previous(body, store)
     instructions = _str(body, "instructions")
     conversation = [*before, *read_items(body.get("input"), before)]
     msgs = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
@@ -315,13 +338,9 @@ def read_request(body: dict[str, Any], store: ResponseStore) -> Turn:
             chat[dst] = body[src]
     tools, tools_echo = _tools(body)
     choice, choice_echo = _tool_choice(body)
-    if tools is not None:
-        chat["tools"] = tools
-    if choice is not None:
-        chat["tool_choice"] = choice
     rf, text_echo = _text(body)
-    if rf is not None:
-        chat["response_format"] = rf
+    chat.update({k: v for k, v in (("tools", tools), ("tool_choice", choice), ("response_format", rf))
+                 if v is not None})
     # (the route sets max_output_tokens, temperature and top_p to what the generation runs with: the server's own
     # defaults may apply)
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),

@@ -21,12 +21,13 @@ from .models import ServedModel
 from .protocol import APIError, bad
 from .response_store import ResponseStore
 from .responses import Answer, ResponseEvents, Turn, not_found, read_request, renamed, response_usage, with_ids
-from .routes import Routes, _chat_prompt, _grammar, _too_long, prompt_use
+from .routes import Routes, _chat_prompt, _grammar, _too_long
+from .shapes import prompt_use
 from .tools import Call
 
 
 class ResponsesShape:
-    """A generation answered as a response object, or streamed as its events (routes.Shape)."""
+    """A generation answered as a response object, or streamed as its events (a :class:`.shapes.Shape`)."""
 
     def __init__(self, answer: Answer, sm: ServedModel) -> None:
         self.a, self.sm = answer, sm

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 from sse_starlette import EventSourceResponse
@@ -47,12 +47,14 @@ from .protocol import (
     envelope,
     new_id,
     now,
+    null_usage,
     parse_json,
     prompt_progress,
     timings,
     usage,
 )
 from .settings import ServerSettings
+from .shapes import MessagesEvents, Shape, prompt_use, stream_events
 from .structured import compile_structure, read_structure
 from .tools import (
     Call,
@@ -255,7 +257,7 @@ class Routes:
         n_prompt = sum(len(p) for p in prompts)
         if g.stream:
             if shape is not None:
-                return self.event_stream(self.stream_events(reqs[0], wake, g, sm, shape.events(reqs[0])))
+                return self.event_stream(stream_events(reqs[0], wake, shape.events(reqs[0]), _tool_stream(sm, g)))
             return self.event_stream(self.stream_messages(reqs[0], wake, rid, g, sm) if kind == "messages" else
                                      self.stream(reqs, wake, kind, rid, created, g, n_prompt, sm))
         self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
@@ -374,10 +376,8 @@ class Routes:
     async def stream(self, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str, created: int, g: Generation,
                       n_prompt: int, sm: ServedModel) -> AsyncIterator[dict[str, str]]:
         def event(choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> dict[str, str]:
-            doc = envelope(kind, rid, created, g.model, choices, True, use, sm.fingerprint)
-            if g.include_usage and use is None:
-                doc["usage"] = None  # OpenAI's: every chunk but the usage chunk says null
-            return {"data": json.dumps(doc)}
+            return {"data": json.dumps(null_usage(envelope(kind, rid, created, g.model, choices, True, use,
+                                                           sm.fingerprint), g.include_usage))}
 
         lps = _logprobs_of(sm, kind, g, stream=True)
         calls = None
@@ -399,10 +399,9 @@ class Routes:
                         shown[i] = r.prompt_done
                         empty = choice(kind, i, "", None, True) if kind == "completion" else \
                             {"index": i, "delta": {}, "logprobs": None, "finish_reason": None}
-                        doc = envelope(kind, rid, created, g.model, [empty], True, None, sm.fingerprint)
+                        doc = null_usage(envelope(kind, rid, created, g.model, [empty], True, None, sm.fingerprint),
+                                         g.include_usage)
                         doc["prompt_progress"] = prompt_progress(r)
-                        if g.include_usage:
-                            doc["usage"] = None
                         yield {"data": json.dumps(doc)}
                     pieces = r.take()
                     # a piece's chunk carries the tokens' logprobs that came with it (the last: any still held);
@@ -448,47 +447,7 @@ class Routes:
                         ) -> AsyncIterator[dict[str, str]]:
         """Anthropic's events of one generation (server/anthropic.py's MessageEvents). ``message_start`` waits for the
         request to take a slot: its ``usage`` says how much of the prompt was reused."""
-        return self.stream_events(r, wake, g, sm, _MessagesEvents(anthropic.MessageEvents(rid, g.model), sm))
-
-    async def stream_events(self, r: Request, wake: asyncio.Event, g: Generation, sm: ServedModel, ev: Events
-                            ) -> AsyncIterator[dict[str, str]]:
-        """One generation's events in another API's shape (Anthropic's, the Responses API's): ``ev.start()`` (once the
-        request holds a slot when ``ev.after_slot``), its text as it comes (held where a tool call may begin), then
-        the calls and the end, or an error."""
-        calls = None
-        if g.tools is not None and g.tools.choice != "none":
-            calls = ToolStream(_tool_format(sm), g.tools.tools)
-        try:
-            while ev.after_slot and r.started_at is None and not r.done.is_set():
-                wake.clear()
-                if r.started_at is None and not r.done.is_set():
-                    await wake.wait()  # the engine notifies after each prompt step, and at the end
-            for e in ev.start(r):
-                yield e
-            while True:
-                wake.clear()
-                done = r.done.is_set()
-                for piece in r.take():
-                    for e in ev.text(piece if calls is None else calls.push(piece)):
-                        yield e
-                if done:
-                    break
-                await wake.wait()
-            if r.finish_reason not in ("stop", "length"):
-                msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
-                    "The server shut down before the request finished."
-                for e in ev.error(APIError(500 if r.error else 503, msg)):
-                    yield e
-                return
-            found: list[Call] = []
-            if calls is not None:
-                tail, found = calls.end()
-                for e in ev.text(tail):
-                    yield e
-            for e in ev.end(found, r):
-                yield e
-        finally:
-            _cancel([r])
+        return stream_events(r, wake, MessagesEvents(anthropic.MessageEvents(rid, g.model), sm), _tool_stream(sm, g))
 
     async def not_found(self, request: HTTPRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -504,49 +463,14 @@ class Routes:
                       anthropic.owns(request.url.path, request.headers))
 
 
-class Events(Protocol):
-    """One generation's events in another API's shape (:meth:`Routes.stream_events` drives them)."""
-
-    after_slot: bool  # start() once the request holds a slot (its prompt's reuse is known then)
-
-    def start(self, r: Request) -> list[dict[str, str]]: ...
-    def text(self, piece: str) -> list[dict[str, str]]: ...
-    def end(self, calls: list[Call], r: Request) -> list[dict[str, str]]: ...
-    def error(self, e: APIError) -> list[dict[str, str]]: ...
-
-
-class Shape(Protocol):
-    """One generation answered in another API's shape: the object of a plain answer (``text``: the content beside
-    the ``calls``), the events of a stream."""
-
-    def answer(self, r: Request, text: str, calls: list[Call]) -> dict[str, Any]: ...
-    def events(self, r: Request) -> Events: ...
-
-
-class _MessagesEvents:
-    """Anthropic's MessageEvents as :class:`Events` (with the prompt's reuse in Anthropic's terms)."""
-
-    after_slot = True
-
-    def __init__(self, ev: anthropic.MessageEvents, sm: ServedModel) -> None:
-        self.ev, self.sm = ev, sm
-
-    def start(self, r: Request) -> list[dict[str, str]]:
-        return self.ev.start(prompt_use(self.sm, r))
-
-    def text(self, piece: str) -> list[dict[str, str]]:
-        return self.ev.text(piece)
-
-    def end(self, calls: list[Call], r: Request) -> list[dict[str, str]]:
-        return self.ev.end(calls, r.finish_reason, r.stop_string, prompt_use(self.sm, r), r.completion_tokens)
-
-    def error(self, e: APIError) -> list[dict[str, str]]:
-        return [anthropic.event("error", error=anthropic.error_body(e)["error"])]
-
-
 def _model(name: str, sm: ServedModel) -> dict[str, Any]:
     """OpenAI's model object."""
     return {"id": name, "object": "model", "created": sm.created, "owned_by": "ggml-hybrid"}
+
+
+def _tool_stream(sm: ServedModel, g: Generation) -> ToolStream | None:
+    """A stream's tool-call parser (None without tools)."""
+    return ToolStream(_tool_format(sm), g.tools.tools) if g.tools is not None and g.tools.choice != "none" else None
 
 
 def _parsed(sm: ServedModel, g: Generation, r: Request) -> tuple[str, list[Call]]:
@@ -572,14 +496,6 @@ def _check_forced(g: Generation) -> None:
     if g.tools is not None and g.tools.forced and g.structure is not None:
         raise bad(f"a forced tool call ('tool_choice': {g.tools.choice}) cannot also follow "
                   f"'{g.structure.param}'.", g.structure.param)
-
-
-def prompt_use(sm: ServedModel, r: Request) -> anthropic.PromptUse:
-    """How ``r``'s prompt used the slot's cells (Anthropic's cache figures): reused, and newly left for later
-    requests (up to the last fixed cut: :class:`~ggml_hybrid.runtime.prompt_cache.PromptCache`)."""
-    assert sm.engine is not None
-    kept = sm.engine.cache.last_fixed_cut(r.prompt_tokens) if r.cache_prompt else 0
-    return anthropic.PromptUse(r.prompt_tokens, r.n_reused, max(0, kept - r.n_reused))
 
 
 def _cancel(reqs: list[Request]) -> None:
@@ -678,4 +594,4 @@ def _chat_prompt(sm: ServedModel, g: Generation) -> list[int]:
     return ids
 
 
-__all__ = ["Events", "Routes", "Shape", "chat_text", "prompt_use"]
+__all__ = ["Routes", "chat_text"]
