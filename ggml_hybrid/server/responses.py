@@ -6,7 +6,7 @@ a system message, ``input`` (a string, or items: messages with text parts, ``fun
 ``text.format`` chat's ``response_format``, ``max_output_tokens`` ``max_tokens``; with ``previous_response_id`` the
 stored conversation of that response comes first (:mod:`.response_store`; its instructions are not carried over, as
 OpenAI does). So the model's own template renders it, the same grammars constrain it, the same parsers read calls back
-and the same engine runs it. The answer is a response object (:func:`response_object`: ``output`` items, a
+and the same engine runs it. The answer is a response object (:class:`Answer`: ``output`` items, a
 ``message`` with one ``output_text`` part, then each call as a ``function_call``; ``status`` ``completed``, or
 ``incomplete`` at ``max_output_tokens``; ``usage`` with the prompt tokens reused) or, streamed, its events
 (:class:`ResponseEvents`). A field this server does not implement is refused with a 400 naming it, unless its value
@@ -38,7 +38,7 @@ _NOTHING: dict[str, tuple[Any, ...]] = {
     "image": (None,), "access_programs": (None,), "background_options": (None,), "prompt_cache_options": (None,),
     "prompt_cache_retention": (None,),
 }
-_TOOL_TYPES = "function"  # the built-in tools (web_search, file_search, computer_use, code_interpreter, mcp...): none
+_TOOL_TYPE = "function"  # the only one: no built-in tools (web_search, file_search, computer_use, mcp...)
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
@@ -199,7 +199,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list[dict
     chat, echo = [], []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
-        if kind != _TOOL_TYPES:
+        if kind != _TOOL_TYPE:
             raise bad(f"'tools[{i}].type': {kind!r} tools are not supported by this server: it runs no built-in "
                       "tools (web search, file search, computer use, code interpreter, MCP, image generation, "
                       "shell...); give your own as 'function' tools.", f"tools[{i}].type", "unsupported_parameter")
