@@ -31,9 +31,6 @@ from ggml_hybrid.synthetic import write_model  # noqa: E402
 
 MODEL = "qwen3"
 MAX = 1500  # output tokens: the random model ends its free text long before (median ~80 tokens), a grammar sooner
-# what only helper `tool-calls`' branch (issue 39/40: $defs/$ref in forced calls, tools with response_format) makes work
-AFTER_TOOL_CALLS = "needs the tool-calls branch (issues 39/40): forced calls with $defs/$ref schemas, or a forced " \
-                   "call together with a response format, are refused today"
 
 
 class Forecast(BaseModel):
@@ -164,10 +161,9 @@ def _agent_settings(choice: str):
     return ModelSettings(tool_choice=choice, parallel_tool_calls=False, max_tokens=MAX, temperature=1.0)
 
 
-@pytest.mark.xfail(strict=True, reason=AFTER_TOOL_CALLS)
 def test_openai_agents_with_an_output_type(url):
     agents, agent, calls = _agent(url, model_settings=_agent_settings("required"), output_type=Forecast)
-    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Oslo?", max_turns=6))
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Oslo?", max_turns=16))
     assert calls and isinstance(result.final_output, Forecast)
 
 
@@ -207,7 +203,6 @@ def test_pydantic_ai_a_tool_and_an_output_model(url, kind):
     assert sorted(r.content for r in returns) == sorted(f"sunny in {c}" for c in calls)
 
 
-@pytest.mark.xfail(strict=True, reason=AFTER_TOOL_CALLS)
 @pytest.mark.parametrize("kind", ["responses", "chat"])
 def test_pydantic_ai_a_nested_output_model(url, kind):
     agent, _ = _pydantic_agent(url, kind, NestedForecast)
@@ -243,7 +238,6 @@ def test_instructor_chat_modes(url, mode):
     assert isinstance(out, Forecast)
 
 
-@pytest.mark.xfail(strict=True, reason=AFTER_TOOL_CALLS)
 def test_instructor_responses_tools(url):
     instructor = pytest.importorskip("instructor")
     c = instructor.from_openai(openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300),

@@ -353,6 +353,11 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, 
     return out
 
 
+def model_object(name: str, created: int) -> dict[str, Any]:
+    """OpenAI's model object (``GET /v1/models``, ``/v1/models/{id}``)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "ggml-hybrid"}
+
+
 def null_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
     """A chunk of a stream whose last chunk brings the usage (``include_usage``): ``"usage": null`` until then, as
     OpenAI's chunks say."""
@@ -410,5 +415,5 @@ def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict[s
 
 __all__ = ["APIError", "COMPLETION_MAX_TOKENS", "DEFAULTS", "Defaults", "Generation", "MAX_BODY_BYTES", "MAX_CHOICES",
            "MAX_STOP_CHARS", "MAX_STOP_TOTAL", "bad", "chat_request", "choice", "completion_request",
-           "context_overflow", "envelope", "new_id", "now", "null_usage", "parse_json", "prompt_progress",
-           "read_generation", "read_stops", "timings", "usage"]
+           "context_overflow", "envelope", "model_object", "new_id", "now", "null_usage", "parse_json",
+           "prompt_progress", "read_generation", "read_stops", "timings", "usage"]

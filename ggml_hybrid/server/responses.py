@@ -469,10 +469,10 @@ class ResponseEvents:
                             delta=piece, logprobs=[]))
         return out
 
-    def end(self, calls: list[Call], r: Request) -> list[dict[str, str]]:
+    def end(self, calls: list[Call], finish: str | None, r: Request) -> list[dict[str, str]]:
         calls = with_ids(calls)
         text = "".join(self.text_so_far)
-        obj = self.a.finish(text, calls, r.finish_reason, self.usage_of(r))
+        obj = self.a.finish(text, calls, finish, self.usage_of(r))
         out = []
         items = obj["output"]
         for k, item in enumerate(items):

@@ -23,7 +23,7 @@ from .response_store import ResponseStore
 from .responses import Answer, ResponseEvents, Turn, not_found, read_request, renamed, response_usage, with_ids
 from .routes import Routes, _chat_prompt, _grammar, _too_long
 from .shapes import prompt_use
-from .tools import Call
+from .tools import Reading
 
 
 class ResponsesShape:
@@ -36,8 +36,8 @@ class ResponsesShape:
         use = prompt_use(self.sm, r)
         return response_usage(use.total, r.completion_tokens, use.read, use.created)
 
-    def answer(self, r: Request, text: str, calls: list[Call]) -> dict[str, Any]:
-        return self.a.finish(text, with_ids(calls), r.finish_reason, self.usage(r))
+    def answer(self, r: Request, read: Reading) -> dict[str, Any]:
+        return self.a.finish(read.content, with_ids(read.calls), read.finish, self.usage(r))
 
     def events(self, r: Request) -> ResponseEvents:
         return ResponseEvents(self.a, self.usage)

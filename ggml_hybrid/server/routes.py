@@ -2,13 +2,13 @@
 
 Routes: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions``, Anthropic's ``POST /v1/messages`` (all streamed with ``stream: true``) and
-``POST /v1/messages/count_tokens``, and ``GET /metrics``; OpenAI's Responses API (:mod:`.responses_routes`) generates
-through :meth:`Routes.generate` with a :class:`Shape` of its own. Every error is OpenAI's error object (Anthropic's
-on its paths: :func:`.anthropic.owns`) with a 4xx/5xx status; nothing a client sends takes the server down. With one
-model served, a request may leave ``model`` out or name any model (llama-server's rule); with several, it names one of
-them. A generation is one engine request per choice; the handler waits on them without blocking the event loop (the
-engine thread wakes it), and a client that goes away cancels them, which frees their slots before the engine's next
-step.
+``POST /v1/messages/count_tokens``, and ``GET /metrics``; the Responses API (:mod:`.responses_routes`) generates
+through :meth:`Routes.generate` in a :class:`~.shapes.Shape` of its own. Every error is OpenAI's error object
+(Anthropic's on its paths: :func:`.anthropic.owns`) with a 4xx/5xx status; nothing a client sends takes the server
+down. With one model served, a request may leave ``model`` out or name any model (llama-server's rule); with several,
+it names one of them. A generation is one engine request per choice; the handler waits on them without blocking the
+event loop (the engine thread wakes it), and a client that goes away cancels them, which frees their slots before
+the engine's next step.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .protocol import (
     completion_request,
     context_overflow,
     envelope,
+    model_object,
     new_id,
     now,
     null_usage,
@@ -54,16 +55,19 @@ from .protocol import (
     usage,
 )
 from .settings import ServerSettings
-from .shapes import MessagesEvents, Shape, prompt_use, stream_events
+from .shapes import MessagesEvents, Shape, prompt_use, stream_events, tool_stream
 from .structured import compile_structure, read_structure
 from .tools import (
-    Call,
+    Reading,
     ToolFormat,
     ToolStream,
     chat_message,
+    check_tools,
+    read_calls,
     read_tools,
     stream_calls,
     template_messages,
+    template_tools,
     tool_format,
     tools_grammar,
 )
@@ -137,19 +141,19 @@ class Routes:
             data = [anthropic.model_info(n, sm.created) for n, sm in self.models.names.items()]
             return JSONResponse({"data": data, "first_id": data[0]["id"] if data else None,
                                  "last_id": data[-1]["id"] if data else None, "has_more": False})
-        return JSONResponse({"object": "list", "data": [_model(n, sm) for n, sm in self.models.names.items()]})
+        return JSONResponse({"object": "list",
+                             "data": [model_object(n, sm.created) for n, sm in self.models.names.items()]})
 
     async def get_model(self, request: HTTPRequest) -> Response:
         """``GET /v1/models/{id}``: one model by name or alias (OpenAI's model object; Anthropic's when asked by its
-        client). A name not served is a 404, whatever the number of models (only generation takes any name)."""
+        client); a name not served is a 404, however many models (only generation takes any name)."""
         name = request.path_params["model"]
         sm = self.models.names.get(name)
         if sm is None:
             raise APIError(404, f"The model '{name}' does not exist; GET /v1/models lists the models served.",
                            "model", "model_not_found")
-        if anthropic.owns(request.url.path, request.headers):
-            return JSONResponse(anthropic.model_info(name, sm.created))
-        return JSONResponse(_model(name, sm))
+        return JSONResponse(anthropic.model_info(name, sm.created) if anthropic.owns(request.url.path, request.headers)
+                            else model_object(name, sm.created))
 
     async def metrics(self, request: HTTPRequest) -> Response:
         body, ctype = metrics.render(self.registry)
@@ -220,9 +224,7 @@ class Routes:
         """A chat request body read (the server's defaults applied): the generation, its structured output and its
         tools (400 naming the field). The Responses API's requests are read into one too."""
         g = chat_request(body, self.defaults)
-        g.structure = read_structure(body)
-        g.tools = read_tools(body)
-        _check_forced(g)
+        g.structure, g.tools = read_structure(body), read_tools(body)
         return g
 
     async def messages(self, request: HTTPRequest) -> Response:
@@ -245,7 +247,6 @@ class Routes:
         g.stop = m.stop
         g.tools = read_tools(m.chat)
         g.structure = m.structure
-        _check_forced(g)
         return g, self.resolve(g)
 
     async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
@@ -257,17 +258,25 @@ class Routes:
         n_prompt = sum(len(p) for p in prompts)
         if g.stream:
             if shape is not None:
-                return self.event_stream(stream_events(reqs[0], wake, shape.events(reqs[0]), _tool_stream(sm, g)))
+                return self.event_stream(stream_events(reqs[0], wake, shape.events(reqs[0]),
+                                                       tool_stream(_tool_format(sm), g), self.text_limiter))
             return self.event_stream(self.stream_messages(reqs[0], wake, rid, g, sm) if kind == "messages" else
                                      self.stream(reqs, wake, kind, rid, created, g, n_prompt, sm))
         self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
         try:
             if shape is not None:
                 left = await self.finish(request, reqs, wake)
-                return left if left is not None else JSONResponse(shape.answer(reqs[0], *_parsed(sm, g, reqs[0])))
+                return left or JSONResponse(shape.answer(reqs[0], await self.read(sm, g, reqs[0])))
             return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt, sm)
         finally:
             self.models.end()
+
+    async def read(self, sm: ServedModel, g: Generation, r: Request) -> Reading:
+        """A finished generation's content, calls and finish reason (read off the event loop: the text may be long)."""
+        if g.tools is None or g.tools.choice == "none":
+            return Reading(r.text, [], r.finish_reason)
+        return await anyio.to_thread.run_sync(read_calls, _tool_format(sm), r.text, g.tools.tools, r.finish_reason,
+                                              limiter=self.text_limiter)
 
     def submit(self, sm: ServedModel, g: Generation, prompts: list[list[int]], kind: str,
                grammar: Grammar | None = None) -> tuple[list[Request], asyncio.Event]:
@@ -358,15 +367,17 @@ class Routes:
             return left
         if kind == "messages":
             r = reqs[0]
-            text, found = _parsed(sm, g, r)
-            return JSONResponse(anthropic.message(rid, g.model, text, found, r.finish_reason, r.stop_string,
+            read = await self.read(sm, g, r)
+            return JSONResponse(anthropic.message(rid, g.model, read.content, read.calls, read.finish, r.stop_string,
                                                   prompt_use(sm, r), r.completion_tokens))
         lps = _logprobs_of(sm, kind, g)
         choices = [choice(kind, i, r.text, r.finish_reason, False,
                           logprobs=lps[i](r.take_logprobs()) if lps else None) for i, r in enumerate(reqs)]
         if g.tools is not None and g.tools.choice != "none":
-            fmt = _tool_format(sm)
-            choices = [chat_message(c, fmt, r.text, g.tools.tools) for c, r in zip(choices, reqs)]
+            fmt, tools = _tool_format(sm), g.tools.tools
+            choices = await anyio.to_thread.run_sync(
+                lambda: [chat_message(c, fmt, r.text, tools) for c, r in zip(choices, reqs)],
+                limiter=self.text_limiter)
         use = usage(n_prompt, sum(r.completion_tokens for r in reqs), sum(r.n_reused for r in reqs))
         out = envelope(kind, rid, created, g.model, choices, False, use, sm.fingerprint)
         if len(reqs) == 1:
@@ -395,6 +406,7 @@ class Routes:
                     if i in ended:
                         continue
                     done = r.done.is_set()  # before take(): every piece of a finished request is posted
+                    pieces = r.take()  # before the progress: a token taken means its prompt was done when read
                     if g.return_progress and r.started_at is not None and r.prompt_done > shown[i]:
                         shown[i] = r.prompt_done
                         empty = choice(kind, i, "", None, True) if kind == "completion" else \
@@ -403,7 +415,6 @@ class Routes:
                                          g.include_usage)
                         doc["prompt_progress"] = prompt_progress(r)
                         yield {"data": json.dumps(doc)}
-                    pieces = r.take()
                     # a piece's chunk carries the tokens' logprobs that came with it (the last: any still held);
                     # text a tool call parser holds back goes out later, as content or as the call
                     for k, piece in enumerate(pieces):
@@ -414,15 +425,15 @@ class Routes:
                     if done:
                         ended.add(i)
                         if r.finish_reason in ("stop", "length"):
-                            finish = r.finish_reason
-                            if calls is not None:
-                                tail, found = calls[i].end()
+                            finish: str | None = r.finish_reason
+                            if calls is not None:  # read off the event loop: the text may be long
+                                tail, found, finish = await anyio.to_thread.run_sync(
+                                    calls[i].end, finish, limiter=self.text_limiter)
                                 if tail:
                                     yield event([choice(kind, i, tail, None, True)])
                                 for delta in stream_calls(found):
                                     yield event([{"index": i, "delta": {"tool_calls": [delta]}, "logprobs": None,
                                                   "finish_reason": None}])
-                                finish = "tool_calls" if found else finish
                             lp = lps[i](r.take_logprobs()) if lps else None
                             last = event([choice(kind, i, "", finish, True, logprobs=lp)])
                             if len(reqs) == 1:
@@ -447,7 +458,8 @@ class Routes:
                         ) -> AsyncIterator[dict[str, str]]:
         """Anthropic's events of one generation (server/anthropic.py's MessageEvents). ``message_start`` waits for the
         request to take a slot: its ``usage`` says how much of the prompt was reused."""
-        return stream_events(r, wake, MessagesEvents(anthropic.MessageEvents(rid, g.model), sm), _tool_stream(sm, g))
+        ev = MessagesEvents(anthropic.MessageEvents(rid, g.model), sm)
+        return stream_events(r, wake, ev, tool_stream(_tool_format(sm), g), self.text_limiter)
 
     async def not_found(self, request: HTTPRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -463,23 +475,6 @@ class Routes:
                       anthropic.owns(request.url.path, request.headers))
 
 
-def _model(name: str, sm: ServedModel) -> dict[str, Any]:
-    """OpenAI's model object."""
-    return {"id": name, "object": "model", "created": sm.created, "owned_by": "ggml-hybrid"}
-
-
-def _tool_stream(sm: ServedModel, g: Generation) -> ToolStream | None:
-    """A stream's tool-call parser (None without tools)."""
-    return ToolStream(_tool_format(sm), g.tools.tools) if g.tools is not None and g.tools.choice != "none" else None
-
-
-def _parsed(sm: ServedModel, g: Generation, r: Request) -> tuple[str, list[Call]]:
-    """A finished generation's content and the tool calls in its text (none without tools)."""
-    fmt = _tool_format(sm)
-    found = fmt.calls(r.text, g.tools.tools) if g.tools is not None and g.tools.choice != "none" else []
-    return (fmt.content(r.text) if found else r.text), found
-
-
 def _logprobs_of(sm: ServedModel, kind: str, g: Generation, stream: bool = False
                  ) -> list[Callable[[list[TokenLogprob]], dict[str, Any]]]:
     """Per choice, what turns its tokens' log-probabilities into OpenAI's shape (none without ``logprobs``)."""
@@ -490,12 +485,6 @@ def _logprobs_of(sm: ServedModel, kind: str, g: Generation, stream: bool = False
     if kind == "chat":
         return [lambda e: chat_logprobs(e, token_bytes, stream)] * g.n_choices
     return [CompletionLogprobs(token_bytes) for _ in range(g.n_choices)]
-
-
-def _check_forced(g: Generation) -> None:
-    if g.tools is not None and g.tools.forced and g.structure is not None:
-        raise bad(f"a forced tool call ('tool_choice': {g.tools.choice}) cannot also follow "
-                  f"'{g.structure.param}'.", g.structure.param)
 
 
 def _cancel(reqs: list[Request]) -> None:
@@ -538,13 +527,22 @@ def _tool_format(sm: ServedModel) -> ToolFormat:
 
 
 def _grammar(sm: ServedModel, g: Generation) -> Grammar | None:
-    """The request's grammar compiled for the model's vocabulary: its structure, or its forced tool call."""
+    """The request's grammar compiled for the model's vocabulary: its structure, its forced tool call, or (tools with
+    ``auto`` and a JSON schema) a call or the answer under the schema. A forced call with a ``response_format`` is
+    forced: the format shapes a later answer, after the tool results (compiled all the same: a 400 now if it cannot)."""
     assert sm.model is not None
-    if g.structure is not None:
-        return compile_structure(sm.model.tokenizer, g.structure)
-    if g.tools is not None and g.tools.forced:
-        return tools_grammar(sm.model.tokenizer, _tool_format(sm), g.tools)
-    return None
+    tok = sm.model.tokenizer
+    tools = g.tools if g.tools is not None and g.tools.choice != "none" else None
+    grammar = None if g.structure is None else compile_structure(tok, g.structure)
+    if tools is None:
+        return grammar
+    fmt = _tool_format(sm)
+    check_tools(fmt, tools)
+    if tools.forced:
+        return tools_grammar(tok, fmt, tools)
+    if g.structure is not None and g.structure.kind == "json_schema":
+        return tools_grammar(tok, fmt, tools, answer=g.structure.source)
+    return grammar
 
 
 def chat_text(sm: ServedModel, g: Generation) -> str:
@@ -561,7 +559,7 @@ def chat_text(sm: ServedModel, g: Generation) -> str:
         raise _too_long("the messages' content", chars, sm, "messages")
     extra = {}
     if g.tools is not None and g.tools.choice != "none":
-        extra["tools"] = g.tools.offered()
+        extra["tools"] = template_tools(g.tools)
     try:
         text = sm.template.render(template_messages(g.messages), add_generation_prompt=True,
                                   max_chars=sm.max_prompt_chars, **extra)

@@ -13,11 +13,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+import anyio
+
 from ..runtime.engine import Request
 from . import anthropic
 from .models import ServedModel
-from .protocol import APIError
-from .tools import Call, ToolStream
+from .protocol import APIError, Generation
+from .tools import Call, Reading, ToolFormat, ToolStream
 
 
 class Events(Protocol):
@@ -27,15 +29,15 @@ class Events(Protocol):
 
     def start(self, r: Request) -> list[dict[str, str]]: ...
     def text(self, piece: str) -> list[dict[str, str]]: ...
-    def end(self, calls: list[Call], r: Request) -> list[dict[str, str]]: ...
+    def end(self, calls: list[Call], finish: str | None, r: Request) -> list[dict[str, str]]: ...
     def error(self, e: APIError) -> list[dict[str, str]]: ...
 
 
 class Shape(Protocol):
-    """One generation answered in another API's shape: the object of a plain answer (``text``: the content beside
-    the ``calls``), the events of a stream."""
+    """One generation answered in another API's shape: the object of a plain answer (``read``: its content, calls and
+    finish reason), the events of a stream."""
 
-    def answer(self, r: Request, text: str, calls: list[Call]) -> dict[str, Any]: ...
+    def answer(self, r: Request, read: Reading) -> dict[str, Any]: ...
     def events(self, r: Request) -> Events: ...
 
 
@@ -62,11 +64,16 @@ class MessagesEvents:
     def text(self, piece: str) -> list[dict[str, str]]:
         return self.ev.text(piece)
 
-    def end(self, calls: list[Call], r: Request) -> list[dict[str, str]]:
-        return self.ev.end(calls, r.finish_reason, r.stop_string, prompt_use(self.sm, r), r.completion_tokens)
+    def end(self, calls: list[Call], finish: str | None, r: Request) -> list[dict[str, str]]:
+        return self.ev.end(calls, finish, r.stop_string, prompt_use(self.sm, r), r.completion_tokens)
 
     def error(self, e: APIError) -> list[dict[str, str]]:
         return [anthropic.event("error", error=anthropic.error_body(e)["error"])]
+
+
+def tool_stream(fmt: ToolFormat, g: Generation) -> ToolStream | None:
+    """A stream's tool-call parser in ``fmt`` (None without tools)."""
+    return ToolStream(fmt, g.tools.tools) if g.tools is not None and g.tools.choice != "none" else None
 
 
 async def _slot_taken(r: Request, wake: asyncio.Event) -> None:
@@ -95,11 +102,12 @@ def failure(r: Request) -> APIError:
     return APIError(503, "The server shut down before the request finished.", code="shutting_down")
 
 
-async def stream_events(r: Request, wake: asyncio.Event, ev: Events, calls: ToolStream | None
-                        ) -> AsyncIterator[dict[str, str]]:
-    """The events of one generation (``calls``: its tool-call parser, None without tools): ``ev.start()`` (once the
-    request holds a slot when ``ev.after_slot``), its text as it comes, then the calls and the end, or an error. The
-    request is cancelled when the stream ends early (the client went away)."""
+async def stream_events(r: Request, wake: asyncio.Event, ev: Events, calls: ToolStream | None,
+                        limiter: anyio.CapacityLimiter) -> AsyncIterator[dict[str, str]]:
+    """The events of one generation (``calls``: its tool-call parser, None without tools, whose last reading runs off
+    the event loop under ``limiter``): ``ev.start()`` (once the request holds a slot when ``ev.after_slot``), its text
+    as it comes, then the calls and the end, or an error. The request is cancelled when the stream ends early (the
+    client went away)."""
     try:
         if ev.after_slot:
             await _slot_taken(r, wake)
@@ -112,12 +120,13 @@ async def stream_events(r: Request, wake: asyncio.Event, ev: Events, calls: Tool
             for e in ev.error(failure(r)):
                 yield e
             return
-        tail, found = calls.end() if calls is not None else ("", [])
-        for e in [*ev.text(tail), *ev.end(found, r)]:
+        tail, found, finish = ("", [], r.finish_reason) if calls is None else \
+            await anyio.to_thread.run_sync(calls.end, r.finish_reason, limiter=limiter)  # the text may be long
+        for e in [*ev.text(tail), *ev.end(found, finish, r)]:
             yield e
     finally:
         if not r.done.is_set():
             r.cancel()
 
 
-__all__ = ["Events", "MessagesEvents", "Shape", "failure", "prompt_use", "stream_events"]
+__all__ = ["Events", "MessagesEvents", "Shape", "failure", "prompt_use", "stream_events", "tool_stream"]
