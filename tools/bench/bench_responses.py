@@ -9,7 +9,12 @@ request, measured at the client as a user sees it:
 
 - TTFT: from sending the request to the first text delta (``response.output_text.delta``, a chunk with
   ``delta.content``);
-- decode tok/s: (tokens - 1) / (first text delta to the last).
+- decode tok/s: (tokens - 1) / (first text delta to the last);
+- the server's CPU time per generated token: the server process's user + system time (``/proc/PID/stat``, every
+  thread's, ended ones included) over the request, divided by its tokens. The server runs one request at a time and
+  nothing else, so this is what the request cost it, prompt, decode, HTTP and events together; unlike the wall clock
+  it is not stretched by other processes' load on the machine (its resolution is one clock tick, 10 ms: use ``--n``
+  of a few hundred).
 
 Each round runs A B B A (A: chat, B: responses) with a new prompt (every prompt is shorter than the 512-token cut
 below which nothing is reused from a slot: no request reuses another's prompt); one warm-up round is dropped; medians
@@ -72,6 +77,13 @@ def stream(url: str, path: str, body: dict) -> tuple[float, float, int, str]:
     return first - t0, (n - 1) / (last - first), n, "".join(text)
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far, its ended threads included (fields 14 and 15 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bodies(prompt: str, n: int) -> dict[str, tuple[str, dict]]:
     msg = [{"role": "user", "content": prompt}]
     return {"chat": ("/v1/chat/completions", {"model": "m", "messages": msg, "max_tokens": n, "temperature": 0,
@@ -128,6 +140,7 @@ def main(part: str, model: str, rounds: int, n: int, threads: int, words: int) -
     srv = Server(path, ["-np", "1", "-t", str(threads), "-c", "2048"])
     ttft: dict[str, list[float]] = {"chat": [], "responses": []}
     rate: dict[str, list[float]] = {"chat": [], "responses": []}
+    cpu: dict[str, list[float]] = {"chat": [], "responses": []}
     loads = [os.getloadavg()[0]]
     try:
         for rnd in range(rounds + 1):
@@ -135,28 +148,36 @@ def main(part: str, model: str, rounds: int, n: int, threads: int, words: int) -
             b = bodies(prompt, n)
             seen: dict[str, tuple[int, str]] = {}
             for arm in ("chat", "responses", "responses", "chat"):
+                c0 = cpu_seconds(srv.proc.pid)
                 t, r, k, text = stream(srv.url, *b[arm])
+                c = (cpu_seconds(srv.proc.pid) - c0) / k
                 if arm in seen:
                     assert seen[arm] == (k, text), f"{arm}: greedy gave another answer the second time"
                 seen[arm] = (k, text)
                 if rnd:
                     ttft[arm].append(t)
                     rate[arm].append(r)
+                    cpu[arm].append(c)
             assert seen["chat"] == seen["responses"], "the two APIs generated different tokens"
             loads.append(os.getloadavg()[0])
     finally:
         srv.close()
-    med = {k: (statistics.median(ttft[k]) * 1e3, statistics.median(rate[k])) for k in ttft}
+    med = {k: (statistics.median(ttft[k]) * 1e3, statistics.median(rate[k]), statistics.median(cpu[k]) * 1e3)
+           for k in ttft}
     print(f"\n{rounds} rounds (A B B A, 1 warm-up dropped), {n} tokens at most, threads {threads}, model {model}, "
           f"load average {min(loads):.1f}-{max(loads):.1f}")
-    print("| API | TTFT ms (median) | decode tok/s (median) |")
-    print("| --- | --- | --- |")
-    for k, (t, r) in med.items():
-        print(f"| {k} | {t:.1f} | {r:.1f} |")
-    # per round: the mean of each API's two requests, then their ratio
-    q = sorted(sum(rate["responses"][i:i + 2]) / sum(rate["chat"][i:i + 2]) for i in range(0, len(rate["chat"]), 2))
-    print(f"\nresponses / chat: tok/s {med['responses'][1] / med['chat'][1]:.3f} (pairwise q1..q3 "
-          f"{q[len(q) // 4]:.3f}..{q[3 * len(q) // 4]:.3f}), TTFT {med['responses'][0] / med['chat'][0]:.3f}")
+    print("| API | TTFT ms (median) | decode tok/s (median) | server CPU ms per token (median) |")
+    print("| --- | --- | --- | --- |")
+    for k, (t, r, c) in med.items():
+        print(f"| {k} | {t:.1f} | {r:.1f} | {c:.3f} |")
+    # per round: the sum of each API's two requests, then their ratio
+    def quartiles(d: dict[str, list[float]]) -> str:
+        q = sorted(sum(d["responses"][i:i + 2]) / sum(d["chat"][i:i + 2]) for i in range(0, len(d["chat"]), 2))
+        return f"{q[len(q) // 4]:.3f}..{q[3 * len(q) // 4]:.3f}"
+
+    print(f"\nresponses / chat: tok/s {med['responses'][1] / med['chat'][1]:.3f} (per-round q1..q3 {quartiles(rate)}), "
+          f"TTFT {med['responses'][0] / med['chat'][0]:.3f}, server CPU per token "
+          f"{med['responses'][2] / med['chat'][2]:.3f} (per-round q1..q3 {quartiles(cpu)})")
 
 
 if __name__ == "__main__":
