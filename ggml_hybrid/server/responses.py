@@ -498,6 +498,7 @@ class ResponseEvents:
         return out
 
     def error(self, e: APIError) -> list[dict[str, str]]:
+        e = renamed(e)  # a grammar's fault names the Responses field (text.format, tools)
         code = "server_error" if e.status >= 500 else e.code or "invalid_request_error"
         obj = self.a.obj("failed", [], None, {"code": "server_error", "message": e.message})
         return [self._ev("error", code=code, message=e.message, param=e.param),

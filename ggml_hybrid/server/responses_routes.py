@@ -63,14 +63,14 @@ class ResponsesRoutes:
         body = await self.routes.read_body(request)
         try:
             turn = read_request(body, self.store)
-            g = self.routes.chat_generation(turn.chat)
+            g = await self.routes.chat_generation(turn.chat)
             # what the generation runs with (the server's defaults where the request is silent), as OpenAI repeats it
             turn.echo.update(temperature=g.sampling["temperature"], top_p=g.sampling["top_p"],
                              max_output_tokens=g.max_tokens)
             sm = self.routes.resolve(g)
             _check_length(sm, turn)
             prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.routes.text_limiter)
-            grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.routes.text_limiter)
+            grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.routes.grammar_limiter)
             shape = ResponsesShape(Answer(turn, g.model, self.store), sm)
             return await self.routes.generate(request, sm, g, [prompt], "chat", grammar, shape)
         except APIError as e:

@@ -19,6 +19,7 @@ from ..runtime.engine import Request
 from . import anthropic
 from .models import ServedModel
 from .protocol import APIError, Generation
+from .structured import failure
 from .tools import Call, Reading, ToolFormat, ToolStream
 
 
@@ -95,19 +96,12 @@ async def _pieces(r: Request, wake: asyncio.Event) -> AsyncIterator[str]:
         await wake.wait()
 
 
-def failure(r: Request) -> APIError:
-    """The error of a generation that ended without an answer (it failed, or the server shut down first)."""
-    if r.finish_reason == "error":
-        return APIError(500, f"Generation failed: {r.error}")
-    return APIError(503, "The server shut down before the request finished.", code="shutting_down")
-
-
 async def stream_events(r: Request, wake: asyncio.Event, ev: Events, calls: ToolStream | None,
-                        limiter: anyio.CapacityLimiter) -> AsyncIterator[dict[str, str]]:
+                        grammar_param: str | None, limiter: anyio.CapacityLimiter) -> AsyncIterator[dict[str, str]]:
     """The events of one generation (``calls``: its tool-call parser, None without tools, whose last reading runs off
     the event loop under ``limiter``): ``ev.start()`` (once the request holds a slot when ``ev.after_slot``), its text
-    as it comes, then the calls and the end, or an error. The request is cancelled when the stream ends early (the
-    client went away)."""
+    as it comes, then the calls and the end, or an error (its grammar's fault: a 400 naming ``grammar_param``). The
+    request is cancelled when the stream ends early (the client went away)."""
     try:
         if ev.after_slot:
             await _slot_taken(r, wake)
@@ -117,7 +111,7 @@ async def stream_events(r: Request, wake: asyncio.Event, ev: Events, calls: Tool
             for e in ev.text(piece if calls is None else calls.push(piece)):
                 yield e
         if r.finish_reason not in ("stop", "length"):
-            for e in ev.error(failure(r)):
+            for e in ev.error(failure(r, grammar_param)):
                 yield e
             return
         tail, found, finish = ("", [], r.finish_reason) if calls is None else \
@@ -129,4 +123,4 @@ async def stream_events(r: Request, wake: asyncio.Event, ev: Events, calls: Tool
             r.cancel()
 
 
-__all__ = ["Events", "MessagesEvents", "Shape", "failure", "prompt_use", "stream_events", "tool_stream"]
+__all__ = ["Events", "MessagesEvents", "Shape", "prompt_use", "stream_events", "tool_stream"]
