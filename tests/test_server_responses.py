@@ -520,3 +520,25 @@ def test_a_stream_cut_by_the_server_ends_with_error_and_response_failed(files):
     failed = validated(events[-1]["response"])
     assert failed.status == "failed" and failed.error.code == "server_error"
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_grammar_failure_in_a_stream_names_the_responses_field():
+    """A generation its grammar fails mid-way ends the stream with a 400-class ``error`` event (the shared
+    structured.failure) naming the field as the Responses request names it, not as the chat request it was read into."""
+    from ggml_hybrid.server.protocol import bad
+    from ggml_hybrid.server.response_store import ResponseStore
+    from ggml_hybrid.server.responses import Answer, ResponseEvents, read_request
+
+    store = ResponseStore()
+    turn = read_request({"model": "m", "input": "Go", "stream": True, "text": {"format": {
+        "type": "json_schema", "name": "n", "schema": {"type": "array"}}}}, store)
+    turn.echo.update(temperature=1.0, top_p=1.0, max_output_tokens=16)  # as the route fills them in
+    ev = ResponseEvents(Answer(turn, "m", store), lambda r: {})
+    events = [json.loads(e["data"]) for e in [*ev.start(), *ev.text("q1"), *ev.error(bad(
+        "The generation failed mid-way, its grammar's fault: too many items.", "response_format.json_schema.schema",
+        "invalid_grammar"))]]
+    for e in events:
+        EVENTS.validate_python(e)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "invalid_grammar" and events[-2]["param"] == "text.format.schema", events[-2]
+    assert validated(events[-1]["response"]).status == "failed"

@@ -97,7 +97,7 @@ def events(rounds: int, block: int = 5000) -> None:
     from ggml_hybrid.server.response_store import ResponseStore
     from ggml_hybrid.server.responses import Answer, ResponseEvents, Turn
 
-    ev = ResponseEvents(Answer(Turn({}, [], {}, False), "m", ResponseStore()), 16, lambda: 0)
+    ev = ResponseEvents(Answer(Turn({}, [], {}, False), "m", ResponseStore()), lambda r: {})
     ev.start()
     ev.text(" ")  # the message item is open: every later piece is one delta event
 
