@@ -391,12 +391,7 @@ def test_an_evicted_response_is_a_404_like_an_unknown_one(files):
 
     try:
         assert loaded.wait(60)
-        # the loader thread started the template's renderer process, which ends with that thread (PR_SET_PDEATHSIG):
-        # a render right after the load finds it dying (a 500; reported to the lead with issue 39's branch). Here
-        # the renderers start afresh from the event loop's worker threads (one loop for every request).
-        ms._thread.join(60)
-        ms.render_pool.close()
-        ms.render_pool.reopen()
+        # (the renderer the loader thread started outlives that thread: main's lifeline pipe, not PR_SET_PDEATHSIG)
         asyncio.run(go())
     finally:
         ms.close()
