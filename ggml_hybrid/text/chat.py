@@ -265,8 +265,8 @@ class ChatTemplate:
                max_chars: int = MAX_OUTPUT_CHARS, **extra: Any) -> str:
         """The prompt text of ``messages`` (checked: role and content strings; text parts are joined), at most
         ``max_chars`` characters (:class:`ChatTemplateLimitError` beyond, as beyond the time or memory limits)."""
-        msgs = [normalize_message(m, i) for i, m in enumerate(messages)] if isinstance(messages, (list, tuple)) \
-            else None
+        msgs = developer_as_system([normalize_message(m, i) for i, m in enumerate(messages)]) \
+            if isinstance(messages, (list, tuple)) else None
         if not msgs:
             raise ChatTemplateError(f"messages must be {ROLES_RULE}, with at least one message")
         got = self._call({"op": "render", "source": self.source, "messages": msgs,
@@ -312,4 +312,30 @@ def normalize_message(m: object, i: int) -> dict[str, Any]:
     return out
 
 
-__all__ = ["DEFAULT_TEMPLATE", "RENDER_SECONDS", "ChatTemplate", "RenderPool", "normalize_message", "render_pool"]
+def developer_as_system(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role as the templates know it, the system role: a run of system and developer messages
+    that holds a developer message becomes one system message, their texts joined by a blank line (what OpenAI does
+    for models without a developer role; the families' templates have none, and most drop a role they do not know).
+    Runs without a developer message are left as sent."""
+    out: list[dict[str, Any]] = []
+    run: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if any(m["role"] == "developer" for m in run):
+            out.append({"role": "system", "content": "\n\n".join(m["content"] for m in run)})
+        else:
+            out.extend(run)
+        run.clear()
+
+    for m in msgs:
+        if m["role"] in ("system", "developer"):
+            run.append(m)
+            continue
+        flush()
+        out.append(m)
+    flush()
+    return out
+
+
+__all__ = ["DEFAULT_TEMPLATE", "RENDER_SECONDS", "ChatTemplate", "RenderPool", "developer_as_system",
+           "normalize_message", "render_pool"]
