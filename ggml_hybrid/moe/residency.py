@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from .._native import ffi, lib
 from .executor import ExpertCacheExecutor
+from .layer_cache import LayerExecutor
 from .native_executor import NativeExpertExecutor
 
 
@@ -30,13 +31,14 @@ class Residency:
     held: tuple[int, ...]
 
 
-def residency(executor: ExpertCacheExecutor | NativeExpertExecutor) -> Residency | None:
-    """The cache of ``executor``'s layer now (None: a layer computed from the host tier's frames, without slots)."""
+def residency(executor: LayerExecutor) -> Residency | None:
+    """The cache of ``executor``'s layer now (None: a layer computed from the host tier's frames, without slots, or
+    an executor of neither kind)."""
     if isinstance(executor, ExpertCacheExecutor):
         cache = executor.cache
         return Residency(np.array([cache.reuse_key(e)[0] for e in range(cache.n_experts)], np.int64),
                          tuple(sorted(cache.resident())))
-    if executor.tier_direct:
+    if not isinstance(executor, NativeExpertExecutor) or executor.tier_direct:
         return None
     c = lib.hy_moe_exec_cache(executor.c_user_data)
     n_expert, n_slots = int(c.n_experts), int(c.n_slots)

@@ -35,8 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import ClosedError
-from ..moe.executor import ExpertCacheExecutor
-from ..moe.native_executor import NativeExpertExecutor
+from ..moe.layer_cache import LayerExecutor
 from ..moe.residency import residency
 from .models import ServedModel
 from .protocol import APIError, bad
@@ -73,8 +72,7 @@ def read_view(sm: ServedModel, heatmap: bool) -> dict[str, Any]:
             "heatmap": _heatmap(experts.executors, experts.moe_layers) if heatmap else None}
 
 
-def _heatmap(executors: list[ExpertCacheExecutor | NativeExpertExecutor | None], moe_layers: list[int]
-             ) -> dict[str, Any] | None:
+def _heatmap(executors: list[LayerExecutor | None], moe_layers: list[int]) -> dict[str, Any] | None:
     rows, requests, held, n_expert = [], [], [], 0
     for i, ex in zip(moe_layers, executors):
         r = None if ex is None else residency(ex)

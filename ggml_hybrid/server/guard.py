@@ -19,7 +19,7 @@ unreachable. :func:`protocol_class` gives uvicorn's h11 protocol with:
   and the write after the reset a gone client answers with fails, which ends its generation as for any
   client that leaves (a counted 499). A streamed response's own events do the same.
 
-Request bodies have their own deadline in the app (``BODY_SECONDS``, a 408).
+Request bodies have their own deadline in the app (``body.BODY_SECONDS``, a 408).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
   (with pieces: ``[{"id", "piece"}]``); ``POST /detokenize`` ``{"tokens": [...]}`` -> ``{"content": str}``.
   Bounded as prompts are: a text longer than a sequence's context could hold whatever its tokens (the served model's
   ``max_prompt_chars``), or more ids than ``n_ctx``, is a 400 ``context_length_exceeded`` before any work; the work
-  runs off the event loop, and the memory a long text needed is handed back once it is answered.
+  runs off the event loop, and the memory a long text needed is handed back once it is answered. Their bodies are
+  bounded by the same rule before they are parsed (a 413): parsing holds the event loop for the whole body.
 - ``GET /props``: the model, its context, slots, chat template, session options, sampling defaults.
 - ``GET /slots``: what each slot holds (its state and llama-server's ``is_processing``, the positions its cells
   hold, the prompt tokens a next request may reuse); with ``serve --no-slots``, a 501 as llama-server's.
@@ -18,6 +19,7 @@ it may be left out, and any name is that model (llama-server's rule, :meth:`.rou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -29,11 +31,15 @@ from starlette.routing import Route
 from ..errors import GgmlHybridError
 from ..machine import release_free_memory
 from .models import ServedModel
-from .protocol import APIError, bad, context_overflow
+from .protocol import MAX_BODY_BYTES, APIError, bad, context_overflow
 from .routes import Routes
 
 MAX_TOKENIZE_CHARS = 1 << 22  # a text beyond this is refused before it is tokenized (the body limit is 16 MiB)
 TRIM_AFTER = 1 << 16  # characters of text after which the freed memory is handed back to the system
+# a body's bound where its payload is bounded by the context: the payload's bytes, plus the rest of a body
+BODY_SLACK = 64 << 10  # the model's name, the flags, whitespace
+ID_BYTES = 24  # one token id in JSON: at most 20 digits, a comma and a few spaces
+CHAR_BYTES = 12  # one character of a JSON string at most: a character beyond the BMP escaped as two \u escapes
 POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
 
 
@@ -64,8 +70,16 @@ class InfoRoutes:
             raise bad("'model' must be the name of a model from GET /v1/models.", "model")
         return self.routes.lookup(name)  # 404 for a name not served, 503 while it loads
 
+    def _body_limit(self, per_model: Callable[[ServedModel], int]) -> int:
+        """The most bytes a body may hold when its payload is bounded per model (``per_model``: the largest payload
+        a model served takes, in bytes): the largest over the loaded models, plus the rest of a body. Before any
+        model has loaded, the server-wide bound (the request is refused as the model loads anyway)."""
+        sizes = [per_model(sm) for sm in self.routes.models.models.values() if sm.model is not None]
+        return min(MAX_BODY_BYTES, BODY_SLACK + max(sizes)) if sizes else MAX_BODY_BYTES
+
     async def tokenize(self, request: HTTPRequest) -> Response:
-        body = await self.routes.read_body(request)
+        limit = self._body_limit(lambda sm: sm.max_prompt_chars * CHAR_BYTES)
+        body = await self.routes.read_body(request, limit, " (/tokenize: a text a sequence's context can hold)")
         sm = self.model(body.get("model"))
         content = body.get("content")
         if not isinstance(content, str):
@@ -100,7 +114,8 @@ class InfoRoutes:
         return await anyio.to_thread.run_sync(answer, limiter=self.routes.text_limiter)
 
     async def detokenize(self, request: HTTPRequest) -> Response:
-        body = await self.routes.read_body(request)
+        limit = self._body_limit(lambda sm: sm.model.n_ctx * ID_BYTES if sm.model is not None else 0)
+        body = await self.routes.read_body(request, limit, " (/detokenize: the ids a sequence's context holds)")
         sm = self.model(body.get("model"))
         assert sm.model is not None
         tok = sm.model.tokenizer

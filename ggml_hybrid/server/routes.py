@@ -31,7 +31,7 @@ from ..errors import ChatTemplateError, ChatTemplateLimitError, ClosedError, Con
 from ..runtime.engine import Request
 from ..runtime.grammar import Grammar
 from ..runtime.logprobs import TokenLogprob
-from . import anthropic, metrics
+from . import anthropic, body, metrics
 from .logprobs import CompletionLogprobs, chat_logprobs
 from .logs import log_once, shorten
 from .models import ModelSet, ServedModel
@@ -49,7 +49,6 @@ from .protocol import (
     new_id,
     now,
     null_usage,
-    parse_json,
     prompt_progress,
     timings,
     usage,
@@ -73,7 +72,6 @@ from .tools import (
 )
 
 WAIT_POLL = 0.25  # seconds between disconnect checks of a non-streamed request
-BODY_SECONDS = 30.0  # a request body not received whole within this is refused (408): no drip-fed bodies
 TEXT_THREADS = 4  # prompts tokenized and templates rendered at once (the others wait their turn)
 GRAMMAR_WAITERS = 16  # requests waiting on the grammar compile pool at once (its own threads do the work)
 
@@ -161,26 +159,8 @@ class Routes:
         body, ctype = metrics.render(self.registry)
         return Response(body, media_type=ctype)
 
-    async def read_body(self, request: HTTPRequest) -> dict[str, Any]:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-        chunks: list[bytes] = []
-
-        async def receive() -> None:
-            n = 0
-            async for chunk in request.stream():
-                n += len(chunk)
-                if n > MAX_BODY_BYTES:
-                    raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-                chunks.append(chunk)
-
-        try:
-            await asyncio.wait_for(receive(), BODY_SECONDS)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"The request body did not arrive within {BODY_SECONDS:g} seconds.",
-                           code="request_timeout") from None
-        return parse_json(b"".join(chunks))
+    async def read_body(self, request: HTTPRequest, limit: int = MAX_BODY_BYTES, why: str = "") -> dict[str, Any]:
+        return await body.read_json(request, limit, why)
 
     def lookup(self, name: str) -> ServedModel:
         """The model named ``name``; with one model served, that model whatever the name ("": none given), as
