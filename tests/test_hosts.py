@@ -1,0 +1,190 @@
+"""Several hosts on one machine: a leader and RPC workers in network namespaces, joined by shaped links.
+
+The lab (``tools/netlab.py``, fixtures in ``tests/netns.py``) is checked against the kernel's own view of it (its
+counters, its errors, what a TCP connection measures); the sessions across it against the resident run on the local
+CPU (the oracle of every RPC test: the workers compute with the same CPU kernels), so every expert mode must give the
+same bits over a link with a rate limit and latency as on one machine.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import subprocess
+import sys
+
+import netlab
+import numpy as np
+import pytest
+
+from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+from ggml_hybrid.synthetic import write_model
+
+PROMPT = "Where a layer runs never changes a bit of the logits."
+DELAY_MS = 0.5  # one-way latency of the delayed link (a round trip gains 1 ms)
+CLI = [sys.executable, "-c", "from ggml_hybrid.cli import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hosts")
+    return write_model(d / "m.gguf", n_layer=4, n_expert=8, n_used=2, weight_type="q8_0", seed=31)
+
+
+def _eval_steps(m: MoEModel, tokens: list[int]) -> np.ndarray:
+    """A prompt in two calls, then three one-token steps: prompt graphs and decode graphs."""
+    out = [m.eval(tokens[:5], "all"), m.eval(tokens[5:-3], "all")]
+    out += [m.eval([t], "all") for t in tokens[-3:]]
+    return np.concatenate(out)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    with MoEModel(model, SessionOptions(n_threads=1)) as m:
+        tokens = m.tokenizer.encode(PROMPT)
+        return tokens, _eval_steps(m, tokens)
+
+
+@pytest.fixture(scope="module")
+def hosts(module_labs):
+    """Two workers: RPC0 over a 1 Gbit/s link with 0.5 ms each way, RPC1 over a 10 Gbit/s link."""
+    lab = module_labs(2)
+    lab.links[0].shape("1gbit")
+    lab.links[1].shape("10gbit")
+    lab.start_worker(1, delay_ms=DELAY_MS)
+    lab.start_worker(2)
+    return lab
+
+
+def _session(lab: netlab.Lab, model, *items: str, rpc: str | None = None) -> MoEModel:
+    """A session in the leader's namespace (its connections to the workers are made there)."""
+    with lab.leader.entered():
+        return MoEModel(model, SessionOptions.parse(["n_threads=1", f"rpc={rpc or lab.rpc()}", *items]))
+
+
+# -- the lab itself -------------------------------------------------------------------------------------------
+
+
+def _namespaces() -> set[str]:
+    return {line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+            .stdout.splitlines() if line}
+
+
+def test_a_lab_leaves_nothing_behind_even_when_its_user_fails(make_lab):
+    lab = make_lab(2)
+    names = {lab.leader.name, *(w.name for w in lab.workers)}
+    assert names <= _namespaces()
+    sleeper = lab.workers[0].popen(["sleep", "600"])
+    with pytest.raises(RuntimeError), lab:
+        raise RuntimeError("a test that fails half way")
+    assert not names & _namespaces()
+    assert sleeper.poll() is not None
+
+
+def test_namespaces_of_a_killed_lab_are_removed_by_the_next(make_lab):
+    """A lab whose process was killed before it cleaned up (its pid gone) is removed when another lab starts."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{netlab.PREFIX}{dead.pid}-0-l"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        make_lab(1)
+        assert stale not in _namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+def test_the_leader_reaches_only_its_workers_addresses(make_lab):
+    lab = make_lab(1)
+    with lab.leader.entered():
+        with pytest.raises(ConnectionRefusedError):  # the worker's host answers: nothing listens on that port
+            socket.create_connection((lab.links[0].worker_addr, 9), timeout=5)
+        with pytest.raises(OSError) as e:  # nothing of this machine's network is in the lab
+            socket.create_connection(("192.0.2.1", 9), timeout=5)
+        assert e.value.errno == errno.ENETUNREACH
+    assert lab.leader.run("ip", "-4", "-o", "addr").stdout.count("inet ") == 2  # loopback and w1
+
+
+def test_a_shaped_link_carries_no_more_than_its_rate(make_lab):
+    lab = make_lab(1)
+    lab.links[0].shape("1gbit")
+    assert lab.measure(1, megabytes=32)["gbit_s"] <= 1.05
+
+
+def test_a_dropping_link_drops_that_share_as_the_kernel_counts_it(make_lab):
+    lab = make_lab(1)
+    link = lab.links[0]
+    link.set_drop(0.3)
+    with pytest.raises(OSError):  # 30% each way: a bulk transfer stalls past the measurement's limit
+        lab.measure(1, megabytes=16, pings=0, timeout=5)
+    # the kernel's count of the packets the rule dropped (the first column of its line)
+    rule = next(line for line in link.worker.run("iptables", "-L", "INPUT", "-v", "-x", "-n").stdout.splitlines()
+                if "statistic" in line)
+    assert int(rule.split()[0]) > 0
+    link.set_drop(0.0)
+    assert link.worker.run("iptables", "-S", "INPUT").stdout.strip() == "-P INPUT ACCEPT"
+
+
+def test_a_partition_is_unreachable_until_the_link_heals(make_lab):
+    lab = make_lab(1)
+    link = lab.links[0]
+    link.set_up(False)
+    with lab.leader.entered(), pytest.raises(OSError) as e:
+        socket.create_connection((link.worker_addr, 9), timeout=5)
+    assert e.value.errno == errno.ENETUNREACH
+    link.set_up(True)
+    assert lab.measure(1, megabytes=1, pings=3)["gbit_s"] > 0
+
+
+def test_the_delayed_link_adds_its_latency(make_lab):
+    lab = make_lab(1)
+    lab.start_worker(1, delay_ms=5)
+    assert lab.measure(1, megabytes=1, pings=5)["rtt_ms"] >= 10
+
+
+# -- every expert mode across hosts, bit-identical ----------------------------------------------------------
+
+
+MODES = {
+    "layers split over the workers": ["tensor_split=1,1"],
+    "cache on the delayed worker, share 0": ["split_mode=none", "disk_experts=true", "expert_cache_slots=3"],
+    "cache on the delayed worker, share 0.5": ["split_mode=none", "disk_experts=true", "expert_cache_slots=3",
+                                               "moe_cpu_share=0.5"],
+    "cache on the delayed worker, share auto": ["split_mode=none", "disk_experts=true", "expert_cache_slots=3",
+                                                "moe_cpu_share=auto"],
+    "cache on both workers, share auto": ["tensor_split=1,1", "disk_experts=true", "expert_cache_slots=2",
+                                          "moe_cpu_share=auto"],
+    "host tier on the leader": ["split_mode=none", "disk_experts=true", "expert_cache_slots=2",
+                                "host_tier_bytes=16M"],
+    "python executor on the fast worker": ["devices=RPC1", "disk_experts=true", "expert_cache_slots=3",
+                                           "moe_executor=python", "moe_cpu_share=0.5"],
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_expert_mode_across_hosts_is_bit_identical(model, reference, hosts, mode):
+    tokens, ref = reference
+    with _session(hosts, model, *MODES[mode]) as m:
+        used = {d for d in m.layout.layer_device}
+        got = _eval_steps(m, tokens)
+        c = m.counters.total
+        if "disk_experts=true" in MODES[mode]:
+            assert c.misses > 0 and all(not b.is_cpu for b in m.experts.layer_backends)
+            if "0.5" in mode:
+                assert c.cpu_misses > 0
+            if "host tier" in mode:
+                assert m.experts.tier.counters.misses > 0
+    assert used <= {"RPC0", "RPC1"}
+    assert np.array_equal(got, ref)
+
+
+def test_run_in_the_leader_namespace_prints_what_one_machine_prints(model, hosts):
+    args = ["run", str(model), "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "1"]
+    here = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600)
+    assert here.returncode == 0, here.stderr
+    there = subprocess.run(hosts.leader.cmd(*CLI, *args, "--rpc", hosts.rpc(), "-ts", "1,1"), capture_output=True,
+                           text=True, timeout=600, env={**os.environ})
+    assert there.returncode == 0, there.stderr
+    assert there.stdout == here.stdout and there.stdout.strip()
