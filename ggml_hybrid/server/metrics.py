@@ -7,7 +7,9 @@ slot's cells by prompt reuse, computed), ``generated_tokens``, ``expert_cache_hi
 ``expert_cache_cpu_misses``, ``expert_cache_bytes_loaded``. Gauges: ``model_loaded``, ``slots``,
 ``busy_slots``, ``queue_depth``, ``tokens_per_second`` (generated tokens per second of decode steps
 over the last 10 s), ``moe_cpu_share_applied``, ``hybrid_offload_active`` (0/1) and
-``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute). docs/serve.md lists them.
+``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute), ``model_available`` (0/1:
+0 while the model's RPC worker is lost and the server reconnects) and the counter ``model_reconnects`` (reloads
+after a lost worker). docs/serve.md lists them.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class ServerCollector(Collector):
         cpu_misses = counter("expert_cache_cpu_misses", "Expert cache misses computed by the CPU (moe_cpu_share)")
         loaded = counter("expert_cache_bytes_loaded", "Bytes of experts copied into device slots")
         up = gauge("model_loaded", "1 once the model is loaded and serving")
+        available = gauge("model_available", "0 while the model's RPC worker is lost (the server reconnects)")
+        reconnects = counter("model_reconnects", "Reloads of the model after a lost RPC worker")
         slots = gauge("slots", "Sequence slots (n_parallel)")
         busy = gauge("busy_slots", "Slots holding a request")
         queue = gauge("queue_depth", "Requests waiting for a slot")
@@ -62,6 +66,8 @@ class ServerCollector(Collector):
                                    labels=["model", "device", "purpose"])
         for name, sm in ms.models.items():
             up.add_metric([name], 1.0 if sm.ready else 0.0)
+            available.add_metric([name], 0.0 if sm.unavailable else 1.0)
+            reconnects.add_metric([name], sm.reconnects)
             if sm.engine is None:
                 continue
             st = sm.engine.stats
@@ -85,8 +91,8 @@ class ServerCollector(Collector):
             for dev, purposes in snap.device_memory.items():
                 for purpose, n in purposes.items():
                     memory.add_metric([name, dev, purpose], n)
-        yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, slots,
-                    busy, queue, tps, share, offload, memory)
+        yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, available,
+                    reconnects, slots, busy, queue, tps, share, offload, memory)
 
 
 def registry(models: ModelSet) -> CollectorRegistry:
