@@ -51,6 +51,9 @@ PACKAGE = ROOT / "ggml_hybrid"
 NATIVE = PACKAGE / "_native"
 # The unpatched pin's CPU backend library, for the test that loads it into our ggml-base (--pin-cpu)
 PIN_CPU_DIR = ROOT / "build" / "pin-cpu"
+# The unpatched pin's own RPC server (llama.cpp's rpc-server), for the interop tests and benchmarks (--pin-rpc-server)
+PIN_RPC_DIR = ROOT / "build" / "pin-rpc-server"
+PIN_RPC_SOURCE = "tools/rpc/rpc-server.cpp"  # in the llama.cpp folder that holds the pin's GGML
 # Bump when the way GGML is configured or linked changes, to invalidate caches.
 BUILD_SCHEME = "4"
 
@@ -192,6 +195,12 @@ class Options:
             "-DGGML_OPENMP=OFF", "-DGGML_LLAMAFILE=ON", "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON",
             "-DGGML_NATIVE=OFF", "-DCMAKE_C_FLAGS=-march=native", "-DCMAKE_CXX_FLAGS=-march=native",
             *(f"-DGGML_{f}=OFF" for f in features)]
+
+    def pin_rpc_server_args(self) -> list[str]:
+        """The pin's own RPC server, unpatched, over GGML's CPU backend built as the core's is (for this CPU,
+        llamafile's kernels, no OpenMP), statically linked: what a llama.cpp user's worker runs."""
+        return self.common_args(info.pin_abi_stamp(VENDOR)) + [
+            "-DGGML_OPENMP=OFF", "-DGGML_LLAMAFILE=ON", "-DGGML_NATIVE=ON", "-DGGML_BACKEND_DL=OFF"]
 
     def backend_args(self, name: str) -> list[str]:
         """One optional backend alone, as a library GGML loads at run time (no CPU backend in its tree)."""
@@ -448,18 +457,20 @@ def prepare_source(pin: dict, dest: Path, patches: list[Path] | None) -> None:
 
 
 def build_tree(kind: str, args: list[str], opts: Options, patches: list[Path] | None,
-               targets: tuple[str, ...] = ()) -> Path:
-    """Configure and build GGML with ``args`` (or reuse that build); returns its cache folder, whose
-    ``out/`` holds the shared libraries it made, stripped."""
+               targets: tuple[str, ...] = (), wrapper: Path = VENDOR) -> Path:
+    """Configure and build GGML with ``args`` through the CMake ``wrapper`` folder (or reuse that build); returns its
+    cache folder, whose ``out/`` holds the shared libraries it made, stripped."""
     pin = info.load_pin()
-    where = cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args, patches)}"
+    extra = [] if wrapper == VENDOR else [f"wrapper={_sha256(wrapper / 'CMakeLists.txt')}"]
+    key = ggml_key(args + extra, patches)
+    where = cache_root() / f"{kind}-{pin['ggml_version']}-{key}"
     with _locked(where):
-        _build_tree(where, pin, args, opts, patches, targets)
+        _build_tree(where, pin, args, opts, patches, targets, wrapper)
     return where
 
 
 def _build_tree(where: Path, pin: dict, args: list[str], opts: Options, patches: list[Path] | None,
-                targets: tuple[str, ...]) -> None:
+                targets: tuple[str, ...], wrapper: Path) -> None:
     stamp = where / "DONE"
     if stamp.exists():
         log(f"GGML up to date in {where}")
@@ -471,7 +482,7 @@ def _build_tree(where: Path, pin: dict, args: list[str], opts: Options, patches:
         prepare_source(pin, where / "ggml", patches)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     stage("configuring GGML with CMake")
-    run(["cmake", "-S", str(VENDOR), "-B", str(where / "build"), *generator,
+    run(["cmake", "-S", str(wrapper), "-B", str(where / "build"), *generator,
          f"-DGGML_HYBRID_SOURCE={where / 'ggml'}", *args])
     only = [a for t in targets for a in ("--target", t)]
     stage(f"compiling GGML on {opts.jobs} cores (the first build only; later installs reuse it from {cache_root()})")
@@ -512,6 +523,28 @@ def build_pin_cpu(opts: Options) -> Path:
     if not lib.exists():
         raise SystemExit(f"the pin's CPU build in {where} made no {lib.name}; delete that folder and rebuild")
     return lib
+
+
+def build_pin_rpc_server(opts: Options) -> Path:
+    """The unpatched pin's own ``rpc-server`` (llama.cpp's ``tools/rpc/rpc-server.cpp``, from the pinned archive, as
+    ``ggml-rpc-server``), cached like the other builds: the interop tests run it as a worker of our leader."""
+    pin = info.load_pin()
+    source = cache_root() / "downloads" / f"rpc-server-{pin['version']}.cpp"
+    member = pin["ggml_path"].rstrip("/").rpartition("/")[0] + "/" + PIN_RPC_SOURCE
+    with _locked(source):
+        if not source.exists():
+            with tarfile.open(fetch_archive(pin)) as tar:
+                f = tar.extractfile(member)
+                if f is None:
+                    raise SystemExit(f"{member} is not in {pin['archive']}")
+                source.write_bytes(f.read())
+    wrapper = VENDOR / "rpc-server"
+    where = build_tree("pin-rpc-server", [*opts.pin_rpc_server_args(), f"-DGGML_HYBRID_RPC_SERVER={source}"], opts,
+                       [], targets=("ggml-rpc-server",), wrapper=wrapper)
+    exe = where / "build" / "bin" / "ggml-rpc-server"
+    if not exe.exists():
+        raise SystemExit(f"the pin's rpc-server build in {where} made no {exe.name}; delete that folder and rebuild")
+    return exe
 
 
 def build_backend(name: str, opts: Options) -> Path:
@@ -943,6 +976,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin-cpu", action="store_true",
                     help="also build the CPU backend of the unpatched pin as a loadable library, into "
                          "build/pin-cpu/ (tests/test_pin_backend.py runs the op tests through it)")
+    ap.add_argument("--pin-rpc-server", action="store_true",
+                    help="also build the unpatched pin's own rpc-server (llama.cpp's) into build/pin-rpc-server/ "
+                         "(tests/test_rpc_interop.py runs it as a worker of our leader)")
     ap.add_argument("--abi", action="store_true",
                     help="run the ABI probe (the pin's headers against the patched ones), print its verdict and exit")
     ap.add_argument("--print-cache", action="store_true", help="print the cache folder and exit")
@@ -972,6 +1008,12 @@ def main(argv: list[str] | None = None) -> int:
         dest.parent.mkdir(parents=True, exist_ok=True)
         _replace_file(build_pin_cpu(opts), dest)
         log(f"installed the pin's CPU backend as {dest}")
+    if ns.pin_rpc_server:
+        dest = PIN_RPC_DIR / "ggml-rpc-server"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _replace_file(build_pin_rpc_server(opts), dest)
+        dest.chmod(0o755)
+        log(f"installed the pin's rpc-server as {dest}")
     return 0
 
 

@@ -217,9 +217,16 @@ class Worker:
     extra: tuple[str, ...] = ()
     command: Sequence[str] = field(default_factory=lambda: [sys.executable, "-c",
                                                             "from ggml_hybrid.cli import main; main()"])
+    upstream: Path | None = None  # the pin's own rpc-server (build.py --pin-rpc-server) instead of ggml-hybrid's
     proc: subprocess.Popen[str] | None = None
     proxy: subprocess.Popen[str] | None = None
     log_file: object = None
+
+    def argv(self, host: str) -> list[str]:
+        if self.upstream is not None:  # llama.cpp's flags
+            return [str(self.upstream), "-H", host, "-p", str(RPC_PORT), "-t", str(self.threads), *self.extra]
+        return [*self.command, "rpc-server", "--host", host, "--port", str(RPC_PORT), "--threads", str(self.threads),
+                *self.extra]
 
     @property
     def endpoint(self) -> str:
@@ -230,9 +237,7 @@ class Worker:
         ns = self.link.worker
         host = "127.0.0.1" if self.delay_ms else self.link.worker_addr
         self.log_file = tempfile.TemporaryFile("w+")
-        self.proc = ns.popen([*self.command, "rpc-server", "--host", host, "--port", str(RPC_PORT),
-                              "--threads", str(self.threads), *self.extra],
-                             stdout=self.log_file, stderr=subprocess.STDOUT)
+        self.proc = ns.popen(self.argv(host), stdout=self.log_file, stderr=subprocess.STDOUT)
         if self.delay_ms and (self.proxy is None or self.proxy.poll() is not None):
             self.proxy = ns.popen([sys.executable, str(TOOLS / "delay_proxy.py"), "--listen",
                                    f"{self.link.worker_addr}:{PROXY_PORT}", "--to", f"127.0.0.1:{RPC_PORT}",
@@ -320,18 +325,19 @@ class Lab:
         self.close()
 
     def start_worker(self, index: int, threads: int = 1, delay_ms: float = 0.0, extra: Sequence[str] = (),
-                     command: Sequence[str] | None = None) -> Worker:
-        """``rpc-server`` on worker ``index`` (1-based; behind a proxy of ``delay_ms`` each way when not 0), waited
-        for; its ``--rpc`` item is :attr:`Worker.endpoint`."""
+                     command: Sequence[str] | None = None, upstream: Path | None = None) -> Worker:
+        """``rpc-server`` on worker ``index`` (1-based; behind a proxy of ``delay_ms`` each way when not 0; the pin's
+        own server when ``upstream`` names it), waited for; its ``--rpc`` item is :attr:`Worker.endpoint`."""
         kw = {} if command is None else {"command": list(command)}
-        w = Worker(self.links[index - 1], threads, delay_ms, tuple(extra), **kw)  # type: ignore[arg-type]
+        w = Worker(self.links[index - 1], threads, delay_ms, tuple(extra), upstream=upstream,
+                   **kw)  # type: ignore[arg-type]
         self.servers.append(w)
         return w.start()
 
     def start_workers(self, threads: int = 1, delay_ms: float = 0.0, extra: Sequence[str] = (),
-                      command: Sequence[str] | None = None) -> list[Worker]:
+                      command: Sequence[str] | None = None, upstream: Path | None = None) -> list[Worker]:
         """``rpc-server`` on every worker, each waited for."""
-        return [self.start_worker(link.index, threads, delay_ms, extra, command) for link in self.links]
+        return [self.start_worker(link.index, threads, delay_ms, extra, command, upstream) for link in self.links]
 
     def rpc(self) -> str:
         """The leader's ``--rpc`` value for the workers started."""
