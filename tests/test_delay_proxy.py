@@ -14,11 +14,10 @@ import threading
 import time
 from pathlib import Path
 
+import delay_proxy
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import delay_proxy
 
 PROXY = Path(__file__).resolve().parents[1] / "tools" / "delay_proxy.py"
 

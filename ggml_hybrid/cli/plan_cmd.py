@@ -34,7 +34,7 @@ def _workers(opts: SessionOptions, sizes: list[int] | None, workers: int | None,
     if (workers is None) != (worker_mem is None):
         raise click.UsageError("--rpc-workers and --worker-mem go together (the workers do not exist yet: give "
                                "each one's memory)")
-    if workers is None:
+    if workers is None or worker_mem is None:
         return opts, sizes
     if sizes is not None or opts.rpc is not None or opts.devices is not None:
         raise click.UsageError("--rpc-workers plans the workers' devices: not with --vram, --rpc or -dev")

@@ -196,7 +196,7 @@ class ModelSet:
             for sm in self.models.values():
                 with self._lock:
                     if self._closed:
-                        return
+                        return False
                 t0 = time.perf_counter()
                 try:
                     sm.load(lambda: self._closed, self.render_pool)
