@@ -218,3 +218,50 @@ def test_a_partition_fails_the_call_within_rpc_timeout(model, reference, make_la
     lab.links[1].set_up(True)
     with _session(lab, model) as m:
         assert np.array_equal(_eval_steps(m, tokens), ref)
+
+
+# -- the links measured, and what the automatic share starts from --------------------------------------------
+
+
+def test_devices_report_each_link_as_measured(make_lab):
+    """A link of 100 Mbit/s with 5 ms each way against an unshaped one: the measurement at connect sees the rate
+    limit (never above it) and the latency (never below it), and `devices` says so."""
+    from click.testing import CliRunner
+
+    from ggml_hybrid.cli import main
+    from ggml_hybrid.placement.devices import describe_devices
+
+    lab = make_lab(2)
+    lab.links[0].shape("100mbit")
+    lab.start_worker(1, delay_ms=5)
+    lab.start_worker(2)
+    with lab.leader.entered():
+        rows = describe_devices(SessionOptions.parse([f"rpc={lab.rpc()}"]))
+        r = CliRunner().invoke(main, ["devices", "--rpc", lab.rpc()])
+    slow, fast = rows[0], rows[1]
+    assert slow["link_bytes_per_s"] * 8 <= 100e6 * 1.05 and slow["link_rtt_s"] >= 0.010
+    assert fast["link_bytes_per_s"] > slow["link_bytes_per_s"] and fast["link_rtt_s"] < slow["link_rtt_s"]
+    assert r.exit_code == 0 and r.output.count("Gbit/s, round trip") == 2, r.output
+
+
+@pytest.mark.parametrize("executor", ["native", "python"])
+def test_the_automatic_share_starts_from_the_measured_link(model, make_lab, executor):
+    from ggml_hybrid._native import ffi, lib
+    from ggml_hybrid.ggml import rpc
+    from ggml_hybrid.moe.cpu_share import COEFFICIENTS
+
+    lab = make_lab(1)
+    lab.links[0].shape("100mbit")
+    lab.start_workers()
+    with _session(lab, model, "disk_experts=true", "expert_cache_slots=2", "moe_cpu_share=auto",
+                  f"moe_executor={executor}") as m:
+        link = rpc.link_of(lab.rpc())
+        assert link is not None and link.bytes_per_s * 8 <= 100e6 * 1.05
+        ex = m.experts.executors[0]
+        if executor == "python":
+            estimate = ex.cost.estimate(ex.expert_bytes)["load_per_byte"]
+        else:  # the C model's estimate before any load: its prior
+            out = ffi.new("double[]", len(COEFFICIENTS))
+            lib.hy_cost_estimate(lib.hy_moe_exec_cost_model(ex._exec.ptr), ex.expert_bytes, out)
+            estimate = out[COEFFICIENTS.index("load_per_byte")]
+        assert estimate == 1.0 / link.bytes_per_s  # not the default prior's PCIe bus

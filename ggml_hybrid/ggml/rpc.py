@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import re
 import socket
+import statistics
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .._native import CData, cstr, ffi, lib
 from ..errors import OptionError, RPCError
@@ -152,6 +156,65 @@ def open_device(device: RPCDevice) -> Backend:
     return backend
 
 
+@dataclass(frozen=True)
+class Link:
+    """What the connection to a server carries, as measured when the process first opened a device of it: bytes per
+    second of an upload (:data:`LINK_PROBE_BYTES` to the server, less a round trip) and the round trip of a small
+    read (the median of :data:`LINK_PINGS`)."""
+
+    bytes_per_s: float
+    rtt_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        """The time one upload of ``nbytes`` takes over the link (its round trip and its bytes)."""
+        return self.rtt_s + nbytes / self.bytes_per_s
+
+
+LINK_PROBE_BYTES = 4 << 20
+LINK_PINGS = 5
+_links: dict[str, Link] = {}
+
+
+def measure_link(device: RPCDevice) -> Link:
+    """The :class:`Link` to ``device``'s server, measured once per process and endpoint (a 4 MiB buffer on the
+    server for a moment) and kept: :func:`link_of` gives it to whoever plans loads over it."""
+    known = _links.get(device.endpoint)
+    if known is not None:
+        return known
+    from .context import Context
+
+    backend = open_device(device)
+    ctx = Context(n_tensors=2)
+    try:
+        big = ctx.new_tensor("f32", (LINK_PROBE_BYTES // 4,), "link_probe")
+        small = ctx.new_tensor("f32", (1,), "link_ping")
+        ctx.allocate(backend)
+        small.numpy()  # the buffer is there: the pings that follow are round trips only
+        rtts = []
+        for _ in range(LINK_PINGS):
+            t0 = time.perf_counter()
+            small.numpy()
+            rtts.append(time.perf_counter() - t0)
+        rtt = statistics.median(rtts)
+        data = np.zeros(LINK_PROBE_BYTES // 4, np.float32)
+        t0 = time.perf_counter()
+        big.set(data)
+        small.numpy()  # the reply comes after the upload
+        upload = max(time.perf_counter() - t0 - rtt, 1e-9)
+        if connection_error(device.endpoint):  # the replies read as zeros: nothing was measured
+            raise _fail(device.endpoint, "lost")
+    finally:
+        ctx.close()
+        backend.close()
+    link = _links[device.endpoint] = Link(LINK_PROBE_BYTES / upload, rtt)
+    return link
+
+
+def link_of(endpoint: str | None) -> Link | None:
+    """The measured link to ``endpoint`` (None: not an RPC server's, or not measured in this process)."""
+    return None if endpoint is None else _links.get(endpoint)
+
+
 def lost(backends: Iterable[Backend]) -> RPCError | None:
     """The error of the first of ``backends`` whose RPC connection has failed, or None."""
     for b in backends:
@@ -188,5 +251,6 @@ def serve(endpoint: str, n_threads: int, devices: list[CData], mem: int = 0, unc
     return int(lib.hy_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem, int(unchecked_ops)))
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RPCDevice", "check_buffer", "connection_error", "lost", "open_device",
-           "parse_endpoints", "raise_if_lost", "serve", "server_devices", "set_timeout", "watch_interrupts"]
+__all__ = ["DEFAULT_TIMEOUT_S", "LINK_PROBE_BYTES", "Link", "RPCDevice", "check_buffer", "connection_error",
+           "link_of", "lost", "measure_link", "open_device", "parse_endpoints", "raise_if_lost", "serve",
+           "server_devices", "set_timeout", "watch_interrupts"]

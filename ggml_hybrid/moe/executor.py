@@ -42,6 +42,7 @@ from .._native.cstruct import Counters
 from .._native.status import check_status
 from ..checks import check_real
 from ..errors import CpuShareError, ModelFileError
+from ..ggml import rpc
 from ..ggml.backend import Backend, Buffer
 from ..ggml.context import Arena, Context
 from ..ggml.graph_cache import GraphCache, SharedBuffer
@@ -49,7 +50,7 @@ from ..ggml.regions import RegionCall
 from ..ggml.repack import repack_buffer_type
 from ..ggml.tensor import Tensor
 from ..gguf.store import GGUFStore
-from .cpu_share import COEFFICIENTS, CostModel, MissSplit, split_misses
+from .cpu_share import COEFFICIENTS, CostModel, MissSplit, link_prior, split_misses
 from .cpu_worker import CPUWorker
 from .ffn import ExpertWeights, expert_ffn, weighted_sum
 from .row_graphs import RowGraphs
@@ -263,14 +264,13 @@ class ExpertCacheExecutor:
         self.n_used, self.glu = n_used, glu
         # the CPU share: a fixed fraction of the misses, or "auto" (an online cost model)
         self.worker, self.share, self.host_experts = worker, share, host_experts
-        self.cost = CostModel() if share == "auto" else None
+        self.cost = CostModel(prior=link_prior(rpc.link_of(device.endpoint))) if share == "auto" else None
         self.clock: SyntheticClock | None = None  # set by tests and replays that need repeatable decisions
         # benchmarks on a machine without a bus: each load also waits bytes / bandwidth
         self.simulated_bus = simulated_bus_bytes_per_s
         self.trace = trace  # a TraceWriter shared by the session's layers, or None
         infos = {k: store.info(n) for k, n in names.items()}
-        self.n_expert = infos["down"].shape[0]
-        self.n_embd = infos["down"].shape[1]
+        self.n_expert, self.n_embd = infos["down"].shape[0], infos["down"].shape[1]
         self.n_slots = n_slots
         self.cache = SlotCache(self.n_expert, n_slots, policy)
         self.pad_slot = n_slots  # the extra, zeroed slot that absorbs rows outside a round

@@ -24,11 +24,12 @@ from ..errors import (
     ModelFileError,
     ShapeError,
 )
+from ..ggml import rpc
 from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.ops import GLU_OPS
 from ..gguf.store import GGUFStore
-from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
+from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, link_prior, n_cpu_for_share
 from .executor import LayerCounters, SyntheticClock, allocate_slots
 from .ffn import ExpertWeights
 from .host_tier import HostTier
@@ -155,7 +156,7 @@ class NativeExpertExecutor:
         cfg.device = self.device.ptr
         cfg.scratch = self.scratch.ptr
         cfg.worker = self.worker.ptr if self.worker is not None and self.share != 0.0 else ffi.NULL
-        cost = CostModel()
+        cost = CostModel(prior=link_prior(rpc.link_of(self.device.endpoint)))  # over RPC: the link's rate
         if self.worker is None or self.share == 0.0:
             cfg.share_mode = lib.HY_SHARE_NONE
         elif self.share == "auto":
