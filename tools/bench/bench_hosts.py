@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""A model split over two RPC workers on emulated hosts (tools/netlab.py), at each link shape: ggml-hybrid's leader
+against the pinned llama.cpp's own RPC client on the same namespaces, model and split; and the expert cache on a
+remote device over the slow link with moe_cpu_share auto against 0 and 1. Root (network namespaces).
+
+Part 1, per link shape (1, 10 and 25 Gbit/s rate limits, and 1 Gbit/s with 0.5 ms each way): two workers running
+ggml-hybrid's rpc-server (1 thread each), every layer offloaded, split 1:1 (``-ts 1,1``); the leader (1 thread) in
+its own namespace evaluates a prompt of ``--prompt`` tokens in one call, then ``--decode`` greedy tokens one call
+each. Ours: ``MoEModel``; llama.cpp: llama-cpp-python 0.3.36 (``--llama-python``, built with GGML_RPC=on), devices
+added as llama.cpp's ``--rpc`` adds them. Each side is a fresh process per round (weights uploaded, then
+``--reps`` timed repetitions); rounds alternate (ours, llama.cpp, llama.cpp, ours, ...). Medians; both sides must
+pick the same greedy tokens.
+
+Part 2, the slow link (1 Gbit/s, 0.5 ms each way), one worker: the routed experts from the leader's file through an
+expert cache of ``--slots`` slots on the worker's device (``split_mode=none``), moe_cpu_share 0, 1 and auto, and the
+layers resident on the worker (no cache): prompt and decode tok/s, alternating rounds, medians.
+
+    python tools/bench/bench_hosts.py --llama-python /opt/llref/bin/python [--rounds 2] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOOLS = HERE.parent
+SHAPES = [("1gbit", 0.0), ("10gbit", 0.0), ("25gbit", 0.0), ("1gbit", 0.5)]
+SHARES = {"resident": [], "cache, share 0": ["moe_cpu_share=0"], "cache, share 1": ["moe_cpu_share=1"],
+          "cache, share auto": ["moe_cpu_share=auto"]}
+
+
+# -- the sides (each a process in the leader's namespace; prints one JSON line) -----------------------------------
+
+
+def side_ours(ns: argparse.Namespace) -> dict:
+    import numpy as np
+
+    from ggml_hybrid.options import SessionOptions
+    from ggml_hybrid.runtime.moe_model import MoEModel
+
+    opts = SessionOptions.parse(["n_threads=1", f"rpc={ns.rpc}", *ns.opt])
+    with MoEModel(ns.model, opts) as m:
+        prompt = list(range(10, 10 + ns.prompt))
+        out: dict = {"prompt_s": [], "decode_s": [], "tokens": []}
+        for _ in range(ns.reps):
+            m.reset()
+            t0 = time.perf_counter()
+            logits = m.eval(prompt, "last")
+            out["prompt_s"].append(time.perf_counter() - t0)
+            toks = [int(np.argmax(logits[-1]))]
+            t0 = time.perf_counter()
+            for _ in range(ns.decode - 1):
+                toks.append(int(np.argmax(m.eval([toks[-1]], "last")[-1])))
+            out["decode_s"].append(time.perf_counter() - t0)
+            out["tokens"] = toks
+        return out
+
+
+def side_llama(ns: argparse.Namespace) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    sys.path.insert(0, str(TOOLS))
+    from llama_reference import add_rpc_devices
+
+    add_rpc_devices(ns.rpc)
+    llm = Llama(ns.model, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1, n_gpu_layers=-1,
+                tensor_split=[1.0, 1.0], flash_attn=False, verbose=False)  # ggml-hybrid's defaults
+    prompt = list(range(10, 10 + ns.prompt))
+    out: dict = {"prompt_s": [], "decode_s": [], "tokens": []}
+    for _ in range(ns.reps):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        out["prompt_s"].append(time.perf_counter() - t0)
+        toks = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        t0 = time.perf_counter()
+        for _ in range(ns.decode - 1):
+            llm.eval([toks[-1]])
+            toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        out["decode_s"].append(time.perf_counter() - t0)
+        out["tokens"] = toks
+    return out
+
+
+# -- the driver ------------------------------------------------------------------------------------------------------
+
+
+def _run(lab, exe: str, side: str, ns: argparse.Namespace, rpc: str, opts: list[str]) -> dict:
+    cmd = [exe, str(Path(__file__)), "--side", side, "--model", ns.model, "--rpc", rpc, "--prompt", str(ns.prompt),
+           "--decode", str(ns.decode), "--reps", str(ns.reps), *[a for o in opts for a in ("--opt", o)]]
+    r = subprocess.run(lab.leader.cmd(*cmd), capture_output=True, text=True, timeout=1800,
+                       env={**os.environ, "PYTHONPATH": str(TOOLS)})
+    if r.returncode != 0:
+        raise SystemExit(f"{side} failed: {r.stderr[-3000:]}")
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def _rates(results: list[dict], ns: argparse.Namespace) -> tuple[float, float]:
+    prompt = statistics.median(t for r in results for t in r["prompt_s"])
+    decode = statistics.median(t for r in results for t in r["decode_s"])
+    return ns.prompt / prompt, (ns.decode - 1) / decode
+
+
+def part1(ns: argparse.Namespace) -> None:
+    import netlab
+
+    print(f"part 1: split 1:1 over two workers; prompt {ns.prompt} tokens, decode {ns.decode}; load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    for rate, delay in SHAPES:
+        with netlab.Lab(2) as lab:
+            for link in lab.links:
+                link.shape(rate)
+            for i in (1, 2):
+                lab.start_worker(i, delay_ms=delay)
+            m = lab.measure(1, megabytes=16, pings=20)
+            runs: dict[str, list[dict]] = {"ours": [], "llama.cpp": []}
+            for k in range(ns.rounds):
+                order = [("ours", sys.executable), ("llama.cpp", ns.llama_python)]
+                for side, exe in (order if k % 2 == 0 else order[::-1]):
+                    runs[side].append(_run(lab, exe, "ours" if side == "ours" else "llama", ns, lab.rpc(),
+                                           ["tensor_split=1,1"] if side == "ours" else []))
+            same = runs["ours"][0]["tokens"] == runs["llama.cpp"][0]["tokens"]
+            (op, od), (lp, ld) = _rates(runs["ours"], ns), _rates(runs["llama.cpp"], ns)
+            print(f"{rate}{f' +{delay} ms' if delay else ''} (measured {m['gbit_s']:.2f} Gbit/s, rtt "
+                  f"{m['rtt_ms']:.2f} ms): prompt ours {op:.1f} tok/s, llama.cpp {lp:.1f} ({op / lp:.2f}x); decode "
+                  f"ours {od:.1f} tok/s, llama.cpp {ld:.1f} ({od / ld:.2f}x); same tokens: {same}; load "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+
+
+def part2(ns: argparse.Namespace) -> None:
+    import netlab
+
+    print(f"part 2: one worker over 1gbit + 0.5 ms; {ns.slots} cache slots; load {os.getloadavg()[0]:.1f}",
+          flush=True)
+    with netlab.Lab(1) as lab:
+        lab.links[0].shape("1gbit")
+        lab.start_worker(1, delay_ms=0.5)
+        runs: dict[str, list[dict]] = {k: [] for k in SHARES}
+        cache = ["split_mode=none", "disk_experts=true", f"expert_cache_slots={ns.slots}"]
+        for k in range(ns.rounds):
+            names = list(SHARES) if k % 2 == 0 else list(SHARES)[::-1]
+            for name in names:
+                opts = ["split_mode=none"] if name == "resident" else cache + SHARES[name]
+                runs[name].append(_run(lab, sys.executable, "ours", ns, lab.rpc(), opts))
+        tokens = {tuple(r[0]["tokens"]) for r in runs.values()}
+        for name, rs in runs.items():
+            p, d = _rates(rs, ns)
+            print(f"{name}: prompt {p:.1f} tok/s, decode {d:.1f} tok/s", flush=True)
+        print(f"same tokens in every mode: {len(tokens) == 1}; load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--side", choices=["ours", "llama"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rpc", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--opt", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="the model (default: a generated qwen3moe, q8_0)")
+    ap.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python 0.3.36 (GGML_RPC=on)")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=17)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--part", choices=["1", "2", "both"], default="both")
+    ns = ap.parse_args()
+    if ns.side is not None:
+        print(json.dumps(side_ours(ns) if ns.side == "ours" else side_llama(ns)))
+        return 0
+    sys.path.insert(0, str(TOOLS))
+    if ns.model is None:
+        from ggml_hybrid.synthetic import write_model
+
+        ns.model = str(write_model("/tmp/bench_hosts.gguf", n_layer=8, n_embd=512, n_expert=16, n_used=2,
+                                   weight_type="q8_0", seed=5))
+    print(f"model {ns.model} ({Path(ns.model).stat().st_size / 2**20:.1f} MiB)", flush=True)
+    if ns.part in ("1", "both"):
+        if ns.llama_python is None:
+            raise SystemExit("part 1 needs --llama-python")
+        part1(ns)
+    if ns.part in ("2", "both"):
+        part2(ns)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
