@@ -78,7 +78,6 @@ PY_FUNCTIONS: dict[str, dict[str, int]] = {
     "ggml_hybrid/server/routes.py:Routes.stream": {"C901": 18, "PLR0912": 18, "PLR0915": 55},
     "ggml_hybrid/server/routes.py:Routes.stream_messages": {"C901": 13, "PLR0912": 13},
     "ggml_hybrid/server/routes.py:Routes.wait": {"PLR0913": 9},
-    "ggml_hybrid/server/tools.py:read_tools": {"C901": 17, "PLR0912": 16},
     "ggml_hybrid/synthetic/spec.py:ModelSpec.check": {"C901": 19, "PLR0912": 18},
     "ggml_hybrid/synthetic/writer.py:_first_three": {"C901": 14, "PLR0915": 62},
     "ggml_hybrid/synthetic/writer.py:_hybrid": {"PLR0915": 58},

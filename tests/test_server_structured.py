@@ -270,7 +270,6 @@ BAD = [
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice.function.name"),
     (dict(tools=TOOLS, tool_choice="always"), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),
-    (dict(tools=TOOLS, tool_choice="required", json_schema={"type": "string"}), "json_schema"),
     (dict(functions=[{"name": "f"}]), "functions"),
     (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
                                                                                         "arguments": "{nope"}}]}]),

@@ -22,7 +22,14 @@ from ggml_hybrid.errors import GrammarError  # noqa: E402
 from ggml_hybrid.gguf.store import GGUFStore  # noqa: E402
 from ggml_hybrid.runtime.grammar import MAX_GRAMMAR_CHARS, Grammar, closed_schema  # noqa: E402
 from ggml_hybrid.runtime.sampling import Sampler  # noqa: E402
-from ggml_hybrid.server.tools import FORMATS, ToolRequest, ToolStream, template_messages, tool_format  # noqa: E402
+from ggml_hybrid.server.tools import (  # noqa: E402
+    FORMATS,
+    ToolRequest,
+    ToolStream,
+    template_messages,
+    tool_format,
+    tools_grammar,
+)
 from ggml_hybrid.synthetic import write_model  # noqa: E402
 from ggml_hybrid.text.chat import ChatTemplate  # noqa: E402
 from ggml_hybrid.text.tokenizer import Tokenizer  # noqa: E402
@@ -252,7 +259,7 @@ def test_calls_the_template_writes_parse_back(fmt):
 def test_forced_calls_always_parse(tok, fmt, choice):
     f = next(x for x in FORMATS if x.name == fmt)
     req = ToolRequest(TOOLS, choice, "add" if choice == "named" else None, parallel=False)
-    g = Grammar.lark(tok, f.forced(req.offered(), False))
+    g = tools_grammar(tok, f, req)
     names = set()
     for seed in range(6):
         text, ended = draw(tok, g, seed)
@@ -271,12 +278,12 @@ def test_forced_calls_always_parse(tok, fmt, choice):
 @pytest.mark.parametrize("fmt", ["hermes", "mistral", "deepseek"])
 def test_forced_parallel_calls(tok, fmt):
     f = next(x for x in FORMATS if x.name == fmt)
-    g = Grammar.lark(tok, f.forced(TOOLS, True))
+    g = tools_grammar(tok, f, ToolRequest(TOOLS, "required", None, parallel=True))
     counts = []
     for seed in range(6):
         text, ended = draw(tok, g, seed, limit=6000)
         if ended:
-            calls = f.parse(text)
+            calls = f.calls(text, TOOLS)
             assert calls, text
             counts.append(len(calls))
     assert counts
@@ -291,11 +298,11 @@ def test_streamed_content_is_the_unstreamed_content(pieces):
     for text_pieces in (pieces, pieces + [tail[:7], tail[7:]]):
         s = ToolStream(f, TOOLS)
         sent = "".join(s.push(p) for p in text_pieces)
-        rest, calls = s.end()
+        rest, calls, _ = s.end()
         text = "".join(text_pieces)
-        want = f.content(text) if f.parse(text) else text
+        want = f.content(text) if f.calls(text, TOOLS) else text
         assert sent + rest == want
-        assert [c.name for c in calls] == [c.name for c in f.parse(text)]
+        assert [c.name for c in calls] == [c.name for c in f.calls(text, TOOLS)]
 
 
 def test_forced_markers_that_are_control_tokens(tok, tmp_path):
@@ -303,8 +310,6 @@ def test_forced_markers_that_are_control_tokens(tok, tmp_path):
     writes that token (llguidance never matches a control token to plain text), and the call parses."""
     import gguf
     from helpers import rewrite_gguf
-
-    from ggml_hybrid.server.tools import tools_grammar
 
     src = tmp_path / "base.gguf"
     write_model(src, arch="qwen3moe", weight_type="q8_0", seed=4)

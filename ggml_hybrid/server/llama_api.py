@@ -135,10 +135,10 @@ class LlamaRoutes:
                     if i in ended:
                         continue
                     done = r.done.is_set()  # before take(): every piece of a finished request is posted
+                    text = "".join(r.take())  # before the progress: a token taken means its prompt was done
                     if answer.g.return_progress and r.started_at is not None and r.prompt_done > shown[i]:
                         shown[i] = r.prompt_done
                         yield _data({**answer.partial(i, r, "", []), "prompt_progress": prompt_progress(r)})
-                    text = "".join(r.take())
                     if text:
                         toks = r.tokens[sent[i]:]
                         sent[i] += len(toks)

@@ -54,12 +54,16 @@ from .settings import ServerSettings
 from .structured import compile_structure, read_structure
 from .tools import (
     Call,
+    Reading,
     ToolFormat,
     ToolStream,
     chat_message,
+    check_tools,
+    read_calls,
     read_tools,
     stream_calls,
     template_messages,
+    template_tools,
     tool_format,
     tools_grammar,
 )
@@ -195,7 +199,6 @@ class Routes:
         g = chat_request(body, self.defaults)
         g.structure = read_structure(body)
         g.tools = read_tools(body)
-        _check_forced(g)
         sm = self.resolve(g)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
@@ -221,7 +224,6 @@ class Routes:
         g.stop = m.stop
         g.tools = read_tools(m.chat)
         g.structure = m.structure
-        _check_forced(g)
         return g, self.resolve(g)
 
     async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
@@ -327,17 +329,20 @@ class Routes:
             return left
         if kind == "messages":
             r = reqs[0]
-            fmt = _tool_format(sm)
-            found = fmt.calls(r.text, g.tools.tools) if g.tools is not None and g.tools.choice != "none" else []
-            text = fmt.content(r.text) if found else r.text
-            return JSONResponse(anthropic.message(rid, g.model, text, found, r.finish_reason, r.stop_string,
+            read = Reading(r.text, [], r.finish_reason)
+            if g.tools is not None and g.tools.choice != "none":  # read off the event loop: the text may be long
+                read = await anyio.to_thread.run_sync(read_calls, _tool_format(sm), r.text, g.tools.tools,
+                                                      r.finish_reason, limiter=self.text_limiter)
+            return JSONResponse(anthropic.message(rid, g.model, read.content, read.calls, read.finish, r.stop_string,
                                                   _prompt_use(sm, r), r.completion_tokens))
         lps = _logprobs_of(sm, kind, g)
         choices = [choice(kind, i, r.text, r.finish_reason, False,
                           logprobs=lps[i](r.take_logprobs()) if lps else None) for i, r in enumerate(reqs)]
         if g.tools is not None and g.tools.choice != "none":
-            fmt = _tool_format(sm)
-            choices = [chat_message(c, fmt, r.text, g.tools.tools) for c, r in zip(choices, reqs)]
+            fmt, tools = _tool_format(sm), g.tools.tools
+            choices = await anyio.to_thread.run_sync(
+                lambda: [chat_message(c, fmt, r.text, tools) for c, r in zip(choices, reqs)],
+                limiter=self.text_limiter)
         use = usage(n_prompt, sum(r.completion_tokens for r in reqs), sum(r.n_reused for r in reqs))
         out = envelope(kind, rid, created, g.model, choices, False, use)
         if len(reqs) == 1:
@@ -365,6 +370,7 @@ class Routes:
                     if i in ended:
                         continue
                     done = r.done.is_set()  # before take(): every piece of a finished request is posted
+                    pieces = r.take()  # before the progress: a token taken means its prompt was done when read
                     if g.return_progress and r.started_at is not None and r.prompt_done > shown[i]:
                         shown[i] = r.prompt_done
                         empty = choice(kind, i, "", None, True) if kind == "completion" else \
@@ -372,7 +378,6 @@ class Routes:
                         doc = envelope(kind, rid, created, g.model, [empty], True)
                         doc["prompt_progress"] = prompt_progress(r)
                         yield {"data": json.dumps(doc)}
-                    pieces = r.take()
                     # a piece's chunk carries the tokens' logprobs that came with it (the last: any still held);
                     # text a tool call parser holds back goes out later, as content or as the call
                     for k, piece in enumerate(pieces):
@@ -383,15 +388,15 @@ class Routes:
                     if done:
                         ended.add(i)
                         if r.finish_reason in ("stop", "length"):
-                            finish = r.finish_reason
-                            if calls is not None:
-                                tail, found = calls[i].end()
+                            finish: str | None = r.finish_reason
+                            if calls is not None:  # read off the event loop: the text may be long
+                                tail, found, finish = await anyio.to_thread.run_sync(
+                                    calls[i].end, finish, limiter=self.text_limiter)
                                 if tail:
                                     yield event([choice(kind, i, tail, None, True)])
                                 for delta in stream_calls(found):
                                     yield event([{"index": i, "delta": {"tool_calls": [delta]}, "logprobs": None,
                                                   "finish_reason": None}])
-                                finish = "tool_calls" if found else finish
                             lp = lps[i](r.take_logprobs()) if lps else None
                             last = event([choice(kind, i, "", finish, True, logprobs=lp)])
                             if len(reqs) == 1:
@@ -443,11 +448,12 @@ class Routes:
                     "error"])
                 return
             found: list[Call] = []
-            if calls is not None:
-                tail, found = calls.end()
+            finish: str | None = r.finish_reason
+            if calls is not None:  # read off the event loop: the text may be long
+                tail, found, finish = await anyio.to_thread.run_sync(calls.end, finish, limiter=self.text_limiter)
                 for e in ev.text(tail):
                     yield e
-            for e in ev.end(found, r.finish_reason, r.stop_string, _prompt_use(sm, r), r.completion_tokens):
+            for e in ev.end(found, finish, r.stop_string, _prompt_use(sm, r), r.completion_tokens):
                 yield e
         finally:
             _cancel([r])
@@ -476,12 +482,6 @@ def _logprobs_of(sm: ServedModel, kind: str, g: Generation, stream: bool = False
     if kind == "chat":
         return [lambda e: chat_logprobs(e, token_bytes, stream)] * g.n_choices
     return [CompletionLogprobs(token_bytes) for _ in range(g.n_choices)]
-
-
-def _check_forced(g: Generation) -> None:
-    if g.tools is not None and g.tools.forced and g.structure is not None:
-        raise bad(f"a forced tool call ('tool_choice': {g.tools.choice}) cannot also follow "
-                  f"'{g.structure.param}'.", g.structure.param)
 
 
 def _prompt_use(sm: ServedModel, r: Request) -> anthropic.PromptUse:
@@ -532,13 +532,22 @@ def _tool_format(sm: ServedModel) -> ToolFormat:
 
 
 def _grammar(sm: ServedModel, g: Generation) -> Grammar | None:
-    """The request's grammar compiled for the model's vocabulary: its structure, or its forced tool call."""
+    """The request's grammar compiled for the model's vocabulary: its structure, its forced tool call, or (tools with
+    ``auto`` and a JSON schema) a call or the answer under the schema. A forced call with a ``response_format`` is
+    forced: the format shapes a later answer, after the tool results (compiled all the same: a 400 now if it cannot)."""
     assert sm.model is not None
-    if g.structure is not None:
-        return compile_structure(sm.model.tokenizer, g.structure)
-    if g.tools is not None and g.tools.forced:
-        return tools_grammar(sm.model.tokenizer, _tool_format(sm), g.tools)
-    return None
+    tok = sm.model.tokenizer
+    tools = g.tools if g.tools is not None and g.tools.choice != "none" else None
+    grammar = None if g.structure is None else compile_structure(tok, g.structure)
+    if tools is None:
+        return grammar
+    fmt = _tool_format(sm)
+    check_tools(fmt, tools)
+    if tools.forced:
+        return tools_grammar(tok, fmt, tools)
+    if g.structure is not None and g.structure.kind == "json_schema":
+        return tools_grammar(tok, fmt, tools, answer=g.structure.source)
+    return grammar
 
 
 def chat_text(sm: ServedModel, g: Generation) -> str:
@@ -555,7 +564,7 @@ def chat_text(sm: ServedModel, g: Generation) -> str:
         raise _too_long("the messages' content", chars, sm, "messages")
     extra = {}
     if g.tools is not None and g.tools.choice != "none":
-        extra["tools"] = g.tools.offered()
+        extra["tools"] = template_tools(g.tools)
     try:
         text = sm.template.render(template_messages(g.messages), add_generation_prompt=True,
                                   max_chars=sm.max_prompt_chars, **extra)

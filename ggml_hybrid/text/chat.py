@@ -59,8 +59,19 @@ class _Worker:
     def __init__(self) -> None:
         # its own session: a Ctrl-C at the terminal is the parent's to handle; stderr dropped (a memory-limit
         # abort would print there)
-        self.proc = subprocess.Popen([sys.executable, _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        # and a lifeline: the renderer ends when this pipe's write end closes, which happens when this process ends
+        # however it ends (the kernel closes it). PR_SET_PDEATHSIG would follow the *thread* that started the
+        # renderer, and threads of pools end while the process goes on.
+        lifeline, self._lifeline = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, _WORKER, str(lifeline)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                                         close_fds=True, pass_fds=(lifeline,))
+        except BaseException:
+            os.close(self._lifeline)
+            raise
+        finally:
+            os.close(lifeline)
         self._read(30.0, "start")
 
     def call(self, req: dict[str, Any], seconds: float) -> dict[str, Any]:
@@ -109,6 +120,9 @@ class _Worker:
             except OSError:
                 pass
         self.proc.wait()
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
                 try:

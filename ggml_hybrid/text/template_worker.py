@@ -16,6 +16,7 @@ is ``{"op": "compile" | "render", "source": str, ...}``; the answer ``{"ok": val
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 import time
@@ -132,17 +133,25 @@ def _limit_self() -> None:
     except (ValueError, OSError):  # a platform without it: the parent's time limit still holds
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
-    try:  # Linux: end with the parent, even one killed hard while a template computes
-        import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+
+def _watch_lifeline(fd: int) -> None:
+    """End with the parent, even one killed hard while a template computes: the parent holds the write end of
+    ``fd``'s pipe, and the kernel closes it when the parent ends, so the read below returns (end of file)."""
+    import threading
+
+    def wait() -> None:
+        while os.read(fd, 1):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait, name="lifeline", daemon=True).start()
 
 
 def main() -> None:
     _limit_self()
+    if len(sys.argv) > 1:
+        _watch_lifeline(int(sys.argv[1]))
     r = Renderer()
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     write_message(out, {"ready": True})

@@ -5,11 +5,13 @@ whose chat template overruns its bounds) on a free loopback port; request i is d
 alone. A request is one of: a generation body built from valid fields with up to three fields replaced
 by odd values (wrong JSON types, NaN/huge/tiny numbers, lone surrogates, deep nesting, long strings,
 unknown options), malformed JSON, raw HTTP (bad framing, a body cut short and the socket closed, a
-half-close), streamed or not, or one of the other endpoints and methods. Requests run ``--jobs`` at a
-time, so they batch in the engine.
+half-close), streamed or not, one of the other endpoints and methods, or a tool-call case against a model of
+each family's call format (:mod:`.tool_cases`: calls cut by ``max_tokens``, whitespace runs in forced text, names and
+keys a format cannot carry). Requests run ``--jobs`` at a time, so they batch in the engine.
 
 Each answer is classed: ``fine`` (any status below 500, or a documented 5xx: 500 ``chat_template_limit`` /
-``chat_template_unusable``, 503 ``model_loading`` / ``shutting_down``), ``5xx`` (any other), ``bad_shape``
+``chat_template_unusable``, 503 ``model_loading`` / ``shutting_down``), ``5xx`` (any other), ``bad_call`` (a tool
+call invalid under its schema, or calls with ``finish_reason`` ``length``), ``bad_shape``
 (an error that is not OpenAI's error object), ``hang`` (no answer within the time limit) or ``crash`` (the
 server died). After the requests: 200 idle connections are opened and ``/health`` must still answer
 200, then SIGTERM must end the server with exit status 0 and no traceback in its log.
@@ -30,9 +32,12 @@ import time
 from collections import Counter
 from typing import Any
 
+from . import tool_cases
+
 DOCUMENTED_5XX = {(500, "chat_template_limit"), (500, "chat_template_unusable"), (503, "model_loading"),
                   (503, "shutting_down")}
 N_CTX = 256
+TOOLS_N_CTX = 4096  # the tool-call models: the families' templates write the tools into the prompt
 ODD = [None, True, False, 0, -1, 1, 2, 3.5, -0.0, 1e308, -1e308, 1e-320, 5e-324, 2**63, -(2**63), 2**64, 10**30,
        "", "a", "NaN", "Infinity", "\ud800", "x\udfff", "\x00", "é" * 3, "a" * 5000, [], [1], ["a"], [[1, 2]],
        [None], {}, {"a": 1}, [[[[[[]]]]]], [-1], [99999999], "<|im_start|>", [0] * 300,
@@ -68,6 +73,7 @@ def write_models(folder: str) -> str:
                 f'[models.glm]\npath = "{glm}"\n[models.glm.session_options]\nn_ctx = {N_CTX}\nn_threads = 1\n'
                 'n_parallel = 2\ndisk_experts = true\nexpert_cache_slots = 3\nmoe_cpu_share = 0.5\n'
                 f'[models.bomb]\npath = "{bomb}"\n[models.bomb.session_options]\nn_ctx = {N_CTX}\nn_threads = 1\n')
+        f.write(tool_cases.config(folder, q3, TOOLS_N_CTX))  # a model per tool-call format (issue 40)
     return cfg
 
 
@@ -154,14 +160,14 @@ def _classify_json(status: int, raw: bytes) -> str:
 def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
     """(class, what) of request i."""
     rng = random.Random(seed * 1_000_003 + i)
-    kind = rng.choices(["completion", "chat", "raw", "other", "info"], [42, 28, 12, 12, 6])[0]
+    kind = rng.choices(["completion", "chat", "raw", "other", "info", "tools"], [42, 28, 12, 12, 6, 8])[0]
     try:
-        if kind in ("completion", "chat"):
-            body = _body(rng, kind == "chat")
+        if kind in ("completion", "chat", "tools"):
+            body = _body(rng, kind == "chat") if kind != "tools" else tool_cases.body(rng)[0]
             data = json.dumps(body).encode("utf-8", "surrogatepass")
             if rng.random() < 0.05:
                 data = data[: rng.randint(0, len(data))]  # malformed JSON
-            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
             try:
                 c.request("POST", path, data, {"Content-Type": "application/json"})
@@ -178,7 +184,12 @@ def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
                     if "error" in doc and (500, doc["error"].get("code")) not in DOCUMENTED_5XX and \
                             (503, doc["error"].get("code")) not in DOCUMENTED_5XX:
                         return "5xx", f"{kind}: error event {e[:200]}"
-                return "fine", f"{kind} stream"
+                wrong = tool_cases.check(body, None, [json.loads(e) for e in events[:-1]]) if kind == "tools" else None
+                return ("bad_call", f"{kind} stream: {wrong}") if wrong else ("fine", f"{kind} stream")
+            if kind == "tools" and r.status == 200:
+                wrong = tool_cases.check(body, json.loads(raw), None)
+                if wrong:
+                    return "bad_call", f"{kind}: {wrong}"
             return _classify_json(r.status, raw), f"{kind} {r.status}"
         if kind == "raw":
             what = rng.choice(["cut", "half", "junk", "huge-header", "bad-length", "chunked"])
