@@ -75,16 +75,20 @@ def side_llama(ns: argparse.Namespace) -> dict:
                 tensor_split=[1.0, 1.0], flash_attn=False, verbose=False)  # ggml-hybrid's defaults
     prompt = list(range(10, 10 + ns.prompt))
     out: dict = {"prompt_s": [], "decode_s": [], "tokens": []}
+
+    def last() -> int:  # the last position's logits (logits_all off: llm.scores is not filled)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
     for _ in range(ns.reps):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
         out["prompt_s"].append(time.perf_counter() - t0)
-        toks = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        toks = [last()]
         t0 = time.perf_counter()
         for _ in range(ns.decode - 1):
             llm.eval([toks[-1]])
-            toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            toks.append(last())
         out["decode_s"].append(time.perf_counter() - t0)
         out["tokens"] = toks
     return out
