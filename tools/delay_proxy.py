@@ -17,24 +17,24 @@ prints ``delay-proxy: listening on HOST:PORT`` once it accepts connections (``--
 
 from __future__ import annotations
 
-import argparse
 import collections
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
 
+import click
+
 CHUNK = 256 * 1024
 MAX_IN_FLIGHT = 64 * 1024 * 1024  # bytes waiting in one direction before the reader stops reading
 
 
-def _address(text: str) -> tuple[str, int]:
+def _address(ctx: click.Context, param: click.Parameter, text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+        raise click.BadParameter(f"{text!r} is not HOST:PORT")
     return host, int(port)
 
 
@@ -124,7 +124,7 @@ def _connect(client: socket.socket, target: tuple[str, int], delay: float) -> No
         p.start()
 
 
-def listen(address: tuple[str, int]) -> socket.socket:
+def listen_on(address: tuple[str, int]) -> socket.socket:
     """A listening socket on ``address`` (port 0: a free one)."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -139,7 +139,7 @@ def listen(address: tuple[str, int]) -> socket.socket:
 
 
 def serve(srv: socket.socket, target: tuple[str, int], delay: float, stop: threading.Event) -> None:
-    """Accept on ``srv`` (:func:`listen`) and forward to ``target`` with ``delay`` seconds each way, until ``stop``
+    """Accept on ``srv`` (:func:`listen_on`) and forward to ``target`` with ``delay`` seconds each way, until ``stop``
     is set; then close ``srv`` (the connections already made go on until either side ends them)."""
     try:
         while not stop.is_set():
@@ -153,14 +153,13 @@ def serve(srv: socket.socket, target: tuple[str, int], delay: float, stop: threa
         srv.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--listen", type=_address, required=True, metavar="HOST:PORT")
-    ap.add_argument("--to", type=_address, required=True, metavar="HOST:PORT")
-    ap.add_argument("--delay-ms", type=float, required=True, help="one-way delay in milliseconds, each direction")
-    ns = ap.parse_args(argv)
-    if not 0 <= ns.delay_ms <= 60_000:
-        ap.error(f"--delay-ms {ns.delay_ms} is not in 0..60000")
+@click.command(help=__doc__)
+@click.option("--listen", required=True, callback=_address, metavar="HOST:PORT")
+@click.option("--to", "target", required=True, callback=_address, metavar="HOST:PORT")
+@click.option("--delay-ms", required=True, type=float, help="one-way delay in milliseconds, each direction")
+def main(listen: tuple[str, int], target: tuple[str, int], delay_ms: float) -> None:
+    if not 0 <= delay_ms <= 60_000:
+        raise click.BadParameter(f"--delay-ms {delay_ms} is not in 0..60000", param_hint="--delay-ms")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -169,18 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
-        srv = listen(ns.listen)
+        srv = listen_on(listen)
     except OSError as exc:
-        print(f"delay-proxy: cannot listen on {ns.listen[0]}:{ns.listen[1]}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        raise click.ClickException(f"cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}") from None
     host, port = srv.getsockname()
     print(f"delay-proxy: listening on {host}:{port}", flush=True)
-    t = threading.Thread(target=serve, args=(srv, ns.to, ns.delay_ms / 1000, stop), daemon=True)
+    t = threading.Thread(target=serve, args=(srv, target, delay_ms / 1000, stop), daemon=True)
     t.start()
     while t.is_alive():
         t.join(0.5)  # a timed join: the signal handlers run between joins
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -29,7 +29,6 @@ how to run commands in it (``ip netns exec <prefix>l ...``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import itertools
@@ -45,6 +44,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import click
 
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/var/run/netns")
@@ -417,37 +418,44 @@ c.sendall(b"k")
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workers", type=int, default=2, help="worker hosts (1..8), each running rpc-server")
-    ap.add_argument("--rate", default=None, help="each link's rate, e.g. 1gbit, 10gbit, 25gbit (default: none)")
-    ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency of each link (a delaying proxy)")
-    ap.add_argument("--drop", type=float, default=0.0, help="share of packets each link drops, each direction")
-    ap.add_argument("--threads", type=int, default=1, help="each rpc-server's --threads")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- a command to run in the leader (gets --rpc)")
-    ns = ap.parse_args(argv)
+def _check_rate(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            rate_bits(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--rate") from None
+    return value
+
+
+@click.command(help=__doc__, context_settings={"ignore_unknown_options": True})
+@click.option("--workers", type=click.IntRange(1, 8), default=2, show_default=True,
+              help="worker hosts, each running rpc-server")
+@click.option("--rate", default=None, callback=lambda ctx, param, v: _check_rate(v),
+              help="each link's rate, e.g. 1gbit, 10gbit, 25gbit (default: none)")
+@click.option("--delay-ms", type=click.FloatRange(0, 60_000), default=0.0, help="one-way latency of each link")
+@click.option("--drop", type=click.FloatRange(0, 1), default=0.0, help="share of packets each link drops, each way")
+@click.option("--threads", type=int, default=1, show_default=True, help="each rpc-server's --threads")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def main(workers: int, rate: str | None, delay_ms: float, drop: float, threads: int, command: tuple[str, ...]) -> None:
     why = unavailable()
     if why:
-        print(f"netlab: {why}", file=sys.stderr)
-        return 2
-    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
-    with Lab(ns.workers) as lab:
+        raise click.ClickException(why)
+    with Lab(workers) as lab:
         for link in lab.links:
-            link.shape(ns.rate)
-            link.set_drop(ns.drop)
-        lab.start_workers(ns.threads, ns.delay_ms)
+            link.shape(rate)
+            link.set_drop(drop)
+        lab.start_workers(threads, delay_ms)
         for link in lab.links:
             m = lab.measure(link.index)
-            print(f"link {lab.leader.name} <-> {link.worker.name} ({link.worker_addr}): {m['gbit_s']:.2f} Gbit/s, "
-                  f"rtt {m['rtt_ms']:.3f} ms", file=sys.stderr)
+            click.echo(f"link {lab.leader.name} <-> {link.worker.name} ({link.worker_addr}): {m['gbit_s']:.2f} "
+                       f"Gbit/s, rtt {m['rtt_ms']:.3f} ms", err=True)
         if command:
-            return subprocess.run(lab.leader.cmd(*command, "--rpc", lab.rpc())).returncode
-        print(f"ready: ip netns exec {lab.leader.name} ggml-hybrid run MODEL --rpc {lab.rpc()}  (Ctrl-C ends the "
-              "lab)", file=sys.stderr)
+            sys.exit(subprocess.run(lab.leader.cmd(*command, "--rpc", lab.rpc())).returncode)
+        click.echo(f"ready: ip netns exec {lab.leader.name} ggml-hybrid run MODEL --rpc {lab.rpc()}  (Ctrl-C ends "
+                   "the lab)", err=True)
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

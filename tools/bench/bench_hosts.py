@@ -20,7 +20,6 @@ layers resident on the worker (no cache): prompt and decode tok/s, alternating r
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,6 +27,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
 
 HERE = Path(__file__).resolve().parent
 TOOLS = HERE.parent
@@ -39,7 +41,7 @@ SHARES = {"resident": [], "cache, share 0": ["moe_cpu_share=0"], "cache, share 1
 # -- the sides (each a process in the leader's namespace; prints one JSON line) -----------------------------------
 
 
-def side_ours(ns: argparse.Namespace) -> dict:
+def side_ours(ns: SimpleNamespace) -> dict:
     import numpy as np
 
     from ggml_hybrid.options import SessionOptions
@@ -63,43 +65,16 @@ def side_ours(ns: argparse.Namespace) -> dict:
         return out
 
 
-def side_llama(ns: argparse.Namespace) -> dict:
-    import numpy as np
-    from llama_cpp import Llama
-
-    sys.path.insert(0, str(TOOLS))
-    from llama_reference import add_rpc_devices
-
-    add_rpc_devices(ns.rpc)
-    llm = Llama(ns.model, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1, n_gpu_layers=-1,
-                tensor_split=[1.0, 1.0], flash_attn=False, verbose=False)  # ggml-hybrid's defaults
-    prompt = list(range(10, 10 + ns.prompt))
-    out: dict = {"prompt_s": [], "decode_s": [], "tokens": []}
-
-    def last() -> int:  # the last position's logits (logits_all off: llm.scores is not filled)
-        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
-
-    for _ in range(ns.reps):
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        out["prompt_s"].append(time.perf_counter() - t0)
-        toks = [last()]
-        t0 = time.perf_counter()
-        for _ in range(ns.decode - 1):
-            llm.eval([toks[-1]])
-            toks.append(last())
-        out["decode_s"].append(time.perf_counter() - t0)
-        out["tokens"] = toks
-    return out
-
-
 # -- the driver ------------------------------------------------------------------------------------------------------
 
 
-def _run(lab, exe: str, side: str, ns: argparse.Namespace, rpc: str, opts: list[str]) -> dict:
-    cmd = [exe, str(Path(__file__)), "--side", side, "--model", ns.model, "--rpc", rpc, "--prompt", str(ns.prompt),
-           "--decode", str(ns.decode), "--reps", str(ns.reps), *[a for o in opts for a in ("--opt", o)]]
+def _run(lab, exe: str, side: str, ns: SimpleNamespace, rpc: str, opts: list[str]) -> dict:
+    common = ["--rpc", rpc, "--prompt", str(ns.prompt), "--decode", str(ns.decode), "--reps", str(ns.reps)]
+    if side == "llama":
+        cmd = [exe, str(HERE / "_llama_rpc_worker.py"), ns.model, *common]
+    else:
+        cmd = [exe, str(Path(__file__)), "--side", side, "--model", ns.model, *common,
+               *[a for o in opts for a in ("--opt", o)]]
     r = subprocess.run(lab.leader.cmd(*cmd), capture_output=True, text=True, timeout=1800,
                        env={**os.environ, "PYTHONPATH": str(TOOLS)})
     if r.returncode != 0:
@@ -107,13 +82,13 @@ def _run(lab, exe: str, side: str, ns: argparse.Namespace, rpc: str, opts: list[
     return json.loads(r.stdout.splitlines()[-1])
 
 
-def _rates(results: list[dict], ns: argparse.Namespace) -> tuple[float, float]:
+def _rates(results: list[dict], ns: SimpleNamespace) -> tuple[float, float]:
     prompt = statistics.median(t for r in results for t in r["prompt_s"])
     decode = statistics.median(t for r in results for t in r["decode_s"])
     return ns.prompt / prompt, (ns.decode - 1) / decode
 
 
-def part1(ns: argparse.Namespace) -> None:
+def part1(ns: SimpleNamespace) -> None:
     import netlab
 
     print(f"part 1: split 1:1 over two workers; prompt {ns.prompt} tokens, decode {ns.decode}; load "
@@ -139,7 +114,7 @@ def part1(ns: argparse.Namespace) -> None:
                   f"{os.getloadavg()[0]:.1f}", flush=True)
 
 
-def part2(ns: argparse.Namespace) -> None:
+def part2(ns: SimpleNamespace) -> None:
     import netlab
 
     print(f"part 2: one worker over 1gbit + 0.5 ms; {ns.slots} cache slots; load {os.getloadavg()[0]:.1f}",
@@ -161,23 +136,24 @@ def part2(ns: argparse.Namespace) -> None:
         print(f"same tokens in every mode: {len(tokens) == 1}; load {os.getloadavg()[0]:.1f}", flush=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--side", choices=["ours", "llama"], default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--rpc", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--opt", action="append", default=[], help=argparse.SUPPRESS)
-    ap.add_argument("--model", default=None, help="the model (default: a generated qwen3moe, q8_0)")
-    ap.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python 0.3.36 (GGML_RPC=on)")
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--decode", type=int, default=17)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--part", choices=["1", "2", "both"], default="both")
-    ns = ap.parse_args()
+@click.command(help=__doc__)
+@click.option("--side", type=click.Choice(["ours"]), default=None, hidden=True)
+@click.option("--rpc", default="", hidden=True)
+@click.option("--opt", multiple=True, hidden=True)
+@click.option("--model", default=None, help="the model (default: a generated qwen3moe, q8_0)")
+@click.option("--llama-python", default=None, help="a Python with llama-cpp-python 0.3.36 (GGML_RPC=on)")
+@click.option("--prompt", type=int, default=64, show_default=True)
+@click.option("--decode", type=int, default=17, show_default=True)
+@click.option("--reps", type=int, default=3, show_default=True)
+@click.option("--rounds", type=int, default=2, show_default=True)
+@click.option("--slots", type=int, default=4, show_default=True)
+@click.option("--part", type=click.Choice(["1", "2", "both"]), default="both", show_default=True)
+def main(**kw: object) -> None:
+    ns = SimpleNamespace(**kw)
+    ns.opt = list(ns.opt)
     if ns.side is not None:
-        print(json.dumps(side_ours(ns) if ns.side == "ours" else side_llama(ns)))
-        return 0
+        print(json.dumps(side_ours(ns)))
+        return
     sys.path.insert(0, str(TOOLS))
     if ns.model is None:
         from ggml_hybrid.synthetic import write_model
@@ -187,12 +163,11 @@ def main() -> int:
     print(f"model {ns.model} ({Path(ns.model).stat().st_size / 2**20:.1f} MiB)", flush=True)
     if ns.part in ("1", "both"):
         if ns.llama_python is None:
-            raise SystemExit("part 1 needs --llama-python")
+            raise click.UsageError("part 1 needs --llama-python")
         part1(ns)
     if ns.part in ("2", "both"):
         part2(ns)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
