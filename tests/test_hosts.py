@@ -265,3 +265,27 @@ def test_the_automatic_share_starts_from_the_measured_link(model, make_lab, exec
             lib.hy_cost_estimate(lib.hy_moe_exec_cost_model(ex._exec.ptr), ex.expert_bytes, out)
             estimate = out[COEFFICIENTS.index("load_per_byte")]
         assert estimate == 1.0 / link.bytes_per_s  # not the default prior's PCIe bus
+
+
+def test_plan_prices_the_experts_over_each_measured_link(model, make_lab):
+    """plan --rpc: each RPC device's link as measured, and what one expert's upload and a decode token's misses of
+    one layer cost over it (the link's round trip plus the bytes at its rate; the plan's expert size)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ggml_hybrid.cli import main
+
+    lab = make_lab(1)
+    lab.links[0].shape("100mbit")
+    lab.start_worker(1, delay_ms=5)
+    with lab.leader.entered():
+        r = CliRunner().invoke(main, ["plan", str(model), "--rpc", lab.rpc(), "-c", "256", "--json"])
+        text = CliRunner().invoke(main, ["plan", str(model), "--rpc", lab.rpc(), "-c", "256"])
+    assert r.exit_code == 0 and text.exit_code == 0, r.output + text.output
+    doc = json.loads(r.stdout)
+    link = doc["links"]["RPC0"]
+    assert link["bytes_per_s"] * 8 <= 100e6 * 1.05 and link["rtt_s"] >= 0.010
+    one = link["rtt_s"] + doc["experts"]["bytes_per_expert"] / link["bytes_per_s"]
+    assert link["expert_load_s"] == pytest.approx(one) and link["token_loads_s"] == pytest.approx(one * link["used"])
+    assert "link RPC0:" in text.stdout and "one expert's load" in text.stdout

@@ -42,6 +42,24 @@ def _workers(opts: SessionOptions, sizes: list[int] | None, workers: int | None,
     return opts.merged(devices=names), [parse_size(worker_mem)] * workers
 
 
+def _links(opts: SessionOptions, p: Any) -> dict[str, dict[str, float]]:
+    """Each RPC device's link as measured now (``rpc.measure_link``), and what the plan's experts cost over it: one
+    expert's upload, and a decode token's ``used`` misses of one layer (the bound a cache with no hit pays); none
+    without RPC servers or for a dense model."""
+    from ..ggml import rpc
+
+    experts = getattr(p, "experts", None)
+    if opts.rpc is None or experts is None:
+        return {}
+    out = {}
+    for d in rpc.server_devices(opts.rpc, opts.rpc_timeout):
+        link = rpc.measure_link(d)
+        one = link.seconds(experts.bytes_per_expert)
+        out[d.name] = {"bytes_per_s": link.bytes_per_s, "rtt_s": link.rtt_s, "expert_load_s": one,
+                       "used": experts.used, "token_loads_s": one * experts.used}
+    return out
+
+
 def _k8s(p: Any, k8s: dict[str, Any], sizes: list[int] | None) -> str:
     """The Deployment, or with --rpc-workers the LeaderWorkerSet and its Service (two YAML documents)."""
     from ..plan.k8s import leader_worker_set, service, to_yaml
@@ -92,11 +110,16 @@ def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file
     opts, sizes = _workers(opts, sizes, k8s["rpc_workers"], k8s["worker_mem"])
     p = make_plan(path, opts, vram=sizes, ram=parse_size(ram) if ram else None)
     if fmt == "json":
-        click.echo(json.dumps(p.to_dict()))
+        links = _links(opts, p)
+        click.echo(json.dumps({**p.to_dict(), **({"links": links} if links else {})}))
     elif fmt == "k8s":
         click.echo(_k8s(p, k8s, sizes), nl=False)
     else:
         click.echo(format_text(p))
+        for name, link in _links(opts, p).items():
+            click.echo(f"  link {name}: {link['bytes_per_s'] * 8 / 1e9:.2f} Gbit/s, round trip "
+                       f"{link['rtt_s'] * 1e3:.2f} ms: one expert's load {link['expert_load_s'] * 1e3:.2f} ms, a "
+                       f"token's {link['used']:.0f} at most {link['token_loads_s'] * 1e3:.2f} ms per layer")
         c = getattr(p, "combination", None)
         if c is not None and c.fits:
             cmd = "serve" if opts.n_parallel > 1 else "run"  # run holds one sequence
