@@ -685,7 +685,7 @@ def build_cffi(core: Path, opts: Options) -> Path:
     source_hash = info.source_hash(opts.patched)
     abi = abi_stamp() if opts.patched else "upstream"
     cdef = cdef_source(opts.patched)
-    includes = ["math.h", "ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h"]  # math.h: libm's logf
+    includes = ["math.h", "ggml.h", "ggml-backend.h", "ggml-alloc.h", "ggml-cpu.h", "ggml-opt.h"]  # math.h: logf
     includes += [p.name for p in info.c_sources() if p.suffix == ".h"]  # ours: the cdef declares from them
     preamble = "\n".join(f'#include "{h}"' for h in includes) + "\n"
     macros = [("HY_GGML_VERSION", f'"{pin["ggml_version"]}"'), ("HY_PATCH_HASH", f'"{patch_hash}"'),

@@ -109,6 +109,16 @@ class RegionUnsupportedError(RegionError):
     """The scheduler configuration cannot run regions (e.g. pipeline copies)."""
 
 
+class GradientError(GgmlHybridError, ValueError):
+    """A backward pass GGML cannot build: an op on the path from the parameters to the loss that it cannot
+    differentiate (named), a loss or parameter it does not accept, or a graph without room for the gradients."""
+
+
+class TrainingError(GgmlHybridError, ValueError):
+    """A training run refused before it starts: data of the wrong shape or type for the model's input and output,
+    a batch size or split the data does not divide, or optimizer hyperparameters outside GGML's rules."""
+
+
 # -- MoE -------------------------------------------------------------------------------------------
 
 class SlotCacheError(GgmlHybridError, ValueError):

@@ -474,11 +474,14 @@ def test_existing_checks_for_non_contiguous_inputs(run):
 
 
 def test_unsupported_node_is_a_backend_error(cpu_backend, run):
-    """A node no backend can run is refused before GGML would abort on it."""
+    """A node no backend can run is refused before GGML would abort on it: by the op's own check when it is built
+    through the API, and by the scheduler's support check when it was built around it (a raw GGML call)."""
     t = gh.GGMLType.IQ2_XXS
+    consts = {"a": np.ones((1, 256), F32), "b": Raw(t, (1, 256), np.zeros(t.row_size(256), np.uint8))}
+    with pytest.raises(E.DTypeError, match="does not copy F32 into IQ2_XXS"):
+        run(lambda c, tt: c.cpy(tt["a"], tt["b"]), consts=consts)
     with pytest.raises(E.BackendError, match="supports"):
-        run(lambda c, tt: c.cpy(tt["a"], tt["b"]),
-            consts={"a": np.ones((1, 256), F32), "b": Raw(t, (1, 256), np.zeros(t.row_size(256), np.uint8))})
+        run(lambda c, tt: c._node(gh.lib.ggml_cpy(c.ptr, tt["a"].ptr, tt["b"].ptr)), consts=consts)
     still_works(run)
 
 
@@ -515,5 +518,8 @@ def test_clamp_and_fill_take_infinite_but_not_nan_values():
             c.clamp(a, float("nan"), 1.0)
         with pytest.raises(gh.errors.ArgumentError, match="NaN"):
             c.fill(a, float("nan"))
-        with pytest.raises(gh.errors.DTypeError, match="Q8_0"):
+        # a cast quantizes whole blocks, and only to types with a CPU quantizer
+        with pytest.raises(gh.errors.ShapeError, match="whole Q8_0 blocks"):
             c.cast(a, "q8_0")
+        with pytest.raises(gh.errors.DTypeError, match="IQ2_XXS"):
+            c.cast(c.new_tensor("f32", (2, 256), "w"), "iq2_xxs")

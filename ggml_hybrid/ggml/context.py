@@ -42,6 +42,7 @@ DEFAULT_GRAPH_SIZE = 2048  # GGML_DEFAULT_GRAPH_SIZE
 
 # ggml_new_object aligns every object; leave room for that padding per tensor
 _ALIGN_SLACK = 64
+_TENSOR_OVERHEAD = int(lib.ggml_tensor_overhead())  # a constant of the library: asked once, not per op
 
 
 class Arena:
@@ -84,11 +85,13 @@ class Context(OpsMixin, Managed):
     _kind = "context"
 
     def __init__(self, n_tensors: int = 1024, mem_size: int = 0, no_alloc: bool = True,
-                 graph_size: int = 0, arena: Arena | None = None) -> None:
+                 graph_size: int = 0, arena: Arena | None = None, grads: bool = False) -> None:
         """``arena``: build the context in this reusable host memory instead of allocating its own (graph
-        builds repeated for ever, e.g. one per prompt length, must not churn the allocator)."""
-        self.mem_size: int = Context.size_for(n_tensors, mem_size, graph_size)
+        builds repeated for ever, e.g. one per prompt length, must not churn the allocator). ``grads``: room for a
+        graph with gradients (``new_graph(grads=True)``, :meth:`Graph.backward`)."""
+        self.mem_size: int = Context.size_for(n_tensors, mem_size, graph_size, grads)
         self.graph_size = graph_size  # what new_graph() makes when given no size: the size is given once
+        self.grads = bool(grads)
         mem_buffer = ffi.NULL
         if arena is not None:
             mem_buffer = arena.claim(self.mem_size)
@@ -114,13 +117,14 @@ class Context(OpsMixin, Managed):
         track_context(self)
 
     @staticmethod
-    def size_for(n_tensors: int, mem_size: int = 0, graph_size: int = 0) -> int:
-        """Bytes of context memory for ``n_tensors`` tensor structs, ``mem_size`` bytes of data and a graph."""
+    def size_for(n_tensors: int, mem_size: int = 0, graph_size: int = 0, grads: bool = False) -> int:
+        """Bytes of context memory for ``n_tensors`` tensor structs, ``mem_size`` bytes of data and a graph (one
+        that holds gradients with ``grads``)."""
         for name, v in (("n_tensors", n_tensors), ("mem_size", mem_size), ("graph_size", graph_size)):
             check_int(v, f"Context: {name}", 0)
         overhead = n_tensors * (lib.ggml_tensor_overhead() + _ALIGN_SLACK)
         if graph_size:
-            overhead += lib.ggml_graph_overhead_custom(graph_size, False) + _ALIGN_SLACK
+            overhead += lib.ggml_graph_overhead_custom(graph_size, bool(grads)) + _ALIGN_SLACK
         return int(overhead + mem_size)
 
     # -- pool accounting ------------------------------------------------------
@@ -130,8 +134,8 @@ class Context(OpsMixin, Managed):
         return int(lib.ggml_used_mem(self.ptr))
 
     def _reserve(self, op: str, n_tensors: int, data_bytes: int = 0) -> None:
-        need = n_tensors * (lib.ggml_tensor_overhead() + _ALIGN_SLACK) + data_bytes
-        if self.used + need > self.mem_size:
+        need = n_tensors * (_TENSOR_OVERHEAD + _ALIGN_SLACK) + data_bytes
+        if lib.ggml_used_mem(self.ptr) + need > self.mem_size:
             raise AllocationError(f"{op}: the context's pool is full ({self.used} of {self.mem_size} bytes used, "
                                   f"{need} more needed); create the Context with a larger n_tensors or mem_size")
 
@@ -370,6 +374,8 @@ class Context(OpsMixin, Managed):
         # traceback may hold it), and a buffer on an RPC server holds that server's connection
         self._keep.clear()
 
-    def new_graph(self, size: int | None = None) -> Graph:
-        """A graph of ``size`` nodes; by default the context's ``graph_size`` (else 2048, if the pool has room)."""
-        return Graph(self, size if size is not None else (self.graph_size or DEFAULT_GRAPH_SIZE))
+    def new_graph(self, size: int | None = None, grads: bool | None = None) -> Graph:
+        """A graph of ``size`` nodes; by default the context's ``graph_size`` (else 2048, if the pool has room).
+        ``grads`` (default: the context's): the graph holds gradients (:meth:`Graph.backward`)."""
+        return Graph(self, size if size is not None else (self.graph_size or DEFAULT_GRAPH_SIZE),
+                     self.grads if grads is None else grads)

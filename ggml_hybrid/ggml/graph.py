@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
+
 from .._native import CData, ffi, lib
 from .._native.status import check_status
-from ..checks import check_int
-from ..errors import AllocationError, BackendError, IndexRangeError
-from . import index_errors
+from ..checks import check_int, check_real
+from ..errors import AllocationError, BackendError, GradientError, IndexRangeError
+from . import autograd, graph_view, index_errors
 from .dtypes import GGMLType
 from .tensor import Tensor, _buffer_of
 
 if TYPE_CHECKING:
     from .backend import Backend
     from .context import Context
+    from .sched import Scheduler
 
 _contexts: weakref.WeakSet[Context] = weakref.WeakSet()
 # sessions in several threads create contexts while another thread lists them: a WeakSet defers the
@@ -72,15 +76,19 @@ TILED_TYPES = frozenset({GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q4_K, GGMLType.Q
 class Graph:
     """A GGML compute graph living in a context (which it keeps alive)."""
 
-    def __init__(self, ctx: Context, size: int = 2048) -> None:
+    def __init__(self, ctx: Context, size: int = 2048, grads: bool = False) -> None:
+        """``grads``: the graph can hold gradients (:meth:`backward`)."""
         check_int(size, "Graph: size", 1)
-        need = lib.ggml_graph_overhead_custom(size, False) + 64
+        need = lib.ggml_graph_overhead_custom(size, bool(grads)) + 64
         if ctx.used + need > ctx.mem_size:
             raise AllocationError(f"Graph: a {size}-node graph needs {need} bytes but the context has "
-                                  f"{ctx.mem_size - ctx.used} left; create the Context with graph_size={size}")
+                                  f"{ctx.mem_size - ctx.used} left; create the Context with graph_size={size}"
+                                  + (" and grads=True" if grads else ""))
         self._ctx = ctx
         self.size = size
-        self._p = lib.ggml_new_graph_custom(ctx.ptr, size, False)
+        self.grads = bool(grads)
+        self._loss_grad: Tensor | None = None  # the loss's gradient seed (1) once backward() ran
+        self._p = lib.ggml_new_graph_custom(ctx.ptr, size, bool(grads))
         self._checked_for: set[int] = set()  # backends whose support was verified, by sched pointer
         self._inputs: tuple[int, list[Tensor]] | None = None
         # (version, input_marks, per context of the inputs: its set of freshly set inputs and this graph's keys)
@@ -184,6 +192,72 @@ class Graph:
             seen.add(key)
             stack.extend(t.src[i] for i in range(lib.GGML_MAX_SRC) if t.src[i] != ffi.NULL)
         return len(seen)
+
+    # -- gradients ----------------------------------------------------------------------------------------------
+
+    def backward(self, loss: Tensor) -> Graph:
+        """Add the backward pass: the gradient of ``loss`` (one F32 value, a node of this graph) with respect to
+        every parameter (:meth:`Tensor.set_param`) it depends on (``ggml_build_backward_expand``).
+
+        An op on the way that GGML cannot differentiate is refused by name (:class:`GradientError`) before GGML
+        would abort. Before each compute, :meth:`seed` the loss's gradient; read gradients with :meth:`grad`.
+        """
+        if self._loss_grad is not None:
+            raise GradientError("Graph.backward: this graph has its backward pass already")
+        params = autograd.check_backward(self, loss)
+        extra = autograd.room_needed(self)
+        used = lib.ggml_graph_n_nodes(self.ptr) + lib.hy_graph_n_leafs(self.ptr)
+        if used + 2 * extra > self.size:
+            raise GradientError(f"Graph.backward: the backward pass may add {2 * extra} nodes and leafs to the "
+                                f"{used} of this graph of {self.size}; create a graph of size >= {used + 2 * extra}")
+        self._ctx._reserve("Graph.backward", extra)
+        lib.ggml_set_loss(loss.ptr)
+        lib.ggml_set_output(loss.ptr)  # readable after the compute
+        lib.ggml_build_backward_expand(self._ctx.ptr, self.ptr, ffi.NULL)
+        seed = lib.ggml_graph_get_grad_acc(self.ptr, loss.ptr)
+        self._loss_grad = Tensor(seed, self._ctx)
+        self._loss_grad.name = "loss gradient seed"
+        self._loss_grad.set_input()
+        for p in params:  # kept after the compute (the allocator may reuse what no one reads)
+            g = lib.ggml_graph_get_grad(self.ptr, p)
+            if g != ffi.NULL:
+                lib.ggml_set_output(g)
+        self._checked_for.clear()
+        self.version += 1
+        return self
+
+    def seed(self, value: float = 1.0) -> None:
+        """Set the loss's own gradient (1: the gradients are d loss / d parameter) after the graph is allocated,
+        before each compute (an input like any other: a compute consumes it)."""
+        if self._loss_grad is None:
+            raise GradientError("Graph.seed: the graph has no backward pass; call backward(loss) first")
+        if not self.contains(self._loss_grad):
+            return  # no parameter's gradient reads it (each depends on the loss through piecewise-constant ops)
+        self._loss_grad.set(np.array([check_real(value, "Graph.seed: value")], np.float32).reshape(
+            self._loss_grad.shape))
+
+    def grad(self, t: Tensor) -> Tensor | None:
+        """The gradient node of ``t`` (a parameter, or any node on the way), or None where the loss does not depend
+        on it; read it with ``numpy()`` after a compute."""
+        if self._loss_grad is None:
+            raise GradientError("Graph.grad: the graph has no backward pass; call backward(loss) first")
+        g = lib.ggml_graph_get_grad(self.ptr, t.ptr)
+        return None if g == ffi.NULL else Tensor(g, self._ctx)
+
+    # -- seeing it ---------------------------------------------------------------------------------------------
+
+    def describe(self, sched: Scheduler | None = None) -> str:
+        """The nodes as a table: op, numpy-order shape, type, the backend ``sched`` gave each (after its alloc),
+        flags and sources (:mod:`.graph_view`)."""
+        return graph_view.describe(self, sched)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def dot(self, path: str | os.PathLike[str] | None = None, forward: Graph | None = None) -> str:
+        """GGML's dot text of the graph (``ggml_graph_dump_dot``), also written to ``path`` if given; render it with
+        Graphviz. ``forward``: the forward part of a graph with gradients (coloured apart)."""
+        return graph_view.dot(self, path, forward)
 
     def set_rowwise(self) -> int:
         """Make every matrix product of the graph compute each row of its second operand as a product of

@@ -90,7 +90,7 @@ class Tensor:
 
     @property
     def dtype(self) -> GGMLType:
-        return GGMLType(self.ptr.type)
+        return _TYPES[self.ptr.type]  # a dict lookup: GGMLType(value) costs microseconds per op
 
     @property
     def name(self) -> str:
@@ -147,6 +147,29 @@ class Tensor:
 
     def set_output(self) -> Tensor:
         lib.ggml_set_output(self.ptr)
+        return self
+
+    def set_param(self) -> Tensor:
+        """Mark a leaf as a trainable parameter: :meth:`Graph.backward` computes the loss's gradient for it, and an
+        optimizer step updates it (``ggml_set_param``). F32 leaves with memory of their own (a weights context)."""
+        p = self.ptr
+        if p.op != lib.GGML_OP_NONE or self.is_view:
+            raise ArgumentError(f"set_param: {self!r} is computed by an op or is a view; only leaves (tensors made by "
+                                "new_tensor) are parameters")
+        if self.dtype != GGMLType.F32:
+            raise DTypeError(f"set_param: {self!r} must be F32 (the gradients and optimizer states are F32)")
+        lib.ggml_set_param(p)
+        return self
+
+    @property
+    def is_param(self) -> bool:
+        return bool(self.ptr.flags & lib.GGML_TENSOR_FLAG_PARAM)
+
+    def set_loss(self) -> Tensor:
+        """Mark a one-value F32 node as the loss a backward pass differentiates (``ggml_set_loss``)."""
+        if self.nelements != 1 or self.dtype != GGMLType.F32:
+            raise ShapeError(f"set_loss: a loss is one F32 value, got {self!r}")
+        lib.ggml_set_loss(self.ptr)
         return self
 
     # -- numpy/PyTorch-style operators: nodes in this tensor's context ------------------------------
@@ -366,6 +389,9 @@ class Tensor:
         shape = self.shape
         strides = tuple(self.nb[i] for i in reversed(range(len(shape))))
         return np.asarray(_ArrayView(self, shape, strides, dt.numpy_dtype.str, writable))
+
+
+_TYPES = {int(t): t for t in GGMLType}
 
 
 def can_repeat(b: Tensor, a: Tensor) -> bool:
