@@ -289,3 +289,65 @@ def test_plan_prices_the_experts_over_each_measured_link(model, make_lab):
     one = link["rtt_s"] + doc["experts"]["bytes_per_expert"] / link["bytes_per_s"]
     assert link["expert_load_s"] == pytest.approx(one) and link["token_loads_s"] == pytest.approx(one * link["used"])
     assert "link RPC0:" in text.stdout and "one expert's load" in text.stdout
+
+
+def test_a_new_connection_measures_its_link_anew(model, make_lab):
+    """The link is the connection's, not the address's: a worker reached again after the last session closed (the
+    same address, another link: a pod rescheduled behind its stable name) is measured anew."""
+    from ggml_hybrid.ggml import rpc
+
+    lab = make_lab(1)
+    lab.links[0].shape("100mbit")
+    (worker,) = lab.start_workers()
+    with _session(lab, model, "tensor_split=1") as m:
+        slow = rpc.link_of(worker.endpoint)
+        assert slow is not None and slow.bytes_per_s * 8 <= 100e6 * 1.05
+        assert m.eval([1, 2], "all").shape[0] == 2
+    lab.links[0].shape(None)
+    with _session(lab, model, "tensor_split=1") as m:
+        fast = rpc.link_of(worker.endpoint)
+        assert fast is not None and fast.bytes_per_s > 2 * slow.bytes_per_s
+
+
+_KILLED_BETWEEN_CALLS = """
+import sys
+from ggml_hybrid.errors import RPCError
+from ggml_hybrid.ggml import rpc
+from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.runtime.moe_model import MoEModel
+
+model, endpoint = sys.argv[1:]
+with MoEModel(model, SessionOptions.parse(["n_threads=1", "rpc=" + endpoint])) as m:
+    print("measured" if rpc.link_of(endpoint) else "not measured", flush=True)
+    sys.stdin.readline()  # the worker is killed meanwhile
+    try:
+        m.eval([1, 2, 3, 4, 5, 6, 7, 8], "all")  # the first: its compute buffers' bases never asked yet
+        print("no error")
+    except RPCError as exc:
+        print("RPCError:", exc)
+    print("forgotten" if rpc.link_of(endpoint) is None else "kept", flush=True)
+"""
+
+
+def test_a_worker_killed_before_the_first_call_fails_it_with_its_name(model, make_lab):
+    """The session's compute buffers were allocated on the worker when it opened, and their base addresses are asked
+    at the first call: on a lost connection there is no reply, and GGML's allocator asserted on the NULL base (an
+    abort of the leader; patch 0011 gives it a placeholder address, and the compute fails on the connection). The
+    call raises one RPCError naming the worker, and the failed connection forgets its measured link. In a child
+    process: an abort would end it, not the suite."""
+    lab = make_lab(1)
+    (worker,) = lab.start_workers()
+    child = subprocess.Popen(lab.leader.cmd(sys.executable, "-c", _KILLED_BETWEEN_CALLS, str(model), worker.endpoint),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "measured"
+        worker.kill()
+        out, err = child.communicate("\n", timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err[-2000:]
+    assert out.splitlines() == [f"RPCError: RPC server {worker.endpoint} (RPC0): the connection was lost (the server "
+                                "closed it, died or sent a malformed reply)", "forgotten"], out + err[-2000:]

@@ -18,6 +18,7 @@ import re
 import socket
 import statistics
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -54,7 +55,16 @@ def connection_error(endpoint: str) -> str:
 
 
 def _fail(endpoint: str, fallback: str) -> RPCError:
+    _links.pop(endpoint, None)  # the connection failed: the next one measures its link
     return RPCError(f"RPC server {endpoint}: {connection_error(endpoint) or fallback}")
+
+
+def _reason(endpoint: str) -> str:
+    """:func:`connection_error`; a failed connection forgets its measured link (a reconnect measures anew)."""
+    reason = connection_error(endpoint)
+    if reason:
+        _links.pop(endpoint, None)
+    return reason
 
 
 @dataclass(frozen=True)
@@ -148,6 +158,7 @@ def open_device(device: RPCDevice) -> Backend:
         raise _fail(device.endpoint, f"could not open device {device.index} of the server")
     backend = Backend(ptr, device.name)
     backend.endpoint = device.endpoint
+    _opened.setdefault(device.endpoint, weakref.WeakSet()).add(backend)
     buft = lib.ggml_backend_get_default_buffer_type(ptr)
     if buft == ffi.NULL:  # the connection failed after the backend was made
         backend.close()
@@ -172,14 +183,23 @@ class Link:
 
 LINK_PROBE_BYTES = 4 << 20
 LINK_PINGS = 5
-_links: dict[str, Link] = {}
+_links: dict[str, Link] = {}  # endpoint -> its connection's link, while a backend of this process holds it
+_opened: dict[str, weakref.WeakSet[Backend]] = {}  # endpoint -> the backends opened on it (open or closed)
+
+
+def _connected(endpoint: str) -> bool:
+    """Whether a backend of this process on ``endpoint`` is open: then GGML's connection to it is the one measured
+    (it keeps one per endpoint while anything uses it); with none open, the next is a new one, maybe over another
+    link (the same address, another host: a worker rescheduled behind its stable name)."""
+    return any(not b.closed for b in _opened.get(endpoint, ()))
 
 
 def measure_link(device: RPCDevice) -> Link:
-    """The :class:`Link` to ``device``'s server, measured once per process and endpoint (a 4 MiB buffer on the
-    server for a moment) and kept: :func:`link_of` gives it to whoever plans loads over it."""
+    """The :class:`Link` to ``device``'s server, measured once per connection (a 4 MiB buffer on the server for a
+    moment) and kept while a backend of this process holds the connection: :func:`link_of` gives it to whoever plans
+    loads over it. A connection that fails forgets it; one made when no backend held the last is measured anew."""
     known = _links.get(device.endpoint)
-    if known is not None:
+    if known is not None and _connected(device.endpoint):
         return known
     from .context import Context
 
@@ -219,7 +239,7 @@ def lost(backends: Iterable[Backend]) -> RPCError | None:
     """The error of the first of ``backends`` whose RPC connection has failed, or None."""
     for b in backends:
         if b.endpoint is not None and not b.closed:
-            reason = connection_error(b.endpoint)
+            reason = _reason(b.endpoint)
             if reason:
                 return RPCError(f"RPC server {b.endpoint} ({b.kind}): {reason}")
     return None
@@ -239,7 +259,7 @@ def check_buffer(buffer: CData) -> None:
         return
     endpoint = _buffer_types.get(int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_type(buffer))))
     if endpoint is not None:
-        reason = connection_error(endpoint)
+        reason = _reason(endpoint)
         if reason:
             raise RPCError(f"RPC server {endpoint}: {reason}")
 

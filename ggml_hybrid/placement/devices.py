@@ -77,7 +77,7 @@ def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
     try:
         for name in names:
             if name in remote:
-                rpc.measure_link(remote[name])  # once per server: the expert cache's cost model starts from it
+                rpc.measure_link(remote[name])  # once per connection: the expert cache's cost model starts from it
                 out[name] = rpc.open_device(remote[name])
             else:
                 out[name] = cpu_instance(int(name[3:]), n_threads, opts.poll) if name.startswith("DEV") else gpu(name)
