@@ -191,7 +191,8 @@ def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, serve
         if share == 0.5:
             assert c.cpu_misses > 0
         # the loads crossed to the server: each slot holds one expert's bytes of the file, each a different one,
-        # and the scratch slot (the last) its zeros
+        # and the scratch slot (the last) its zeros; with auto a slot may never be loaded (the CPU took the misses
+        # it would have held: how many follows the link as measured), and keeps its zeros
         ex = m.experts.executors[0]
         assert ex.buffers and all(not b.is_host and b.name.startswith("RPC") for b in ex.buffers)
         if executor == "native":  # GGML's RPC client copies an upload when it queues it: no staging needed
@@ -199,8 +200,9 @@ def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, serve
         for kind, t in ex.slot_tensors.items():
             slots = t.numpy().reshape(-1, t.nb[2])  # read back from the server
             mapped = {row.tobytes(): e for e, row in enumerate(np.asarray(ex._raw[kind]).reshape(-1, t.nb[2]))}
-            held = [mapped.get(s.tobytes()) for s in slots[:-1]]
-            assert None not in held and len(set(held)) == len(held) == 3
+            held = [mapped.get(s.tobytes()) for s in slots[:-1] if share != "auto" or s.any()]
+            assert None not in held and len(set(held)) == len(held) == (3 if share != "auto" else len(held))
+            assert held or c.cpu_misses == c.misses
             assert not slots[-1].any()
     assert np.array_equal(got, ref)
 
