@@ -15,6 +15,8 @@ Part 2, the slow link (1 Gbit/s, 0.5 ms each way), one worker: the routed expert
 expert cache of ``--slots`` slots on the worker's device (``split_mode=none``), moe_cpu_share 0, 1 and auto, and the
 layers resident on the worker (no cache): prompt and decode tok/s, alternating rounds, medians.
 
+Part 3 (``--part 3``), the rounds of a prompt through the cache on a remote CPU: :func:`part3`.
+
     python tools/bench/bench_hosts.py --llama-python /opt/llref/bin/python [--rounds 2] [--reps 3]
 """
 
@@ -50,12 +52,15 @@ def side_ours(ns: SimpleNamespace) -> dict:
     opts = SessionOptions.parse(["n_threads=1", f"rpc={ns.rpc}", *ns.opt])
     with MoEModel(ns.model, opts) as m:
         prompt = list(range(10, 10 + ns.prompt))
-        out: dict = {"prompt_s": [], "decode_s": [], "tokens": []}
+        out: dict = {"prompt_s": [], "decode_s": [], "tokens": [], "prompt_counters": []}
         for _ in range(ns.reps):
             m.reset()
+            before = _counters(m)
             t0 = time.perf_counter()
             logits = m.eval(prompt, "last")
             out["prompt_s"].append(time.perf_counter() - t0)
+            after = _counters(m)
+            out["prompt_counters"].append({k: after[k] - before[k] for k in after})
             toks = [int(np.argmax(logits[-1]))]
             t0 = time.perf_counter()
             for _ in range(ns.decode - 1):
@@ -63,6 +68,18 @@ def side_ours(ns: SimpleNamespace) -> dict:
             out["decode_s"].append(time.perf_counter() - t0)
             out["tokens"] = toks
         return out
+
+
+COUNTED = ("calls", "rounds", "misses", "load_ns", "compute_ns")
+
+
+def _counters(m: object) -> dict[str, int]:
+    """The expert cache's counters over every layer (zeros without a cache)."""
+    experts = getattr(m, "experts", None)
+    if experts is None or not getattr(experts, "executors", None):
+        return dict.fromkeys(COUNTED, 0)
+    total = m.counters.total  # type: ignore[attr-defined]
+    return {k: int(getattr(total, k)) for k in COUNTED}
 
 
 # -- the driver ------------------------------------------------------------------------------------------------------
@@ -136,6 +153,40 @@ def part2(ns: SimpleNamespace) -> None:
         print(f"same tokens in every mode: {len(tokens) == 1}; load {os.getloadavg()[0]:.1f}", flush=True)
 
 
+def part3(ns: SimpleNamespace) -> None:
+    """Rounds over RPC (item 7 of issue 44): a prompt through the expert cache on a remote CPU, with every expert
+    fitting its slots (one round a layer once warm) and with ``--slots`` (several rounds a layer), against the layers
+    resident on the worker; an unshaped link, so loads cost little. A round on a non-CPU device (an RPC one is) runs
+    the call's whole graph, so a remote CPU computes every row of the call once per round: compute time per prompt
+    grows with the rounds where compacted rows would not."""
+    import netlab
+
+    n_expert = ns.n_expert
+    modes = {"resident": ["split_mode=none"],
+             f"cache, {n_expert} slots (all fit)": ["split_mode=none", "disk_experts=true",
+                                                     f"expert_cache_slots={n_expert}", "moe_cpu_share=0"],
+             f"cache, {ns.slots} slots": ["split_mode=none", "disk_experts=true", f"expert_cache_slots={ns.slots}",
+                                          "moe_cpu_share=0"]}
+    print(f"part 3: one worker, unshaped link; prompt {ns.prompt} tokens, timed reps after the first; load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    with netlab.Lab(1) as lab:
+        lab.start_worker(1)
+        runs: dict[str, list[dict]] = {k: [] for k in modes}
+        for k in range(ns.rounds):
+            for name in (list(modes) if k % 2 == 0 else list(modes)[::-1]):
+                runs[name].append(_run(lab, sys.executable, "ours", ns, lab.rpc(), modes[name]))
+        for name, rs in runs.items():
+            timed = [t for r in rs for t in r["prompt_s"][1:]]
+            c = [x for r in rs for x in r["prompt_counters"][1:]]
+            med = {key: statistics.median(x[key] for x in c) for key in COUNTED}
+            layers = med["calls"] or 1
+            print(f"{name}: prompt {ns.prompt / statistics.median(timed):.1f} tok/s (median of {len(timed)}); per "
+                  f"prompt: {med['rounds'] / layers:.2f} rounds a layer, {med['misses']:.0f} loads, load "
+                  f"{med['load_ns'] / 1e6:.1f} ms, expert compute {med['compute_ns'] / 1e6:.1f} ms", flush=True)
+        print(f"same tokens in every mode: {len({tuple(r[0]['tokens']) for r in runs.values()}) == 1}; load "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+
+
 @click.command(help=__doc__)
 @click.option("--side", type=click.Choice(["ours"]), default=None, hidden=True)
 @click.option("--rpc", default="", hidden=True)
@@ -147,7 +198,9 @@ def part2(ns: SimpleNamespace) -> None:
 @click.option("--reps", type=int, default=3, show_default=True)
 @click.option("--rounds", type=int, default=2, show_default=True)
 @click.option("--slots", type=int, default=4, show_default=True)
-@click.option("--part", type=click.Choice(["1", "2", "both"]), default="both", show_default=True)
+@click.option("--n-expert", type=int, default=16, show_default=True, help="the generated model's experts")
+@click.option("--part", type=click.Choice(["1", "2", "3", "both"]), default="both", show_default=True,
+              help="both: parts 1 and 2; 3: the rounds of a prompt through the cache on a remote CPU")
 def main(**kw: object) -> None:
     ns = SimpleNamespace(**kw)
     ns.opt = list(ns.opt)
@@ -158,8 +211,8 @@ def main(**kw: object) -> None:
     if ns.model is None:
         from ggml_hybrid.synthetic import write_model
 
-        ns.model = str(write_model("/tmp/bench_hosts.gguf", n_layer=8, n_embd=512, n_expert=16, n_used=2,
-                                   weight_type="q8_0", seed=5))
+        ns.model = str(write_model(f"/tmp/bench_hosts-{ns.n_expert}.gguf", n_layer=8, n_embd=512,
+                                   n_expert=ns.n_expert, n_used=2, weight_type="q8_0", seed=5))
     print(f"model {ns.model} ({Path(ns.model).stat().st_size / 2**20:.1f} MiB)", flush=True)
     if ns.part in ("1", "both"):
         if ns.llama_python is None:
@@ -167,6 +220,8 @@ def main(**kw: object) -> None:
         part1(ns)
     if ns.part in ("2", "both"):
         part2(ns)
+    if ns.part == "3":
+        part3(ns)
 
 
 if __name__ == "__main__":
