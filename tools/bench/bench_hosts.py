@@ -11,9 +11,10 @@ added as llama.cpp's ``--rpc`` adds them. Each side is a fresh process per round
 ``--reps`` timed repetitions); rounds alternate (ours, llama.cpp, llama.cpp, ours, ...). Medians; both sides must
 pick the same greedy tokens.
 
-Part 2, the slow link (1 Gbit/s, 0.5 ms each way), one worker: the routed experts from the leader's file through an
-expert cache of ``--slots`` slots on the worker's device (``split_mode=none``), moe_cpu_share 0, 1 and auto, and the
-layers resident on the worker (no cache): prompt and decode tok/s, alternating rounds, medians.
+Part 2, the slow link (1 Gbit/s, 0.5 ms each way; each shape of part 1 with ``--every-shape``), one worker: the
+routed experts from the leader's file through an expert cache of ``--slots`` slots on the worker's device
+(``split_mode=none``), moe_cpu_share 0, 1 and auto, and the layers resident on the worker (no cache): prompt and
+decode tok/s, alternating rounds, medians.
 
 Part 3 (``--part 3``), the rounds of a prompt through the cache on a remote CPU: :func:`part3`.
 
@@ -132,13 +133,18 @@ def part1(ns: SimpleNamespace) -> None:
 
 
 def part2(ns: SimpleNamespace) -> None:
+    for rate, delay in SHAPES if ns.every_shape else [("1gbit", 0.5)]:
+        _part2_over(ns, rate, delay)
+
+
+def _part2_over(ns: SimpleNamespace, rate: str, delay: float) -> None:
     import netlab
 
-    print(f"part 2: one worker over 1gbit + 0.5 ms; {ns.slots} cache slots; load {os.getloadavg()[0]:.1f}",
-          flush=True)
+    print(f"part 2: one worker over {rate}{f' + {delay} ms' if delay else ''}; {ns.slots} cache slots; load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
     with netlab.Lab(1) as lab:
-        lab.links[0].shape("1gbit")
-        lab.start_worker(1, delay_ms=0.5)
+        lab.links[0].shape(rate)
+        lab.start_worker(1, delay_ms=delay)
         runs: dict[str, list[dict]] = {k: [] for k in SHARES}
         cache = ["split_mode=none", "disk_experts=true", f"expert_cache_slots={ns.slots}"]
         for k in range(ns.rounds):
@@ -198,6 +204,7 @@ def part3(ns: SimpleNamespace) -> None:
 @click.option("--reps", type=int, default=3, show_default=True)
 @click.option("--rounds", type=int, default=2, show_default=True)
 @click.option("--slots", type=int, default=4, show_default=True)
+@click.option("--every-shape", is_flag=True, help="part 2 over each link shape of part 1 (default: the slow one)")
 @click.option("--n-expert", type=int, default=16, show_default=True, help="the generated model's experts")
 @click.option("--part", type=click.Choice(["1", "2", "3", "both"]), default="both", show_default=True,
               help="both: parts 1 and 2; 3: the rounds of a prompt through the cache on a remote CPU")
