@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import socket
 import statistics
+import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -158,7 +159,8 @@ def open_device(device: RPCDevice) -> Backend:
         raise _fail(device.endpoint, f"could not open device {device.index} of the server")
     backend = Backend(ptr, device.name)
     backend.endpoint = device.endpoint
-    _opened.setdefault(device.endpoint, weakref.WeakSet()).add(backend)
+    with _opened_lock:
+        _opened.setdefault(device.endpoint, weakref.WeakSet()).add(backend)
     buft = lib.ggml_backend_get_default_buffer_type(ptr)
     if buft == ffi.NULL:  # the connection failed after the backend was made
         backend.close()
@@ -185,13 +187,15 @@ LINK_PROBE_BYTES = 4 << 20
 LINK_PINGS = 5
 _links: dict[str, Link] = {}  # endpoint -> its connection's link, while a backend of this process holds it
 _opened: dict[str, weakref.WeakSet[Backend]] = {}  # endpoint -> the backends opened on it (open or closed)
+_opened_lock = threading.Lock()  # serve opens sessions from several threads
 
 
 def _connected(endpoint: str) -> bool:
     """Whether a backend of this process on ``endpoint`` is open: then GGML's connection to it is the one measured
     (it keeps one per endpoint while anything uses it); with none open, the next is a new one, maybe over another
     link (the same address, another host: a worker rescheduled behind its stable name)."""
-    return any(not b.closed for b in _opened.get(endpoint, ()))
+    with _opened_lock:
+        return any(not b.closed for b in _opened.get(endpoint, ()))
 
 
 def measure_link(device: RPCDevice) -> Link:
