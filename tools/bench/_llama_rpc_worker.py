@@ -8,6 +8,7 @@ ggml_hybrid).
 """
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -16,8 +17,14 @@ from pathlib import Path
 import numpy as np
 from llama_cpp import Llama
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llama_reference import add_rpc_devices
+
+def _add_rpc_devices():
+    """tools/llama_reference.py's add_rpc_devices, its module loaded by file (no sys.path edit)."""
+    spec = importlib.util.spec_from_file_location("llama_reference", Path(__file__).resolve().parents[1] /
+                                                  "llama_reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.add_rpc_devices
 
 
 def main() -> int:
@@ -28,7 +35,7 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=17)
     ap.add_argument("--reps", type=int, default=3)
     ns = ap.parse_args()
-    add_rpc_devices(ns.rpc)
+    _add_rpc_devices()(ns.rpc)
     n = ns.rpc.count(",") + 1
     llm = Llama(ns.model, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1, n_gpu_layers=-1,
                 tensor_split=[1.0] * n, flash_attn=False, verbose=False)  # ggml-hybrid's defaults

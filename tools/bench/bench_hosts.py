@@ -23,6 +23,7 @@ Part 3 (``--part 3``), the rounds of a prompt through the cache on a remote CPU:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import click
 
@@ -39,6 +40,17 @@ TOOLS = HERE.parent
 SHAPES = [("1gbit", 0.0), ("10gbit", 0.0), ("25gbit", 0.0), ("1gbit", 0.5)]
 SHARES = {"resident": [], "cache, share 0": ["moe_cpu_share=0"], "cache, share 1": ["moe_cpu_share=1"],
           "cache, share auto": ["moe_cpu_share=auto"]}
+
+
+def _netlab() -> ModuleType:
+    """tools/netlab.py by its file (this script runs from tools/bench/), without touching sys.path."""
+    if "netlab" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("netlab", TOOLS / "netlab.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["netlab"] = mod  # registered before it runs: its dataclasses look their module up
+        spec.loader.exec_module(mod)
+    return sys.modules["netlab"]
 
 
 # -- the sides (each a process in the leader's namespace; prints one JSON line) -----------------------------------
@@ -94,7 +106,7 @@ def _run(lab, exe: str, side: str, ns: SimpleNamespace, rpc: str, opts: list[str
         cmd = [exe, str(Path(__file__)), "--side", side, "--model", ns.model, *common,
                *[a for o in opts for a in ("--opt", o)]]
     r = subprocess.run(lab.leader.cmd(*cmd), capture_output=True, text=True, timeout=1800,
-                       env={**os.environ, "PYTHONPATH": str(TOOLS)})
+                       env=dict(os.environ))
     if r.returncode != 0:
         raise SystemExit(f"{side} failed: {r.stderr[-3000:]}")
     return json.loads(r.stdout.splitlines()[-1])
@@ -107,7 +119,7 @@ def _rates(results: list[dict], ns: SimpleNamespace) -> tuple[float, float]:
 
 
 def part1(ns: SimpleNamespace) -> None:
-    import netlab
+    netlab = _netlab()
 
     print(f"part 1: split 1:1 over two workers; prompt {ns.prompt} tokens, decode {ns.decode}; load "
           f"{os.getloadavg()[0]:.1f}", flush=True)
@@ -138,7 +150,7 @@ def part2(ns: SimpleNamespace) -> None:
 
 
 def _part2_over(ns: SimpleNamespace, rate: str, delay: float) -> None:
-    import netlab
+    netlab = _netlab()
 
     print(f"part 2: one worker over {rate}{f' + {delay} ms' if delay else ''}; {ns.slots} cache slots; load "
           f"{os.getloadavg()[0]:.1f}", flush=True)
@@ -165,7 +177,7 @@ def part3(ns: SimpleNamespace) -> None:
     resident on the worker; an unshaped link, so loads cost little. A round on a non-CPU device (an RPC one is) runs
     the call's whole graph, so a remote CPU computes every row of the call once per round: compute time per prompt
     grows with the rounds where compacted rows would not."""
-    import netlab
+    netlab = _netlab()
 
     n_expert = ns.n_expert
     modes = {"resident": ["split_mode=none"],
@@ -214,7 +226,6 @@ def main(**kw: object) -> None:
     if ns.side is not None:
         print(json.dumps(side_ours(ns)))
         return
-    sys.path.insert(0, str(TOOLS))
     if ns.model is None:
         from ggml_hybrid.synthetic import write_model
 
