@@ -43,17 +43,17 @@ def _workers(opts: SessionOptions, sizes: list[int] | None, workers: int | None,
 
 
 def _links(opts: SessionOptions, p: Any) -> dict[str, dict[str, float]]:
-    """Each RPC device's link as measured now (``rpc.measure_link``), and what the plan's experts cost over it: one
+    """Each RPC device's link as measured now (``links.measure_link``), and what the plan's experts cost over it: one
     expert's upload, and a decode token's ``used`` misses of one layer (the bound a cache with no hit pays); none
     without RPC servers or for a dense model."""
-    from ..ggml import rpc
+    from ..ggml import links, rpc
 
     experts = getattr(p, "experts", None)
     if opts.rpc is None or experts is None:
         return {}
     out = {}
     for d in rpc.server_devices(opts.rpc, opts.rpc_timeout):
-        link = rpc.measure_link(d)
+        link = links.measure_link(d)
         one = link.seconds(experts.bytes_per_expert)
         out[d.name] = {"bytes_per_s": link.bytes_per_s, "rtt_s": link.rtt_s, "expert_load_s": one,
                        "used": experts.used, "token_loads_s": one * experts.used}

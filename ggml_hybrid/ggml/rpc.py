@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import re
 import socket
-import statistics
 import threading
-import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from .._native import CData, cstr, ffi, lib
 from ..errors import OptionError, RPCError
@@ -171,9 +167,9 @@ def open_device(device: RPCDevice) -> Backend:
 
 @dataclass(frozen=True)
 class Link:
-    """What the connection to a server carries, as measured when the process first opened a device of it: bytes per
-    second of an upload (:data:`LINK_PROBE_BYTES` to the server, less a round trip) and the round trip of a small
-    read (the median of :data:`LINK_PINGS`)."""
+    """What the connection to a server carries, as measured when it was made (:mod:`ggml_hybrid.ggml.links`): bytes
+    per second of an upload (``LINK_PROBE_BYTES`` to the server, less a round trip) and the round trip of a small
+    read (the median of ``LINK_PINGS``)."""
 
     bytes_per_s: float
     rtt_s: float
@@ -183,8 +179,6 @@ class Link:
         return self.rtt_s + nbytes / self.bytes_per_s
 
 
-LINK_PROBE_BYTES = 4 << 20
-LINK_PINGS = 5
 _links: dict[str, Link] = {}  # endpoint -> its connection's link, while a backend of this process holds it
 _opened: dict[str, weakref.WeakSet[Backend]] = {}  # endpoint -> the backends opened on it (open or closed)
 _opened_lock = threading.Lock()  # serve opens sessions from several threads
@@ -198,40 +192,16 @@ def _connected(endpoint: str) -> bool:
         return any(not b.closed for b in _opened.get(endpoint, ()))
 
 
-def measure_link(device: RPCDevice) -> Link:
-    """The :class:`Link` to ``device``'s server, measured once per connection (a 4 MiB buffer on the server for a
-    moment) and kept while a backend of this process holds the connection: :func:`link_of` gives it to whoever plans
-    loads over it. A connection that fails forgets it; one made when no backend held the last is measured anew."""
-    known = _links.get(device.endpoint)
-    if known is not None and _connected(device.endpoint):
-        return known
-    from .context import Context
+def known_link(endpoint: str) -> Link | None:
+    """The link measured on the connection to ``endpoint`` that a backend of this process still holds (None: not
+    measured, failed since, or no backend holds it: the next connection may go over another link)."""
+    known = _links.get(endpoint)
+    return known if known is not None and _connected(endpoint) else None
 
-    backend = open_device(device)
-    ctx = Context(n_tensors=2)
-    try:
-        big = ctx.new_tensor("f32", (LINK_PROBE_BYTES // 4,), "link_probe")
-        small = ctx.new_tensor("f32", (1,), "link_ping")
-        ctx.allocate(backend)
-        small.numpy()  # the buffer is there: the pings that follow are round trips only
-        rtts = []
-        for _ in range(LINK_PINGS):
-            t0 = time.perf_counter()
-            small.numpy()
-            rtts.append(time.perf_counter() - t0)
-        rtt = statistics.median(rtts)
-        data = np.zeros(LINK_PROBE_BYTES // 4, np.float32)
-        t0 = time.perf_counter()
-        big.set(data)
-        small.numpy()  # the reply comes after the upload
-        upload = max(time.perf_counter() - t0 - rtt, 1e-9)
-        if connection_error(device.endpoint):  # the replies read as zeros: nothing was measured
-            raise _fail(device.endpoint, "lost")
-    finally:
-        ctx.close()
-        backend.close()
-    link = _links[device.endpoint] = Link(LINK_PROBE_BYTES / upload, rtt)
-    return link
+
+def keep_link(endpoint: str, link: Link) -> None:
+    """Record ``link`` as measured on the connection to ``endpoint`` (:func:`ggml_hybrid.ggml.links.measure_link`)."""
+    _links[endpoint] = link
 
 
 def link_of(endpoint: str | None) -> Link | None:
@@ -275,6 +245,6 @@ def serve(endpoint: str, n_threads: int, devices: list[CData], mem: int = 0, unc
     return int(lib.hy_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem, int(unchecked_ops)))
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "LINK_PROBE_BYTES", "Link", "RPCDevice", "check_buffer", "connection_error",
-           "link_of", "lost", "measure_link", "open_device", "parse_endpoints", "raise_if_lost", "serve",
+__all__ = ["DEFAULT_TIMEOUT_S", "Link", "RPCDevice", "check_buffer", "connection_error",
+           "keep_link", "known_link", "link_of", "lost", "open_device", "parse_endpoints", "raise_if_lost", "serve",
            "server_devices", "set_timeout", "watch_interrupts"]
