@@ -198,7 +198,7 @@ def test_run_in_the_leader_namespace_prints_what_one_machine_prints(model, hosts
 @pytest.mark.parametrize("timeout", [2, 4])
 def test_a_partition_fails_the_call_within_rpc_timeout(model, reference, make_lab, timeout):
     """The link to a worker cut before a prompt: the eval fails with one RPCError naming the worker within
-    rpc_timeout (vendor patch 0011 counts the limit from the last byte moved; tests/test_rpc.py has the upload that
+    rpc_timeout (vendor patch 0015 counts the limit from the last byte moved; tests/test_rpc.py has the upload that
     shows the difference), and the next session, the link whole again, gives the resident run's bits."""
     tokens, ref = reference
     lab = make_lab(2)
@@ -332,7 +332,7 @@ with MoEModel(model, SessionOptions.parse(["n_threads=1", "rpc=" + endpoint])) a
 def test_a_worker_killed_before_the_first_call_fails_it_with_its_name(model, make_lab):
     """The session's compute buffers were allocated on the worker when it opened, and their base addresses are asked
     at the first call: on a lost connection there is no reply, and GGML's allocator asserted on the NULL base (an
-    abort of the leader; patch 0011 gives it a placeholder address, and the compute fails on the connection). The
+    abort of the leader; patch 0015 gives it a placeholder address, and the compute fails on the connection). The
     call raises one RPCError naming the worker, and the failed connection forgets its measured link. In a child
     process: an abort would end it, not the suite."""
     lab = make_lab(1)

@@ -1,10 +1,11 @@
 """Interop with the pinned llama.cpp's own RPC, both ways, across emulated hosts.
 
-- The pin's own ``rpc-server`` (llama.cpp's ``tools/rpc/rpc-server.cpp``, built unpatched by ``python build.py
-  --pin-rpc-server``) serves this project's leader: every expert mode gives the bits of the resident run on the
-  local CPU (the oracle), as ggml-hybrid's own server does. What it lacks is checked too: an index out of range
-  in a graph aborts it (no patch 0009/0010: the leader gets a lost connection, not a :class:`GraphIndexError`), and
-  it serves one client at a time (a second leader's handshake waits until ``rpc_timeout``).
+- The pin's own ``rpc-server`` (llama.cpp's ``tools/rpc/rpc-server.cpp``, built unpatched by
+  ``python -m ggml_hybrid_build --pin-rpc-server``) serves this project's leader: every expert mode gives the bits of
+  the resident run on the local CPU (the oracle), as ggml-hybrid's own server does. What it lacks is checked too: an
+  index out of range in a graph aborts it (no patch 0013/0014: the leader gets a lost connection, not a
+  :class:`GraphIndexError`), and it serves one client at a time (a second leader's handshake waits until
+  ``rpc_timeout``).
 - This project's ``rpc-server`` serves the pinned llama.cpp's client (llama-cpp-python 0.3.36 built with
   ``GGML_RPC=on``, the ``reference`` tests): its logits over our servers are the bits of its own CPU run.
 """
@@ -38,7 +39,7 @@ REFERENCE = ROOT / "tools" / "llama_reference.py"
 def pin_rpc_server() -> Path:
     path = Path(os.environ.get("GGML_HYBRID_PIN_RPC_SERVER") or ROOT / "build" / "pin-rpc-server" / "ggml-rpc-server")
     if not path.exists():
-        pytest.skip("the pin's own rpc-server is not built: `python build.py --pin-rpc-server`")
+        pytest.skip("the pin's own rpc-server is not built: `python -m ggml_hybrid_build --pin-rpc-server`")
     return path
 
 
@@ -116,8 +117,8 @@ def _bad_gather(backend: gh.Backend) -> None:
 
 
 def test_an_index_out_of_range_aborts_the_pins_server(tmp_path):
-    """What does not work with the pin's server: its CPU kernels assert (no patch 0009) and it has no status reply
-    (no patch 0010): the process ends, the leader gets a lost connection naming it (not a GraphIndexError), and
+    """What does not work with the pin's server: its CPU kernels assert (no patch 0013) and it has no status reply
+    (no patch 0014): the process ends, the leader gets a lost connection naming it (not a GraphIndexError), and
     every other client of that server loses it too. ggml-hybrid's server answers the same graph with the typed
     error and stays up (tests/test_index_faults.py)."""
     exe = pin_rpc_server()

@@ -218,7 +218,8 @@ class Worker:
     extra: tuple[str, ...] = ()
     command: Sequence[str] = field(default_factory=lambda: [sys.executable, "-c",
                                                             "from ggml_hybrid.cli import main; main()"])
-    upstream: Path | None = None  # the pin's own rpc-server (build.py --pin-rpc-server) instead of ggml-hybrid's
+    # the pin's own rpc-server (python -m ggml_hybrid_build --pin-rpc-server) instead of ggml-hybrid's
+    upstream: Path | None = None
     proc: subprocess.Popen[str] | None = None
     proxy: subprocess.Popen[str] | None = None
     log_file: object = None

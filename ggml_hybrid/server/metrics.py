@@ -10,8 +10,8 @@ slot's cells by prompt reuse, computed), ``generated_tokens``, ``expert_cache_hi
 ``busy_slots``, ``queue_depth``, ``tokens_per_second`` (generated tokens per second of decode steps
 over the last 10 s), ``moe_cpu_share_applied``, ``hybrid_offload_active`` (0/1) and
 ``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute), ``model_available`` (0/1:
-0 while the model's RPC worker is lost and the server reconnects) and the counter ``model_reconnects`` (reloads
-after a lost worker). docs/serve.md lists them.
+0 while the model's RPC worker is lost and the server reconnects), the counter ``model_reconnects`` (reloads after a
+lost worker), and the process's ``grammar_compiles`` (state: running, waiting). docs/serve.md lists them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..runtime.grammar_pool import grammar_pool
 from .models import ModelSet
 
 P = "ggml_hybrid_"
@@ -33,11 +34,7 @@ class ServerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         ms = self.models
-        http = CounterMetricFamily(P + "http_requests", "HTTP requests answered, by endpoint and status",
-                                   labels=["endpoint", "status"])
-        for (endpoint, status), n in sorted(ms.http_requests.items()):
-            http.add_metric([endpoint, str(status)], n)
-        yield http
+        yield self._http()
 
         def counter(name: str, doc: str) -> CounterMetricFamily:
             return CounterMetricFamily(P + name, doc, labels=["model"])
@@ -95,7 +92,26 @@ class ServerCollector(Collector):
                     memory.add_metric([name, dev, purpose], n)
         yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, available,
                     reconnects, slots, busy, queue, tps, share, offload, memory)
+        yield self._compiles()
         yield from self._speculative()
+
+    def _http(self) -> Metric:
+        """The HTTP requests answered, by endpoint and status."""
+        http = CounterMetricFamily(P + "http_requests", "HTTP requests answered, by endpoint and status",
+                                   labels=["endpoint", "status"])
+        for (endpoint, status), n in sorted(self.models.http_requests.items()):
+            http.add_metric([endpoint, str(status)], n)
+        return http
+
+    @staticmethod
+    def _compiles() -> Metric:
+        """The process's grammar compile pool: compiles running and waiting for a compile thread."""
+        compiles = GaugeMetricFamily(P + "grammar_compiles", "Grammar compiles in the compile pool, by state",
+                                     labels=["state"])
+        pool = grammar_pool()
+        compiles.add_metric(["running"], pool.running)
+        compiles.add_metric(["waiting"], pool.waiting)
+        return compiles
 
     def _speculative(self) -> Iterator[Metric]:
         """Speculative decoding's counters, per model that speculates (llama-server's ``spec_decode_num_*``)."""
