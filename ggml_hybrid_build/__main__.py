@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--pin-cpu", action="store_true",
                     help="also build the CPU backend of the unpatched pin as a loadable library, into "
                          "build/pin-cpu/ (tests/test_pin_backend.py runs the op tests through it)")
+    ap.add_argument("--pin-rpc-server", action="store_true",
+                    help="also build the unpatched pin's own rpc-server (llama.cpp's) into build/pin-rpc-server/ "
+                         "(tests/test_rpc_interop.py runs it as a worker of our leader)")
     ap.add_argument("--abi", action="store_true",
                     help="run the ABI probe (the pin's headers against the patched ones), print its verdict and exit")
     ap.add_argument("--print-cache", action="store_true", help="print the cache folder and exit")
@@ -68,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         dest.parent.mkdir(parents=True, exist_ok=True)
         replace_file(cmake.build_pin_cpu(opts), dest)
         progress.log(f"installed the pin's CPU backend as {dest}")
+    if ns.pin_rpc_server:
+        dest = paths.PIN_RPC_DIR / "ggml-rpc-server"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(cmake.build_pin_rpc_server(opts), dest)
+        dest.chmod(0o755)
+        progress.log(f"installed the pin's rpc-server as {dest}")
     return 0
 
 

@@ -1,16 +1,18 @@
-"""GGML built with CMake through ``vendor/CMakeLists.txt``, each tree in a cache folder keyed by what it is made
-from."""
+"""GGML built with CMake through ``vendor/CMakeLists.txt`` (or another wrapper folder: ``vendor/rpc-server/``), each
+tree in a cache folder keyed by what it is made from."""
 
 from __future__ import annotations
 
 import hashlib
 import re
 import shutil
+import tarfile
 from pathlib import Path
 from typing import Any
 
 from . import patches as series
 from . import paths, progress
+from . import pin as pin_source
 from .options import BUILD_SCHEME, Options
 
 
@@ -29,24 +31,26 @@ def ggml_key(args: list[str], patches: list[Path] | None) -> str:
     return h.hexdigest()[:16]
 
 
-def tree_folder(kind: str, args: list[str], patches: list[Path] | None) -> Path:
-    """The cache folder of the tree ``kind`` built with ``args`` from the pin and ``patches``."""
+def tree_folder(kind: str, args: list[str], patches: list[Path] | None, wrapper: Path | None = None) -> Path:
+    """The cache folder of the tree ``kind`` built with ``args`` from the pin and ``patches`` through the CMake
+    ``wrapper`` folder (None: ``vendor/``; another one adds its CMakeLists.txt to the key)."""
     pin = paths.info.load_pin()
-    return paths.cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args, patches)}"
+    extra = [] if wrapper is None else [f"wrapper={pin_source.sha256(wrapper / 'CMakeLists.txt')}"]
+    return paths.cache_root() / f"{kind}-{pin['ggml_version']}-{ggml_key(args + extra, patches)}"
 
 
 def build_tree(kind: str, args: list[str], opts: Options, patches: list[Path] | None,
-               targets: tuple[str, ...] = ()) -> Path:
-    """Configure and build GGML with ``args`` (or reuse that build); returns its cache folder, whose
-    ``out/`` holds the shared libraries it made, stripped."""
-    where = tree_folder(kind, args, patches)
+               targets: tuple[str, ...] = (), wrapper: Path | None = None) -> Path:
+    """Configure and build GGML with ``args`` through the CMake ``wrapper`` folder (None: ``vendor/``), or reuse that
+    build; returns its cache folder, whose ``out/`` holds the shared libraries it made, stripped."""
+    where = tree_folder(kind, args, patches, wrapper)
     with paths.locked(where):
-        _build_tree(where, paths.info.load_pin(), args, opts, patches, targets)
+        _build_tree(where, paths.info.load_pin(), args, opts, patches, targets, wrapper or paths.VENDOR)
     return where
 
 
 def _build_tree(where: Path, pin: dict[str, Any], args: list[str], opts: Options, patches: list[Path] | None,
-                targets: tuple[str, ...]) -> None:
+                targets: tuple[str, ...], wrapper: Path) -> None:
     stamp = where / "DONE"
     if stamp.exists():
         progress.log(f"GGML up to date in {where}")
@@ -58,7 +62,7 @@ def _build_tree(where: Path, pin: dict[str, Any], args: list[str], opts: Options
         series.prepare_source(pin, where / "ggml", patches)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     progress.stage("configuring GGML with CMake")
-    progress.run(["cmake", "-S", str(paths.VENDOR), "-B", str(where / "build"), *generator,
+    progress.run(["cmake", "-S", str(wrapper), "-B", str(where / "build"), *generator,
                   f"-DGGML_HYBRID_SOURCE={where / 'ggml'}", *args])
     only = [a for t in targets for a in ("--target", t)]
     progress.stage(f"compiling GGML on {opts.jobs} cores (the first build only; later installs reuse it from "
@@ -107,3 +111,25 @@ def build_pin_cpu(opts: Options) -> Path:
     if not lib.exists():
         raise SystemExit(f"the pin's CPU build in {where} made no {lib.name}; delete that folder and rebuild")
     return lib
+
+
+def build_pin_rpc_server(opts: Options) -> Path:
+    """The unpatched pin's own ``rpc-server`` (llama.cpp's ``tools/rpc/rpc-server.cpp``, from the pinned archive, as
+    ``ggml-rpc-server``), built through ``vendor/rpc-server/`` and cached like the other builds: the interop tests run
+    it as a worker of our leader."""
+    pin = paths.info.load_pin()
+    source = paths.cache_root() / "downloads" / f"rpc-server-{pin['version']}.cpp"
+    member = pin["ggml_path"].rstrip("/").rpartition("/")[0] + "/" + paths.PIN_RPC_SOURCE
+    with paths.locked(source):
+        if not source.exists():
+            with tarfile.open(pin_source.fetch_archive(pin)) as tar:
+                f = tar.extractfile(member)
+                if f is None:
+                    raise SystemExit(f"{member} is not in {pin['archive']}")
+                source.write_bytes(f.read())
+    where = build_tree("pin-rpc-server", [*opts.pin_rpc_server_args(), f"-DGGML_HYBRID_RPC_SERVER={source}"], opts,
+                       [], targets=("ggml-rpc-server",), wrapper=paths.VENDOR / "rpc-server")
+    exe = where / "build" / "bin" / "ggml-rpc-server"
+    if not exe.exists():
+        raise SystemExit(f"the pin's rpc-server build in {where} made no {exe.name}; delete that folder and rebuild")
+    return exe

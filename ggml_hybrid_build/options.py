@@ -60,6 +60,12 @@ class Options:
             "-DGGML_NATIVE=OFF", "-DCMAKE_C_FLAGS=-march=native", "-DCMAKE_CXX_FLAGS=-march=native",
             *(f"-DGGML_{f}=OFF" for f in features)]
 
+    def pin_rpc_server_args(self) -> list[str]:
+        """The pin's own RPC server, unpatched, over GGML's CPU backend built as the core's is (for this CPU,
+        llamafile's kernels, no OpenMP), statically linked: what a llama.cpp user's worker runs."""
+        return self.common_args(paths.info.pin_abi_stamp(paths.VENDOR)) + [
+            "-DGGML_OPENMP=OFF", "-DGGML_LLAMAFILE=ON", "-DGGML_NATIVE=ON", "-DGGML_BACKEND_DL=OFF"]
+
     def backend_args(self, name: str) -> list[str]:
         """One optional backend alone, as a library GGML loads at run time (no CPU backend in its tree)."""
         return self.common_args(abi.abi_stamp_of(abi.backend_patches(name), paths.VENDOR)) + [

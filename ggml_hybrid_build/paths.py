@@ -20,6 +20,9 @@ PACKAGE = ROOT / "ggml_hybrid"
 NATIVE = PACKAGE / "_native"
 # The unpatched pin's CPU backend library, for the test that loads it into our ggml-base (--pin-cpu)
 PIN_CPU_DIR = ROOT / "build" / "pin-cpu"
+# The unpatched pin's own RPC server (llama.cpp's rpc-server), for the interop tests and benchmarks (--pin-rpc-server)
+PIN_RPC_DIR = ROOT / "build" / "pin-rpc-server"
+PIN_RPC_SOURCE = "tools/rpc/rpc-server.cpp"  # in the llama.cpp folder that holds the pin's GGML
 
 
 def _load_native(name: str) -> ModuleType:

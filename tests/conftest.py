@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, settings
 
 import ggml_hybrid as gh
 
+pytest_plugins = ["netns"]  # emulated hosts: the make_lab and module_labs fixtures
+
 # ci: reproducible (derandomized) and small enough for 2 cores; dev: more examples, random seeds
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30,
                           suppress_health_check=[HealthCheck.too_slow])

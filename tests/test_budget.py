@@ -45,7 +45,6 @@ PY_FUNCTIONS: dict[str, dict[str, int]] = {
     "ggml_hybrid/cli/bench.py:bench": {"PLR0913": 11},
     "ggml_hybrid/cli/flags.py:check_args": {"C901": 14, "PLR0912": 14},
     "ggml_hybrid/cli/gen.py:gen": {"PLR0913": 16},
-    "ggml_hybrid/cli/plan_cmd.py:plan": {"PLR0913": 11},
     "ggml_hybrid/cli/run.py:run": {"C901": 25, "PLR0912": 27, "PLR0913": 26, "PLR0915": 82},
     "ggml_hybrid/cli/serve.py:_run_server": {"C901": 17},
     "ggml_hybrid/cli/serve.py:serve": {"PLR0913": 17},

@@ -19,7 +19,8 @@ CPU weights repacked where GGML's CPU kernels take them repacked (llama.cpp's de
 ``repack=true``; set here explicitly, ``use_extra_bufts``). ``--flash-attn``, ``--type-k/--type-v``
 (f32, f16, q8_0) and ``--no-repack`` change them as ggml-hybrid's ``flash_attn``, ``cache_type_k/v`` and
 ``repack=false`` do. ``--n-gpu-layers -1`` runs every layer and the output on the GPU backend the library was built
-with (ggml-hybrid's default on a GPU device: ``devices=Vulkan0``).
+with (ggml-hybrid's default on a GPU device: ``devices=Vulkan0``), or with ``--rpc`` on the RPC servers' devices
+(``--tensor-split`` as llama.cpp's ``-ts``; llama-cpp-python built with ``GGML_RPC=on``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,32 @@ def detokenize(llm, ids: list[int]) -> str:
         size = -n
 
 
+def add_rpc_devices(servers: str) -> None:
+    """llama.cpp's ``--rpc`` (common/arg.cpp, ``add_rpc_devices``): each server's registry entry, from the RPC
+    backend's ``ggml_backend_rpc_add_server``, registered with GGML, whose devices llama.cpp then offloads to.
+    llama-cpp-python 0.3.36 has no argument for it; this calls the same functions of the library it loaded."""
+    import llama_cpp  # noqa: F401  (loads its GGML)
+
+    # the very libggml llama.cpp uses (a wheel's libggml.so and libggml.so.0 are copies: the name matters)
+    with open("/proc/self/maps") as maps:
+        loaded = {line.split()[-1] for line in maps if line.rstrip().endswith("libggml.so.0")}
+    if len(loaded) != 1:
+        raise SystemExit(f"cannot tell which libggml llama-cpp-python loaded: {sorted(loaded)}")
+    ggml = ctypes.CDLL(loaded.pop())
+    ggml.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    ggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    reg = ggml.ggml_backend_reg_by_name(b"RPC")
+    if not reg:
+        raise SystemExit("this llama-cpp-python has no RPC backend (build it with GGML_RPC=on)")
+    add = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(
+        ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server"))
+    for server in servers.split(","):
+        ggml.ggml_backend_register(add(server.encode()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -67,6 +94,10 @@ def main() -> int:
     ap.add_argument("--n-gpu-layers", type=int, default=0,
                     help="layers offloaded to the GPU backend llama-cpp-python was built with (-1: all, the output "
                          "too); with a Vulkan build on lavapipe, set GGML_VK_VISIBLE_DEVICES=0")
+    ap.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                    help="RPC servers whose devices take the offloaded layers (llama.cpp's --rpc; give --n-gpu-layers)")
+    ap.add_argument("--tensor-split", default=None, metavar="N0,N1,...", help="llama.cpp's -ts, one per device")
+    ap.add_argument("--verbose", action="store_true", help="llama.cpp's log on stderr (where each buffer went)")
     ns = ap.parse_args()
     import llama_cpp
     from llama_cpp import Llama, __version__
@@ -81,12 +112,15 @@ def main() -> int:
         return p
 
     llama_cpp.llama_cpp.llama_model_default_params = model_params
+    if ns.rpc:
+        add_rpc_devices(ns.rpc)
 
     def load(logits_all: bool) -> Llama:
         return Llama(ns.model, n_ctx=ns.n_ctx, n_batch=512, n_ubatch=ns.ubatch, n_threads=ns.threads,
-                     n_threads_batch=ns.threads, logits_all=logits_all, flash_attn=ns.flash_attn, verbose=False,
+                     n_threads_batch=ns.threads, logits_all=logits_all, flash_attn=ns.flash_attn, verbose=ns.verbose,
                      n_gpu_layers=ns.n_gpu_layers, use_mmap=True, type_k=GGML_TYPES[ns.type_k],
-                     type_v=GGML_TYPES[ns.type_v])
+                     type_v=GGML_TYPES[ns.type_v],
+                     tensor_split=[float(x) for x in ns.tensor_split.split(",")] if ns.tensor_split else None)
 
     llm = load(True)
     out = {"llama_cpp_python": __version__, "tokenized": []}

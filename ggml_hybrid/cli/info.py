@@ -40,6 +40,8 @@ def devices(virtual_devices, rpc, as_json):
         return
     for r in rows:
         mem = f", {format_bytes(r['memory_total'])}" if r["memory_total"] else ""
+        if "link_bytes_per_s" in r:  # an RPC device: the link measured to its server
+            mem += f"; link {r['link_bytes_per_s'] * 8 / 1e9:.2f} Gbit/s, round trip {r['link_rtt_s'] * 1e3:.2f} ms"
         click.echo(f"{r['name']:<7} {r['kind']:<13} {r['description']}{mem}")
     for note in backend_notes():
         click.echo(note)

@@ -53,6 +53,53 @@ def _plot(path: str, p: Any, opts: SessionOptions, trace: str, plot_file: str) -
     click.echo(f"wrote {plot_file}", err=True)
 
 
+def _workers(opts: SessionOptions, sizes: list[int] | None, workers: int | None, worker_mem: str | None
+             ) -> tuple[SessionOptions, list[int] | None]:
+    """``--rpc-workers N --worker-mem SIZE``: the session's devices are the N workers' (RPC0, ...), SIZE each."""
+    from ..units import parse_size
+
+    if (workers is None) != (worker_mem is None):
+        raise click.UsageError("--rpc-workers and --worker-mem go together (the workers do not exist yet: give "
+                               "each one's memory)")
+    if workers is None or worker_mem is None:
+        return opts, sizes
+    if sizes is not None or opts.rpc is not None or opts.devices is not None:
+        raise click.UsageError("--rpc-workers plans the workers' devices: not with --vram, --rpc or -dev")
+    names = ",".join(f"RPC{i}" for i in range(workers))
+    return opts.merged(devices=names), [parse_size(worker_mem)] * workers
+
+
+def _links(opts: SessionOptions, p: Any) -> dict[str, dict[str, float]]:
+    """Each RPC device's link as measured now (``links.measure_link``), and what the plan's experts cost over it: one
+    expert's upload, and a decode token's ``used`` misses of one layer (the bound a cache with no hit pays); none
+    without RPC servers or for a dense model."""
+    from ..ggml import links, rpc
+
+    experts = getattr(p, "experts", None)
+    if opts.rpc is None or experts is None:
+        return {}
+    out = {}
+    for d in rpc.server_devices(opts.rpc, opts.rpc_timeout):
+        link = links.measure_link(d)
+        one = link.seconds(experts.bytes_per_expert)
+        out[d.name] = {"bytes_per_s": link.bytes_per_s, "rtt_s": link.rtt_s, "expert_load_s": one,
+                       "used": experts.used, "token_loads_s": one * experts.used}
+    return out
+
+
+def _k8s(p: Any, k8s: dict[str, Any], sizes: list[int] | None) -> str:
+    """The Deployment, or with --rpc-workers the LeaderWorkerSet and its Service (two YAML documents)."""
+    from ..plan.k8s import leader_worker_set, service, to_yaml
+    from ..plan.planner import format_k8s, k8s_resources
+
+    kw = {"image": k8s["image"], "port": k8s["port"], "api_key_secret": k8s["api_key_secret"]}
+    if k8s["rpc_workers"] is None:
+        return format_k8s(p, **kw)
+    assert sizes is not None
+    lws = leader_worker_set(p, k8s_resources(p)["resources"], k8s["rpc_workers"], sizes[0], **kw)
+    return to_yaml(lws) + "---\n" + to_yaml(service(lws["metadata"]["name"], k8s["port"]))
+
+
 @main.command()
 @model_argument
 @session_flags
@@ -71,34 +118,44 @@ def _plot(path: str, p: Any, opts: SessionOptions, trace: str, plot_file: str) -
               help="A routing trace of this model (moe_trace_path): with --plot, its loads-against-slots curves.")
 @click.option("--plot", type=click.Path(dir_okay=False), expose_value=False, callback=_keep,
               help="Draw --trace's heatmap and loads-against-slots curves for this model to FILE (.png or .html).")
+@click.option("--rpc-workers", type=click.IntRange(1, 15), default=None, metavar="N",
+              help="Plan for N rpc-server workers (devices RPC0..) of --worker-mem each; with --format k8s a "
+                   "LeaderWorkerSet of a serve leader and N workers.")
+@click.option("--worker-mem", metavar="SIZE", default=None, help="Each worker's memory (--rpc-workers), e.g. 64G.")
 def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, vram: str | None,
-         ram: str | None, fmt: str, as_json: bool, image: str, port: int, api_key_secret: str | None,
-         **flags: Any) -> None:
+         ram: str | None, fmt: str, as_json: bool, **flags: Any) -> None:
     """What MODEL needs per device and in host memory under the given options, from metadata alone."""
-    from ..plan.planner import format_k8s, format_text
+    from ..plan.planner import format_text
     from ..plan.planner import plan as make_plan
     from ..units import parse_size
 
+    k8s = {k: flags.pop(k) for k in ("image", "port", "api_key_secret", "rpc_workers", "worker_mem")}
     if as_json:
         if fmt not in ("text", "json"):
             raise click.UsageError(f"--json and --format {fmt}: choose one output format")
         fmt = "json"
-    if api_key_secret is not None and fmt != "k8s":
+    if k8s["api_key_secret"] is not None and fmt != "k8s":
         raise click.UsageError("--api-key-secret is for --format k8s (the Deployment's server reads its keys there)")
     trace, plot_file = (click.get_current_context().meta.get(f"plan.{k}") for k in ("trace", "plot"))
     if (trace is None) != (plot_file is None):
         raise click.UsageError("--trace and --plot go together: the curves of a trace for this model")
     path, _, opts = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=fmt != "text"), flags)
     sizes = [parse_size(x) for x in vram.split(",")] if vram else None
+    opts, sizes = _workers(opts, sizes, k8s["rpc_workers"], k8s["worker_mem"])
     p = make_plan(path, opts, vram=sizes, ram=parse_size(ram) if ram else None)
     if trace is not None and plot_file is not None:
         _plot(path, p, opts, trace, plot_file)
     if fmt == "json":
-        click.echo(json.dumps(p.to_dict()))
+        links = _links(opts, p)
+        click.echo(json.dumps({**p.to_dict(), **({"links": links} if links else {})}))
     elif fmt == "k8s":
-        click.echo(format_k8s(p, image=image, port=port, api_key_secret=api_key_secret), nl=False)
+        click.echo(_k8s(p, k8s, sizes), nl=False)
     else:
         click.echo(format_text(p))
+        for name, link in _links(opts, p).items():
+            click.echo(f"  link {name}: {link['bytes_per_s'] * 8 / 1e9:.2f} Gbit/s, round trip "
+                       f"{link['rtt_s'] * 1e3:.2f} ms: one expert's load {link['expert_load_s'] * 1e3:.2f} ms, a "
+                       f"token's {link['used']:.0f} at most {link['token_loads_s'] * 1e3:.2f} ms per layer")
         c = getattr(p, "combination", None)
         if c is not None and c.fits:
             cmd = "serve" if opts.n_parallel > 1 else "run"  # run holds one sequence

@@ -249,7 +249,8 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[None]:
-        models.start_loading(failed, loaded)
+        # and a line when a model's RPC worker is lost, or the model reloaded
+        models.start_loading(failed, loaded, lambda line: click.echo(f"ggml-hybrid serve: {line}", err=True))
         names = ", ".join(models.models)
         click.echo(f"ggml-hybrid serve: http://{host}:{port} ({names}; loading)", err=True)
         try:

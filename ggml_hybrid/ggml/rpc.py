@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 import socket
+import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -50,7 +52,16 @@ def connection_error(endpoint: str) -> str:
 
 
 def _fail(endpoint: str, fallback: str) -> RPCError:
+    _links.pop(endpoint, None)  # the connection failed: the next one measures its link
     return RPCError(f"RPC server {endpoint}: {connection_error(endpoint) or fallback}")
+
+
+def _reason(endpoint: str) -> str:
+    """:func:`connection_error`; a failed connection forgets its measured link (a reconnect measures anew)."""
+    reason = connection_error(endpoint)
+    if reason:
+        _links.pop(endpoint, None)
+    return reason
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,8 @@ def open_device(device: RPCDevice) -> Backend:
         raise _fail(device.endpoint, f"could not open device {device.index} of the server")
     backend = Backend(ptr, device.name)
     backend.endpoint = device.endpoint
+    with _opened_lock:
+        _opened.setdefault(device.endpoint, weakref.WeakSet()).add(backend)
     buft = lib.ggml_backend_get_default_buffer_type(ptr)
     if buft == ffi.NULL:  # the connection failed after the backend was made
         backend.close()
@@ -152,11 +165,55 @@ def open_device(device: RPCDevice) -> Backend:
     return backend
 
 
+@dataclass(frozen=True)
+class Link:
+    """What the connection to a server carries, as measured when it was made (:mod:`ggml_hybrid.ggml.links`): bytes
+    per second of an upload (``LINK_PROBE_BYTES`` to the server, less a round trip) and the round trip of a small
+    read (the median of ``LINK_PINGS``)."""
+
+    bytes_per_s: float
+    rtt_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        """The time one upload of ``nbytes`` takes over the link (its round trip and its bytes)."""
+        return self.rtt_s + nbytes / self.bytes_per_s
+
+
+_links: dict[str, Link] = {}  # endpoint -> its connection's link, while a backend of this process holds it
+_opened: dict[str, weakref.WeakSet[Backend]] = {}  # endpoint -> the backends opened on it (open or closed)
+_opened_lock = threading.Lock()  # serve opens sessions from several threads
+
+
+def _connected(endpoint: str) -> bool:
+    """Whether a backend of this process on ``endpoint`` is open: then GGML's connection to it is the one measured
+    (it keeps one per endpoint while anything uses it); with none open, the next is a new one, maybe over another
+    link (the same address, another host: a worker rescheduled behind its stable name)."""
+    with _opened_lock:
+        return any(not b.closed for b in _opened.get(endpoint, ()))
+
+
+def known_link(endpoint: str) -> Link | None:
+    """The link measured on the connection to ``endpoint`` that a backend of this process still holds (None: not
+    measured, failed since, or no backend holds it: the next connection may go over another link)."""
+    known = _links.get(endpoint)
+    return known if known is not None and _connected(endpoint) else None
+
+
+def keep_link(endpoint: str, link: Link) -> None:
+    """Record ``link`` as measured on the connection to ``endpoint`` (:func:`ggml_hybrid.ggml.links.measure_link`)."""
+    _links[endpoint] = link
+
+
+def link_of(endpoint: str | None) -> Link | None:
+    """The measured link to ``endpoint`` (None: not an RPC server's, or not measured in this process)."""
+    return None if endpoint is None else _links.get(endpoint)
+
+
 def lost(backends: Iterable[Backend]) -> RPCError | None:
     """The error of the first of ``backends`` whose RPC connection has failed, or None."""
     for b in backends:
         if b.endpoint is not None and not b.closed:
-            reason = connection_error(b.endpoint)
+            reason = _reason(b.endpoint)
             if reason:
                 return RPCError(f"RPC server {b.endpoint} ({b.kind}): {reason}")
     return None
@@ -176,7 +233,7 @@ def check_buffer(buffer: CData) -> None:
         return
     endpoint = _buffer_types.get(int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_type(buffer))))
     if endpoint is not None:
-        reason = connection_error(endpoint)
+        reason = _reason(endpoint)
         if reason:
             raise RPCError(f"RPC server {endpoint}: {reason}")
 
@@ -188,5 +245,6 @@ def serve(endpoint: str, n_threads: int, devices: list[CData], mem: int = 0, unc
     return int(lib.hy_rpc_serve(endpoint.encode(), n_threads, arr, len(devices), mem, int(unchecked_ops)))
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RPCDevice", "check_buffer", "connection_error", "lost", "open_device",
-           "parse_endpoints", "raise_if_lost", "serve", "server_devices", "set_timeout", "watch_interrupts"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Link", "RPCDevice", "check_buffer", "connection_error",
+           "keep_link", "known_link", "link_of", "lost", "open_device", "parse_endpoints", "raise_if_lost", "serve",
+           "server_devices", "set_timeout", "watch_interrupts"]

@@ -164,18 +164,20 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from .._native.cstruct import enum_names
 from ..checks import check_int, check_real
 from ..errors import CpuShareError
 
+if TYPE_CHECKING:
+    from ..ggml.rpc import Link
+
 #: The request history of a layer: expert id -> (requests, tick of the last request); lower = less likely reused.
 History = Callable[[int], tuple[int, int]]
 
 __all__ = ["COEFFICIENTS", "History", "PRIOR_KEYS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit",
-           "makespans",
-           "n_cpu_for_share", "split_misses"]
+           "link_prior", "makespans", "n_cpu_for_share", "split_misses"]
 
 #: The cost model's coefficients, in the order of every array of them (estimates, fixed coefficients, priors,
 #: a synthetic clock): the C enum ``hy_cost_coef`` (``_native/src/moe_policy.h``) is their one list.
@@ -190,6 +192,15 @@ DEFAULT_PRIOR: dict[str, float] = {
     "device_per_row_per_byte": 1e-13,
     "cpu_per_job": 20e-6,
 }
+
+
+def link_prior(link: Link | None) -> dict[str, float] | None:
+    """The cost model's prior for loads over a measured link (an RPC device's; None: no link, the default prior):
+    an upload's bytes at the link's rate. Its round trips are left to the observed loads, which the model
+    averages from the first call on."""
+    if link is None:
+        return None
+    return {"load_per_byte": 1.0 / _real(link.bytes_per_s, "link_prior: bytes per second", 0.0, lo_open=True)}
 
 
 @dataclass(frozen=True)

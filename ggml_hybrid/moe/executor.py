@@ -35,13 +35,14 @@ import numpy as np
 
 from .._native import ffi, lib
 from ..errors import ModelFileError, OptionError
+from ..ggml import rpc
 from ..ggml.backend import Backend
 from ..ggml.context import Arena, Context
 from ..ggml.graph_cache import GraphCache, SharedBuffer
 from ..ggml.regions import RegionCall
 from ..gguf.store import GGUFStore
 from .call_graphs import BUCKET_GRAPH, BUCKET_TENSORS, MAX_BUCKETS, Bucket, HostScratch, compute, read_rows
-from .cpu_share import CostModel, MissSplit, split_misses
+from .cpu_share import CostModel, MissSplit, link_prior, split_misses
 from .cpu_worker import CPUWorker
 from .ffn import ExpertWeights
 from .layer_cache import (
@@ -109,13 +110,12 @@ class ExpertCacheExecutor:
         self.store, self.names, self.device = store, names, device
         self.layer, self.n_used, self.glu, self.n_slots = cfg.layer, cfg.n_used, cfg.glu, cfg.n_slots
         self.worker: CPUWorker | None = cfg.worker if cfg.cpu_share else None
-        self.cost = CostModel() if cfg.share == "auto" else None  # the CPU share's "auto": an online cost model
+        self.cost = CostModel(prior=link_prior(rpc.link_of(device.endpoint))) if cfg.share == "auto" else None
         self.clock: SyntheticClock | None = None  # set by tests and replays that need repeatable decisions
         self.simulated_bus = simulated_bus_bytes_per_s
         self.trace = cfg.trace  # a TraceWriter shared by the session's layers, or None
         infos = {k: store.info(n) for k, n in names.items()}
-        self.n_expert = infos["down"].shape[0]
-        self.n_embd = infos["down"].shape[1]
+        self.n_expert, self.n_embd = infos["down"].shape[0], infos["down"].shape[1]
         self.cache = SlotCache(self.n_expert, cfg.n_slots, cfg.policy)
         self.pad_slot = cfg.n_slots  # the extra, zeroed slot that absorbs rows outside a round
         self.ctx, self.slot_tensors = slot_tensors(infos, cfg.n_slots)

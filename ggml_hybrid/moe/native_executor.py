@@ -26,10 +26,11 @@ from ..errors import (
     OptionError,
     ShapeError,
 )
+from ..ggml import rpc
 from ..ggml.backend import Backend
 from ..ggml.ops import GLU_OPS
 from ..gguf.store import GGUFStore
-from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
+from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, link_prior, n_cpu_for_share
 from .cpu_worker import NativeWorker
 from .ffn import ExpertWeights
 from .layer_cache import MODES, LayerCacheConfig, LayerCounters, SyntheticClock, allocate_slots, slot_tensors
@@ -152,7 +153,7 @@ class NativeExpertExecutor:
         cfg.scratch = self.scratch.ptr
         worker = self.worker
         cfg.worker = worker.ptr if worker is not None else ffi.NULL
-        cost = CostModel()
+        cost = CostModel(prior=link_prior(rpc.link_of(self.device.endpoint)))  # over RPC: the link's rate
         if worker is None:
             cfg.share_mode = lib.HY_SHARE_NONE
         elif lc.share == "auto":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .._native.backends import optional_backends
-from ..ggml import rpc
+from ..ggml import links, rpc
 from ..ggml.backend import Backend, cpu_instance, cpu_library, gpu, gpu_device_names
 from ..ggml.backend import devices as ggml_devices
 from ..options import MAX_DEVICES, OptionError, SessionOptions, device_list
@@ -77,6 +77,7 @@ def open_devices(opts: SessionOptions, n_threads: int) -> dict[str, Backend]:
     try:
         for name in names:
             if name in remote:
+                links.measure_link(remote[name])  # once per connection: the expert cache's cost model starts from it
                 out[name] = rpc.open_device(remote[name])
             else:
                 out[name] = cpu_instance(int(name[3:]), n_threads, opts.poll) if name.startswith("DEV") else gpu(name)
@@ -129,8 +130,10 @@ def describe_devices(opts: SessionOptions | None = None) -> list[dict]:
     remote = _rpc_devices(opts)
     for d in remote:
         free, total = d.memory()
+        link = links.measure_link(d)
         rows.append({"name": d.name, "kind": "rpc", "description": f"device {d.index} of the RPC server {d.endpoint}",
-                     "memory_total": total, "memory_free": free})
+                     "memory_total": total, "memory_free": free, "link_bytes_per_s": link.bytes_per_s,
+                     "link_rtt_s": link.rtt_s})
     gpus = {d.name: d for d in ggml_devices() if d.type == "gpu"}
     for name in _local_names(opts, len(remote)):
         g = gpus.get(name)

@@ -9,8 +9,9 @@ slot's cells by prompt reuse, computed), ``generated_tokens``, ``expert_cache_hi
 ``spec_decode_num_*``) and the gauge ``speculative_acceptance_rate``. Gauges: ``model_loaded``, ``slots``,
 ``busy_slots``, ``queue_depth``, ``tokens_per_second`` (generated tokens per second of decode steps
 over the last 10 s), ``moe_cpu_share_applied``, ``hybrid_offload_active`` (0/1) and
-``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute), and the process's
-``grammar_compiles`` (state: running, waiting). docs/serve.md lists them.
+``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute), ``model_available`` (0/1:
+0 while the model's RPC worker is lost and the server reconnects), the counter ``model_reconnects`` (reloads after a
+lost worker), and the process's ``grammar_compiles`` (state: running, waiting). docs/serve.md lists them.
 """
 
 from __future__ import annotations
@@ -33,11 +34,7 @@ class ServerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         ms = self.models
-        http = CounterMetricFamily(P + "http_requests", "HTTP requests answered, by endpoint and status",
-                                   labels=["endpoint", "status"])
-        for (endpoint, status), n in sorted(ms.http_requests.items()):
-            http.add_metric([endpoint, str(status)], n)
-        yield http
+        yield self._http()
 
         def counter(name: str, doc: str) -> CounterMetricFamily:
             return CounterMetricFamily(P + name, doc, labels=["model"])
@@ -56,6 +53,8 @@ class ServerCollector(Collector):
         cpu_misses = counter("expert_cache_cpu_misses", "Expert cache misses computed by the CPU (moe_cpu_share)")
         loaded = counter("expert_cache_bytes_loaded", "Bytes of experts copied into device slots")
         up = gauge("model_loaded", "1 once the model is loaded and serving")
+        available = gauge("model_available", "0 while the model's RPC worker is lost (the server reconnects)")
+        reconnects = counter("model_reconnects", "Reloads of the model after a lost RPC worker")
         slots = gauge("slots", "Sequence slots (n_parallel)")
         busy = gauge("busy_slots", "Slots holding a request")
         queue = gauge("queue_depth", "Requests waiting for a slot")
@@ -66,6 +65,8 @@ class ServerCollector(Collector):
                                    labels=["model", "device", "purpose"])
         for name, sm in ms.models.items():
             up.add_metric([name], 1.0 if sm.ready else 0.0)
+            available.add_metric([name], 0.0 if sm.unavailable else 1.0)
+            reconnects.add_metric([name], sm.reconnects)
             if sm.engine is None:
                 continue
             st = sm.engine.stats
@@ -89,10 +90,18 @@ class ServerCollector(Collector):
             for dev, purposes in snap.device_memory.items():
                 for purpose, n in purposes.items():
                     memory.add_metric([name, dev, purpose], n)
-        yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, slots,
-                    busy, queue, tps, share, offload, memory)
+        yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, available,
+                    reconnects, slots, busy, queue, tps, share, offload, memory)
         yield self._compiles()
         yield from self._speculative()
+
+    def _http(self) -> Metric:
+        """The HTTP requests answered, by endpoint and status."""
+        http = CounterMetricFamily(P + "http_requests", "HTTP requests answered, by endpoint and status",
+                                   labels=["endpoint", "status"])
+        for (endpoint, status), n in sorted(self.models.http_requests.items()):
+            http.add_metric([endpoint, str(status)], n)
+        return http
 
     @staticmethod
     def _compiles() -> Metric:

@@ -4,6 +4,12 @@
 A model that fails to load stops the server (the ``serve`` command prints the error and exits 2).
 After each engine step the engine thread copies the model's counters here, so a metrics scrape
 never touches a model another thread is computing with.
+
+Once loaded, a model whose RPC worker is lost (killed, restarted, cut off past ``rpc_timeout``) becomes
+*unavailable*: the loader thread, which then watches the loaded models (:data:`WATCH_EVERY`), sees the connection's
+recorded failure, closes the model's engine and session (what it was running ends with the error) and loads the
+model again, retrying with a growing pause (:data:`RECONNECT_FIRST` to :data:`RECONNECT_MAX` seconds) until the
+worker answers; the other models are served meanwhile. docs/rpc.md, "Faults".
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 from .. import __version__
 from .._native import cstr, lib
+from ..ggml import rpc
 from ..runtime.engine import Engine
 from ..runtime.moe_model import MoEModel
 from ..text.chat import ChatTemplate, RenderPool
@@ -27,6 +34,9 @@ from .config import ModelEntry
 MEMORY_EVERY = 5.0  # seconds between device-memory readings after load
 FINAL_GRACE = 3.0  # seconds cancelled requests get to answer once a drain has run out of time
 LOADER_JOIN = 60.0  # seconds close() waits for a cancelled load to let go (it stops at the next tensor)
+WATCH_EVERY = 0.5  # seconds between looks at the loaded models' RPC connections
+RECONNECT_FIRST = 0.5  # seconds before the first reload of a model whose worker was lost; doubled after each failure
+RECONNECT_MAX = 5.0  # the longest pause between two reloads
 
 
 @dataclass
@@ -70,14 +80,38 @@ class ServedModel:
         self.template: ChatTemplate | None = None
         self.template_error: str | None = None
         self.error: str | None = None
+        self.unavailable: str | None = None  # why the loaded model cannot answer now (a lost RPC worker)
+        self.last_attempt: str | None = None  # why the last reload of an unavailable model failed
+        self.reconnects = 0  # reloads after a lost worker that succeeded
         self.snapshot = Snapshot()
         self.max_prompt_chars = 0
         self.fingerprint: str | None = None  # OpenAI's system_fingerprint: the build and the model as loaded
         self._memory_at = 0.0
 
     @property
-    def ready(self) -> bool:
+    def loaded(self) -> bool:
+        """Loaded once (it may have become unavailable since)."""
         return self.engine is not None
+
+    @property
+    def ready(self) -> bool:
+        """Loaded and able to answer."""
+        return self.engine is not None and self.unavailable is None
+
+    def lost(self) -> str | None:
+        """Why the model's RPC connection failed, or None (also for a model on local devices only)."""
+        m = self.model
+        err = None if m is None else rpc.lost(m.devices.values())
+        return None if err is None else " ".join(str(err).split())
+
+    def unload(self) -> None:
+        """Close the engine (what it runs or queues ends) and the session. Both objects stay, closed, until a reload
+        replaces them: a request that looked the model up a moment before is refused by them (its tokenizer still
+        works), never met by a missing model."""
+        if self.engine is not None:
+            self.engine.close()
+        if self.model is not None:
+            self.model.close()
 
     def load(self, cancelled: Callable[[], bool] | None = None, pool: RenderPool | None = None) -> None:
         """Load the model; ``cancelled()`` is asked after every tensor, and when it says so the load stops
@@ -140,6 +174,7 @@ class ModelSet:
         self.failed: str | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._stop = threading.Event()
         self._lock = threading.Lock()
         self.http_requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
         self.in_flight = 0  # generation handlers that have not answered yet
@@ -147,33 +182,97 @@ class ModelSet:
 
     @property
     def ready(self) -> bool:
-        return all(sm.ready for sm in self.models.values())
+        """Every model loaded (some may be unavailable since: :meth:`unavailable`)."""
+        return all(sm.loaded for sm in self.models.values())
+
+    def unavailable(self) -> dict[str, str]:
+        """The loaded models that cannot answer now, each with the reason."""
+        return {n: sm.unavailable for n, sm in self.models.items() if sm.unavailable is not None}
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``GET /health``'s status and body: 503 while draining or loading; once loaded, 200 ``ok``, or with models
+        whose RPC worker is lost 200 ``degraded`` (others answer) or 503 ``unavailable`` (none can), listing them."""
+        if self.draining:
+            return 503, {"status": "draining"}
+        if not self.ready:
+            return 503, {"status": "loading"}
+        lost = self.unavailable()
+        if not lost:
+            return 200, {"status": "ok"}
+        every = len(lost) == len(self.models)
+        return (503 if every else 200), {"status": "unavailable" if every else "degraded", "unavailable": lost}
 
     def start_loading(self, on_failure: Callable[[str], Any],
-                      on_loaded: Callable[[str, float], Any] | None = None) -> None:
+                      on_loaded: Callable[[str, float], Any] | None = None,
+                      on_change: Callable[[str], Any] | None = None) -> None:
+        """Load every model in a thread, which then watches them (``on_change``: a line on each model that became
+        unavailable or was reloaded)."""
         def run() -> None:
+            if load_all():
+                self._watch(on_change or (lambda _: None))
+
+        def load_all() -> bool:
             for sm in self.models.values():
                 with self._lock:
                     if self._closed:
-                        return
+                        return False
                 t0 = time.perf_counter()
                 try:
                     sm.load(lambda: self._closed, self.render_pool)
                 except LoadCancelled:
-                    return  # stopped while loading: nothing failed
+                    return False  # stopped while loading: nothing failed
                 except Exception as exc:
                     sm.error = self.failed = f"{sm.name}: {' '.join(str(exc).split())}"
                     on_failure(self.failed)
-                    return
+                    return False
                 with self._lock:
                     if self._closed:  # shut down while this one loaded
                         sm.close()
-                        return
+                        return False
                 if on_loaded is not None:
                     on_loaded(sm.name, time.perf_counter() - t0)
+            return True
 
         self._thread = threading.Thread(target=run, name="model-loader", daemon=True)
         self._thread.start()
+
+    def _watch(self, on_change: Callable[[str], Any]) -> None:
+        """Until close: mark a model whose RPC connection failed unavailable and unload it, then reload it until
+        that succeeds (a bounded wait between looks, so that close ends the loop at once)."""
+        retry: dict[str, tuple[float, float]] = {}  # name -> (when to try again, the pause after a failure)
+        while not self._stop.wait(WATCH_EVERY):
+            for name, sm in self.models.items():
+                if sm.unavailable is None:
+                    why = sm.lost()
+                    if why is None:
+                        continue
+                    sm.unavailable = why
+                    on_change(f"{name} unavailable: {why}; reconnecting")
+                    sm.unload()
+                    retry[name] = (time.monotonic() + RECONNECT_FIRST, RECONNECT_FIRST)
+                if time.monotonic() >= retry[name][0] and not self._reload(sm, retry, on_change):
+                    return
+
+    def _reload(self, sm: ServedModel, retry: dict[str, tuple[float, float]], on_change: Callable[[str], Any]
+                ) -> bool:
+        """One attempt to load ``sm`` again; False when the server is stopping."""
+        t0 = time.perf_counter()
+        try:
+            sm.load(lambda: self._closed, self.render_pool)
+        except LoadCancelled:
+            return False
+        except Exception as exc:  # the worker is not back yet: try again later
+            pause = min(retry[sm.name][1] * 2, RECONNECT_MAX)
+            retry[sm.name] = (time.monotonic() + pause, pause)
+            sm.last_attempt = " ".join(str(exc).split())
+            return True
+        if self.draining and sm.engine is not None:
+            sm.engine.stop_accepting()  # reloaded during a drain: it takes no new work either
+        sm.unavailable = sm.last_attempt = None
+        sm.reconnects += 1
+        del retry[sm.name]
+        on_change(f"{sm.name} reconnected ({time.perf_counter() - t0:.1f} s)")
+        return True
 
     def drain(self) -> None:
         """Stop taking new requests (SIGTERM): ``/health`` answers 503, engines refuse new work."""
@@ -231,6 +330,7 @@ class ModelSet:
         process without finalizers)."""
         with self._lock:
             self._closed = True
+        self._stop.set()  # the watch loop ends at once
         self.render_pool.close()  # a render in progress ends now
         t = self._thread
         if t is not None and t is not threading.current_thread():

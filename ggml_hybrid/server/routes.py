@@ -81,6 +81,9 @@ def _error(e: APIError, anthropic_shape: bool = False) -> JSONResponse:
 
 
 def _not_loaded(sm: ServedModel) -> APIError:
+    if sm.unavailable is not None:  # loaded, then its RPC worker was lost (models.py)
+        return APIError(503, f"The model '{sm.name}' is unavailable: {sm.unavailable}; the server reconnects when "
+                        "the worker is back (GET /health lists the unavailable models).", code="model_unavailable")
     return APIError(503, f"The model '{sm.name}' is still loading; retry when GET /health answers 200.",
                     code="model_loading")
 
@@ -130,11 +133,8 @@ class Routes:
         return handler
 
     async def health(self, request: HTTPRequest) -> Response:
-        if self.models.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not self.models.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        status, body = self.models.health()
+        return JSONResponse(body, status_code=status)
 
     async def list_models(self, request: HTTPRequest) -> Response:
         if anthropic.owns(request.url.path, request.headers):  # asked by Anthropic's client: its list
@@ -174,7 +174,7 @@ class Routes:
                           "them).", "model")
             raise APIError(404, f"The model '{name}' does not exist; GET /v1/models lists the models served.",
                            "model", "model_not_found")
-        if sm.engine is None:
+        if not sm.ready:
             raise _not_loaded(sm)
         return sm
 

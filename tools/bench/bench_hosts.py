@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""A model split over two RPC workers on emulated hosts (tools/netlab.py), at each link shape: ggml-hybrid's leader
+against the pinned llama.cpp's own RPC client on the same namespaces, model and split; and the expert cache on a
+remote device over the slow link with moe_cpu_share auto against 0 and 1. Root (network namespaces).
+
+Part 1, per link shape (1, 10 and 25 Gbit/s rate limits, and 1 Gbit/s with 0.5 ms each way): two workers running
+ggml-hybrid's rpc-server (1 thread each), every layer offloaded, split 1:1 (``-ts 1,1``); the leader (1 thread) in
+its own namespace evaluates a prompt of ``--prompt`` tokens in one call, then ``--decode`` greedy tokens one call
+each. Ours: ``MoEModel``; llama.cpp: llama-cpp-python 0.3.36 (``--llama-python``, built with GGML_RPC=on), devices
+added as llama.cpp's ``--rpc`` adds them. Each side is a fresh process per round (weights uploaded, then
+``--reps`` timed repetitions); rounds alternate (ours, llama.cpp, llama.cpp, ours, ...). Medians; both sides must
+pick the same greedy tokens.
+
+Part 2, the slow link (1 Gbit/s, 0.5 ms each way; each shape of part 1 with ``--every-shape``), one worker: the
+routed experts from the leader's file through an expert cache of ``--slots`` slots on the worker's device
+(``split_mode=none``), moe_cpu_share 0, 1 and auto, and the layers resident on the worker (no cache): prompt and
+decode tok/s, alternating rounds, medians.
+
+Part 3 (``--part 3``), the rounds of a prompt through the cache on a remote CPU: :func:`part3`.
+
+    python tools/bench/bench_hosts.py --llama-python /opt/llref/bin/python [--rounds 2] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import click
+
+HERE = Path(__file__).resolve().parent
+TOOLS = HERE.parent
+SHAPES = [("1gbit", 0.0), ("10gbit", 0.0), ("25gbit", 0.0), ("1gbit", 0.5)]
+SHARES = {"resident": [], "cache, share 0": ["moe_cpu_share=0"], "cache, share 1": ["moe_cpu_share=1"],
+          "cache, share auto": ["moe_cpu_share=auto"]}
+
+
+def _netlab() -> ModuleType:
+    """tools/netlab.py by its file (this script runs from tools/bench/), without touching sys.path."""
+    if "netlab" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("netlab", TOOLS / "netlab.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["netlab"] = mod  # registered before it runs: its dataclasses look their module up
+        spec.loader.exec_module(mod)
+    return sys.modules["netlab"]
+
+
+# -- the sides (each a process in the leader's namespace; prints one JSON line) -----------------------------------
+
+
+def side_ours(ns: SimpleNamespace) -> dict:
+    import numpy as np
+
+    from ggml_hybrid.options import SessionOptions
+    from ggml_hybrid.runtime.moe_model import MoEModel
+
+    opts = SessionOptions.parse(["n_threads=1", f"rpc={ns.rpc}", *ns.opt])
+    with MoEModel(ns.model, opts) as m:
+        prompt = list(range(10, 10 + ns.prompt))
+        out: dict = {"prompt_s": [], "decode_s": [], "tokens": [], "prompt_counters": []}
+        for _ in range(ns.reps):
+            m.reset()
+            before = _counters(m)
+            t0 = time.perf_counter()
+            logits = m.eval(prompt, "last")
+            out["prompt_s"].append(time.perf_counter() - t0)
+            after = _counters(m)
+            out["prompt_counters"].append({k: after[k] - before[k] for k in after})
+            toks = [int(np.argmax(logits[-1]))]
+            t0 = time.perf_counter()
+            for _ in range(ns.decode - 1):
+                toks.append(int(np.argmax(m.eval([toks[-1]], "last")[-1])))
+            out["decode_s"].append(time.perf_counter() - t0)
+            out["tokens"] = toks
+        return out
+
+
+COUNTED = ("calls", "rounds", "misses", "load_ns", "compute_ns")
+
+
+def _counters(m: object) -> dict[str, int]:
+    """The expert cache's counters over every layer (zeros without a cache)."""
+    experts = getattr(m, "experts", None)
+    if experts is None or not getattr(experts, "executors", None):
+        return dict.fromkeys(COUNTED, 0)
+    total = m.counters.total  # type: ignore[attr-defined]
+    return {k: int(getattr(total, k)) for k in COUNTED}
+
+
+# -- the driver ------------------------------------------------------------------------------------------------------
+
+
+def _run(lab, exe: str, side: str, ns: SimpleNamespace, rpc: str, opts: list[str]) -> dict:
+    common = ["--rpc", rpc, "--prompt", str(ns.prompt), "--decode", str(ns.decode), "--reps", str(ns.reps)]
+    if side == "llama":
+        cmd = [exe, str(HERE / "_llama_rpc_worker.py"), ns.model, *common]
+    else:
+        cmd = [exe, str(Path(__file__)), "--side", side, "--model", ns.model, *common,
+               *[a for o in opts for a in ("--opt", o)]]
+    r = subprocess.run(lab.leader.cmd(*cmd), capture_output=True, text=True, timeout=1800,
+                       env=dict(os.environ))
+    if r.returncode != 0:
+        raise SystemExit(f"{side} failed: {r.stderr[-3000:]}")
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def _rates(results: list[dict], ns: SimpleNamespace) -> tuple[float, float]:
+    prompt = statistics.median(t for r in results for t in r["prompt_s"])
+    decode = statistics.median(t for r in results for t in r["decode_s"])
+    return ns.prompt / prompt, (ns.decode - 1) / decode
+
+
+def part1(ns: SimpleNamespace) -> None:
+    netlab = _netlab()
+
+    print(f"part 1: split 1:1 over two workers; prompt {ns.prompt} tokens, decode {ns.decode}; load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    for rate, delay in SHAPES:
+        with netlab.Lab(2) as lab:
+            for link in lab.links:
+                link.shape(rate)
+            for i in (1, 2):
+                lab.start_worker(i, delay_ms=delay)
+            m = lab.measure(1, megabytes=16, pings=20)
+            runs: dict[str, list[dict]] = {"ours": [], "llama.cpp": []}
+            for k in range(ns.rounds):
+                order = [("ours", sys.executable), ("llama.cpp", ns.llama_python)]
+                for side, exe in (order if k % 2 == 0 else order[::-1]):
+                    runs[side].append(_run(lab, exe, "ours" if side == "ours" else "llama", ns, lab.rpc(),
+                                           ["tensor_split=1,1"] if side == "ours" else []))
+            same = runs["ours"][0]["tokens"] == runs["llama.cpp"][0]["tokens"]
+            (op, od), (lp, ld) = _rates(runs["ours"], ns), _rates(runs["llama.cpp"], ns)
+            print(f"{rate}{f' +{delay} ms' if delay else ''} (measured {m['gbit_s']:.2f} Gbit/s, rtt "
+                  f"{m['rtt_ms']:.2f} ms): prompt ours {op:.1f} tok/s, llama.cpp {lp:.1f} ({op / lp:.2f}x); decode "
+                  f"ours {od:.1f} tok/s, llama.cpp {ld:.1f} ({od / ld:.2f}x); same tokens: {same}; load "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+
+
+def part2(ns: SimpleNamespace) -> None:
+    for rate, delay in SHAPES if ns.every_shape else [("1gbit", 0.5)]:
+        _part2_over(ns, rate, delay)
+
+
+def _part2_over(ns: SimpleNamespace, rate: str, delay: float) -> None:
+    netlab = _netlab()
+
+    print(f"part 2: one worker over {rate}{f' + {delay} ms' if delay else ''}; {ns.slots} cache slots; load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    with netlab.Lab(1) as lab:
+        lab.links[0].shape(rate)
+        lab.start_worker(1, delay_ms=delay)
+        runs: dict[str, list[dict]] = {k: [] for k in SHARES}
+        cache = ["split_mode=none", "disk_experts=true", f"expert_cache_slots={ns.slots}"]
+        for k in range(ns.rounds):
+            names = list(SHARES) if k % 2 == 0 else list(SHARES)[::-1]
+            for name in names:
+                opts = ["split_mode=none"] if name == "resident" else cache + SHARES[name]
+                runs[name].append(_run(lab, sys.executable, "ours", ns, lab.rpc(), opts))
+        tokens = {tuple(r[0]["tokens"]) for r in runs.values()}
+        for name, rs in runs.items():
+            p, d = _rates(rs, ns)
+            print(f"{name}: prompt {p:.1f} tok/s, decode {d:.1f} tok/s", flush=True)
+        print(f"same tokens in every mode: {len(tokens) == 1}; load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def part3(ns: SimpleNamespace) -> None:
+    """Rounds over RPC (item 7 of issue 44): a prompt through the expert cache on a remote CPU, with every expert
+    fitting its slots (one round a layer once warm) and with ``--slots`` (several rounds a layer), against the layers
+    resident on the worker; an unshaped link, so loads cost little. A round on a non-CPU device (an RPC one is) runs
+    the call's whole graph, so a remote CPU computes every row of the call once per round: compute time per prompt
+    grows with the rounds where compacted rows would not."""
+    netlab = _netlab()
+
+    n_expert = ns.n_expert
+    modes = {"resident": ["split_mode=none"],
+             f"cache, {n_expert} slots (all fit)": ["split_mode=none", "disk_experts=true",
+                                                     f"expert_cache_slots={n_expert}", "moe_cpu_share=0"],
+             f"cache, {ns.slots} slots": ["split_mode=none", "disk_experts=true", f"expert_cache_slots={ns.slots}",
+                                          "moe_cpu_share=0"]}
+    print(f"part 3: one worker, unshaped link; prompt {ns.prompt} tokens, timed reps after the first; load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    with netlab.Lab(1) as lab:
+        lab.start_worker(1)
+        runs: dict[str, list[dict]] = {k: [] for k in modes}
+        for k in range(ns.rounds):
+            for name in (list(modes) if k % 2 == 0 else list(modes)[::-1]):
+                runs[name].append(_run(lab, sys.executable, "ours", ns, lab.rpc(), modes[name]))
+        for name, rs in runs.items():
+            timed = [t for r in rs for t in r["prompt_s"][1:]]
+            c = [x for r in rs for x in r["prompt_counters"][1:]]
+            med = {key: statistics.median(x[key] for x in c) for key in COUNTED}
+            layers = med["calls"] or 1
+            print(f"{name}: prompt {ns.prompt / statistics.median(timed):.1f} tok/s (median of {len(timed)}); per "
+                  f"prompt: {med['rounds'] / layers:.2f} rounds a layer, {med['misses']:.0f} loads, load "
+                  f"{med['load_ns'] / 1e6:.1f} ms, expert compute {med['compute_ns'] / 1e6:.1f} ms", flush=True)
+        print(f"same tokens in every mode: {len({tuple(r[0]['tokens']) for r in runs.values()}) == 1}; load "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+
+
+@click.command(help=__doc__)
+@click.option("--side", type=click.Choice(["ours"]), default=None, hidden=True)
+@click.option("--rpc", default="", hidden=True)
+@click.option("--opt", multiple=True, hidden=True)
+@click.option("--model", default=None, help="the model (default: a generated qwen3moe, q8_0)")
+@click.option("--llama-python", default=None, help="a Python with llama-cpp-python 0.3.36 (GGML_RPC=on)")
+@click.option("--prompt", type=int, default=64, show_default=True)
+@click.option("--decode", type=int, default=17, show_default=True)
+@click.option("--reps", type=int, default=3, show_default=True)
+@click.option("--rounds", type=int, default=2, show_default=True)
+@click.option("--slots", type=int, default=4, show_default=True)
+@click.option("--every-shape", is_flag=True, help="part 2 over each link shape of part 1 (default: the slow one)")
+@click.option("--n-expert", type=int, default=16, show_default=True, help="the generated model's experts")
+@click.option("--part", type=click.Choice(["1", "2", "3", "both"]), default="both", show_default=True,
+              help="both: parts 1 and 2; 3: the rounds of a prompt through the cache on a remote CPU")
+def main(**kw: object) -> None:
+    ns = SimpleNamespace(**kw)
+    ns.opt = list(ns.opt)
+    if ns.side is not None:
+        print(json.dumps(side_ours(ns)))
+        return
+    if ns.model is None:
+        from ggml_hybrid.synthetic import write_model
+
+        ns.model = str(write_model(f"/tmp/bench_hosts-{ns.n_expert}.gguf", n_layer=8, n_embd=512,
+                                   n_expert=ns.n_expert, n_used=2, weight_type="q8_0", seed=5))
+    print(f"model {ns.model} ({Path(ns.model).stat().st_size / 2**20:.1f} MiB)", flush=True)
+    if ns.part in ("1", "both"):
+        if ns.llama_python is None:
+            raise click.UsageError("part 1 needs --llama-python")
+        part1(ns)
+    if ns.part in ("2", "both"):
+        part2(ns)
+    if ns.part == "3":
+        part3(ns)
+
+
+if __name__ == "__main__":
+    main()
