@@ -82,6 +82,7 @@ def _marker(block: Block, comment: str) -> None:
     for kind, rest in MARKER.findall(comment):
         rest = rest.strip()
         if kind == "ci-file":
+            rest = rest.removeprefix(":").strip()
             block.ci_file = rest or None
             if not rest:
                 block.marker_error = "ci-file marker without a file name"
@@ -124,7 +125,7 @@ def shell_commands(block: Block) -> list[Command]:
         cmds: list[Command] = []
         for ln in lines:
             if ln.startswith("$ "):
-                cmds.append(Command(ln[2:].strip()))
+                cmds.append(Command(_strip_comment(ln[2:])))
             elif cmds and ln.strip():
                 cmds[-1].output.append(ln)
         return cmds
