@@ -4,7 +4,9 @@ Every metric is prefixed ``ggml_hybrid_`` and labelled with the model (``model``
 Counters (``_total``): ``http_requests`` (endpoint, status), ``requests`` (finish_reason: stop, length,
 cancelled, error), ``prompt_tokens``, ``prompt_tokens_reused`` and ``prompt_tokens_evaluated`` (kept from a
 slot's cells by prompt reuse, computed), ``generated_tokens``, ``expert_cache_hits``, ``expert_cache_misses``,
-``expert_cache_cpu_misses``, ``expert_cache_bytes_loaded``. Gauges: ``model_loaded``, ``slots``,
+``expert_cache_cpu_misses``, ``expert_cache_bytes_loaded``, and with speculative decoding
+``speculative_drafted_tokens``, ``speculative_accepted_tokens``, ``speculative_verify_steps`` (llama-server's
+``spec_decode_num_*``) and the gauge ``speculative_acceptance_rate``. Gauges: ``model_loaded``, ``slots``,
 ``busy_slots``, ``queue_depth``, ``tokens_per_second`` (generated tokens per second of decode steps
 over the last 10 s), ``moe_cpu_share_applied``, ``hybrid_offload_active`` (0/1) and
 ``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute). docs/serve.md lists them.
@@ -87,6 +89,26 @@ class ServerCollector(Collector):
                     memory.add_metric([name, dev, purpose], n)
         yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, slots,
                     busy, queue, tps, share, offload, memory)
+        yield from self._speculative()
+
+    def _speculative(self) -> Iterator[Metric]:
+        """Speculative decoding's counters, per model that speculates (llama-server's ``spec_decode_num_*``)."""
+        drafted = CounterMetricFamily(P + "speculative_drafted_tokens", "Speculative decoding: draft tokens verified",
+                                      labels=["model"])
+        accepted = CounterMetricFamily(P + "speculative_accepted_tokens",
+                                       "Speculative decoding: draft tokens the target kept", labels=["model"])
+        verify = CounterMetricFamily(P + "speculative_verify_steps",
+                                     "Speculative decoding: verify steps (a sequence's drafts)", labels=["model"])
+        acceptance = GaugeMetricFamily(P + "speculative_acceptance_rate",
+                                       "Speculative decoding: accepted / drafted tokens", labels=["model"])
+        for name, sm in self.models.models.items():
+            spec = sm.engine.stats.spec if sm.engine is not None else None
+            if spec is not None:
+                drafted.add_metric([name], spec.drafted)
+                accepted.add_metric([name], spec.accepted)
+                verify.add_metric([name], spec.verify_steps)
+                acceptance.add_metric([name], spec.acceptance)
+        yield from (drafted, accepted, verify, acceptance)
 
 
 def registry(models: ModelSet) -> CollectorRegistry:
