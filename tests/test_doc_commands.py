@@ -181,6 +181,24 @@ _BASE_FILES = {
 }
 
 
+# a doc whose model is another: docs/speculative.md's model.gguf carries a draft (MTP) head
+_DOC_FILES = {
+    "speculative.md": {"model.gguf": ["gen", "model.gguf", "--arch", "glm4moe", "--type", "q8_0", "--layers", "2",
+                                      "--embd", "64", "--experts", "64", "--used", "4", "--set", "nextn=1"]},
+}
+
+
+def _generate(folder: Path, files: dict[str, list[str]]) -> None:
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        for name, args in files.items():
+            res = CliRunner().invoke(_cli(), args)
+            assert res.exit_code == 0, f"generating {name}: {res.output}"
+    finally:
+        os.chdir(here)
+
+
 def _cli():
     from ggml_hybrid.cli import main
 
@@ -190,15 +208,7 @@ def _cli():
 @pytest.fixture(scope="session")
 def base_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("doc-models")
-    runner = CliRunner()
-    here = os.getcwd()
-    os.chdir(folder)
-    try:
-        for name, args in _BASE_FILES.items():
-            res = runner.invoke(_cli(), args)
-            assert res.exit_code == 0, f"generating {name}: {res.output}"
-    finally:
-        os.chdir(here)
+    _generate(folder, _BASE_FILES)
     (folder / "keys.txt").write_text("doc-example-key-1\n")
     return folder
 
@@ -212,6 +222,7 @@ def doc_folders(base_folder, tmp_path_factory):
             folder = tmp_path_factory.mktemp("doc-" + doc.removesuffix(".md"))
             for p in base_folder.iterdir():
                 shutil.copy(p, folder / p.name)
+            _generate(folder, _DOC_FILES.get(doc, {}))
             for b in (x for p in DOCS if p.name == doc for x in doc_blocks(p)):
                 if b.ci_file:
                     (folder / b.ci_file).write_text(b.text)
