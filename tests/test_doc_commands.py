@@ -14,7 +14,8 @@ applied to its stdout); ``serve`` and ``rpc-server`` run as processes on a free 
 stable is compared: an ``error:`` line means the command fails (exit status not 0) and says ``error:``, no error
 line means it succeeds; each ``label:`` that starts a shown line (``load``, ``layout:``, ``recommend:``,
 ``try:``, YAML keys; ``warning:`` lines depend on the load and are left out) starts a line of the real output;
-a shown JSON object's keys are all in the real one. Numbers and the generated (random-weight) text are not compared.
+a shown JSON object has the real one's keys, at
+every level. Numbers and the generated (random-weight) text are not compared.
 
 Python blocks of one doc run in order in one namespace, in that doc's folder. docs/scripting.md's are run by
 tests/test_scripting_doc.py (with what they print checked), so they are left out here.
@@ -352,18 +353,31 @@ def check_output(cmd: Command, got: Outcome) -> list[str]:
     return problems
 
 
+def _key_differences(shown: object, real: object, where: str = "") -> list[str]:
+    """The keys one JSON object has and the other lacks, at every level of nested objects."""
+    if not isinstance(shown, dict) or not isinstance(real, dict):
+        return []
+    out = [f"{where}{k}: not in the output" for k in shown if k not in real]
+    out += [f"{where}{k}: not in the doc" for k in real if k not in shown]
+    for k in shown.keys() & real.keys():
+        out += _key_differences(shown[k], real[k], f"{where}{k}.")
+    return out
+
+
 def _json_keys(shown: str, real_lines: list[str]) -> list[str]:
+    """A shown JSON object is a whole output: the real one has the same keys (values vary)."""
     try:
-        keys = set(json.loads(shown))
+        expected = json.loads(shown)
     except ValueError:
         return []
     for ln in real_lines:
         if ln.startswith("{"):
             try:
-                missing = keys - set(json.loads(ln))
+                got = json.loads(ln)
             except ValueError:
                 continue
-            return [f"the JSON lacks {sorted(missing)}"] if missing else []
+            diff = _key_differences(expected, got)
+            return [f"the JSON differs in its keys: {', '.join(diff)}"] if diff else []
     return ["no JSON object in the output"]
 
 
