@@ -28,6 +28,7 @@ import io
 import json
 import os
 import re
+import selectors
 import shlex
 import shutil
 import signal
@@ -59,6 +60,11 @@ START_TIMEOUT_S = 180.0
 class Command:
     line: str                      # as printed, without the prompt and the comment
     output: list[str] = field(default_factory=list)  # the lines the doc shows after it (transcripts only)
+
+    @property
+    def ctrl_c(self) -> bool:
+        """The doc stops it with Ctrl-C (``^C`` in what it shows)."""
+        return any("^C" in ln for ln in self.output)
 
 
 @dataclass
@@ -315,16 +321,38 @@ def _as_server(words: list[str], cwd: Path) -> Outcome:
     return Outcome(0 if started else (proc.returncode or 1), text)
 
 
+def _interrupted(words: list[str], cwd: Path) -> Outcome:
+    """A command the doc stops with Ctrl-C: SIGINT once it has printed (it is under way), as a terminal sends it."""
+    argv = [str(Path(sys.executable).parent / "ggml-hybrid"), *words[1:]]
+    proc = subprocess.Popen(argv, cwd=cwd, env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            assert sel.select(timeout=START_TIMEOUT_S), f"{shlex.join(words)}: printed nothing"
+        first = os.read(proc.stdout.fileno(), 1 << 16)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return Outcome(proc.returncode, (first + out + err).decode("utf-8", "replace"))
+
+
 def _in_bash(line: str, cwd: Path, env: dict[str, str]) -> Outcome:
     proc = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     return Outcome(proc.returncode, proc.stdout + proc.stderr)
 
 
-def run_command(line: str, cwd: Path, env: dict[str, str]) -> Outcome:
+def run_command(line: str, cwd: Path, env: dict[str, str], ctrl_c: bool = False) -> Outcome:
     tail = PIPE_TAIL.search(line)
     head = line[: tail.start()] if tail else line
     plain = not re.search(r"[|&;<>$`]", head)
     words = shlex.split(head) if plain else []
+    if words and words[0] == "ggml-hybrid" and ctrl_c:
+        return _interrupted(words, cwd)
     if words and words[0] == "ggml-hybrid" and len(words) > 1 and words[1] in SERVER_COMMANDS and not tail:
         return _as_server(words, cwd)
     if words and words[0] == "ggml-hybrid" and env == os.environ:
@@ -340,7 +368,7 @@ def check_output(cmd: Command, got: Outcome) -> list[str]:
     shown_error = any(ln.startswith("error:") for ln in cmd.output)
     if shown_error and got.status == 0:
         problems.append("the doc shows an error, the command succeeded")
-    if not shown_error and got.status != 0:
+    if not shown_error and got.status != 0 and not cmd.ctrl_c:
         problems.append(f"exit status {got.status}")
     real_lines = [ln.strip() for ln in got.text.splitlines()]
     firsts = {ln.split(" ", 1)[0] for ln in real_lines if ln}
@@ -409,12 +437,17 @@ def test_doc_shell_block_runs(block, doc_folders):
     cwd = doc_folders(block.doc)
     env: dict[str, str] = dict(os.environ)
     failures = []
+    last = Outcome(0, "")
     for cmd in shell_commands(block):
         exported = _env_after(cmd.line, env)
         if exported is not None:
             env = exported
             continue
-        got = run_command(cmd.line, cwd, env)
+        if cmd.line == "echo $?":  # the last command's exit status, as shown
+            if cmd.output[:1] != [str(last.status)]:
+                failures.append(f"$ echo $?\n  {last.status}, the doc shows {cmd.output[:1]}")
+            continue
+        got = last = run_command(cmd.line, cwd, env, cmd.ctrl_c)
         problems = check_output(cmd, got) if cmd.output else ([] if got.status == 0 else [f"exit {got.status}"])
         if problems:
             failures.append(f"$ {cmd.line}\n  " + "; ".join(problems) + "\n  output:\n    "
