@@ -290,11 +290,14 @@ def _server_words(words: list[str], port: int) -> list[str]:
     return [*out, "--host", "127.0.0.1", "--port", str(port)]
 
 
-def _ready(command: str, port: int) -> bool:
+def _ready(command: str, port: int, printed: bytes) -> bool:
+    """serve: /health answers 200; rpc-server: its banner is whole (it ends with the transport) and the port accepts."""
     try:
         if command == "serve":
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 return bool(r.status == 200)
+        if b"transport" not in printed:
+            return False
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             return True
     except OSError:
@@ -304,21 +307,26 @@ def _ready(command: str, port: int) -> bool:
 def _as_server(words: list[str], cwd: Path) -> Outcome:
     port = _free_port()
     argv = [str(Path(sys.executable).parent / "ggml-hybrid"), *_server_words(words[1:], port)]
-    proc = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=cwd, env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    printed = b""
     try:
+        assert proc.stdout is not None
         deadline = time.monotonic() + START_TIMEOUT_S
-        while proc.poll() is None and not _ready(words[1], port):
-            assert time.monotonic() < deadline, f"{shlex.join(words)}: not ready in {START_TIMEOUT_S:.0f} s"
-            time.sleep(0.2)  # a bounded poll of the port
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while proc.poll() is None and not _ready(words[1], port, printed):
+                assert time.monotonic() < deadline, f"{shlex.join(words)}: not ready in {START_TIMEOUT_S:.0f} s"
+                if sel.select(timeout=0.2):  # a bounded poll: what it printed, then the port
+                    printed += os.read(proc.stdout.fileno(), 1 << 16)
         started = proc.poll() is None
         proc.send_signal(signal.SIGINT)
-        text, _ = proc.communicate(timeout=60)
+        rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    return Outcome(0 if started else (proc.returncode or 1), text)
+    return Outcome(0 if started else (proc.returncode or 1), (printed + rest).decode("utf-8", "replace"))
 
 
 def _interrupted(words: list[str], cwd: Path) -> Outcome:
