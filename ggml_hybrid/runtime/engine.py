@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int
-from ..errors import ArgumentError, ClosedError, ContextFullError
+from ..errors import ArgumentError, ClosedError, ContextFullError, GgmlHybridError
 from ..text.vocab import TextStream
 from .grammar import Constraint
 from .logprobs import TokenLogprob, token_logprob
@@ -138,6 +138,7 @@ class Request:
     n_reused: int = 0                  # prompt positions kept from what the slot held (not evaluated)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # with ``logprobs``: one per token
     error: str | None = None
+    exception: BaseException | None = None  # what failed it ("error"): a GrammarError is the grammar's fault
     n_drafted: int = 0                 # speculative decoding: draft tokens verified for this request
     n_accepted: int = 0                # and kept
     queued_at: float = field(default_factory=time.perf_counter)
@@ -439,6 +440,7 @@ class Engine:
     def _fail(self, r: Request, exc: BaseException) -> None:
         if r.state != DONE:  # a request finished earlier in the step keeps its reason (and is counted once)
             r.error = " ".join(str(exc).split()) or type(exc).__name__
+            r.exception = exc
             self._finish(r, "error")
 
     def _prompt_step(self, r: Request) -> None:
@@ -549,6 +551,11 @@ class Engine:
         if flush and r._stream is not None and reason in ("stop", "length"):
             text, hit = r._stops.push(r._stream.flush())
             r._post(text if hit else text + r._stops.flush())
+        if reason == "stop" and r.constraint is not None and r.stop_string is None and \
+                not r.constraint.whole(r.text):  # llguidance's end is not taken on trust: "stop" is never a lie
+            r.exception = GgmlHybridError(f"{r.constraint.grammar.what}: the grammar ended on text that does not "
+                                          "parse (llguidance's fault, not the request's)")
+            r.error, reason = str(r.exception), "error"
         if r.seq is not None and self._slots[r.seq] is r:
             self._slots[r.seq] = None
             # the cells stay for a later prompt that begins alike (kept only where a cold run's are: PromptCache);

@@ -9,7 +9,8 @@ slot's cells by prompt reuse, computed), ``generated_tokens``, ``expert_cache_hi
 ``spec_decode_num_*``) and the gauge ``speculative_acceptance_rate``. Gauges: ``model_loaded``, ``slots``,
 ``busy_slots``, ``queue_depth``, ``tokens_per_second`` (generated tokens per second of decode steps
 over the last 10 s), ``moe_cpu_share_applied``, ``hybrid_offload_active`` (0/1) and
-``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute). docs/serve.md lists them.
+``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute), and the process's
+``grammar_compiles`` (state: running, waiting). docs/serve.md lists them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..runtime.grammar_pool import grammar_pool
 from .models import ModelSet
 
 P = "ggml_hybrid_"
@@ -89,7 +91,18 @@ class ServerCollector(Collector):
                     memory.add_metric([name, dev, purpose], n)
         yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, slots,
                     busy, queue, tps, share, offload, memory)
+        yield self._compiles()
         yield from self._speculative()
+
+    @staticmethod
+    def _compiles() -> Metric:
+        """The process's grammar compile pool: compiles running and waiting for a compile thread."""
+        compiles = GaugeMetricFamily(P + "grammar_compiles", "Grammar compiles in the compile pool, by state",
+                                     labels=["state"])
+        pool = grammar_pool()
+        compiles.add_metric(["running"], pool.running)
+        compiles.add_metric(["waiting"], pool.waiting)
+        return compiles
 
     def _speculative(self) -> Iterator[Metric]:
         """Speculative decoding's counters, per model that speculates (llama-server's ``spec_decode_num_*``)."""
