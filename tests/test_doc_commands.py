@@ -359,10 +359,10 @@ def run_command(line: str, cwd: Path, env: dict[str, str], ctrl_c: bool = False)
     head = line[: tail.start()] if tail else line
     plain = not re.search(r"[|&;<>$`]", head)
     words = shlex.split(head) if plain else []
+    if words and words[0] == "ggml-hybrid" and len(words) > 1 and words[1] in SERVER_COMMANDS and not tail:
+        return _as_server(words, cwd)  # a server's transcript ends with ^C too: it is stopped so once ready
     if words and words[0] == "ggml-hybrid" and ctrl_c:
         return _interrupted(words, cwd)
-    if words and words[0] == "ggml-hybrid" and len(words) > 1 and words[1] in SERVER_COMMANDS and not tail:
-        return _as_server(words, cwd)
     if words and words[0] == "ggml-hybrid" and env == os.environ:
         return _in_process(words, tail, cwd)
     return _in_bash(line, cwd, {**_env(), **{k: v for k, v in env.items() if k not in os.environ}})
