@@ -2,7 +2,7 @@
 
 The oracle is the CPU resident run of the same model (the default options, one thread): the server
 computes with the same CPU kernels, so every placement on RPC devices must give the same bits. The
-failure tests check what vendor patch 0002 promises: a refused connection, a failed handshake and a
+failure tests check what vendor patch 0003 promises: a refused connection, a failed handshake and a
 server killed mid-run are one typed error naming the endpoint, never an abort or a hang.
 """
 
@@ -161,7 +161,7 @@ def test_the_host_tier_feeds_an_rpc_device_bit_identically(model, reference, ser
 def test_a_graph_run_again_after_another_is_bit_identical(model, server):
     """A prompt graph evaluated again after a decode graph (a second request of the same length): GGML's scheduler
     used to leave the graph's sources replaced by copies in a context the next split freed, so the graph ran
-    again read freed tensors (an abort or a crash here; patch 0008). Every run equals the CPU's."""
+    again read freed tensors (an abort or a crash here; patch 0001). Every run equals the CPU's."""
     seqs = [[7, 8, 9, 10], [11], [7, 8, 9, 10], [12], [7, 8, 9, 10]]
     out = []
     for remote in ([], [f"rpc={server.endpoint}"]):
@@ -269,20 +269,26 @@ def test_server_killed_mid_generation_is_one_typed_error_and_the_process_goes_on
         with rpc_server() as s:
             m = MoEModel(model, opts(f"rpc={s.endpoint}", "disk_experts=true", "expert_cache_slots=2"))
             killed_at: list[float] = []
+            generating = threading.Event()
 
-            def kill_soon() -> None:
-                time.sleep(0.3)
+            def kill_mid_generation() -> None:
+                # the event: the prompt is evaluated and decoding under way (it slept 0.3 s from the start; a
+                # loaded machine could still be evaluating the prompt, or not have begun)
+                assert generating.wait(120)
                 killed_at.append(time.monotonic())
                 s.kill()
 
-            threading.Thread(target=kill_soon).start()
+            killer = threading.Thread(target=kill_mid_generation)
+            killer.start()
             with pytest.raises(RPCError) as err:
                 logits = m.eval(tokens)
+                generating.set()
                 while True:  # greedy decoding until the server is gone
                     if m.n_past >= m.n_ctx - 1:
                         m.reset()
                     logits = m.eval([int(np.argmax(logits[-1]))])
             raised_at = time.monotonic()
+            killer.join(10)
             assert killed_at and raised_at - killed_at[0] < 10
             assert s.endpoint in str(err.value) and "lost" in str(err.value)
             # the session stays failed (not aborted, not hung) until closed
@@ -534,7 +540,7 @@ def _f(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
-# Well-formed one-node graphs whose shapes every rule of patch 0006 accepted but whose types the op's CPU kernel
+# Well-formed one-node graphs whose shapes every rule of patch 0011 accepted but whose types the op's CPU kernel
 # has no code for: GGML_ABORT, or a call through a conversion or dot-product function the type lacks (a
 # segfault). The server's fuzzer sent nodes without GGML_TENSOR_FLAG_COMPUTE, so no kernel ever ran, until
 # 2026-12-02; each of these stopped the server then.
@@ -740,6 +746,25 @@ def test_a_frozen_server_is_a_timeout_not_a_hang(model, reference):
                 s.proc.send_signal(signal.SIGCONT)
 
 
+def _wait_idle(pid: int, quiet: float = 0.3, limit: float = 60) -> None:
+    """Until process ``pid`` sleeps and uses no CPU for ``quiet`` seconds: it waits on something (a bounded wait)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    end = time.monotonic() + limit
+
+    def cpu() -> float:
+        t = proc.cpu_times()
+        return t.user + t.system
+
+    while True:
+        before = cpu()
+        time.sleep(quiet)
+        if cpu() == before and proc.status() == psutil.STATUS_SLEEPING:
+            return
+        assert time.monotonic() < end, "the process never stopped to wait"
+
+
 def test_ctrl_c_ends_a_run_against_a_frozen_server(model):
     """Issue 28 item 3: Ctrl-C during `run --rpc` against a stopped server (no time limit) ends the run at once,
     with the usual report and exit status 130."""
@@ -751,7 +776,7 @@ def test_ctrl_c_ends_a_run_against_a_frozen_server(model):
             assert p.stdout is not None
             p.stdout.read(8)  # it generates
             s.proc.send_signal(signal.SIGSTOP)
-            time.sleep(1.0)  # now it waits for the server
+            _wait_idle(p.pid)  # now it waits for the server (it slept 1 s and assumed so)
             p.send_signal(signal.SIGINT)
             out, err = p.communicate(timeout=30)
         finally:

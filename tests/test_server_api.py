@@ -194,6 +194,8 @@ def scrape_keyed(server) -> dict[str, float]:
 
 @pytest.mark.parametrize("path,method", [("/v1/models", "GET"), ("/metrics", "GET"), ("/props", "GET"),
                                          ("/slots", "GET"), ("/tokenize", "POST"), ("/v1/completions", "POST"),
+                                         ("/v1/models/m", "GET"), ("/v1/responses", "POST"),
+                                         ("/v1/responses/resp_x", "GET"), ("/v1/responses/resp_x", "DELETE"),
                                          ("/no/such/path", "GET")])
 def test_every_endpoint_but_health_needs_a_key(server, path, method):
     for key in (None, "sk-wrong", KEY[:-1], KEY + "x", ""):

@@ -19,6 +19,7 @@ and every error of a request that carries Anthropic's ``anthropic-version`` head
 
 from __future__ import annotations
 
+import datetime
 import json
 import uuid
 from dataclasses import dataclass
@@ -333,5 +334,11 @@ class MessageEvents:
         return out
 
 
+def model_info(name: str, created: int) -> dict[str, Any]:
+    """Anthropic's model object (``GET /v1/models`` and ``/v1/models/{id}`` asked by Anthropic's client)."""
+    when = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": name, "display_name": name, "created_at": when}
+
+
 __all__ = ["EFFORTS", "ERROR_TYPES", "PATH", "MessageEvents", "MessagesRequest", "PromptUse", "blocks", "error_body",
-           "event", "message", "new_id", "owns", "read_request", "stop_reason", "tool_use_id"]
+           "event", "message", "model_info", "new_id", "owns", "read_request", "stop_reason", "tool_use_id"]

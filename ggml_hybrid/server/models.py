@@ -8,12 +8,17 @@ never touches a model another thread is computing with.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import __version__
+from .._native import cstr, lib
 from ..runtime.engine import Engine
 from ..runtime.moe_model import MoEModel
 from ..text.chat import ChatTemplate, RenderPool
@@ -37,6 +42,18 @@ class Snapshot:
     device_memory: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> purpose -> bytes
 
 
+def fingerprint(path: str, options: dict[str, Any]) -> str:
+    """``fp_`` and a digest of what decides a model's outputs here: this package's version, the GGML it links and the
+    patch series and C sources built into it, the model file (its path, size and modification time: reading the whole
+    file would cost its size) and the session options. Any of them changing changes it, as OpenAI's does when its
+    backend does."""
+    st = os.stat(path)
+    ident = {"package": __version__, "ggml": cstr(lib.hy_ggml_version()), "patches": cstr(lib.hy_patch_hash()),
+             "sources": cstr(lib.hy_source_hash()), "file": [os.path.realpath(path), st.st_size, st.st_mtime_ns],
+             "options": options}
+    return "fp_" + hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 class LoadCancelled(Exception):
     """A load stopped because the server is stopping (not a failure of the model)."""
 
@@ -55,6 +72,7 @@ class ServedModel:
         self.error: str | None = None
         self.snapshot = Snapshot()
         self.max_prompt_chars = 0
+        self.fingerprint: str | None = None  # OpenAI's system_fingerprint: the build and the model as loaded
         self._memory_at = 0.0
 
     @property
@@ -81,6 +99,7 @@ class ServedModel:
             # the context, whatever its tokens (it is refused before it is tokenized or rendered)
             longest = max((len(t) for t in tok.tokens), default=1)
             self.max_prompt_chars = model.n_ctx * max(longest, 8) * 2
+            self.fingerprint = fingerprint(self.path, model.options.to_dict())
             self.model = model
             self._snap(None)
             self.engine = Engine(model, self.name, after_step=self._snap)
@@ -222,9 +241,5 @@ class ModelSet:
             sm.close()
         return True
 
-    @property
-    def loader_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
-
-__all__ = ["LoadCancelled", "ModelSet", "ServedModel", "Snapshot"]
+__all__ = ["LoadCancelled", "ModelSet", "ServedModel", "Snapshot", "fingerprint"]

@@ -353,6 +353,19 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, 
     return out
 
 
+def model_object(name: str, created: int) -> dict[str, Any]:
+    """OpenAI's model object (``GET /v1/models``, ``/v1/models/{id}``)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "ggml-hybrid"}
+
+
+def null_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    """A chunk of a stream whose last chunk brings the usage (``include_usage``): ``"usage": null`` until then, as
+    OpenAI's chunks say."""
+    if include_usage and "usage" not in chunk:
+        chunk["usage"] = None
+    return chunk
+
+
 def timings(r: Request) -> dict[str, float]:
     """llama.cpp's ``timings`` extension (OpenAI clients ignore it): the prompt (from taking a slot to the
     first token, other sequences' steps included) and the decode (first token to the last)."""
@@ -393,9 +406,10 @@ def choice(kind: str, index: int, text: str, finish: str | None, stream: bool, f
 
 
 def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]], stream: bool,
-             use: dict[str, int] | None = None) -> dict[str, Any]:
+             use: dict[str, int] | None = None, fingerprint: str | None = None) -> dict[str, Any]:
     obj = ("chat.completion.chunk" if stream else "chat.completion") if kind == "chat" else "text_completion"
-    out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
+                           "system_fingerprint": fingerprint, "choices": choices}
     if use is not None:
         out["usage"] = use
     return out
@@ -403,5 +417,5 @@ def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict[s
 
 __all__ = ["APIError", "COMPLETION_MAX_TOKENS", "DEFAULTS", "Defaults", "Generation", "MAX_BODY_BYTES", "MAX_CHOICES",
            "MAX_STOP_CHARS", "MAX_STOP_TOTAL", "bad", "chat_request", "choice", "completion_request",
-           "context_overflow", "envelope", "new_id", "now", "parse_json", "prompt_progress", "read_generation",
-           "read_stops", "timings", "usage"]
+           "context_overflow", "envelope", "model_object", "new_id", "now", "null_usage", "parse_json",
+           "prompt_progress", "read_generation", "read_stops", "timings", "usage"]

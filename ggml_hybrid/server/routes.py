@@ -1,12 +1,14 @@
 """The handlers of the OpenAI-compatible HTTP API: one method of :class:`Routes` per endpoint (``Routes.table``).
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, Anthropic's
-``POST /v1/messages`` (all streamed with ``stream: true``) and ``POST /v1/messages/count_tokens``, and
-``GET /metrics``. Every error is OpenAI's error object (Anthropic's on its paths: :func:`.anthropic.owns`) with a
-4xx/5xx status; nothing a client sends takes the server down. With one model served, a request may leave ``model``
-out or name any model (llama-server's rule); with several, it names one of them. A generation is one engine request
-per choice; the handler waits on them without blocking the event loop (the engine thread wakes it), and a client
-that goes away cancels them, which frees their slots before the engine's next step.
+Routes: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
+``POST /v1/chat/completions``, Anthropic's ``POST /v1/messages`` (all streamed with ``stream: true``) and
+``POST /v1/messages/count_tokens``, and ``GET /metrics``; the Responses API (:mod:`.responses_routes`) generates
+through :meth:`Routes.generate` in a :class:`~.shapes.Shape` of its own. Every error is OpenAI's error object
+(Anthropic's on its paths: :func:`.anthropic.owns`) with a 4xx/5xx status; nothing a client sends takes the server
+down. With one model served, a request may leave ``model`` out or name any model (llama-server's rule); with several,
+it names one of them. A generation is one engine request per choice; the handler waits on them without blocking the
+event loop (the engine thread wakes it), and a client that goes away cancels them, which frees their slots before
+the engine's next step.
 """
 
 from __future__ import annotations
@@ -43,17 +45,19 @@ from .protocol import (
     completion_request,
     context_overflow,
     envelope,
+    model_object,
     new_id,
     now,
+    null_usage,
     parse_json,
     prompt_progress,
     timings,
     usage,
 )
 from .settings import ServerSettings
+from .shapes import MessagesEvents, Shape, prompt_use, stream_events, tool_stream
 from .structured import compile_structure, failure, grammar_field, read_structure, refuse_stops
 from .tools import (
-    Call,
     Reading,
     ToolFormat,
     ToolStream,
@@ -101,6 +105,7 @@ class Routes:
         return [
             Route("/health", self.counted("/health", self.health), methods=["GET"]),
             Route("/v1/models", self.counted("/v1/models", self.list_models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self.counted("/v1/models/{id}", self.get_model), methods=["GET"]),
             Route("/metrics", self.counted("/metrics", self.metrics), methods=["GET"]),
             Route("/v1/completions", self.counted("/v1/completions", self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self.counted("/v1/chat/completions", self.chat), methods=["POST"]),
@@ -134,9 +139,23 @@ class Routes:
         return JSONResponse({"status": "ok"})
 
     async def list_models(self, request: HTTPRequest) -> Response:
-        data = [{"id": n, "object": "model", "created": sm.created, "owned_by": "ggml-hybrid"}
-                for n, sm in self.models.names.items()]
-        return JSONResponse({"object": "list", "data": data})
+        if anthropic.owns(request.url.path, request.headers):  # asked by Anthropic's client: its list
+            data = [anthropic.model_info(n, sm.created) for n, sm in self.models.names.items()]
+            return JSONResponse({"data": data, "first_id": data[0]["id"] if data else None,
+                                 "last_id": data[-1]["id"] if data else None, "has_more": False})
+        return JSONResponse({"object": "list",
+                             "data": [model_object(n, sm.created) for n, sm in self.models.names.items()]})
+
+    async def get_model(self, request: HTTPRequest) -> Response:
+        """``GET /v1/models/{id}``: one model by name or alias (OpenAI's model object; Anthropic's when asked by its
+        client); a name not served is a 404, however many models (only generation takes any name)."""
+        name = request.path_params["model"]
+        sm = self.models.names.get(name)
+        if sm is None:
+            raise APIError(404, f"The model '{name}' does not exist; GET /v1/models lists the models served.",
+                           "model", "model_not_found")
+        return JSONResponse(anthropic.model_info(name, sm.created) if anthropic.owns(request.url.path, request.headers)
+                            else model_object(name, sm.created))
 
     async def metrics(self, request: HTTPRequest) -> Response:
         body, ctype = metrics.render(self.registry)
@@ -197,14 +216,20 @@ class Routes:
         return await self.generate(request, sm, g, prompts, "completion", grammar)
 
     async def chat(self, request: HTTPRequest) -> Response:
-        body = await self.read_body(request)
-        g = chat_request(body, self.defaults)
-        g.structure = read_structure(body)
-        g.tools = await anyio.to_thread.run_sync(read_tools, body, limiter=self.text_limiter)
+        g = await self.chat_generation(await self.read_body(request))
         sm = self.resolve(g)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
         return await self.generate(request, sm, g, [prompt], "chat", grammar)
+
+    async def chat_generation(self, body: dict[str, Any]) -> Generation:
+        """A chat request body read (the server's defaults applied): the generation, its structured output and its
+        tools (400 naming the field; the tools read off the event loop). The Responses API's requests are read into
+        one too."""
+        g = chat_request(body, self.defaults)
+        g.structure = read_structure(body)
+        g.tools = await anyio.to_thread.run_sync(read_tools, body, limiter=self.text_limiter)
+        return g
 
     async def messages(self, request: HTTPRequest) -> Response:
         """Anthropic's Messages API: read into a chat request (server/anthropic.py), answered in Anthropic's shapes."""
@@ -233,18 +258,33 @@ class Routes:
         return g, self.resolve(g)
 
     async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
-                       kind: str, grammar: Grammar | None = None) -> Response:
+                       kind: str, grammar: Grammar | None = None, shape: Shape | None = None) -> Response:
+        """Run ``g`` on ``prompts`` and answer in ``kind``'s shape, or ``shape``'s (one generation answered in
+        another API's shape: the Responses API's)."""
         reqs, wake = self.submit(sm, g, prompts, kind, grammar)
         rid, created = anthropic.new_id() if kind == "messages" else new_id(kind), now()
         n_prompt = sum(len(p) for p in prompts)
         if g.stream:
+            if shape is not None:
+                return self.event_stream(stream_events(reqs[0], wake, shape.events(reqs[0]), tool_stream(
+                    _tool_format(sm), g), grammar_field(g), self.text_limiter))
             return self.event_stream(self.stream_messages(reqs[0], wake, rid, g, sm) if kind == "messages" else
                                      self.stream(reqs, wake, kind, rid, created, g, n_prompt, sm))
         self.models.begin()  # the server stops once every generation begun has answered (or the drain ran out)
         try:
+            if shape is not None:
+                left = await self.finish(request, reqs, wake, grammar_field(g))
+                return left or JSONResponse(shape.answer(reqs[0], await self.read(sm, g, reqs[0])))
             return await self.wait(request, reqs, wake, kind, rid, created, g, n_prompt, sm)
         finally:
             self.models.end()
+
+    async def read(self, sm: ServedModel, g: Generation, r: Request) -> Reading:
+        """A finished generation's content, calls and finish reason (read off the event loop: the text may be long)."""
+        if g.tools is None or g.tools.choice == "none":
+            return Reading(r.text, [], r.finish_reason)
+        return await anyio.to_thread.run_sync(read_calls, _tool_format(sm), r.text, g.tools.tools, r.finish_reason,
+                                              limiter=self.text_limiter)
 
     def submit(self, sm: ServedModel, g: Generation, prompts: list[list[int]], kind: str,
                grammar: Grammar | None = None) -> tuple[list[Request], asyncio.Event]:
@@ -334,12 +374,9 @@ class Routes:
             return left
         if kind == "messages":
             r = reqs[0]
-            read = Reading(r.text, [], r.finish_reason)
-            if g.tools is not None and g.tools.choice != "none":  # read off the event loop: the text may be long
-                read = await anyio.to_thread.run_sync(read_calls, _tool_format(sm), r.text, g.tools.tools,
-                                                      r.finish_reason, limiter=self.text_limiter)
+            read = await self.read(sm, g, r)
             return JSONResponse(anthropic.message(rid, g.model, read.content, read.calls, read.finish, r.stop_string,
-                                                  _prompt_use(sm, r), r.completion_tokens))
+                                                  prompt_use(sm, r), r.completion_tokens))
         lps = _logprobs_of(sm, kind, g)
         choices = [choice(kind, i, r.text, r.finish_reason, False,
                           logprobs=lps[i](r.take_logprobs()) if lps else None) for i, r in enumerate(reqs)]
@@ -349,7 +386,7 @@ class Routes:
                 lambda: [chat_message(c, fmt, r.text, tools) for c, r in zip(choices, reqs)],
                 limiter=self.text_limiter)
         use = usage(n_prompt, sum(r.completion_tokens for r in reqs), sum(r.n_reused for r in reqs))
-        out = envelope(kind, rid, created, g.model, choices, False, use)
+        out = envelope(kind, rid, created, g.model, choices, False, use, sm.fingerprint)
         if len(reqs) == 1:
             out["timings"] = timings(reqs[0])
         return JSONResponse(out)
@@ -357,7 +394,8 @@ class Routes:
     async def stream(self, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str, created: int, g: Generation,
                       n_prompt: int, sm: ServedModel) -> AsyncIterator[dict[str, str]]:
         def event(choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> dict[str, str]:
-            return {"data": json.dumps(envelope(kind, rid, created, g.model, choices, True, use))}
+            return {"data": json.dumps(null_usage(envelope(kind, rid, created, g.model, choices, True, use,
+                                                           sm.fingerprint), g.include_usage))}
 
         lps = _logprobs_of(sm, kind, g, stream=True)
         calls = None
@@ -380,7 +418,8 @@ class Routes:
                         shown[i] = r.prompt_done
                         empty = choice(kind, i, "", None, True) if kind == "completion" else \
                             {"index": i, "delta": {}, "logprobs": None, "finish_reason": None}
-                        doc = envelope(kind, rid, created, g.model, [empty], True)
+                        doc = null_usage(envelope(kind, rid, created, g.model, [empty], True, None, sm.fingerprint),
+                                         g.include_usage)
                         doc["prompt_progress"] = prompt_progress(r)
                         yield {"data": json.dumps(doc)}
                     # a piece's chunk carries the tokens' logprobs that came with it (the last: any still held);
@@ -419,43 +458,12 @@ class Routes:
         finally:
             _cancel(reqs)  # the client went away (or the stream ended): free the slots
 
-    async def stream_messages(self, r: Request, wake: asyncio.Event, rid: str, g: Generation, sm: ServedModel
-                              ) -> AsyncIterator[dict[str, str]]:
+    def stream_messages(self, r: Request, wake: asyncio.Event, rid: str, g: Generation, sm: ServedModel
+                        ) -> AsyncIterator[dict[str, str]]:
         """Anthropic's events of one generation (server/anthropic.py's MessageEvents). ``message_start`` waits for the
         request to take a slot: its ``usage`` says how much of the prompt was reused."""
-        ev = anthropic.MessageEvents(rid, g.model)
-        calls = None
-        if g.tools is not None and g.tools.choice != "none":
-            calls = ToolStream(_tool_format(sm), g.tools.tools)
-        try:
-            while r.started_at is None and not r.done.is_set():
-                wake.clear()
-                if r.started_at is None and not r.done.is_set():
-                    await wake.wait()  # the engine notifies after each prompt step, and at the end
-            for e in ev.start(_prompt_use(sm, r)):
-                yield e
-            while True:
-                wake.clear()
-                done = r.done.is_set()
-                for piece in r.take():
-                    for e in ev.text(piece if calls is None else calls.push(piece)):
-                        yield e
-                if done:
-                    break
-                await wake.wait()
-            if r.finish_reason not in ("stop", "length"):
-                yield anthropic.event("error", error=anthropic.error_body(failure(r, grammar_field(g)))["error"])
-                return
-            found: list[Call] = []
-            finish: str | None = r.finish_reason
-            if calls is not None:  # read off the event loop: the text may be long
-                tail, found, finish = await anyio.to_thread.run_sync(calls.end, finish, limiter=self.text_limiter)
-                for e in ev.text(tail):
-                    yield e
-            for e in ev.end(found, finish, r.stop_string, _prompt_use(sm, r), r.completion_tokens):
-                yield e
-        finally:
-            _cancel([r])
+        ev = MessagesEvents(anthropic.MessageEvents(rid, g.model), sm)
+        return stream_events(r, wake, ev, tool_stream(_tool_format(sm), g), grammar_field(g), self.text_limiter)
 
     async def not_found(self, request: HTTPRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -481,14 +489,6 @@ def _logprobs_of(sm: ServedModel, kind: str, g: Generation, stream: bool = False
     if kind == "chat":
         return [lambda e: chat_logprobs(e, token_bytes, stream)] * g.n_choices
     return [CompletionLogprobs(token_bytes) for _ in range(g.n_choices)]
-
-
-def _prompt_use(sm: ServedModel, r: Request) -> anthropic.PromptUse:
-    """How ``r``'s prompt used the slot's cells (Anthropic's cache figures): reused, and newly left for later
-    requests (up to the last fixed cut: :class:`~ggml_hybrid.runtime.prompt_cache.PromptCache`)."""
-    assert sm.engine is not None
-    kept = sm.engine.cache.last_fixed_cut(r.prompt_tokens) if r.cache_prompt else 0
-    return anthropic.PromptUse(r.prompt_tokens, r.n_reused, max(0, kept - r.n_reused))
 
 
 def _cancel(reqs: list[Request]) -> None:

@@ -72,6 +72,7 @@ class _Worker:
             raise
         finally:
             os.close(lifeline)
+        self.busy = False  # a request sent, its answer not yet read
         self._read(30.0, "start")
 
     def call(self, req: dict[str, Any], seconds: float) -> dict[str, Any]:
@@ -84,7 +85,11 @@ class _Worker:
             self.kill()
             raise ChatTemplateLimitError("the chat template's renderer stopped (the server is stopping, or it "
                                          "ran out of memory)", "stopped") from None
-        return self._read(seconds, req["op"])
+        self.busy = True
+        try:
+            return self._read(seconds, req["op"])
+        finally:
+            self.busy = False
 
     def _read(self, seconds: float, op: str) -> dict[str, Any]:
         deadline = time.monotonic() + seconds
@@ -173,6 +178,12 @@ class RenderPool:
                         self._all.discard(w)
             return out
 
+    @property
+    def in_progress(self) -> int:
+        """Calls a renderer is working on now (each request sent, its answer not yet read)."""
+        with self._lock:
+            return sum(1 for w in self._all if w.busy)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -180,10 +191,6 @@ class RenderPool:
             self._all.clear()
         for w in workers:
             w.kill()
-
-    def reopen(self) -> None:
-        with self._lock:
-            self._closed = False
 
 
 _POOL = RenderPool()
@@ -258,8 +265,8 @@ class ChatTemplate:
                max_chars: int = MAX_OUTPUT_CHARS, **extra: Any) -> str:
         """The prompt text of ``messages`` (checked: role and content strings; text parts are joined), at most
         ``max_chars`` characters (:class:`ChatTemplateLimitError` beyond, as beyond the time or memory limits)."""
-        msgs = [normalize_message(m, i) for i, m in enumerate(messages)] if isinstance(messages, (list, tuple)) \
-            else None
+        msgs = developer_as_system([normalize_message(m, i) for i, m in enumerate(messages)]) \
+            if isinstance(messages, (list, tuple)) else None
         if not msgs:
             raise ChatTemplateError(f"messages must be {ROLES_RULE}, with at least one message")
         got = self._call({"op": "render", "source": self.source, "messages": msgs,
@@ -305,4 +312,30 @@ def normalize_message(m: object, i: int) -> dict[str, Any]:
     return out
 
 
-__all__ = ["DEFAULT_TEMPLATE", "RENDER_SECONDS", "ChatTemplate", "RenderPool", "normalize_message", "render_pool"]
+def developer_as_system(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role as the templates know it, the system role: a run of system and developer messages
+    that holds a developer message becomes one system message, their texts joined by a blank line (what OpenAI does
+    for models without a developer role; the families' templates have none, and most drop a role they do not know).
+    Runs without a developer message are left as sent."""
+    out: list[dict[str, Any]] = []
+    run: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if any(m["role"] == "developer" for m in run):
+            out.append({"role": "system", "content": "\n\n".join(m["content"] for m in run)})
+        else:
+            out.extend(run)
+        run.clear()
+
+    for m in msgs:
+        if m["role"] in ("system", "developer"):
+            run.append(m)
+            continue
+        flush()
+        out.append(m)
+    flush()
+    return out
+
+
+__all__ = ["DEFAULT_TEMPLATE", "RENDER_SECONDS", "ChatTemplate", "RenderPool", "developer_as_system",
+           "normalize_message", "render_pool"]
