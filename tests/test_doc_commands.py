@@ -182,6 +182,8 @@ _BASE_FILES = {
                                   "--embd", "64", "--ff", "32", "--experts", "128", "--used", "8", "--seed", "3"],
     "big.gguf": ["gen", "big.gguf", "--type", "q8_0", "--layers", "2", "--embd", "64", "--experts", "32",
                  "--used", "4", "--seed", "5"],
+    "big-q8_0.gguf": ["gen", "big-q8_0.gguf", "--type", "q8_0", "--layers", "2", "--embd", "64", "--experts", "32",
+                      "--used", "4", "--seed", "5"],
     "qwen2moe.gguf": ["gen", "qwen2moe.gguf", "--arch", "qwen2moe", "--type", "q8_0", "--head-dim", "16"],
     "gpt-oss.gguf": ["gen", "gpt-oss.gguf", "--arch", "gpt-oss", "--type", "q8_0", "--layers", "4",
                      "--set", "expert_type=mxfp4", "--set", "n_swa=128"],
