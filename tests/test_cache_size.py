@@ -140,7 +140,7 @@ def test_the_option_and_the_flag(model):
     run = CliRunner().invoke
     t = run(main, ["plan", model, "--expert-cache-slots", "auto", "--vram", "16G"])
     assert t.exit_code == 0, t.output
-    assert f"expert_cache_slots=auto -> {N_EXPERT} (CUDA0: " in t.output
+    assert f"expert_cache_slots=auto -> {N_EXPERT} (the model's {N_EXPERT} experts per layer; CUDA0: " in t.output
     j = run(main, ["plan", model, "--expert-cache-slots", "auto", "--vram", "16G", "--format", "json"])
     assert json.loads(j.output)["slot_choice"]["slots"] == N_EXPERT
     bad = run(main, ["plan", model, "--expert-cache-slots", "0"])

@@ -327,6 +327,20 @@ def test_cpu_offload_logits_are_bit_identical_through_the_cli(models, plain_run,
         assert c["cpu_misses"] > 0 and d["hybrid_offload_active"] is True
 
 
+def test_auto_slots_say_what_they_chose_and_why(models):
+    """--expert-cache-slots auto prints its choice (and the run used it); --json carries the numbers behind it."""
+    r = ok("run", "--temp", "0", models["m"], "--tokens", "1,2", "-n", 2, "-t", 1, "--expert-cache-slots", "auto")
+    d = run_json(models["m"], "--tokens", "1,2", "-n", 2, "-t", 1, "--expert-cache-slots", "auto")
+    choice = d["slot_choice"]
+    assert d["options"]["expert_cache_slots"] == choice["slots"] == SPEC.n_expert  # every expert fits this CPU
+    (dev,) = choice["per_device"]
+    assert choice["per_device"][dev] > SPEC.n_expert
+    line = next(x for x in r.stderr.splitlines() if x.startswith("expert_cache_slots=auto -> "))
+    assert line.startswith(f"expert_cache_slots=auto -> {SPEC.n_expert} (the model's {SPEC.n_expert} experts per "
+                           f"layer; {dev}: "), line
+    assert run_json(models["m"], "--tokens", "1,2", "-n", 2, "-t", 1)["slot_choice"] is None
+
+
 def test_seeded_sampling_is_deterministic(models):
     args = (models["m"], "--tokens", "5,6", "-n", 10, "--ignore-eos", "-t", 1, "--temp", 0.8)
     a = run_json(*args, "--seed", 3)["tokens"]

@@ -12,6 +12,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -57,13 +58,19 @@ def greedy_replies(path, users, n, system=None):
 class Terminal:
     """The command on a pseudo-terminal (stdin, stdout and stderr), as a user's shell starts it."""
 
-    def __init__(self, args):
+    def __init__(self, args, sigint=signal.SIG_DFL):
         self.fd, slave = pty.openpty()
         env = dict(os.environ, TERM="xterm", COLUMNS="200", LINES="50")
-        # a session of its own whose controlling terminal is the pty: Ctrl-C typed there is its SIGINT
+
+        def child():
+            # a session of its own whose controlling terminal is the pty: Ctrl-C typed there is its SIGINT;
+            # SIGINT's disposition set here, not inherited from whatever started pytest (nohup, a background job)
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            signal.signal(signal.SIGINT, sigint)
+
         self.proc = subprocess.Popen([sys.executable, "-m", "ggml_hybrid.cli", *args], stdin=slave, stdout=slave,
                                      stderr=slave, env=env, close_fds=True, start_new_session=True,
-                                     preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                                     preexec_fn=child)
         os.close(slave)
         self.out = b""
         self.seen = 0  # the end of the last match: the next one is looked for after it
@@ -132,8 +139,10 @@ def test_chat_on_a_terminal_edits_lines_and_recalls_history(model, tmp_path):
     assert re.search(r"prompt \d+ tok, [\d.]+ tok/s \| decode \d+ tok", text)
 
 
-def test_ctrl_c_at_the_prompt_prints_the_stats_and_exits_130(model):
-    term = Terminal(["run", model, "-cnv", "-n", "3", "-t", "1", "-c", "256"])
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_ctrl_c_at_the_prompt_prints_the_stats_and_exits_130(model, inherited):
+    """Also when the command inherits SIGINT ignored (a background job, nohup, a CI runner): it takes its own."""
+    term = Terminal(["run", model, "-cnv", "-n", "3", "-t", "1", "-c", "256"], sigint=inherited)
     term.expect(b"> ")
     term.send("Hi\r")
     term.expect(b"> ")

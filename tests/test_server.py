@@ -424,6 +424,19 @@ def test_binds_to_loopback_by_default(files):
     assert rc == 0 and f"http://127.0.0.1:{s.port}" in err
 
 
+def test_a_busy_port_is_one_error_line_naming_port(files):
+    """Nothing before it (no banner, no uvicorn line), no model loaded; exit status 2 as every user error."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "ggml_hybrid.cli", "serve", files["q3"], "-c", str(N_CTX), "-t",
+                            "1", "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert p.stderr.splitlines() == [f"error: Invalid value for --port: {port} is in use on 127.0.0.1 (another "
+                                     "server listens there; give a free port)"], p.stderr
+
+
 def _asgi_get(app, path: str) -> tuple[int, bytes]:
     """One GET through the ASGI app, in-process (no server, no HTTP client)."""
     async def go():

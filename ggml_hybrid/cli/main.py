@@ -26,6 +26,18 @@ def ignore_interrupts() -> None:
         pass
 
 
+def take_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt whatever the process inherited.
+
+    A shell starts a background job, ``nohup`` and some CI runners with SIGINT ignored, and Python then
+    leaves it ignored: a Ctrl-C typed at the chat's prompt did nothing. cli.md promises exit status 130.
+    """
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread (an embedding host): its signals are its own
+        pass
+
+
 def interrupted() -> NoReturn:
     ignore_interrupts()
     click.echo("interrupted", err=True)
@@ -38,6 +50,7 @@ class _Group(click.Group):
     command_class = Command
 
     def main(self, args: Any = None, prog_name: str | None = None, **kw: Any) -> NoReturn:  # type: ignore[override]
+        take_interrupts()
         try:
             rv = super().main(args=args, prog_name=prog_name or "ggml-hybrid", standalone_mode=False, **kw)
         except KeyboardInterrupt:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..runtime.cache_size import SlotChoice
 from ..runtime.generate import GenerationStats
 from ..runtime.moe_model import MoEModel
 from ..units import format_bytes
@@ -9,7 +10,7 @@ from ..units import format_bytes
 RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
                    "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "decode_steps",
                    "counters", "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes",
-                   "host_tier", "layout", "options", "speculative")
+                   "host_tier", "layout", "options", "slot_choice", "speculative")
 
 
 def spec_report(model: MoEModel, st: GenerationStats) -> dict | None:
@@ -37,6 +38,8 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
         "host_tier": model.experts.tier.counters.to_dict() if model.experts.tier is not None else None,
         "layout": model.layout_report(),
         "options": model.options.to_dict(),
+        # what --expert-cache-slots auto chose, and the free memory, margin and sizes that decided it
+        "slot_choice": model.slot_choice.to_dict() if model.slot_choice is not None else None,
         "speculative": spec_report(model, st),
     }
 
@@ -74,6 +77,8 @@ def format_stats(r: dict) -> str:
                      f"{t['wait_ns'] / 1e9:.2f} s, holds {format_bytes(t['bytes_held'])}"
                      + (f"; read ahead {t['ahead']} (used {t['ahead_used']}, wasted {t['ahead_wasted']})"
                         if t.get("ahead") else ""))
+    if r.get("slot_choice"):
+        lines.append(SlotChoice(**r["slot_choice"]).describe())
     lines += [
         "layout: " + "; ".join(f"{dev}: " + ", ".join(f"{cls} {format_bytes(n)}" for cls, n in classes.items())
                                   for dev, classes in r["layout"]["tensors"].items()),

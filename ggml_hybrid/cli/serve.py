@@ -16,8 +16,10 @@ browser pages call the API; ``--metrics`` is accepted (``/metrics`` is always se
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from types import FrameType
@@ -220,6 +222,12 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
 
     from ..server import guard, logs
 
+    if not _loopback(host) and not api_keys:
+        click.echo(f"ggml-hybrid serve: warning: listening on {host}, reachable from other machines, with no "
+                   "authentication: anyone who can reach this port can use the models (give --api-key or "
+                   "--api-key-file)",
+                   err=True)
+    sockets = _listen(host, port)  # before the banner and the load: a busy port is one error line
     models = ModelSet(entries)
     signals: list[int] = []
 
@@ -258,11 +266,6 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
         finally:
             models.close()
 
-    if not _loopback(host) and not api_keys:
-        click.echo(f"ggml-hybrid serve: warning: listening on {host}, reachable from other machines, with no "
-                   "authentication: anyone who can reach this port can use the models (give --api-key or "
-                   "--api-key-file)",
-                   err=True)
     app = create_app(models, drain_timeout, lifespan=lifespan, api_keys=api_keys, settings=settings)
     logs.install()
     max_connections = guard.connection_limit(guard.raise_fd_limit())
@@ -273,11 +276,10 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
     # SIGTERM exits 0 and a Ctrl-C exits 130
     old = {s: signal.signal(s, lambda sig, frame: signals.append(sig)) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run()
-    except SystemExit:  # uvicorn's own exit when it cannot bind
-        if server.started:
-            raise
+        server.run(sockets=sockets)
     finally:
+        for sock in sockets:
+            sock.close()
         for s, h in old.items():
             signal.signal(s, h)
         if not models.close():
@@ -287,10 +289,35 @@ def _run_server(entries: list[ModelEntry], host: str, port: int, drain_timeout: 
             os._exit(130 if signal.SIGINT in signals else 0)
     if models.failed:
         raise ConfigError(f"model {models.failed}")
-    if not server.started:
-        raise ConfigError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
     if signal.SIGINT in signals:
         sys.exit(130)
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Bound sockets for every address of ``host`` (as uvicorn would bind them), or one error naming the flag."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise click.BadParameter(f"{host!r} is not an address of this machine ({exc.strerror})",
+                                 param_hint="--host") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys((i[0], i[1], i[2], "", i[4]) for i in infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server does
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise click.BadParameter(f"{port} is in use on {host} (another server listens there; give a free "
+                                     "port)", param_hint="--port") from None
+        raise click.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                                 param_hint="--host") from None
+    return sockets
 
 
 def _finite(v: float, flag: str) -> float:

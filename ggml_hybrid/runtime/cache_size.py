@@ -58,6 +58,8 @@ class SlotChoice:
         parts = [f"{d}: {n} fit ({format_bytes(self.free[d])} free - {format_bytes(self.margin[d])} margin - "
                  f"{format_bytes(self.fixed[d])} dense/KV/compute, {format_bytes(self.per_slot[d])} per slot)"
                  for d, n in self.per_device.items()]
+        if self.per_device and self.slots < min(self.per_device.values()):  # more fit: capped at the experts
+            parts.insert(0, f"the model's {self.slots} experts per layer")
         return f"expert_cache_slots=auto -> {self.slots}" + (f" ({'; '.join(parts)})" if parts else "")
 
 
