@@ -23,7 +23,8 @@ from .ggml.backend import THREADS_PER_CORE, max_threads
 from .ggml.rpc import endpoint_list
 from .units import parse_size
 
-__all__ = ["EvictionPolicy", "ExecutorKind", "KVCacheType", "OptionError", "SessionOptions", "SplitMode"]
+__all__ = ["MAX_DRAFT", "EvictionPolicy", "ExecutorKind", "KVCacheType", "OptionError", "SessionOptions", "SpecType",
+           "SplitMode"]
 
 # a GGML scheduler takes at most GGML_SCHED_MAX_BACKENDS backends, the host CPU included
 MAX_DEVICES: int = lib.HY_MAX_INSTANCES
@@ -99,6 +100,20 @@ def _bool(v: Any) -> bool:
     return cast(bool, v)
 
 
+def _unit(v: Any) -> float:
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            raise _Bad() from None
+    else:
+        _typed(v, int, float)
+        v = float(v)
+    if not 0.0 <= v <= 1.0:  # also rejects nan
+        raise _Bad()
+    return cast(float, v) + 0.0
+
+
 def _bool_or_auto(v: Any) -> Union[bool, str]:
     if isinstance(v, str) and v.strip().lower() == "auto":
         return "auto"
@@ -146,6 +161,10 @@ EvictionPolicy = Literal["freq", "lru", "lfu"]
 KVCacheType = Literal["f32", "f16", "q8_0"]
 SplitMode = Literal["layer", "none"]
 ExecutorKind = Literal["native", "python"]
+# speculative decoding: none, the model's own next-token-prediction head (llama.cpp's --spec-type draft-mtp), or
+# drafts replayed from a given token sequence (benchmarks and tests only)
+SpecType = Literal["none", "draft-mtp", "replay"]
+MAX_DRAFT = 64  # most draft tokens per verify step (llama.cpp's --spec-draft-n-max takes any; 3 by default)
 
 
 def _choice(choices: Any) -> Callable[[Any], str]:
@@ -370,6 +389,28 @@ class SessionOptions:
         "of this trace instead of the router's choice, so a generated model pays a real model's loads; the output "
         "is not the model's own.", _path)
 
+    spec_type: SpecType = _opt(
+        "none", "str", _one_of(SpecType),
+        "Speculative decoding (llama.cpp --spec-type): 'draft-mtp' drafts with the model's own next-token-prediction "
+        "head and verifies the drafts in one step through the expert cache; 'replay' drafts a given token sequence "
+        "(benchmarks and tests only; docs/speculative.md).", _choice(SpecType))
+    draft_max: int = _opt(
+        3, "int", f"an integer in 1..{MAX_DRAFT}",
+        "Most draft tokens per verify step (llama.cpp --spec-draft-n-max / --draft-max).", _int(1, MAX_DRAFT))
+    draft_min: int = _opt(
+        0, "int", f"an integer in 0..{MAX_DRAFT}, at most draft_max",
+        "A draft shorter than this is dropped and the step decodes one token (llama.cpp --spec-draft-n-min / "
+        "--draft-min).", _int(0, MAX_DRAFT))
+    draft_p_min: float = _opt(
+        0.0, "float", "a number in [0, 1]",
+        "Drafting stops at a token whose probability under the head (its top 10, as llama.cpp's draft sampler) is "
+        "below this (llama.cpp --spec-draft-p-min / --draft-p-min).", _unit)
+    draft_backoff: bool = _opt(
+        True, "bool", _BOOL_RULE,
+        "Pause the draft head after verify steps that accept nothing, for 2, 4, ... up to 64 tokens (a probe "
+        "then), catching its cache up in one batch when it resumes: speculation that does not pay costs about "
+        "nothing. Tokens never change.", _bool)
+
     def __post_init__(self) -> None:
         for f in fields(self):
             given = getattr(self, f.name)
@@ -379,6 +420,8 @@ class SessionOptions:
                 raise OptionError(f"{f.name}={given}: the constructor takes the canonical value {value!r}; "
                                   f"use SessionOptions.parse for text")
             object.__setattr__(self, f.name, value)
+        if self.draft_min > self.draft_max:
+            raise OptionError(f"draft_min={self.draft_min}: must not exceed draft_max={self.draft_max}")
 
     @classmethod
     def describe(cls) -> list[tuple[str, str, Any, str, str]]:

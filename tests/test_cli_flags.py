@@ -378,7 +378,8 @@ def test_ctrl_c_at_any_moment_and_twice_prints_no_traceback(model, delay):
 
 REPO = Path(__file__).resolve().parent.parent
 # these run under the llama.cpp reference interpreter, which has llama-cpp-python and numpy only
-REFERENCE_SIDE = {"llama_reference.py", "_llama_worker.py", "_llama_steps_worker.py"}
+REFERENCE_SIDE = {"llama_reference.py", "llama_mtp_reference.py", "_llama_worker.py", "_llama_steps_worker.py",
+                  "_llama_verify_worker.py"}
 
 
 def test_tools_use_click_and_help_runs_nothing():

@@ -29,7 +29,8 @@ def test_defaults():
         "cache_type_v": "f16", "flash_attn": False, "n_gpu_layers": -1, "override_tensor": None, "split_mode": "layer",
         "tensor_split": None, "no_kv_offload": False, "check_tensors": False, "virtual_devices": 1,
         "moe_executor": "native", "rpc": None, "rpc_timeout": 120, "n_threads_batch": None, "devices": None, "poll": 0,
-        "repack": True, "moe_prefetch": False, "moe_prefetch_bytes": 0, "moe_route_trace": None}
+        "repack": True, "moe_prefetch": False, "moe_prefetch_bytes": 0, "moe_route_trace": None,
+        "spec_type": "none", "draft_max": 3, "draft_min": 0, "draft_p_min": 0.0, "draft_backoff": True}
     assert DEFAULT.to_items() == []
     assert SessionOptions.parse([]) == DEFAULT
     assert SessionOptions.from_dict({}) == DEFAULT
@@ -258,7 +259,7 @@ def test_nothing_partially_applied():
 
 def test_describe_covers_every_field():
     rows = SessionOptions.describe()
-    assert [r[0] for r in rows] == NAMES and len(NAMES) == 33
+    assert [r[0] for r in rows] == NAMES and len(NAMES) == 38
     for name, type_, default, rule, doc in rows:
         assert default == getattr(DEFAULT, name)
         assert type_ and rule and doc.strip() and "\n" not in doc

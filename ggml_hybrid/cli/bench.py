@@ -41,6 +41,9 @@ def _int_list(text: str, flag: str) -> list[int]:
 @click.option("--a", "a_opts", default=None, help="A/B mode: session options of side A over the flags, "
               "'key=value key=value' (or commas).")
 @click.option("--b", "b_opts", default=None, help="A/B mode: session options of side B over the flags.")
+@click.option("--draft-accept", "draft_accept", metavar="P[,P...]", help=(
+    "Benchmarks only: speculative decoding with drafts replayed from the plain greedy run, each right with "
+    "probability P (one tgN row per P, marked BENCHMARK ONLY): speculation's speed at a chosen acceptance."))
 def bench(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, n_prompt: str,
           n_gen: str, repetitions: int, output: str | None, as_json: bool, a_opts: str | None, b_opts: str | None,
           **flags: Any) -> None:
@@ -48,6 +51,7 @@ def bench(model: str | None, model_flag: str | None, hf_repo: str | None, hf_fil
     configurations side by side in one process (--a/--b)."""
     fmt = _output_format(flags, output, as_json)
     prompts, gens = _int_list(n_prompt, "-p/--n-prompt"), _int_list(n_gen, "-n/--n-gen")
+    accepts = _accepts(flags, a_opts is not None or b_opts is not None)
     path, role, base = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=fmt != "md"), flags)
     warn_busy_threads(base)
     if a_opts is not None or b_opts is not None:
@@ -68,12 +72,33 @@ def bench(model: str | None, model_flag: str | None, hf_repo: str | None, hf_fil
                                      param_hint="-p/-n")
         idle = idle_cores()
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        results = run_tests(m, prompts, gens, repetitions)
+        if m.options.spec_type != "none" and any(g == 1 for g in gens):
+            raise click.BadParameter("a speculative tgN test generates after one token: give N >= 2",
+                                     param_hint="-n/--n-gen")
+        results = run_tests(m, prompts, gens, repetitions, accepts=accepts)
         out = rows(describe(m), results, stamp)
         warnings = noise_warnings(results, m.n_threads, idle)
     click.echo(format_rows(out, fmt))
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
+
+
+def _accepts(flags: dict[str, Any], ab: bool) -> list[float]:
+    """``--draft-accept``'s probabilities (taken out of ``flags``); any turns replayed drafts on."""
+    text = flags.pop("draft_accept", None)
+    if text is None:
+        return []
+    if ab:
+        raise click.UsageError("--draft-accept does not go with --a/--b")
+    flags["session_options"] = tuple(flags.get("session_options") or ()) + ("spec_type=replay",)
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers", param_hint="--draft-accept") \
+            from None
+    if not out or not all(0 <= a <= 1 for a in out):
+        raise click.BadParameter(f"{text!r}: give probabilities in [0, 1]", param_hint="--draft-accept")
+    return out
 
 
 def _output_format(flags: dict[str, Any], output: str | None, as_json: bool) -> str:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import click
 
 from ..errors import OptionError
-from ..options import MAX_DEVICES, SessionOptions
+from ..options import MAX_DEVICES, MAX_DRAFT, SessionOptions
 from ..runtime.sampling import LLAMA_DEFAULTS
 from ..server.config import load_config, pick
 
@@ -119,6 +119,33 @@ def _device(value: str) -> str:
         raise click.UsageError("-dev none (no device) is not supported by ggml-hybrid, which always has a device "
                                "(a GPU, or a CPU instance playing one); use -ngl 0 to keep every layer on the CPU")
     return value
+
+
+# llama.cpp's --spec-type names (common/speculative.cpp) that ggml-hybrid does not run, and why
+_SPEC_TYPES_ELSEWHERE = {
+    "draft-simple": "a separate draft model (-md) is not supported; draft-mtp drafts with the model's own head",
+    "draft-eagle3": "EAGLE-3 draft heads are not supported; draft-mtp drafts with the model's own head",
+    "draft-dflash": "DFlash drafts are not supported; draft-mtp drafts with the model's own head",
+    "draft-dspark": "DSpark drafts are not supported; draft-mtp drafts with the model's own head",
+    "ngram-simple": "n-gram drafts are not supported; draft-mtp drafts with the model's own head",
+    "ngram-map-k": "n-gram drafts are not supported; draft-mtp drafts with the model's own head",
+    "ngram-map-k4v": "n-gram drafts are not supported; draft-mtp drafts with the model's own head",
+    "ngram-mod": "n-gram drafts are not supported; draft-mtp drafts with the model's own head",
+    "ngram-cache": "n-gram drafts are not supported; draft-mtp drafts with the model's own head",
+}
+
+
+def _spec_type(value: str) -> str:
+    """``--spec-type``: llama.cpp's comma-separated list; here one of none and draft-mtp."""
+    names = [x.strip() for x in value.split(",") if x.strip()] or [""]
+    for n in names:
+        if n in _SPEC_TYPES_ELSEWHERE:
+            raise click.UsageError(f"--spec-type {n} is not supported by ggml-hybrid: {_SPEC_TYPES_ELSEWHERE[n]}")
+        if n not in ("none", "draft-mtp"):
+            raise click.UsageError(f"--spec-type {n!r}: not a speculative decoding type; ggml-hybrid runs none and "
+                                   "draft-mtp (replayed drafts, for benchmarks: --draft-replay)")
+    kinds = set(names) - {"none"}
+    return "draft-mtp" if kinds else "none"
 
 
 def _load_mode(value: str) -> str | None:
@@ -233,6 +260,17 @@ SESSION_FLAGS: tuple[Flag, ...] = (
         "threads (O_DIRECT where allowed), at most SIZE (e.g. 8G); auto = the memory available less a margin "
         "(implies --disk-experts; needs --expert-cache-slots). --host-cache is the same flag.")),
          implies=("disk_experts=true",)),
+    Flag(("--spec-type", "spec_type"), "spec_type", dict(metavar="TYPE", help=(
+        "Speculative decoding: draft-mtp = drafts from the model's own next-token-prediction head, verified in one "
+        "step through the expert cache; none (default). Greedy output is unchanged.")), _spec_type),
+    Flag(("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n", "draft_max"), "draft_max", dict(
+        type=click.IntRange(1, MAX_DRAFT), metavar="N", help="Most draft tokens per verify step (default 3).")),
+    Flag(("--spec-draft-n-min", "--draft-min", "--draft-n-min", "draft_min"), "draft_min", dict(
+        type=click.IntRange(0, MAX_DRAFT), metavar="N", help=(
+            "Drafts shorter than this are dropped (default 0)."))),
+    Flag(("--spec-draft-p-min", "--draft-p-min", "draft_p_min"), "draft_p_min", dict(
+        type=click.FloatRange(0, 1), metavar="P", help=(
+            "Drafting stops at a token the head gives less than this probability among its top 10 (default 0)."))),
     Flag(("-lm", "--load-mode", "load_mode"), None, dict(
         type=click.Choice(["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"]), help=(
             "Model loading: auto and mmap (the default) only; the file is always memory-mapped.")), _load_mode),

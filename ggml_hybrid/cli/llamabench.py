@@ -5,6 +5,11 @@ one batch from an empty cache, a generation test ``tgN`` evaluates N random toke
 cache; each test is warmed up once (the prompt whole, one generated token), then repeated ``-r`` times; the
 rate is the mean of the repetitions' tokens per second, with their sample standard deviation.
 
+With speculative decoding (``--spec-type draft-mtp``, or ``--draft-accept P,...``: drafts replayed, benchmark-only)
+a generation test ``tgN`` is greedy: one random token, then the N - 1 tokens the model generates after it (random
+tokens could never be drafted), timed plain and then with speculation, each row with its counters; the replayed
+drafts are the plain run's own tokens, each kept right with probability P.
+
 The figures are noisy on a shared machine; :func:`noise_warnings` says so when the spread of a test is large
 or when fewer cores were idle than the session runs threads.
 """
@@ -12,19 +17,24 @@ or when fewer cores were idle than the session runs threads.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..machine import usable_cores
+from ..runtime.generate import complete
 from ..runtime.moe_model import MoEModel
+from ..runtime.sampling import Sampler
+from ..runtime.speculative import ReplayDrafts, Speculator
 from ..units import format_bytes
 
 #: a test whose standard deviation is above this fraction of its mean is reported as noisy
@@ -38,10 +48,13 @@ class BenchResult:
     n_prompt: int
     n_gen: int
     samples_ns: list[int] = field(default_factory=list)
+    mode: str = ""  # "": llama-bench's test; "greedy", "draft-mtp", "replay P": a greedy generation test
+    spec: dict[str, Any] | None = None  # speculative decoding's counters over the repetitions
 
     @property
     def name(self) -> str:
-        return f"pp{self.n_prompt}" if self.n_prompt else f"tg{self.n_gen}"
+        base = f"pp{self.n_prompt}" if self.n_prompt else f"tg{self.n_gen}"
+        return f"{base} {self.mode}" if self.mode else base
 
     @property
     def samples_ts(self) -> list[float]:
@@ -73,15 +86,30 @@ def _timed_gen(m: MoEModel, ids: np.ndarray) -> int:
     return time.perf_counter_ns() - t0
 
 
+def _timed_greedy(m: MoEModel, start: int, n: int, speculator: Speculator | None) -> tuple[int, list[int]]:
+    """One random token, then ``n - 1`` greedy ones (``n`` evaluated positions, as a tgN test), timed."""
+    m.reset()
+    t0 = time.perf_counter_ns()
+    _, st = complete(m, [start], n - 1, Sampler(), stop_at_eos=False, speculator=speculator)
+    return time.perf_counter_ns() - t0, st.tokens
+
+
 def run_tests(m: MoEModel, n_prompt: list[int], n_gen: list[int], repetitions: int,
-              seed: int = 1234) -> list[BenchResult]:
-    """Every ``ppN`` then every ``tgN`` test (N > 0), each warmed up once and then run ``repetitions`` times."""
+              seed: int = 1234, accepts: list[float] | None = None) -> list[BenchResult]:
+    """Every ``ppN`` then every ``tgN`` test (N > 0), each warmed up once and then run ``repetitions`` times.
+
+    With speculative decoding (the model's ``spec_type``), each ``tgN`` is greedy, plain then speculative (replay:
+    one row per acceptance of ``accepts``)."""
     rng = np.random.default_rng(seed)
     vocab = m.hp.n_vocab
     results = []
+    spec = m.options.spec_type != "none"
     for n, gen in [(p, False) for p in n_prompt if p > 0] + [(g, True) for g in n_gen if g > 0]:
         ids = rng.integers(0, vocab, size=n, dtype=np.int64).astype(np.int32)
         r = BenchResult(0 if gen else n, n if gen else 0)
+        if gen and spec:
+            results += _spec_tests(m, int(ids[0]), n, repetitions, accepts or [])
+            continue
         if gen:
             _timed_gen(m, ids[:1])  # llama-bench's warm-up: one generated token
             r.samples_ns = [_timed_gen(m, ids) for _ in range(repetitions)]
@@ -91,6 +119,41 @@ def run_tests(m: MoEModel, n_prompt: list[int], n_gen: list[int], repetitions: i
         results.append(r)
     m.reset()
     return results
+
+
+def _replay(m: MoEModel, known: list[int], accept: float) -> Speculator:
+    return Speculator(m, ReplayDrafts(known, accept=accept))
+
+
+def _spec_tests(m: MoEModel, start: int, n: int, repetitions: int, accepts: list[float]) -> list[BenchResult]:
+    """A greedy tgN plain, then with speculation: the head's drafts, or replayed ones at each acceptance."""
+    plain = BenchResult(0, n, mode="greedy")
+    _timed_greedy(m, start, 2, None)
+    plain.samples_ns = []
+    tokens: list[int] = []
+    for _ in range(repetitions):
+        ns, tokens = _timed_greedy(m, start, n, None)
+        plain.samples_ns.append(ns)
+    out = [plain]
+    if m.options.spec_type == "draft-mtp":
+        sides: list[tuple[str, Callable[[], Speculator]]] = [("draft-mtp", lambda: Speculator(m))]
+    else:
+        known = [start] + tokens
+        sides = [(f"replay {a:g}", functools.partial(_replay, m, known, a)) for a in accepts]
+    for mode, make in sides:
+        r = BenchResult(0, n, mode=mode)
+        sp = make()
+        _timed_greedy(m, start, 2, sp)
+        before = sp.counters.copy()
+        for _ in range(repetitions):
+            ns, got = _timed_greedy(m, start, n, sp)
+            if got != tokens:
+                raise AssertionError(f"{mode}: speculation changed the greedy tokens (a bug: they never change)")
+            r.samples_ns.append(ns)
+        r.spec = {"type": m.options.spec_type, **sp.counters.since(before).to_json(),
+                  "benchmark_only": sp.benchmark_only}
+        out.append(r)
+    return out
 
 
 def describe(m: MoEModel) -> dict[str, Any]:
@@ -108,7 +171,8 @@ def rows(model: dict[str, Any], results: list[BenchResult], test_time: str) -> l
         ns = r.samples_ns
         out.append({**model, "n_prompt": r.n_prompt, "n_gen": r.n_gen, "test_time": test_time,
                     "avg_ns": int(statistics.fmean(ns)), "stddev_ns": int(statistics.stdev(ns)) if len(ns) > 1 else 0,
-                    "avg_ts": r.avg_ts, "stddev_ts": r.stddev_ts, "samples_ns": list(ns), "samples_ts": r.samples_ts})
+                    "avg_ts": r.avg_ts, "stddev_ts": r.stddev_ts, "samples_ns": list(ns), "samples_ts": r.samples_ts,
+                    **({"mode": r.mode} if r.mode else {}), **({"speculative": r.spec} if r.spec else {})})
     return out
 
 
@@ -134,7 +198,7 @@ def format_rows(rs: list[dict[str, Any]], fmt: str) -> str:
     head = ["model", "size", "params", "backend", "threads", "test", "t/s"]
     body = [[f"{os.path.basename(r['model_filename'])} ({r['model_type']})", format_bytes(r["model_size"]),
              _params(r["model_n_params"]), r["backends"], str(r["n_threads"]),
-             f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}",
+             (f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}") + _mode(r),
              f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"] for r in rs]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     right = {1, 2, 4, 5, 6}
@@ -142,6 +206,16 @@ def format_rows(rs: list[dict[str, Any]], fmt: str) -> str:
                                             for i, (c, w) in enumerate(zip(cells, widths))) + " |"
     sep = "| " + " | ".join(("-" * (w - 1) + ":") if i in right else "-" * w for i, w in enumerate(widths)) + " |"
     return "\n".join([line(head), sep, *(line(b) for b in body)])
+
+
+def _mode(r: dict[str, Any]) -> str:
+    sp = r.get("speculative")
+    if not r.get("mode"):
+        return ""
+    if sp is None:
+        return f" {r['mode']}"
+    mark = ", BENCHMARK ONLY" if sp["benchmark_only"] else ""
+    return f" {r['mode']} (accepted {100 * sp['acceptance_rate']:.0f}%{mark})"
 
 
 def noise_warnings(results: list[BenchResult], n_threads: int, idle: float | None) -> list[str]:

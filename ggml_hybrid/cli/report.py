@@ -10,7 +10,17 @@ from ..units import format_bytes
 RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
                    "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "decode_steps",
                    "counters", "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes",
-                   "host_tier", "layout", "options", "slot_choice")
+                   "host_tier", "layout", "options", "slot_choice", "speculative")
+
+
+def spec_report(model: MoEModel, st: GenerationStats) -> dict | None:
+    """Speculative decoding's settings and counters (None: plain decoding); ``benchmark_only`` when the drafts were
+    replayed (not the model's own: speculation's speed at a staged acceptance)."""
+    if st.spec is None:
+        return None
+    o = model.options
+    return {"type": o.spec_type, "draft_max": o.draft_max, "draft_min": o.draft_min, "draft_p_min": o.draft_p_min,
+            "backoff": o.draft_backoff, **st.spec.to_json(), "benchmark_only": st.benchmark_only}
 
 
 def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
@@ -30,6 +40,7 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
         "options": model.options.to_dict(),
         # what --expert-cache-slots auto chose, and the free memory, margin and sizes that decided it
         "slot_choice": model.slot_choice.to_dict() if model.slot_choice is not None else None,
+        "speculative": spec_report(model, st),
     }
 
 
@@ -53,6 +64,12 @@ def format_stats(r: dict) -> str:
         + (f"recurrent {format_bytes(mem['recurrent'])}, " if mem.get("recurrent") else "")
         + f"compute {format_bytes(mem['compute'])})",
     ]
+    if r.get("speculative"):
+        sp = r["speculative"]
+        lines.append(f"speculative ({sp['type']}{', BENCHMARK ONLY: drafts replayed' if sp['benchmark_only'] else ''}):"
+                     f" drafted {sp['drafted']}, accepted {sp['accepted']} ({100 * sp['acceptance_rate']:.1f}%), "
+                     f"verify steps {sp['verify_steps']}, plain steps {sp['plain_steps']}, head steps "
+                     f"{sp['draft_steps']}")
     if r.get("host_tier"):
         t = r["host_tier"]
         lines.append(f"host tier: hits {t['hits']}, misses {t['misses']}, read {format_bytes(t['bytes_read'])} in "
@@ -69,4 +86,4 @@ def format_stats(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["RUN_SCHEMA_KEYS", "format_stats", "run_report"]
+__all__ = ["RUN_SCHEMA_KEYS", "format_stats", "run_report", "spec_report"]

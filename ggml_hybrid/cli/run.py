@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
@@ -23,6 +24,11 @@ from .flags import (
     warn_busy_threads,
 )
 from .main import EXIT_INTERRUPTED, ignore_interrupts, main
+
+if TYPE_CHECKING:
+    from ..options import SessionOptions
+    from ..runtime.moe_model import MoEModel
+    from ..runtime.speculative import Speculator
 
 _ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
 
@@ -94,14 +100,20 @@ def read_prompt_file(path: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streamed text and stats.")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="Write every evaluated position's logits, float32 [positions, vocab], to this .npy file.")
+@click.option("--draft-replay", metavar="FILE", help=(
+    "Benchmarks only: speculative decoding with drafts replayed from FILE (the `--json` report of a run of this "
+    "prompt, or a JSON list of token ids by position), each kept with probability --draft-accept: speculation's "
+    "speed at a chosen acceptance on a model whose own head would be noise. Marked benchmark-only in the output."))
+@click.option("--draft-accept", type=click.FloatRange(0, 1), metavar="P", help=(
+    "With --draft-replay: the probability that a replayed draft token is right (default 1)."))
+@click.option("--draft-seed", type=click.IntRange(0), metavar="N", help="With --draft-replay: its seed (default 0).")
 @click.pass_context
 def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None,
         prompt: str | None, prompt_file: str | None,
         tokens: str | None, escape: bool, n_predict: int, seed: int | None, temp: float, top_k: int, top_p: float,
         min_p: float, repeat_penalty: float, repeat_last_n: int, presence_penalty: float, frequency_penalty: float,
         ignore_eos: bool, conversation: bool, no_conversation: bool, system_prompt: str | None, special: bool,
-        as_json: bool,
-        logits_out: str | None, **flags: Any) -> None:
+        as_json: bool, logits_out: str | None, **flags: Any) -> None:
     """Generate text from MODEL (a GGUF file, or a model name or role in --config)."""
     from ..files import check_output
     from ..runtime.generate import GenerationStats, generate
@@ -123,6 +135,7 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         raise click.UsageError("give exactly one of -p/--prompt, -f/--file and --tokens"
                                + (f" (got {', '.join(given)})" if given else ""))
     _refuse_ignored(ctx, temp, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, tokens)
+    replay = _replay_flags(flags, conversation)
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
     if prompt is not None:
@@ -135,9 +148,7 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
     path, _, opts = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=as_json), flags)
     if not as_json:
         warn_busy_threads(opts)
-    if opts.n_parallel > 1:
-        raise click.UsageError(f"n_parallel={opts.n_parallel}: `run` generates one sequence; several share a model "
-                               "in `ggml-hybrid serve`, and `plan -np N` sizes their KV cache")
+    _check_options(opts, conversation)
     if logits_out is not None:
         logits_out = check_output(logits_out, [path], "--logits-out")
     sampler = Sampler(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
@@ -172,7 +183,8 @@ def run(ctx: click.Context, model: str | None, model_flag: str | None, hf_repo: 
         st = GenerationStats()
         pieces: list[str] = []
         interrupted = False
-        gen = generate(m, ids, n_predict, sampler, st, keep_logits=logits_out is not None, stop_at_eos=not ignore_eos)
+        gen = generate(m, ids, n_predict, sampler, st, keep_logits=logits_out is not None, stop_at_eos=not ignore_eos,
+                       speculator=_replay_speculator(replay, m, ids))
         try:
             for piece in gen:
                 pieces.append(piece)
@@ -213,6 +225,71 @@ def _refuse_ignored(ctx: click.Context, temp: float, repeat_penalty: float, repe
                                "some tokens")
     if tokens is not None and explicit(ctx, "escape"):
         raise click.UsageError("-e/--no-escape: no effect with --tokens (escapes apply to prompt text)")
+
+
+def _check_options(opts: SessionOptions, conversation: bool) -> None:
+    if opts.n_parallel > 1:
+        raise click.UsageError(f"n_parallel={opts.n_parallel}: `run` generates one sequence; several share a model "
+                               "in `ggml-hybrid serve`, and `plan -np N` sizes their KV cache")
+    if conversation and opts.spec_type != "none":
+        raise click.UsageError(f"spec_type={opts.spec_type}: a conversation (-cnv) does not speculate; speculative "
+                               "decoding runs in `run` without -cnv, `serve` and `bench`")
+
+
+@dataclass
+class _Replay:
+    """``--draft-replay FILE --draft-accept P --draft-seed N``: FILE's tokens (a list, or a ``run --json`` report)."""
+
+    data: list[int] | dict[str, Any]
+    accept: float
+    seed: int
+
+
+def _replay_flags(flags: dict[str, Any], conversation: bool) -> _Replay | None:
+    """Take the ``--draft-*`` flags out of ``flags``; a replay file turns ``spec_type=replay`` on."""
+    path, accept, seed = flags.pop("draft_replay", None), flags.pop("draft_accept", None), flags.pop("draft_seed", None)
+    data = _replay_file(path, accept, seed, conversation)
+    if data is None:
+        return None
+    flags["session_options"] = tuple(flags.get("session_options") or ()) + ("spec_type=replay",)
+    return _Replay(data, 1.0 if accept is None else accept, seed or 0)
+
+
+def _replay_speculator(replay: _Replay | None, m: MoEModel, ids: list[int]) -> Speculator | None:
+    if replay is None:
+        return None
+    from ..runtime.speculative import ReplayDrafts, Speculator
+
+    data = replay.data
+    known = data if isinstance(data, list) else list(ids) + [int(t) for t in data["tokens"]]
+    return Speculator(m, ReplayDrafts(known, accept=replay.accept, seed=replay.seed))
+
+
+def _replay_file(path: str | None, accept: float | None, seed: int | None,
+                 conversation: bool) -> list[int] | dict[str, Any] | None:
+    """``--draft-replay``'s token ids: a JSON list, or a ``run --json`` report (its ``tokens`` follow the prompt)."""
+    if path is None:
+        for flag, v in (("--draft-accept", accept), ("--draft-seed", seed)):
+            if v is not None:
+                raise click.UsageError(f"{flag} needs --draft-replay")
+        return None
+    if conversation:
+        raise click.UsageError("--draft-replay does not go with -cnv (replayed drafts are a benchmark's)")
+    from ..files import not_a_file
+
+    why = not_a_file(path)
+    if why is not None:
+        raise click.BadParameter(f"{path!r} {why}", param_hint="--draft-replay")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise click.BadParameter(f"{path!r} is not a JSON file: {exc}", param_hint="--draft-replay") from None
+    ids = data.get("tokens") if isinstance(data, dict) else data
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise click.BadParameter(f"{path!r}: expected a JSON list of token ids or a `run --json` report with "
+                                 "\"tokens\"", param_hint="--draft-replay")
+    return data if isinstance(data, dict) else ids
 
 
 def _check_conversation(no_conversation: bool, tokens: str | None, as_json: bool, logits_out: str | None) -> None:

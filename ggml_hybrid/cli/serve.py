@@ -182,6 +182,7 @@ def _precheck(e: ModelEntry) -> None:
     from ..errors import ChatTemplateError, GgmlHybridError
     from ..gguf.store import GGUFStore
     from ..model.families import read_hparams
+    from ..model.mtp import check_head
     from ..runtime.moe_model import check_options
     from ..text.chat import ChatTemplate
 
@@ -191,10 +192,16 @@ def _precheck(e: ModelEntry) -> None:
         except ChatTemplateError as exc:
             raise ConfigError(f"--chat-template: {' '.join(str(exc).split())}") from None
 
+    if e.options.spec_type == "replay":
+        raise ConfigError(f"model {e.name!r}: spec_type=replay: replayed drafts are for benchmarks and tests (their "
+                          "output is staged); serve drafts with the model's own head (--spec-type draft-mtp)")
     try:
         store = GGUFStore(e.path)
         try:
-            check_options(e.options, read_hparams(store))
+            hp = read_hparams(store)
+            check_options(e.options, hp)
+            if e.options.spec_type == "draft-mtp":
+                check_head(store, hp)
         finally:
             store.close()
     except (GgmlHybridError, OSError) as exc:

@@ -249,12 +249,8 @@ def read_common(store: GGUFStore, arch: str, require_moe: bool = True) -> Common
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
-def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Every tensor the graph uses exists with its shape and a type GGML computes it in; nothing else is there.
-
-    Like llama.cpp, a file with tensors the architecture does not use is refused ("wrong number of
-    tensors"), except the layers past ``n_layer`` (next-token-prediction layers), which are skipped.
-    """
+def check_shapes(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor of ``shapes`` exists with its shape and a type GGML computes it in."""
     for name, want in shapes.items():
         if name not in store:
             raise ModelFileError(f"{store.path!r}: {hp.arch} needs tensor {name!r}, which the file lacks")
@@ -269,6 +265,16 @@ def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ..
         if not vector and info.dtype not in MATMUL_WEIGHTS:
             raise ModelFileError(f"{store.path!r}: {name} is {info.dtype.name}, not a weight type GGML can multiply "
                                  "(a float or quantized type)")
+
+
+def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor the graph uses exists with its shape and a type GGML computes it in; nothing else is there.
+
+    Like llama.cpp, a file with tensors the architecture does not use is refused ("wrong number of
+    tensors"), except the layers past ``n_layer`` (next-token-prediction layers), which are skipped (and checked
+    when the draft head is asked for: :mod:`ggml_hybrid.model.mtp`).
+    """
+    check_shapes(store, hp, shapes)
     n_all = hp.n_layer_all or hp.n_layer
     for info in store.tensors():
         if info.name in shapes:
@@ -283,5 +289,5 @@ def check_tensors(store: GGUFStore, hp: HParams, shapes: dict[str, tuple[int, ..
                              "here, or a file llama.cpp refuses: 'wrong number of tensors')")
 
 
-__all__ = ["GATINGS", "MLA", "SWA", "Common", "DeltaNet", "HParams", "Routing", "check_tensors", "read_common",
-           "refuse"]
+__all__ = ["GATINGS", "MLA", "SWA", "Common", "DeltaNet", "HParams", "Routing", "check_shapes", "check_tensors",
+           "read_common", "refuse"]

@@ -145,17 +145,19 @@ class KVCache:
     def nbytes(self, backend: Backend | None = None) -> int:
         return sum(buf.size for b, _, buf, _ in self.parts if backend is None or b is backend)
 
-    def n_kv_for(self, n_tokens: int, seq: int = 0) -> int:
-        """Cells a graph over the next ``n_tokens`` tokens of sequence ``seq`` must see."""
-        end = self.used[seq] + n_tokens
+    def n_kv_for(self, n_tokens: int, seq: int = 0, offset: int = 0) -> int:
+        """Cells a graph over the next ``n_tokens`` tokens of sequence ``seq`` must see (``offset``: tokens that come
+        before them in the same step, a verify step's)."""
+        end = self.used[seq] + offset + n_tokens
         if end > self.n_ctx:
             raise ContextFullError(f"{end} tokens do not fit the context of {self.n_ctx} cells "
                                    f"(n_ctx={self.n_ctx}; {self.used[seq]} already used)")
         return min(self.n_ctx, -(-end // KV_PAD) * KV_PAD)
 
-    def inputs(self, n_tokens: int, n_kv: int, mask_dtype, seq: int = 0) -> dict[str, np.ndarray]:
-        """Positions, write indices, the causal masks and rotations for the next ``n_tokens`` tokens of ``seq``."""
-        start = self.used[seq]
+    def inputs(self, n_tokens: int, n_kv: int, mask_dtype, seq: int = 0, offset: int = 0) -> dict[str, np.ndarray]:
+        """Positions, write indices, the causal masks and rotations for the next ``n_tokens`` tokens of ``seq``
+        (``offset`` of them past its position)."""
+        start = self.used[seq] + offset
         pos = np.arange(start, start + n_tokens, dtype=np.int32)
         cells = np.arange(n_kv)[None, :]
         seen = cells <= pos[:, None]

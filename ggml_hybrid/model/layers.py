@@ -32,7 +32,9 @@ class Builder:
         self.c, self.g, self.hp, self.w, self.experts, self.kv = c, g, hp, w, experts, kv
         self.inp, self.seq_rows, self.flash = inp, seq_rows, flash
         self.rs = rs  # the recurrent states of delta-net layers (None: a model without them)
-        self.regions: list[MoERegion | None] = [None] * hp.n_layer
+        self.late_rows = False  # the last layer runs over every row (:meth:`rows` picks none): a draft head's input
+        # one per layer with routed experts, a loaded draft head's block (layer n_layer) included
+        self.regions: list[MoERegion | None] = [None] * max(hp.n_layer, len(experts))
         # (first tensor-struct offset in c's pool, kind, layer): which part of the model built a node
         self.segments: list[tuple[int, str, int]] = []
 
@@ -63,7 +65,7 @@ class Builder:
 
     def rows(self, il: int, *xs: Tensor) -> tuple[Tensor, ...]:
         """In the last layer, only the rows whose logits are wanted (llama.cpp's ``inp_out_ids``)."""
-        if il != self.hp.n_layer - 1 or "out_ids" not in self.inp or self.hp.out_rows_late:
+        if il != self.hp.n_layer - 1 or "out_ids" not in self.inp or self.hp.out_rows_late or self.late_rows:
             return xs
         return tuple(self.c.get_rows(x, self.inp["out_ids"]) for x in xs)
 

@@ -11,6 +11,11 @@ after the layer. So does this memory, with two differences that change no number
   (:meth:`commit`). A failed eval therefore leaves the sequence exactly as it was, as the
   KV cache does (its cells past ``n_past`` are simply overwritten later). The price is twice
   llama.cpp's state memory, plus one row.
+- With ``depth`` rows per slot (speculative decoding: ``draft_max + 2``), a verify step of k + 1 tokens
+  writes the state after each of them to its own row (:meth:`chain`, each token reading the row the one
+  before wrote), and keeps the row after the last accepted token (:meth:`commit_row`): rejected drafts are
+  rolled back by not keeping their rows, where llama.cpp saves a checkpoint and evaluates the accepted
+  tokens again.
 - That one extra row per layer is never written and holds zeros: a fresh or cleared
   sequence reads it (llama.cpp zeroes the row of a new sequence inside the graph; the values
   read are the same zeros). Clearing a slot writes nothing.
@@ -34,15 +39,17 @@ from ..ggml.tensor import Tensor
 
 class RecurrentState:
     def __init__(self, n_layer: int, layers: Sequence[int], conv_state: int, ssm_state: int, backends,
-                 n_seq: int = 1, clear: bool = True) -> None:
+                 n_seq: int = 1, clear: bool = True, depth: int = 2) -> None:
         """``layers``: the delta-net layers; ``conv_state`` / ``ssm_state``: floats per sequence and layer;
-        ``backends``: one Backend, or one per layer (the layer's KV device); ``n_seq``: sequence slots.
-        ``clear=False`` (planning: nothing is ever computed) only reserves the memory."""
+        ``backends``: one Backend, or one per layer (the layer's KV device); ``n_seq``: sequence slots;
+        ``depth``: rows per slot (2; more for verify steps of ``depth - 1`` tokens). ``clear=False`` (planning:
+        nothing is ever computed) only reserves the memory."""
         self.n_seq = check_int(n_seq, "RecurrentState: n_seq", 1)
+        self.depth = check_int(depth, "RecurrentState: depth", 2)
         self.layers = sorted(layers)
         self.conv_state, self.ssm_state = conv_state, ssm_state
-        self.n_rows = 2 * self.n_seq + 1
-        self.zero_row = 2 * self.n_seq
+        self.n_rows = self.depth * self.n_seq + 1
+        self.zero_row = self.depth * self.n_seq
         per_layer = list(backends) if isinstance(backends, (list, tuple)) else [backends] * n_layer
         conv: dict[int, Tensor] = {}
         ssm: dict[int, Tensor] = {}
@@ -66,12 +73,36 @@ class RecurrentState:
     def _slot(self, seq: int) -> int:
         return check_int(seq, "RecurrentState: seq", 0, self.n_seq - 1)
 
+    def _free_rows(self, seq: int) -> list[int]:
+        """Slot ``seq``'s rows other than the one holding its state, in order."""
+        first = self.depth * seq
+        return [r for r in range(first, first + self.depth) if r != self._src[seq]]
+
     def begin(self, seq: int = 0) -> None:
-        """Start an eval of slot ``seq``: its ubatches will write the slot's other row."""
+        """Start an eval of slot ``seq``: its ubatches will write a row of the slot other than its state's."""
         seq = self._slot(seq)
-        a, b = 2 * seq, 2 * seq + 1
-        self._work[seq] = b if self._src[seq] == a else a
+        self._work[seq] = self._free_rows(seq)[0]
         self._started[seq] = False
+
+    def chain(self, seq: int, n: int) -> list[tuple[int, int]]:
+        """(read, write) rows of ``n`` tokens of slot ``seq`` computed one after the other, each written to a row
+        of its own (a verify step): the first reads the slot's state, each next one the row before it wrote.
+        The slot's state stays as it was until :meth:`commit_row`. No eval of the slot may be in progress."""
+        seq = self._slot(seq)
+        check_int(n, "RecurrentState.chain: n", 1, self.depth - 1)
+        if self._work[seq] is not None:
+            raise ArgumentError(f"RecurrentState.chain: slot {seq} has an eval in progress")
+        rows = self._free_rows(seq)[:n]
+        return list(zip([self._src[seq], *rows[:-1]], rows))
+
+    def commit_row(self, seq: int, row: int | None) -> None:
+        """Slot ``seq``'s state is now ``row`` (one :meth:`chain` gave; ``None``: it stays as it was)."""
+        seq = self._slot(seq)
+        if row is not None:
+            first = self.depth * seq
+            if not first <= row < first + self.depth:
+                raise ArgumentError(f"RecurrentState.commit_row: row {row} is not one of slot {seq}'s")
+            self._src[seq] = row
 
     def rows(self, seq: int = 0) -> tuple[int, int]:
         """(read, write) rows of slot ``seq``'s next ubatch: the first reads the committed state, the next ones
@@ -121,7 +152,7 @@ class RecurrentState:
         if row == self.zero_row:
             self._src[dst] = self.zero_row
         else:
-            to = 2 * dst
+            to = self.depth * dst
             for t in (*self.conv, *self.ssm):
                 if t is not None:
                     size = t.nb[1]
@@ -166,7 +197,7 @@ class RecurrentState:
         if len(rows) != len(tensors) or any(len(r) != t.nb[1] for r, t in zip(rows, tensors)):
             raise ArgumentError(f"RecurrentState.load: the checkpoint has {len(rows)} rows; slot {seq} takes "
                                 f"{len(tensors)} of this model's sizes")
-        to = 2 * seq
+        to = self.depth * seq
         for r, t in zip(rows, tensors):
             lib.ggml_backend_tensor_set(t.ptr, ffi.from_buffer(r), to * t.nb[1], t.nb[1])
         self._src[seq] = to

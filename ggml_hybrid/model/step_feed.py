@@ -96,21 +96,26 @@ class StepFeed:
         feed = cls(kv, rs, rope, seq_rows, inputs, logits, mask_dtype)
         return feed if feed.complete else None
 
-    def write(self, tokens: Sequence[int] | np.ndarray) -> None:
+    def write(self, tokens: Sequence[int] | np.ndarray, offsets: Sequence[int] | None = None,
+              rs_rows: Sequence[tuple[int, int]] | None = None) -> None:
         """Fill the arrays for the step that appends ``tokens[i]`` to the i-th sequence (``Scheduler.step``
-        with :attr:`io` sets them)."""
+        with :attr:`io` sets them).
+
+        A verify step gives a sequence several rows: ``offsets[i]`` is row i's position past its sequence's (0
+        for every row by default), ``rs_rows[i]`` its recurrent state rows (default: the sequence's eval in
+        progress, :meth:`RecurrentState.rows`)."""
         c_tok, c_pos, used = self._c_tok, self._c_pos, self.kv.used
         for i, seq in enumerate(self.seqs):
             c_tok[i] = tokens[i]
-            c_pos[i] = used[seq]
+            c_pos[i] = used[seq] + (offsets[i] if offsets is not None else 0)
         bad = lib.hy_feed_write(self._c, c_tok, c_pos)
         if bad:
             seq = self.seqs[bad - 1]
-            raise IndexRangeError(f"StepFeed.write: sequence {seq} is at position {used[seq]}, outside the "
+            raise IndexRangeError(f"StepFeed.write: sequence {seq} is at position {c_pos[bad - 1]}, outside the "
                                   f"{self._c_rows[bad - 1].n_kv} cells of this step's graph")
         if self.rs is not None:
-            for seq, (read, write) in zip(self.seqs, self._rs_rows):
-                read[0], write[0] = self.rs.rows(seq)
+            for i, (seq, (read, write)) in enumerate(zip(self.seqs, self._rs_rows)):
+                read[0], write[0] = rs_rows[i] if rs_rows is not None else self.rs.rows(seq)
 
 
 __all__ = ["StepFeed"]

@@ -146,10 +146,10 @@ class ExpertLayers:
     """The routed experts of ``n_layer`` layers, placed and (for disk layers) cached per ``options``.
 
     ``moe_layers`` are the layers with routed experts (default: all); the lists here have one entry
-    per layer, ``None`` for the others. ``modes`` gives each layer's expert mode (resident, cpu or
-    disk) and ``backend_of`` maps a tensor name to the backend holding it (resident tensors) or
-    serving its cache (disk layers); without them every layer follows ``options`` with ``device``
-    (the FFN-stack session's single device). ``glu`` is the experts' gated unit.
+    per layer, ``None`` for the others. A draft head's block is one more of them (the lookahead leaves it out).
+    ``modes`` gives each layer's expert mode (resident, cpu or disk) and ``backend_of`` maps a tensor name to the
+    backend holding it (resident tensors) or serving its cache (disk layers); without them every layer follows
+    ``options`` with ``device`` (the FFN-stack session's single device). ``glu`` is the experts' gated unit.
     """
 
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
@@ -299,7 +299,9 @@ class ExpertLayers:
         by its router (``blk.N.ffn_gate_inp.weight``, its bias, ``exp_probs_b``), or, following a route trace, by
         the trace (an oracle: benchmarks measure what a prediction can give at most)."""
         opts = self.options
-        for a, b in zip(self.moe_layers, self.moe_layers[1:]):
+        # a draft head's block (next-token prediction) does not run after the last layer: no lookahead into or out
+        linked = [i for i in self.moe_layers if f"blk.{i}.nextn.eh_proj.weight" not in store]
+        for a, b in zip(linked, linked[1:]):
             src, dst = self.executors[a], self.executors[b]
             if src is None or dst is None:
                 continue

@@ -2,8 +2,9 @@
 
 The rules, in llama.cpp's order and with its meanings:
 
-1. ``n_gpu_layers`` (``-ngl``, -1 = all): the output layer counts as layer ``n_layer`` and the
-   last N of the ``n_layer + 1`` are offloaded (so ``-ngl 1`` offloads the output head only, and a
+1. ``n_gpu_layers`` (``-ngl``, -1 = all): the output layer counts as layer ``n_blocks`` (every block of the
+   file, next-token-prediction blocks included, loaded or not, as llama.cpp counts them) and the
+   last N of the ``n_blocks + 1`` are offloaded (so ``-ngl 1`` offloads the output head only, and a
    large N means everything). The token embeddings always stay on the CPU (llama.cpp's input
    layer); a tied output head gets its own copy on the output device.
 2. Offloaded layers go to the accelerators: ``split_mode=layer`` splits them (output included)
@@ -84,20 +85,29 @@ class Layout:
         return out
 
 
+def _offloaded(n_gpu_layers: int, blocks: int, devices: list[str]) -> tuple[int, int]:
+    """``-ngl``'s layers offloaded, and the first of them."""
+    if n_gpu_layers < -1:
+        raise OptionError(f"n_gpu_layers={n_gpu_layers}: must be -1 (all) or >= 0")
+    # llama.cpp's rule: the output layer counts as layer n_blocks; -ngl N offloads the last N of the
+    # n_blocks + 1, so the output goes first and -ngl 99 simply means everything
+    ngl = blocks + 1 if n_gpu_layers == -1 else min(n_gpu_layers, blocks + 1)
+    if ngl and not devices:
+        raise OptionError(f"n_gpu_layers={n_gpu_layers}: there is no device to offload to")
+    return ngl, max(blocks + 1 - ngl, 0)
+
+
 def plan_layout(names: Iterable[str], n_layer: int, opts: SessionOptions, devices: list[str],
-                tied_output: bool) -> Layout:
-    """Place every tensor in ``names`` (GGUF names) on one of ``devices`` or the CPU."""
+                tied_output: bool, n_blocks: int | None = None) -> Layout:
+    """Place every tensor in ``names`` (GGUF names) on one of ``devices`` or the CPU.
+
+    ``n_layer``: the layers that run (the per-layer lists have one entry each: the graph's, then a loaded draft
+    head's block); ``n_blocks``: the blocks of the file (default ``n_layer``), which llama.cpp's offload rule
+    counts."""
     devices = list(devices)
     known = set(devices) | {CPU}
-    ngl = opts.n_gpu_layers
-    if ngl < -1:
-        raise OptionError(f"n_gpu_layers={ngl}: must be -1 (all) or >= 0")
-    # llama.cpp's rule: the output layer counts as layer n_layer; -ngl N offloads the last N of the
-    # n_layer + 1, so the output goes first and -ngl 99 simply means everything
-    ngl = n_layer + 1 if ngl == -1 else min(ngl, n_layer + 1)
-    if ngl and not devices:
-        raise OptionError(f"n_gpu_layers={opts.n_gpu_layers}: there is no device to offload to")
-    i_gpu_start = max(n_layer + 1 - ngl, 0)
+    blocks = n_layer if n_blocks is None else n_blocks
+    ngl, i_gpu_start = _offloaded(opts.n_gpu_layers, blocks, devices)
     if opts.split_mode == "none" or len(devices) <= 1:
         split = [1.0] + [0.0] * (len(devices) - 1)
         if opts.tensor_split and len(devices) > 1:
@@ -120,7 +130,7 @@ def plan_layout(names: Iterable[str], n_layer: int, opts: SessionOptions, device
         return devices[min(bisect.bisect_right(bounds, frac), len(devices) - 1)]
 
     layer_device = [device_of(i) for i in range(n_layer)]
-    output_device = device_of(n_layer)
+    output_device = device_of(blocks)
     rules = parse_overrides(opts.override_tensor)
     for pattern, _, dev in rules:
         if dev not in known:

@@ -8,6 +8,11 @@ One thread, the engine's, runs *steps* on the model (it alone calls it while the
   the whole prompt cuts its ubatches (:meth:`Session.ubatch_ends`), so the prompt's logits and KV
   cells are the lone run's.
 
+With speculative decoding (the model's ``spec_type=draft-mtp``), a decode step is a speculative step of every
+generating sequence (:class:`~.speculative.Speculator`): each drafts with the model's head, all verify in one step,
+and each keeps the drafts its own sampler's rejection rule keeps, so a step emits one or more tokens per sequence
+(a request under a grammar drafts nothing: its token is drawn from the masked row, as without speculation).
+
 When prompts wait while sequences generate, prompt and decode steps alternate, so a long prompt
 delays the others' tokens by one prompt step at a time, not by the whole prompt. Between steps,
 queued requests take free slots (first come, first served) and finished or cancelled ones give
@@ -35,13 +40,14 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int
-from ..errors import ArgumentError, ClosedError, ContextFullError
+from ..errors import ArgumentError, ClosedError, ContextFullError, GgmlHybridError
 from ..text.vocab import TextStream
 from .grammar import Constraint
 from .logprobs import TokenLogprob, token_logprob
 from .prompt_cache import MAX_CHECKPOINTS, PromptCache
 from .sampling import Sampler
 from .session import Session
+from .speculative import SpecCounters, SpecItem, Speculator
 
 QUEUED, PROMPT, DECODE, DONE = "queued", "prompt", "decode", "done"
 RATE_WINDOW = 10.0  # seconds of decode steps the tokens-per-second figure covers
@@ -132,6 +138,9 @@ class Request:
     n_reused: int = 0                  # prompt positions kept from what the slot held (not evaluated)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # with ``logprobs``: one per token
     error: str | None = None
+    exception: BaseException | None = None  # what failed it ("error"): a GrammarError is the grammar's fault
+    n_drafted: int = 0                 # speculative decoding: draft tokens verified for this request
+    n_accepted: int = 0                # and kept
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None    # took a slot
     first_token_at: float | None = None
@@ -230,6 +239,7 @@ class EngineStats:
     queued: int = 0
     busy_slots: int = 0
     tokens_per_second: float = 0.0  # generated tokens per second of decode steps, over the last RATE_WINDOW s
+    spec: SpecCounters | None = None  # speculative decoding's counters (None: plain decoding)
 
 
 class Engine:
@@ -255,6 +265,11 @@ class Engine:
         self._rate = StepRate()
         self.stats = EngineStats()
         self._after_step = after_step
+        self.spec = Speculator(model) if model.options.spec_type == "draft-mtp" else None
+        if model.options.spec_type == "replay":
+            raise ArgumentError("spec_type=replay: replayed drafts are for benchmarks and tests; a server drafts with "
+                                "the model's own head (spec_type=draft-mtp) or not at all")
+        self.stats.spec = self.spec.counters if self.spec is not None else None
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -425,6 +440,7 @@ class Engine:
     def _fail(self, r: Request, exc: BaseException) -> None:
         if r.state != DONE:  # a request finished earlier in the step keeps its reason (and is counted once)
             r.error = " ".join(str(exc).split()) or type(exc).__name__
+            r.exception = exc
             self._finish(r, "error")
 
     def _prompt_step(self, r: Request) -> None:
@@ -444,6 +460,9 @@ class Engine:
             r._notify()  # a stream may report the prompt's progress (llama-server's return_progress)
 
     def _decode_step(self, rs: list[Request]) -> None:
+        if self.spec is not None:
+            self._spec_step(rs, self.spec)
+            return
         t0 = time.perf_counter_ns()
         logits = self.model.decode([(r.seq, r._pending) for r in rs if r.seq is not None])
         t1 = time.perf_counter_ns()
@@ -455,18 +474,56 @@ class Engine:
             except Exception as exc:  # this sequence's choice failed (its sampler, its text): it alone fails
                 self._fail(r, exc)
 
+    def _spec_step(self, rs: list[Request], spec: Speculator) -> None:
+        """A speculative step of every generating sequence (the engine's decode step with ``spec_type``)."""
+        items = []
+        for r in rs:
+            assert r.seq is not None
+            budget = r.max_tokens - len(r.tokens) if r.max_tokens is not None else self.model.n_ctx
+            # a grammar masks the logits before its sampler: no drafts, the row sampled as without speculation
+            sampler = r.sampler if r.constraint is None else None
+            items.append(SpecItem(r.seq, r._pending, sampler, max(budget, 1), () if r.ignore_eos else self._eog))
+        t0 = time.perf_counter_ns()
+        emitted = spec.step(items)
+        t1 = time.perf_counter_ns()
+        self.stats.decode_steps += 1
+        self._rate.add(t1, t1 - t0, sum(max(len(e), 1) for e in emitted))
+        for r, toks, rows, err in zip(rs, emitted, spec.last_rows, spec.last_errors):
+            try:
+                if err is not None:
+                    raise err
+                if not toks:  # no sampler given: the masked row, as a plain decode step
+                    self._next(r, rows[0])
+                    continue
+                r.n_drafted += len(rows) - 1
+                r.n_accepted += len(toks) - 1
+                for i, tok in enumerate(toks):
+                    last = i == len(toks) - 1
+                    self._take(r, tok, rows[i], accepted=not last)  # a kept draft is in the sampler's history
+                    if r.state == DONE:
+                        break
+            except Exception as exc:  # this sequence's choice failed (its sampler, its text): it alone fails
+                self._fail(r, exc)
+
     def _next(self, r: Request, logits: np.ndarray) -> None:
         """Sample r's next token from ``logits`` and decide whether it goes on."""
         c = r.constraint
         tok = r.sampler(logits if c is None else c.mask(logits))
         if c is not None:
             c.accept(tok)
+        self._take(r, tok, logits)
+
+    def _take(self, r: Request, tok: int, logits: np.ndarray, accepted: bool = False) -> None:
+        """Token ``tok``, drawn from ``logits`` (``accepted``: already in the sampler's history), is r's next:
+        decide whether it goes on."""
+        c = r.constraint
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
         if not r.ignore_eos and tok in self._eog:
             self._finish(r, "stop")
             return
-        r.sampler.accept(tok)
+        if not accepted:
+            r.sampler.accept(tok)
         if r.logprobs is not None:  # of the very logits the sampler saw
             lp = token_logprob(logits, tok, r.logprobs)
             with r.lock:
@@ -494,6 +551,11 @@ class Engine:
         if flush and r._stream is not None and reason in ("stop", "length"):
             text, hit = r._stops.push(r._stream.flush())
             r._post(text if hit else text + r._stops.flush())
+        if reason == "stop" and r.constraint is not None and r.stop_string is None and \
+                not r.constraint.whole(r.text):  # llguidance's end is not taken on trust: "stop" is never a lie
+            r.exception = GgmlHybridError(f"{r.constraint.grammar.what}: the grammar ended on text that does not "
+                                          "parse (llguidance's fault, not the request's)")
+            r.error, reason = str(r.exception), "error"
         if r.seq is not None and self._slots[r.seq] is r:
             self._slots[r.seq] = None
             # the cells stay for a later prompt that begins alike (kept only where a cold run's are: PromptCache);

@@ -10,13 +10,17 @@ drawn is allowed; :meth:`Constraint.accept` advances the grammar. The end-of-gen
 allowed exactly when the grammar accepts what came so far, so a constrained text that ends at one is
 whole.
 
-Compilation is bounded (:data:`LIMITS`: grammar size, lexer states, the work of one mask), so a huge or
-pathological grammar is refused with a :class:`~ggml_hybrid.errors.GrammarError` instead of holding the
-engine thread or its memory.
+Compilation is bounded: a text is checked (its size, nesting, the levels llguidance's compiler recurses through, a
+schema's numeric bounds) and validated by llguidance in a child process first, under a time and memory limit, then
+compiled against the vocabulary on a thread with a known, large stack, on the compile threads' own limiter
+(:mod:`.grammar_pool`, :mod:`.grammar_check`); llguidance's own limits (:data:`LIMITS`: grammar size, lexer states,
+the work of one mask) bound the rest. A grammar refused, or one whose first token already passes llguidance's limits,
+is a :class:`~ggml_hybrid.errors.GrammarError` naming the bound, never a crash or a held engine thread.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
 from typing import Any, Protocol
@@ -24,14 +28,21 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import GrammarError, MissingDependencyError
+from .grammar_check import (
+    JSON_WHITESPACE,
+    LIMITS,
+    MAX_EXACT_INT,
+    MAX_GRAMMAR_CHARS,
+    MAX_LEVELS,
+    MAX_SCHEMA_DEPTH,
+    CheckError,
+    check_shape,
+    closed_schema,
+    json_options,
+)
+from .grammar_pool import GrammarPool, grammar_pool
 
-MAX_GRAMMAR_CHARS = 256 << 10  # a grammar or schema text beyond this is refused before it is compiled
-# llguidance's own bounds (its defaults are sized for one user's machine; these keep one request's compile
-# under about a second and its lexer within tens of MiB)
-LIMITS = {"max_grammar_size": 200_000, "max_lexer_states": 50_000, "initial_lexer_fuel": 1_000_000,
-          "step_lexer_fuel": 200_000, "step_max_items": 50_000}
-# JSON whitespace as llama.cpp's json-schema-to-grammar allows it: none, one space, or a newline and an indent
-JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
+PROBE_TOKENS = 3  # first tokens tried at compile time (each on a copy): a grammar that cannot go on past one is refused
 
 
 class TokenBytes(Protocol):
@@ -118,59 +129,19 @@ def _limits() -> Any:
     return _llguidance().LLParserLimits(**LIMITS, verbose_errors=False)
 
 
-_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-        "unevaluatedProperties", "unevaluatedItems")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
-
-
-def closed_schema(schema: Any) -> Any:
-    """``schema`` with ``"additionalProperties": false`` on every object schema that lists ``properties`` and says
-    nothing of others (llama.cpp's json-schema-to-grammar reads such schemas so: a model writes only the keys
-    named). Whatever it allows is valid under ``schema`` too."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    for k in _ONE:
-        if isinstance(out.get(k), dict):
-            out[k] = closed_schema(out[k])
-    for k in _MAP:
-        if isinstance(out.get(k), dict):
-            out[k] = {n: closed_schema(v) for n, v in out[k].items()}
-    for k in _LIST:
-        if isinstance(out.get(k), list):
-            out[k] = [closed_schema(v) for v in out[k]]
-    return out
-
-
-def json_options(schema: Any) -> Any:
-    """``schema`` closed (:func:`closed_schema`) and carrying llguidance's JSON options (llama.cpp's whitespace), for
-    a ``%json`` block of a Lark grammar or :meth:`Grammar.json_schema`."""
-    out = closed_schema(schema)
-    if isinstance(out, dict):
-        out = {**out, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, **out.get("x-guidance", {})}}
-    elif out is True:
-        out = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
-    return out
-
-
-def _check_size(text: str, what: str) -> None:
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise GrammarError(f"{what} has {len(text)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
-
-
 class Grammar:
     """A grammar compiled for one vocabulary; :meth:`constraint` starts a request's state.
 
-    Build one with :meth:`json_schema`, :meth:`gbnf` or :meth:`lark`; each raises
-    :class:`~ggml_hybrid.errors.GrammarError` naming what is wrong (not valid JSON Schema, a syntax error, a
-    bound passed)."""
+    Build one with :meth:`json_schema`, :meth:`gbnf` or :meth:`lark` (each checked and compiled in the compile pool:
+    :mod:`.grammar_pool`); each raises :class:`~ggml_hybrid.errors.GrammarError` naming what is wrong (not valid JSON
+    Schema, a syntax error, a bound passed, a compile over its time). ``kind`` is the form it came in
+    (``json_schema``, ``gbnf`` or ``lark``)."""
 
-    def __init__(self, tok: TokenBytes, spec: str, what: str) -> None:
+    def __init__(self, tok: TokenBytes, spec: str, what: str, kind: str = "lark") -> None:
+        # llguidance's grammar text, already checked (grammar_check): the compile recurses as the check did, so
+        # this runs on a compile thread of the pool, whose stack is the checker's several times over
         llg = _llguidance()
-        self.tok, self.what = tok, what
+        self.tok, self.what, self.kind = tok, what, kind
         self.n_vocab = tok.n_vocab
         self._vocab = vocabulary(tok)
         try:
@@ -179,46 +150,73 @@ class Grammar:
             raise GrammarError(f"{what}: {_first_line(str(exc))}") from None
         if m.is_error():
             raise GrammarError(f"{what}: {_first_line(m.get_error())}")
-        # the first mask, on a copy: a grammar that cannot start (no text matches it) is refused here, not mid-request
-        probe = m.deep_copy()
-        bits = np.zeros((tok.n_vocab + 31) // 32, dtype=np.int32)
-        probe.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-        if probe.is_error() or not bits.any():
-            raise GrammarError(f"{what}: {_first_line(probe.get_error()) or 'no token can start it'}")
+        self._probe(m)
         self._spec = spec
         self._first = m  # the compiled start state; each constraint copies it
 
+    def _probe(self, m: Any) -> None:
+        """Refuse here what would fail at the first steps of every request: no token can start the text, or
+        llguidance's limits stop it at its first token (a start rule of thousands of alternatives), each tried on
+        a copy of the start state."""
+        what = self.what
+        probe = m.deep_copy()
+        bits = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        if probe.is_error() or not bits.any():
+            raise GrammarError(f"{what}: {_first_line(probe.get_error()) or 'no token can start it'}")
+        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little", count=self.n_vocab))
+        eog = set(getattr(self.tok, "eog_ids", ()))
+        allowed = np.array([t for t in allowed if int(t) not in eog], dtype=np.int64)
+        if not allowed.size:
+            return
+        for t in sorted({int(allowed[0]), int(allowed[allowed.size // 2]), int(allowed[-1])})[:PROBE_TOKENS]:
+            step = probe.deep_copy()  # as a request goes: the mask computed, then the token taken
+            ok = bool(step.consume_token(t)) and not step.is_error()
+            if ok:
+                step.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+                ok = not step.is_error()
+            if not ok:
+                raise GrammarError(f"{what}: llguidance cannot go on past its first token (token {t}): "
+                                   f"{_first_line(step.get_error())}")
+
     @classmethod
-    def json_schema(cls, tok: TokenBytes, schema: dict[str, Any] | bool, what: str = "the JSON schema") -> Grammar:
+    def compile(cls, tok: TokenBytes, kind: str, source: Any, what: str, pool: GrammarPool | None = None
+                ) -> Grammar:
+        """``source`` (a JSON schema for ``json_schema``, GBNF or Lark text) checked and compiled in ``pool`` (the
+        process's: :func:`~.grammar_pool.grammar_pool`)."""
+        _llguidance()
+        if kind == "json_schema" and not isinstance(source, (dict, bool)):
+            raise GrammarError(f"{what} must be a JSON Schema (an object or a boolean), got {type(source).__name__}")
+        if kind != "json_schema" and not isinstance(source, str):
+            raise GrammarError(f"{what} must be text, got {type(source).__name__}")
+        try:
+            if not isinstance(source, str):
+                check_shape(source, what)  # before serializing it (one call that holds the interpreter)
+            text = source if isinstance(source, str) else json.dumps(source)
+        except CheckError as exc:
+            raise GrammarError(str(exc)) from None
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise GrammarError(f"{what} is not JSON: {exc}") from None
+        if len(text) > MAX_GRAMMAR_CHARS:  # the checker says so too; this spares sending it there
+            raise GrammarError(f"{what} has {len(text)} characters; at most {MAX_GRAMMAR_CHARS} are compiled")
+        request = {"kind": kind, "source": source, "what": what}
+        return (pool or grammar_pool()).run(request, lambda spec: cls(tok, spec, what, kind))
+
+    @classmethod
+    def json_schema(cls, tok: TokenBytes, schema: dict[str, Any] | bool, what: str = "the JSON schema",
+                    pool: GrammarPool | None = None) -> Grammar:
         """Text that is one JSON value valid under ``schema`` (``{}`` or ``True``: any JSON value)."""
-        import json
-
-        llg = _llguidance()
-        text = json.dumps(schema)
-        _check_size(text, what)
-        try:
-            spec = llg.LLMatcher.grammar_from_json_schema(json.dumps(json_options(schema)))
-        except ValueError as exc:
-            raise GrammarError(f"{what}: {_first_line(str(exc))}") from None
-        return cls(tok, spec, what)
+        return cls.compile(tok, "json_schema", schema, what, pool)
 
     @classmethod
-    def gbnf(cls, tok: TokenBytes, text: str, what: str = "the grammar") -> Grammar:
+    def gbnf(cls, tok: TokenBytes, text: str, what: str = "the grammar", pool: GrammarPool | None = None) -> Grammar:
         """llama.cpp's GBNF (``root ::= ...``), converted to Lark by llguidance."""
-        llg = _llguidance()
-        _check_size(text, what)
-        try:
-            spec = llg.grammar_from("gbnf", text)
-        except (ValueError, RecursionError) as exc:
-            raise GrammarError(f"{what} is not valid GBNF: {_first_line(str(exc))}") from None
-        return cls(tok, spec, what)
+        return cls.compile(tok, "gbnf", text, what, pool)
 
     @classmethod
-    def lark(cls, tok: TokenBytes, text: str, what: str = "the grammar") -> Grammar:
+    def lark(cls, tok: TokenBytes, text: str, what: str = "the grammar", pool: GrammarPool | None = None) -> Grammar:
         """llguidance's Lark dialect (``start: ...``; ``%json {...}`` embeds a JSON schema)."""
-        llg = _llguidance()
-        _check_size(text, what)
-        return cls(tok, llg.LLMatcher.grammar_from_lark(text), what)
+        return cls.compile(tok, "lark", text, what, pool)
 
     def constraint(self) -> Constraint:
         return Constraint(self)
@@ -272,6 +270,17 @@ class Constraint:
             raise GrammarError(f"{self.grammar.what}: token {token} is not allowed here: "
                                f"{_first_line(self._m.get_error())}")
 
+    def whole(self, text: str) -> bool:
+        """Whether ``text``, which the grammar took to its end, is what the grammar promises: for a JSON schema, JSON
+        (a last check before a request answers "stop": llguidance's end alone is not taken on trust)."""
+        if self.grammar.kind != "json_schema":
+            return True
+        try:
+            json.loads(text)
+        except ValueError:
+            return False
+        return True
 
-__all__ = ["Constraint", "Grammar", "JSON_WHITESPACE", "LIMITS", "MAX_GRAMMAR_CHARS", "closed_schema", "json_options",
-           "vocabulary"]
+
+__all__ = ["Constraint", "Grammar", "JSON_WHITESPACE", "LIMITS", "MAX_EXACT_INT", "MAX_GRAMMAR_CHARS", "MAX_LEVELS",
+           "MAX_SCHEMA_DEPTH", "PROBE_TOKENS", "closed_schema", "json_options", "vocabulary"]

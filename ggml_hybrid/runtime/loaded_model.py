@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .._native import CData, ffi
 from ..checks import check_callable, check_type
-from ..errors import ArgumentError, ArgumentTypeError, ClosedError, ModelFileError, RPCError
+from ..errors import ArgumentError, ArgumentTypeError, ClosedError, GgmlHybridError, ModelFileError, RPCError
 from ..ggml import rpc
 from ..ggml.backend import Backend, cpu, cpu_instance
 from ..ggml.context import Context
+from ..ggml.graph import REPACK_GEMM_MIN_ROWS, ROWWISE_REPACK_TYPE, TILED_MIN_ROWS, TILED_TYPES, VULKAN_MAT_VEC_ROWS
 from ..ggml.repack import buffer_type_name, repack_buffer_type
 from ..ggml.tensor import Tensor
 from ..gguf.names import is_expert_tensor
@@ -40,6 +41,7 @@ from ..model.decoder import DecoderGraph
 from ..model.families import read_hparams, tensor_shapes
 from ..model.families.recurrent import check_cuda
 from ..model.hparams import HParams
+from ..model.mtp import check_head, head_layer
 from ..moe.expert_layers import ExpertLayers, check_moe_options
 from ..moe.stack_session import SessionCounters
 from ..options import MAX_DEVICES, OptionError, SessionOptions
@@ -167,7 +169,11 @@ class LoadedModel:
         self.weight_ctxs: list[tuple[str, Context]] = []
         self.repacked: set[str] = set()  # tensors in a CPU extra buffer type (llama.cpp's repacked weights)
         self.repack_types: set[str] = set()  # the names of those buffer types
+        #: the draft head's block (spec_type=draft-mtp: the next-token-prediction layer, loaded as layer n_layer)
+        self.head_layer: int | None = None
         try:
+            if opts.spec_type == "draft-mtp":
+                self.head_layer = head_layer(hp, store.path)
             self._load(opts, hp, device, dry_run_devices, progress, benchmark)
             rpc.raise_if_lost(self.devices.values())  # a server lost while loading: the weights are not there
         except BaseException as exc:
@@ -195,7 +201,13 @@ class LoadedModel:
         self.device = next(iter(self.devices.values()))
         check_cuda(store.path, hp, list(self.devices))
         required = list(tensor_shapes(hp))
-        self.layout = plan_layout(required, hp.n_layer, opts, list(self.devices), hp.tied_output)
+        # the draft head's block is one more layer (blk.n_layer), placed and cached like any other
+        if self.head_layer is not None:
+            required += [n for n in check_head(store, hp) if n not in required]
+        # llama.cpp's offload rule counts every block of the file, the next-token-prediction ones included (loaded or
+        # not); the layers that run are the graph's and the head's
+        self.layout = plan_layout(required, hp.n_layer + (self.head_layer is not None), opts, list(self.devices),
+                                  hp.tied_output, n_blocks=hp.n_layer_all or hp.n_layer)
         dense = [n for n in required if not is_expert_tensor(n)]
         total = len(required) + (1 if hp.tied_output else 0)
         done = [0]
@@ -207,10 +219,11 @@ class LoadedModel:
 
         self._load_dense(dense, tick)
         lay = self.layout
-        self.experts = ExpertLayers(store, hp.n_layer, hp.n_used, opts, self.device, n_threads, on_tensor=tick,
-                                    modes=list(lay.expert_mode), backend_of=lambda n: self.devices.get(lay.tensors[n]),
-                                    load=not self.dry_run, moe_layers=hp.moe_layers, glu=hp.routing.glu,
-                                    benchmark=benchmark)
+        heads = [] if self.head_layer is None else [self.head_layer]
+        self.experts = ExpertLayers(store, hp.n_layer + len(heads), hp.n_used, opts, self.device, n_threads,
+                                    on_tensor=tick, modes=list(lay.expert_mode),
+                                    backend_of=lambda n: self.devices.get(lay.tensors[n]), load=not self.dry_run,
+                                    moe_layers=hp.moe_layers + heads, glu=hp.routing.glu, benchmark=benchmark)
 
     def _repack_rule(self, backend: Backend) -> Callable[[str], CData | None]:
         """Which tensors on ``backend`` go to a CPU extra buffer type; recorded in ``self.repacked``."""
@@ -420,6 +433,58 @@ class LoadedModel:
         self.close()
 
 
+def decode_rows(model: LoadedModel, ubatch_size: int) -> int:
+    """Most sequences one decode ubatch of a session over ``model`` takes: ``ubatch_size``, and fewer than GGML's
+    tiled threshold when an expert cache computes experts of a tiled type: its graphs (and its CPU worker's) are not
+    rowwise, so at the threshold rows of one expert would take another kernel than a lone sequence's one row.
+    Likewise fewer than GGML's repacked gemm threshold when dense weights are in an extra buffer type other than
+    ``CPU_REPACK`` (AMX, KleidiAI): those products take gemm from that many rows, whose bits differ from a lone row's
+    gemv, and no patch of ours steers them. ``CPU_REPACK`` products honour GGML_HINT_ROWWISE (patch 0005: gemv for
+    every row); their expert products are gemv per row already.
+
+    On a Vulkan device, at most GGML's mat-vec limit (8 rows; a tiled kernel above, F16 operands: 1e-3 from a
+    lone run), and with an expert cache there, as many sequences as keep a call's rows (a sequence's
+    ``n_used`` each) within it: its rounds compute their rows together. Within the limit a sequence differs
+    from its lone run by about 2e-7 relative on lavapipe, not bit-identical (docs/vulkan.md)."""
+    rows = ubatch_size
+    vulkan = {name for name in model.devices if name.startswith("Vulkan")}
+    if vulkan & set(model.layout.layer_device + model.layout.kv_device + (model.layout.output_device,)):
+        rows = min(rows, VULKAN_MAT_VEC_ROWS)
+    experts = model.experts
+    if any(ex is not None and ex.device.name in vulkan for ex in experts.executors):
+        rows = min(rows, VULKAN_MAT_VEC_ROWS)  # a cache's rounds run the call's own graph: the same kernel
+    tiled = any(ex is not None and w is not None and any(t.dtype in TILED_TYPES for t in w.kinds.values())
+                for ex, w in zip(experts.executors, experts.weights))
+    if tiled:
+        rows = min(rows, TILED_MIN_ROWS - 1)
+    if model.repack_types - {ROWWISE_REPACK_TYPE}:
+        rows = min(rows, REPACK_GEMM_MIN_ROWS - 1)
+    return rows
+
+
+def resolve_flash_attn(model: LoadedModel, opts: SessionOptions) -> bool:
+    """A session's ``flash_attn`` over ``model`` as a bool; ``auto`` is llama.cpp's rule: on when every backend that
+    runs attention (where the KV cache lives) supports the fused op for this model's shapes and types."""
+    hp = model.hp
+    if opts.flash_attn != "auto":
+        return bool(opts.flash_attn)
+    with Context(n_tensors=8) as ctx:
+        q = ctx.new_tensor("f32", (hp.n_head, 1, hp.head_dim))
+        k = ctx.new_tensor(opts.cache_type_k, (hp.n_head_kv, 256, hp.head_dim))
+        v = ctx.new_tensor(opts.cache_type_v, (hp.n_head_kv, 256, hp.head_dim_v))
+        mask = ctx.new_tensor("f16", (1, 256))
+        try:
+            probe = ctx.flash_attn(q, k, v, mask)
+        except GgmlHybridError:  # shapes or types the fused op does not take: no
+            on = False
+        else:
+            on = all(model.backend(d).supports(probe) for d in set(model.layout.kv_device))
+    if not on and opts.cache_type_v == "q8_0":
+        raise OptionError("cache_type_v=q8_0 with flash_attn=auto: the backends cannot run flash attention for "
+                          "this model, and a quantized V cache needs it")
+    return on
+
+
 class ModelView:
     """What a session shows of its model, read-only (``session.hp``, ``session.tokenizer``, ...): the attributes
     ``MoEModel`` always had, now the loaded model's."""
@@ -499,4 +564,5 @@ class ModelView:
         return self.model.backend(name)
 
 
-__all__ = ["LoadedModel", "ModelView", "check_context_options", "check_load_arguments", "check_options", "lost_server"]
+__all__ = ["LoadedModel", "ModelView", "check_context_options", "check_load_arguments", "check_options", "decode_rows",
+           "lost_server", "resolve_flash_attn"]

@@ -168,6 +168,14 @@ class Sampler:
                 total = p.sum()
             return order, p / total
 
+    def random(self) -> float:
+        """A uniform draw in [0, 1) from this sampler's generator (speculative decoding's acceptance test)."""
+        return float(self._rng.random())
+
+    def choose(self, ids: np.ndarray, p: np.ndarray) -> int:
+        """A draw of one of ``ids`` with probabilities ``p`` from this sampler's generator."""
+        return int(ids[self._rng.choice(len(ids), p=p)])
+
     def __call__(self, logits: npt.ArrayLike) -> int:
         """The next token (not accepted: the caller accepts what it keeps)."""
         ids, p = self.candidates(logits)

@@ -28,11 +28,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ..checks import check_choice, check_int, check_type
-from ..errors import ArgumentError, ClosedError, GgmlHybridError, IndexRangeError, ShapeError
+from ..errors import ArgumentError, ClosedError, IndexRangeError, ShapeError
 from ..ggml import rpc
 from ..ggml.backend import Backend
-from ..ggml.context import Arena, Context
-from ..ggml.graph import REPACK_GEMM_MIN_ROWS, ROWWISE_REPACK_TYPE, TILED_MIN_ROWS, TILED_TYPES, VULKAN_MAT_VEC_ROWS
+from ..ggml.context import Arena
 from ..ggml.graph_cache import GraphCache
 from ..ggml.sched import Scheduler
 from ..ggml.tensor import Tensor
@@ -43,12 +42,15 @@ from ..model.recurrent_state import RecurrentState
 from ..model.rope import positions
 from ..model.step_feed import StepFeed
 from ..options import OptionError, SessionOptions
-from .loaded_model import LoadedModel, ModelView, check_context_options, lost_server
+from .draft_head import DraftHead
+from .loaded_model import LoadedModel, ModelView, check_context_options, decode_rows, lost_server, resolve_flash_attn
+from .verify_steps import VerifySteps
 
 DEFAULT_MAX_CTX = 4096
 MAX_GRAPHS = 8  # decoder graphs kept per session (one per ubatch shape), least recently used dropped first
 MAX_STEP_GRAPHS = 64  # at most this many graphs of decode steps of several sequences
-GraphKey = tuple[tuple[SeqRows, ...], int]  # an ubatch's seq_rows and its number of outputs
+# an ubatch's seq_rows, its number of outputs, and which graph: "" the model's, "fill" / "draft" the draft head's
+GraphKey = tuple[tuple[SeqRows, ...], int, str]
 
 #: the options a session chooses for itself (llama.cpp's context parameters); the others are its model's
 CONTEXT_OPTIONS = ("n_ctx", "n_parallel", "batch_size", "ubatch_size", "cache_type_k", "cache_type_v", "flash_attn",
@@ -102,7 +104,7 @@ def _pairs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(int(p[0]), int(p[1])) for p in items]
 
 
-class Session(ModelView):
+class Session(VerifySteps, ModelView):
     """A run over ``model`` with ``options`` (default: the model's; see :func:`session_options`)."""
 
     CONTEXT_OPTIONS = CONTEXT_OPTIONS
@@ -110,6 +112,9 @@ class Session(ModelView):
     sched: Scheduler
     kv: KVCache
     rs: RecurrentState | None = None  # the delta-net layers' states (recurrent models)
+    # the draft head's cache and per-sequence state (spec_type=draft-mtp): llama.cpp's MTP context, held by the session
+    # whose positions it follows
+    head: DraftHead | None = None
 
     def __init__(self, model: LoadedModel, options: SessionOptions | None = None) -> None:
         self._closed = False
@@ -133,10 +138,14 @@ class Session(ModelView):
         # engine keeps its sequences in the lowest slots, so about one graph per number of sequences)
         self._graphs: GraphCache[DecoderGraph] = GraphCache(MAX_GRAPHS + opts.n_parallel - 1, context_size(hp),
                                                             self._forget_graph)
+        # verify steps (speculative decoding) meet more shapes: every draft length of every set of sequences
+        n_verify = 2 * (opts.draft_max + 1) if opts.spec_type != "none" else 0
         self._step_graphs: GraphCache[DecoderGraph] = GraphCache(
-            min(2 * opts.n_parallel, MAX_STEP_GRAPHS), context_size(hp, opts.n_parallel), self._forget_graph)
+            min(2 * opts.n_parallel, MAX_STEP_GRAPHS) + n_verify,
+            context_size(hp, opts.n_parallel * (opts.draft_max + 1 if n_verify else 1)), self._forget_graph)
         self._active: GraphKey | None = None  # key of the graph whose regions are registered
         self._active_entry: DecoderGraph | None = None  # and that graph
+        self._init_speculation(MAX_GRAPHS)
         model.add_session(self)
         try:
             self._allocate(opts, hp)
@@ -154,7 +163,7 @@ class Session(ModelView):
         self.sched = Scheduler(list(model.devices.values()) + [model.host],
                                graph_size=2 * graph_size(hp, opts.n_parallel))
         n_ctx = opts.n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
-        self.flash_attn = self._resolve_flash_attn(opts, hp)
+        self.flash_attn = resolve_flash_attn(model, opts)
         self._mask_dtype = np.float16 if self.flash_attn else np.float32  # flash attention takes an F16 mask
         # latent attention has no Hadamard rotation (llama.cpp's K-only cache input has none)
         rot = (0, 0) if hp.mla is not None else rotation_sizes(opts.cache_type_k, opts.cache_type_v, hp.head_dim,
@@ -164,11 +173,15 @@ class Session(ModelView):
                           v_trans=not self.flash_attn, clear=not model.dry_run, rot=rot,
                           n_swa=hp.swa.n_swa if hp.swa is not None else 0, layers=hp.kv_layers,
                           n_seq=opts.n_parallel)
+        if model.head_layer is not None:
+            self._allocate_head(n_ctx, kv_backends, rot)
         dn = hp.delta_net
-        # a recurrent model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule)
+        # a recurrent model's delta-net layers keep recurrent states where their KV cache would be (llama.cpp's rule);
+        # a verify step of draft_max + 1 tokens writes each token's state to a row of its own
+        depth = opts.draft_max + 2 if opts.spec_type != "none" else 2
         self.rs = None if dn is None else RecurrentState(hp.n_layer, dn.layers, dn.conv_state, dn.ssm_state,
                                                          kv_backends, n_seq=opts.n_parallel,
-                                                         clear=not model.dry_run)
+                                                         clear=not model.dry_run, depth=depth)
         # like llama.cpp: size the compute buffers for the largest ubatch once, at load; the expert caches'
         # own graphs too, so that a run never allocates more than the load (and the planner's dry run) did;
         # with several sequences also for a decode step of as many of them as one ubatch takes, each at a
@@ -176,60 +189,12 @@ class Session(ModelView):
         ub = min(opts.ubatch_size, n_ctx)
         self.sched.reserve(self._graph((SeqRows(0, ub, n_ctx),), ub).graph)
         model.experts.reserve(ub)
-        self.decode_rows = self._decode_rows()
+        self.decode_rows = decode_rows(model, opts.ubatch_size)
         n_step = min(opts.n_parallel, self.decode_rows)
         if n_step > 1:
             self.sched.reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)), n_step).graph)
-
-    def _decode_rows(self) -> int:
-        """Most sequences one decode ubatch takes: ``ubatch_size``, and fewer than GGML's tiled threshold when an
-        expert cache computes experts of a tiled type: its graphs (and its CPU worker's) are not rowwise, so at
-        the threshold rows of one expert would take another kernel than a lone sequence's one row. Likewise
-        fewer than GGML's repacked gemm threshold when dense weights are in an extra buffer type other than
-        ``CPU_REPACK`` (AMX, KleidiAI): those products take gemm from that many rows, whose bits differ from a
-        lone row's gemv, and no patch of ours steers them. ``CPU_REPACK`` products honour GGML_HINT_ROWWISE
-        (patch 0005: gemv for every row); their expert products are gemv per row already.
-
-        On a Vulkan device, at most GGML's mat-vec limit (8 rows; a tiled kernel above, F16 operands: 1e-3 from a
-        lone run), and with an expert cache there, as many sequences as keep a call's rows (a sequence's
-        ``n_used`` each) within it: its rounds compute their rows together. Within the limit a sequence differs
-        from its lone run by about 2e-7 relative on lavapipe, not bit-identical (docs/vulkan.md)."""
-        model = self.model
-        rows = self.options.ubatch_size
-        vulkan = {name for name in model.devices if name.startswith("Vulkan")}
-        if vulkan & set(model.layout.layer_device + model.layout.kv_device + (model.layout.output_device,)):
-            rows = min(rows, VULKAN_MAT_VEC_ROWS)
-        experts = model.experts
-        if any(ex is not None and ex.device.name in vulkan for ex in experts.executors):
-            rows = min(rows, VULKAN_MAT_VEC_ROWS)  # a cache's rounds run the call's own graph: the same kernel
-        tiled = any(ex is not None and w is not None and any(t.dtype in TILED_TYPES for t in w.kinds.values())
-                    for ex, w in zip(experts.executors, experts.weights))
-        if tiled:
-            rows = min(rows, TILED_MIN_ROWS - 1)
-        if model.repack_types - {ROWWISE_REPACK_TYPE}:
-            rows = min(rows, REPACK_GEMM_MIN_ROWS - 1)
-        return rows
-
-    def _resolve_flash_attn(self, opts: SessionOptions, hp: HParams) -> bool:
-        """``flash_attn`` as a bool; ``auto`` is llama.cpp's rule: on when every backend that runs
-        attention (where the KV cache lives) supports the fused op for this model's shapes and types."""
-        if opts.flash_attn != "auto":
-            return bool(opts.flash_attn)
-        with Context(n_tensors=8) as ctx:
-            q = ctx.new_tensor("f32", (hp.n_head, 1, hp.head_dim))
-            k = ctx.new_tensor(opts.cache_type_k, (hp.n_head_kv, 256, hp.head_dim))
-            v = ctx.new_tensor(opts.cache_type_v, (hp.n_head_kv, 256, hp.head_dim_v))
-            mask = ctx.new_tensor("f16", (1, 256))
-            try:
-                probe = ctx.flash_attn(q, k, v, mask)
-            except GgmlHybridError:  # shapes or types the fused op does not take: no
-                on = False
-            else:
-                on = all(self.model.backend(d).supports(probe) for d in set(self.model.layout.kv_device))
-        if not on and opts.cache_type_v == "q8_0":
-            raise OptionError("cache_type_v=q8_0 with flash_attn=auto: the backends cannot run flash attention for "
-                              "this model, and a quantized V cache needs it")
-        return on
+        if self.head is not None:
+            self._reserve_head(n_ctx, ub, n_step)
 
     # -- state ----------------------------------------------------------------
 
@@ -260,6 +225,8 @@ class Session(ModelView):
             if self.rs is not None:
                 for s in range(self.rs.n_seq) if seq is None else (seq,):
                     self.rs.clear(s)
+            for s in range(self.kv.n_seq) if seq is None else (seq,):
+                self._rewound(s, 0)
 
     @property
     def recurrent(self) -> bool:
@@ -279,6 +246,7 @@ class Session(ModelView):
                                 "(reset the sequence instead)")
         with self._serial.turn("truncate"):
             self.kv.used[seq] = min(n_keep, self.kv.used[seq])
+            self._rewound(seq, self.kv.used[seq])
 
     def checkpoint(self, seq: int = 0) -> Checkpoint:
         """Where sequence ``seq`` stands now, to go back to later with :meth:`restore`: its position, and a
@@ -287,6 +255,7 @@ class Session(ModelView):
         self._check_open("checkpoint")
         self._check_seq(seq, "checkpoint")
         with self._serial.turn("checkpoint"):
+            self._check_idle(seq, "checkpoint")
             return Checkpoint(self.kv.used[seq], self.rs.save(seq) if self.rs is not None else None)
 
     def restore(self, cp: Checkpoint, seq: int = 0) -> None:
@@ -306,6 +275,7 @@ class Session(ModelView):
             if self.rs is not None and cp.states is not None:
                 self.rs.load(seq, cp.states)
             self.kv.used[seq] = cp.position
+            self._rewound(seq, cp.position)
 
     def move(self, src: int, dst: int) -> None:
         """Move sequence ``src`` into the empty slot ``dst`` (its cells copied, ``src`` emptied): it goes on
@@ -317,9 +287,12 @@ class Session(ModelView):
             raise ArgumentError(f"move: slot {dst} must be empty and other than {src} (it holds "
                                 f"{self.kv.used[dst]} positions)")
         with self._serial.turn("move"):
+            self._check_idle(src, "move")
             self.kv.move(src, dst)
             if self.rs is not None:
                 self.rs.move(src, dst)
+            if self.head is not None:  # its draft head's cells go with it
+                self.head.move(src, dst)
 
     def _check_seq(self, seq: int, op: str) -> int:
         check_int(seq, f"{op}: seq", 0, self.kv.n_seq - 1)
@@ -327,17 +300,23 @@ class Session(ModelView):
 
     # -- evaluation -----------------------------------------------------------
 
-    def _graph(self, seq_rows: tuple[SeqRows, ...], n_out: int) -> DecoderGraph:
-        key: GraphKey = (seq_rows, n_out)
+    def _graph(self, seq_rows: tuple[SeqRows, ...], n_out: int, kind: str = "") -> DecoderGraph:
+        """The graph of an ubatch of ``seq_rows`` with ``n_out`` outputs: the model's (``kind`` ""), or the draft
+        head's (``"fill"``, ``"draft"``: :meth:`VerifySteps._head_graph`)."""
+        if kind:
+            return self._head_graph((seq_rows, n_out, kind))
+        key: GraphKey = (seq_rows, n_out, kind)
 
         def build(arena: Arena) -> DecoderGraph:
             model = self.model
             entry = build_decoder(model.hp, model.weights, model.experts.weights, self.kv, seq_rows, n_out,
                                   self.flash_attn, arena, self.rs)
             if len(seq_rows) > 1:
-                # a decode step of several sequences: each row as the one-row product of its sequence alone
+                # a decode step of several sequences (or a verify step: several tokens of one): each row as the
+                # one-row product of its sequence alone
                 entry.graph.set_rowwise()
             self.sched.set_pins(entry.graph, self._pins(entry))
+            assert entry.logits is not None
             entry.feed = StepFeed.of(self.kv, self.rs, model.hp.rope, seq_rows, n_out, entry.inputs, entry.logits,
                                      self._mask_dtype)
             return entry
@@ -398,6 +377,8 @@ class Session(ModelView):
         # zeros (the mapping's guard), and these logits must not be used; the sequence stays as it was
         model.store.check_reads()
         model.experts.flush_traces()
+        if self.head is not None:  # the draft head reads the model's hidden state of every position
+            self._record_hidden(g, parts)
         for seq, toks in parts:
             kv.used[seq] += len(toks)
             if self.rs is not None:
@@ -405,14 +386,18 @@ class Session(ModelView):
         return logits.reshape(n_out, model.hp.n_vocab)
 
     def _inputs(self, parts: list[tuple[int, np.ndarray]], seq_rows: tuple[SeqRows, ...], n_out: int,
-                out_ids: bool) -> dict[str, np.ndarray]:
-        """The inputs of any ubatch, built anew (prompts); decode steps write theirs in place (:class:`StepFeed`)."""
-        kv = self.kv
+                out_ids: bool, kv: KVCache | None = None, offsets: Sequence[int] | None = None,
+                rs_rows: Sequence[tuple[int, int]] | None = None) -> dict[str, np.ndarray]:
+        """The inputs of any ubatch, built anew (prompts); decode steps write theirs in place (:class:`StepFeed`).
+
+        ``kv``: the cache the graph attends over (default the session's); ``offsets[i]``: part i's first position
+        past its sequence's (a verify step's, the draft head's); ``rs_rows[i]``: its recurrent state rows."""
+        kv = self.kv if kv is None else kv
         mask_dtype = self._mask_dtype
         feed: dict[str, np.ndarray] = {}
         pos = []
         for i, seg in enumerate(seq_rows):
-            one = kv.inputs(seg.n_tokens, seg.n_kv, mask_dtype, seg.seq)
+            one = kv.inputs(seg.n_tokens, seg.n_kv, mask_dtype, seg.seq, offsets[i] if offsets is not None else 0)
             pos.append(one.pop("pos"))
             for name in ("k_rot", "v_rot"):
                 if name in one:
@@ -421,9 +406,14 @@ class Session(ModelView):
         feed["tokens"] = np.concatenate([toks for _, toks in parts])
         # M-RoPE lays its four rows out over the whole ubatch: built from every sequence's positions at once
         feed["pos"] = positions(self.model.hp.rope, np.concatenate(pos))
-        if self.rs is not None:
+        if self.rs is not None and kv is self.kv:
             for i, (seq, _) in enumerate(parts):
-                feed.update({seq_input(name, i): arr for name, arr in self.rs.inputs(seq).items()})
+                if rs_rows is not None:
+                    read, write = rs_rows[i]
+                    one = {"rs_read": np.array([read], np.int32), "rs_write": np.array([write], np.int32)}
+                else:
+                    one = self.rs.inputs(seq)
+                feed.update({seq_input(name, i): arr for name, arr in one.items()})
         n = len(feed["tokens"])
         if out_ids:
             feed["out_ids"] = np.arange(n - n_out, n, dtype=np.int32)
@@ -445,6 +435,7 @@ class Session(ModelView):
             self._check_seq(seq, "eval")
         arr = self._check_tokens(tokens)
         with self._serial.turn("eval"):
+            self._check_idle(seq, "eval")
             self.kv.n_kv_for(len(arr), seq)  # the whole call fits, or nothing is evaluated
             start = self.kv.used[seq]
             if self.rs is not None:
@@ -458,6 +449,7 @@ class Session(ModelView):
                 self.kv.used[seq] = start
                 if self.rs is not None:
                     self.rs.abandon(seq)
+                self._rewound(seq, start)
                 raise
             if self.rs is not None:
                 self.rs.commit(seq)
@@ -511,6 +503,7 @@ class Session(ModelView):
         order = sorted(range(len(pairs)), key=lambda i: seqs[i])
         with self._serial.turn("decode"):
             for s in seqs:
+                self._check_idle(s, "decode")
                 self.kv.n_kv_for(1, s)  # every sequence has room, or nothing is evaluated
             start = list(self.kv.used)
             rs = self.rs
@@ -526,9 +519,10 @@ class Session(ModelView):
                 out = np.concatenate(rows, axis=0)
             except BaseException:
                 self.kv.used[:] = start
-                if rs is not None:
-                    for s in seqs:
+                for s in seqs:
+                    if rs is not None:
                         rs.abandon(s)
+                    self._rewound(s, start[s])
                 raise
             if rs is not None:
                 for s in seqs:
@@ -549,9 +543,9 @@ class Session(ModelView):
                "compute": out["compute"]}
         for name in names:
             b = model.devices[name]
-            out["kv_cache"] += self.kv.nbytes(b)
+            out["kv_cache"] += self.kv.nbytes(b) + (self.head.kv.nbytes(b) if self.head is not None else 0)
             out["recurrent"] += self.rs.nbytes(b) if self.rs is not None else 0
-            out["compute"] += self.sched.buffer_size(b)
+            out["compute"] += self.sched.buffer_size(b) + sum(h.buffer_size(b) for h in self._head_scheds.values())
         return out
 
     # -- lifetime -------------------------------------------------------------
@@ -564,6 +558,7 @@ class Session(ModelView):
         if hasattr(self, "_graphs"):
             self._graphs.clear()
             self._step_graphs.clear()
+        self._close_speculation()
         if hasattr(self, "sched"):
             self.sched.close()
         if hasattr(self, "kv"):

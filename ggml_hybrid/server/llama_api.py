@@ -40,7 +40,6 @@ from .logprobs import llama_probs
 from .models import ServedModel
 from .protocol import (
     MAX_CHOICES,
-    APIError,
     Generation,
     bad,
     chat_request,
@@ -51,7 +50,7 @@ from .protocol import (
     timings,
 )
 from .routes import Routes, chat_text
-from .structured import compile_structure, read_structure
+from .structured import compile_structure, failure, grammar_field, read_structure
 from .tools import read_tools
 
 # the sampling chain here, in its order (llama.cpp's names); a request's ``samplers`` must keep it
@@ -88,7 +87,7 @@ class LlamaRoutes:
     async def apply_template(self, request: HTTPRequest) -> Response:
         body = await self.routes.read_body(request)
         g = chat_request(body, self.routes.defaults)
-        g.tools = read_tools(body)
+        g.tools = await anyio.to_thread.run_sync(read_tools, body, limiter=self.routes.text_limiter)
         sm = self.routes.resolve(g)
         text = await anyio.to_thread.run_sync(chat_text, sm, g, limiter=self.routes.text_limiter)
         return JSONResponse({"prompt": text})
@@ -107,14 +106,14 @@ class LlamaRoutes:
         if g.structure is not None:
             assert sm.model is not None
             grammar = await anyio.to_thread.run_sync(compile_structure, sm.model.tokenizer, g.structure,
-                                                     limiter=self.routes.text_limiter)
+                                                     limiter=self.routes.grammar_limiter)
         reqs, wake = self.routes.submit(sm, g, ids, "completion", grammar)
         answer = Answer(sm, g, return_tokens)
         if g.stream:
             return self.routes.event_stream(self.stream(reqs, wake, answer))
         self.routes.models.begin()
         try:
-            left = await self.routes.finish(request, reqs, wake)
+            left = await self.routes.finish(request, reqs, wake, grammar_field(g))
         finally:
             self.routes.models.end()
         if left is not None:
@@ -150,10 +149,7 @@ class LlamaRoutes:
                         continue
                     ended.add(i)
                     if r.finish_reason not in ("stop", "length"):
-                        msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
-                            "The server shut down before the request finished."
-                        yield _data(APIError(500 if r.error else 503, msg,
-                                             code=None if r.error else "shutting_down").body())
+                        yield _data(failure(r, grammar_field(answer.g)).body())
                         return
                     yield _data(answer.final(i, r, "", r.take_logprobs(), stream=True))
                 if len(ended) < len(reqs):

@@ -4,10 +4,13 @@ Every metric is prefixed ``ggml_hybrid_`` and labelled with the model (``model``
 Counters (``_total``): ``http_requests`` (endpoint, status), ``requests`` (finish_reason: stop, length,
 cancelled, error), ``prompt_tokens``, ``prompt_tokens_reused`` and ``prompt_tokens_evaluated`` (kept from a
 slot's cells by prompt reuse, computed), ``generated_tokens``, ``expert_cache_hits``, ``expert_cache_misses``,
-``expert_cache_cpu_misses``, ``expert_cache_bytes_loaded``. Gauges: ``model_loaded``, ``slots``,
+``expert_cache_cpu_misses``, ``expert_cache_bytes_loaded``, and with speculative decoding
+``speculative_drafted_tokens``, ``speculative_accepted_tokens``, ``speculative_verify_steps`` (llama-server's
+``spec_decode_num_*``) and the gauge ``speculative_acceptance_rate``. Gauges: ``model_loaded``, ``slots``,
 ``busy_slots``, ``queue_depth``, ``tokens_per_second`` (generated tokens per second of decode steps
 over the last 10 s), ``moe_cpu_share_applied``, ``hybrid_offload_active`` (0/1) and
-``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute). docs/serve.md lists them.
+``device_memory_bytes`` (device, purpose: weights, experts, kv_cache, recurrent, compute), and the process's
+``grammar_compiles`` (state: running, waiting). docs/serve.md lists them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..runtime.grammar_pool import grammar_pool
 from .models import ModelSet
 
 P = "ggml_hybrid_"
@@ -87,6 +91,37 @@ class ServerCollector(Collector):
                     memory.add_metric([name, dev, purpose], n)
         yield from (requests, prompt, reused, evaluated, generated, hits, misses, cpu_misses, loaded, up, slots,
                     busy, queue, tps, share, offload, memory)
+        yield self._compiles()
+        yield from self._speculative()
+
+    @staticmethod
+    def _compiles() -> Metric:
+        """The process's grammar compile pool: compiles running and waiting for a compile thread."""
+        compiles = GaugeMetricFamily(P + "grammar_compiles", "Grammar compiles in the compile pool, by state",
+                                     labels=["state"])
+        pool = grammar_pool()
+        compiles.add_metric(["running"], pool.running)
+        compiles.add_metric(["waiting"], pool.waiting)
+        return compiles
+
+    def _speculative(self) -> Iterator[Metric]:
+        """Speculative decoding's counters, per model that speculates (llama-server's ``spec_decode_num_*``)."""
+        drafted = CounterMetricFamily(P + "speculative_drafted_tokens", "Speculative decoding: draft tokens verified",
+                                      labels=["model"])
+        accepted = CounterMetricFamily(P + "speculative_accepted_tokens",
+                                       "Speculative decoding: draft tokens the target kept", labels=["model"])
+        verify = CounterMetricFamily(P + "speculative_verify_steps",
+                                     "Speculative decoding: verify steps (a sequence's drafts)", labels=["model"])
+        acceptance = GaugeMetricFamily(P + "speculative_acceptance_rate",
+                                       "Speculative decoding: accepted / drafted tokens", labels=["model"])
+        for name, sm in self.models.models.items():
+            spec = sm.engine.stats.spec if sm.engine is not None else None
+            if spec is not None:
+                drafted.add_metric([name], spec.drafted)
+                accepted.add_metric([name], spec.accepted)
+                verify.add_metric([name], spec.verify_steps)
+                acceptance.add_metric([name], spec.acceptance)
+        yield from (drafted, accepted, verify, acceptance)
 
 
 def registry(models: ModelSet) -> CollectorRegistry:

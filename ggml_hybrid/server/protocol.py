@@ -368,7 +368,9 @@ def timings(r: Request) -> dict[str, float]:
             "predicted_n": n, "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / (n - 1) if n > 1 else 0.0,
             "predicted_per_second": (n - 1) / predicted_ms * 1e3 if n > 1 and predicted_ms > 0 else 0.0,
-            "queued_ms": (start - r.queued_at) * 1e3}
+            "queued_ms": (start - r.queued_at) * 1e3,
+            # speculative decoding, as llama-server reports it: draft tokens verified and kept (when there were any)
+            **({"draft_n": r.n_drafted, "draft_n_accepted": r.n_accepted} if r.n_drafted else {})}
 
 
 def prompt_progress(r: Request) -> dict[str, float]:

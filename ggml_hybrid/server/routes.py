@@ -51,7 +51,7 @@ from .protocol import (
     usage,
 )
 from .settings import ServerSettings
-from .structured import compile_structure, read_structure
+from .structured import compile_structure, failure, grammar_field, read_structure, refuse_stops
 from .tools import (
     Call,
     Reading,
@@ -71,6 +71,7 @@ from .tools import (
 WAIT_POLL = 0.25  # seconds between disconnect checks of a non-streamed request
 BODY_SECONDS = 30.0  # a request body not received whole within this is refused (408): no drip-fed bodies
 TEXT_THREADS = 4  # prompts tokenized and templates rendered at once (the others wait their turn)
+GRAMMAR_WAITERS = 16  # requests waiting on the grammar compile pool at once (its own threads do the work)
 
 
 def _error(e: APIError, anthropic_shape: bool = False) -> JSONResponse:
@@ -93,6 +94,7 @@ class Routes:
         self.defaults = self.settings.defaults
         self.registry = metrics.registry(models)
         self.text_limiter = anyio.CapacityLimiter(TEXT_THREADS)
+        self.grammar_limiter = anyio.CapacityLimiter(GRAMMAR_WAITERS)
 
     def table(self) -> list[Route]:
         """The routes, each handler counted under its path."""
@@ -191,30 +193,32 @@ class Routes:
         g.structure = read_structure(body)
         sm = self.resolve(g)
         prompts = await anyio.to_thread.run_sync(_tokenize_prompts, sm, g, limiter=self.text_limiter)
-        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
         return await self.generate(request, sm, g, prompts, "completion", grammar)
 
     async def chat(self, request: HTTPRequest) -> Response:
         body = await self.read_body(request)
         g = chat_request(body, self.defaults)
         g.structure = read_structure(body)
-        g.tools = read_tools(body)
+        g.tools = await anyio.to_thread.run_sync(read_tools, body, limiter=self.text_limiter)
         sm = self.resolve(g)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
-        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
         return await self.generate(request, sm, g, [prompt], "chat", grammar)
 
     async def messages(self, request: HTTPRequest) -> Response:
         """Anthropic's Messages API: read into a chat request (server/anthropic.py), answered in Anthropic's shapes."""
-        g, sm = self._messages_request(await self.read_body(request))
+        body = await self.read_body(request)
+        g, sm = await anyio.to_thread.run_sync(self._messages_request, body, limiter=self.text_limiter)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
-        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.text_limiter)
+        grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
         return await self.generate(request, sm, g, [prompt], "messages", grammar)
 
     async def count_tokens(self, request: HTTPRequest) -> Response:
         """Anthropic's ``POST /v1/messages/count_tokens``: the tokens of the prompt the request renders to (tools
         included), as ``/v1/messages`` would evaluate it."""
-        g, sm = self._messages_request(await self.read_body(request), count_only=True)
+        body = await self.read_body(request)
+        g, sm = await anyio.to_thread.run_sync(self._messages_request, body, True, limiter=self.text_limiter)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         return JSONResponse({"input_tokens": len(prompt)})
 
@@ -224,6 +228,8 @@ class Routes:
         g.stop = m.stop
         g.tools = read_tools(m.chat)
         g.structure = m.structure
+        if g.structure is not None:
+            refuse_stops(g.structure, g.stop, "stop_sequences")
         return g, self.resolve(g)
 
     async def generate(self, request: HTTPRequest, sm: ServedModel, g: Generation, prompts: list[list[int]],
@@ -284,9 +290,11 @@ class Routes:
             raise bad(str(exc), "prompt") from None
         return reqs, wake
 
-    async def finish(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event) -> Response | None:
+    async def finish(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event,
+                     grammar_param: str | None = None) -> Response | None:
         """Wait for ``reqs`` (a plain answer's): None once every one ended well; a 499 when the client went away
-        (they are cancelled); a 500 or 503 (raised) when one failed or the server shut down first."""
+        (they are cancelled); a 400 (its grammar's fault: ``grammar_param`` names the field), 500 or 503 (raised)
+        when one failed or the server shut down first."""
         try:
             while not all(r.done.is_set() for r in reqs):
                 wake.clear()
@@ -303,10 +311,7 @@ class Routes:
             _cancel(reqs)  # a handler cancelled (shutdown) leaves no request running
         failed = [r for r in reqs if r.finish_reason in ("error", "cancelled")]
         if failed:
-            r = failed[0]
-            if r.finish_reason == "error":
-                raise APIError(500, f"Generation failed: {r.error}")
-            raise APIError(503, "The server shut down before the request finished.", code="shutting_down")
+            raise failure(failed[0], grammar_param)
         return None
 
     def event_stream(self, events: AsyncIterator[dict[str, str]]) -> Response:
@@ -324,7 +329,7 @@ class Routes:
 
     async def wait(self, request: HTTPRequest, reqs: list[Request], wake: asyncio.Event, kind: str, rid: str,
                     created: int, g: Generation, n_prompt: int, sm: ServedModel) -> Response:
-        left = await self.finish(request, reqs, wake)
+        left = await self.finish(request, reqs, wake, grammar_field(g))
         if left is not None:
             return left
         if kind == "messages":
@@ -405,10 +410,7 @@ class Routes:
                                 last = {"data": json.dumps(doc)}
                             yield last
                         else:
-                            msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
-                                "The server shut down before the request finished."
-                            yield {"data": json.dumps(APIError(500 if r.error else 503, msg, code=None if r.error
-                                                               else "shutting_down").body())}
+                            yield {"data": json.dumps(failure(r, grammar_field(g)).body())}
                 if len(ended) < len(reqs):
                     await wake.wait()
             if g.include_usage:
@@ -442,10 +444,7 @@ class Routes:
                     break
                 await wake.wait()
             if r.finish_reason not in ("stop", "length"):
-                msg = f"Generation failed: {r.error}" if r.finish_reason == "error" else \
-                    "The server shut down before the request finished."
-                yield anthropic.event("error", error=anthropic.error_body(APIError(500 if r.error else 503, msg))[
-                    "error"])
+                yield anthropic.event("error", error=anthropic.error_body(failure(r, grammar_field(g)))["error"])
                 return
             found: list[Call] = []
             finish: str | None = r.finish_reason
@@ -534,7 +533,8 @@ def _tool_format(sm: ServedModel) -> ToolFormat:
 def _grammar(sm: ServedModel, g: Generation) -> Grammar | None:
     """The request's grammar compiled for the model's vocabulary: its structure, its forced tool call, or (tools with
     ``auto`` and a JSON schema) a call or the answer under the schema. A forced call with a ``response_format`` is
-    forced: the format shapes a later answer, after the tool results (compiled all the same: a 400 now if it cannot)."""
+    forced: the format shapes a later answer, after the tool results (compiled all the same: a 400 now if it cannot).
+    In the compile pool: this thread only waits for it."""
     assert sm.model is not None
     tok = sm.model.tokenizer
     tools = g.tools if g.tools is not None and g.tools.choice != "none" else None

@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import GrammarError
 from ..runtime.grammar import Grammar, TokenBytes, json_options
 from .protocol import bad
-from .structured import MAX_SCHEMA_DEPTH, depth
+from .structured import check_schema_field
 from .tool_formats import FORMATS, HERMES, MARKERS, Call, Reading, ToolFormat, tool_format
 from .tool_grammar import SPECIALS, Refused
 from .tool_schema import allows_object
@@ -97,8 +97,7 @@ def _read_tool(t: Any, p: str) -> dict[str, Any]:
     pp = f"{p}.function.parameters"
     if not isinstance(params, dict):
         raise bad(f"'{pp}' must be a JSON Schema object.", pp)
-    if depth(params, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise bad(f"'{pp}' nests deeper than {MAX_SCHEMA_DEPTH} levels.", pp)
+    check_schema_field(params, pp, "invalid_tool_schema")  # nesting, size, x-guidance: before anything walks it
     _check_schema(params, pp)
     if not allows_object(params):
         raise bad(f"'{pp}' must describe an object (a call's arguments are one), got 'type': "

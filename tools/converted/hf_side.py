@@ -2,17 +2,17 @@
 """The Hugging Face side of the converter pipeline: tiny random models made with ``transformers``' own classes,
 and their float32 logits (the independent oracle).
 
-Runs in an environment with torch, transformers (5.x: it has all ten classes), tokenizers and sentencepiece; it
+Runs in an environment with torch, transformers (5.x: it has all eleven classes), tokenizers and sentencepiece; it
 does not import ggml_hybrid. Subcommands (one JSON line on stdout each):
 
     python tools/converted/hf_side.py make FAMILY OUTDIR      # config, safetensors and tokenizer, seeded
     python tools/converted/hf_side.py logits HFDIR --tokens 1,2,3 --out logits.npy [--greedy N]
 
 ``make`` saves what ``save_pretrained`` writes, plus, for the families whose published checkpoints carry
-next-token-prediction (MTP) weights that transformers does not model (GLM-4.5's ``model.layers.N``, Qwen3-Next's
-and Qwen3.5's ``mtp.*``), those tensors in the published layout, so the converter sees what it sees on a
-published checkpoint. ``logits`` evaluates the token ids in float32 with eager attention and prints the greedy
-continuation of ``--greedy`` tokens.
+next-token-prediction (MTP) weights that transformers does not model (GLM-4.5's and GLM-4.7-Flash's
+``model.layers.N``, Qwen3-Next's and Qwen3.5's ``mtp.*``), those tensors in the published layout, so the converter
+sees what it sees on a published checkpoint. ``logits`` evaluates the token ids in float32 with eager attention and
+prints the greedy continuation of ``--greedy`` tokens.
 """
 
 from __future__ import annotations
@@ -112,6 +112,20 @@ FAMILIES: dict[str, dict] = {
                     n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
                     attention_bias=True, num_nextn_predict_layers=1, max_position_embeddings=512,
                     rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    # GLM-4.7-Flash's layout: deepseek2's latent attention and routing, and a next-token-prediction block (the
+    # deepseek2 architecture's only converter that writes one: DeepseekV2/V3 files drop theirs)
+    "glm47flash": dict(
+        cls="Glm4MoeLiteForCausalLM", pre="glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
+                                                            "<|assistant|>", "<|observation|>"),
+        bos=None, eos="<|endoftext|>", template=CHATML, mtp="glm",
+        config=dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                    mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1,  # the published config's
+                    num_attention_heads=4, num_key_value_heads=4,
+                    n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48,
+                    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+                    routed_scaling_factor=1.8, norm_topk_prob=True, num_nextn_predict_layers=1,
+                    max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                    rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})),
     "gpt-oss": dict(
         cls="GptOssForCausalLM", pre="gpt-4o", specials=("<|startoftext|>", "<|endoftext|>", "<|return|>",
                                                          "<|channel|>", "<|message|>", "<|end|>", "<|start|>"),
@@ -224,7 +238,9 @@ def _mtp_tensors(fam: dict, cfg, seed: int) -> dict:
 
     cfg2 = cfg.__class__(**{**cfg.to_dict(), "num_hidden_layers": cfg.num_hidden_layers + 1,
                             **({"layer_types": list(cfg.layer_types) + ["full_attention"]}
-                               if getattr(cfg, "layer_types", None) else {})})
+                               if getattr(cfg, "layer_types", None) else {}),
+                            **({"mlp_layer_types": list(cfg.mlp_layer_types) + ["sparse"]}
+                               if getattr(cfg, "mlp_layer_types", None) else {})})
     _seed(seed)
     big = getattr(transformers, fam["cls"])(cfg2)
     _randomize(big, seed)

@@ -16,7 +16,7 @@ from ...ggml.tensor import Tensor
 from ...gguf.metadata import meta_bool, meta_float, meta_int
 from ...gguf.store import GGUFStore
 from ..hparams import GATINGS, Common, HParams, Routing, refuse
-from ..layers import Builder, decoder_layer
+from ..layers import Attention, Builder, decoder_layer
 from ..rope import kq_scale, read_rope
 
 Shapes = dict[str, tuple[int, ...]]
@@ -29,6 +29,11 @@ class Family:
     tensors: Callable[[HParams], Shapes]
     layer: Callable[[Builder, int, Tensor], Tensor] = decoder_layer
     extra_nodes: int = 0  # graph nodes per layer beyond the common budget (decoder.NODES_PER_LAYER)
+    # the next-token-prediction (MTP) block llama.cpp runs as a draft head (``graph_mtp``; model/mtp.py): its
+    # attention (the rest of the block is decoder_layer's) and its tensors besides the ``nextn.*`` ones; None: the
+    # family has no such block in the pinned llama.cpp
+    head_attention: Attention | None = None
+    head_tensors: Callable[[HParams, int], Shapes] | None = None
 
 
 def rms_eps(store: GGUFStore, arch: str) -> float:
@@ -121,11 +126,15 @@ def ffn_tensors(hp: HParams, il: int) -> Shapes:
     return shapes
 
 
+def standard_layer_tensors(hp: HParams, il: int) -> Shapes:
+    """One layer of the q/k/v families: its attention and its FFN."""
+    return {**attention_tensors(hp, il), **ffn_tensors(hp, il)}
+
+
 def standard_tensors(hp: HParams) -> Shapes:
     shapes = globals_(hp)
     for il in range(hp.n_layer):
-        shapes.update(attention_tensors(hp, il))
-        shapes.update(ffn_tensors(hp, il))
+        shapes.update(standard_layer_tensors(hp, il))
     return shapes
 
 
@@ -156,7 +165,7 @@ def require_full_rotary(store: GGUFStore, c: Common) -> None:
 
 __all__ = ["Family", "Shapes", "attention_tensors", "attn_biases", "base_hparams", "dense_lead", "expert_width",
            "ffn_tensors", "gating", "globals_", "no_nextn", "refuse_fused_qkv", "require_full_rotary", "rms_eps",
-           "routing_keys", "standard_tensors"]
+           "routing_keys", "standard_layer_tensors", "standard_tensors"]
 
 
 def routing_keys(store: GGUFStore, c: Common, default_gating: str) -> Routing:

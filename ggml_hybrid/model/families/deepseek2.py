@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...errors import ModelFileError
 from ...ggml.tensor import Tensor
 from ...gguf.metadata import meta_float, meta_int
 from ...gguf.store import GGUFStore
@@ -70,24 +71,39 @@ def mla_kq_scale(attn_factor: float, freq_scale: float, yarn_log_mul: float, key
     return float(f32(f32(f32(f32(1) * mscale) * mscale) / np.sqrt(f32(key_length_mla))))
 
 
-def tensors(hp: HParams) -> Shapes:
+def layer_tensors(hp: HParams, il: int) -> Shapes:
+    """One layer: latent attention and the FFN."""
     m = hp.mla
     assert m is not None
-    E, H, dk = hp.n_embd, hp.n_head, m.qk_nope + m.qk_rope
+    E, H, dk, p = hp.n_embd, hp.n_head, m.qk_nope + m.qk_rope, f"blk.{il}."
+    shapes = {p + "attn_norm.weight": (E,), p + "attn_kv_a_norm.weight": (m.kv_lora_rank,),
+              p + "attn_kv_a_mqa.weight": (m.kv_lora_rank + m.qk_rope, E),
+              p + "attn_k_b.weight": (H, m.kv_lora_rank, m.qk_nope),
+              p + "attn_v_b.weight": (H, m.v_head, m.kv_lora_rank),
+              p + "attn_output.weight": (E, H * m.v_head)}
+    if m.q_lora_rank:
+        shapes.update({p + "attn_q_a.weight": (m.q_lora_rank, E), p + "attn_q_a_norm.weight": (m.q_lora_rank,),
+                       p + "attn_q_b.weight": (H * dk, m.q_lora_rank)})
+    else:
+        shapes[p + "attn_q.weight"] = (H * dk, E)
+    shapes.update(ffn_tensors(hp, il))
+    return shapes
+
+
+def head_tensors(hp: HParams, il: int) -> Shapes:
+    """The draft head's block: llama.cpp's deepseek2 ``graph_mtp`` asserts the q-LoRA form (``attn_q_a``)."""
+    m = hp.mla
+    assert m is not None
+    if not m.q_lora_rank:
+        raise ModelFileError(f"{hp.arch}: the next-token-prediction head needs attention.q_lora_rank > 0 (llama.cpp's "
+                             "MTP graph for deepseek2 asserts the q-LoRA projections attn_q_a / attn_q_b)")
+    return layer_tensors(hp, il)
+
+
+def tensors(hp: HParams) -> Shapes:
     shapes = globals_(hp)
     for il in range(hp.n_layer):
-        p = f"blk.{il}."
-        shapes.update({p + "attn_norm.weight": (E,), p + "attn_kv_a_norm.weight": (m.kv_lora_rank,),
-                       p + "attn_kv_a_mqa.weight": (m.kv_lora_rank + m.qk_rope, E),
-                       p + "attn_k_b.weight": (H, m.kv_lora_rank, m.qk_nope),
-                       p + "attn_v_b.weight": (H, m.v_head, m.kv_lora_rank),
-                       p + "attn_output.weight": (E, H * m.v_head)})
-        if m.q_lora_rank:
-            shapes.update({p + "attn_q_a.weight": (m.q_lora_rank, E), p + "attn_q_a_norm.weight": (m.q_lora_rank,),
-                           p + "attn_q_b.weight": (H * dk, m.q_lora_rank)})
-        else:
-            shapes[p + "attn_q.weight"] = (H * dk, E)
-        shapes.update(ffn_tensors(hp, il))
+        shapes.update(layer_tensors(hp, il))
     return shapes
 
 
@@ -120,4 +136,5 @@ def layer(b: Builder, il: int, x: Tensor) -> Tensor:
     return decoder_layer(b, il, x, latent_attention)
 
 
-FAMILY = Family("deepseek2", read, tensors, layer, extra_nodes=32)
+FAMILY = Family("deepseek2", read, tensors, layer, extra_nodes=32, head_attention=latent_attention,
+                head_tensors=head_tensors)

@@ -2,9 +2,10 @@
 selection bias, normalised and scaled top-k weights, partial rotary dimensions, next-token-prediction layers.
 
 llama.cpp: ``src/models/glm4-moe.cpp``. The pre-FFN norm is ``post_attention_norm``; q/k/v biases
-and the per-head q/k norms are each optional; the last ``nextn_predict_layers`` blocks are not part of
-the graph (llama.cpp skips their tensors unless it loads the MTP head). Refused: M-RoPE
-(``rope.dimension_sections``, the vision variant) and ``expert_shared_count = 0`` (llama.cpp then adds
+and the per-head q/k norms are each optional; the last ``nextn_predict_layers`` block is not part of
+the graph: it is the draft head (``graph_mtp``, :mod:`ggml_hybrid.model.mtp`), a layer like the others on
+the target's hidden state, loaded only for speculative decoding (as llama.cpp skips its tensors otherwise).
+Refused: M-RoPE (``rope.dimension_sections``, the vision variant) and ``expert_shared_count = 0`` (llama.cpp then adds
 ``silu(x)`` in the shared expert's place).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from ...gguf.metadata import meta_int
 from ...gguf.store import GGUFStore
 from ..hparams import Common, HParams, refuse
+from ..layers import standard_attention
 from .base import (
     Family,
     attn_biases,
@@ -21,6 +23,7 @@ from .base import (
     expert_width,
     refuse_fused_qkv,
     routing_keys,
+    standard_layer_tensors,
     standard_tensors,
 )
 
@@ -48,4 +51,5 @@ def read(store: GGUFStore, c: Common) -> HParams:
                         selection_bias=True, f32_acc=True)
 
 
-FAMILY = Family("glm4moe", read, standard_tensors)
+FAMILY = Family("glm4moe", read, standard_tensors, head_attention=standard_attention,
+                head_tensors=standard_layer_tensors)

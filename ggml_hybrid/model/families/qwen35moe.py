@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ...gguf.metadata import meta_int
 from ...gguf.store import GGUFStore
-from ..delta_net import layer
+from ..delta_net import gated_attention, layer
 from ..hparams import Common, HParams
 from . import recurrent
 from .base import Family
@@ -35,4 +35,5 @@ def read(store: GGUFStore, c: Common) -> HParams:
     return recurrent.read(store, c, rope_mode="imrope", k_repeat="tile", ba_fused=False, sections=sections(store, c))
 
 
-FAMILY = Family("qwen35moe", read, recurrent.tensors, layer, extra_nodes=40)
+FAMILY = Family("qwen35moe", read, recurrent.tensors, layer, extra_nodes=40, head_attention=gated_attention,
+                head_tensors=recurrent.head_tensors)

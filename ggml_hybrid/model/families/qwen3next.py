@@ -11,7 +11,7 @@ See :mod:`.recurrent` for the keys both recurrent families read.
 from __future__ import annotations
 
 from ...gguf.store import GGUFStore
-from ..delta_net import layer
+from ..delta_net import gated_attention, layer
 from ..hparams import Common, HParams
 from . import recurrent
 from .base import Family
@@ -21,4 +21,5 @@ def read(store: GGUFStore, c: Common) -> HParams:
     return recurrent.read(store, c, rope_mode="neox", k_repeat="interleave", ba_fused=True)
 
 
-FAMILY = Family("qwen3next", read, recurrent.tensors, layer, extra_nodes=40)
+FAMILY = Family("qwen3next", read, recurrent.tensors, layer, extra_nodes=40, head_attention=gated_attention,
+                head_tensors=recurrent.head_tensors)

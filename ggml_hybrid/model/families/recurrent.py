@@ -9,7 +9,9 @@ the L2 norms), the five required ``ssm.*`` keys, and which layers are delta-net 
 ``attention.recurrent_layers`` (one flag per block) or else ``full_attention_interval``
 (default 4: every fourth layer is an attention layer). ``expert_weights_scale``,
 ``expert_weights_norm`` and ``expert_gating_func`` are not read: softmax, normalised top-k.
-Next-token-prediction blocks (``nextn_predict_layers``) are skipped, as llama.cpp skips them.
+The next-token-prediction block (``nextn_predict_layers``) is a gated attention layer with experts after the
+layers (:func:`head_tensors`): the draft head (:mod:`ggml_hybrid.model.mtp`), loaded only for speculative
+decoding, as llama.cpp skips its tensors otherwise.
 """
 
 from __future__ import annotations
@@ -113,35 +115,48 @@ def attn_biases_of(store: GGUFStore, dn: DeltaNet) -> tuple[str, ...]:
     return tuple(n for n in "qkv" if f"blk.{first}.attn_{n}.bias" in store)
 
 
-def tensors(hp: HParams) -> Shapes:
+def layer_tensors(hp: HParams, il: int, recurrent: bool) -> Shapes:
+    """One layer: a delta-net or a gated attention mixer (with their norms), then the FFN."""
     dn = hp.delta_net
     assert dn is not None
     E, H, hd = hp.n_embd, hp.n_head, hp.head_dim
     kv = hp.n_head_kv * hd
+    p = f"blk.{il}."
+    shapes: Shapes = {p + "attn_norm.weight": (E,)}
+    if recurrent:
+        C, vd = dn.conv_channels, dn.value_dim
+        if dn.qkvz_fused:
+            shapes[p + "ssm_in.weight"] = (2 * dn.key_dim + 2 * vd, E)
+        else:
+            shapes.update({p + "attn_qkv.weight": (C, E), p + "attn_gate.weight": (vd, E)})
+        shapes.update({p + "ssm_conv1d.weight": (C, dn.d_conv), p + "ssm_dt.bias": (dn.n_v_heads,),
+                       p + "ssm_a": (dn.n_v_heads,), p + "ssm_norm.weight": (dn.d_state,),
+                       p + "ssm_out.weight": (E, vd)})
+        if dn.ba_fused:
+            shapes[p + "ssm_ba.weight"] = (2 * dn.n_v_heads, E)
+        else:
+            shapes.update({p + "ssm_beta.weight": (dn.n_v_heads, E), p + "ssm_alpha.weight": (dn.n_v_heads, E)})
+    else:
+        sizes = {"q": 2 * H * hd, "k": kv, "v": kv}
+        shapes.update({p + f"attn_{n}.weight": (rows, E) for n, rows in sizes.items()})
+        shapes.update({p + f"attn_{n}.bias": (sizes[n],) for n in hp.attn_biases})
+        shapes.update({p + "attn_output.weight": (E, H * hd), p + "attn_q_norm.weight": (hd,),
+                       p + "attn_k_norm.weight": (hd,)})
+    shapes.update(ffn_tensors(hp, il))
+    return shapes
+
+
+def head_tensors(hp: HParams, il: int) -> Shapes:
+    """The draft head's block: a gated attention layer with experts (llama.cpp's ``load_block_mtp``)."""
+    return layer_tensors(hp, il, recurrent=False)
+
+
+def tensors(hp: HParams) -> Shapes:
+    dn = hp.delta_net
+    assert dn is not None
     shapes = globals_(hp)
     for il in range(hp.n_layer):
-        p = f"blk.{il}."
-        shapes[p + "attn_norm.weight"] = (E,)
-        if dn.recurrent[il]:
-            C, vd = dn.conv_channels, dn.value_dim
-            if dn.qkvz_fused:
-                shapes[p + "ssm_in.weight"] = (2 * dn.key_dim + 2 * vd, E)
-            else:
-                shapes.update({p + "attn_qkv.weight": (C, E), p + "attn_gate.weight": (vd, E)})
-            shapes.update({p + "ssm_conv1d.weight": (C, dn.d_conv), p + "ssm_dt.bias": (dn.n_v_heads,),
-                           p + "ssm_a": (dn.n_v_heads,), p + "ssm_norm.weight": (dn.d_state,),
-                           p + "ssm_out.weight": (E, vd)})
-            if dn.ba_fused:
-                shapes[p + "ssm_ba.weight"] = (2 * dn.n_v_heads, E)
-            else:
-                shapes.update({p + "ssm_beta.weight": (dn.n_v_heads, E), p + "ssm_alpha.weight": (dn.n_v_heads, E)})
-        else:
-            sizes = {"q": 2 * H * hd, "k": kv, "v": kv}
-            shapes.update({p + f"attn_{n}.weight": (rows, E) for n, rows in sizes.items()})
-            shapes.update({p + f"attn_{n}.bias": (sizes[n],) for n in hp.attn_biases})
-            shapes.update({p + "attn_output.weight": (E, H * hd), p + "attn_q_norm.weight": (hd,),
-                           p + "attn_k_norm.weight": (hd,)})
-        shapes.update(ffn_tensors(hp, il))
+        shapes.update(layer_tensors(hp, il, dn.recurrent[il]))
     return shapes
 
 
@@ -159,5 +174,5 @@ def check_cuda(path: str, hp: HParams, devices: list[str]) -> None:
                              f"(GGML's kernel takes {', '.join(map(str, CUDA_CONV_KERNELS))})")
 
 
-__all__ = ["CUDA_CONV_KERNELS", "CUDA_STATE_SIZES", "bad_value", "check_cuda", "read", "read_delta_net",
-           "recurrent_layers", "tensors"]
+__all__ = ["CUDA_CONV_KERNELS", "CUDA_STATE_SIZES", "bad_value", "check_cuda", "head_tensors", "layer_tensors", "read",
+           "read_delta_net", "recurrent_layers", "tensors"]

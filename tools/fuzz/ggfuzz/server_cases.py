@@ -13,8 +13,15 @@ Each answer is classed: ``fine`` (any status below 500, or a documented 5xx: 500
 ``chat_template_unusable``, 503 ``model_loading`` / ``shutting_down``), ``5xx`` (any other), ``bad_call`` (a tool
 call invalid under its schema, or calls with ``finish_reason`` ``length``), ``bad_shape``
 (an error that is not OpenAI's error object), ``hang`` (no answer within the time limit) or ``crash`` (the
-server died). After the requests: 200 idle connections are opened and ``/health`` must still answer
-200, then SIGTERM must end the server with exit status 0 and no traceback in its log.
+server died). A stream's error event is fine when it is a typed client error (``invalid_request_error``, e.g. a
+grammar llguidance could not continue) or a documented 5xx. Throughout, ``/health`` is asked every 0.25 s and must
+answer 200 within :data:`HEALTH_SECONDS`. After the requests: 200 idle connections are opened and ``/health`` must
+still answer 200, then SIGTERM must end the server with exit status 0 and no traceback in its log.
+
+Structured output draws the shapes of issue 40 too (:func:`grammar_shape`): ``$ref`` chains (plain, through
+``properties``, through ``items``), deep and wide schemas, GBNF grammars of many rules (chains, wide alternations,
+right-recursive and mid-way failing ones), Lark text in ``grammar``, integer bounds beyond 2**53, ``x-guidance``,
+``stop`` with a structure.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from . import tool_cases
 DOCUMENTED_5XX = {(500, "chat_template_limit"), (500, "chat_template_unusable"), (503, "model_loading"),
                   (503, "shutting_down")}
 N_CTX = 256
+HEALTH_SECONDS = 1.0  # /health must answer within this throughout the run
 TOOLS_N_CTX = 4096  # the tool-call models: the families' templates write the tools into the prompt
 ODD = [None, True, False, 0, -1, 1, 2, 3.5, -0.0, 1e308, -1e308, 1e-320, 5e-324, 2**63, -(2**63), 2**64, 10**30,
        "", "a", "NaN", "Infinity", "\ud800", "x\udfff", "\x00", "é" * 3, "a" * 5000, [], [1], ["a"], [[1, 2]],
@@ -103,6 +111,71 @@ def _with_template(src: str, dst: str, template: str) -> None:
     w.close()
 
 
+def _ref_chain(n: int, via: str) -> dict[str, Any]:
+    def hop(i: int) -> dict[str, Any]:
+        ref = {"$ref": f"#/$defs/d{i + 1}"}
+        return {"properties": {"a": ref}} if via == "properties" else {"items": ref} if via == "items" else ref
+    defs = {f"d{i}": hop(i) for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def _nested(n: int) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "integer"}
+    for _ in range(n):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
+
+
+def _gbnf_chain(n: int) -> str:
+    return "\n".join(["root ::= r0"] + [f"r{i} ::= r{i + 1}" for i in range(n)] + [f'r{n} ::= "x"'])
+
+
+_WIDE = "big ::= " + " | ".join(f'"w{i}" r' for i in range(3000)) + '\nr ::= "x" r | "x"'
+
+
+def grammar_shape(rng: random.Random) -> dict[str, Any]:
+    """Fields of a body that ask for one of issue 40's shapes of schema or grammar."""
+    kind = rng.choice(["ref", "ref-properties", "ref-items", "deep", "wide", "gbnf-chain", "gbnf-wide",
+                       "gbnf-right-recursive", "gbnf-fails-later", "lark", "bounds", "x-guidance", "stop", "tools",
+                       "slow"])
+    n = rng.choice([10, 400, 990, 1200, 2500])
+    if kind in ("ref", "ref-properties", "ref-items"):
+        schema = _ref_chain(n, kind[4:])
+    elif kind == "deep":
+        schema = _nested(rng.choice([20, 31, 33, 40]))
+    elif kind == "wide":
+        schema = {"type": "object", "properties": {f"p{i}": {"type": rng.choice(["string", "integer"])}
+                                                   for i in range(rng.choice([10, 1000, 9000]))}}
+    elif kind == "bounds":
+        schema = {"type": "integer", rng.choice(["minimum", "maximum", "exclusiveMinimum", "multipleOf"]):
+                  rng.choice([1e30, 2 ** 63, -(2 ** 63) + 2, 2 ** 53 + 1, 2 ** 53, 1e15])}
+    elif kind == "x-guidance":
+        schema = {"type": "object", "x-guidance": rng.choice([5, "x", {"whitespace_pattern": "[a-z]+"},
+                                                               {"lenient": True}])}
+    elif kind == "tools":
+        params = _ref_chain(n, rng.choice(["", "properties"]))
+        return {"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+                "tool_choice": rng.choice(["required", "auto"])}
+    else:
+        grammar = {"gbnf-chain": lambda: _gbnf_chain(n),
+                   "gbnf-wide": lambda: "root ::= (" + " | ".join(f'"w{i}"' for i in range(n)) + ")",
+                   "gbnf-right-recursive": lambda: 'root ::= "a" root | "a"',
+                   "gbnf-fails-later": lambda: 'root ::= "q" [0-9]+ "z" big\n' + _WIDE,
+                   "lark": lambda: "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(n)) + f'\nr{n}: "x"',
+                   "stop": lambda: 'root ::= "yes" | "no"',
+                   "slow": lambda: "\n".join(["root ::= big a0", "big ::= " + " ".join(['"x"'] * 60_000) + " big"]
+                                              + [f"a{i} ::= a{i + 1}" for i in range(900)] + ['a900 ::= "x"'])}[kind]()
+        out: dict[str, Any] = {"grammar": grammar, "max_tokens": rng.choice([4, 64, 300])}
+        if kind == "stop":
+            out["stop"] = ["\n"]
+        return out
+    field = rng.choice(["json_schema", "response_format"])
+    if field == "response_format":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    return {"json_schema": schema}
+
+
 def _body(rng: random.Random, chat: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": rng.choice(["q3", "m", "glm", "bomb", "q3", "m"]),
                             "max_tokens": rng.choice([1, 2, 4, 8])}
@@ -124,6 +197,10 @@ def _body(rng: random.Random, chat: bool) -> dict[str, Any]:
             body["messages"][0][rng.choice(["role", "content", "name"])] = v
         else:
             body[name] = v
+    if rng.random() < 0.12:  # issue 40's shapes of schemas and grammars
+        for k in ("grammar", "json_schema", "response_format", "tools", "tool_choice", "stop"):
+            body.pop(k, None)
+        body.update(grammar_shape(rng))
     return body
 
 
@@ -181,8 +258,10 @@ def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
                     return "bad_shape", f"{kind}: a stream without [DONE]"
                 for e in events[:-1]:
                     doc = json.loads(e)
-                    if "error" in doc and (500, doc["error"].get("code")) not in DOCUMENTED_5XX and \
-                            (503, doc["error"].get("code")) not in DOCUMENTED_5XX:
+                    err = doc.get("error")
+                    code = None if err is None else err.get("code")
+                    if err is not None and err.get("type") != "invalid_request_error" and \
+                            (500, code) not in DOCUMENTED_5XX and (503, code) not in DOCUMENTED_5XX:
                         return "5xx", f"{kind}: error event {e[:200]}"
                 wrong = tool_cases.check(body, None, [json.loads(e) for e in events[:-1]]) if kind == "tools" else None
                 return ("bad_call", f"{kind} stream: {wrong}") if wrong else ("fine", f"{kind} stream")
@@ -269,8 +348,43 @@ def _health(port: int, timeout: float = 10.0) -> int:
         c.close()
 
 
+class HealthWatch:
+    """``/health`` asked every 0.25 s from a thread of its own while the cases run: its slowest answer, and the
+    answers other than 200 (the server must stay answerable whatever a request does)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.slowest = 0.0
+        self.checks = 0
+        self.bad: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            t0 = time.monotonic()
+            status = _health(self.port, timeout=30.0)
+            took = time.monotonic() - t0
+            self.checks += 1
+            self.slowest = max(self.slowest, took)
+            if status != 200 or took > HEALTH_SECONDS:
+                self.bad.append(f"/health {status} in {took:.2f} s")
+
+    def summary(self) -> dict[str, Any]:
+        return {"checks": self.checks, "slowest_seconds": round(self.slowest, 3), "bad": self.bad[:20]}
+
+
 def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, idle: int = 200) -> dict[str, Any]:
     """Run the cases against a fresh server; the summary (also written to OUT/summary-server.json)."""
+    out = os.path.abspath(out)  # the config names the models relative to itself
     cfg = write_models(os.path.join(out, "server-models"))
     port = _free_port()
     log = open(os.path.join(out, "server.log"), "w+")
@@ -281,6 +395,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
     t_start = time.monotonic()
     idle_ok = None
     rc = None
+    watch: HealthWatch | None = None
     try:
         end = time.monotonic() + 120
         while _health(port) != 200:
@@ -298,10 +413,11 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
                     results.append((i, cls, what))
 
         threads = [threading.Thread(target=worker) for _ in range(jobs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with HealthWatch(port) as watch:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         socks = []
         try:
             for _ in range(idle):
@@ -330,6 +446,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
                "classes": dict(classes), "what": dict(Counter(w.split(" ")[0] + " " + w.split(" ")[-1]
                                                            for _, _, w in results)),
                "failures": failures[:200], "idle": {"connections": idle, "health": idle_ok}, "exit_status": rc,
+               "health_throughout": watch.summary() if watch is not None else None,
                "log_bytes": len(text), "log_tracebacks": text.count("Traceback")}
     with open(os.path.join(out, "summary-server.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -339,8 +456,10 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
 def passed(summary: dict[str, Any]) -> bool:
     """No crash, hang, undocumented 5xx or malformed error; /health under the idle connections; a clean exit."""
     bad = {k: v for k, v in summary["classes"].items() if k not in ("fine", "closed")}
+    health = summary.get("health_throughout")
     return (not bad and summary["idle"]["health"] is not None and summary["idle"]["health"][0] == 200
-            and summary["exit_status"] == 0 and summary["log_tracebacks"] == 0)
+            and summary["exit_status"] == 0 and summary["log_tracebacks"] == 0
+            and health is not None and not health["bad"])
 
 
-__all__ = ["DOCUMENTED_5XX", "one", "passed", "run", "write_models"]
+__all__ = ["DOCUMENTED_5XX", "HEALTH_SECONDS", "HealthWatch", "grammar_shape", "one", "passed", "run", "write_models"]
