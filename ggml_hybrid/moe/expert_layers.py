@@ -191,7 +191,8 @@ class ExpertLayers:
             if not self.native:
                 raise OptionError(f"host_tier_bytes={opts.host_tier_bytes}: the host tier feeds the native "
                                   "executor's loads; these layers run the Python executor (moe_executor=python, "
-                                  "expert biases or gpt-oss's clamped SwiGLU)")
+                                  "expert biases or gpt-oss's clamped SwiGLU): use --expert-cache-slots N without "
+                                  "--host-tier (misses read through the page cache), or -ncmoe N / --cpu-moe")
             per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in named[i].values()]
                           for i in disk_layers}
             frame = frame_bytes(list(per_expert.values()))  # the tier holds experts in equal frames
