@@ -103,3 +103,15 @@ def test_python_executor_layers_are_never_advised_the_host_tier(models):
     r = CliRunner().invoke(main, ["run", path, "--expert-cache-slots", "4", "--host-tier", "30M", "-p", "Hello",
                                   "-n", "2", "-t", "1", "-c", "512"])
     assert r.exit_code != 0 and "without --host-tier" in r.output and "--cpu-moe" in r.output
+
+
+def test_the_device_of_vram_alone_is_named_as_planned(models):
+    """--vram on a machine without such a GPU plans for a hypothetical CUDA0: the text says so; the JSON keys stay."""
+    from ggml_hybrid.ggml.backend import gpu_device_names
+
+    if gpu_device_names():
+        pytest.skip("this machine has a GPU: --vram sizes it")
+    text, p, _ = plan_try([models["small"], "--vram", "2G", "-t", "1"])
+    assert "CUDA0 (planned: --vram)" in text and list(p["devices"]) == ["CUDA0"]
+    text, _, _ = plan_try([models["small"], "-t", "1"])  # the session's own device: no such note
+    assert "planned: --vram" not in text

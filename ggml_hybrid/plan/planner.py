@@ -740,15 +740,25 @@ def _plan_dense(info: dict[str, Any], store: GGUFStore, opts: SessionOptions, vr
                      opts.n_threads or os.cpu_count() or 1)
 
 
+def planned_devices(p: Plan) -> set[str]:
+    """The devices of ``p`` that --vram alone named (CUDA0, CUDA1, ...: no such GPU here, no -dev, no RPC)."""
+    if any(x.split("=", 1)[0] in ("rpc", "devices") for x in p.options):
+        return set()
+    gpus = set(gpu_device_names())
+    return {d for d, v in p.devices.items() if v.vram is not None and d not in gpus}
+
+
 def format_text(p: Plan | DensePlan) -> str:
     g = format_bytes
     lines = [f"{p.model}: {p.architecture}{' (MoE)' if p.moe else ' (dense)'}; options: "
              f"{' '.join(p.options) or '(defaults)'}"]
     if isinstance(p, Plan):
+        planned = planned_devices(p)
         for d, v in p.devices.items():
             fit = "" if v.fits is None else (f"  of {g(v.vram or 0)}: " + ("fits" if v.fits else "DOES NOT FIT"))
             rs = f" | recurrent {g(v.recurrent)}" if v.recurrent else ""
-            lines.append(f"  {d:<6} weights {g(v.weights)} | experts {g(v.experts)} | kv {g(v.kv_cache)}{rs} | "
+            name = f"{d} (planned: --vram)" if d in planned else d  # a hypothetical device: no such GPU here
+            lines.append(f"  {name:<6} weights {g(v.weights)} | experts {g(v.experts)} | kv {g(v.kv_cache)}{rs} | "
                          f"compute {g(v.compute)} | total {g(v.total)}{fit}")
         h = p.host
         lines.append(f"  host   memory-mapped {g(h.mapped_total)} ("
@@ -819,5 +829,6 @@ def format_k8s(p: Plan | DensePlan, image: str = DEFAULT_IMAGE, port: int = DEFA
     return to_yaml(deployment(p, k8s_resources(p)["resources"], image, port, name, api_key_secret))
 
 
-__all__ = ["EXPERT_KEYS", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan",
-           "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "format_text", "k8s_resources", "plan"]
+__all__ = ["EXPERT_KEYS", "PYTHON_EXECUTOR_INSTEAD", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan",
+           "KVPlan", "LayoutPlan", "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "format_text",
+           "k8s_resources", "plan", "planned_devices", "tier_budget"]
