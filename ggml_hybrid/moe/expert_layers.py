@@ -316,6 +316,20 @@ class ExpertLayers:
             src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS,  # type: ignore[arg-type]
                              **ahead)
 
+    @property
+    def slots_unused(self) -> bool:
+        """Every disk layer computes straight from the host tier's frames (tier_direct): the cache slots never
+        hold an expert, so their hits and misses say nothing."""
+        disk = [e for e in self.executors if e is not None]
+        return bool(disk) and all(isinstance(e, NativeExpertExecutor) and e.tier_direct for e in disk)
+
+    def tier_held(self) -> list[str]:
+        """The expert tensors the host tier holds (every disk layer's, read from the file, no longer mapped)."""
+        if self.tier is None:
+            return []
+        return [n for i, names in enumerate(self.names) if names is not None and self.modes[i] == "disk"
+                for n in names.values()]
+
     def _tier_direct(self, store: GGUFStore, names: dict[str, str], device: Backend) -> bool:
         """Whether a disk layer's experts run straight from the host tier's frames: its cache is on a CPU (one
         playing the device), no CPU share is asked for (the worker then takes misses from slots, as with a
