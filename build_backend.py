@@ -1,14 +1,13 @@
-"""PEP 517 backend: build the native part with build.py, then package with setuptools.
+"""PEP 517 backend: build the native part with ggml_hybrid_build, then package with setuptools.
 
-Kept tiny on purpose; all build logic lives in build.py so that `python build.py`
-and `pip install` do exactly the same thing.
+Kept tiny on purpose; all build logic lives in the ggml_hybrid_build package, so that `python -m ggml_hybrid_build`
+and `pip install` do exactly the same thing. (setuptools stays the packaging backend: the native build is GGML's own
+CMake tree, cached across checkouts and keyed by the patch series, plus a cffi module that cffi compiles itself; a
+CMake-driven backend such as scikit-build-core would take over only the generic part, packaging, and not the pin,
+the patches, the cache, the ABI probe or the cffi module.)
 """
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import (
@@ -25,11 +24,10 @@ __all__ = ["build_editable", "build_sdist", "build_wheel", "get_requires_for_bui
 
 
 def _build_native() -> None:
-    spec = importlib.util.spec_from_file_location("_ggml_hybrid_build", Path(__file__).with_name("build.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    mod.build(mod.options_from_env())
+    # imported here: the sdist's own hooks (get_requires_*, build_sdist) need no build tools
+    from ggml_hybrid_build import build, options_from_env
+
+    build(options_from_env())
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):

@@ -1,6 +1,6 @@
 """setuptools glue: the wheel holds compiled code (the cffi module and GGML's libraries), so it is tagged for
 this interpreter and platform (cp3XX-cp3XX-linux_x86_64), not as pure Python. Everything else is in
-pyproject.toml; the native part is built by build.py, which build_backend.py runs first."""
+pyproject.toml; the native part is built by ggml_hybrid_build, which build_backend.py runs first."""
 
 import sysconfig
 

@@ -14,13 +14,11 @@ the helper creates is closed before it returns.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 
@@ -263,18 +261,6 @@ def region_weights(region) -> set[str]:
             names.add(t.name)
         stack.extend(t.src)
     return names
-
-
-# -- build.py (tests/test_build.py, tests/test_native_stub.py) ---------------------------------------------
-
-def build_script():
-    """The repository's build.py as a module (its stub writer, its cdef), loaded once."""
-    name = "ggml_hybrid_build_script"
-    if name not in sys.modules:  # registered before it runs: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "build.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def greedy_chat_reply(m, template, msgs, n: int) -> str:

@@ -1,9 +1,9 @@
-"""The ABI probe (``_native/abiprobe.py``, run by build.py) against synthetic changes of the pin's headers.
+"""The ABI probe (``ggml_hybrid_build/abiprobe.py``, run by the build) against synthetic changes of the pin's headers.
 
 A backend library (Vulkan, CUDA) is built once per pin while the patch series keeps what a backend takes from
 ggml-base's headers. These tests change the pin's own headers as a patch would and check the probe's verdict both
 ways (a member appended to an enum, a function or struct added: the same interface; a struct's layout, an enum
-member's value, a signature, a macro, an inline function, a removed member: not, each named), then that build.py
+member's value, a signature, a macro, an inline function, a removed member: not, each named), then that the build
 stamps ggml-base and keys a backend's build by that verdict, with synthetic patches in a copy of vendor/: an
 appended enum member leaves the backend's build where it was, a layout change rebuilds it.
 """
@@ -16,9 +16,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import build_script
 
-from ggml_hybrid._native import abiprobe, buildinfo
+from ggml_hybrid._native import buildinfo
+from ggml_hybrid_build import abi, abiprobe, cmake, options, paths
+from ggml_hybrid_build import patches as series
 
 pytestmark = [
     pytest.mark.skipif(not buildinfo.VENDOR_DIR.is_dir(), reason="needs the source checkout's vendor/"),
@@ -27,21 +28,20 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory):
-    """build.py with a scratch cache for the verdicts (the pin's archive is read from the real cache)."""
-    mod = build_script()
-    real = mod.cache_root()
+def scratch_cache(tmp_path_factory):
+    """The build with a scratch cache for the verdicts (the pin's archive is read from the real cache)."""
+    real = paths.cache_root()
     scratch = tmp_path_factory.mktemp("cache")
     (scratch / "downloads").symlink_to(real / "downloads", target_is_directory=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mod, "cache_root", lambda: scratch)
-        yield mod
+        mp.setattr(paths, "cache_root", lambda: scratch)
+        yield scratch
 
 
 @pytest.fixture(scope="module")
-def pin(build) -> Path:
+def pin(scratch_cache) -> Path:
     """The pin's headers, unpatched."""
-    return build.pin_headers()
+    return abi.pin_headers()
 
 
 def _edit(src: Path, dest: Path, rel: str, old: str, new: str) -> Path:
@@ -55,12 +55,12 @@ def _edit(src: Path, dest: Path, rel: str, old: str, new: str) -> Path:
 
 # (header, text in the pin, its replacement, compatible, a difference the probe must name)
 CHANGES = {
-    "enum member appended (patch 0004's kind)": (
+    "enum member appended (patch 0005's kind)": (
         "include/ggml.h", "GGML_HINT_SRC0_IS_HADAMARD = 1,",
         "GGML_HINT_SRC0_IS_HADAMARD = 1,\n        GGML_HINT_SYNTHETIC = 2,", True, None),
     "op appended before GGML_OP_COUNT": (
         "include/ggml.h", "        GGML_OP_GLU,\n", "        GGML_OP_GLU,\n        GGML_OP_SYNTHETIC,\n", True, None),
-    "function and struct added (patch 0001's kind)": (
+    "function and struct added (patch 0002's kind)": (
         "include/ggml-backend.h", "#ifdef  __cplusplus\n}", "struct hy_synthetic { int a; };\n"
         "GGML_API int ggml_backend_synthetic(struct hy_synthetic * s);\n#ifdef  __cplusplus\n}", True, None),
     "member inserted into ggml_tensor's padding": (
@@ -130,39 +130,39 @@ def _series_patch(tree: Path, rel: str, old: str, new: str) -> str:
 
 
 @pytest.fixture
-def vendor(build, tmp_path, monkeypatch):
-    """A copy of vendor/ that build.py reads (and a stand-in backend, "fake", with a patch of its own)."""
+def vendor(scratch_cache, tmp_path, monkeypatch):
+    """A copy of vendor/ that the build reads (and a stand-in backend, "fake", with a patch of its own)."""
     copy = tmp_path / "vendor"
-    shutil.copytree(build.VENDOR, copy)
-    monkeypatch.setattr(build, "VENDOR", copy)
-    monkeypatch.setitem(build.BACKENDS, "fake", build.BackendSpec("GGML_HYBRID_FAKE", lambda opts: ["-DFAKE=ON"]))
+    shutil.copytree(paths.VENDOR, copy)
+    monkeypatch.setattr(paths, "VENDOR", copy)
+    monkeypatch.setitem(options.BACKENDS, "fake", options.BackendSpec("GGML_HYBRID_FAKE", lambda opts: ["-DFAKE=ON"]))
     (copy / "patches" / "0990-fake.patch").write_text(
         "--- a/src/ggml-fake/fake.cpp\n+++ b/src/ggml-fake/fake.cpp\n@@ -1 +1 @@\n-x\n+y\n")
     return copy
 
 
-def _backend_build(build, name: str = "fake") -> tuple[str, str, list[str]]:
+def _backend_build(name: str = "fake") -> tuple[str, str, list[str]]:
     """A backend's cache key, its stamp and the patches its source gets."""
-    patches = build.backend_patches(name)
+    patches = abi.backend_patches(name)
     try:
-        args = build.Options().backend_args(name)
+        args = options.Options().backend_args(name)
     except SystemExit as e:  # the Vulkan backend's build tools are missing here
         pytest.skip(str(e))
-    return build.ggml_key(args, patches), build.abi_stamp_of(patches), [p.name for p in patches]
+    return cmake.ggml_key(args, patches), abi.abi_stamp_of(patches), [p.name for p in patches]
 
 
 @pytest.mark.parametrize("name", ["fake", "vulkan"])
 @pytest.mark.parametrize("kind", ["appended enum member", "struct layout"])
-def test_a_backend_is_rebuilt_only_when_a_patch_changes_the_interface(build, vendor, tmp_path, kind, name):
-    key0, stamp0, patches0 = _backend_build(build, name)
-    assert build.abi_verdict()["compatible"]
-    assert stamp0 == build.abi_stamp() == buildinfo.pin_abi_stamp(vendor)
+def test_a_backend_is_rebuilt_only_when_a_patch_changes_the_interface(vendor, tmp_path, kind, name):
+    key0, stamp0, patches0 = _backend_build(name)
+    assert abi.abi_verdict()["compatible"]
+    assert stamp0 == abi.abi_stamp() == buildinfo.pin_abi_stamp(vendor)
     # the pin and its own patches: no patch of ggml-base, none of the CPU's
     assert patches0 == {"fake": ["0990-fake.patch"], "vulkan": ["0007-vulkan-old-headers.patch"]}[name]
     base = [p for p in buildinfo.patch_files(vendor) if buildinfo.touches_ggml_base(p)]
     patched = tmp_path / "patched"
-    shutil.copytree(build.pin_headers(), patched)
-    build.patch_headers(patched, base)
+    shutil.copytree(abi.pin_headers(), patched)
+    series.patch_headers(patched, base)
     if kind == "appended enum member":
         patch = _series_patch(patched, "include/ggml.h", "        GGML_HINT_ROWWISE          = 2,\n",
                               "        GGML_HINT_ROWWISE          = 2,\n        GGML_HINT_SYNTHETIC        = 3,\n")
@@ -170,32 +170,32 @@ def test_a_backend_is_rebuilt_only_when_a_patch_changes_the_interface(build, ven
         patch = _series_patch(patched, "include/ggml.h", "        enum ggml_type type;\n",
                               "        enum ggml_type type;\n        int synthetic;\n")
     (vendor / "patches" / "0950-synthetic.patch").write_text(patch)
-    verdict = build.abi_verdict()
-    key, stamp, patches = _backend_build(build, name)
+    verdict = abi.abi_verdict()
+    key, stamp, patches = _backend_build(name)
     if kind == "appended enum member":
         assert verdict["compatible"], verdict["differences"]
         # the backend's build is the one before: same key, same stamp, same source; ggml-base keeps the pin's stamp
         assert (key, stamp, patches) == (key0, stamp0, patches0)
-        assert build.abi_stamp() == stamp0
+        assert abi.abi_stamp() == stamp0
     else:
         assert not verdict["compatible"]
         assert any("struct ggml_tensor" in d for d in verdict["differences"]), verdict["differences"]
         # ggml-base gets the series' stamp, the backend is built again with ggml-base's patches and carries it
-        assert build.abi_stamp() == stamp == buildinfo.series_abi_stamp(vendor) != stamp0
-        assert key != key0 and "0950-synthetic.patch" in patches and "0004-cpu-rowwise-matmul.patch" in patches
-        assert "0003-cpu-repack-expert-slices.patch" not in patches  # a CPU backend patch never reaches it
+        assert abi.abi_stamp() == stamp == buildinfo.series_abi_stamp(vendor) != stamp0
+        assert key != key0 and "0950-synthetic.patch" in patches and "0005-cpu-rowwise-matmul.patch" in patches
+        assert "0004-cpu-repack-expert-slices.patch" not in patches  # a CPU backend patch never reaches it
 
 
-def test_patches_of_ggml_base_code_and_of_other_backends_never_reach_a_backend(build, vendor):
-    """Patch 0008's kind (ggml-base's code, no header) and the CPU's, RPC's, CUDA's own: the backend's build stays."""
-    before = _backend_build(build)
+def test_patches_of_ggml_base_code_and_of_other_backends_never_reach_a_backend(vendor):
+    """Patch 0001's kind (ggml-base's code, no header) and the CPU's, RPC's, CUDA's own: the backend's build stays."""
+    before = _backend_build()
     for i, f in enumerate(["src/ggml-backend.cpp", "src/ggml.c", "src/ggml-cpu/ops.cpp", "src/ggml-rpc/ggml-rpc.cpp",
                            "src/ggml-cuda/mmq.cu"]):
         (vendor / "patches" / f"096{i}-other.patch").write_text(f"--- a/{f}\n+++ b/{f}\n@@ -1 +1 @@\n-x\n+y\n")
-        assert _backend_build(build) == before, f
+        assert _backend_build() == before, f
     (vendor / "patches" / "0970-fake.patch").write_text(
         "--- a/src/ggml-fake/b.cpp\n+++ b/src/ggml-fake/b.cpp\n@@ -1 +1 @@\n-x\n+y\n")
-    key, stamp, patches = _backend_build(build)  # its own patch: built again, with the same stamp
+    key, stamp, patches = _backend_build()  # its own patch: built again, with the same stamp
     assert key != before[0] and stamp == before[1] and patches == ["0970-fake.patch", *before[2]]
 
 
@@ -203,9 +203,9 @@ def test_header_sections_keep_only_the_headers_of_a_patch():
     patch = ("a description\n\ndiff --git a/include/ggml.h b/include/ggml.h\nindex 1..2 100644\n--- a/include/ggml.h\n"
              "+++ b/include/ggml.h\n@@ -1 +1 @@\n-x\n+y\ndiff --git a/src/ggml.c b/src/ggml.c\n--- a/src/ggml.c\n"
              "+++ b/src/ggml.c\n@@ -1 +1 @@\n-z\n+w\n")
-    part = build_script().header_sections(patch, lambda p: p.endswith(".h"))
+    part = series.header_sections(patch, lambda p: p.endswith(".h"))
     assert "include/ggml.h" in part and "src/ggml.c" not in part and "+y" in part and "+w" not in part
     plain = ("--- a/src/ggml-impl.h\n+++ b/src/ggml-impl.h\n@@ -1 +1 @@\n-a\n+b\n"
              "--- a/src/x.c\n+++ b/src/x.c\n@@\n-c\n+d\n")
-    part = build_script().header_sections(plain, lambda p: p.endswith(".h"))
+    part = series.header_sections(plain, lambda p: p.endswith(".h"))
     assert part == "--- a/src/ggml-impl.h\n+++ b/src/ggml-impl.h\n@@ -1 +1 @@\n-a\n+b\n"

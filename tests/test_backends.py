@@ -188,7 +188,7 @@ def test_cpu_build_has_no_cuda(monkeypatch):
         pytest.skip("this install has the CUDA backend (test_cuda_backend.py checks it)")
     assert "CUDA" not in optional_backends()
     assert not gh.cuda_available()
-    with pytest.raises(BackendError, match="no CUDA backend.*build.py --cuda"):
+    with pytest.raises(BackendError, match="no CUDA backend.*ggml_hybrid_build --cuda"):
         gh.cuda(0)
     res = CliRunner().invoke(main, ["devices"])
     assert res.exit_code == 0

@@ -10,16 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import build_script
 
 import ggml_hybrid
+from ggml_hybrid_build import abi, backend_libs, options, progress
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = Path(ggml_hybrid.__file__).resolve().parent
 
 
 def _installed_build_flags() -> list[str]:
-    """build.py's flags for what this checkout has installed, so that the build below finds all of it cached."""
+    """The build's flags for what this checkout has installed, so that the build below finds all of it cached."""
     native = PKG / "_native"
     return ((["--cuda"] if (native / "backends" / "libggml-cuda.so").exists() else [])
             + (["--vulkan"] if (native / "backends" / "libggml-vulkan.so").exists() else [])
@@ -32,14 +32,16 @@ def test_second_build_reuses_the_cached_ggml(tmp_path):
     root = tmp_path / "checkout"
     shutil.copytree(PKG, root / "ggml_hybrid", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.so.*"))
     shutil.copytree(ROOT / "vendor", root / "vendor")
-    shutil.copy2(ROOT / "build.py", root / "build.py")
+    shutil.copytree(ROOT / "ggml_hybrid_build", root / "ggml_hybrid_build",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_HYBRID_")}  # the flags say it all
-    res = subprocess.run([sys.executable, str(root / "build.py"), *_installed_build_flags()], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "ggml_hybrid_build", *_installed_build_flags()], capture_output=True,
                          text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr
     assert "GGML up to date" in res.stderr
     # neither CMake nor a compiler ran: the GGML build and the cffi module came from the cache
-    assert "$ cmake" not in res.stderr and "compiling cffi module" not in res.stderr
+    assert "$ cmake" not in res.stderr and "compiling the cffi module" not in res.stderr
+    assert f"installed {root / 'ggml_hybrid' / '_native'}" in res.stderr  # the copy's build ran, not the checkout's
     # and the copy, which held no compiled file, now holds what the checkout holds, byte for byte
     built = root / "ggml_hybrid" / "_native"
     for lib in [*(PKG / "_native").glob("*.so"), *(PKG / "_native" / "lib").glob("*.so*"),
@@ -81,29 +83,26 @@ def test_stale_build_refuses_to_import(tmp_path, what):
         target.write_text(target.read_text().replace('"ggml_version": "0.25.3"', '"ggml_version": "0.26.0"'))
     res = _import_in(root)
     assert res.returncode != 0
-    assert "StaleBuildError" in res.stderr and "python build.py" in res.stderr
+    assert "StaleBuildError" in res.stderr and "python -m ggml_hybrid_build" in res.stderr
 
 
 def test_python_m_build_in_the_checkout_runs_pypa_build():
-    """``python -m build`` from the repository root finds build.py first; it hands over to PyPA's build."""
+    """``python -m build`` from the repository root is PyPA's build: nothing in the checkout is named ``build``."""
     res = subprocess.run([sys.executable, "-m", "build", "--version"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr
-    # PyPA's build names its version and where it lives; our build.py (an argparse script without --version) would
-    # refuse the flag. The checkout's own path may hold any name, "ggml-hybrid" included (a plain `git clone`).
+    # PyPA's build names its version and where it lives (its own package, not the checkout)
     assert re.match(r"build \d", res.stdout), res.stdout
-    assert str(ROOT / "build.py") not in res.stdout + res.stderr and "unrecognized arguments" not in res.stderr
+    assert str(ROOT) + "/build" not in res.stdout + res.stderr and "unrecognized arguments" not in res.stderr
 
 
 @pytest.fixture
 def adopting(tmp_path, monkeypatch):
-    """build.py with a stand-in backend ("fake": no compiler needed for its arguments) and a scratch cache."""
-    mod = build_script()
-    monkeypatch.setitem(mod.BACKENDS, "fake", mod.BackendSpec("GGML_HYBRID_FAKE", lambda opts: ["-DFAKE=ON"]))
-    verdict = mod.abi_verdict()  # from the real cache, where the pin's archive is: the scratch one has none
-    monkeypatch.setattr(mod, "abi_verdict", lambda vendor=None, fresh=False: verdict)
+    """The build with a stand-in backend ("fake": no compiler needed for its arguments) and a scratch cache."""
+    monkeypatch.setitem(options.BACKENDS, "fake", options.BackendSpec("GGML_HYBRID_FAKE", lambda opts: ["-DFAKE=ON"]))
+    verdict = abi.abi_verdict()  # from the real cache, where the pin's archive is: the scratch one has none
+    monkeypatch.setattr(abi, "abi_verdict", lambda vendor=None, fresh=False: verdict)
     monkeypatch.setenv("GGML_HYBRID_CACHE", str(tmp_path / "cache"))
-    return mod
 
 
 def _library(tmp_path: Path, stamp: str | None) -> Path:
@@ -119,9 +118,9 @@ def _library(tmp_path: Path, stamp: str | None) -> Path:
 
 
 def test_a_backend_built_elsewhere_is_adopted_into_the_cache(adopting, tmp_path, monkeypatch):
-    lib = _library(tmp_path, adopting.abi_stamp())
+    lib = _library(tmp_path, abi.abi_stamp())
     monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(lib))
-    got = adopting.build_backend("fake", adopting.Options())
+    got = backend_libs.build_backend("fake", options.Options())
     tree = got.parent.parent
     assert got == tree / "out" / "libggml-fake.so" and got.exists()
     assert tree.parent == tmp_path / "cache" and tree.name.startswith("backend-fake-")
@@ -129,8 +128,8 @@ def test_a_backend_built_elsewhere_is_adopted_into_the_cache(adopting, tmp_path,
     # a later build with the same options finds it there, with no library named
     monkeypatch.delenv("GGML_HYBRID_FAKE_LIB")
     logged = []
-    monkeypatch.setattr(adopting, "run", lambda cmd, **kw: logged.append(cmd))  # no CMake may run
-    assert adopting.build_backend("fake", adopting.Options()) == got
+    monkeypatch.setattr(progress, "run", lambda cmd, **kw: logged.append(cmd))  # no CMake may run
+    assert backend_libs.build_backend("fake", options.Options()) == got
     assert logged == []
 
 
@@ -138,18 +137,18 @@ def test_a_backend_built_elsewhere_is_adopted_into_the_cache(adopting, tmp_path,
 def test_a_backend_of_another_ggml_base_is_not_adopted(adopting, tmp_path, monkeypatch, stamp):
     monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(_library(tmp_path, stamp)))
     with pytest.raises(SystemExit) as exc:
-        adopting.build_backend("fake", adopting.Options())
+        backend_libs.build_backend("fake", options.Options())
     assert "not built against this checkout's ggml-base" in str(exc.value)
-    assert adopting.abi_stamp() in str(exc.value)
+    assert abi.abi_stamp() in str(exc.value)
     assert not list((tmp_path / "cache").glob("backend-fake-*/DONE"))
 
 
 def test_a_file_that_is_no_library_is_not_adopted(adopting, tmp_path, monkeypatch):
     text = tmp_path / "libggml-fake.so"
-    text.write_text(adopting.abi_stamp())
+    text.write_text(abi.abi_stamp())
     monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(text))
     with pytest.raises(SystemExit, match="no ELF header"):
-        adopting.build_backend("fake", adopting.Options())
+        backend_libs.build_backend("fake", options.Options())
     monkeypatch.setenv("GGML_HYBRID_FAKE_LIB", str(tmp_path / "missing.so"))
     with pytest.raises(SystemExit, match="cannot read it"):
-        adopting.build_backend("fake", adopting.Options())
+        backend_libs.build_backend("fake", options.Options())

@@ -112,6 +112,20 @@ def test_host_cache_feeds_the_expert_cache_and_reports_its_reads(model):
     assert t["hits"] + t["misses"] == c["misses"] + c["cpu_misses"]
 
 
+def test_a_cpu_only_run_with_the_host_tier_needs_no_expert_cache_slots(model):
+    """CPU only, experts the CPU does not repack, no CPU share: every expert runs straight from the tier's frames and
+    the slots would be address space only, so --host-tier alone runs (the slots derived, not demanded) with the
+    resident tokens; where the slots are used (a CPU share: the device's misses load into them) it is refused,
+    naming the option and why."""
+    ref = run_json(model, "--tokens", "1,2,3", "-n", 4, *T1)
+    d = run_json(model, "--tokens", "1,2,3", "-n", 4, *T1, "--host-tier", "auto")
+    assert d["tokens"] == ref["tokens"] and d["options"]["disk_experts"] is True
+    t, c = d["host_tier"], d["counters"]
+    assert t["misses"] > 0 and c["misses"] == 0 and t["hits"] + t["misses"] == c["distinct"]
+    user_error("run", model, "--tokens", "1", *T1, "--host-tier", "64M", "--moe-cpu-share", 0.5,
+               expect=["expert_cache_slots=0", "without a CPU share"])
+
+
 def test_a_flag_twice_with_a_newline_in_its_value_is_one_error_line(model):
     """Found by the CLI fuzzer: the message quoted the values raw, so '\n\n' split the error over lines."""
     user_error("run", model, "-p", "Hello world", "-p", "\n\n", *T1,

@@ -17,7 +17,7 @@ import ggml_hybrid as gh
 from ggml_hybrid.errors import ModelFileError
 from ggml_hybrid.model.families.deepseek2 import mla_kq_scale
 from ggml_hybrid.model.rope import attn_factor, f32, kq_scale, logf
-from ggml_hybrid.moe.ffn import ExpertWeights, build_moe_ffn
+from ggml_hybrid.moe.ffn import ExpertWeights, Router, Routing, build_moe_ffn
 from ggml_hybrid.synthetic.vocab import SPM_USER, spm_vocab
 from ggml_hybrid.text.spm import SPMTokenizer
 
@@ -107,9 +107,8 @@ def test_routing_matches_llama_cpps_rule(run, tokens, gating, norm, scale, bias,
 
     def build(c, t):
         ew = ExpertWeights(down=t["down"], gate=t["gate"], up=t["up"])
-        r = build_moe_ffn(c, c.new_graph(64), t["x"], t["r"], ew, k, gating=gating, norm_weights=norm,
-                          weights_scale=scale, selection_bias=t.get("b"), n_group=groups,
-                          n_group_used=groups // 2)
+        r = build_moe_ffn(c, c.new_graph(64), t["x"], Router(t["r"], selection_bias=t.get("b")), ew, k,
+                          Routing(gating, norm, scale, groups, groups // 2))
         return c.cont(r.ids), c.cont(r.weights)
 
     ids, w = compute(gh.cpu(1), build, consts=consts, graph_size=512)

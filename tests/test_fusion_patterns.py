@@ -13,7 +13,7 @@ import pytest
 
 from ggml_hybrid.ggml.context import Context
 from ggml_hybrid.ggml.graph import Graph
-from ggml_hybrid.moe.ffn import ExpertWeights, build_moe_ffn
+from ggml_hybrid.moe.ffn import ExpertWeights, Routing, build_moe_ffn
 from ggml_hybrid.options import SessionOptions
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model
@@ -56,7 +56,7 @@ def test_router_nodes_are_in_llama_cpp_order(norm, n_tokens):
     experts = ExpertWeights(down=c.new_tensor("f32", (8, 32, 16), "down"), gate=c.new_tensor("f32", (8, 16, 32), "g"),
                             up=c.new_tensor("f32", (8, 16, 32), "u"))
     g = c.new_graph(96)
-    region = build_moe_ffn(c, g, x, router, experts, 2, norm_weights=norm)
+    region = build_moe_ffn(c, g, x, router, experts, 2, Routing(norm_weights=norm))
     g.expand(region.out)
     ops = _ops(g)
     assert _count(ops, TOPK_MOE_EARLY_SOFTMAX_NORM if norm else TOPK_MOE_EARLY_SOFTMAX) == 1, ops

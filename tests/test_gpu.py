@@ -226,7 +226,7 @@ def test_plan_asks_the_gpu_for_its_memory(model_path):
 def test_a_cached_prompt_graph_runs_again_after_a_decode_and_a_reset(model_path):
     """eval 4 tokens, eval 1, reset, eval 4 again (what a second request of a session does), in a child process: an
     abort inside GGML must not take the test run with it. It aborted on Vulkan0 (GGML's scheduler left the graph's
-    sources replaced by copies in a context the next split freed; patch 0008)."""
+    sources replaced by copies in a context the next split freed; patch 0001)."""
     code = ("import sys\nfrom ggml_hybrid.options import SessionOptions\n"
             "from ggml_hybrid.runtime.moe_model import MoEModel\n"
             f"with MoEModel(sys.argv[1], SessionOptions.parse(['devices={GPU}'])) as m:\n"
@@ -241,7 +241,7 @@ def test_a_cached_prompt_graph_runs_again_after_a_decode_and_a_reset(model_path)
 @pytest.mark.parametrize("items", [[], ["disk_experts=1", "expert_cache_slots=2"]], ids=["resident", "cache"])
 def test_several_sequences_in_one_decode_step_against_their_lone_runs(model_path, items):
     """Three sequences decoded together (``MoEModel.decode``), each against itself run alone on the device, by
-    tools/parity.py's "alone" rule. On the CPU they are bit-identical (row-wise products, patch 0004); GGML's
+    tools/parity.py's "alone" rule. On the CPU they are bit-identical (row-wise products, patch 0005); GGML's
     Vulkan kernels give a row among up to 8 others other last bits (lavapipe: 2e-7), and from 9 rows a tiled kernel
     (1e-3), which the step's limit on Vulkan keeps out (``decode_rows``). The cache at share 0 only: with a CPU
     share, which misses the CPU takes depends on the step's other sequences, so an expert of a sequence may be

@@ -218,7 +218,7 @@ def test_each_experts_rows_come_from_its_backend_and_merge_as_the_resident_sum(s
             rec.attach(ex)
         for x in _inputs():
             s.forward(x)
-        host = {ex.layer: ex.host_experts for ex in s.executors}  # what the CPU worker read
+        host = {ex.layer: ex.config.host_experts for ex in s.executors}  # what the CPU worker read
         names = {ex.layer: ex.names for ex in s.executors}
         ctx, tensors = load_into(s.store, [n for layer in names.values() for n in layer.values()], device)
         oracles = Oracles(device)

@@ -18,7 +18,6 @@ import tarfile
 import numpy as np
 import oracles as O
 import pytest
-from helpers import build_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ops import rope64
@@ -27,6 +26,7 @@ import ggml_hybrid as gh
 from ggml_hybrid._native import buildinfo
 from ggml_hybrid.errors import GradientError
 from ggml_hybrid.ggml import autograd
+from ggml_hybrid_build.pin import fetch_archive as pin_archive
 
 U = O.EPS32
 SEEDS = st.integers(0, 2**31 - 1)
@@ -275,9 +275,8 @@ def test_the_differentiable_table_is_ggml_c_s():
     cases those of the kind tables."""
     if not buildinfo.VENDOR_DIR.is_dir():
         pytest.skip("needs the source checkout's vendor/ (the pin)")
-    build = build_script()
     pin = buildinfo.load_pin()
-    with tarfile.open(build.fetch_archive(pin)) as tar:
+    with tarfile.open(pin_archive(pin)) as tar:
         f = tar.extractfile(f"{pin['ggml_path'].rstrip('/')}/src/ggml.c")
         assert f is not None
         src = f.read().decode()

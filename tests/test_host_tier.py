@@ -12,6 +12,7 @@ import gc
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -87,12 +88,23 @@ def _repacked(path, name="blk.0.ffn_down_exps.weight"):
         store.close()
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=cases())
-def test_the_tier_is_bit_identical_to_resident(tmp_path, case):
-    """Every way the tier serves: the device's slots (a CPU playing the device with repacked slots), the CPU worker
-    (moe_cpu_share > 0: its rows from the tier's frames), a CPU playing the device straight from the frames (no
-    slots); with an injected read fault, the failing call is a typed error and the next calls are exact."""
+@dataclass
+class TierRun:
+    """One drawn configuration run with the tier: what the invariants below are checked on."""
+
+    case: dict
+    budget: int
+    direct: bool            # the executors computed straight from the tier's frames
+    should_be_direct: bool  # what the rule says: a CPU share of 0 and experts the CPU does not repack
+    fault_message: str | None  # the typed error of the faulted call, if the injected fault fired
+    outputs: list           # (got, resident) per forward after the fault
+    tier: object            # TierCounters
+    slots: object           # the layers' LayerCounters, summed
+    expert_bytes: int       # one expert's bytes in the file (its tensors' rows)
+    kinds: int              # expert tensors per layer
+
+
+def _tier_run(tmp_path, case) -> TierRun:
     path = write_moe_stack(tmp_path / f"m{case['seed']}.gguf", n_layer=3, n_embd=case["n_embd"], n_ff=case["n_ff"],
                            n_expert=case["n_expert"], n_used=case["n_used"], expert_type=case["expert_type"],
                            fused=case["fused"], seed=case["seed"])
@@ -109,43 +121,98 @@ def test_the_tier_is_bit_identical_to_resident(tmp_path, case):
     if case["prefetch"]:
         # 0: the default bound (n_used experts)
         items += ["moe_prefetch=1", f"moe_prefetch_bytes={case['prefetch_experts'] * _expert_bytes(path)}"]
+    message = None
     with MoEStackSession(path, SessionOptions.parse(items)) as s:
         direct = s.layers.executors[0].tier_direct
-        assert direct == (case["share"] == 0 and not (repack and _repacked(path)))
-        faulted = 0
         if case["fault"] is not None:
             s.layers.tier.inject_fault(after=case["fault_after"], kind=case["fault"])
             try:
                 s.forward(xs[0])
             except gh.errors.ModelFileError as e:
-                assert "short read" in str(e) if case["fault"] == "short" else "Input/output error" in str(e)
-                faulted = 1
+                message = str(e)
             s.layers.tier.inject_fault(after=-1)  # a fault that did not fire (fewer reads) fires on no later call
-            assert faulted <= s.layers.tier.counters.faults <= 1
-        for x, ref in zip(xs, refs):
-            np.testing.assert_array_equal(s.forward(x), ref)
-        tier = s.layers.tier.counters
-        slots = s.counters.total
-    # a fault a read-ahead took is forgotten (the call reads the expert again): counted, no call failed
-    assert tier.bytes_held <= budget and faulted <= tier.faults <= (case["fault"] is not None)
-    if tier.faults:
+        outputs = [(s.forward(x), ref) for x, ref in zip(xs, refs)]
+        tier, slots = s.layers.tier.counters, s.counters.total
+    kinds = ("gate_up", "down") if case["fused"] else ("gate", "up", "down")
+    return TierRun(case, budget, direct, case["share"] == 0 and not (repack and _repacked(path)), message, outputs,
+                   tier, slots, sum(GGUFStore(path).info(f"blk.0.ffn_{k}_exps.weight").nbytes // case["n_expert"]
+                                    for k in kinds), len(kinds))
+
+
+def outputs_are_residents(run: TierRun) -> None:
+    """Every way the tier serves gives resident's outputs bit for bit: the device's slots (a CPU playing the device
+    with repacked slots), the CPU worker (its rows from the tier's frames), a CPU playing the device straight from
+    the frames; after a failed call too."""
+    for got, ref in run.outputs:
+        np.testing.assert_array_equal(got, ref)
+
+
+def direct_where_the_rule_says(run: TierRun) -> None:
+    """A CPU playing the device computes straight from the frames exactly without a CPU share and with experts it
+    does not repack."""
+    assert run.direct == run.should_be_direct
+
+
+def a_fault_fails_one_call_naming_its_cause(run: TierRun) -> None:
+    """An injected read fault that fires fails at most the call that needed it, with the typed error naming the
+    cause; a read-ahead's fault is forgotten (the call reads the expert again): counted, no call failed."""
+    faulted = run.fault_message is not None
+    if faulted:
+        assert "short read" in run.fault_message if run.case["fault"] == "short" else \
+            "Input/output error" in run.fault_message
+    assert faulted <= run.tier.faults <= (run.case["fault"] is not None)
+
+
+def within_its_budget(run: TierRun) -> None:
+    """The tier never holds more than its budget."""
+    assert run.tier.bytes_held <= run.budget
+
+
+def every_read_ahead_is_judged(run: TierRun) -> None:
+    """Every read-ahead is judged by the call it was for (each forward runs every layer): used if routed to; none
+    without the lookahead."""
+    if run.tier.faults:
         return  # the failed call's counts are partial
-    # every read-ahead was judged by the call it was for (each forward runs every layer): used if routed to
-    assert tier.ahead == tier.ahead_used + tier.ahead_wasted
-    assert tier.ahead_used <= slots.predicted_right
-    if not case["prefetch"]:
-        assert tier.ahead == 0 and slots.prefetched == 0
-    if direct:  # every distinct expert of every call asked the tier once, no slot was loaded
+    assert run.tier.ahead == run.tier.ahead_used + run.tier.ahead_wasted
+    assert run.tier.ahead_used <= run.slots.predicted_right
+    if not run.case["prefetch"]:
+        assert run.tier.ahead == 0 and run.slots.prefetched == 0
+
+
+def every_expert_asks_the_tier_once(run: TierRun) -> None:
+    """Straight from the frames, every distinct expert of every call asked the tier once and no slot was loaded;
+    else every slot load (a prefetch's too) and every CPU expert asked it once: from RAM or a read-ahead (a hit) or
+    from the file (a miss); a prefetch's slot loads take only what the tier holds."""
+    if run.tier.faults:
+        return
+    tier, slots = run.tier, run.slots
+    if run.direct:
         assert tier.hits + tier.misses == slots.distinct == slots.hits and slots.misses == slots.prefetched == 0
-    else:  # every slot load (a prefetch's too) and every CPU expert asked the tier once: from RAM or a read-ahead
-        # (a hit) or from the file (a miss); a prefetch's slot loads take only what the tier holds
+    else:
         assert tier.hits + tier.misses == slots.misses + slots.cpu_misses + slots.prefetched
-    # each expert read from the file, by a call or ahead, is its tensors' bytes, each rounded out to 4 KiB blocks
-    expert = sum(GGUFStore(path).info(f"blk.0.ffn_{k}_exps.weight").nbytes // case["n_expert"]
-                 for k in (("gate_up", "down") if case["fused"] else ("gate", "up", "down")))
-    kinds = 2 if case["fused"] else 3
-    reads = tier.misses + tier.ahead
-    assert reads * expert <= tier.bytes_read <= reads * (expert + kinds * 8192)
+
+
+def reads_are_whole_experts_in_4k_blocks(run: TierRun) -> None:
+    """Each expert read from the file, by a call or ahead, is its tensors' bytes, each rounded out to 4 KiB."""
+    if run.tier.faults:
+        return
+    reads = run.tier.misses + run.tier.ahead
+    assert reads * run.expert_bytes <= run.tier.bytes_read <= reads * (run.expert_bytes + run.kinds * 8192)
+
+
+TIER_INVARIANTS = (outputs_are_residents, direct_where_the_rule_says, a_fault_fails_one_call_naming_its_cause,
+                   within_its_budget, every_read_ahead_is_judged, every_expert_asks_the_tier_once,
+                   reads_are_whole_experts_in_4k_blocks)
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_the_tier_keeps_its_invariants(tmp_path, case):
+    """Each drawn configuration (type, experts, slots, policy, budget, CPU share, repacking, a read fault, the
+    lookahead) run once; each named invariant above checked on it (a failure names its invariant)."""
+    run = _tier_run(tmp_path, case)
+    for check in TIER_INVARIANTS:
+        check(run)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Index values out of range inside tensors (issue 28, its last part): vendor patches 0009 and 0010.
+"""Index values out of range inside tensors (issue 28, its last part): vendor patches 0013 and 0014.
 
 The Python layer checks the index data it is given, but indices computed in a graph (here by a GET_ROWS of an
 I32 table, which nothing checks) reach GGML's kernels as they are. Upstream's CPU kernels then abort the process
@@ -31,7 +31,7 @@ from ggml_hybrid.ggml import rpc
 
 @pytest.mark.parametrize("op", OPS)
 def test_a_computed_index_out_of_range_is_a_typed_error_on_the_cpu(op):
-    """Before patch 0009 the child died (GGML_ASSERT, or MUL_MAT_ID's writes out of bounds)."""
+    """Before patch 0013 the child died (GGML_ASSERT, or MUL_MAT_ID's writes out of bounds)."""
     p = run_isolated(f"""
         import json
         from index_cases import attempt
@@ -82,7 +82,7 @@ def rpc_backend(server):
 @pytest.mark.parametrize("op", OPS)
 def test_a_computed_index_out_of_range_on_an_rpc_server_is_a_typed_error_and_the_connection_stays(server,
                                                                                                    rpc_backend, op):
-    """Before patches 0009/0010 the server aborted (the client then got a lost connection, every other client
+    """Before patches 0013/0014 the server aborted (the client then got a lost connection, every other client
     too). Now the client gets the op, the value and the range; the same connection computes the next graph."""
     proc, port = server
     backend, cpu = rpc_backend

@@ -1,20 +1,21 @@
-"""The type stub of the compiled module (``_native/_ggml.pyi``, written by build.py from the cdef) against the
-module itself: every name ``lib`` exports, each function's arity and the kind of each argument and result, as
-cffi's compiled module describes them (``ffi.typeof``); the typed part of ``ffi`` against cffi's; and the stub's
-argument types against what cffi accepts."""
+"""The type stub of the compiled module (``_native/_ggml.pyi``, written by the build's ``stub.py`` from the compiled
+module and the cdef) against the module itself: every name ``lib`` exports, each function's arity and the kind of each
+argument and result, as cffi's compiled module describes them (``ffi.typeof``); the typed part of ``ffi`` against
+cffi's; and the stub's argument types against what cffi accepts, on a sample module compiled here."""
 
 from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 import pytest
 from cffi import FFI
-from helpers import build_script
 
 from ggml_hybrid._native import ffi, lib
+from ggml_hybrid_build import cffi_module, paths, stub
 
-STUB = build_script().NATIVE / "_ggml.pyi"
+STUB = paths.NATIVE / "_ggml.pyi"
 
 
 def _stub_lib() -> dict[str, ast.FunctionDef | ast.AnnAssign]:
@@ -119,8 +120,7 @@ def test_the_typed_part_of_ffi_is_cffis():
 
 def test_the_stub_is_the_one_the_cdef_gives():
     # a stub older than the headers would check calls against signatures that are gone
-    build = build_script()
-    assert STUB.read_text() == build.stub_source(build.cdef_source(True))
+    assert STUB.read_text() == stub.stub_source(ffi, lib, cffi_module.cdef_source(True))
 
 
 # --- the argument types against cffi's own rules -------------------------------------------------------------
@@ -139,6 +139,33 @@ pair f_struct(pair a, visit_t b, int (*c)(void));
 int f_var(int n, ...);
 void f_none(void);
 """
+# the sample's definitions, so that cffi compiles it into a module whose functions the stub describes
+SAMPLE_SOURCE = """
+#include <stddef.h>
+#include <stdint.h>
+typedef struct { int a; double b; } pair;
+enum colour { RED, GREEN = 5 };
+#define LIMIT 3
+typedef int (*visit_t)(const pair * p, int n);
+static int f_ints(int a, unsigned long long b, size_t c, enum colour d, _Bool e, signed char g) { return a; }
+static double f_floats(float a, double b) { return b; }
+static void f_text(const char * a, char * b, const void * c, void * d, const uint8_t * e, uint8_t * g) {}
+static pair * f_arrays(const int64_t * a, int64_t * b, const float * c, const pair * d, const char * const * e,
+        pair ** g, int h[4]) { return NULL; }
+static pair f_struct(pair a, visit_t b, int (*c)(void)) { return a; }
+static int f_var(int n, ...) { return n; }
+static void f_none(void) {}
+"""
+
+
+@pytest.fixture(scope="module")
+def sample_stub(tmp_path_factory) -> str:
+    """The stub of SAMPLE_CDEF, compiled (API mode, as the package's module is)."""
+    sample = FFI()
+    sample.cdef(SAMPLE_CDEF)
+    sample.set_source("_stub_sample", SAMPLE_SOURCE)
+    mod = stub.load_module(Path(sample.compile(tmpdir=str(tmp_path_factory.mktemp("sample")), verbose=False)))
+    return stub.stub_source(mod.ffi, mod.lib, SAMPLE_CDEF)
 
 def _sample(py: str, ctype, cffi: FFI):
     """A value of the Python type ``py`` (one member of a stub annotation) for a C argument of type ``ctype``."""
@@ -157,8 +184,8 @@ def _sample(py: str, ctype, cffi: FFI):
     return cffi.new("char[1]") if ctype.item.kind == "void" else cffi.new(ctype)
 
 
-def test_every_type_the_stub_admits_is_one_cffi_accepts():
-    sigs = _signatures(build_script().stub_source(SAMPLE_CDEF))
+def test_every_type_the_stub_admits_is_one_cffi_accepts(sample_stub):
+    sigs = _signatures(sample_stub)
     # each function as a function pointer type, to be called through a Python callback of it: cffi converts the
     # arguments as for a compiled function (a callback cannot be variadic: f_var's fixed arguments are checked)
     cdef = re.sub(r"^(\w[\w *]*?)(f_\w+)\(", r"typedef \1(*\2)(", SAMPLE_CDEF, flags=re.M)
@@ -219,17 +246,17 @@ def _split(ann: str) -> list[str]:
     ("f_ints", 3, "int"),  # an enum takes its value, not its name
     ("f_ints", 4, "bool"),
 ])
-def test_what_c_may_write_into_takes_no_python_object(function, index, want):
-    assert _signatures(build_script().stub_source(SAMPLE_CDEF))[function][index] == want
+def test_what_c_may_write_into_takes_no_python_object(sample_stub, function, index, want):
+    assert _signatures(sample_stub)[function][index] == want
 
 
-def test_varargs_results_and_constants_in_the_sample():
-    stub = build_script().stub_source(SAMPLE_CDEF)
-    assert "def f_var(self, n: int, /, *varargs: Any) -> int: ..." in stub
-    assert "def f_none(self) -> None: ..." in stub
-    assert "def f_floats(self, a: float, b: float, /) -> float: ..." in stub
+def test_varargs_results_and_constants_in_the_sample(sample_stub):
+    text = sample_stub
+    assert "def f_var(self, n: int, /, *varargs: Any) -> int: ..." in text
+    assert "def f_none(self) -> None: ..." in text
+    assert "def f_floats(self, a: float, b: float, /) -> float: ..." in text
     assert "def f_struct(self, a: CData | dict[str, Any], b: CData | Callable[[CData, int], int], " \
-           "c: CData | Callable[[], int], /) -> CData: ..." in stub
+           "c: CData | Callable[[], int], /) -> CData: ..." in text
     for constant in ("LIMIT", "RED", "GREEN"):
-        assert f"    {constant}: int\n" in stub
-    compile(stub, "stub", "exec")  # valid Python
+        assert f"    {constant}: int\n" in text
+    compile(text, "stub", "exec")  # valid Python

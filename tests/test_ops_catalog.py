@@ -13,21 +13,20 @@ import tarfile
 
 import numpy as np
 import pytest
-from helpers import build_script
 
 import ggml_hybrid as gh
 from ggml_hybrid._native import buildinfo, cstr, lib
 from ggml_hybrid.ggml.ops import OpsMixin
 from ggml_hybrid.ggml.ops import catalog as cat
+from ggml_hybrid_build.pin import fetch_archive as pin_archive
 
 T = gh.GGMLType
 
 
 def _pin_source(path: str) -> str:
-    """A file of the pinned GGML source, from the pin's archive (downloaded and checked by build.py)."""
-    build = build_script()
+    """A file of the pinned GGML source, from the pin's archive (downloaded and checked by the build)."""
     pin = buildinfo.load_pin()
-    with tarfile.open(build.fetch_archive(pin)) as tar:
+    with tarfile.open(pin_archive(pin)) as tar:
         f = tar.extractfile(f"{pin['ggml_path'].rstrip('/')}/{path}")
         assert f is not None
         return f.read().decode()

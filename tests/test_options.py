@@ -351,3 +351,21 @@ def test_junk_merged_raise_only_option_error(name, value):
     o = _only_option_errors(lambda: DEFAULT.merged(**{name: value}))
     if o is not None:
         assert o.merged(**{name: getattr(o, name)}) == o
+
+
+def test_each_list_of_names_is_written_once():
+    """An option whose value is one of a few names has one list of them, its Literal in options.py: the CLI's
+    choices are read from it, and where C decides by the name (the eviction orders of the slot cache and the host
+    tier) the C enum's names (enum hy_policy, through cffi) are the same names."""
+    from typing import get_args
+
+    from ggml_hybrid.cli.flags import SESSION_FLAGS
+    from ggml_hybrid.moe.slot_cache import POLICIES, POLICY_CODES
+    from ggml_hybrid.options import EvictionPolicy, KVCacheType, SplitMode
+
+    assert sorted(get_args(EvictionPolicy)) == sorted(POLICIES) == sorted(POLICY_CODES)
+    flags = {f.key: f for f in SESSION_FLAGS if f.key is not None}
+    assert tuple(flags["expert_eviction"].kwargs["type"].choices) == get_args(EvictionPolicy)
+    assert tuple(flags["cache_type_k"].kwargs["type"].choices) == get_args(KVCacheType)
+    assert tuple(flags["cache_type_v"].kwargs["type"].choices) == get_args(KVCacheType)
+    assert set(get_args(SplitMode)) <= set(flags["split_mode"].kwargs["type"].choices)

@@ -61,8 +61,12 @@ def test_sdist_holds_what_a_build_needs_and_no_build_output(sdist):
 
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    for need in ("build.py", "build_backend.py", "setup.py", "pyproject.toml", "vendor/pin.json",
-                 "vendor/CMakeLists.txt", "ggml_hybrid/_native/src/hybrid.c", "ggml_hybrid/_native/cdef/90_build.h"):
+    # every source the build reads, as the checkout has them (our C and the cdef: their file names change)
+    sources = [p for top in ("ggml_hybrid/_native/src", "ggml_hybrid/_native/cdef", "ggml_hybrid_build", "vendor")
+               for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in (".c", ".h", ".py", ".patch", ".json")]
+    assert len(sources) > 40
+    for need in ["build_backend.py", "setup.py", "pyproject.toml", "vendor/CMakeLists.txt",
+                 *(p.relative_to(ROOT).as_posix() for p in sources)]:
         assert need in names, need
     assert any(n.startswith("vendor/patches/") and n.endswith(".patch") for n in names)
     assert not [n for n in names if ".so" in n or n.endswith(".pyi")]
@@ -87,6 +91,7 @@ def test_wheel_is_tagged_for_this_interpreter_and_runs(sdist, tmp_path):
     assert [n for n in names if "/_ggml." in n and n.endswith(".so")] == [f"ggml_hybrid/_native/_ggml{ext}"]
     for lib in ("libggml-base.so.0", "libggml.so.0", "libggml-cpu.so.0"):
         assert f"ggml_hybrid/_native/lib/{lib}" in names
+    assert not [n for n in names if n.startswith("ggml_hybrid_build/")]  # the build is no part of what runs
     bin_dir = _fresh_venv(tmp_path / "venv")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -307,7 +307,7 @@ def test_a_moved_sequence_goes_on_exactly_as_it_would_have(models, mode):
 
 @pytest.mark.parametrize("repack", [True, False])
 def test_repacked_dense_weights_take_whole_decode_steps(models, repack):
-    """GGML's repacked CPU products take gemm from 4 rows, whose Q4_K bits differ from a lone row's; patch 0005
+    """GGML's repacked CPU products take gemm from 4 rows, whose Q4_K bits differ from a lone row's; patch 0006
     makes them honour the rowwise hint (gemv per row), so a decode step of 8 sequences is one step with repacked
     dense weights as without, and every sequence is its lone run."""
     path = models[("qwen3moe", "q4_K")]

@@ -1,7 +1,7 @@
 """A backend library built from the unpatched pin works in our patched ggml-base: the op tests run through it.
 
-This is what building the Vulkan and CUDA libraries once per pin relies on. ``python build.py --pin-cpu`` builds
-the CPU backend of the pin without our patches as a library GGML loads at run time (cached like the other builds,
+This is what building the Vulkan and CUDA libraries once per pin relies on. ``python -m ggml_hybrid_build --pin-cpu``
+builds the CPU backend of the pin without our patches as a library GGML loads at run time (cached like the other builds,
 copied to build/pin-cpu/; CI builds it). It carries the pin's ABI stamp, so it loads only while the ABI probe finds
 that the patch series keeps the interface the pin's headers give a backend. Every graph of tests/test_ops.py is
 then computed on it and on our own CPU backend: the two must agree bit for bit, and with the op tests' numpy oracle.
@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_same_bits, build_script, compute, quantized
+from helpers import assert_same_bits, compute, quantized
 
 import ggml_hybrid as gh
 from ggml_hybrid import lib
 from ggml_hybrid._native import buildinfo, cstr
 from ggml_hybrid.errors import BackendError
 from ggml_hybrid.ggml.backend import backend_from_library, cpu_library
+from ggml_hybrid_build import abi
 
 ROOT = Path(__file__).resolve().parents[1]
 _ENV = "GGML_HYBRID_PIN_CPU_LIB"
@@ -36,20 +37,19 @@ def pin_cpu() -> Path:
     if not path.exists():
         if os.environ.get(_ENV):
             pytest.fail(f"{_ENV}={path} does not exist")
-        pytest.skip("the pin's CPU backend is not built: `python build.py --pin-cpu`")
+        pytest.skip("the pin's CPU backend is not built: `python -m ggml_hybrid_build --pin-cpu`")
     return path
 
 
 @pytest.mark.skipif(not buildinfo.VENDOR_DIR.is_dir(), reason="needs the source checkout's vendor/")
 def test_ggml_base_carries_the_stamp_the_abi_probe_gives_it():
-    build = build_script()
-    verdict = build.abi_verdict()
-    assert cstr(lib.hy_abi()) == cstr(lib.ggml_hybrid_base_abi()) == build.abi_stamp()
-    # today's series keeps the pin's interface: 0001 adds functions, 0004 appends a member to ggml_op_hint, the rest
+    verdict = abi.abi_verdict()
+    assert cstr(lib.hy_abi()) == cstr(lib.ggml_hybrid_base_abi()) == abi.abi_stamp()
+    # today's series keeps the pin's interface: 0002 adds functions, 0005 appends a member to ggml_op_hint, the rest
     # change code only; the Vulkan and CUDA libraries are then built from the pin and carry its stamp
     assert verdict["compatible"], verdict["differences"]
-    assert build.abi_stamp() == buildinfo.pin_abi_stamp()
-    assert build.backend_patches("vulkan") == [p for p in buildinfo.patch_files() if "vulkan" in p.name]
+    assert abi.abi_stamp() == buildinfo.pin_abi_stamp()
+    assert abi.backend_patches("vulkan") == [p for p in buildinfo.patch_files() if "vulkan" in p.name]
 
 
 def test_the_pins_cpu_backend_loads_into_our_ggml_base(pin_cpu):

@@ -1,7 +1,7 @@
 """``plan``'s advice runs as printed (issue 46): every ``try:`` line, shlex-split, is run, and it fits what the plan
 said (the run's device memory within the combination's totals, its host tier within the size printed); with a file
 larger than --ram the line reads the experts through the host tier, never one smaller than what works; a file whose
-layers run the Python executor (gpt-oss) is never advised the host tier."""
+experts have biases (gpt-oss), which the tier does not hold, is never advised it."""
 
 from __future__ import annotations
 
@@ -86,20 +86,20 @@ def test_no_host_tier_below_what_works(models):
     assert "run refuses a host tier of 1.00 MiB" in text
 
 
-def test_python_executor_layers_are_never_advised_the_host_tier(models):
-    """gpt-oss's layers run the Python executor, which the host tier does not feed: plan says what to use instead,
-    and run's refusal says the same."""
+def test_experts_with_biases_are_never_advised_the_host_tier(models):
+    """gpt-oss's experts have biases, which the host tier does not hold: plan says what to use instead, and run's
+    refusal says the same."""
     path = models["gptoss"]
     text, p, argv = plan_try([path, "--vram", "30M", "--ram", "150M", "-t", "1", "-c", "512", "-ub", "64"])
-    assert p["experts"]["executor"] == "python"
-    # 150M would hold a tier for these sizes (test_a_file_larger_than_ram_is_advised_the_host_tier): not this executor
+    assert p["experts"]["host_tier"] is False
+    # 150M would hold a tier for these sizes (test_a_file_larger_than_ram_is_advised_the_host_tier): not these experts
     assert not re.search(r"--host-tier \d", text) and (argv is None or "--host-tier" not in argv), text
     assert "use --expert-cache-slots N without --host-tier" in text
     if argv is not None:
         r = CliRunner().invoke(main, [*argv[1:-1], "2", "--json"])
         assert r.exit_code == 0, r.output
     text, _, _ = plan_try([path, "--expert-cache-slots", "4", "--host-tier", "30M", "-t", "1", "-c", "512"])
-    assert "run refuses it, these layers run the Python executor" in text
+    assert "run refuses it, the host tier does not hold experts with biases" in text
     r = CliRunner().invoke(main, ["run", path, "--expert-cache-slots", "4", "--host-tier", "30M", "-p", "Hello",
                                   "-n", "2", "-t", "1", "-c", "512"])
     assert r.exit_code != 0 and "without --host-tier" in r.output and "--cpu-moe" in r.output

@@ -1,4 +1,4 @@
-"""Graph-region replacement in the patched scheduler (vendor/patches/0001)."""
+"""Graph-region replacement in the patched scheduler (vendor/patches/0002)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Repacked CPU weights (GGML's CPU extra buffer types, llama.cpp's default): patch 0003's one-expert writes, which
+"""Repacked CPU weights (GGML's CPU extra buffer types, llama.cpp's default): patch 0004's one-expert writes, which
 weights qualify (GGML's rule, checked against the decoder graphs), every mode bit-identical to resident with them,
 llama.cpp's logits only with them, ``repack=false``, and the memory they take."""
 
@@ -35,7 +35,7 @@ def _raw(t) -> bytes:
     return bytes(ffi.buffer(t.ptr.data, t.nbytes))
 
 
-# -- patch 0003: one expert at a time ------------------------------------------------------------------------
+# -- patch 0004: one expert at a time ------------------------------------------------------------------------
 
 
 @needs_repack
@@ -125,7 +125,7 @@ def _repacked_mul_mat(dtype: str, raw: np.ndarray, x: np.ndarray, rowwise: bool)
 @needs_repack
 @pytest.mark.parametrize("dtype", REPACKED)
 def test_rowwise_repacked_products_equal_one_row_products(dtype):
-    """Patch 0005: a rowwise product over repacked weights gives every row its one-row product's bits (gemv),
+    """Patch 0006: a rowwise product over repacked weights gives every row its one-row product's bits (gemv),
     whatever the batch; without the hint 4+ rows take gemm, which rounds differently for some of them."""
     rng = np.random.default_rng(5)
     rows, k, n = 512, 512, 9  # 288-byte rows: the rowwise path reads them in blocks of 224, 224 and 64 columns
@@ -213,6 +213,28 @@ def test_repacked_weights_are_exactly_the_products_matrices(tmp_path, family):
             kernel = repack_buffer_type(info.dtype, info.shape, "mul_mat_id" if len(info.shape) == 3 else "mul_mat")
             assert (name in repacked) == (product and kernel is not None), (name, used)
         assert repacked  # the model has repacked weights at all
+
+
+@pytest.mark.parametrize("wtype", ["q8_0", "f16", *REPACKED[:1]])
+def test_a_cpu_devices_weights_are_the_mapping_unless_repacked(tmp_path, wtype):
+    """A CPU instance playing the device computes from the memory-mapped file's bytes, in place, as llama.cpp's mmap
+    does for every CPU buffer (a copy in this process's memory gets 4 KiB pages where the page cache maps the file
+    with huge pages: Q8_0 decode ran 10-20% slower, docs/benchmarks.md section 23); only repacked weights are
+    copies. Dense weights and resident experts alike; the outputs are those of the copies (bit for bit, the
+    llama.cpp fixtures of test_families)."""
+    path = write_model(tmp_path / "m.gguf", ModelSpec(**Q4, weight_type=wtype, seed=8))
+    with MoEModel(path, SessionOptions(n_threads=1, n_ctx=64)) as m:
+        assert m.device.is_cpu
+        base, size = int(m.store._map.ctypes.data), m.store._map.nbytes
+        tensors = dict(m.weights)
+        for ew in m.experts.weights:
+            if ew is not None:
+                tensors.update({t.name: t for t in ew.kinds.values()})
+        repacked = m.repacked | m.experts.repacked
+        placed = {name: base <= int(ffi.cast("uintptr_t", t.ptr.data)) < base + size for name, t in tensors.items()}
+        assert any(placed.values())
+        for name, in_mapping in placed.items():
+            assert in_mapping == (name not in repacked), name
 
 
 # -- every mode bit-identical to resident, and llama.cpp's logits ---------------------------------------------
@@ -341,8 +363,8 @@ def test_native_worker_rows_equal_mul_mat_id(tmp_path, repack):
     equals GGML's mul_mat_id over the same experts, repacked or used in place from the mapping."""
     from ggml_hybrid.ggml.ops import GLU_OPS
     from ggml_hybrid.gguf.store import GGUFStore, load_into, repack_rule
+    from ggml_hybrid.moe.cpu_worker import NativeWorker
     from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
-    from ggml_hybrid.moe.native_executor import NativeWorker
     from ggml_hybrid.synthetic import write_moe_stack
 
     dtype = REPACKED[0] if REPACKED else "q8_0"

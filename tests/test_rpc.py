@@ -2,7 +2,7 @@
 
 The oracle is the CPU resident run of the same model (the default options, one thread): the server
 computes with the same CPU kernels, so every placement on RPC devices must give the same bits. The
-failure tests check what vendor patch 0002 promises: a refused connection, a failed handshake and a
+failure tests check what vendor patch 0003 promises: a refused connection, a failed handshake and a
 server killed mid-run are one typed error naming the endpoint, never an abort or a hang.
 """
 
@@ -161,7 +161,7 @@ def test_the_host_tier_feeds_an_rpc_device_bit_identically(model, reference, ser
 def test_a_graph_run_again_after_another_is_bit_identical(model, server):
     """A prompt graph evaluated again after a decode graph (a second request of the same length): GGML's scheduler
     used to leave the graph's sources replaced by copies in a context the next split freed, so the graph ran
-    again read freed tensors (an abort or a crash here; patch 0008). Every run equals the CPU's."""
+    again read freed tensors (an abort or a crash here; patch 0001). Every run equals the CPU's."""
     seqs = [[7, 8, 9, 10], [11], [7, 8, 9, 10], [12], [7, 8, 9, 10]]
     out = []
     for remote in ([], [f"rpc={server.endpoint}"]):
@@ -534,7 +534,7 @@ def _f(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
-# Well-formed one-node graphs whose shapes every rule of patch 0006 accepted but whose types the op's CPU kernel
+# Well-formed one-node graphs whose shapes every rule of patch 0011 accepted but whose types the op's CPU kernel
 # has no code for: GGML_ABORT, or a call through a conversion or dot-product function the type lacks (a
 # segfault). The server's fuzzer sent nodes without GGML_TENSOR_FLAG_COMPUTE, so no kernel ever ran, until
 # 2026-12-02; each of these stopped the server then.

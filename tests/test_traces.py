@@ -474,22 +474,50 @@ def test_share_hand_computed():
 
 @given(traces(), st.sampled_from(["lru", "lfu", "freq", "belady"]), costs)
 @settings(max_examples=40)
-def test_share_zero_is_plain_replay_and_share_one_loads_nothing(case, policy, cost):
+def test_share_zero_is_the_plain_replay(case, policy, cost):
+    """A CPU share of 0 replays as no share at all: the same counts per layer, nothing on the CPU, and the bus moves
+    each load's bytes."""
     tr, n_slots = case
     plain = replay(tr, n_slots, policy)
     zero = replay(tr, n_slots, policy, share=0.0, cost=cost, expert_bytes=cost.expert_bytes)
+
     def counts(r):
         return [(s.calls, s.distinct, s.hits, s.misses, s.cpu, s.evictions) for s in r.layers]
 
     assert counts(zero) == counts(plain) and zero.bytes_moved == plain.misses * cost.expert_bytes
     assert (zero.hits, zero.misses, zero.cpu, zero.evictions) == (plain.hits, plain.misses, 0, plain.evictions)
+
+
+@given(traces(), st.sampled_from(["lru", "lfu", "freq", "belady"]), costs)
+@settings(max_examples=40)
+def test_share_one_loads_nothing(case, policy, cost):
+    """A CPU share of 1: no load, no hit, no eviction, every distinct expert of every call on the CPU."""
+    tr, n_slots = case
+    plain = replay(tr, n_slots, policy)
     one = replay(tr, n_slots, policy, share=1.0, cost=cost)
     assert (one.misses, one.bytes_moved, one.hits, one.evictions) == (0, 0, 0, 0)
     assert one.cpu == one.distinct == plain.distinct
-    # all on the CPU: every distinct expert is read once per call, every (token, expert) row computed there
+
+
+@given(traces(), st.sampled_from(["lru", "lfu", "freq", "belady"]), costs)
+@settings(max_examples=40)
+def test_share_one_models_every_row_on_the_cpu(case, policy, cost):
+    """All on the CPU, the modeled time is every distinct expert read once per call and every (token, expert) row
+    computed there."""
+    tr, n_slots = case
+    one = replay(tr, n_slots, policy, share=1.0, cost=cost)
     cpu_s = sum(len(np.unique(ids)) * cost.expert_bytes / cost.cpu_bytes_per_s + ids.size * cost.cpu_s_per_row
                 for _, ids in tr.calls)
     assert one.modeled_s_per_token == pytest.approx(cpu_s * tr.n_layer / tr.token_rows if tr.calls else 0.0)
+
+
+@given(traces(), st.sampled_from(["lru", "lfu", "freq", "belady"]))
+@settings(max_examples=40)
+def test_a_half_share_takes_half_the_misses_rounded_half_up(case, policy):
+    """A CPU share of 0.5: each call's CPU takes floor(0.5 * misses + 0.5) of its misses, and every distinct expert
+    is a hit, a load or a CPU expert, once."""
+    tr, n_slots = case
+    plain = replay(tr, n_slots, policy)
     half = replay(tr, n_slots, policy, share=0.5)
     assert half.hits + half.misses + half.cpu == half.distinct == plain.distinct
     assert all(c.n_cpu == math.floor(0.5 * len(c.miss_rows) + 0.5) for c in half.call_log)

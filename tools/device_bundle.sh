@@ -15,7 +15,7 @@
 # PYTHON is the interpreter the wheel is for (the device's python3 minor version; 3.12 on the H200 machines);
 # BUILD_PYTHON (default python3) makes the sdist and needs PyPA's build (pip install build).
 # The first run builds the CUDA backend (hours on 2 shared cores) and the portable CPU variants; later runs
-# take them from the build cache (python build.py --print-cache).
+# take them from the build cache (python -m ggml_hybrid_build --print-cache).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"

@@ -307,7 +307,8 @@ def main(llama_python: str, out: str, cases: tuple[str, ...], vulkan: bool) -> N
         # the kernels GGML's Vulkan backend picks depend on the device (and driver): tests compare on the same one
         device = next((d.description for d in devices() if d.name == "Vulkan0"), "")
         if not device:
-            raise SystemExit("--vulkan: this install has no Vulkan0 (python build.py --vulkan; a Vulkan driver)")
+            raise SystemExit("--vulkan: this install has no Vulkan0 (python -m ggml_hybrid_build --vulkan; "
+                             "a Vulkan driver)")
     os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, case in (VULKAN_CASES if vulkan else CASES).items():

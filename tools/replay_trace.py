@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import get_args
 
 import click
 
@@ -57,7 +58,7 @@ from ggml_hybrid.moe.traces import (
     replay_prefetch,
     synthetic_trace,
 )
-from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.options import EvictionPolicy, SessionOptions
 
 RUNTIME_POLICY = SessionOptions().expert_eviction
 
@@ -210,7 +211,7 @@ def synth_cmd(out, layers, experts, used, calls, tokens, hot_fraction, hot_traff
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.option("--slots", "slots", multiple=True, required=True, callback=_comma_list(click.IntRange(min=1)),
               help="expert slots per layer (repeat, or commas: --slots 2,4,8)")
-@click.option("--policy", type=click.Choice(["freq", "lru", "lfu"], case_sensitive=False), default=RUNTIME_POLICY,
+@click.option("--policy", type=click.Choice(get_args(EvictionPolicy), case_sensitive=False), default=RUNTIME_POLICY,
               show_default=True, help="the runtime's eviction policy (expert_eviction)")
 @click.option("--max-experts", type=click.IntRange(min=0), default=None,
               help="experts one call may prefetch (default: the trace's n_used, as moe_prefetch_bytes=0)")

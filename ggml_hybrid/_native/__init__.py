@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 else:
     CData = Any
 
-_REBUILD = "rebuild it with `python build.py` (or `pip install -e .`) from the repository root"
+_REBUILD = "rebuild it with `python -m ggml_hybrid_build` (or `pip install -e .`) from the repository root"
 
 try:
     from ._ggml import ffi, lib

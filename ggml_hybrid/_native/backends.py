@@ -1,6 +1,6 @@
 """Optional GGML backends (CUDA, Vulkan): the libraries in ``_native/backends``, loaded on first use.
 
-``build.py --cuda`` builds the CUDA backend as a library GGML loads at run time (``GGML_BACKEND_DL``)
+``python -m ggml_hybrid_build --cuda`` builds the CUDA backend as a library GGML loads at run time (``GGML_BACKEND_DL``)
 rather than into the module, so the same install imports and runs everywhere:
 
 - no library (a CPU-only build): the package runs on the CPU;

@@ -1,6 +1,6 @@
 """Fingerprints of what the native module is built from.
 
-Pure Python and free of imports from the package, so that ``build.py`` can load
+Pure Python and free of imports from the package, so that the build (``ggml_hybrid_build``) can load
 it by path before the package exists, and the package can check at import that
 the compiled module matches the sources next to it: the cdef headers, our C
 sources, the pinned GGML version and the patch series.
@@ -111,14 +111,14 @@ def patches_hash(patches: list[Path]) -> str:
 
 def pin_abi_stamp(vendor_dir: Path = VENDOR_DIR) -> str:
     """The binary interface of the pin's ggml-base as a backend library sees it. ggml-base carries it while the
-    patch series keeps that interface (build.py's ABI probe), and so does every backend library built from the
+    patch series keeps that interface (the build's ABI probe), and so does every backend library built from the
     pin and its own patches: such a library is built once per pin, whatever the series does to ggml-base's code."""
     pin = (vendor_dir / "pin.json").read_bytes()
     return _digest([("pin", pin), ("scheme", ABI_SCHEME.encode())])[:16]
 
 
 def series_abi_stamp(vendor_dir: Path = VENDOR_DIR) -> str:
-    """ggml-base's stamp when the patch series changes the interface the pin's headers give a backend (build.py's
+    """ggml-base's stamp when the patch series changes the interface the pin's headers give a backend (the build's
     ABI probe found a difference): the pin and the patches that touch ggml-base (a patch confined to one backend,
     such as the RPC client's, leaves it as it is). Every backend library is then built with those patches."""
     pin = (vendor_dir / "pin.json").read_bytes()

@@ -15,12 +15,12 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 import click
 
 from ..errors import OptionError
-from ..options import MAX_DEVICES, MAX_DRAFT, SessionOptions
+from ..options import MAX_DEVICES, MAX_DRAFT, EvictionPolicy, KVCacheType, SessionOptions, SplitMode
 from ..runtime.sampling import LLAMA_DEFAULTS
 from ..server.config import load_config, pick
 
@@ -107,8 +107,12 @@ def _ngl(value: str) -> str:
     return str(n)
 
 
+# llama.cpp's -sm modes that split a layer's weights across devices: known, refused with a reason
+_SPLIT_UNSUPPORTED = ("row", "tensor")
+
+
 def _split_mode(value: str) -> str:
-    if value in ("row", "tensor"):
+    if value in _SPLIT_UNSUPPORTED:
         raise click.UsageError(f"-sm {value} (weights split across devices by rows) is not supported by ggml-hybrid; "
                                "use -sm layer or -sm none")
     return value
@@ -181,7 +185,8 @@ class Flag:
         return self.decls[-1]
 
 
-_KV_TYPES = click.Choice(["f32", "f16", "q8_0"])
+# the choices of the options' Literal types (options.py), the one list of each
+_KV_TYPES = click.Choice(get_args(KVCacheType))
 
 SESSION_FLAGS: tuple[Flag, ...] = (
     Flag(("-t", "--threads", "threads"), "n_threads", dict(type=int, metavar="N", help=(
@@ -226,7 +231,7 @@ SESSION_FLAGS: tuple[Flag, ...] = (
     Flag(("-nkvo", "--no-kv-offload", "no_kv_offload"), "no_kv_offload", dict(is_flag=True, default=None, help=(
         "KV cache in host memory, attention on the CPU.")), lambda v: "true" if v else None),
     Flag(("-sm", "--split-mode", "split_mode"), "split_mode", dict(
-        type=click.Choice(["none", "layer", "row", "tensor"]), help=(
+        type=click.Choice([*get_args(SplitMode), *_SPLIT_UNSUPPORTED]), help=(
             "How layers spread over several devices: layer (default) or none (row, tensor: not supported)."
         )), _split_mode),
     Flag(("-ts", "--tensor-split", "tensor_split"), "tensor_split", dict(metavar="N0,N1,...", help=(
@@ -251,14 +256,15 @@ SESSION_FLAGS: tuple[Flag, ...] = (
             "after the dense weights, KV cache and compute buffers, less a margin (`plan` shows the choice).")),
         implies=("disk_experts=true",)),
     Flag(("--expert-eviction", "expert_eviction"), "expert_eviction", dict(
-        type=click.Choice(["freq", "lru", "lfu"]), help="Expert cache victim order (default freq).")),
+        type=click.Choice(get_args(EvictionPolicy)), help="Expert cache victim order (default freq).")),
     Flag(("--moe-cpu-share", "moe_cpu_share"), "moe_cpu_share", dict(metavar="X|auto", help=(
         "Share of the cache misses the CPU runs: a number in [0, 1] or auto (a non-zero share implies "
         "--disk-experts)."))),
     Flag(("--host-tier", "--host-cache", "host_tier"), "host_tier_bytes", dict(metavar="SIZE|auto", help=(
         "Host-RAM expert tier between the expert cache and the file: whole experts read from the GGUF by I/O "
         "threads (O_DIRECT where allowed), at most SIZE (e.g. 8G); auto = the memory available less a margin "
-        "(implies --disk-experts; needs --expert-cache-slots). --host-cache is the same flag.")),
+        "(implies --disk-experts; needs --expert-cache-slots, but where a CPU playing the device computes straight "
+        "from the tier: no CPU share, experts it does not repack). --host-cache is the same flag.")),
          implies=("disk_experts=true",)),
     Flag(("--spec-type", "spec_type"), "spec_type", dict(metavar="TYPE", help=(
         "Speculative decoding: draft-mtp = drafts from the model's own next-token-prediction head, verified in one "

@@ -231,8 +231,8 @@ class LibraryBackend(Backend):
 
 def backend_from_library(path: str | os.PathLike[str], n_threads: int | None = None) -> LibraryBackend:
     """A backend on the first device of the GGML backend library at ``path``, loaded into this process's ggml-base
-    until the backend is closed: only a library that carries ggml-base's ABI stamp (built by build.py against the
-    same interface), and not one of this install's own (closing would unload it). Its threads are set through its
+    until the backend is closed: only a library that carries ggml-base's ABI stamp (built by ggml_hybrid_build against
+    the same interface), and not one of this install's own (closing would unload it). Its threads are set through its
     own registry (``ggml_backend_set_n_threads``). Used by the test that runs the op tests through the unpatched
     pin's CPU backend (tests/test_pin_backend.py)."""
     if n_threads is not None:
@@ -283,7 +283,7 @@ def gpu(name: str) -> Backend:
     st = optional_backends().get(prefix)
     if st is None:
         switch = GPU_BACKENDS[prefix]
-        raise BackendError(f"this build has no {prefix} backend; rebuild with `python build.py --{switch}` "
+        raise BackendError(f"this build has no {prefix} backend; rebuild with `python -m ggml_hybrid_build --{switch}` "
                            f"(or GGML_HYBRID_{switch.upper()}=1 pip install -e .)")
     if not st.devices:
         raise BackendError(st.summary())

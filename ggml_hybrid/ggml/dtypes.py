@@ -69,10 +69,6 @@ class GGMLType(enum.IntEnum):
     def is_quantized(self) -> bool:
         return bool(lib.ggml_is_quantized(self))
 
-    @property
-    def ggml_name(self) -> str:
-        return cstr(lib.ggml_type_name(self))
-
     def row_size(self, n: int) -> int:
         """Bytes taken by a row of n elements (n must be a multiple of the block size)."""
         return int(lib.ggml_row_size(self, n))

@@ -61,7 +61,7 @@ def _tensor_upper_bound() -> int:
 # below the threshold
 TILED_MIN_ROWS = 8
 # GGML's repacked CPU products (ggml-cpu/repack.cpp forward_mul_mat) take gemm from this many rows, gemv below;
-# those of this extra buffer type take gemv for every row of a rowwise product (patch 0005)
+# those of this extra buffer type take gemv for every row of a rowwise product (patch 0006)
 REPACK_GEMM_MIN_ROWS = 4
 ROWWISE_REPACK_TYPE = "CPU_REPACK"
 # GGML's Vulkan matrix products take their mat-vec kernels up to this many rows of the second operand (token rows
@@ -263,7 +263,7 @@ class Graph:
         """Make every matrix product of the graph compute each row of its second operand as a product of
         that one row would: the CPU then never takes a kernel chosen by the number of rows (llamafile's
         sgemm from 2 rows, the tiled K-quant kernels from 8, the repacked gemm from 4), so a row's result does
-        not depend on the rows batched with it. ``GGML_HINT_ROWWISE`` of our patch series (0004, and 0005 for
+        not depend on the rows batched with it. ``GGML_HINT_ROWWISE`` of our patch series (0005, and 0006 for
         repacked weights); products with another
         hint (the Hadamard rotation) keep theirs. Returns how many products were marked."""
         n = 0
@@ -296,6 +296,6 @@ class Graph:
                                    "allocate graph nodes, or a Context(no_alloc=False)")
         status = lib.ggml_backend_graph_compute(backend.ptr, self.ptr)
         if status != lib.GGML_STATUS_SUCCESS:
-            index_errors.raise_local([backend], self.ptr)  # an index out of range (vendor patch 0009)
+            index_errors.raise_local([backend], self.ptr)  # an index out of range (vendor patch 0013)
         check_status(status, f"graph compute on {backend.name}")
-        index_errors.raise_remote([backend])  # an RPC server's kernel met one (patch 0010)
+        index_errors.raise_remote([backend])  # an RPC server's kernel met one (patch 0014)

@@ -1,4 +1,4 @@
-"""Index values out of range met by GGML's kernels (vendor patches 0009 and 0010): one typed error.
+"""Index values out of range met by GGML's kernels (vendor patches 0013 and 0014): one typed error.
 
 The Python layer checks the index data it is given (:meth:`Tensor.set`, constants, indices sorted in the
 graph), but indices can also be computed in a graph by other ops or written where it does not look. For those

@@ -6,7 +6,7 @@ on ARM and AVX-512), unless ``--no-repack``. Which weights qualify is GGML's dec
 llama.cpp asks it (``weight_buft_supported`` in ``llama-model.cpp``): a probe node of the op that uses the
 weight, with the weight in a buffer of the extra type, offered to the CPU backend's ``supports_op``.
 
-A repacked tensor is written through ``ggml_backend_tensor_set``: whole, or (our patch 0003) one
+A repacked tensor is written through ``ggml_backend_tensor_set``: whole, or (our patch 0004) one
 ``nb[2]`` slice at a time, one expert of a 3-D expert tensor. It cannot be read back.
 """
 

@@ -5,7 +5,7 @@ devices and names them as llama.cpp does: ``RPC0``, ``RPC1``, ... in the order o
 server's devices in its own order. GGML reaches the backend through its registry (the functions are
 proc addresses of the ``RPC`` entry), as llama.cpp does, whether it is linked in or loaded.
 
-Failures never abort (vendor patch 0002): a connection that cannot be made, a failed handshake or a
+Failures never abort (vendor patch 0003): a connection that cannot be made, a failed handshake or a
 connection lost mid-run leaves GGML's calls without effect, and :func:`raise_if_lost` /
 :func:`check_buffer` turn the endpoint's recorded reason into one :class:`~ggml_hybrid.errors.RPCError`.
 A lost connection stays failed until everything that uses it (the session's backends and buffers) is
@@ -36,7 +36,7 @@ def _proc(name: str, ctype: str) -> CData:
         reg = lib.ggml_backend_reg_by_name(b"RPC")
         ptr = lib.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg != ffi.NULL else ffi.NULL
         if ptr == ffi.NULL:
-            raise RPCError(f"this build of GGML has no RPC backend ({name} not found); rebuild with build.py")
+            raise RPCError(f"this build of GGML has no RPC backend ({name} not found); rebuild with ggml_hybrid_build")
         fn = _procs[name] = ffi.cast(ctype, ptr)
     return fn
 

@@ -271,7 +271,7 @@ class Scheduler(Managed):
             raise
         if self._remote:
             raise_if_lost(self._remote)  # lost after its last reply: the results never came
-            index_errors.raise_remote(self._remote)  # a server's kernel met one (patch 0010): the connection stays
+            index_errors.raise_remote(self._remote)  # a server's kernel met one (patch 0014): the connection stays
 
     def reset(self) -> None:
         self._idle("reset")

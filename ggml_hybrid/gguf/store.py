@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
@@ -51,8 +52,12 @@ def _declared(k: KeyInfo) -> str:
     return TYPE_NAMES[k.type]
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+def _identity(fd: int) -> tuple[int, ...] | None:
+    """The identity of open descriptor ``fd`` (device, inode, size, modification time in ns), or None when it
+    cannot be read: ``_native/src/file_id.h``, the one definition, which the native executor and the host tier
+    compare against this before they read the file."""
+    out = ffi.new("int64_t[]", lib.HY_FILE_ID_N)
+    return tuple(int(v) for v in out) if lib.hy_file_identity(fd, out) == 0 else None
 
 
 def same_shape(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
@@ -80,8 +85,10 @@ class GGUFStore:
         # mapping keeps) is unchanged; a truncation or a rewrite in place changes it
         self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._close_fd_once = weakref.finalize(self, os.close, self._fd)  # at close(), or when dropped
-        self._identity = _identity(os.fstat(self._fd))
-        # (the native executor fstat()s this descriptor before its loads: moe_exec.c file_unchanged)
+        identity = _identity(self._fd)
+        if identity is None:
+            raise ModelFileError(f"model file {self.path!r}: its identity cannot be read (fstat failed)")
+        self._identity: tuple[int, ...] = identity
         # the header is walked and every tensor checked against the file before the gguf package reads it
         self.header = header = read_header(self.path)
         try:
@@ -104,6 +111,21 @@ class GGUFStore:
             self._guard = int(lib.hy_map_guard_add(at, self._map.nbytes))
         self._unguard = weakref.finalize(self, lib.hy_map_guard_remove, self._guard)
 
+    @property
+    def fd(self) -> int | None:
+        """The file as opened (None once closed, or its experts unmapped: :meth:`unmap`)."""
+        return self._fd
+
+    @property
+    def identity(self) -> tuple[int, ...]:
+        """The file's identity when it was opened (``_native/src/file_id.h``)."""
+        return self._identity
+
+    @property
+    def map_guard(self) -> int:
+        """The mapping's guard id (``_native/src/map_guard.h``), -1 for none."""
+        return self._guard
+
     def check_reads(self) -> None:
         """Raise :class:`ModelFileError` if a read of the mapping since the file was opened went past the end of
         the file (it was truncated under us): that read gave zeros, and what was computed from it is wrong.
@@ -123,11 +145,7 @@ class GGUFStore:
         races a truncation past this check is caught by the mapping's guard (:meth:`check_reads`).
         """
         self.check_reads()
-        try:
-            now = _identity(os.fstat(self._fd)) if self._fd is not None else None
-        except OSError:
-            now = None
-        if now != self._identity:
+        if self._fd is None or _identity(self._fd) != self._identity:
             raise ModelFileError(f"model file {self.path!r} changed on disk while it was in use (truncated or "
                                  "rewritten in place: its size or time differ from when it was opened); reload "
                                  "the model")
@@ -196,6 +214,16 @@ class GGUFStore:
         """Point ``tensor`` at its data inside the mapped file: no copy."""
         self.mapped_buffer().place(tensor, self.info(tensor.name).offset)
 
+    def populate(self, name: str) -> None:
+        """Read tensor ``name``'s pages of the mapping now (``map_guard.h: hy_map_populate``), as a copy would: a
+        tensor used in place then takes no page fault when it is first computed with (a fault's readahead would
+        bring neighbouring pages of the file into the page cache: experts the host tier reads itself)."""
+        info = self.info(name)
+        if info.nbytes and lib.hy_map_populate(ffi.cast("const void *", self._map.ctypes.data + info.offset),
+                                               info.nbytes) != 0:
+            raise ModelFileError(f"{self.path!r}: cannot read tensor {name!r} from the mapping: "
+                                 f"{os.strerror(ffi.errno)}")
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes (a read-only view of the mapping), shaped [..., row bytes]."""
         info = self.info(name)
@@ -238,9 +266,16 @@ class GGUFStore:
         they cost no page cache and a stray read gives zeros. The bytes released. Only for a store no one else
         reads these tensors from: :meth:`raw` of them gives zeros after."""
         spans = sorted((self.info(n).offset, self.info(n).offset + self.info(n).nbytes) for n in names)
+        released = set(names)
+        others = sorted(t.offset for t in self.header.tensors if t.name not in released)
+
+        def other_in(lo: int, hi: int) -> bool:  # a tensor still read through the mapping starts in [lo, hi)
+            i = bisect_left(others, lo)
+            return i < len(others) and others[i] < hi
+
         merged: list[list[int]] = []
-        for start, end in spans:  # neighbours (alignment padding between them) in one range
-            if merged and start - merged[-1][1] < 4096:
+        for start, end in spans:  # neighbours in one range when only alignment padding lies between them (a small
+            if merged and not other_in(merged[-1][1], start):  # tensor between two experts stays mapped)
                 merged[-1][1] = max(merged[-1][1], end)
             else:
                 merged.append([start, end])
@@ -281,8 +316,11 @@ def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "we
               ctx: Context | None = None):
     """A context with the named tensors, filled from the file.
 
-    The tensors go to one buffer of ``backend``, or, with ``backend=None`` (the CPU), are used in place
-    from the memory-mapped file (no copy, as llama.cpp's mmap). ``repack(name)`` (see :func:`repack_rule`;
+    The tensors go to one buffer of ``backend``, or, with ``backend=None`` (the CPU) or a CPU backend (a CPU
+    instance playing a device), are used in place from the memory-mapped file (no copy, as llama.cpp's mmap
+    does for every CPU buffer: the page cache maps a large file's pages as huge pages where it can, which a
+    copy in this process's memory would not get; decode, which reads every weight once a token, was 10-20%
+    slower on copies of Q8_0 weights, docs/benchmarks.md section 23). ``repack(name)`` (see :func:`repack_rule`;
     only for CPU backends) may name a CPU extra buffer type for a tensor instead: it is loaded there,
     repacked. ``on_tensor(name)`` is called after each tensor is placed (progress reporting). With
     ``load=False`` (planning) memory is only reserved (``virtual``) and no tensor data is read. ``ctx``:
@@ -301,15 +339,18 @@ def load_into(store: GGUFStore, names, backend: Backend | None, usage: str = "we
             groups.setdefault(int(ffi.cast("uintptr_t", buft)), (buft, []))[1].append(t)
     for buft, group in groups.values():
         ctx.allocate_group(group, buft, usage, virtual=not load)
-    if backend is None:
+    in_place = backend is None or backend.is_cpu
+    if in_place:
         for t in rest:
             store.place(t)
-    elif rest:
+    elif rest and backend is not None:
         ctx.allocate(backend, usage, virtual=not load)
-    mapped = {id(t) for t in rest} if backend is None else set()
+    mapped = {id(t) for t in rest} if in_place else set()
     for n, t in tensors.items():
         if load and id(t) not in mapped:
             store.load(t)
+        elif load and backend is not None:  # a CPU backend's tensor used in place: read now, as a copy would be
+            store.populate(n)
         if on_tensor is not None:
             on_tensor(n)
     return ctx, tensors

@@ -17,21 +17,10 @@ from ..ggml.dtypes import GGMLType
 from ..ggml.ops import MATMUL_WEIGHTS
 from ..gguf.metadata import MAX_EXPERTS, MAX_LAYERS, meta_int
 from ..gguf.store import GGUFStore, same_shape
+from ..moe.ffn import Routing
 from .rope import Rope
 
 GATINGS = {1: "softmax", 2: "sigmoid"}  # expert_gating_func values the families here use
-
-
-@dataclass(frozen=True)
-class Routing:
-    """How a MoE layer picks its experts and weighs them (llama.cpp's ``build_moe_ffn`` arguments)."""
-
-    gating: str = "softmax"     # softmax | sigmoid over all experts, or softmax_weight (over the k picked logits)
-    norm_weights: bool = True   # renormalise the k weights to sum to 1 (the sum clamped at 2**-14 first)
-    weights_scale: float = 0.0  # routed scaling factor; llama.cpp applies it only when it is not 0 or 1
-    n_group: int = 0            # grouped routing: experts in n_group groups ...
-    n_group_used: int = 0       # ... of which the best n_group_used (by their top-2 score sum) stay eligible
-    glu: str = "swiglu"         # the experts' gated unit: swiglu, or gpt-oss's clamped swiglu_oai
 
 
 @dataclass(frozen=True)

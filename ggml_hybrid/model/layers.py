@@ -19,7 +19,7 @@ from ..ggml.context import Context
 from ..ggml.dtypes import GGMLType
 from ..ggml.graph import Graph
 from ..ggml.tensor import Tensor
-from ..moe.ffn import ExpertWeights, MoERegion, build_moe_ffn
+from ..moe.ffn import ExpertWeights, MoERegion, Router, build_moe_ffn
 from .hparams import HParams
 from .kv_cache import KVCache, SeqRows, seq_input
 from .recurrent_state import RecurrentState
@@ -209,12 +209,8 @@ class Builder:
         hp, w, p = self.hp, self.w, f"blk.{il}."
         experts = self.experts[il]
         assert experts is not None, f"layer {il} has no routed experts"
-        r = hp.routing
-        region = build_moe_ffn(self.c, self.g, x, w[p + "ffn_gate_inp.weight"], experts, hp.n_used,
-                               gating=r.gating, norm_weights=r.norm_weights, weights_scale=r.weights_scale,
-                               glu=r.glu, name=f"blk.{il}.moe", router_bias=w.get(p + "ffn_gate_inp.bias"),
-                               selection_bias=w.get(p + "exp_probs_b.bias"), n_group=r.n_group,
-                               n_group_used=r.n_group_used)
+        router = Router(w[p + "ffn_gate_inp.weight"], w.get(p + "ffn_gate_inp.bias"), w.get(p + "exp_probs_b.bias"))
+        region = build_moe_ffn(self.c, self.g, x, router, experts, hp.n_used, hp.routing, name=f"blk.{il}.moe")
         self.regions[il] = region
         return region.out
 

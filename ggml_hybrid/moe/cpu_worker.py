@@ -1,4 +1,5 @@
-"""A persistent CPU worker that computes MoE experts from host (memory-mapped) weights.
+"""The persistent CPU workers that compute MoE experts from host (memory-mapped) weights: the Python executor's
+(:class:`CPUWorker`) and the native executor's (:class:`NativeWorker`, a C thread: ``_native/src/moe_worker.c``).
 
 One thread, started on first use and stopped by :meth:`CPUWorker.close` (also at
 interpreter exit and when the owner is collected), with its own GGML CPU backend and
@@ -18,10 +19,13 @@ import queue
 import threading
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 
-from ..errors import ClosedError
+from .._native import ffi, lib
+from .._native.managed import Managed
+from ..errors import BackendError, ClosedError
 from ..ggml.backend import Backend, cpu
 from .ffn import ExpertWeights
 from .row_graphs import RowGraphs
@@ -29,7 +33,7 @@ from .row_graphs import RowGraphs
 _STOP = object()
 
 
-def _run(jobs: queue.Queue) -> None:
+def _run(jobs: queue.Queue[Any]) -> None:
     while True:
         item = jobs.get()
         if item is _STOP:
@@ -46,7 +50,7 @@ def _run(jobs: queue.Queue) -> None:
         fn = future = None
 
 
-def _stop(jobs: queue.Queue, thread: threading.Thread) -> None:
+def _stop(jobs: queue.Queue[Any], thread: threading.Thread) -> None:
     jobs.put(_STOP)
     if thread is threading.current_thread():
         return
@@ -62,9 +66,9 @@ def _stop(jobs: queue.Queue, thread: threading.Thread) -> None:
 class CPUWorker:
     def __init__(self, n_threads: int):
         self.n_threads = n_threads
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[..., CPUWorker] | None = None
         self._backend: Backend | None = None
         self._graphs: dict[int, RowGraphs] = {}  # by layer
         self._closed = False
@@ -81,7 +85,7 @@ class CPUWorker:
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
 
     def submit(self, layer: int, experts: ExpertWeights, x: np.ndarray, expert_of_row: np.ndarray,
-               glu: str = "swiglu") -> cf.Future:
+               glu: str = "swiglu") -> cf.Future[tuple[np.ndarray, int, int]]:
         """Compute ``expert_ffn`` rows: row i uses token row ``x[i]`` and expert ``expert_of_row[i]``.
 
         Returns a future of (rows [n, n_embd] float32, started_ns, finished_ns).
@@ -90,11 +94,12 @@ class CPUWorker:
             raise ClosedError("the CPU worker of this session is closed")
         if self._thread is None:
             self._start()
-        future: cf.Future = cf.Future()
+        future: cf.Future[tuple[np.ndarray, int, int]] = cf.Future()
         self._jobs.put((lambda: self._compute(layer, experts, x, expert_of_row, glu), future))
         return future
 
-    def _compute(self, layer, experts, x, expert_of_row, glu):
+    def _compute(self, layer: int, experts: ExpertWeights, x: np.ndarray, expert_of_row: np.ndarray,
+                 glu: str) -> tuple[np.ndarray, int, int]:
         t0 = time.perf_counter_ns()
         graphs = self._graphs.get(layer)
         if graphs is None:
@@ -121,3 +126,25 @@ class CPUWorker:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+
+
+class NativeWorker(Managed):
+    """A session's native CPU worker: a C thread with its own CPU backend and threadpool."""
+
+    _kind = "native_worker"
+
+    def __init__(self, n_threads: int) -> None:
+        ptr = lib.hy_worker_new(n_threads)
+        if ptr == ffi.NULL:
+            raise BackendError(f"could not start the native CPU worker with {n_threads} threads")
+        super().__init__(ptr, lib.hy_worker_free)
+        self.n_threads = n_threads
+
+    @property
+    def allocations(self) -> int:
+        """Graphs built so far (constant once warm)."""
+        return int(lib.hy_worker_graph_builds(self.ptr))
+
+    def fail_next_job(self) -> None:
+        """Make the next job fail (tests: a worker error must reach the caller, the next call must work)."""
+        self.ptr.fail_next = 1

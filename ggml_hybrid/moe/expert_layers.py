@@ -25,15 +25,19 @@ from ..ggml.backend import Backend
 from ..ggml.context import Context
 from ..ggml.graph_cache import SharedBuffer
 from ..ggml.quant import dequantize
+from ..ggml.regions import NativeExecutor, RegionCall
 from ..ggml.repack import repack_buffer_type
+from ..ggml.sched import Scheduler
+from ..ggml.tensor import Tensor
 from ..gguf.store import GGUFStore, ModelFileError, load_into, repack_rule, same_shape
 from ..machine import available_memory
 from ..options import OptionError, SessionOptions
-from .cpu_worker import CPUWorker
-from .executor import ExpertCacheExecutor, LayerCounters
-from .ffn import ExpertWeights
+from .cpu_worker import CPUWorker, NativeWorker
+from .executor import ExpertCacheExecutor
+from .ffn import ExpertWeights, MoERegion
 from .host_tier import HostTier, check_tier_budget, frame_bytes, resolve_budget
-from .native_executor import NativeExpertExecutor, NativeWorker, Scratch
+from .layer_cache import LayerCacheConfig, LayerCounters, LayerExecutor
+from .native_executor import NativeExpertExecutor, Scratch
 from .traces import TraceWriter, read_trace
 
 # lookahead prefetch predicts after calls of at most this many tokens: decode steps and small batches (a prompt's
@@ -50,19 +54,33 @@ def suggested_slots(n_expert: int, n_used: int = 0) -> int:
     return min(n_expert, max(n_expert // 4, n_used, 1))
 
 
+def slots_needed(opts: SessionOptions, n_expert: int, n_used: int = 0) -> OptionError:
+    """The refusal of a disk-experts session without expert cache slots where its layers use them."""
+    s = suggested_slots(n_expert, n_used)
+    used = f", at least the {n_used} used per token" if n_used else ""
+    tier = (" (a CPU playing the device computes straight from the host tier's frames, without slots, only without "
+            "a CPU share and with experts it does not repack: --no-repack or a type it does not repack)"
+            if opts.host_tier_bytes != 0 else "")
+    return OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts=true (--disk-experts; a non-zero "
+                       f"--moe-cpu-share or --host-tier implies it) needs expert cache slots per layer{tier}: give "
+                       f"--expert-cache-slots N (-o expert_cache_slots=N), e.g. {s} (a quarter of the model's "
+                       f"{n_expert} experts{used}; `ggml-hybrid plan --vram ...` sizes it)")
+
+
+def tier_holds(names: dict[str, str]) -> bool:
+    """Whether the host tier can hold a layer's experts: its matrices, at most three kinds, no biases."""
+    return all(not k.endswith("_b") for k in names)
+
+
 def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used: int = 0) -> None:
     """Reject option combinations that cannot work for this model, before anything is loaded."""
     if opts.expert_cache_slots == "auto":
         raise OptionError("expert_cache_slots=auto: the slot count is chosen from the devices' free memory when a "
                           "model loads (MoEModel, `ggml-hybrid plan`); this session needs a number of slots")
     slots = cast(int, opts.expert_cache_slots)
-    if opts.disk_experts and slots < 1:
-        s = suggested_slots(n_expert, n_used)
-        used = f", at least the {n_used} used per token" if n_used else ""
-        raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: disk_experts=true (--disk-experts; a "
-                          "non-zero --moe-cpu-share implies it) needs expert cache slots per layer: give "
-                          f"--expert-cache-slots N (-o expert_cache_slots=N), e.g. {s} (a quarter of the model's "
-                          f"{n_expert} experts{used}; `ggml-hybrid plan --vram ...` sizes it)")
+    # with the host tier, a CPU playing the device may not use slots at all: ExpertLayers decides (_cache_slots)
+    if opts.disk_experts and slots < 1 and opts.host_tier_bytes == 0:
+        raise slots_needed(opts, n_expert, n_used)
     if slots > n_expert:
         raise OptionError(f"expert_cache_slots={opts.expert_cache_slots}: the model has only "
                           f"{n_expert} experts per layer")
@@ -153,147 +171,182 @@ class ExpertLayers:
     """
 
     def __init__(self, store: GGUFStore, n_layer: int, n_used: int, options: SessionOptions, device: Backend,
-                 n_threads: int, simulated_bus_bytes_per_s: float | None = None, on_tensor=None,
+                 n_threads: int, simulated_bus_bytes_per_s: float | None = None,
+                 on_tensor: Callable[[str], None] | None = None,
                  modes: list[ExpertMode] | None = None, backend_of: Callable[[str], Backend | None] | None = None,
                  load: bool = True, moe_layers: Sequence[int] | None = None, glu: str = "swiglu",
-                 benchmark: bool = False):
+                 benchmark: bool = False) -> None:
         self.store, self.options, self.device = store, options, device
-        opts = options
-        self.n_layer = n_layer
+        self.n_layer, self.n_used, self.glu, self.load = n_layer, n_used, glu, load
         self.moe_layers = list(range(n_layer)) if moe_layers is None else list(moe_layers)
-        named = {i: expert_names(store, i) for i in self.moe_layers}
-        self.names: list[dict[str, str] | None] = [named.get(i) for i in range(n_layer)]
-        n_expert = store.info(named[self.moe_layers[0]]["down"]).shape[0]
+        self.named = {i: expert_names(store, i) for i in self.moe_layers}
+        self.names: list[dict[str, str] | None] = [self.named.get(i) for i in range(n_layer)]
+        self.n_expert = store.info(self.named[self.moe_layers[0]]["down"]).shape[0]
         self.modes = list(modes) if modes is not None else [self._mode_from_options(i) for i in range(n_layer)]
-        # moe_route_trace: the output is not the model's own, so only benchmarks may ask for it
-        if opts.moe_route_trace is not None and not benchmark:
-            raise OptionError(f"moe_route_trace={opts.moe_route_trace}: benchmark-only (the routing comes from a "
-                              "trace, so the output is not the model's own); use it with `ggml-hybrid bench` or "
-                              "the tools under tools/bench")
-        self.route_trace = opts.moe_route_trace
-        routes: list[np.ndarray] | None = None
-        if opts.moe_route_trace is not None and load:
-            routes = route_rows(opts.moe_route_trace, len(self.moe_layers), n_expert, n_used)
-        if backend_of is None:
-            backend_of = lambda name: device
+        self.disk_layers = [i for i in self.moe_layers if self.modes[i] == "disk"]
+        self.backend_of: Callable[[str], Backend | None] = backend_of or (lambda name: device)
+        self.route_trace = options.moe_route_trace
+        routes = self._routes(benchmark)
         # the native executor runs every call in C; the Python one is the reference (and simulates a bus)
-        self.native = (opts.moe_executor == "native" and simulated_bus_bytes_per_s is None
-                       and all(NativeExpertExecutor.supports(n, glu) for n in named.values()))
-        # the session's own CPU worker
-        self.worker: CPUWorker | NativeWorker | None = None
-        if opts.moe_cpu_share != 0.0 and any(m == "disk" for m in self.modes):
-            self.worker = NativeWorker(n_threads) if self.native else CPUWorker(n_threads)
-        self._scratch: dict[int, Scratch] = {}  # the native executors' compute buffer, one per device
-        # the host expert tier between the disk layers' slots and the file (host_tier_bytes)
-        self.tier: HostTier | None = None
-        disk_layers = [i for i in self.moe_layers if self.modes[i] == "disk"]
-        if opts.host_tier_bytes != 0 and disk_layers and load:
-            if not self.native:
-                raise OptionError(f"host_tier_bytes={opts.host_tier_bytes}: the host tier feeds the native "
-                                  "executor's loads; these layers run the Python executor (moe_executor=python, "
-                                  "expert biases or gpt-oss's clamped SwiGLU): use --expert-cache-slots N without "
-                                  "--host-tier (misses read through the page cache), or -ncmoe N / --cpu-moe")
-            per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in named[i].values()]
-                          for i in disk_layers}
-            frame = frame_bytes(list(per_expert.values()))  # the tier holds experts in equal frames
-            n_of = {i: store.info(named[i]["down"]).shape[0] for i in disk_layers}
-            need = frame * sum(n_of.values())
-            # `auto` leaves room for the slots a CPU playing the device allocates next, in the same host memory
-            host_slots = sum((cast(int, opts.expert_cache_slots) + 1) * sum(per_expert[i]) for i in disk_layers
-                             if (b := backend_of(named[i]["down"])) is not None and b.is_cpu
-                             and not self._tier_direct(store, named[i], b))
-            budget = resolve_budget(opts.host_tier_bytes, need, host_slots)
-            check_tier_budget(budget, frame * max(n_of.values()), opts.host_tier_bytes)  # before any I/O thread
-            self.tier = HostTier(store, budget, opts.expert_eviction,
-                                 buffer_type=self._pinned_host_type([backend_of(named[i]["down"])
-                                                                     for i in disk_layers]))
-        self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
-        if opts.trace_path is not None:
-            check_output(opts.trace_path, [store.path], "trace_path")
-        # a dry run (planning) writes nothing
-        self.trace = (TraceWriter(opts.trace_path, len(self.moe_layers), n_expert, n_used,
-                                  predictions=opts.moe_prefetch)
-                      if opts.trace_path is not None and load else None)
-        by_backend: dict[int, tuple[Backend, list[str]]] = {}
-        for i, layer_names in named.items():
-            if self.modes[i] != "resident":
-                continue
-            for n in layer_names.values():
-                b = backend_of(n)
-                if b is not None:
-                    by_backend.setdefault(id(b), (b, []))[1].append(n)
-        self.resident_ctxs: list[tuple[Backend, Context]] = []
+        self.native = (options.moe_executor == "native" and simulated_bus_bytes_per_s is None
+                       and all(NativeExpertExecutor.supports(n, glu) for n in self.named.values()))
+        self.worker = self._start_worker(n_threads)
+        self.direct = {i: self._tier_direct(self.named[i], b) for i in self.disk_layers
+                       if (b := self.backend_of(self.named[i]["down"])) is not None}
+        self.n_slots = self._cache_slots()
+        self.tier = self._open_tier()
+        self.trace = self._open_trace()
         # tensors in a CPU extra buffer type (repacked), and those of them copied into host RAM
         self.repacked: set[str] = set()
         self.host_copies: set[str] = set()
-        rule = repack_rule(store, opts.repack)
-        slots = cast(int, opts.expert_cache_slots)  # a number here: auto is chosen before a model loads
-        loaded = {}
-        for b, tensor_names in by_backend.values():
-            ctx, tensors = load_into(store, tensor_names, b, on_tensor=on_tensor, load=load,
-                                     repack=self._recording(rule, b.is_cpu, False))
-            self.resident_ctxs.append((b, ctx))
-            loaded.update(tensors)
-        # the rest (cpu layers' experts, tensors a layout put on the CPU, disk layers' experts: the CPU worker's
-        # host experts) live on the host: used in place from the mapped file, or repacked into host RAM as
-        # llama.cpp does for CPU weights (--no-repack: not)
-        host_names = [n for layer_names in named.values() for n in layer_names.values() if n not in loaded]
-        # fed by the host tier, the CPU worker computes from the tier's frames: no copy of its host experts
-        copy_disk = self.worker is not None and self.tier is None and self._host_copies_fit(store, rule, named)
-        disk = {n for i, layer_names in named.items() if self.modes[i] == "disk" for n in layer_names.values()}
-        host_rule = self._recording(lambda n: rule(n) if n not in disk or copy_disk else None, True, True)
-        self.mapped_ctx, mapped = load_into(store, host_names, None, on_tensor=on_tensor, load=load, repack=host_rule,
-                                            n_extra=1)
-        loaded.update(mapped)
-        self.weights: list[ExpertWeights | None] = []
-        self.executors: list[ExpertCacheExecutor | NativeExpertExecutor | None] = []
-        self.layer_backends: list[Backend | None] = []
-        # one pair of compute buffers per device for every layer's cache graphs: layers run one at a time
+        self.resident_ctxs: list[tuple[Backend, Context]] = []
+        loaded = self._load_resident(on_tensor)
+        loaded.update(self._load_host(on_tensor, loaded))
+        self.weights: list[ExpertWeights | None] = [
+            None if names is None else ExpertWeights(**{k: loaded[n] for k, n in names.items()})
+            for names in self.names]
+        self._scratch: dict[int, Scratch] = {}  # the native executors' compute buffer, one per device
+        # one pair of compute buffers per device for the Python executors' graphs: layers run one at a time
         self._shared: dict[int, tuple[SharedBuffer, SharedBuffer]] = {}
-        for i in range(n_layer):
-            names = self.names[i]
-            if names is None:  # a dense layer
-                self.weights.append(None)
-                self.executors.append(None)
-                self.layer_backends.append(None)
-                continue
-            self.weights.append(ExpertWeights(**{k: loaded[n] for k, n in names.items()}))
-            executor: ExpertCacheExecutor | NativeExpertExecutor | None = None
-            cache_on = None
-            if self.modes[i] == "disk":
-                cache_on = backend_of(names["down"])
-                if cache_on is None:  # the layout puts disk layers' experts on a device, never on the CPU
-                    raise OptionError(f"disk_experts: layer {i}'s expert cache has no device")
-                # the executor's layer number keys its trace records and the worker's graphs: the MoE layer's
-                moe_layer = self.moe_layers.index(i)
-                if self.native:
-                    scratch = self._scratch.get(id(cache_on))
-                    if scratch is None:
-                        scratch = self._scratch[id(cache_on)] = Scratch(cache_on)
-                    executor = NativeExpertExecutor(
-                        store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
-                        glu=glu, worker=cast("NativeWorker | None", self.worker), share=opts.moe_cpu_share,
-                        host_experts=self.weights[i], scratch=scratch, trace=self.trace, clear=load,
-                        trace_seq=self._trace_seq, repack=opts.repack,
-                        route=routes[moe_layer] if routes is not None else None, tier=self.tier,
-                        tier_direct=self.tier is not None and self._tier_direct(store, names, cache_on))
-                else:
-                    shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
-                    executor = ExpertCacheExecutor(
-                        store, moe_layer, names, cache_on, slots, opts.expert_eviction, n_used,
-                        glu=glu, worker=cast("CPUWorker | None", self.worker), share=opts.moe_cpu_share,
-                        host_experts=self.weights[i], simulated_bus_bytes_per_s=simulated_bus_bytes_per_s,
-                        trace=self.trace, clear=load, shared=shared, repack=opts.repack,
-                        route=routes[moe_layer] if routes is not None else None)
-            self.layer_backends.append(cache_on)
-            self.executors.append(executor)
-        if opts.moe_prefetch and load:
+        self._trace_seq = ffi.new("int64_t *")  # orders the native executors' trace records
+        self.layer_backends: list[Backend | None] = [
+            self.backend_of(names["down"]) if names is not None and self.modes[i] == "disk" else None
+            for i, names in enumerate(self.names)]
+        self.executors: list[LayerExecutor | None] = [
+            self._executor(i, routes, simulated_bus_bytes_per_s) if self.modes[i] == "disk" else None
+            for i in range(n_layer)]
+        if options.moe_prefetch and load:
             self._link_prefetch(store, routes is not None)
         # the host tier reads every disk layer's experts (the slots' loads, the CPU worker's rows, a CPU playing the
         # device): nothing reads them through the mapping, which lets them go (no page cache beyond the budget)
         self.unmapped = 0
         if self.tier is not None:
-            self.unmapped = store.unmap([n for i in disk_layers for n in named[i].values()])
+            self.unmapped = store.unmap([n for i in self.disk_layers for n in self.named[i].values()])
+
+    # -- the steps of __init__ ------------------------------------------------------------------------------
+
+    def _routes(self, benchmark: bool) -> list[np.ndarray] | None:
+        """``moe_route_trace``: each MoE layer's token rows of the trace (benchmarks only: the routing comes from a
+        trace, so the output is not the model's own)."""
+        trace = self.options.moe_route_trace
+        if trace is not None and not benchmark:
+            raise OptionError(f"moe_route_trace={trace}: benchmark-only (the routing comes from a trace, so the "
+                              "output is not the model's own); use it with `ggml-hybrid bench` or the tools under "
+                              "tools/bench")
+        if trace is None or not self.load:
+            return None
+        return route_rows(trace, len(self.moe_layers), self.n_expert, self.n_used)
+
+    def _start_worker(self, n_threads: int) -> CPUWorker | NativeWorker | None:
+        """The session's own CPU worker, for the CPU's share of the misses."""
+        if self.options.moe_cpu_share == 0.0 or not self.disk_layers:
+            return None
+        return NativeWorker(n_threads) if self.native else CPUWorker(n_threads)
+
+    def _cache_slots(self) -> int:
+        """The slots of each disk layer's cache: ``expert_cache_slots``, or, when no disk layer uses its slots (each
+        computes straight from the host tier's frames: a CPU playing the device, :meth:`_tier_direct`), as many as
+        a token uses (address space only). The one place the option is derived."""
+        slots = cast(int, self.options.expert_cache_slots)  # a number here: auto is chosen before a model loads
+        if slots or not self.disk_layers:
+            return slots
+        if self.options.host_tier_bytes != 0 and all(self.direct.get(i, False) for i in self.disk_layers):
+            return self.n_used
+        raise slots_needed(self.options, self.n_expert, self.n_used)
+
+    def _open_tier(self) -> HostTier | None:
+        """The host expert tier between the disk layers' slots and the file (``host_tier_bytes``), its budget
+        checked before any I/O thread starts."""
+        opts, store = self.options, self.store
+        if opts.host_tier_bytes == 0 or not self.disk_layers or not self.load:
+            return None
+        if not all(tier_holds(self.named[i]) for i in self.disk_layers):
+            raise OptionError(f"host_tier_bytes={opts.host_tier_bytes}: the host tier holds experts without "
+                              "biases (gpt-oss's experts have them): use --expert-cache-slots N without --host-tier "
+                              "(misses read through the page cache), or -ncmoe N / --cpu-moe")
+        per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in self.named[i].values()]
+                      for i in self.disk_layers}
+        frame = frame_bytes(list(per_expert.values()))  # the tier holds experts in equal frames
+        n_of = {i: store.info(self.named[i]["down"]).shape[0] for i in self.disk_layers}
+        need = frame * sum(n_of.values())
+        # `auto` leaves room for the slots a CPU playing the device allocates next, in the same host memory
+        host_slots = sum((self.n_slots + 1) * sum(per_expert[i]) for i in self.disk_layers
+                         if (b := self.backend_of(self.named[i]["down"])) is not None and b.is_cpu
+                         and not self.direct.get(i, False))
+        budget = resolve_budget(opts.host_tier_bytes, need, host_slots)
+        check_tier_budget(budget, frame * max(n_of.values()), opts.host_tier_bytes)
+        devices = [self.backend_of(self.named[i]["down"]) for i in self.disk_layers]
+        return HostTier(store, budget, opts.expert_eviction, buffer_type=self._pinned_host_type(devices))
+
+    def _open_trace(self) -> TraceWriter | None:
+        """The routing trace (``trace_path``); a dry run (planning) writes nothing."""
+        path = self.options.trace_path
+        if path is None:
+            return None
+        check_output(path, [self.store.path], "trace_path")
+        if not self.load:
+            return None
+        return TraceWriter(path, len(self.moe_layers), self.n_expert, self.n_used,
+                           predictions=self.options.moe_prefetch)
+
+    def _load_resident(self, on_tensor: Callable[[str], None] | None) -> dict[str, Tensor]:
+        """The resident layers' experts, loaded onto the backends the layout gives them (repacked on a CPU)."""
+        by_backend: dict[int, tuple[Backend, list[str]]] = {}
+        for i, layer_names in self.named.items():
+            if self.modes[i] != "resident":
+                continue
+            for n in layer_names.values():
+                b = self.backend_of(n)
+                if b is not None:
+                    by_backend.setdefault(id(b), (b, []))[1].append(n)
+        rule = repack_rule(self.store, self.options.repack)
+        loaded: dict[str, Tensor] = {}
+        for b, tensor_names in by_backend.values():
+            ctx, tensors = load_into(self.store, tensor_names, b, on_tensor=on_tensor, load=self.load,
+                                     repack=self._recording(rule, b.is_cpu, False))
+            self.resident_ctxs.append((b, ctx))
+            loaded.update(tensors)
+        return loaded
+
+    def _load_host(self, on_tensor: Callable[[str], None] | None, loaded: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The rest (cpu layers' experts, tensors a layout put on the CPU, disk layers' experts: the CPU worker's host
+        experts) on the host: used in place from the mapped file, or repacked into host RAM as llama.cpp does for CPU
+        weights (--no-repack: not)."""
+        store, named = self.store, self.named
+        rule = repack_rule(store, self.options.repack)
+        host_names = [n for layer_names in named.values() for n in layer_names.values() if n not in loaded]
+        # fed by the host tier, the CPU worker computes from the tier's frames: no copy of its host experts
+        copy_disk = self.worker is not None and self.tier is None and self._host_copies_fit(store, rule, named)
+        disk = {n for i in self.disk_layers for n in named[i].values()}
+        host_rule = self._recording(lambda n: rule(n) if n not in disk or copy_disk else None, True, True)
+        self.mapped_ctx, mapped = load_into(store, host_names, None, on_tensor=on_tensor, load=self.load,
+                                            repack=host_rule, n_extra=1)
+        return dict(mapped)
+
+    def _executor(self, i: int, routes: list[np.ndarray] | None,
+                  simulated_bus_bytes_per_s: float | None) -> LayerExecutor:
+        """Disk layer i's executor, native or the Python reference, on the device its cache is on."""
+        names, opts = self.named[i], self.options
+        cache_on = self.layer_backends[i]
+        if cache_on is None:  # the layout puts disk layers' experts on a device, never on the CPU
+            raise OptionError(f"disk_experts: layer {i}'s expert cache has no device")
+        # the executor's layer number keys its trace records and the worker's graphs: the MoE layer's
+        moe_layer = self.moe_layers.index(i)
+        config = LayerCacheConfig(
+            layer=moe_layer, n_slots=self.n_slots, n_used=self.n_used, policy=opts.expert_eviction, glu=self.glu,
+            share=cast("float | Literal['auto']", opts.moe_cpu_share), worker=self.worker,
+            host_experts=self.weights[i], trace=self.trace, route=routes[moe_layer] if routes is not None else None,
+            tier=self.tier, tier_direct=self.tier is not None and self.direct.get(i, False), repack=opts.repack,
+            clear=self.load)
+        if self.native:
+            scratch = self._scratch.get(id(cache_on))
+            if scratch is None:
+                scratch = self._scratch[id(cache_on)] = Scratch(cache_on)
+            return NativeExpertExecutor(self.store, names, cache_on, config, scratch=scratch,
+                                        trace_seq=self._trace_seq)
+        shared = self._shared.setdefault(id(cache_on), (SharedBuffer(cache_on), SharedBuffer(cache_on)))
+        return ExpertCacheExecutor(self.store, names, cache_on, config, shared=shared,
+                                   simulated_bus_bytes_per_s=simulated_bus_bytes_per_s)
 
     def _link_prefetch(self, store: GGUFStore, oracle: bool) -> None:
         """Each disk layer predicts and prefetches the next MoE layer's experts when that one is a disk layer too:
@@ -309,19 +362,17 @@ class ExpertLayers:
             p = f"blk.{b}."
             router, bias, select = (None if oracle or p + n not in store else router_f32(store, p + n)
                                     for n in ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "exp_probs_b.bias"))
-            budget = opts.moe_prefetch_bytes or dst.n_used * dst.expert_bytes
-            max_experts = min(budget // dst.expert_bytes, dst.n_slots)
-            # with a host tier (native executors only), as many predicted misses are read ahead into it
-            ahead = {"max_read_ahead": budget // dst.expert_bytes} if self.tier is not None else {}
-            src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS,  # type: ignore[arg-type]
-                             **ahead)
+            budget = opts.moe_prefetch_bytes or dst.config.n_used * dst.expert_bytes
+            max_experts = min(budget // dst.expert_bytes, dst.config.n_slots)
+            # with a host tier, as many predicted misses are read ahead into it
+            ahead = budget // dst.expert_bytes if self.tier is not None else 0
+            src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS, ahead)
 
     @property
     def slots_unused(self) -> bool:
         """Every disk layer computes straight from the host tier's frames (tier_direct): the cache slots never
         hold an expert, so their hits and misses say nothing."""
-        disk = [e for e in self.executors if e is not None]
-        return bool(disk) and all(isinstance(e, NativeExpertExecutor) and e.tier_direct for e in disk)
+        return self.tier is not None and bool(self.direct) and all(self.direct.values())
 
     def tier_held(self) -> list[str]:
         """The expert tensors the host tier holds (every disk layer's, read from the file, no longer mapped)."""
@@ -330,15 +381,15 @@ class ExpertLayers:
         return [n for i, names in enumerate(self.names) if names is not None and self.modes[i] == "disk"
                 for n in names.values()]
 
-    def _tier_direct(self, store: GGUFStore, names: dict[str, str], device: Backend) -> bool:
-        """Whether a disk layer's experts run straight from the host tier's frames: its cache is on a CPU (one
+    def _tier_direct(self, names: dict[str, str], device: Backend) -> bool:
+        """Whether a disk layer's experts would run straight from the host tier's frames: its cache is on a CPU (one
         playing the device), no CPU share is asked for (the worker then takes misses from slots, as with a
         device), and none of its expert tensors would be repacked there (the frames are plain CPU memory; the
         repacked kernels give other bits than the plain ones, and resident experts are repacked)."""
-        if not device.is_cpu or self.options.moe_cpu_share != 0.0:
+        if not device.is_cpu or self.options.moe_cpu_share != 0.0 or self.options.host_tier_bytes == 0:
             return False
         return not self.options.repack or all(
-            repack_buffer_type(store.info(n).dtype, store.info(n).shape, "mul_mat_id") is None
+            repack_buffer_type(self.store.info(n).dtype, self.store.info(n).shape, "mul_mat_id") is None
             for n in names.values())
 
     @staticmethod
@@ -383,7 +434,7 @@ class ExpertLayers:
         avail = available_memory()
         return avail is not None and need <= avail // 2
 
-    def _mode_from_options(self, i: int) -> str:
+    def _mode_from_options(self, i: int) -> ExpertMode:
         o = self.options
         if o.disk_experts:
             return "disk"
@@ -391,13 +442,15 @@ class ExpertLayers:
             return "cpu"
         return "resident"
 
-    def register(self, sched, regions, prefix: str = "blk") -> None:
+    def register(self, sched: Scheduler, regions: Sequence[MoERegion | None], prefix: str = "blk") -> None:
         """Hand the disk layers' regions of one graph to their executors (after ``sched.clear_regions()``);
         ``regions`` has one entry per layer (``None`` for a dense layer)."""
         for i, r in enumerate(regions):
-            if self.executors[i] is not None and r is not None:
-                sched.add_region(r.inputs, [r.out], self.executors[i], backend=self.layer_backends[i],
-                                 name=f"{prefix}.{i}.experts")
+            ex = self.executors[i]
+            if ex is not None and r is not None:
+                # the region's executor: the Python one is called, the native one's C function is
+                run = cast("Callable[[RegionCall], object] | NativeExecutor", ex)
+                sched.add_region(r.inputs, [r.out], run, backend=self.layer_backends[i], name=f"{prefix}.{i}.experts")
 
     def reserve(self, n_tokens: int) -> None:
         """Size the cache executors' compute memory for calls of up to ``n_tokens`` tokens, now."""

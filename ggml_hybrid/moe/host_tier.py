@@ -1,11 +1,12 @@
 """The host expert tier: a bounded cache of whole experts in host RAM between the device's slots and the file.
 
 ``host_tier_bytes=N`` (``--host-tier SIZE``) gives a model's disk layers one tier (``_native/src/host_tier.c``)
-of at most N bytes. The native executor of each disk layer asks it for the experts a call loads as soon as the
-call's plan names them: I/O threads read each whole expert from the GGUF with large aligned reads (``pread``,
-``O_DIRECT`` where the filesystem allows it, so the reads cost no page cache), several in flight, and each load
-copies its expert from the tier into its slot, waiting only for that expert's read. Experts leave the tier by the
-expert cache's order (``expert_eviction``), never one the current call fetched.
+of at most N bytes. Each disk layer's executor (native, or the Python reference) asks it for the experts a call
+loads as soon as the call's plan names them: I/O threads read each whole expert from the GGUF with large aligned
+reads (``pread``, ``O_DIRECT`` where the filesystem allows it, so the reads cost no page cache), several in
+flight, and each load copies its expert from the tier into its slot, waiting only for that expert's read. Experts
+leave the tier by the expert cache's orders (``expert_eviction``, counting the calls that fetched them), never one
+the current call fetched.
 
 The CPU computes straight from the tier: its experts sit in one arena of equal frames, each kind at the same place
 in every frame, so the arena is an expert tensor per layer whose expert index is the frame. The CPU worker
@@ -23,15 +24,14 @@ read is kept, so the next call reads it again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
-
 from .._native import CData, ffi, lib
+from .._native.cstruct import Counters
 from .._native.managed import Managed
-from ..errors import AllocationError, OptionError
+from ..errors import AllocationError, ModelFileError, OptionError
 from ..gguf.store import GGUFStore
 from ..machine import available_memory, cgroup_memory_left
 from ..units import MiB, format_bytes
+from .slot_cache import POLICY_CODES
 
 #: I/O threads reading experts; a few reads in flight keep an SSD's queue busy, more only add seeks
 IO_THREADS = 4
@@ -40,29 +40,9 @@ AUTO_MARGIN_MIN = 128 * MiB
 AUTO_MARGIN_FRACTION = 0.10
 
 
-@dataclass
-class TierCounters:
-    """The tier's counters (the fields of the C struct ``hy_tier_counters``, same order)."""
-
-    hits: int = 0          # experts a call's loads found in the tier (held, or on their way by a read-ahead)
-    misses: int = 0        # experts a call's loads had to read from the file
-    bytes_read: int = 0    # bytes read from the file (reads rounded out to 4 KiB)
-    read_ns: int = 0       # time the I/O threads spent reading, summed over threads
-    waits: int = 0         # loads that waited for their expert's read
-    wait_ns: int = 0       # time they waited
-    evictions: int = 0     # experts dropped to stay within the budget
-    faults: int = 0        # failed reads
-    ahead: int = 0         # reads started ahead of a call for a predicted expert (moe_prefetch)
-    ahead_used: int = 0    # of which the predicted call routed to
-    ahead_wasted: int = 0  # of which it did not, or that were dropped first (evicted, failed)
-    bytes_held: int = 0    # host memory the cached experts take now
-
-    @classmethod
-    def from_c(cls, c: Any) -> TierCounters:
-        return cls(**{f.name: int(getattr(c, f.name)) for f in fields(cls)})
-
-    def to_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+class TierCounters(Counters, struct="hy_tier_counters"):
+    """The tier's counters since it was made: the fields of the C struct ``hy_tier_counters``
+    (``_native/src/host_tier.h`` lists and documents them), in its order."""
 
 
 def auto_budget(available: int | None = None) -> int:
@@ -101,17 +81,14 @@ class HostTier(Managed):
 
     def __init__(self, store: GGUFStore, budget: int, policy: str = "freq", n_threads: int = IO_THREADS,
                  direct: bool = True, buffer_type: CData | None = None) -> None:
-        if store._fd is None:
+        if store.fd is None:
             raise OptionError(f"host_tier_bytes: the model file {store.path!r} is closed")
-        file_id = ffi.new("int64_t[4]", list(store._identity))
+        file_id = ffi.new("int64_t[]", list(store.identity))
         err = ffi.new("char[]", 400)
-        # the tier's own counts: `freq` (fewest uses, then least recent) is its LFU, which breaks ties by recency
-        pols = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU, "freq": lib.HY_POLICY_LFU}
-        if policy not in pols:
-            raise OptionError(f"expert_eviction={policy!r}: the host tier evicts by one of {sorted(pols)}")
-        pol = pols[policy]
+        if policy not in POLICY_CODES:
+            raise OptionError(f"expert_eviction={policy!r}: the host tier evicts by one of {sorted(POLICY_CODES)}")
         buft = ffi.NULL if buffer_type is None else buffer_type
-        ptr = lib.hy_tier_new(store._fd, file_id, budget, n_threads, int(direct), pol, buft, err, 400)
+        ptr = lib.hy_tier_new(store.fd, file_id, budget, n_threads, int(direct), POLICY_CODES[policy], buft, err, 400)
         if ptr == ffi.NULL:
             raise AllocationError(ffi.string(err).decode())
         super().__init__(ptr, lib.hy_tier_free)
@@ -149,6 +126,11 @@ class HostTier(Managed):
     def direct(self) -> bool:
         """Whether reads bypass the page cache (``O_DIRECT``; not every filesystem allows it, e.g. tmpfs)."""
         return bool(lib.hy_tier_direct(self.ptr))
+
+    def raise_error(self) -> None:
+        """Raise the tier's last failure (a read, the file changed, the budget): :class:`ModelFileError`, its
+        message naming the layer, the expert and the cause."""
+        raise ModelFileError(ffi.string(lib.hy_tier_error(self.ptr)).decode())
 
     def inject_fault(self, after: int = 0, kind: str = "eio") -> None:
         """Tests: the read after the next ``after`` reads fails, with an I/O error (``eio``) or short (``short``)."""

@@ -1,4 +1,4 @@
-"""The native expert-cache executor: one layer's region run by C code (``_native/src/moe_exec.c``).
+"""The native expert-cache executor: one layer's region run by C code (``_native/src/moe_call.c`` and its neighbours).
 
 Python builds it (slot tensors, the layer's mapped experts, the options), registers its C function with
 the scheduler as the region's executor, and afterwards only reads its counters, its trace records and,
@@ -10,11 +10,12 @@ the reference: ``tests/test_native_executor.py`` compares them call by call.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from .._native import CData, ffi, lib
+from .._native.cstruct import enum_names
 from .._native.managed import Managed
 from ..errors import (
     AllocationError,
@@ -22,44 +23,27 @@ from ..errors import (
     ComputeError,
     GgmlHybridError,
     ModelFileError,
+    OptionError,
     ShapeError,
 )
 from ..ggml.backend import Backend
-from ..ggml.context import Context
 from ..ggml.ops import GLU_OPS
 from ..gguf.store import GGUFStore
 from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
-from .executor import LayerCounters, SyntheticClock, allocate_slots
+from .cpu_worker import NativeWorker
 from .ffn import ExpertWeights
-from .host_tier import HostTier
-from .traces import TraceWriter
+from .layer_cache import MODES, LayerCacheConfig, LayerCounters, SyntheticClock, allocate_slots, slot_tensors
+from .slot_cache import POLICY_CODES
 
 _ERRORS: dict[int, type[GgmlHybridError]] = {
     lib.HY_ERR_FILE: ModelFileError, lib.HY_ERR_COMPUTE: ComputeError, lib.HY_ERR_ALLOC: AllocationError,
     lib.HY_ERR_WORKER: ComputeError, lib.HY_ERR_INJECTED: ComputeError, lib.HY_ERR_INPUT: ShapeError,
 }
 
-
-class NativeWorker(Managed):
-    """A session's native CPU worker: a C thread with its own CPU backend and threadpool."""
-
-    _kind = "native_worker"
-
-    def __init__(self, n_threads: int) -> None:
-        ptr = lib.hy_worker_new(n_threads)
-        if ptr == ffi.NULL:
-            raise BackendError(f"could not start the native CPU worker with {n_threads} threads")
-        super().__init__(ptr, lib.hy_worker_free)
-        self.n_threads = n_threads
-
-    @property
-    def allocations(self) -> int:
-        """Graphs built so far (constant once warm)."""
-        return int(lib.hy_worker_graph_builds(self.ptr))
-
-    def fail_next_job(self) -> None:
-        """Make the next job fail (tests: a worker error must reach the caller, the next call must work)."""
-        self.ptr.fail_next = 1
+#: how loads reach the slots (``enum hy_load_mode``): ``copy`` (``tensor_set``), ``staged`` (double-buffered pinned
+#: host memory, asynchronous uploads), ``queued`` (asynchronous uploads straight from the mapping: the backend copies
+#: the data when it queues it, as GGML's RPC client does)
+LOAD_MODES = enum_names("enum hy_load_mode", "HY_LOAD_")
 
 
 class Scratch(Managed):
@@ -88,35 +72,33 @@ class _Exec(Managed):
 
 
 class NativeExpertExecutor:
-    """The native executor of one layer; the same constructor as :class:`.executor.ExpertCacheExecutor`."""
+    """The native executor of one layer (:class:`~.layer_cache.LayerExecutor`, as the Python reference)."""
 
-    native = True
+    native: ClassVar[bool] = True
 
     @staticmethod
     def supports(names: dict[str, str], glu: str) -> bool:
         """Whether the C code builds this layer's FFN: no expert biases, a plain GLU (not gpt-oss's)."""
         return all(not k.endswith("_b") for k in names) and glu in GLU_OPS
 
-    def __init__(self, store: GGUFStore, layer: int, names: dict[str, str], device: Backend, n_slots: int,
-                 policy: str, n_used: int, glu: str = "swiglu", worker: NativeWorker | None = None,
-                 share: float | str = 0.0, host_experts: ExpertWeights | None = None, scratch: Scratch | None = None,
-                 trace: TraceWriter | None = None, clear: bool = True, staging: bool | None = None,
-                 trace_seq: CData | None = None, repack: bool = True, route: np.ndarray | None = None,
-                 tier: HostTier | None = None, tier_direct: bool = False) -> None:
-        self.store, self.layer, self.names, self.device = store, layer, names, device
-        self.worker, self.share, self.host_experts, self.trace = worker, share, host_experts, trace
+    def __init__(self, store: GGUFStore, names: dict[str, str], device: Backend, config: LayerCacheConfig, *,
+                 scratch: Scratch | None = None, staging: bool | None = None, trace_seq: CData | None = None) -> None:
+        """``scratch``: the compute buffer shared with the other layers' executors on this device (default: its
+        own); ``staging``: load through pinned staging or queued uploads where the device allows (default: where
+        the slots are not host memory); ``trace_seq``: the session's call counter, which orders the trace records
+        of its layers."""
+        cfg = self.config = config
+        if cfg.worker is not None and not isinstance(cfg.worker, NativeWorker):
+            raise OptionError("NativeExpertExecutor: its CPU worker is a NativeWorker (the Python one is Python's)")
+        self.store, self.names, self.device = store, names, device
+        self.layer, self.n_slots, self.n_used = cfg.layer, cfg.n_slots, cfg.n_used
         infos = {k: store.info(n) for k, n in names.items()}
         self.n_expert = infos["down"].shape[0]
         self.n_embd = infos["down"].shape[1]
-        self.n_slots, self.n_used = n_slots, n_used
-        self.ctx = Context(n_tensors=len(names))
-        self.slot_tensors = {k: self.ctx.new_tensor(info.dtype, (n_slots + 1,) + info.shape[1:], f"slots.{k}")
-                             for k, info in infos.items()}
-        # tier_direct: a CPU playing the device computes every expert from the host tier's frames; the slots only
-        # give the experts' shapes (address space, never committed)
-        self.tier_direct = tier_direct and tier is not None
-        self.buffers = allocate_slots(self.ctx, self.slot_tensors, device, repack and not self.tier_direct,
-                                      virtual=not clear or self.tier_direct, clear=clear and not self.tier_direct)
+        self.ctx, self.slot_tensors = slot_tensors(infos, cfg.n_slots)
+        direct = self.tier_direct
+        self.buffers = allocate_slots(self.ctx, self.slot_tensors, device, cfg.repack and not direct,
+                                      virtual=not cfg.clear or direct, clear=cfg.clear and not direct)
         self.slots = ExpertWeights(**self.slot_tensors)
         self.expert_bytes = sum(t.nb[2] for t in self.slot_tensors.values())
         self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}  # kept: C reads the mapping
@@ -128,53 +110,68 @@ class NativeExpertExecutor:
             staging = not slots_host and lib.ggml_backend_get_device(device.ptr) != ffi.NULL
         self.staging = bool(staging)
         self._keep: list[Any] = []
-        self.route = None if route is None else np.ascontiguousarray(route, np.int32)
-        self.tier = tier  # loads read the host tier instead of the mapping (kept alive: C points at it)
-        self.tier_layer = tier.add_layer(layer, names) if tier is not None else -1
-        cfg = self._config(layer, names, n_used, policy, glu, trace is not None, trace_seq)
-        self._exec = _Exec(cfg)
-        self._cfg = cfg  # C points into what it holds
+        self.route = None if cfg.route is None else np.ascontiguousarray(cfg.route, np.int32)
+        self.tier = cfg.tier  # loads read the host tier instead of the mapping (kept alive: C points at it)
+        self.tier_layer = cfg.tier.add_layer(cfg.layer, names) if cfg.tier is not None else -1
+        c = self._config(trace_seq)
+        self._exec = _Exec(c)
+        self._cfg = c  # C points into what it holds
 
-    def _config(self, layer: int, names: dict[str, str], n_used: int, policy: str, glu: str, trace: bool,
-                trace_seq: CData | None) -> CData:
-        cfg = ffi.new("hy_moe_config *")
-        cfg.layer, cfg.n_expert, cfg.n_used, cfg.n_embd = layer, self.n_expert, n_used, self.n_embd
-        cfg.n_slots = self.n_slots
-        cfg.policy = {"lru": lib.HY_POLICY_LRU, "lfu": lib.HY_POLICY_LFU, "freq": lib.HY_POLICY_FREQ}[policy]
-        cfg.glu = GLU_OPS[glu]
+    @property
+    def tier_direct(self) -> bool:
+        return self.config.mode == "direct"
+
+    @property
+    def mode(self) -> str:
+        """Which step order its calls run (``enum hy_exec_mode``), as the C executor took it from the config."""
+        return MODES[lib.hy_moe_exec_mode(self._exec.ptr)]
+
+    @property
+    def worker(self) -> NativeWorker | None:
+        return self.config.worker if self.config.cpu_share else None  # type: ignore[return-value]
+
+    def _config(self, trace_seq: CData | None) -> CData:
+        """The C struct ``hy_moe_config`` of this layer: the session's choices (:class:`LayerCacheConfig`), the
+        experts' tensors, bytes and place in the mapping, the file's identity."""
+        cfg, lc = ffi.new("hy_moe_config *"), self.config
+        cfg.layer, cfg.n_expert, cfg.n_used, cfg.n_embd = lc.layer, self.n_expert, lc.n_used, self.n_embd
+        cfg.n_slots = lc.n_slots
+        cfg.policy = POLICY_CODES[lc.policy]
+        cfg.glu = GLU_OPS[lc.glu]
         for k, t in self.slot_tensors.items():
             setattr(cfg.slots, k, t.ptr)
-        if self.host_experts is not None:
-            for k, t in self.host_experts.kinds.items():
+        if lc.host_experts is not None:
+            for k, t in lc.host_experts.kinds.items():
                 setattr(cfg.host, k, t.ptr)
-        cfg.n_kinds = len(names)
-        for i, k in enumerate(names):
+        cfg.n_kinds = len(self.names)
+        for i, k in enumerate(self.names):
             cfg.slot_tensor[i] = self.slot_tensors[k].ptr
             cfg.src[i] = ffi.cast("const uint8_t *", self._raw[k].ctypes.data)
             cfg.nbytes[i] = self.slot_tensors[k].nb[2]
         cfg.device = self.device.ptr
         cfg.scratch = self.scratch.ptr
-        cfg.worker = self.worker.ptr if self.worker is not None and self.share != 0.0 else ffi.NULL
+        worker = self.worker
+        cfg.worker = worker.ptr if worker is not None else ffi.NULL
         cost = CostModel()
-        if self.worker is None or self.share == 0.0:
+        if worker is None:
             cfg.share_mode = lib.HY_SHARE_NONE
-        elif self.share == "auto":
+        elif lc.share == "auto":
             cfg.share_mode = lib.HY_SHARE_AUTO
         else:
             cfg.share_mode = lib.HY_SHARE_FIXED
             # the exact decimal rule, evaluated here once for every miss count a call can have
-            table = ffi.new("int32_t[]", [n_cpu_for_share(float(self.share), n) for n in range(self.n_expert + 1)])
+            table = ffi.new("int32_t[]", [n_cpu_for_share(float(lc.share), n) for n in range(self.n_expert + 1)])
             self._keep.append(table)
             cfg.n_cpu_table = table
         cfg.alpha, cfg.hysteresis = cost.alpha, cost.hysteresis
         for i, k in enumerate(PRIOR_KEYS):
             cfg.prior[i] = cost.prior[k]
-        cfg.fd = -1 if self.store._fd is None else self.store._fd  # the open file, not whatever the path names now
-        for i, v in enumerate(self.store._identity):
+        cfg.fd = -1 if self.store.fd is None else self.store.fd  # the open file, not whatever the path names now
+        for i, v in enumerate(self.store.identity):
             cfg.file_id[i] = v
-        cfg.map_guard = self.store._guard + 1
+        cfg.map_guard = self.store.map_guard + 1
         cfg.staging = int(self.staging)
-        cfg.trace = int(trace)
+        cfg.trace = int(lc.trace is not None)
         cfg.trace_seq = trace_seq if trace_seq is not None else ffi.NULL
         if self.route is not None:
             cfg.route = ffi.cast("const int32_t *", self.route.ctypes.data)
@@ -212,8 +209,10 @@ class NativeExpertExecutor:
 
     def last_decision(self) -> dict[str, Any]:
         """The last call's plan, as the Python executor's SlotCache would give it: ``rounds`` of
-        (hits, loads, evicted), and ``cpu``, the experts the CPU computed (tests compare them)."""
-        return {"rounds": plan_rounds(lib.hy_moe_exec_cache(self._exec.ptr).plan), "cpu": self._last_cpu()}
+        (hits, loads, evicted) (none straight from the tier's frames), and ``cpu``, the experts the CPU computed
+        (tests compare them)."""
+        rounds = [] if self.tier_direct else plan_rounds(lib.hy_moe_exec_cache(self._exec.ptr).plan)
+        return {"rounds": rounds, "cpu": self._last_cpu()}
 
     def _last_cpu(self) -> tuple[int, ...]:
         cpu = ffi.new("const int32_t **")
@@ -228,7 +227,7 @@ class NativeExpertExecutor:
             return []
         data = np.frombuffer(ffi.buffer(p, 4 * n[0]), np.uint32).copy()
         lib.hy_moe_exec_trace_take(self._exec.ptr)
-        out, pos, k = [], 0, int(self._cfg.n_used)
+        out, pos, k = [], 0, self.n_used
         while pos < len(data):
             seq = int(data[pos]) | int(data[pos + 1]) << 32
             layer, T = int(data[pos + 2]), int(data[pos + 3])
@@ -270,7 +269,7 @@ class NativeExpertExecutor:
         """How loads reach the slots: ``copy`` (``tensor_set``), ``staged`` (double-buffered pinned host memory,
         asynchronous uploads), ``queued`` (asynchronous uploads straight from the mapping: the backend copies
         the data when it queues it, as GGML's RPC client does)."""
-        return ("copy", "staged", "queued")[lib.hy_moe_exec_load_mode(self._exec.ptr)]
+        return LOAD_MODES[lib.hy_moe_exec_load_mode(self._exec.ptr)]
 
     def use_plain_loads(self) -> None:
         """Load by plain ``tensor_set`` from now on (benchmarks compare it with staged or queued loads)."""

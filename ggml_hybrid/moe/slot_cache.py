@@ -100,13 +100,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._native.cstruct import Counters
+from .._native.cstruct import Counters, enum_names
 from ..checks import check_int
 from ..errors import IndexRangeError, SlotCacheError, SlotCacheTypeError
 
-__all__ = ["CacheCounters", "SlotCacheError", "SlotCacheTypeError", "POLICIES", "Round", "SlotCache"]
+__all__ = ["CacheCounters", "SlotCacheError", "SlotCacheTypeError", "POLICIES", "POLICY_CODES", "Round", "SlotCache"]
 
-POLICIES = ("lru", "lfu", "freq")
+#: the eviction orders (the session option ``expert_eviction``), the one table of their names and codes: the C
+#: enum ``hy_policy`` (``_native/src/moe_policy.h``), which the slot cache's C port and the host tier both take
+POLICIES: tuple[str, ...] = enum_names("enum hy_policy", "HY_POLICY_")
+POLICY_CODES: dict[str, int] = {name: code for code, name in enumerate(POLICIES)}
 
 
 

@@ -38,9 +38,9 @@ from ..gguf.store import GGUFStore, load_into, repack_rule, same_shape
 from ..machine import default_threads
 from ..options import SessionOptions
 from ..serial import Serial
-from .executor import LayerCounters
 from .expert_layers import ExpertLayers, check_expert_shapes, check_moe_options
 from .ffn import MoERegion, build_moe_ffn
+from .layer_cache import LayerCounters
 
 
 @dataclass(frozen=True)

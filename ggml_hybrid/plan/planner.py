@@ -25,6 +25,7 @@ from ..machine import available_memory
 from ..model.families import read_hparams
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
+from ..moe.expert_layers import tier_holds
 from ..moe.host_tier import AUTO_MARGIN_MIN, auto_budget, frame_bytes, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..placement.devices import device_free_memory, plan_device_names
@@ -132,10 +133,9 @@ class ExpertPlan(_ToDict):
     used: int
     bytes_per_expert: int
     bytes_per_layer: int
-    # the executor of the routed layers ("native": C; "python": gpt-oss's clamped SwiGLU, expert biases or
-    # moe_executor=python, which the host tier does not feed) and the least host tier that works (one layer's
-    # experts in the tier's frames)
-    executor: str = "native"
+    # whether the host tier can hold these experts (gpt-oss's have biases, which it does not hold) and the least
+    # host tier that works (one layer's experts in the tier's frames)
+    host_tier: bool = True
     host_tier_min: int = 0
 
 
@@ -229,7 +229,7 @@ class _Measured:
     layout: dict[str, Any]
     hp: HParams
     n_ctx: int
-    executor: str
+    tier_holds: bool
     tier_min: int
 
 
@@ -245,7 +245,8 @@ def _measure(path: str, opts: SessionOptions, devices: list[str]) -> _Measured:
     with MoEModel(path, opts, dry_run_devices=devices) as m:
         return _Measured({d: m.device_memory(d) for d in devices}, m.kv.nbytes(m.host),
                          m.rs.nbytes(m.host) if m.rs is not None else 0, m.sched.buffer_size(m.host),
-                         m.layout_report(), m.hp, m.n_ctx, "native" if m.experts.native else "python", _tier_min(m))
+                         m.layout_report(), m.hp, m.n_ctx,
+                         all(tier_holds(n) for n in m.experts.names if n is not None), _tier_min(m))
 
 
 def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram: list[int] | None = None,
@@ -333,7 +334,7 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
             dn.state_bytes(), parallel, meas.host_recurrent + sum(v.recurrent for v in out_devices.values())),
         layout=LayoutPlan(*(meas.layout[k] for k in ("layers", "kv", "experts", "output"))),
         experts=ExpertPlan(hp.n_expert, hp.n_used, info["experts"]["bytes_per_expert"],
-                           info["experts"]["bytes_per_layer"], meas.executor, meas.tier_min),
+                           info["experts"]["bytes_per_layer"], meas.tier_holds, meas.tier_min),
         threads=opts.n_threads or os.cpu_count() or 1,
     )
     p.warnings = _warnings(p, opts, hp)
@@ -516,9 +517,9 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
 
 def _search_tier(path: str, ram: int | None, q: Plan) -> int | None:
     """A file larger than the host memory: the host tier the slots read their misses through (what is left), None
-    when the file fits, the tier would be less than what works, or the layers run the Python executor."""
+    when the file fits, the tier would be less than what works, or cannot hold the experts (biases: gpt-oss)."""
     memory = ram if ram is not None else available_memory()
-    if memory is None or os.path.getsize(path) <= memory or q.experts.executor != "native":
+    if memory is None or os.path.getsize(path) <= memory or not q.experts.host_tier:
         return None
     return tier_budget(q, memory)
 
@@ -570,9 +571,9 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     if memory is not None and file_bytes > memory and not opts.host_tier_bytes:
         where = f"--ram {format_bytes(memory)}" if h.ram is not None else f"the {format_bytes(memory)} available now"
         budget = tier_budget(p, memory)
-        if p.experts.executor != "native":
-            w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}, and its routed layers run the "
-                     f"Python executor, which the host tier does not feed: {PYTHON_EXECUTOR_INSTEAD}")
+        if not p.experts.host_tier:
+            w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}, and its experts have biases "
+                     f"(gpt-oss), which the host tier does not hold: {TIER_INSTEAD}")
         elif budget is None:
             w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}, and neither does the least host "
                      f"tier (one layer's experts, {tier_min}) beside the host buffers: give the run more memory")
@@ -581,9 +582,9 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
                      f"through a host tier, e.g. --expert-cache-slots {max(hp.n_used, 1)} --host-tier "
                      f"{budget // MiB}M (host_tier_bytes=auto takes what is available less a margin); see "
                      "docs/moe.md, \"The host expert tier\"")
-    if opts.host_tier_bytes and opts.disk_experts and p.experts.executor != "native":
-        w.append(f"host_tier_bytes={opts.host_tier_bytes}: run refuses it, these layers run the Python executor: "
-                 + PYTHON_EXECUTOR_INSTEAD)
+    if opts.host_tier_bytes and opts.disk_experts and not p.experts.host_tier:
+        w.append(f"host_tier_bytes={opts.host_tier_bytes}: run refuses it, the host tier does not hold experts with "
+                 f"biases (gpt-oss): {TIER_INSTEAD}")
     elif opts.host_tier_bytes and opts.disk_experts and h.host_tier < p.experts.host_tier_min:
         w.append(f"host_tier_bytes={opts.host_tier_bytes}: run refuses a host tier of {format_bytes(h.host_tier)}, "
                  f"less than one layer's experts ({tier_min}); give --host-tier "
@@ -601,7 +602,7 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     return w
 
 
-PYTHON_EXECUTOR_INSTEAD = ("use --expert-cache-slots N without --host-tier (misses read through the page cache), or "
+TIER_INSTEAD = ("use --expert-cache-slots N without --host-tier (misses read through the page cache), or "
                            "-ncmoe N / --cpu-moe (experts on the CPU, memory-mapped)")
 
 
@@ -829,6 +830,6 @@ def format_k8s(p: Plan | DensePlan, image: str = DEFAULT_IMAGE, port: int = DEFA
     return to_yaml(deployment(p, k8s_resources(p)["resources"], image, port, name, api_key_secret))
 
 
-__all__ = ["EXPERT_KEYS", "PYTHON_EXECUTOR_INSTEAD", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan",
+__all__ = ["EXPERT_KEYS", "TIER_INSTEAD", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan",
            "KVPlan", "LayoutPlan", "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "format_text",
            "k8s_resources", "plan", "planned_devices", "tier_budget"]

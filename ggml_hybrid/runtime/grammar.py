@@ -242,10 +242,6 @@ class Constraint:
         """The grammar takes no further token (not even an end-of-generation one)."""
         return bool(self._m.is_stopped())
 
-    @property
-    def accepting(self) -> bool:
-        return bool(self._m.is_accepting())
-
     def allowed(self) -> np.ndarray:
         """A boolean array over the vocabulary: the tokens the grammar can take next."""
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)

@@ -448,7 +448,7 @@ def decode_rows(model: LoadedModel, ubatch_size: int) -> int:
     rowwise, so at the threshold rows of one expert would take another kernel than a lone sequence's one row.
     Likewise fewer than GGML's repacked gemm threshold when dense weights are in an extra buffer type other than
     ``CPU_REPACK`` (AMX, KleidiAI): those products take gemm from that many rows, whose bits differ from a lone row's
-    gemv, and no patch of ours steers them. ``CPU_REPACK`` products honour GGML_HINT_ROWWISE (patch 0005: gemv for
+    gemv, and no patch of ours steers them. ``CPU_REPACK`` products honour GGML_HINT_ROWWISE (patch 0006: gemv for
     every row); their expert products are gemv per row already.
 
     On a Vulkan device, at most GGML's mat-vec limit (8 rows; a tiled kernel above, F16 operands: 1e-3 from a

@@ -222,9 +222,5 @@ class ModelSet:
             sm.close()
         return True
 
-    @property
-    def loader_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
 
 __all__ = ["LoadCancelled", "ModelSet", "ServedModel", "Snapshot"]

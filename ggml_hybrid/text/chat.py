@@ -181,10 +181,6 @@ class RenderPool:
         for w in workers:
             w.kill()
 
-    def reopen(self) -> None:
-        with self._lock:
-            self._closed = False
-
 
 _POOL = RenderPool()
 atexit.register(_POOL.close)  # its processes end with this one, waited for (no process left to the interpreter's exit)

@@ -1,15 +1,22 @@
-"""The A/B loop the stack benchmarks share: every session runs the same fresh input per step, in alternating
-order (forward, then reversed), after a warm-up; every output is checked bit-identical to the reference."""
+"""The A/B loops the stack benchmarks share. :func:`alternate`: every session runs the same fresh input per step, in
+alternating order (forward, then reversed), after a warm-up; every output is checked bit-identical to the
+reference. :func:`alternate_builds`: one worker process per build and round, the builds alternated, each checked to
+have imported the package from its own build."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ggml_hybrid.moe.stack_session import MoEStackSession
+if TYPE_CHECKING:
+    from ggml_hybrid.moe.stack_session import MoEStackSession
 
 
 def alternate(sessions: dict[str, MoEStackSession], ref: MoEStackSession | None, n_tokens: int, n_embd: int,
@@ -34,3 +41,19 @@ def alternate(sessions: dict[str, MoEStackSession], ref: MoEStackSession | None,
                 want = got
             assert np.array_equal(got, want), f"{k} differs from the reference run"
     return {k: statistics.median(v) for k, v in times.items()}, base
+
+
+def alternate_builds(cmd: list[str], builds: dict[str, Path], rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """Run ``cmd`` (a worker that prints one JSON object last, with ``where``: its ``ggml_hybrid.__file__``) once per
+    build and round with the build first on ``PYTHONPATH``, in alternating order (forward, then reversed); each
+    build's outputs in round order."""
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in builds}
+    for r in range(rounds):
+        for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
+            out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(builds[name])}, check=True,
+                                 capture_output=True, text=True)
+            got = json.loads(out.stdout.splitlines()[-1])
+            if builds[name] not in Path(got["where"]).resolve().parents:
+                raise SystemExit(f"the worker for {builds[name]} imported ggml_hybrid from {got['where']}")
+            runs[name].append(got)
+    return runs

@@ -9,14 +9,15 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-UPSTREAM_DIR = ROOT / "build" / "upstream" / "ggml_hybrid" / "_native"  # where `build.py --upstream` puts it
+# where `python -m ggml_hybrid_build --upstream` puts it
+UPSTREAM_DIR = ROOT / "build" / "upstream" / "ggml_hybrid" / "_native"
 
 
 def load_upstream():
     """(ffi, lib) of GGML built without our patch series; built on first use (about a minute)."""
     path = UPSTREAM_DIR / f"_ggml_upstream{sysconfig.get_config_var('EXT_SUFFIX')}"
     if not path.exists():
-        subprocess.run([sys.executable, str(ROOT / "build.py"), "--upstream"], check=True)
+        subprocess.run([sys.executable, "-m", "ggml_hybrid_build", "--upstream"], check=True, cwd=ROOT)
     spec = importlib.util.spec_from_file_location("_ggml_upstream", path)  # its PyInit name
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

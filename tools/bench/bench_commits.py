@@ -2,7 +2,7 @@
 """Prompt and decode tok/s of two checkouts of ggml-hybrid on the same model, A/B alternated in one run.
 
 A refactoring must not cost speed; this measures it. ``--base`` is a checkout of the earlier commit whose native
-module is built (``git worktree add /tmp/base REV && cd /tmp/base && python build.py``; GGML comes from the
+module is built (``git worktree add /tmp/base REV && cd /tmp/base && python -m ggml_hybrid_build``; GGML comes from the
 build cache when the pin and patches are the same), ``--head`` the one to compare (default: this checkout).
 Each side runs in its own worker process (``_ours_worker.py`` with ``PYTHONPATH`` set to its checkout) that loads
 the model once: bench_vs_llama's synthetic qwen3moe (8 layers, embd 1024, 64 experts, top-8) of ``--type``.
@@ -10,7 +10,7 @@ After a warm-up each, rounds alternate A,B,B,A (A = base, B = head); a run is a 
 then ``--n`` greedy tokens one eval each. Prints the medians, head / base ratios (of the medians and of each
 A,B,B,A block) and whether both sides chose the same greedy tokens (they must: the logits are bit-identical).
 
-    python tools/bench/bench_commits.py --base /tmp/base [--type Q8_0] [--threads 1] [--rounds 6]
+    python tools/bench/bench_commits.py --base /tmp/base [--type Q8_0] [--threads 1] [--rounds 6] [--model M.gguf]
 """
 
 from __future__ import annotations
@@ -63,8 +63,11 @@ class Side:
 @click.option("--rounds", type=int, default=6, show_default=True, help="A,B,B,A blocks")
 @click.option("--prompt", type=int, default=64, show_default=True)
 @click.option("--n", type=int, default=33, show_default=True, help="greedy tokens (n-1 decode steps)")
-def main(base: Path, head: Path, wtype: str, threads: int, rounds: int, prompt: int, n: int) -> None:
-    path = model_path(wtype, SPEC)
+@click.option("--model", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a model file instead of the synthetic one of --type (e.g. one quantized by llama.cpp)")
+def main(base: Path, head: Path, wtype: str, threads: int, rounds: int, prompt: int, n: int,
+         model: str | None) -> None:
+    path = model or model_path(wtype, SPEC)
     tokens = np.random.default_rng(0).integers(0, 8000, prompt).tolist()
     sides = {"A": Side(base, path, threads, 512), "B": Side(head, path, threads, 512)}
     runs: dict[str, list[dict]] = {"A": [], "B": []}

@@ -33,9 +33,8 @@ from ggml_hybrid import ffi, lib
 from ggml_hybrid._native import cstr
 from ggml_hybrid.ggml.ops import GLU_OPS
 from ggml_hybrid.gguf.store import GGUFStore, load_into, repack_rule
-from ggml_hybrid.moe.cpu_worker import CPUWorker
+from ggml_hybrid.moe.cpu_worker import CPUWorker, NativeWorker
 from ggml_hybrid.moe.ffn import ExpertWeights, expert_ffn
-from ggml_hybrid.moe.native_executor import NativeWorker
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.options import SessionOptions
 from ggml_hybrid.synthetic import write_moe_stack

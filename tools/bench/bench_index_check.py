@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Cost of the index checks of vendor patch 0009 in the CPU kernels that index by tensor data.
+"""Cost of the index checks of vendor patch 0013 in the CPU kernels that index by tensor data.
 
 Upstream's GET_ROWS, SET_ROWS and ADD_ID kernels test each index with a GGML_ASSERT (an abort when out of
-range); MUL_MAT_ID tests it only in debug builds. Patch 0009 replaces each test by a branch that records the
+range); MUL_MAT_ID tests it only in debug builds. Patch 0013 replaces each test by a branch that records the
 index and skips its row. This runs one-op graphs of the four ops, with in-range indices, on a build with the
-patch series and on one without it (same pin, same options; ``python build.py --upstream``), both loaded in
+patch series and on one without it (same pin, same options; ``python -m ggml_hybrid_build --upstream``), both loaded in
 one process on one thread, in alternating blocks (unpatched then patched, then the other way round) after a
 warm-up; prints each arm's median time per compute and the ratio patched/unpatched, and checks that both arms
 give the same bytes.

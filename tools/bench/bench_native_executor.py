@@ -14,7 +14,8 @@
    and 64 tokens: time per layer, load time per call, MB/s.
 
 3. ``ab``: the native executor's orchestration against another build of the package (``--base DIR``: a
-   checkout built with ``python build.py``, e.g. ``git worktree add /tmp/base COMMIT``), alternated in one run:
+   checkout built with ``python -m ggml_hybrid_build``, e.g. ``git worktree add /tmp/base COMMIT``), alternated in one
+   run:
    each of ``--rounds`` rounds runs the stack of part 1 (resident, native with 64 and 16 slots) once in a fresh
    process of each build (``_native_stack_worker.py``), in alternating order; medians over the rounds and
    their ratio, head / base (bench_commits.py does the same for a whole model's tok/s).
@@ -25,16 +26,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import click
 import numpy as np
-from _alternate import alternate
+from _alternate import alternate, alternate_builds
 from bench_expert_cache import SHAPE, model_path
 from bench_rpc import start_server
 
@@ -92,15 +91,7 @@ def ab(base: str, rounds: int, steps: int, warmup: int) -> None:
     builds = {"base": Path(base).resolve(), "head": Path(__file__).resolve().parents[2]}
     worker = [sys.executable, str(Path(__file__).with_name("_native_stack_worker.py")), model_path(),
               *map(str, (SHAPE["n_layer"], SHAPE["n_embd"], steps, warmup))]
-    runs: dict[str, list[dict]] = {k: [] for k in builds}
-    for r in range(rounds):
-        for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
-            out = subprocess.run(worker, env={**os.environ, "PYTHONPATH": str(builds[name])}, check=True,
-                                 capture_output=True, text=True)
-            got = json.loads(out.stdout.splitlines()[-1])
-            if builds[name] not in Path(got["where"]).resolve().parents:
-                raise SystemExit(f"the worker for {builds[name]} imported ggml_hybrid from {got['where']}")
-            runs[name].append(got)
+    runs = alternate_builds(worker, builds, rounds)
     print(f"native executor, {rounds} rounds (a fresh process of each build per round, alternating), each {steps} "
           f"decode steps after {warmup}; base = {builds['base']}, head = {builds['head']}; "
           f"load average {os.getloadavg()[0]:.1f}")

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Cost of vendor patch 0010's graph status on an RPC decode step: two builds A/B, alternated.
+"""Cost of vendor patch 0014's graph status on an RPC decode step: two builds A/B, alternated.
 
 Each arm is an interpreter with its own build of ggml-hybrid (``--a`` and ``--b``: e.g. a checkout of main and
 this one). A block runs ``_rpc_step_worker.py`` under one arm: it starts that build's ``rpc-server`` (one
 thread, loopback), puts a small decode-like graph on the RPC device (GET_ROWS of one token, a 256 x 256 matrix
 product, ADD_ID) and times ``--n`` computes, each with its output read back, after ``--warmup``. Blocks alternate
 (A B, then B A); prints each block's median, each arm's median of block medians and the ratio B/A. With patch
-0010 (B) every graph is followed by a status request whose reply is read before the output's: no round trip of its
+0014 (B) every graph is followed by a status request whose reply is read before the output's: no round trip of its
 own, one 9-byte request and a 264-byte reply.
 
     python tools/bench/bench_rpc_status.py --a /work/main/.venv/bin/python --b .venv/bin/python \\

@@ -33,9 +33,10 @@ from ggml_hybrid._native import buildinfo
 HERE = Path(__file__).resolve().parent
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    """A module of this checkout by its file (tools/digits.py, build.py), without touching sys.path."""
-    spec = importlib.util.spec_from_file_location(name, path)
+def _load(name: str, path: Path, package: list[str] | None = None) -> ModuleType:
+    """A module of this checkout by its file (tools/digits.py; the build package by its ``__init__.py`` and its
+    folder, ``package``), without touching sys.path."""
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=package)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # registered before it runs: its dataclasses look their module up
@@ -48,8 +49,10 @@ D = _load("digits", HERE.parent / "digits.py")
 
 def compile_c(out_dir: Path) -> Path:
     """scripting_c.c against the pin's headers and the package's GGML libraries."""
-    build = _load("ggml_hybrid_build_script", HERE.parents[1] / "build.py")
-    include = build.pin_headers() / "include"
+    pkg = HERE.parents[1] / "ggml_hybrid_build"
+    _load("ggml_hybrid_build", pkg / "__init__.py", [str(pkg)])
+    from ggml_hybrid_build import abi  # the checkout's build package, loaded by its folder just above
+    include = abi.pin_headers() / "include"
     libdir = buildinfo.NATIVE_DIR / "lib"
     exe = out_dir / "scripting_c"
     subprocess.run(["cc", "-O2", "-o", str(exe), str(HERE / "scripting_c.c"), f"-I{include}", f"-L{libdir}",

@@ -16,11 +16,12 @@ side's own work cost, less sensitive to either being descheduled). Medians and t
 llama.cpp are printed, each A,B,B,A block's ratio (median and range), then one Markdown table of every ratio.
 ``--sessions K`` loads both sides afresh K times and pools their rounds: a side can run a few percent fast or
 slow for its whole life (where its memory landed, what shared the host then), which more rounds in one
-session do not average out.
+session do not average out. ``--model TYPE=PATH`` runs a given file for that type instead of the synthetic one
+(e.g. a model quantized by llama.cpp's own quantizer).
 
     python tools/bench/bench_vs_llama.py --llama-python /opt/llref/bin/python \\
         [--type Q8_0 --type Q4_0 --type Q4_K --type Q6_K] [--threads 1] [--rounds 4] [--sessions 1]
-        [--config default] [--arch qwen35moe]
+        [--config default] [--arch qwen35moe] [--model Q8_0=held-out-q8_0.gguf]
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def run_ours(model: MoEModel, tokens, n):
 
 
 def compare(ns: SimpleNamespace, wtype: str, config: str) -> dict:
-    path = model_path(wtype, SPECS[ns.arch])
+    given = dict(m.split("=", 1) for m in ns.models)
+    path = given.get(wtype) or model_path(wtype, SPECS[ns.arch])
     n_ctx = 512
     tokens = np.random.default_rng(0).integers(0, 8000, ns.prompt).tolist()
     cpu_moe = config == "cpu-moe"
@@ -219,6 +221,8 @@ def block_ratios(res: dict[str, list], i: int | str, n: int) -> list[float]:
 @click.option("--n", type=click.IntRange(2), default=32, help="generated tokens (the first comes from the prompt)",
               show_default=True)
 @click.option("--no-repack", is_flag=True, help="both sides without repacked weights (llama.cpp's -nr)")
+@click.option("--model", "models", multiple=True, metavar="TYPE=PATH",
+              help="a model file of one --type instead of the synthetic one (e.g. one quantized by llama.cpp)")
 def main(**options) -> None:
     sys.exit(_main(SimpleNamespace(**options)))
 

@@ -102,7 +102,7 @@ def hits(steps: int, warmup: int) -> None:
               help="token counts of the loads part (repeat the option for several)")
 def main(part: str, steps: int, warmup: int, token_counts: tuple[int, ...]) -> None:
     if not gh.vulkan_available():
-        raise SystemExit("no Vulkan device: build with `python build.py --vulkan`; on lavapipe set "
+        raise SystemExit("no Vulkan device: build with `python -m ggml_hybrid_build --vulkan`; on lavapipe set "
                          "GGML_VK_VISIBLE_DEVICES=0")
     if part in ("loads", "all"):
         loads(steps, warmup, token_counts)

@@ -91,7 +91,6 @@ size_t ggml_used_mem(const struct ggml_context * ctx);
 void * ggml_get_mem_buffer(const struct ggml_context * ctx);
 size_t ggml_get_mem_size(const struct ggml_context * ctx);
 size_t ggml_tensor_overhead(void);
-size_t ggml_graph_overhead(void);
 size_t ggml_graph_overhead_custom(size_t size, bool grads);
 
 int64_t ggml_blck_size(enum ggml_type type);
@@ -107,9 +106,7 @@ bool ggml_is_contiguous(const struct ggml_tensor * tensor);
 bool ggml_is_contiguous_rows(const struct ggml_tensor * tensor);
 bool ggml_is_contiguous_1(const struct ggml_tensor * tensor);
 bool ggml_is_transposed(const struct ggml_tensor * tensor);
-bool ggml_is_permuted(const struct ggml_tensor * tensor);
 bool ggml_can_repeat(const struct ggml_tensor * t0, const struct ggml_tensor * t1);
-bool ggml_are_same_shape(const struct ggml_tensor * t0, const struct ggml_tensor * t1);
 bool ggml_validate_row_data(enum ggml_type type, const void * data, size_t nbytes);
 
 struct ggml_tensor * ggml_new_tensor(struct ggml_context * ctx, enum ggml_type type, int n_dims, const int64_t * ne);
@@ -117,7 +114,6 @@ struct ggml_tensor * ggml_get_first_tensor(const struct ggml_context * ctx);
 struct ggml_tensor * ggml_get_next_tensor(const struct ggml_context * ctx, struct ggml_tensor * tensor);
 struct ggml_tensor * ggml_get_tensor(struct ggml_context * ctx, const char * name);
 struct ggml_tensor * ggml_set_name(struct ggml_tensor * tensor, const char * name);
-const char * ggml_get_name(const struct ggml_tensor * tensor);
 void ggml_set_input(struct ggml_tensor * tensor);
 void ggml_set_output(struct ggml_tensor * tensor);
 
@@ -162,11 +158,8 @@ struct ggml_tensor * ggml_glu(struct ggml_context * ctx, struct ggml_tensor * a,
 struct ggml_tensor * ggml_glu_split(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, enum ggml_glu_op op);
 struct ggml_tensor * ggml_swiglu_oai(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
         float alpha, float limit);
-struct ggml_tensor * ggml_view_1d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, size_t offset);
 struct ggml_tensor * ggml_view_2d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
         size_t nb1, size_t offset);
-struct ggml_tensor * ggml_view_3d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
-        int64_t ne2, size_t nb1, size_t nb2, size_t offset);
 struct ggml_tensor * ggml_view_4d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
         int64_t ne2, int64_t ne3, size_t nb1, size_t nb2, size_t nb3, size_t offset);
 struct ggml_tensor * ggml_reshape_4d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
@@ -189,13 +182,10 @@ struct ggml_tensor * ggml_gated_delta_net(struct ggml_context * ctx, struct ggml
 // graphs
 struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
 void ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
-int ggml_graph_size(struct ggml_cgraph * cgraph);
 int ggml_graph_n_nodes(struct ggml_cgraph * cgraph);
 struct ggml_tensor * ggml_graph_node(struct ggml_cgraph * cgraph, int i);
-struct ggml_tensor * ggml_graph_get_tensor(const struct ggml_cgraph * cgraph, const char * name);
 
 // quantization
-void ggml_quantize_init(enum ggml_type type);
 bool ggml_quantize_requires_imatrix(enum ggml_type type);
 size_t ggml_quantize_chunk(enum ggml_type type, const float * src, void * dst, int64_t start, int64_t nrows,
         int64_t n_per_row, const float * imatrix);

@@ -27,7 +27,6 @@ size_t ggml_backend_buffer_get_size(ggml_backend_buffer_t buffer);
 void ggml_backend_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value);
 bool ggml_backend_buffer_is_host(ggml_backend_buffer_t buffer);
 void ggml_backend_buffer_set_usage(ggml_backend_buffer_t buffer, enum ggml_backend_buffer_usage usage);
-enum ggml_backend_buffer_usage ggml_backend_buffer_get_usage(ggml_backend_buffer_t buffer);
 ggml_backend_buffer_type_t ggml_backend_buffer_get_type(ggml_backend_buffer_t buffer);
 
 const char * ggml_backend_name(ggml_backend_t backend);
@@ -37,12 +36,10 @@ ggml_backend_buffer_t ggml_backend_alloc_buffer(ggml_backend_t backend, size_t s
 void ggml_backend_tensor_set(struct ggml_tensor * tensor, const void * data, size_t offset, size_t size);
 void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
 void ggml_backend_tensor_set_async(ggml_backend_t backend, struct ggml_tensor * tensor, const void * data, size_t offset, size_t size);
-void ggml_backend_tensor_get_async(ggml_backend_t backend, const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
 void ggml_backend_tensor_copy(const struct ggml_tensor * src, struct ggml_tensor * dst);
 void ggml_backend_synchronize(ggml_backend_t backend);
 enum ggml_status ggml_backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * cgraph);
 bool ggml_backend_supports_op(ggml_backend_t backend, const struct ggml_tensor * op);
-bool ggml_backend_supports_buft(ggml_backend_t backend, ggml_backend_buffer_type_t buft);
 ggml_backend_dev_t ggml_backend_get_device(ggml_backend_t backend);
 
 const char * ggml_backend_dev_name(ggml_backend_dev_t device);
@@ -70,8 +67,6 @@ ggml_backend_sched_t ggml_backend_sched_new(ggml_backend_t * backends, ggml_back
         int n_backends, size_t graph_size, bool parallel, bool op_offload);
 void ggml_backend_sched_free(ggml_backend_sched_t sched);
 bool ggml_backend_sched_reserve(ggml_backend_sched_t sched, struct ggml_cgraph * measure_graph);
-int ggml_backend_sched_get_n_backends(ggml_backend_sched_t sched);
-ggml_backend_t ggml_backend_sched_get_backend(ggml_backend_sched_t sched, int i);
 int ggml_backend_sched_get_n_splits(ggml_backend_sched_t sched);
 int ggml_backend_sched_get_n_copies(ggml_backend_sched_t sched);
 size_t ggml_backend_sched_get_buffer_size(ggml_backend_sched_t sched, ggml_backend_t backend);

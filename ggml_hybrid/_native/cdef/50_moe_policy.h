@@ -1,7 +1,5 @@
 // The decisions of a MoE layer call in C (src/moe_policy.h): the slot cache and the CPU share.
-#define HY_POLICY_LRU ...
-#define HY_POLICY_LFU ...
-#define HY_POLICY_FREQ ...
+enum hy_policy { HY_POLICY_LRU, HY_POLICY_LFU, HY_POLICY_FREQ, HY_POLICY_N };
 
 typedef struct hy_cache_counters {
     int64_t calls, distinct, hits, misses, evictions, rounds, invalidated;
@@ -30,7 +28,6 @@ typedef struct hy_slot_cache {
 
 hy_slot_cache * hy_cache_new(int n_experts, int n_slots, int policy);
 void hy_cache_free(hy_slot_cache * c);
-void hy_cache_reset(hy_slot_cache * c);
 const hy_plan * hy_cache_plan(hy_slot_cache * c, const int32_t * experts, const int32_t * rows, int n,
         bool deferred_loads);
 void hy_cache_commit(hy_slot_cache * c, int slot, int expert);

@@ -12,7 +12,6 @@ hy_tier * hy_tier_new(int fd, const int64_t file_id[4], int64_t budget, int n_th
 void hy_tier_free(hy_tier * t);
 int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const uint64_t * offset,
         const size_t * nbytes);
-int64_t hy_tier_entry_bytes(const hy_tier * t, int layer);
 int hy_tier_fetch(hy_tier * t, int layer, const int32_t * experts, int n);
 typedef struct hy_tier_arena_info {
     ggml_backend_buffer_t buffer;
@@ -22,6 +21,8 @@ typedef struct hy_tier_arena_info {
 } hy_tier_arena_info;
 int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info);
 size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind);
+struct ggml_tensor * hy_tier_view(hy_tier * t, struct ggml_context * ctx, int layer, int kind,
+        const struct ggml_tensor * like);
 ggml_backend_buffer_type_t hy_tier_buffer_type(const hy_tier * t);
 int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src, int * frame);
 int hy_tier_read_ahead(hy_tier * t, int layer, const int32_t * experts, int n);

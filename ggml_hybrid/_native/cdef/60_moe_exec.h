@@ -40,6 +40,11 @@ int hy_worker_wait(hy_worker * w);
 
 enum { HY_OK, HY_ERR_FILE, HY_ERR_COMPUTE, HY_ERR_ALLOC, HY_ERR_WORKER, HY_ERR_INJECTED, HY_ERR_INPUT };
 enum { HY_SHARE_NONE, HY_SHARE_FIXED, HY_SHARE_AUTO };
+enum hy_load_mode { HY_LOAD_COPY, HY_LOAD_STAGED, HY_LOAD_QUEUED, HY_LOAD_N };
+enum hy_exec_mode { HY_MODE_SLOTS, HY_MODE_TIER, HY_MODE_DIRECT, HY_MODE_N };
+#define HY_STEP_N ...
+int hy_moe_exec_steps(int mode, const uint8_t ** steps);
+const char * hy_moe_exec_step_name(int step);
 
 typedef struct hy_moe_counters {
     int64_t calls, routed, distinct, hits, misses, bytes_loaded, evictions, rounds;
@@ -100,6 +105,7 @@ const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints);
 void hy_moe_exec_trace_take(hy_moe_exec * ex);
 int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
 int hy_moe_exec_load_mode(const hy_moe_exec * ex);
+int hy_moe_exec_mode(const hy_moe_exec * ex);
 void hy_moe_exec_plain_loads(hy_moe_exec * ex);
 int hy_moe_exec_reserve(hy_moe_exec * ex, int n_tokens);
 void hy_moe_exec_inject_load_failure(hy_moe_exec * ex, int after);

@@ -50,7 +50,7 @@ ggml_backend_reg_t hy_backend_load(const char * path, char * err, size_t n_err) 
     }
     const char * (*abi)(void) = (const char * (*)(void)) dlsym(handle, "ggml_hybrid_backend_abi");
     if (abi == NULL) {
-        snprintf(err, n_err, "%s was not built by ggml-hybrid's build.py (it has no ABI stamp)", path);
+        snprintf(err, n_err, "%s was not built by ggml-hybrid's build (it has no ABI stamp)", path);
         dlclose(handle);
         return NULL;
     }

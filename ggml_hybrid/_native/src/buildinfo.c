@@ -1,7 +1,7 @@
 #include "buildinfo.h"
 
 #ifndef HY_GGML_VERSION
-#error "build.py defines HY_GGML_VERSION, HY_PATCH_HASH, HY_SOURCE_HASH and GGML_HYBRID_ABI"
+#error "ggml_hybrid_build defines HY_GGML_VERSION, HY_PATCH_HASH, HY_SOURCE_HASH and GGML_HYBRID_ABI"
 #endif
 
 const char * hy_ggml_version(void) { return HY_GGML_VERSION; }

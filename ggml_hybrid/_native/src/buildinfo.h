@@ -1,4 +1,4 @@
-/* What the cffi module was built from, compiled in as macros by build.py, and the ABI stamp of the ggml-base
+/* What the cffi module was built from, compiled in as macros by ggml_hybrid_build, and the ABI stamp of the ggml-base
    actually loaded: _native/buildinfo.py compares them at import, so a stale build fails loudly. */
 #pragma once
 

@@ -1,6 +1,8 @@
 #define _GNU_SOURCE /* O_DIRECT */
 #include "host_tier.h"
 
+#include "clock.h"
+#include "file_id.h"
 #include "moe_policy.h"
 
 #include "ggml-backend.h"
@@ -13,8 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 /* O_DIRECT wants the offset, the length and the buffer aligned to the logical block; 4 KiB covers the
@@ -42,7 +42,8 @@ typedef struct hy_tier_entry {
     bool predicted;       /* predicted for its layer's next call: evicted last, until hy_tier_settle */
     bool ahead;           /* read ahead for that call, not yet judged used or wasted */
     int layer, expert;
-    int64_t uses, last_use;
+    int64_t uses, last_use; /* calls that fetched it since it was read (LFU), and the last one's tick */
+    int64_t requests;     /* calls that fetched it, ever: an eviction does not forget them (FREQ) */
     int err_no;           /* a failed read: errno, or 0 for a short read */
     uint64_t err_offset;
     size_t err_got, err_want;
@@ -51,7 +52,7 @@ typedef struct hy_tier_entry {
 struct hy_tier {
     int fd;
     bool direct;
-    int64_t file_id[4];
+    int64_t file_id[HY_FILE_ID_N];
     int64_t budget;
     int policy;
     hy_tier_layer * layers;
@@ -82,12 +83,6 @@ struct hy_tier {
     pthread_t * threads;
     int n_threads;
 };
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
@@ -160,7 +155,7 @@ static void * io_thread(void * arg) {
         }
         const hy_tier_layer * L = &t->layers[en->layer];
         pthread_mutex_unlock(&t->mu);
-        const int64_t t0 = now_ns();
+        const int64_t t0 = hy_now_ns();
         bool ok = true;
         int64_t bytes = 0;
         for (int k = 0; k < L->n_kinds && ok; k++) {
@@ -169,7 +164,7 @@ static void * io_thread(void * arg) {
             bytes += t->direct ? (int64_t) round_up((size_t) (off % HY_TIER_ALIGN) + L->nbytes[k], HY_TIER_ALIGN)
                                : (int64_t) L->nbytes[k];
         }
-        const int64_t dt = now_ns() - t0;
+        const int64_t dt = hy_now_ns() - t0;
         pthread_mutex_lock(&t->mu);
         t->counters.read_ns += dt;
         if (ok) {
@@ -207,8 +202,12 @@ static bool direct_reads_work(int fd) {
     return r >= 0;
 }
 
-hy_tier * hy_tier_new(int fd, const int64_t file_id[4], int64_t budget, int n_threads, int direct, int policy,
-                      ggml_backend_buffer_type_t buft, char * err, size_t err_size) {
+hy_tier * hy_tier_new(int fd, const int64_t file_id[HY_FILE_ID_N], int64_t budget, int n_threads, int direct,
+                      int policy, ggml_backend_buffer_type_t buft, char * err, size_t err_size) {
+    if (policy < 0 || policy >= HY_POLICY_N) {
+        snprintf(err, err_size, "host tier: no eviction policy %d", policy);
+        return NULL;
+    }
     hy_tier * t = calloc(1, sizeof(*t));
     if (t == NULL) {
         snprintf(err, err_size, "host tier: out of memory");
@@ -330,8 +329,6 @@ int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const u
     return t->n_layers++;
 }
 
-int64_t hy_tier_entry_bytes(const hy_tier * t, int layer) { return (int64_t) t->layers[layer].entry_bytes; }
-
 /* with the lock held: the arena, made at the first call (every layer is registered by then): frames as large as
    the largest layer's expert, as many as the budget holds, in one buffer of the tier's buffer type (its pages
    are touched only as frames fill) */
@@ -390,6 +387,20 @@ int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info) {
 }
 
 size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind) { return t->layers[layer].pos[kind]; }
+
+struct ggml_tensor * hy_tier_view(hy_tier * t, struct ggml_context * ctx, int layer, int kind,
+                                  const struct ggml_tensor * like) {
+    hy_tier_arena_info a;
+    if (hy_tier_arena(t, &a) != 0) {
+        return NULL;
+    }
+    struct ggml_tensor * v = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], a.n_frames);
+    v->nb[2] = a.frame_bytes;
+    v->nb[3] = a.frame_bytes * (size_t) a.n_frames;
+    v->data = a.base + t->layers[layer].pos[kind];
+    v->buffer = a.buffer;
+    return v;
+}
 ggml_backend_buffer_type_t hy_tier_buffer_type(const hy_tier * t) { return t->buft; }
 
 /* ---- a call ---------------------------------------------------------------------------------------- */
@@ -403,19 +414,12 @@ static int set_error(hy_tier * t, const char * fmt, ...) {
     return -1;
 }
 
-static bool file_unchanged(const hy_tier * t) {
-    struct stat st;
-    if (fstat(t->fd, &st) != 0) {
-        return false;
-    }
-    const int64_t mtime = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
-    return (int64_t) st.st_dev == t->file_id[0] && (int64_t) st.st_ino == t->file_id[1] &&
-           (int64_t) st.st_size == t->file_id[2] && mtime == t->file_id[3];
-}
+static bool file_unchanged(const hy_tier * t) { return hy_file_unchanged(t->fd, t->file_id); }
 
 /* the cached expert the policy drops first: not fetched by this call, not predicted for a coming call (unless
-   `predicted_too` and nothing else can go), least recently used (LRU) or least used, the least recent among
-   equals (LFU); -1 when none can go */
+   `predicted_too` and nothing else can go), then by the slot cache's orders (moe_policy.h, the expert_eviction
+   option): the least recently fetched (LRU); the least fetched since it was read, the least recent among equals
+   (LFU); the least fetched ever, the least recent among equals (FREQ). -1 when none can go */
 static int victim(const hy_tier * t, bool predicted_too) {
     int best = -1;
     for (int i = 0; i < t->n_entries; i++) {
@@ -431,6 +435,8 @@ static int victim(const hy_tier * t, bool predicted_too) {
         bool better;
         if (en->predicted != b->predicted) {
             better = !en->predicted;
+        } else if (t->policy == HY_POLICY_FREQ) {
+            better = en->requests < b->requests || (en->requests == b->requests && en->last_use < b->last_use);
         } else if (t->policy == HY_POLICY_LFU) {
             better = en->uses < b->uses || (en->uses == b->uses && en->last_use < b->last_use);
         } else {
@@ -501,6 +507,7 @@ static int fetch_one(hy_tier * t, int i) {
         t->pinned[t->n_pinned++] = i;
     }
     en->uses++;
+    en->requests++;
     en->last_use = ++t->tick;
     if (en->state != ENTRY_EMPTY) { /* held, read ahead, or already on its way for this call */
         if (en->state == ENTRY_READY || !was_pinned) { /* in flight and not fetched by this call: read ahead */
@@ -511,7 +518,7 @@ static int fetch_one(hy_tier * t, int i) {
     const int64_t need = (int64_t) t->frame_bytes;
     if (start_read(t, i, true) != 0) {
         return set_error(t, "layer %d: the host tier's budget (%lld bytes) cannot hold this call's experts "
-                         "(%d of %lld bytes each); give host_cache_bytes at least one layer's experts",
+                         "(%d of %lld bytes each); give host_tier_bytes at least one layer's experts",
                          L->label, (long long) t->budget, t->n_pinned, (long long) need);
     }
     t->counters.misses++;
@@ -555,12 +562,12 @@ int hy_tier_get(hy_tier * t, int layer, int e, const uint8_t ** src, int * frame
         rc = fetch_one(t, i);
     }
     if (rc == 0 && (en->state == ENTRY_QUEUED || en->state == ENTRY_READING)) {
-        const int64_t t0 = now_ns();
+        const int64_t t0 = hy_now_ns();
         while (en->state == ENTRY_QUEUED || en->state == ENTRY_READING) {
             pthread_cond_wait(&t->done, &t->mu);
         }
         t->counters.waits++;
-        t->counters.wait_ns += now_ns() - t0;
+        t->counters.wait_ns += hy_now_ns() - t0;
     }
     if (rc == 0 && en->state == ENTRY_FAILED) {
         if (en->err_no != 0) {

@@ -2,7 +2,7 @@
    explicit reads (pread on a small pool of I/O threads, O_DIRECT where the filesystem allows it), never
    through page faults of the mapping inside a kernel.
 
-   Between the device's slots and the file: a disk layer's executor (moe_exec.c) asks the tier for the
+   Between the device's slots and the file: a disk layer's executor (moe_loads.c) asks the tier for the
    experts its call will load as soon as the plan names them (hy_tier_fetch: the reads start at once, several
    in flight), then takes each one's bytes when it loads it (hy_tier_get: waits only for that expert's read)
    and copies them into its slot. One tier serves every disk layer of a model, within one byte budget; whole
@@ -11,7 +11,7 @@
 
    The experts live in one arena of equal frames (one expert each, as large as the largest layer's), and each
    kind of a layer's experts sits at the same place in every frame: the arena seen as a 3-D tensor per layer and
-   kind (ne[2] = frames, nb[2] = the frame's bytes, hy_tier_arena / hy_tier_kind_pos) is an expert tensor whose
+   kind (ne[2] = frames, nb[2] = the frame's bytes: hy_tier_view) is an expert tensor whose
    expert index is the frame, so the CPU computes straight from the tier (the CPU worker's rows, and a CPU
    playing the device: no slot, no copy). The arena is one buffer of the buffer type the tier is made with: the
    device's pinned host type when there is a device, else the CPU's. A fault (an I/O error, a short read, the file truncated or rewritten since it was
@@ -29,6 +29,7 @@
 #include <stdint.h>
 
 #include "ggml-backend.h"
+#include "file_id.h"
 
 enum { HY_TIER_FAULT_EIO = 0, HY_TIER_FAULT_SHORT = 1 };
 
@@ -54,8 +55,8 @@ typedef struct hy_tier hy_tier;
    path later does not matter), whose identity (dev, ino, size, mtime_ns) must stay `file_id`; `budget` bytes
    of experts at most; `n_threads` I/O threads; `direct`: try O_DIRECT; `buft`: the arena's buffer type (NULL:
    the CPU's). NULL with `err` set on failure. */
-hy_tier * hy_tier_new(int fd, const int64_t file_id[4], int64_t budget, int n_threads, int direct, int policy,
-                      ggml_backend_buffer_type_t buft, char * err, size_t err_size);
+hy_tier * hy_tier_new(int fd, const int64_t file_id[HY_FILE_ID_N], int64_t budget, int n_threads, int direct,
+                      int policy, ggml_backend_buffer_type_t buft, char * err, size_t err_size);
 void hy_tier_free(hy_tier * t);
 
 /* Register a layer's experts: `n_kinds` tensors, expert e of kind k at file offset offset[k] + e * nbytes[k].
@@ -63,9 +64,6 @@ void hy_tier_free(hy_tier * t);
    budget). */
 int hy_tier_add_layer(hy_tier * t, int label, int n_expert, int n_kinds, const uint64_t * offset,
                       const size_t * nbytes);
-
-/* Bytes one expert of layer `layer` needs in a frame (its reads rounded to the I/O alignment). */
-int64_t hy_tier_entry_bytes(const hy_tier * t, int layer);
 
 typedef struct hy_tier_arena_info {
     ggml_backend_buffer_t buffer;  /* the arena's buffer (of the tier's buffer type) */
@@ -79,6 +77,12 @@ typedef struct hy_tier_arena_info {
 int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info);
 /* Where kind `kind` of layer `layer`'s experts sits in every frame (bytes from the frame's start). */
 size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind);
+/* Kind `kind` of layer `layer`'s experts as a 3-D tensor of `ctx` (no_alloc) over the arena: `like`'s type and rows
+   (an expert tensor of the layer, or a slot tensor), one expert per frame (ne[2] = the frames, nb[2] = a frame's
+   bytes), so that expert index f is frame f; the arena is made first if it is not yet. `ctx` must have room for
+   the tensor. NULL, the error set, when the arena cannot be had. Both executors see the tier through it. */
+struct ggml_tensor * hy_tier_view(hy_tier * t, struct ggml_context * ctx, int layer, int kind,
+                                  const struct ggml_tensor * like);
 /* The arena's buffer type (a device's pinned host type: its uploads can read the frames directly; the CPU's when
    the pinned allocation was refused). */
 ggml_backend_buffer_type_t hy_tier_buffer_type(const hy_tier * t);

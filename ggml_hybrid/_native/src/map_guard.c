@@ -3,6 +3,7 @@
 #endif
 #include "map_guard.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -115,6 +116,30 @@ int64_t hy_map_release(const void * addr, size_t size) {
     }
     void * got = mmap((void *) begin, end - begin, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
     return got == MAP_FAILED ? -1 : (int64_t) (end - begin);
+}
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14; older kernels answer EINVAL */
+#endif
+
+int hy_map_populate(const void * addr, size_t size) {
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = (uintptr_t) addr / page * page, end = (uintptr_t) addr + size;
+    if (end <= begin) {
+        return 0;
+    }
+    if (madvise((void *) begin, end - begin, MADV_POPULATE_READ) == 0) {
+        return 0;
+    }
+    if (errno != EINVAL) {
+        return -1;
+    }
+    volatile uint8_t sink = 0;
+    for (uintptr_t p = begin; p < end; p += page) {
+        sink ^= *(const volatile uint8_t *) p;
+    }
+    (void) sink;
+    return 0;
 }
 
 uint64_t hy_map_guard_faults(int id) {

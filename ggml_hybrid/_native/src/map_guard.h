@@ -27,3 +27,9 @@ uint64_t hy_map_guard_faults(int id);
    place (read-only, committed to nothing), so those bytes cost no page cache and a stray read gives zeros, never
    the file. The bytes released (whole pages), or -1 with errno set. */
 int64_t hy_map_release(const void * addr, size_t size);
+
+/* Fault in the pages of [addr, addr + size) of a mapping now (MADV_POPULATE_READ; where the kernel lacks it, a read
+   of every page): a tensor used in place from the mapping is read at load as a copy of it would be, so its first
+   compute takes no page fault, whose readahead would bring the file's neighbouring pages (experts the host tier
+   reads itself) back into the page cache. 0, or -1 with errno set. */
+int hy_map_populate(const void * addr, size_t size);

@@ -1,14 +1,10 @@
 /* The expert-cache executor of one MoE layer, native: registered with the patched scheduler as the
    region's executor function, so a layer call runs no Python.
 
-   A call runs the steps of the Python executor (ggml_hybrid/moe/executor.py: ExpertCacheExecutor), each a
-   function of moe_exec.c with the Python method's name: read_ids (the routed ids), count_rows (each
-   expert's rows), cpu_split (the misses the CPU takes: moe_policy.c's hy_split_misses, a fixed share's
-   table or the cost model), submit_cpu (the CPU's rows to the worker), plan (the device's experts in the
-   slot cache: hits first, misses loaded in rounds, a pending hit never evicted), run_round for each round
-   (load its misses, through pinned staging where the device has it, then compute_full or compute_rows),
-   merge (the worker's rows with the device's), weighted_sum (into the region's output), count_call. The
-   Python executor is the reference: the tests compare their decisions and outputs call by call. */
+   A call runs the steps of its mode (enum hy_exec_mode) in the order moe_call.c: STEPS gives, the one list of
+   them (hy_moe_exec_steps reads it; the Python executor, ggml_hybrid/moe/executor.py: ExpertCacheExecutor, runs
+   the same list through cffi, each step a method of the same name). The Python executor is the reference: the
+   tests compare their decisions and outputs call by call. moe_exec_state.h says which file holds which steps. */
 #pragma once
 
 #include <stdbool.h>
@@ -16,6 +12,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "file_id.h"
 #include "host_tier.h"
 #include "moe_graphs.h"
 #include "moe_policy.h"
@@ -25,6 +22,33 @@ enum { HY_OK = 0, HY_ERR_FILE = 1, HY_ERR_COMPUTE = 2, HY_ERR_ALLOC = 3, HY_ERR_
        HY_ERR_INPUT = 6 };
 
 enum { HY_SHARE_NONE = 0, HY_SHARE_FIXED = 1, HY_SHARE_AUTO = 2 };
+
+/* How loads reach the slots: plain tensor_set; double-buffered pinned host staging and asynchronous uploads (a
+   device whose memory is not host memory and which has a pinned host buffer type); queued uploads straight from
+   the mapping (no pinned type, but the backend copies the data when it queues an upload, as GGML's RPC client
+   does). Python's load_mode names are these, lower-cased. */
+enum hy_load_mode { HY_LOAD_COPY, HY_LOAD_STAGED, HY_LOAD_QUEUED, HY_LOAD_N };
+
+/* The executor's modes: the slots fed from the mapping; the slots fed from the host tier (host_tier.h); a CPU
+   playing the device that computes every expert straight from the tier's frames (no slots, no loads). */
+enum hy_exec_mode { HY_MODE_SLOTS, HY_MODE_TIER, HY_MODE_DIRECT, HY_MODE_N };
+
+/* The steps a call can run, listed once: each X(NAME, name) is the enum member HY_STEP_NAME, the C executor's
+   function `name` (moe_call.c builds its table of functions and names from this list) and the Python executor's
+   method `_name`. Which of them a mode runs, and in which order: hy_moe_exec_steps. */
+#define HY_STEPS(X)                                                                                             \
+    X(READ_IDS, read_ids) X(COUNT_ROWS, count_rows) X(SETTLE_PREFETCH, settle_prefetch) X(CPU_SPLIT, cpu_split)  \
+    X(FETCH_CPU, fetch_cpu) X(PLAN, plan) X(FETCH_LOADS, fetch_loads) X(SUBMIT_CPU, submit_cpu)                \
+    X(PREDICT, predict) X(RUN_ROUNDS, run_rounds) X(MERGE, merge) X(WEIGHTED_SUM, weighted_sum)                \
+    X(PREFETCH, prefetch) X(FETCH_DIRECT, fetch_direct) X(COMPUTE_DIRECT, compute_direct)                       \
+    X(COUNT_CALL, count_call)
+#define HY_STEP_MEMBER(NAME, name) HY_STEP_##NAME,
+enum hy_step { HY_STEPS(HY_STEP_MEMBER) HY_STEP_N };
+
+/* the steps of a call in `mode` (HY_MODE_*), in order: their number, the list in *steps */
+int hy_moe_exec_steps(int mode, const uint8_t ** steps);
+/* step `step`'s name (its function's), NULL outside 0..HY_STEP_N - 1 */
+const char * hy_moe_exec_step_name(int step);
 
 /* A layer's counters, summed over its calls. The one list of them: Python's LayerCounters (both executors')
    takes its fields from this struct through cffi, in this order. */
@@ -85,8 +109,8 @@ typedef struct hy_moe_config {
     int synthetic_clock;              /* observations from the work, not the clock (repeatable decisions) */
     double clock[HY_COST_N];          /* the synthetic clock's cost of each unit of work */
     int fd;                           /* the open model file (-1: none), checked unchanged before the mapping is
-                                         read: fstat, a few hundred ns, where a stat of /proc/self/fd/N costs µs */
-    int64_t file_id[4];               /* dev, ino, size, mtime_ns */
+                                         read (file_id.h) */
+    int64_t file_id[HY_FILE_ID_N];
     int map_guard;                    /* the mapping's guard (map_guard.h) id + 1, 0 for none: reads past the end */
     int staging;                      /* loads through pinned host staging (devices whose memory is not host) */
     int trace;                        /* record every call's ids for Python to drain */
@@ -121,8 +145,9 @@ int hy_moe_exec_last_cpu(const hy_moe_exec * ex, const int32_t ** experts);
 const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints);
 void hy_moe_exec_trace_take(hy_moe_exec * ex);
 int64_t hy_moe_exec_graph_builds(const hy_moe_exec * ex);
-/* how loads reach the slots: 0 tensor_set, 1 pinned staging, 2 queued uploads from the mapping */
+/* how loads reach the slots (HY_LOAD_*), and the executor's mode (HY_MODE_*) */
 int hy_moe_exec_load_mode(const hy_moe_exec * ex);
+int hy_moe_exec_mode(const hy_moe_exec * ex);
 /* loads by plain tensor_set from now on (benchmarks compare the paths) */
 void hy_moe_exec_plain_loads(hy_moe_exec * ex);
 /* Build (and place) the graphs a call of n_tokens tokens can need, so that the shared scratch buffer is as

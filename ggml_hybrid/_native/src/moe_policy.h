@@ -11,7 +11,9 @@
 
 /* ---- slot cache -------------------------------------------------------------------------------- */
 
-enum { HY_POLICY_LRU = 0, HY_POLICY_LFU = 1, HY_POLICY_FREQ = 2 };
+/* The eviction orders (the expert_eviction option: Python's names are these, lower-cased, enum_names), the slot
+   cache's and the host tier's alike; slot_cache.py's docstring states them. */
+enum hy_policy { HY_POLICY_LRU, HY_POLICY_LFU, HY_POLICY_FREQ, HY_POLICY_N };
 
 typedef struct hy_cache_counters {
     int64_t calls, distinct, hits, misses, evictions, rounds, invalidated;

@@ -4,17 +4,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "clock.h"
+#include "cpu_backend.h"
 #include "ggml-cpu.h"
-#include "sched_hooks.h"
 #include "moe_exec.h"
-
-int64_t hy_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 /* The graph row count for n rows (hy_row_bucket) and the expert padding rows use: one absent from the job,
    so that no computed expert gets rows it would not have in the resident graph; exact when every expert is
@@ -154,7 +148,7 @@ hy_worker * hy_worker_new(int n_threads) {
         return NULL;
     }
     w->n_threads = n_threads;
-    /* through GGML's registry (sched_hooks.c): a portable build loads its CPU library at run time */
+    /* through GGML's registry (cpu_backend.c): a portable build loads its CPU library at run time */
     w->backend = hy_cpu_init();
     if (w->backend == NULL) {
         free(w);

@@ -52,5 +52,3 @@ void hy_worker_submit(hy_worker * w, hy_job * job);
 /* waits for the job handed over last; returns its status */
 int hy_worker_wait(hy_worker * w);
 int64_t hy_worker_graph_builds(const hy_worker * w);
-
-int64_t hy_now_ns(void);

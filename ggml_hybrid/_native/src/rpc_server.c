@@ -40,7 +40,24 @@ static ggml_backend_t served_init(ggml_backend_dev_t dev, const char * params) {
     return backend;
 }
 
-typedef void (*set_unchecked_t)(bool allow);
+/* The ops of the language models' graphs: every family ggml-hybrid runs (model/families/), with and without flash
+   attention. Without --unchecked-ops the server computes only these (and the ops that compute nothing, such as
+   VIEW), each checked by the shape rules GGML's RPC server has for it (vendor patches 0011 and 0012);
+   tests/test_rpc.py runs every family over RPC, and tests/test_rpc_server_ops.py checks each op has its rules. */
+static const enum ggml_op family_ops[] = {
+    GGML_OP_ADD, GGML_OP_SUB, GGML_OP_MUL, GGML_OP_DIV, GGML_OP_SCALE, GGML_OP_SQR, GGML_OP_SQRT, GGML_OP_UNARY,
+    GGML_OP_GLU, GGML_OP_RMS_NORM, GGML_OP_NORM, GGML_OP_MUL_MAT, GGML_OP_CPY, GGML_OP_DUP, GGML_OP_CONT,
+    GGML_OP_GET_ROWS, GGML_OP_SET_ROWS, GGML_OP_ROPE, GGML_OP_SOFT_MAX, GGML_OP_ARGSORT, GGML_OP_SUM_ROWS,
+    GGML_OP_CLAMP, GGML_OP_FILL, GGML_OP_REPEAT, GGML_OP_CONCAT, GGML_OP_ADD_ID, GGML_OP_MUL_MAT_ID,
+    GGML_OP_SSM_CONV, GGML_OP_GATED_DELTA_NET, GGML_OP_FLASH_ATTN_EXT,
+};
+
+const enum ggml_op * hy_rpc_server_ops(size_t * n) {
+    *n = sizeof(family_ops) / sizeof(family_ops[0]);
+    return family_ops;
+}
+
+typedef bool (*set_ops_t)(const enum ggml_op * ops, size_t n_ops);
 typedef void (*start_server_t)(const char * endpoint, const char * cache_dir, size_t n_threads, size_t n_devices,
                                ggml_backend_dev_t * devices);
 
@@ -65,11 +82,12 @@ int hy_rpc_serve(const char * endpoint, size_t n_threads, ggml_backend_dev_t * d
         }
     }
     served_mem = mem;
-    set_unchecked_t set_unchecked = (set_unchecked_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_set_unchecked_ops");
-    if (set_unchecked == NULL) {
+    set_ops_t set_ops = (set_ops_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_server_set_ops");
+    size_t n_ops;
+    const enum ggml_op * ops = hy_rpc_server_ops(&n_ops);
+    if (set_ops == NULL || !(unchecked_ops ? set_ops(NULL, 0) : set_ops(ops, n_ops))) {
         return -1;
     }
-    set_unchecked(unchecked_ops != 0);
     /* GGML's server reports on stdout; a line at a time, so that a log or a pipe sees it as it happens */
     setvbuf(stdout, NULL, _IOLBF, 0);
     start(endpoint, NULL, n_threads, n_devices, use);

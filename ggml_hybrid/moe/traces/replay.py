@@ -72,13 +72,15 @@ from ...checks import check_int, check_real
 from ...errors import OptionError, TraceError
 from ...options import SessionOptions
 from ..cpu_share import CostModel, History, MissSplit, makespans, n_cpu_for_share, split_misses
+from ..slot_cache import POLICIES as CACHE_POLICIES
 from ..slot_cache import SlotCache
 from .format import Trace, _int
 
 __all__ = ["CPU_RULES", "POLICIES", "CallRecord", "LayerStats", "LinkCost", "ReplayResult", "modeled_time_per_token",
            "parse_share", "replay"]
 
-POLICIES = ("freq", "lru", "lfu", "belady")
+#: the runtime's eviction orders (:data:`~ggml_hybrid.moe.slot_cache.POLICIES`) and Belady's (the offline optimum)
+POLICIES = (*CACHE_POLICIES, "belady")
 #: The CPU share's tie-break among misses of equal rows: the request history (the runtime's) or the expert id.
 CPU_RULES = ("reuse", "rows")
 

@@ -19,7 +19,7 @@ exact ones to garbage, and a case is one connection's worth of them:
 - ``index``: the same buffer, then index data written with SET_TENSOR (in range, -1, the bound, 2^31-1, -2^31,
   random) and well-formed one-node graphs of the ops whose kernels index by it (GET_ROWS, SET_ROWS, MUL_MAT_ID,
   ADD_ID), each followed by ggml-hybrid's graph status request or, now and then, by another command (an
-  upstream client would not ask): what only the kernels' own checks stop (vendor patches 0009 and 0010).
+  upstream client would not ask): what only the kernels' own checks stop (vendor patches 0013 and 0014).
 
 After each case the harness makes a fresh connection, says hello and asks the device count: the
 server must answer (it did not crash or hang), within a time limit.
@@ -43,7 +43,7 @@ ALLOC_BUFFER, GET_ALIGNMENT, GET_MAX_SIZE, BUFFER_GET_BASE, FREE_BUFFER, BUFFER_
 SET_TENSOR, SET_TENSOR_HASH, GET_TENSOR, COPY_TENSOR, GRAPH_COMPUTE, GET_DEVICE_MEMORY = range(6, 12)
 INIT_TENSOR, GET_ALLOC_SIZE, HELLO, DEVICE_COUNT, GRAPH_RECOMPUTE, MEMSET_TENSOR = range(12, 18)
 N_COMMANDS = 20  # RPC_CMD_COUNT; values from it up are unknown commands
-# ggml-hybrid's graph status request (vendor patch 0010): no payload; the reply is | status (int32) | message
+# ggml-hybrid's graph status request (vendor patch 0014): no payload; the reply is | status (int32) | message
 # (252 bytes, NUL-terminated) |. A server of ours marks its hello reply (the byte after the version) with
 # HYBRID_MARK; a client that does not ask after a failed graph is dropped.
 GRAPH_STATUS, HYBRID_MARK, STATUS_BYTES = 0xE0, 0x68, 256
@@ -313,7 +313,7 @@ def _op_graph(rng: random.Random) -> bytes:
     return frame(GRAPH_COMPUTE, payload)
 
 
-# -- index values (vendor patches 0009, 0010) --------------------------------------------------------------------
+# -- index values (vendor patches 0013, 0014) --------------------------------------------------------------------
 
 INDEX_OPS = {"GET_ROWS": OP_GET_ROWS, "SET_ROWS": OP_SET_ROWS, "MUL_MAT_ID": OP_MUL_MAT_ID, "ADD_ID": OP_ADD_ID}
 I32 = 26  # GGML_TYPE_I32

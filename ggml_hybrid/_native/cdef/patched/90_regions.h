@@ -1,4 +1,4 @@
-// Graph-region replacement, added to ggml-backend.h by vendor/patches/0001-sched-graph-regions.patch.
+// Graph-region replacement, added to ggml-backend.h by vendor/patches/0002-sched-graph-regions.patch.
 #define GGML_SCHED_REGION_DONE ...
 #define GGML_SCHED_REGION_DECLINE ...
 
@@ -16,7 +16,6 @@ int ggml_backend_sched_add_region(ggml_backend_sched_t sched, struct ggml_tensor
         struct ggml_tensor * const * outputs, int n_outputs, ggml_backend_t backend,
         ggml_backend_sched_region_exec_t exec, void * user_data);
 void ggml_backend_sched_clear_regions(ggml_backend_sched_t sched);
-int ggml_backend_sched_get_n_regions(ggml_backend_sched_t sched);
 enum ggml_status ggml_backend_sched_compute_region_nodes(ggml_backend_sched_t sched, int region_id);
 enum ggml_sched_region_status ggml_backend_sched_check_regions(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
 enum ggml_sched_region_status ggml_backend_sched_get_region_status(ggml_backend_sched_t sched, int * region_id,

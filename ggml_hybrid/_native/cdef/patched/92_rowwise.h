@@ -1,3 +1,3 @@
-// GGML_HINT_ROWWISE (Graph.set_rowwise), added to enum ggml_op_hint by vendor/patches/0004-cpu-rowwise-matmul.patch:
-// declared here so that the unpatched module (`build.py --upstream`, for the overhead benchmarks) compiles.
+// GGML_HINT_ROWWISE (Graph.set_rowwise), added to enum ggml_op_hint by vendor/patches/0005-cpu-rowwise-matmul.patch:
+// declared here so that the unpatched module (`python -m ggml_hybrid_build --upstream`, for the overhead benchmarks) compiles.
 #define GGML_HINT_ROWWISE ...

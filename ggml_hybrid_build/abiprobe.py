@@ -24,7 +24,8 @@ candidate ones. A program that does not compile against the candidate (a member 
 difference too, with the compiler's words. Not seen: what a function does (a patch that keeps a signature and
 changes the contract bumps ``buildinfo.ABI_SCHEME``) and the C++-only parts of the internal headers.
 
-Pure Python plus pycparser (a dependency of cffi), loaded by path by ``build.py`` before the package exists.
+Pure Python plus pycparser (a dependency of cffi); part of the build (``ggml_hybrid_build``), never of the package
+that runs, which has no use for it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Bump when what is probed changes: the verdicts cached by build.py are keyed by it.
+# Bump when what is probed changes: the verdicts cached by the build (abi.py) are keyed by it.
 PROBE_SCHEME = "1"
 
 # The headers a backend library sees of ggml-base, relative to GGML's folder: the public ones and the internal ones
