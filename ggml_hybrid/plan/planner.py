@@ -21,18 +21,17 @@ from ..errors import NotMoEError
 from ..ggml.backend import gpu_device_names
 from ..gguf.metadata import meta_int
 from ..gguf.store import GGUFStore
-from ..machine import available_memory
 from ..model.families import read_hparams
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
-from ..moe.expert_layers import tier_holds
-from ..moe.host_tier import AUTO_MARGIN_MIN, auto_budget, frame_bytes, resolve_budget
+from ..moe.host_tier import auto_budget, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..placement.devices import device_free_memory, plan_device_names
 from ..placement.layout import CPU
 from ..runtime.cache_size import SlotChoice
 from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
-from ..units import GiB, MiB, format_bytes
+from ..units import GiB, format_bytes
+from .host_advice import memory_warnings, planned_devices, search_tier, tier_facts
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
 
@@ -133,9 +132,7 @@ class ExpertPlan(_ToDict):
     used: int
     bytes_per_expert: int
     bytes_per_layer: int
-    # whether the host tier can hold these experts (gpt-oss's have biases, which it does not hold) and the least
-    # host tier that works (one layer's experts in the tier's frames)
-    host_tier: bool = True
+    host_tier: bool = True  # whether the tier holds these experts; the least tier that works (host_advice.py)
     host_tier_min: int = 0
 
 
@@ -229,24 +226,14 @@ class _Measured:
     layout: dict[str, Any]
     hp: HParams
     n_ctx: int
-    tier_holds: bool
-    tier_min: int
-
-
-def _tier_min(m: MoEModel) -> int:
-    """The least host tier a run accepts: one layer's experts in the tier's equal frames (``check_tier_budget``)."""
-    e = m.experts
-    names = [n for n in e.names if n is not None]
-    per = [[e.store.info(x).nbytes // e.store.info(x).shape[0] for x in n.values()] for n in names]
-    return frame_bytes(per) * max(e.store.info(n["down"]).shape[0] for n in names)
+    tier: tuple[bool, int]  # the host tier: whether it holds the experts, and its least size
 
 
 def _measure(path: str, opts: SessionOptions, devices: list[str]) -> _Measured:
     with MoEModel(path, opts, dry_run_devices=devices) as m:
         return _Measured({d: m.device_memory(d) for d in devices}, m.kv.nbytes(m.host),
                          m.rs.nbytes(m.host) if m.rs is not None else 0, m.sched.buffer_size(m.host),
-                         m.layout_report(), m.hp, m.n_ctx,
-                         all(tier_holds(n) for n in m.experts.names if n is not None), _tier_min(m))
+                         m.layout_report(), m.hp, m.n_ctx, tier_facts(m))
 
 
 def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram: list[int] | None = None,
@@ -334,7 +321,7 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
             dn.state_bytes(), parallel, meas.host_recurrent + sum(v.recurrent for v in out_devices.values())),
         layout=LayoutPlan(*(meas.layout[k] for k in ("layers", "kv", "experts", "output"))),
         experts=ExpertPlan(hp.n_expert, hp.n_used, info["experts"]["bytes_per_expert"],
-                           info["experts"]["bytes_per_layer"], meas.tier_holds, meas.tier_min),
+                           info["experts"]["bytes_per_layer"], *meas.tier),
         threads=opts.n_threads or os.cpu_count() or 1,
     )
     p.warnings = _warnings(p, opts, hp)
@@ -490,15 +477,12 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
         free = min((d.vram or 0) - d.total for d in cpu_plan.devices.values())
         layers_on = max(1, max(sum(1 for x in cpu_plan.layout.layers if x == d) for d in cpu_plan.devices))
         slots = min(hp.n_expert, free // layers_on // max(1, cpu_plan.experts.bytes_per_expert))
-        tier = _search_tier(path, ram, cpu_plan)
+        tier = search_tier(path, ram, cpu_plan)  # [] or the host tier the slots read through
         while slots >= 1:  # the cache's graphs cost room the arithmetic leaves out: fewer slots until it fits
             items = base + [f"expert_cache_slots={slots}", "disk_experts=true", "moe_cpu_share=auto"]
-            items += [f"host_tier_bytes={tier // MiB}M"] if tier is not None else []
-            q = try_plan(items)
+            q = try_plan(items + tier)
             if q is not None and _fits(q):
-                tried.append((items, q))
-                if tier is not None:  # the one that reads the file explicitly, rather than through evicted pages
-                    return _combination(items, q, opts, p0, hp)
+                tried.append((items + tier, q))
                 break
             slots = slots - max(1, slots // 4)
         n = next((k for k in range(hp.n_layer + 1) if _fits_with_cpu_layers(
@@ -511,17 +495,9 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
                 break
             n += 1
         tried.append((base + ["cpu_moe=true"], cpu_plan))
-        best = max(tried, key=lambda t: sum(v.experts for v in t[1].devices.values()))
+        # the host tier's line first (it reads a file larger than RAM), then the most expert bytes on the devices
+        best = max(tried, key=lambda t: (tier[:1] == t[0][-1:], sum(v.experts for v in t[1].devices.values())))
     return _combination(best[0], best[1], opts, p0, hp)
-
-
-def _search_tier(path: str, ram: int | None, q: Plan) -> int | None:
-    """A file larger than the host memory: the host tier the slots read their misses through (what is left), None
-    when the file fits, the tier would be less than what works, or cannot hold the experts (biases: gpt-oss)."""
-    memory = ram if ram is not None else available_memory()
-    if memory is None or os.path.getsize(path) <= memory or not q.experts.host_tier:
-        return None
-    return tier_budget(q, memory)
 
 
 def _combination(items: list[str], q: Plan, opts: SessionOptions, p0: Plan, hp: HParams) -> Combination:
@@ -539,8 +515,7 @@ def _combination(items: list[str], q: Plan, opts: SessionOptions, p0: Plan, hp: 
         changes.append(f"routed experts on disk behind {kv['expert_cache_slots']} device cache slots per layer of "
                        f"{hp.n_expert}, the CPU running the share of misses that finishes soonest")
         if "host_tier_bytes" in kv:
-            changes.append(f"a host tier of {kv['host_tier_bytes']} reading the misses from the file (which does not "
-                           "fit in host memory)")
+            changes.append(f"a host tier of {kv['host_tier_bytes']} reading the misses (the file exceeds the RAM)")
     elif "n_cpu_moe" in kv:
         changes.append(f"routed experts of the first {kv['n_cpu_moe']} layers on the CPU")
     elif "cpu_moe" in kv:
@@ -564,31 +539,7 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     if h.ram is not None and mapped_experts and mapped_experts + h.resident_total > h.ram:
         w.append(f"experts used from host memory ({format_bytes(mapped_experts)}, memory-mapped) plus host buffers "
                  f"exceed --ram {format_bytes(h.ram)}: they will be re-read from disk as pages are evicted")
-    # a model larger than the memory: the page cache cannot hold its experts, the host tier reads them explicitly
-    memory = h.ram if h.ram is not None else available_memory()
-    file_bytes = os.path.getsize(p.model)
-    tier_min = format_bytes(p.experts.host_tier_min)
-    if memory is not None and file_bytes > memory and not opts.host_tier_bytes:
-        where = f"--ram {format_bytes(memory)}" if h.ram is not None else f"the {format_bytes(memory)} available now"
-        budget = tier_budget(p, memory)
-        if not p.experts.host_tier:
-            w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}, and its experts have biases "
-                     f"(gpt-oss), which the host tier does not hold: {TIER_INSTEAD}")
-        elif budget is None:
-            w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}, and neither does the least host "
-                     f"tier (one layer's experts, {tier_min}) beside the host buffers: give the run more memory")
-        else:
-            w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}: run its experts from disk "
-                     f"through a host tier, e.g. --expert-cache-slots {max(hp.n_used, 1)} --host-tier "
-                     f"{budget // MiB}M (host_tier_bytes=auto takes what is available less a margin); see "
-                     "docs/moe.md, \"The host expert tier\"")
-    if opts.host_tier_bytes and opts.disk_experts and not p.experts.host_tier:
-        w.append(f"host_tier_bytes={opts.host_tier_bytes}: run refuses it, the host tier does not hold experts with "
-                 f"biases (gpt-oss): {TIER_INSTEAD}")
-    elif opts.host_tier_bytes and opts.disk_experts and h.host_tier < p.experts.host_tier_min:
-        w.append(f"host_tier_bytes={opts.host_tier_bytes}: run refuses a host tier of {format_bytes(h.host_tier)}, "
-                 f"less than one layer's experts ({tier_min}); give --host-tier "
-                 f"{-(-p.experts.host_tier_min // MiB)}M or more")
+    w += memory_warnings(p, opts, hp)
     if opts.disk_experts and isinstance(opts.expert_cache_slots, int) and opts.expert_cache_slots < hp.n_used:
         w.append(f"expert_cache_slots={opts.expert_cache_slots} is smaller than the {hp.n_used} experts used per "
                  "token: every token needs several load rounds; use more slots or moe_cpu_share")
@@ -600,20 +551,6 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
             w.append(f"the context (n_ctx={p.kv.n_ctx}, {format_bytes(p.kv.total)} of KV cache) only fits "
                      "with no_kv_offload=true (KV cache in host memory, attention on the CPU)")
     return w
-
-
-TIER_INSTEAD = ("use --expert-cache-slots N without --host-tier (misses read through the page cache), or "
-                           "-ncmoe N / --cpu-moe (experts on the CPU, memory-mapped)")
-
-
-def tier_budget(p: Plan, memory: int) -> int | None:
-    """The host tier a run in ``memory`` bytes can hold beside the plan's host buffers (less auto's margin), whole
-    MiB, at most every routed expert; None when it is less than the least tier that works (one layer's experts)."""
-    resident = p.host.resident_total - p.host.host_tier
-    least = -(-p.experts.host_tier_min // MiB) * MiB  # sizes are printed in whole MiB
-    every = least * sum(1 for x in p.layout.experts if x != "dense")  # all it can hold
-    budget = min(max(0, memory - resident - max(AUTO_MARGIN_MIN, memory // 10)) // MiB * MiB, every)
-    return budget if budget >= max(MiB, least) else None
 
 
 def _recommend(p: Plan, opts: SessionOptions, hp: HParams) -> list[_Candidate]:
@@ -741,14 +678,6 @@ def _plan_dense(info: dict[str, Any], store: GGUFStore, opts: SessionOptions, vr
                      opts.n_threads or os.cpu_count() or 1)
 
 
-def planned_devices(p: Plan) -> set[str]:
-    """The devices of ``p`` that --vram alone named (CUDA0, CUDA1, ...: no such GPU here, no -dev, no RPC)."""
-    if any(x.split("=", 1)[0] in ("rpc", "devices") for x in p.options):
-        return set()
-    gpus = set(gpu_device_names())
-    return {d for d, v in p.devices.items() if v.vram is not None and d not in gpus}
-
-
 def format_text(p: Plan | DensePlan) -> str:
     g = format_bytes
     lines = [f"{p.model}: {p.architecture}{' (MoE)' if p.moe else ' (dense)'}; options: "
@@ -830,6 +759,5 @@ def format_k8s(p: Plan | DensePlan, image: str = DEFAULT_IMAGE, port: int = DEFA
     return to_yaml(deployment(p, k8s_resources(p)["resources"], image, port, name, api_key_secret))
 
 
-__all__ = ["EXPERT_KEYS", "TIER_INSTEAD", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan",
-           "KVPlan", "LayoutPlan", "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "format_text",
-           "k8s_resources", "plan", "planned_devices", "tier_budget"]
+__all__ = ["EXPERT_KEYS", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan",
+           "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "format_text", "k8s_resources", "plan"]
