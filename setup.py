@@ -16,6 +16,6 @@ class BinaryDistribution(Distribution):
 # only this interpreter's module: a checkout may hold others, built by other Pythons
 MODULE = "_ggml" + sysconfig.get_config_var("EXT_SUFFIX")
 setup(distclass=BinaryDistribution,
-      package_data={"ggml_hybrid": ["py.typed"],
+      package_data={"ggml_hybrid": ["py.typed"], "ggml_hybrid.server.web": ["*.html", "*.js", "*.css"],
                     "ggml_hybrid._native": [MODULE, "_ggml.pyi", "lib/libggml*", "backends/libggml-*.so",
                                             "cdef/*.h", "cdef/patched/*.h", "src/*.c", "src/*.h"]})

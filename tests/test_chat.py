@@ -219,7 +219,10 @@ def test_a_template_is_stopped_at_its_bounds(pool, source, kind):
 
 
 def test_closing_the_pool_ends_a_render_in_progress(pool):
-    """What keeps a server stoppable: a render that would run for hours ends as soon as the pool is closed."""
+    """What keeps a server stoppable: a render that would run for hours ends as soon as the pool is closed.
+
+    The pool is closed once a renderer holds the request (it was closed 0.5 s after the call began; on a loaded
+    machine the renderer had not started then, and its start outlasted the test's bound)."""
     import threading
     import time
 
@@ -236,7 +239,10 @@ def test_closing_the_pool_ends_a_render_in_progress(pool):
 
     th = threading.Thread(target=go)
     th.start()
-    time.sleep(0.5)
+    end = time.monotonic() + 60
+    while pool.in_progress == 0:  # the event: a renderer works on the request
+        assert th.is_alive() and time.monotonic() < end, got
+        time.sleep(0.01)
     t0 = time.monotonic()
     pool.close()
     th.join(10)

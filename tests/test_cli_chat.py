@@ -195,6 +195,69 @@ def test_a_bad_conversation_file_is_one_error_and_the_chat_goes_on(model, tmp_pa
         assert m.hp.n_layer > 0
 
 
+@pytest.mark.parametrize("content, why", [
+    # issue 40 E12: a RecursionError traceback ended the command
+    ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested"),
+    # E13: a lone surrogate (JSON's \ud800 escape) loaded; then /save was a UnicodeEncodeError traceback
+    ('{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "messages[0]"),
+    ('{"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "x\\udfff"}]}',
+     "messages[1]"),
+], ids=["deep", "surrogate", "surrogate-reply"])
+@pytest.mark.parametrize("then", ["/save", "a message"])
+def test_a_conversation_file_that_cannot_be_held_is_refused_and_the_chat_goes_on(model, tmp_path, content, why,
+                                                                                   then):
+    """/load refuses it in one line and keeps the conversation it had; /save then writes that one, and a message
+    is answered (a message after the surrogate's load ended the chat)."""
+    bad, out = tmp_path / "bad.json", tmp_path / "out.json"
+    bad.write_text(content)
+    after = f"/save {out}\n" if then == "/save" else "Hi\n"
+    r = CliRunner().invoke(main, ["run", model, "-cnv", "-n", "2", "-t", "1", "-c", "256"],
+                           input=f"First\n/load {bad}\n{after}Last\n")
+    assert r.exit_code == 0 and r.exception is None, (r.exception, r.output[-2000:])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and why in errors[0] and str(bad) in errors[0], r.stderr
+    assert "Traceback" not in r.output
+    replies = 3 if then == "a message" else 2
+    assert f"chat: {replies} replies" in r.stderr, r.stderr
+    if then == "/save":  # the conversation before the refused /load, whole
+        msgs = json.loads(out.read_text(encoding="utf-8"))["messages"]
+        assert [m["role"] for m in msgs] == ["user", "assistant"] and msgs[0]["content"] == "First"
+
+
+def test_a_conversation_file_with_a_surrogate_pair_loads(model, tmp_path):
+    """JSON writes a character outside the BMP as an escaped surrogate pair: that is text, and loads."""
+    conv, out = tmp_path / "c.json", tmp_path / "out.json"
+    conv.write_text('{"messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}]}')
+    r = CliRunner().invoke(main, ["run", model, "-cnv", "-n", "2", "-t", "1", "-c", "256"],
+                           input=f"/load {conv}\n/save {out}\n")
+    assert r.exit_code == 0 and "(loaded 1 messages" in r.stdout, r.output
+    assert json.loads(out.read_text(encoding="utf-8"))["messages"][0]["content"] == "smile \U0001f600"
+
+
+def test_a_message_the_template_refuses_is_one_error_and_the_chat_goes_on(model, tmp_path):
+    """A template's own raise_exception (as models' templates refuse roles out of order, say after a /load) ended
+    the chat (exit status 2); now it is one line, the message is not kept, and the next one is answered as if it
+    never came."""
+    from gguf import GGUFValueType
+    from helpers import rewrite_gguf
+
+    picky = rewrite_gguf(model, tmp_path / "picky.gguf", set_keys={"tokenizer.chat_template": (
+        "{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", GGUFValueType.STRING)})
+    r = CliRunner().invoke(main, ["run", "--temp", "0", picky, "-cnv", "-n", "3", "-t", "1", "-c", "256"],
+                           input="boom\nHi\n")
+    assert r.exit_code == 0 and r.exception is None, (r.exception, r.output[-2000:])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no boom here" in errors[0] and "not sent" in errors[0], r.stderr
+    assert "chat: 1 replies, 2 messages" in r.stderr, r.stderr
+    with MoEModel(picky, SessionOptions(n_threads=1, n_ctx=256)) as m:
+        tok = m.tokenizer
+        t = ChatTemplate.from_gguf(m.store, tok.tokens, tok.bos_id, tok.eos_id)
+        want = greedy_chat_reply(m, t, [{"role": "user", "content": "Hi"}], 3)
+    assert r.stdout.split("\n> ")[2].startswith(want), (r.stdout, want)
+
+
 def test_control_tokens_are_hidden_unless_special(model, monkeypatch):
     """A reply that holds control tokens (<|im_start|>, not an end of generation) prints them only with
     --special; the text around them is the tokens' own."""

@@ -60,6 +60,14 @@ class FakeHub:
         self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self.cut_once: dict[str, int] = {}  # repo path -> bytes after which the first full GET drops the connection
         self.cut_always: dict[str, int] = {}  # the same for every GET
+        # a hostile hub (issue 40): headers replaced per repository path (ETag, X-Linked-Etag, X-Repo-Commit), the
+        # X-Repo-Commit of a missing file's 404, the listing's siblings as sent, a body sent a byte at a time
+        self.headers_for: dict[str, dict[str, str]] = {}
+        self.missing_commit: str | None = None
+        self.missing: set[str] = set()  # listed, but their HEAD/GET answers 404 EntryNotFound
+        self.siblings: object = None
+        self.drip: dict[str, float] = {}  # repo path -> seconds between the bytes of its body
+        self.stall_listing = False  # the listing's headers, then nothing
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -77,6 +85,7 @@ class FakeHub:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.stopping = threading.Event()
 
     def _error(self, h, status: int, code: str, message: str, head: bool, commit: str | None = None) -> None:
         body = json.dumps({"error": message}).encode()
@@ -99,12 +108,16 @@ class FakeHub:
             files = self.repos.get(m[1])
             if files is None:
                 return self._error(h, 404, "RepoNotFound", "Repository not found", head)
+            siblings = [{"rfilename": f} for f in files] if self.siblings is None else self.siblings
             body = json.dumps({"id": m[1], "modelId": m[1], "sha": SHA, "private": False,
-                               "siblings": [{"rfilename": f} for f in files]}).encode()
+                               "siblings": siblings}).encode()
             h.send_response(200)
             h.send_header("Content-Type", "application/json")
             h.send_header("Content-Length", str(len(body)))
             h.end_headers()
+            if self.stall_listing:
+                self._hold(h)
+                return
             if not head:
                 h.wfile.write(body)
             return
@@ -114,8 +127,8 @@ class FakeHub:
         if m[2] not in ("main", SHA):
             return self._error(h, 404, "RevisionNotFound", "Invalid rev id", head)
         data = self.repos[m[1]].get(m[3])
-        if data is None:
-            return self._error(h, 404, "EntryNotFound", "Entry not found", head, commit=SHA)
+        if data is None or m[3] in self.missing:
+            return self._error(h, 404, "EntryNotFound", "Entry not found", head, commit=self.missing_commit or SHA)
         start = 0
         rng = h.headers.get("Range")
         if rng:
@@ -123,13 +136,18 @@ class FakeHub:
         h.send_response(206 if rng else 200)
         h.send_header("Content-Type", "application/octet-stream")
         h.send_header("Accept-Ranges", "bytes")
-        h.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
-        h.send_header("X-Repo-Commit", SHA)
+        headers = {"ETag": f'"{hashlib.sha256(data).hexdigest()}"', "X-Repo-Commit": SHA}
+        headers.update(self.headers_for.get(m[3], {}))
+        for k, v in headers.items():
+            h.send_header(k, v)
         h.send_header("Content-Length", str(len(data) - start))
         if rng:
             h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         h.end_headers()
         if head:
+            return
+        if m[3] in self.drip:
+            self._drip(h, data[start:], self.drip[m[3]])
             return
         cut = self.cut_once.pop(m[3], None) if not rng else None
         cut = self.cut_always.get(m[3], cut)
@@ -140,11 +158,29 @@ class FakeHub:
             return
         h.wfile.write(data[start:])
 
+    def _drip(self, h, data: bytes, every: float) -> None:
+        """A byte at a time, ``every`` seconds apart, until the client leaves (or the hub stops)."""
+        for i in range(len(data)):
+            if self.stopping.wait(every):
+                return
+            try:
+                h.wfile.write(data[i:i + 1])
+                h.wfile.flush()
+            except OSError:  # the client gave up
+                return
+        h.close_connection = True
+
+    def _hold(self, h) -> None:
+        """Nothing more on this connection until the client leaves (or the hub stops)."""
+        h.close_connection = True
+        self.stopping.wait(600)
+
     def __enter__(self) -> FakeHub:
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stopping.set()
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=10)
@@ -371,3 +407,95 @@ def test_offline_uses_the_cache(hub, repo_files, tmp_path):
     unreachable = _env(None, tmp_path)
     assert _pulled(ok(unreachable, "pull", f"{REPO}:Q8_0"), tmp_path) == path
     user_error(unreachable, "pull", "tester/other", expect=["cannot reach", "not in the hub cache"])
+
+
+# -- a hostile hub (issue 40: E3, E13, E17) ------------------------------------------------------------------
+# huggingface_hub 2.4.0 builds the path of a download from the hub's ETag (blobs/<etag>) and of a missing file's
+# marker from its X-Repo-Commit (.no_exist/<commit>/<file>), unchecked: '../..' or an absolute path there wrote
+# outside the cache. Whatever the hub answers, nothing may be written outside HF_HOME's hub cache.
+
+
+def _outside(root: Path, home: Path) -> list[Path]:
+    """Every file or folder under ``root`` that is not under the hub cache (``home/hub``) or ``home`` itself."""
+    cache = home / "hub"
+    return [p for p in root.rglob("*") if p != home and p != cache and home not in p.parents and p != home.parent
+            or (home in p.parents and cache not in p.parents and p != cache)]
+
+
+@pytest.mark.parametrize("header, value", [
+    ("ETag", '"../../../../escaped"'),           # from blobs/ up to the test's folder, beside HF_HOME
+    ("X-Linked-Etag", '"../../../../escaped"'),  # the header huggingface_hub prefers (large files)
+    ("ETag", "ABSOLUTE"),                        # an absolute path: os.path.join keeps only it
+    ("ETag", 'W/"../../../../escaped"'),         # a weak ETag
+])
+def test_a_hostile_etag_writes_nothing_outside_the_cache(hub, tmp_path, header, value):
+    home = tmp_path / "home"
+    if value == "ABSOLUTE":
+        value = f'"{tmp_path / "escaped"}"'
+    hub.headers_for["tiny-moe-Q8_0.gguf"] = {header: value}
+    err = user_error(_env(hub, home), "pull", f"{REPO}:Q8_0", expect=[header, "ETag", "plain file name"])
+    assert value.strip('"W/')[-20:] in err
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "escaped.incomplete").exists()
+    assert _outside(tmp_path, home) == []
+    assert not any(m == "GET" and "/resolve/" in p for m, p, _ in hub.log)  # refused before any byte was fetched
+
+
+@pytest.mark.parametrize("where", ["file", "missing"])
+def test_a_hostile_commit_writes_nothing_outside_the_cache(hub, tmp_path, where):
+    """The commit names snapshots/<commit>/ and, for a listed file the hub then calls missing, .no_exist/<commit>/
+    (which huggingface_hub touched outside the cache)."""
+    home = tmp_path / "home"
+    bad = "../../../../escaped"
+    if where == "file":
+        hub.headers_for["tiny-moe-Q8_0.gguf"] = {"X-Repo-Commit": bad}
+    else:
+        hub.missing.add("tiny-moe-Q8_0.gguf")
+        hub.missing_commit = bad
+    user_error(_env(hub, home), "pull", f"{REPO}:Q8_0", expect=["X-Repo-Commit", repr(bad), "40 hexadecimal"])
+    assert not (tmp_path / "escaped").exists()
+    assert _outside(tmp_path, home) == []
+
+
+@pytest.mark.parametrize("siblings, fragment", [
+    ([{"rfilename": None}], "siblings[0]"),
+    ([{"rfilename": "tiny-moe-Q8_0.gguf"}, {}], "rfilename"),
+    ([{"rfilename": "../../../../escaped-Q4_K_M.gguf"}], "'..'"),
+    ([{"rfilename": "/etc/x-Q4_K_M.gguf"}], "relative"),
+    ("tiny-moe-Q8_0.gguf", "listing"),
+    ([["tiny-moe-Q8_0.gguf"]], "listing"),
+])
+def test_a_malformed_listing_is_one_error_line(hub, tmp_path, siblings, fragment):
+    hub.siblings = siblings
+    err = user_error(_env(hub, tmp_path / "home"), "pull", REPO, expect=[fragment])
+    assert hub.url in err
+    assert not any("/resolve/" in p for _, p, _ in hub.log)  # nothing was downloaded
+    assert _outside(tmp_path, tmp_path / "home") == []
+
+
+def _timed_env(hub: FakeHub, home: Path) -> dict[str, str]:
+    env = _env(hub, home)
+    env["HF_HUB_DOWNLOAD_TIMEOUT"] = "2"  # huggingface_hub's read timeout, also the window of the low-speed rule
+    return env
+
+
+def test_a_hub_that_drips_the_file_is_a_timeout(hub, tmp_path):
+    """A byte every 0.2 s never ended (E17: each byte reset the read timeout). Now a body must bring 16 KiB in each
+    HF_HUB_DOWNLOAD_TIMEOUT seconds; huggingface_hub retries from where it got to (five times), then one error."""
+    hub.drip["tiny-moe-Q8_0.gguf"] = 0.2
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid_cli", "pull", f"{REPO}:Q8_0"], capture_output=True,
+                       text=True, env=_timed_env(hub, tmp_path / "home"), timeout=180)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "downloading tiny-moe-Q8_0.gguf failed" in errors[0] and "16384 bytes" in errors[0], errors[0]
+    gets = [p for m, p, _ in hub.log if m == "GET" and p.endswith("tiny-moe-Q8_0.gguf")]
+    assert 1 < len(gets) <= 6, gets  # retried, and not for ever
+
+
+def test_a_hub_that_stalls_the_listing_is_a_timeout(hub, tmp_path):
+    """The listing asked for no timeout at all: a hub that sent its headers and then nothing held `pull` for good."""
+    hub.stall_listing = True
+    r = subprocess.run([sys.executable, "-m", "ggml_hybrid_cli", "pull", f"{REPO}:Q8_0"], capture_output=True,
+                       text=True, env=_timed_env(hub, tmp_path / "home"), timeout=180)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "timed out" in errors[0] and "not in the hub cache" in errors[0], errors[0]

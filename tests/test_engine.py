@@ -285,3 +285,47 @@ def test_logprobs_are_the_log_softmax_of_the_logits_the_sampler_saw(path, k):
         assert [t for t, _ in e_.top] == want
         assert [v for _, v in e_.top] == pytest.approx([lp[i] for i in want], rel=1e-12, abs=1e-12)
     assert r.take_logprobs() == r.token_logprobs and r.take_logprobs() == []
+
+
+def test_between_steps_runs_on_the_engine_thread_never_inside_a_step(path):
+    """A call given to between_steps runs on the engine thread: at once when it is idle, and between two steps
+    while a request runs (the steps counted before it equal those its caller saw end, none half done)."""
+    with _model(path, 1) as m:
+        inside = threading.Event()
+        seen: list[tuple[str, int, bool]] = []
+        eval_, decode = m.eval, m.decode
+
+        def marked(fn):
+            def run(*a, **kw):
+                inside.set()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    inside.clear()
+            return run
+
+        m.eval, m.decode = marked(eval_), marked(decode)
+        e = Engine(m)
+        try:
+            def record(done: threading.Event) -> None:
+                seen.append((threading.current_thread().name, e.stats.decode_steps, inside.is_set()))
+                done.set()
+
+            idle = threading.Event()
+            e.between_steps(lambda: record(idle))
+            assert idle.wait(60)
+            r = e.submit(Request(m.tokenizer.encode("a"), Sampler(temperature=0.0), 30))
+            calls = []
+            while not r.done.is_set() and len(calls) < 5:
+                ev = threading.Event()
+                e.between_steps(lambda ev=ev: record(ev))
+                assert ev.wait(60)
+                calls.append(ev)
+            assert r.done.wait(60)
+        finally:
+            e.close()
+    with pytest.raises(ClosedError):
+        e.between_steps(lambda: None)  # a closed engine runs nothing more: said at once
+    assert all(name == "engine-model" and not busy for name, _, busy in seen), seen
+    steps = [n for _, n, _ in seen]
+    assert steps == sorted(steps) and e.stats.decode_ns > 0 and e.stats.prompt_ns > 0

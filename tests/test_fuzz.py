@@ -63,6 +63,60 @@ def test_fork_runner_sees_signals_hangs_and_exit_codes(tmp_path):
     assert o.rc == 0 and o.stdout == "out\n"
 
 
+def test_raw_reads_past_informational_replies(monkeypatch):
+    """The server fuzzer's raw client reads the reply that follows `100 Continue` lines (the server writes one every
+    0.5 s to a half-closed client whose reply has not started: a loaded server's slow reply came after it, and the
+    client stopped at the first line, which read as an empty reply). The stand-in server writes its reply only once
+    the client has received the 100 line (the client's socket is watched)."""
+    import socket
+    import threading
+    import types
+
+    from ggfuzz import server_cases
+
+    got_continue = threading.Event()
+
+    class Watched:  # the client's socket, telling the server when a 100 line has been received
+        def __init__(self, s: socket.socket) -> None:
+            self.s = s
+
+        def __enter__(self) -> Watched:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.s.close()
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.s, name)
+
+        def recv(self, n: int) -> bytes:
+            data = self.s.recv(n)
+            if b"100 Continue" in data:
+                got_continue.set()
+            return data
+
+    fake = types.SimpleNamespace(**vars(socket))
+    fake.create_connection = lambda *a, **k: Watched(socket.create_connection(*a, **k))
+    monkeypatch.setattr(server_cases, "socket", fake)
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        def answer() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                while conn.recv(65536):  # until the client's half-close
+                    pass
+                conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                if got_continue.wait(30):
+                    conn.sendall(reply)
+
+        t = threading.Thread(target=answer)
+        t.start()
+        out = server_cases._raw(srv.getsockname()[1], b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+                                30, half_close=True)
+        t.join(30)
+    assert out.endswith(reply), out
+
+
 # -- every kind at CI size -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

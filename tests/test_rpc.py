@@ -269,20 +269,26 @@ def test_server_killed_mid_generation_is_one_typed_error_and_the_process_goes_on
         with rpc_server() as s:
             m = MoEModel(model, opts(f"rpc={s.endpoint}", "disk_experts=true", "expert_cache_slots=2"))
             killed_at: list[float] = []
+            generating = threading.Event()
 
-            def kill_soon() -> None:
-                time.sleep(0.3)
+            def kill_mid_generation() -> None:
+                # the event: the prompt is evaluated and decoding under way (it slept 0.3 s from the start; a
+                # loaded machine could still be evaluating the prompt, or not have begun)
+                assert generating.wait(120)
                 killed_at.append(time.monotonic())
                 s.kill()
 
-            threading.Thread(target=kill_soon).start()
+            killer = threading.Thread(target=kill_mid_generation)
+            killer.start()
             with pytest.raises(RPCError) as err:
                 logits = m.eval(tokens)
+                generating.set()
                 while True:  # greedy decoding until the server is gone
                     if m.n_past >= m.n_ctx - 1:
                         m.reset()
                     logits = m.eval([int(np.argmax(logits[-1]))])
             raised_at = time.monotonic()
+            killer.join(10)
             assert killed_at and raised_at - killed_at[0] < 10
             assert s.endpoint in str(err.value) and "lost" in str(err.value)
             # the session stays failed (not aborted, not hung) until closed
@@ -740,6 +746,25 @@ def test_a_frozen_server_is_a_timeout_not_a_hang(model, reference):
                 s.proc.send_signal(signal.SIGCONT)
 
 
+def _wait_idle(pid: int, quiet: float = 0.3, limit: float = 60) -> None:
+    """Until process ``pid`` sleeps and uses no CPU for ``quiet`` seconds: it waits on something (a bounded wait)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    end = time.monotonic() + limit
+
+    def cpu() -> float:
+        t = proc.cpu_times()
+        return t.user + t.system
+
+    while True:
+        before = cpu()
+        time.sleep(quiet)
+        if cpu() == before and proc.status() == psutil.STATUS_SLEEPING:
+            return
+        assert time.monotonic() < end, "the process never stopped to wait"
+
+
 def test_ctrl_c_ends_a_run_against_a_frozen_server(model):
     """Issue 28 item 3: Ctrl-C during `run --rpc` against a stopped server (no time limit) ends the run at once,
     with the usual report and exit status 130."""
@@ -751,7 +776,7 @@ def test_ctrl_c_ends_a_run_against_a_frozen_server(model):
             assert p.stdout is not None
             p.stdout.read(8)  # it generates
             s.proc.send_signal(signal.SIGSTOP)
-            time.sleep(1.0)  # now it waits for the server
+            _wait_idle(p.pid)  # now it waits for the server (it slept 1 s and assumed so)
             p.send_signal(signal.SIGINT)
             out, err = p.communicate(timeout=30)
         finally:

@@ -157,8 +157,14 @@ def test_sigterm_during_a_long_render_stops_the_server(files):
                 got["r"] = exc
 
         th = threading.Thread(target=chat)
+        before = _renderers_cpu(s.proc.pid)
         th.start()
-        time.sleep(1.0)
+        # the event: a renderer computes the template (it was a 1 s sleep, which a loaded machine could outlast
+        # before the request even reached the server)
+        end = time.monotonic() + 60
+        while not any(cpu - before.get(pid, 0.0) >= 0.5 for pid, cpu in _renderers_cpu(s.proc.pid).items()):
+            assert th.is_alive() and time.monotonic() < end, got
+            time.sleep(0.02)
         t0 = time.monotonic()
         rc, err = s.stop()
         th.join(30)
@@ -166,6 +172,20 @@ def test_sigterm_during_a_long_render_stops_the_server(files):
     assert not th.is_alive()
     r = got["r"]
     assert isinstance(r, OSError) or r[0] in (500, 503), r  # type: ignore[index]
+
+
+def _renderers_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds each child of the server has used (its chat-template renderers: their own processes)."""
+    import psutil
+
+    out = {}
+    for c in psutil.Process(pid).children():
+        try:
+            t = c.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out[c.pid] = t.user + t.system
+    return out
 
 
 # -- items 8 and 12: prompts too long to tokenize, text that is not Unicode ---------------------------------
@@ -240,11 +260,18 @@ def test_idle_connections_never_lock_out_health_at_a_256_descriptor_limit(files)
             time.sleep(0.05)
         for _ in range(260):
             socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
-        time.sleep(1.0)
+        # the event: the server has taken connections up to its limit (it slept 1 s and assumed so)
+        import psutil
+
+        server = psutil.Process(proc.pid)
+        end = time.monotonic() + 60
+        while server.num_fds() < 250:
+            assert proc.poll() is None and time.monotonic() < end, server.num_fds()
+            time.sleep(0.02)
         t0 = time.monotonic()
         answers = [_health(port) for _ in range(5)]
         assert answers == [200] * 5 and time.monotonic() - t0 < 10, answers
-        time.sleep(2.0)
+        time.sleep(2.0)  # a window for the log to grow in, were accept() failing again (it logged 80 MB in 30 s)
     finally:
         for s in socks:
             s.close()
@@ -319,8 +346,10 @@ def test_a_client_that_leaves_mid_body_is_counted_without_a_traceback(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"model\": ")
-        time.sleep(0.3)
-    _wait_for_a_499(server.url, before, 10, "the disconnect was not counted")
+        # no wait before closing (it slept 0.3 s): the server reads the headers and the part of the body before
+        # the end of the connection, which comes after them on the same stream, so the request has begun when
+        # the end is seen, however late the server gets to it
+    _wait_for_a_499(server.url, before, 30, "the disconnect was not counted")
     # (the module's server fixture checks its log for tracebacks when it stops)
 
 
@@ -376,10 +405,18 @@ def test_a_client_that_closes_both_ways_mid_generation_is_still_cancelled_soon(l
     with socket.create_connection(("127.0.0.1", long_server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        time.sleep(0.5)
+        # the event: the generation is under way, its first tokens counted (it slept 0.5 s and assumed so)
+        end = time.monotonic() + 60
+        while _generated(scrape(long_server.url)) <= _generated(before):
+            assert time.monotonic() < end, "the generation did not start"
+            time.sleep(0.02)
     after = _wait_for_a_499(long_server.url, before, 30, "a client that left was not noticed")
-    generated = sum(v - before.get(k, 0) for k, v in after.items() if k[0] == "ggml_hybrid_generated_tokens_total")
+    generated = _generated(after) - _generated(before)
     assert 0 < generated < 4000, generated  # cancelled part way, not run to its end
+
+
+def _generated(metrics: dict) -> float:
+    return sum(v for k, v in metrics.items() if k[0] == "ggml_hybrid_generated_tokens_total")
 
 
 # -- item 14: the warning for every interface ---------------------------------------------------------------
@@ -447,6 +484,14 @@ def _events(r) -> list[str]:
     return out
 
 
+def _wait_draining(url: str) -> None:
+    """Until /health stops answering 200: the signal that starts a drain has been taken (a bounded wait)."""
+    end = time.monotonic() + 30
+    while get(url + "/health")[0] == 200:
+        assert time.monotonic() < end, "the drain did not begin"
+        time.sleep(0.02)
+
+
 def test_drain_keeps_listening_and_ends_a_cut_stream_with_an_error_and_done(files, slow):
     """After SIGTERM /health answers the documented 503 "draining" and new work a 503 (the listener closed at
     once); a stream that outlives --drain-timeout ends with an error event and [DONE] (it was cut bare)."""
@@ -459,7 +504,7 @@ def test_drain_keeps_listening_and_ends_a_cut_stream_with_an_error_and_done(file
         while not first.startswith(b"data: "):
             first = r.readline()
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        _wait_draining(s.url)
         assert get(s.url + "/health") == (503, b'{"status":"draining"}')
         code, doc = post(s.url + "/v1/completions", json.dumps({"model": "m", "prompt": "a", "max_tokens": 2}))
         assert code == 503 and doc["error"]["code"] == "shutting_down", doc
@@ -493,7 +538,7 @@ def test_a_second_ctrl_c_ends_the_drain_with_json_answers(files, slow):
             assert time.monotonic() < end
             time.sleep(0.02)
         s.proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
+        _wait_draining(s.url)  # the first Ctrl-C taken (it slept 0.5 s and assumed so)
         assert th.is_alive()  # draining: it goes on
         s.proc.send_signal(signal.SIGINT)
         th.join(30)

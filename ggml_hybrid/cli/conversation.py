@@ -25,12 +25,12 @@ from typing import TextIO
 
 import click
 
-from ..errors import ContextFullError, GgmlHybridError
+from ..errors import ChatTemplateError, ContextFullError, GgmlHybridError
 from ..runtime.generate import GenerationStats
 from ..runtime.moe_model import MoEModel
 from ..runtime.sampling import Sampler
 from ..text.chat import ChatTemplate
-from ..text.vocab import TextStream
+from ..text.vocab import TextStream, check_text
 
 PROMPT = "\n> "
 CONTINUATION = "... "
@@ -138,6 +138,9 @@ def load_conversation(path: str) -> list[Message]:
             doc = json.load(f)
     except (UnicodeDecodeError, ValueError) as exc:
         raise click.BadParameter(f"{path!r} is not JSON text: {exc}", param_hint="/load") from None
+    except RecursionError:  # arrays or objects within each other deeper than the parser's recursion limit
+        raise click.BadParameter(f"{path!r} is JSON nested too deeply to read (a conversation file is an object "
+                                 '{"messages": [...]} of flat messages)', param_hint="/load") from None
     msgs = doc.get("messages") if isinstance(doc, dict) else None
     if not isinstance(msgs, list):
         raise click.BadParameter(f'{path!r} must hold an object {{"messages": [...]}} (what /save writes)',
@@ -146,9 +149,21 @@ def load_conversation(path: str) -> list[Message]:
     for i, m in enumerate(msgs):
         if not (isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)):
             raise click.BadParameter(f"{path!r}: messages[{i}] must be {{\"role\": system|user|assistant, "
-                                     f"\"content\": text}}, got {json.dumps(m)[:80]}", param_hint="/load")
+                                     f"\"content\": text}}, got {_quote(m)}", param_hint="/load")
+        try:  # JSON can write a lone surrogate (\ud800), which no text holds: /save and the tokenizer refuse it
+            check_text(m["content"], f"{path!r}: messages[{i}].content")
+        except GgmlHybridError as exc:
+            raise click.BadParameter(str(exc), param_hint="/load") from None
         out.append({"role": m["role"], "content": m["content"]})
     return out
+
+
+def _quote(value: object) -> str:
+    """A short JSON rendering of a value read from a file (any nesting, any string)."""
+    try:
+        return json.dumps(value)[:80]
+    except (RecursionError, ValueError):
+        return type(value).__name__
 
 
 def save_conversation(path: str, messages: list[Message], model_path: str) -> None:
@@ -200,18 +215,27 @@ class _Chat:
             return None
         return True
 
+    def _prompt(self, text: str, template: ChatTemplate) -> list[int]:
+        """The conversation with ``text`` added, as token ids; the message is kept only if they can be evaluated (a
+        template that refuses the messages or stops at a bound, or a context too small, raise and keep nothing)."""
+        m, tok = self.m, self.m.tokenizer
+        self.messages.append({"role": "user", "content": text})
+        try:
+            rendered = template.render(self.messages, add_generation_prompt=True)
+            add_bos = tok.add_bos and not (template.bos_token and rendered.startswith(template.bos_token))
+            ids = tok.encode(rendered, add_bos=add_bos, special=True)
+            if len(ids) >= m.n_ctx:
+                raise ContextFullError(f"the conversation is {len(ids)} tokens; the context holds {m.n_ctx} "
+                                       "(start with a larger -c, or /clear); the message was not sent")
+        except (ChatTemplateError, ContextFullError):
+            self.messages.pop()
+            raise
+        return ids
+
     def turn(self, text: str, sampler: Sampler, n_predict: int, ignore_eos: bool, special: bool,
              template: ChatTemplate) -> None:
         m, tok = self.m, self.m.tokenizer
-        self.messages.append({"role": "user", "content": text})
-        rendered = template.render(self.messages, add_generation_prompt=True)
-        add_bos = tok.add_bos and not (template.bos_token and rendered.startswith(template.bos_token))
-        ids = tok.encode(rendered, add_bos=add_bos, special=True)
-        if len(ids) >= m.n_ctx:
-            self.messages.pop()
-            raise ContextFullError(f"the conversation is {len(ids)} tokens; the context holds {m.n_ctx} "
-                                   "(start with a larger -c, or /clear); "
-                                   "the message was not sent")
+        ids = self._prompt(text, template)
         keep = min(_common_prefix(self.history, ids), len(ids) - 1)  # at least one token to evaluate
         if m.recurrent and keep < m.n_past:
             # a recurrent state cannot go back to the shared prefix: evaluate the conversation anew
@@ -321,6 +345,8 @@ def converse(m: MoEModel, sampler: Sampler, n_predict: int, system: str | None, 
                 chat.turn(text, sampler, n_predict, ignore_eos, special, template)
             except ContextFullError as exc:  # the message is not kept: a shorter one, or /clear, goes on
                 click.echo(f"error: {exc}", err=True)
+            except ChatTemplateError as exc:  # likewise (a conversation /load gave that the template refuses)
+                click.echo(f"error: {' '.join(str(exc).split())}; the message was not sent", err=True)
     except KeyboardInterrupt:
         ignore_interrupts()  # a second Ctrl-C must not cut the stats of the first short
         click.echo()

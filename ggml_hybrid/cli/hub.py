@@ -11,6 +11,9 @@ to case; without a tag, ``Q4_K_M``, then ``Q8_0``, then the first model file. A 
 (``NAME-00001-of-00003.gguf``) is chosen by its first part and downloaded whole, every part; the first part is
 what a loader opens. ggml-hybrid loads single-file GGUFs only, so a split model is refused after the download,
 naming where its parts are and how to merge them.
+
+What the hub answers is checked before huggingface_hub acts on it (:mod:`.hub_http`: headers that would name paths
+outside the cache, reads that stall or drip), and so is the listing (every file a relative path without ``..``).
 """
 
 from __future__ import annotations
@@ -119,14 +122,17 @@ def _endpoint() -> str:
 
 def list_files(repo: str) -> tuple[list[str], bool]:
     """(the repository's files, whether they come from the local cache instead of the hub)."""
+    import httpx2
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    from .hub_http import guarded
 
     unreachable = None
     if not constants.HF_HUB_OFFLINE:
         try:
-            info = HfApi().model_info(repo)
-            return [s.rfilename for s in info.siblings or []], False
+            with guarded():
+                info = HfApi().model_info(repo)
         except GatedRepoError:
             raise HubError(f"-hf {repo}: the repository is gated; accept its terms on {_endpoint()}/{repo} and set "
                            "HF_TOKEN (or run `hf auth login`)") from None
@@ -137,8 +143,15 @@ def list_files(repo: str) -> tuple[list[str], bool]:
             status = exc.response.status_code if exc.response is not None else "?"
             raise HubError(f"-hf {repo}: {_endpoint()} answered HTTP {status} when asked for the repository's "
                            "files") from None
-        except Exception as exc:  # the connection (httpx's errors are not OSErrors): fall back to the cache
+        except HubError as exc:  # an answer that would have named a path outside the cache (hub_http.py)
+            raise HubError(f"-hf {repo}: {exc}") from None
+        except httpx2.HTTPError as exc:  # the connection (refused, reset, timed out): fall back to the cache
             unreachable = " ".join(str(exc).split()) or type(exc).__name__
+        except Exception as exc:  # an answer huggingface_hub could not read as a repository's
+            raise HubError(f"-hf {repo}: {_endpoint()} answered a listing of the repository's files that cannot be "
+                           f"read ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+        else:
+            return _listed(repo, info.siblings), False
     cached = cached_files(repo)
     if not cached:
         where = f"the hub cache ({constants.HF_HUB_CACHE})"
@@ -147,6 +160,30 @@ def list_files(repo: str) -> tuple[list[str], bool]:
                            "download it once online (ggml-hybrid pull)")
         raise HubError(f"-hf {repo}: cannot reach {_endpoint()} ({unreachable}) and the repository is not in {where}")
     return cached, True
+
+
+def _listed(repo: str, siblings: object) -> list[str]:
+    """The file names of a listing, each a relative path inside the repository; HubError naming the first that is
+    not (a hostile or broken hub: a null name, a name with '..' or an absolute one)."""
+    where = f"-hf {repo}: {_endpoint()} answered a listing of the repository's files"
+    if siblings is None:
+        return []
+    if not isinstance(siblings, list):
+        raise HubError(f"{where} whose siblings are not a list ({type(siblings).__name__})")
+    names = []
+    for i, s in enumerate(siblings):
+        name = getattr(s, "rfilename", None)
+        if not isinstance(name, str) or not name:
+            raise HubError(f"{where} whose siblings[{i}] has no file name (rfilename: {name!r})")
+        parts = name.split("/")
+        if name.startswith("/") or "\\" in name or "\0" in name:
+            raise HubError(f"{where} holding {name!r} (siblings[{i}]): a file's path must be relative, with '/' "
+                           "between its parts")
+        if any(p in ("", ".", "..") for p in parts):
+            raise HubError(f"{where} holding {name!r} (siblings[{i}]): a file's path may have no empty, '.' or '..' "
+                           "part")
+        names.append(name)
+    return names
 
 
 def cached_files(repo: str) -> list[str]:
@@ -173,6 +210,8 @@ def fetch(spec: str, hf_file: str | None = None, *, progress: bool = True,
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
     from huggingface_hub.utils import disable_progress_bars
 
+    from .hub_http import guarded
+
     repo, tag = parse_repo(spec)
     if tag is not None and hf_file is not None:
         raise HubError(f"-hf {spec} and --hf-file {hf_file}: give the quant tag or the file, not both")
@@ -183,7 +222,10 @@ def fetch(spec: str, hf_file: str | None = None, *, progress: bool = True,
     paths = []
     for name in parts:
         try:
-            paths.append(hf_hub_download(repo, name))
+            with guarded():
+                paths.append(hf_hub_download(repo, name))
+        except HubError as exc:  # an answer that would have named a path outside the cache (hub_http.py)
+            raise HubError(f"-hf {repo}: downloading {name}: {exc}") from None
         except (LocalEntryNotFoundError, OfflineModeIsEnabled):
             raise HubError(f"-hf {repo}: {name} is not in the hub cache and the hub cannot be reached "
                            f"({'offline, HF_HUB_OFFLINE=1' if from_cache else _endpoint()})") from None

@@ -26,6 +26,33 @@ def _with(opts: SessionOptions, combination: str) -> list[str]:
     return [x for x in opts.to_items() if x.split("=", 1)[0] not in keys] + items
 
 
+def _keep(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """--trace and --plot: kept in the context (read by :func:`plan`), not passed as arguments."""
+    ctx.meta[f"plan.{param.name}"] = value
+
+
+def _plot(path: str, p: Any, opts: SessionOptions, trace: str, plot_file: str) -> None:
+    """The trace's curves for this model: its experts' bytes, the runtime's policies, the share asked for."""
+    import os
+
+    from ..moe.traces import TraceError, read_trace
+    from ..moe.traces.plot import check_plot_path, write_plot
+    from .replay import sweep
+
+    check_plot_path(plot_file)
+    if not p.moe:
+        raise TraceError(f"--plot: {path!r} has no routed experts: there is nothing to replay")
+    head = read_trace(trace, warn=False)
+    if (head.n_expert, head.n_used) != (p.experts.count, p.experts.used):
+        raise TraceError(f"--trace {trace!r}: {head.n_expert} experts, top-{head.n_used}; the model has "
+                         f"{p.experts.count}, top-{p.experts.used}: a trace of another model")
+    share = opts.moe_cpu_share
+    shares = [0.0] if share in (0.0, "auto") else [0.0, float(share)]
+    tr, results = sweep(trace, [], [], shares, p.experts.bytes_per_expert)
+    write_plot(plot_file, tr, results, f"{os.path.basename(path)}: routing trace {os.path.basename(trace)}")
+    click.echo(f"wrote {plot_file}", err=True)
+
+
 @main.command()
 @model_argument
 @session_flags
@@ -40,6 +67,10 @@ def _with(opts: SessionOptions, combination: str) -> list[str]:
               help="The server's port (--format k8s).")
 @click.option("--api-key-secret", metavar="NAME", default=None,
               help="--format k8s: the server takes its API keys from this Secret's 'api-keys' entry (one key a line).")
+@click.option("--trace", type=click.Path(dir_okay=False), expose_value=False, callback=_keep,
+              help="A routing trace of this model (moe_trace_path): with --plot, its loads-against-slots curves.")
+@click.option("--plot", type=click.Path(dir_okay=False), expose_value=False, callback=_keep,
+              help="Draw --trace's heatmap and loads-against-slots curves for this model to FILE (.png or .html).")
 def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, vram: str | None,
          ram: str | None, fmt: str, as_json: bool, image: str, port: int, api_key_secret: str | None,
          **flags: Any) -> None:
@@ -54,9 +85,14 @@ def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file
         fmt = "json"
     if api_key_secret is not None and fmt != "k8s":
         raise click.UsageError("--api-key-secret is for --format k8s (the Deployment's server reads its keys there)")
+    trace, plot_file = (click.get_current_context().meta.get(f"plan.{k}") for k in ("trace", "plot"))
+    if (trace is None) != (plot_file is None):
+        raise click.UsageError("--trace and --plot go together: the curves of a trace for this model")
     path, _, opts = session_from_flags(pick_model(model, model_flag, hf_repo, hf_file, quiet=fmt != "text"), flags)
     sizes = [parse_size(x) for x in vram.split(",")] if vram else None
     p = make_plan(path, opts, vram=sizes, ram=parse_size(ram) if ram else None)
+    if trace is not None and plot_file is not None:
+        _plot(path, p, opts, trace, plot_file)
     if fmt == "json":
         click.echo(json.dumps(p.to_dict()))
     elif fmt == "k8s":

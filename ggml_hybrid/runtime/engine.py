@@ -235,6 +235,8 @@ class EngineStats:
     generated_tokens: int = 0
     decode_steps: int = 0
     prompt_steps: int = 0
+    decode_ns: int = 0  # time in decode steps (the model's decode), nanoseconds
+    prompt_ns: int = 0  # time in prompt steps (the model's eval)
     moves: int = 0  # sequences moved to a lower slot (:meth:`Engine._pack`)
     queued: int = 0
     busy_slots: int = 0
@@ -265,6 +267,7 @@ class Engine:
         self._rate = StepRate()
         self.stats = EngineStats()
         self._after_step = after_step
+        self._calls: list[Callable[[], object]] = []  # run by the engine thread between two steps (between_steps)
         self.spec = Speculator(model) if model.options.spec_type == "draft-mtp" else None
         if model.options.spec_type == "replay":
             raise ArgumentError("spec_type=replay: replayed drafts are for benchmarks and tests; a server drafts with "
@@ -330,6 +333,16 @@ class Engine:
                             "positions": self.model.kv.used[s], **self.cache.report(s)})
             return out
 
+    def between_steps(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the engine thread before its next step (at once when it is idle): it sees the model as no
+        step is computing with it. An exception of ``fn`` is its own (``fn`` must catch it). Once :meth:`close` has
+        begun, a :class:`ClosedError` (what was given before still runs)."""
+        with self._cond:
+            if self._stop:
+                raise ClosedError(f"{self.name}: the engine is closed")
+            self._calls.append(fn)
+            self._cond.notify()
+
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify()
@@ -343,11 +356,14 @@ class Engine:
                     gone = self._take_cancelled_queued()
                     self._admit()
                     active = [r for r in self._slots if r is not None]
-                    if active or gone:
+                    calls, self._calls = self._calls, []
+                    if active or gone or calls:
                         break
                     if self._stop:
                         return
                     self._cond.wait()
+            for fn in calls:
+                fn()
             for r in gone:
                 self._finish(r, "cancelled")
             for r in active:
@@ -447,7 +463,9 @@ class Engine:
         start = r._n_prompt_done
         end = next(e for e in self.model.ubatch_ends(len(r.prompt)) if e > start)
         assert r.seq is not None
+        t0 = time.perf_counter_ns()
         logits = self.model.eval(r.prompt[start:end], "last", seq=r.seq)
+        self.stats.prompt_ns += time.perf_counter_ns() - t0
         r._n_prompt_done = end
         self.stats.prompt_steps += 1
         self.stats.prompt_tokens_evaluated += end - start
@@ -467,6 +485,7 @@ class Engine:
         logits = self.model.decode([(r.seq, r._pending) for r in rs if r.seq is not None])
         t1 = time.perf_counter_ns()
         self.stats.decode_steps += 1
+        self.stats.decode_ns += t1 - t0
         self._rate.add(t1, t1 - t0, len(rs))
         for r, row in zip(rs, logits):
             try:
@@ -487,6 +506,7 @@ class Engine:
         emitted = spec.step(items)
         t1 = time.perf_counter_ns()
         self.stats.decode_steps += 1
+        self.stats.decode_ns += t1 - t0
         self._rate.add(t1, t1 - t0, sum(max(len(e), 1) for e in emitted))
         for r, toks, rows, err in zip(rs, emitted, spec.last_rows, spec.last_errors):
             try:

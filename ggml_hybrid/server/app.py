@@ -4,7 +4,8 @@ Routes (:mod:`.routes`): ``GET /health``, ``GET /v1/models``, ``POST /v1/complet
 ``POST /v1/chat/completions`` (both streamed with ``stream: true``), Anthropic's ``POST /v1/messages`` and
 ``/v1/messages/count_tokens``, and ``GET /metrics``; :mod:`.info`: ``POST /tokenize``, ``POST /detokenize``,
 ``GET /props``, ``GET /slots``, ``POST /v1/embeddings``; :mod:`.llama_api`: llama-server's own ``POST /completion``,
-``POST /apply-template`` and the routes without ``/v1``. With API keys (:mod:`.auth`) every route but ``/health``
+``POST /apply-template`` and the routes without ``/v1``; :mod:`.expert_view`: ``GET /experts``; :mod:`.web`: the
+chat page at ``/``. With API keys (:mod:`.auth`) every route but ``/health``
 needs one; with ``cors_origins`` (:mod:`.settings`) browsers may call it from those pages. Every error is OpenAI's
 error object (Anthropic's on its paths) with a 4xx/5xx status; nothing a client sends takes the server down. A
 generation is one engine request per choice; the handler waits on them without blocking the event loop (the engine
@@ -22,11 +23,13 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from .auth import APIKeyMiddleware
+from .expert_view import ExpertViewRoutes
 from .info import InfoRoutes
 from .llama_api import LlamaRoutes
 from .models import ModelSet
 from .routes import Routes
 from .settings import LOCAL_ORIGIN_RE, LOCALHOST, ServerSettings
+from .web import PageRoutes
 
 CORS_METHODS = ("GET", "POST", "DELETE", "OPTIONS")  # llama-server's --cors-methods default
 
@@ -42,7 +45,9 @@ def create_app(models: ModelSet, drain_seconds: float = 30.0, lifespan: Any = No
     middleware = [_cors(settings.cors_origins)] if settings.cors_origins else []
     if api_keys:
         middleware.append(Middleware(APIKeyMiddleware, keys=list(api_keys), count=models.count))
-    return Starlette(routes=routes.table() + InfoRoutes(routes).table() + LlamaRoutes(routes).table(),
+    table = routes.table() + InfoRoutes(routes).table() + LlamaRoutes(routes).table()
+    table += ExpertViewRoutes(routes).table() + PageRoutes().table()  # /experts; the chat page at /
+    return Starlette(routes=table,
                      exception_handlers={HTTPException: routes.not_found, Exception: routes.server_error},
                      middleware=middleware, lifespan=lifespan)
 

@@ -1,4 +1,5 @@
-"""API keys: every endpoint but ``/health`` answers only requests that carry one (``serve --api-key``).
+"""API keys: every endpoint but ``/health`` and the chat page's static files (:mod:`.web`) answers only requests
+that carry one (``serve --api-key``).
 
 A request gives its key as OpenAI's clients send it, ``Authorization: Bearer KEY`` (or ``X-Api-Key: KEY``,
 as Anthropic's clients and llama.cpp's server do). Each given key is compared with every configured one in
@@ -21,8 +22,9 @@ from ..errors import ConfigError
 from . import anthropic
 from .config import read_bounded
 from .protocol import APIError
+from .web import PAGE_PATHS
 
-OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe carries no key
+OPEN_PATHS = frozenset({"/health"}) | PAGE_PATHS  # a load balancer's probe carries no key, nor a browser's first visit
 MAX_KEY_FILE_BYTES = 1 << 20
 
 Scope = dict[str, Any]

@@ -2,6 +2,9 @@
 
 - ``POST /tokenize`` ``{"content": str, "add_special": bool, "with_pieces": bool}`` -> ``{"tokens": [...]}``
   (with pieces: ``[{"id", "piece"}]``); ``POST /detokenize`` ``{"tokens": [...]}`` -> ``{"content": str}``.
+  Bounded as prompts are: a text longer than a sequence's context could hold whatever its tokens (the served model's
+  ``max_prompt_chars``), or more ids than ``n_ctx``, is a 400 ``context_length_exceeded`` before any work; the work
+  runs off the event loop, and the memory a long text needed is handed back once it is answered.
 - ``GET /props``: the model, its context, slots, chat template, session options, sampling defaults.
 - ``GET /slots``: what each slot holds (its state and llama-server's ``is_processing``, the positions its cells
   hold, the prompt tokens a next request may reuse); with ``serve --no-slots``, a 501 as llama-server's.
@@ -18,16 +21,19 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+from starlette.background import BackgroundTask
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import GgmlHybridError
+from ..machine import release_free_memory
 from .models import ServedModel
-from .protocol import APIError, bad
+from .protocol import APIError, bad, context_overflow
 from .routes import Routes
 
 MAX_TOKENIZE_CHARS = 1 << 22  # a text beyond this is refused before it is tokenized (the body limit is 16 MiB)
+TRIM_AFTER = 1 << 16  # characters of text after which the freed memory is handed back to the system
 POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
 
 
@@ -64,25 +70,34 @@ class InfoRoutes:
         content = body.get("content")
         if not isinstance(content, str):
             raise bad("'content' must be a string (the text to tokenize).", "content")
+        assert sm.model is not None
+        if len(content) > sm.max_prompt_chars:  # the prompts' rule (server/routes.py): refused before tokenizing
+            raise context_overflow(f"'content' has {len(content)} characters: more tokens than a sequence's context "
+                                   f"holds ({sm.model.n_ctx}), whatever they are (at most {sm.max_prompt_chars} "
+                                   "characters are tokenized, as for prompts).", "content", sm.model.n_ctx)
         if len(content) > MAX_TOKENIZE_CHARS:
             raise bad(f"'content' has {len(content)} characters; at most {MAX_TOKENIZE_CHARS} are tokenized.",
                       "content")
         add_special = _bool(body, "add_special", False)
         with_pieces = _bool(body, "with_pieces", False)
-        assert sm.model is not None
         tok = sm.model.tokenizer
 
-        def encode() -> list[int]:
+        # the memory a long text needed (its encoding: a string and offsets per token, in the worker thread's heap;
+        # the body and the answer) goes back to the system once the answer is sent, instead of staying with the heaps
+        after = BackgroundTask(release_free_memory) if len(content) >= TRIM_AFTER else None
+
+        def answer() -> Response:
+            # off the event loop, the answer rendered too: a long text's ids and pieces take a while to build
             try:
-                return tok.encode(content, add_bos=add_special, special=True)
+                ids = tok.encode(content, add_bos=add_special, special=True)
             except GgmlHybridError as exc:  # text that is not valid Unicode (a lone surrogate)
                 raise bad(f"'content': {exc}.", "content") from None
+            if not with_pieces:
+                return JSONResponse({"tokens": ids}, background=after)
+            return JSONResponse({"tokens": [{"id": t, "piece": tok.token_bytes(t).decode("utf-8", "replace")}
+                                            for t in ids]}, background=after)
 
-        ids = await anyio.to_thread.run_sync(encode, limiter=self.routes.text_limiter)
-        if not with_pieces:
-            return JSONResponse({"tokens": ids})
-        return JSONResponse({"tokens": [{"id": t, "piece": tok.token_bytes(t).decode("utf-8", "replace")}
-                                        for t in ids]})
+        return await anyio.to_thread.run_sync(answer, limiter=self.routes.text_limiter)
 
     async def detokenize(self, request: HTTPRequest) -> Response:
         body = await self.routes.read_body(request)
@@ -90,12 +105,21 @@ class InfoRoutes:
         assert sm.model is not None
         tok = sm.model.tokenizer
         ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, list):
             raise bad("'tokens' must be an array of token ids (integers).", "tokens")
-        wrong = [t for t in ids if not 0 <= t < tok.n_vocab]
-        if wrong:
-            raise bad(f"'tokens': token id {wrong[0]} is outside the vocabulary 0..{tok.n_vocab - 1}.", "tokens")
-        return JSONResponse({"content": tok.decode(ids)})
+        if len(ids) > sm.model.n_ctx:  # no sequence holds more: refused before anything is decoded
+            raise context_overflow(f"'tokens' has {len(ids)} token ids: more than a sequence's context holds "
+                                   f"({sm.model.n_ctx}).", "tokens", sm.model.n_ctx, len(ids))
+
+        def answer() -> Response:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise bad("'tokens' must be an array of token ids (integers).", "tokens")
+            wrong = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
+            if wrong is not None:
+                raise bad(f"'tokens': token id {wrong} is outside the vocabulary 0..{tok.n_vocab - 1}.", "tokens")
+            return JSONResponse({"content": tok.decode(ids)})
+
+        return await anyio.to_thread.run_sync(answer, limiter=self.routes.text_limiter)
 
     async def props(self, request: HTTPRequest) -> Response:
         sm = self.model(request.query_params.get("model"))

@@ -72,6 +72,7 @@ class _Worker:
             raise
         finally:
             os.close(lifeline)
+        self.busy = False  # a request sent, its answer not yet read
         self._read(30.0, "start")
 
     def call(self, req: dict[str, Any], seconds: float) -> dict[str, Any]:
@@ -84,7 +85,11 @@ class _Worker:
             self.kill()
             raise ChatTemplateLimitError("the chat template's renderer stopped (the server is stopping, or it "
                                          "ran out of memory)", "stopped") from None
-        return self._read(seconds, req["op"])
+        self.busy = True
+        try:
+            return self._read(seconds, req["op"])
+        finally:
+            self.busy = False
 
     def _read(self, seconds: float, op: str) -> dict[str, Any]:
         deadline = time.monotonic() + seconds
@@ -172,6 +177,12 @@ class RenderPool:
                     else:
                         self._all.discard(w)
             return out
+
+    @property
+    def in_progress(self) -> int:
+        """Calls a renderer is working on now (each request sent, its answer not yet read)."""
+        with self._lock:
+            return sum(1 for w in self._all if w.busy)
 
     def close(self) -> None:
         with self._lock:

@@ -173,7 +173,9 @@ class Tokenizer:
             if isinstance(part, int):
                 ids.append(part)
             elif part:
-                ids += self._hf.encode(part, add_special_tokens=False).ids
+                # encode_batch lets other threads run while it works (encode holds the interpreter for the whole
+                # text: a server's event loop stood still for as long as a long text took); the same ids
+                ids += self._hf.encode_batch([part], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         # llama.cpp appends EOS after the text when the file says so (tokenizer.ggml.add_eos_token) and special

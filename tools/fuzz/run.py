@@ -118,7 +118,7 @@ def server(cases: int, seed: int, out: str, jobs: int, timeout: float, idle: int
     watch = summary["health_throughout"] or {}
     click.echo(f"server: {cases} requests in {summary['seconds']} s: {json.dumps(summary['classes'])}; "
                f"/health throughout: {watch.get('checks')} checks, slowest {watch.get('slowest_seconds')} s, "
-               f"{len(watch.get('bad', []))} bad; "
+               f"{len(watch.get('bad', []))} bad (during the slowest: {watch.get('slowest_during')}); "
                f"/health under {idle} idle connections: {summary['idle']['health']}; exit status "
                f"{summary['exit_status']}; log {summary['log_bytes']} bytes, {summary['log_tracebacks']} tracebacks")
     for f in summary["failures"][:20]:

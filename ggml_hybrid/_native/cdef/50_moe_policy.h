@@ -21,6 +21,9 @@ typedef struct hy_plan {
 
 typedef struct hy_slot_cache {
     int n_experts, n_slots, policy;
+    int32_t * slot_expert;  /* read by moe/residency.py: what each slot holds, */
+    int64_t * requests;     /* the calls that asked for each expert, */
+    int32_t * uncommitted;  /* and the loads not yet committed */
     hy_cache_counters counters;
     hy_plan plan;
     ...;

@@ -7,15 +7,18 @@ by odd values (wrong JSON types, NaN/huge/tiny numbers, lone surrogates, deep ne
 unknown options), malformed JSON, raw HTTP (bad framing, a body cut short and the socket closed, a
 half-close), streamed or not, one of the other endpoints and methods, or a tool-call case against a model of
 each family's call format (:mod:`.tool_cases`: calls cut by ``max_tokens``, whitespace runs in forced text, names and
-keys a format cannot carry). Requests run ``--jobs`` at a time, so they batch in the engine.
+keys a format cannot carry); since issue 40 also ``/tokenize`` and ``/detokenize`` far past their bounds, and
+``pull`` against a hostile hub (``guard_cases.py``). Requests run ``--jobs`` at a time, so they batch in the engine.
 
 Each answer is classed: ``fine`` (any status below 500, or a documented 5xx: 500 ``chat_template_limit`` /
 ``chat_template_unusable``, 503 ``model_loading`` / ``shutting_down``), ``5xx`` (any other), ``bad_call`` (a tool
 call invalid under its schema, or calls with ``finish_reason`` ``length``), ``bad_shape``
 (an error that is not OpenAI's error object), ``hang`` (no answer within the time limit) or ``crash`` (the
-server died). A stream's error event is fine when it is a typed client error (``invalid_request_error``, e.g. a
+server died); a hub case is ``fine``, ``escape``, ``hang``, ``traceback`` or ``wrong`` (``guard_cases.py``). A
+stream's error event is fine when it is a typed client error (``invalid_request_error``, e.g. a
 grammar llguidance could not continue) or a documented 5xx. Throughout, ``/health`` is asked every 0.25 s and must
-answer 200 within :data:`HEALTH_SECONDS`. After the requests: 200 idle connections are opened and ``/health`` must
+answer 200 within :data:`HEALTH_SECONDS` (``health_throughout`` in the summary: the slowest answer, and the cases
+in flight while it was awaited). After the requests: 200 idle connections are opened and ``/health`` must
 still answer 200, then SIGTERM must end the server with exit status 0 and no traceback in its log.
 
 Structured output draws the shapes of issue 40 too (:func:`grammar_shape`): ``$ref`` chains (plain, through
@@ -37,9 +40,10 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
-from . import tool_cases
+from . import guard_cases, tool_cases
 
 DOCUMENTED_5XX = {(500, "chat_template_limit"), (500, "chat_template_unusable"), (503, "model_loading"),
                   (503, "shutting_down")}
@@ -62,6 +66,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "parallel_tool_calls"]
 INFO = {"/tokenize": ["model", "content", "add_special", "with_pieces"], "/detokenize": ["model", "tokens"],
         "/v1/embeddings": ["model", "input"]}
+_OUT = ["fuzz-out"]  # the run's folder (the hub cases' own folders go under it)
 
 
 def write_models(folder: str) -> str:
@@ -215,9 +220,17 @@ def _raw(port: int, data: bytes, timeout: float, close_early: bool = False, half
         s.settimeout(timeout)
         while chunk := s.recv(65536):
             out += chunk
-            if b"\r\n\r\n" in out and not out.startswith(b"HTTP/1.1 200"):
+            reply = _past_informational(out)  # a half-closed client gets 100 lines until its reply starts
+            if b"\r\n\r\n" in reply and not reply.startswith(b"HTTP/1.1 200"):
                 break
         return out
+
+
+def _past_informational(out: bytes) -> bytes:
+    """What follows the complete 1xx replies at the start of `out`."""
+    while out.startswith(b"HTTP/1.1 1") and b"\r\n\r\n" in out:
+        out = out.split(b"\r\n\r\n", 1)[1]
+    return out
 
 
 def _classify_json(status: int, raw: bytes) -> str:
@@ -237,8 +250,14 @@ def _classify_json(status: int, raw: bytes) -> str:
 def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
     """(class, what) of request i."""
     rng = random.Random(seed * 1_000_003 + i)
-    kind = rng.choices(["completion", "chat", "raw", "other", "info", "tools"], [42, 28, 12, 12, 6, 8])[0]
+    kind = rng.choices(["completion", "chat", "raw", "other", "info", "tools", "huge", "hub"],
+                       [42, 28, 12, 12, 6, 8, 2, 2])[0]
     try:
+        if kind == "hub":  # issue 40: `pull` against a hostile hub (guard_cases.py)
+            return guard_cases.hub_case(seed, i, _OUT[0], timeout)
+        if kind == "huge":  # issue 40: /tokenize and /detokenize far past their bounds
+            status, raw, what = guard_cases.huge_info(rng, port, timeout)
+            return _classify_json(status, raw), f"{what} {status}"
         if kind in ("completion", "chat", "tools"):
             body = _body(rng, kind == "chat") if kind != "tools" else tool_cases.body(rng)[0]
             data = json.dumps(body).encode("utf-8", "surrogatepass")
@@ -287,8 +306,7 @@ def one(seed: int, i: int, port: int, timeout: float) -> tuple[str, str]:
                 out = _raw(port, head + b"Content-Length: -5\r\n\r\n" + body, timeout)
             else:
                 out = _raw(port, head + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n0\r\n\r\n", timeout)
-            while out.startswith(b"HTTP/1.1 1") and b"\r\n\r\n" in out:  # 1xx lines (the half-close probe)
-                out = out.split(b"\r\n\r\n", 1)[1]
+            out = _past_informational(out)  # 1xx lines (the half-close probe)
             status = int(out[9:12]) if out.startswith(b"HTTP/1.1 ") else 0
             if what == "half" and status != 200:  # a whole request, then a half-close: the reply still comes
                 return "bad_shape", f"raw half: {out[:200]!r}"
@@ -355,6 +373,7 @@ class HealthWatch:
     def __init__(self, port: int) -> None:
         self.port = port
         self.slowest = 0.0
+        self.slowest_window = (0.0, 0.0)  # monotonic start and end of the slowest answer
         self.checks = 0
         self.bad: list[str] = []
         self._stop = threading.Event()
@@ -374,23 +393,30 @@ class HealthWatch:
             status = _health(self.port, timeout=30.0)
             took = time.monotonic() - t0
             self.checks += 1
-            self.slowest = max(self.slowest, took)
+            if took > self.slowest:
+                self.slowest, self.slowest_window = took, (t0, t0 + took)
             if status != 200 or took > HEALTH_SECONDS:
                 self.bad.append(f"/health {status} in {took:.2f} s")
 
-    def summary(self) -> dict[str, Any]:
-        return {"checks": self.checks, "slowest_seconds": round(self.slowest, 3), "bad": self.bad[:20]}
+    def summary(self, spans: Sequence[tuple[float, float, str]] = ()) -> dict[str, Any]:
+        """The counts, and the cases whose (start, end, what) ``spans`` overlap the slowest answer."""
+        a, b = self.slowest_window
+        during = sorted(w for t0, t1, w in spans if t0 < b and t1 > a)
+        return {"checks": self.checks, "slowest_seconds": round(self.slowest, 3), "slowest_during": during,
+                "bad": self.bad[:20]}
 
 
 def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, idle: int = 200) -> dict[str, Any]:
     """Run the cases against a fresh server; the summary (also written to OUT/summary-server.json)."""
     out = os.path.abspath(out)  # the config names the models relative to itself
     cfg = write_models(os.path.join(out, "server-models"))
+    _OUT[0] = out
     port = _free_port()
     log = open(os.path.join(out, "server.log"), "w+")
     proc = subprocess.Popen([sys.executable, "-m", "ggml_hybrid.cli", "serve", "--config", cfg, "--port", str(port)],
                             stderr=log)
     results: list[tuple[int, str, str]] = []
+    spans: list[tuple[float, float, str]] = []  # each case's start, end and what: the slowest /health's company
     lock = threading.Lock()
     t_start = time.monotonic()
     idle_ok = None
@@ -406,11 +432,13 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
 
         def worker() -> None:
             for i in todo:
+                t0 = time.monotonic()
                 cls, what = one(seed, i, port, timeout)
                 if cls != "fine" and proc.poll() is not None:
                     cls = "crash"
                 with lock:
                     results.append((i, cls, what))
+                    spans.append((t0, time.monotonic(), f"{i}: {what[:80]}"))
 
         threads = [threading.Thread(target=worker) for _ in range(jobs)]
         with HealthWatch(port) as watch:
@@ -428,6 +456,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
             for s in socks:
                 s.close()
     finally:
+        guard_cases.stop()
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -446,7 +475,7 @@ def run(cases: int, seed: int, out: str, jobs: int = 4, timeout: float = 60.0, i
                "classes": dict(classes), "what": dict(Counter(w.split(" ")[0] + " " + w.split(" ")[-1]
                                                            for _, _, w in results)),
                "failures": failures[:200], "idle": {"connections": idle, "health": idle_ok}, "exit_status": rc,
-               "health_throughout": watch.summary() if watch is not None else None,
+               "health_throughout": watch.summary(spans) if watch is not None else None,
                "log_bytes": len(text), "log_tracebacks": text.count("Traceback")}
     with open(os.path.join(out, "summary-server.json"), "w") as f:
         json.dump(summary, f, indent=1)
