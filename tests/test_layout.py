@@ -339,7 +339,7 @@ def test_plan_json_schema_is_stable(model):
     assert list(d["kv"]) == ["n_ctx", "type_k", "type_v", "per_sequence", "per_token", "parallel", "total"]
     assert d["recurrent"] is None  # no delta-net layers (a recurrent model's: test_recurrent_families)
     assert list(d["layout"]) == ["layers", "kv", "experts", "output"]
-    assert list(d["experts"]) == ["count", "used", "bytes_per_expert", "bytes_per_layer"]
+    assert list(d["experts"]) == ["count", "used", "bytes_per_expert", "bytes_per_layer", "host_tier", "host_tier_min"]
     assert d["recommendations"] and all(list(r) == ["options", "buys", "device_total"] for r in d["recommendations"])
     assert list(d["combination"]) == ["options", "fits", "changes", "device_total", "device_vram"]
     assert json.loads(json.dumps(d)) == d

@@ -66,7 +66,8 @@ def test_the_command_line_it_prints_fits(model):
     line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("try: "))
     argv = shlex.split(line.split("try: ", 1)[1])
     assert argv[:3] == ["ggml-hybrid", "run", model] and "-t" in argv and "-nkvo" in argv
-    r2 = CliRunner().invoke(main, ["plan", *argv[2:], "--vram", vram])
+    assert argv[-4:] == ["-p", "Hello", "-n", "32"]  # run as printed: a prompt (plan takes no prompt)
+    r2 = CliRunner().invoke(main, ["plan", *argv[2:-4], "--vram", vram])
     assert r2.exit_code == 0, r2.output
     assert "DOES NOT FIT" not in r2.stdout and "fits" in r2.stdout.lower()
     # with several sequences the line runs serve, which holds them

@@ -158,5 +158,7 @@ def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file
                        f"token's {link['used']:.0f} at most {link['token_loads_s'] * 1e3:.2f} ms per layer")
         c = getattr(p, "combination", None)
         if c is not None and c.fits:
-            cmd = "serve" if opts.n_parallel > 1 else "run"  # run holds one sequence
-            click.echo("  try: " + shlex.join(["ggml-hybrid", cmd, path, *flags_for(_with(opts, c.options))]))
+            # run holds one sequence and needs a prompt to run as printed; serve holds several
+            cmd = ["serve"] if opts.n_parallel > 1 else ["run", "-p", "Hello", "-n", "32"]
+            click.echo("  try: " + shlex.join(["ggml-hybrid", cmd[0], path, *flags_for(_with(opts, c.options)),
+                                               *cmd[1:]]))

@@ -10,7 +10,8 @@ from ..units import format_bytes
 RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
                    "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "decode_steps",
                    "counters", "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes",
-                   "host_tier", "layout", "options", "slot_choice", "speculative")
+                   "host_tier", "layout", "options", "slot_choice", "speculative",
+                   "slots_unused")
 
 
 def spec_report(model: MoEModel, st: GenerationStats) -> dict | None:
@@ -41,6 +42,8 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
         # what --expert-cache-slots auto chose, and the free memory, margin and sizes that decided it
         "slot_choice": model.slot_choice.to_dict() if model.slot_choice is not None else None,
         "speculative": spec_report(model, st),
+        # the host tier feeds a CPU playing the device directly: the slots' counters say nothing
+        "slots_unused": model.experts.slots_unused,
     }
 
 
@@ -57,8 +60,10 @@ def format_stats(r: dict) -> str:
     lines = [
         f"load {r['load_seconds']:.2f} s | prompt {r['prompt_tokens']} tok, {r['prompt_tps']:.1f} tok/s | "
         f"decode {r['generated_tokens']} tok, {_decode_rate(r)} | stop: {r['stop_reason']}",
-        f"experts: hits {c['hits']}, misses {c['misses']}, cpu misses {c['cpu_misses']}, "
-        f"share applied {r['share_applied']:.2f} | hybrid_offload_active: {str(r['hybrid_offload_active']).lower()}",
+        ("experts: slots unused (the host tier feeds the compute directly)" if r.get("slots_unused")
+         else f"experts: hits {c['hits']}, misses {c['misses']}")
+        + f", cpu misses {c['cpu_misses']}, share applied {r['share_applied']:.2f} | hybrid_offload_active: "
+        f"{str(r['hybrid_offload_active']).lower()}",
         f"peak device memory {format_bytes(r['peak_device_bytes'])} (weights {format_bytes(mem['weights'])}, experts "
         f"{format_bytes(mem['experts'])}, kv {format_bytes(mem['kv_cache'])}, "
         + (f"recurrent {format_bytes(mem['recurrent'])}, " if mem.get("recurrent") else "")

@@ -262,7 +262,8 @@ class ExpertLayers:
             return None
         if not all(tier_holds(self.named[i]) for i in self.disk_layers):
             raise OptionError(f"host_tier_bytes={opts.host_tier_bytes}: the host tier holds experts without "
-                              "biases (gpt-oss's experts have them)")
+                              "biases (gpt-oss's experts have them): use --expert-cache-slots N without --host-tier "
+                              "(misses read through the page cache), or -ncmoe N / --cpu-moe")
         per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in self.named[i].values()]
                       for i in self.disk_layers}
         frame = frame_bytes(list(per_expert.values()))  # the tier holds experts in equal frames
@@ -366,6 +367,19 @@ class ExpertLayers:
             # with a host tier, as many predicted misses are read ahead into it
             ahead = budget // dst.expert_bytes if self.tier is not None else 0
             src.set_prefetch(dst, router, bias, select, max_experts, PREFETCH_MAX_TOKENS, ahead)
+
+    @property
+    def slots_unused(self) -> bool:
+        """Every disk layer computes straight from the host tier's frames (tier_direct): the cache slots never
+        hold an expert, so their hits and misses say nothing."""
+        return self.tier is not None and bool(self.direct) and all(self.direct.values())
+
+    def tier_held(self) -> list[str]:
+        """The expert tensors the host tier holds (every disk layer's, read from the file, no longer mapped)."""
+        if self.tier is None:
+            return []
+        return [n for i, names in enumerate(self.names) if names is not None and self.modes[i] == "disk"
+                for n in names.values()]
 
     def _tier_direct(self, names: dict[str, str], device: Backend) -> bool:
         """Whether a disk layer's experts would run straight from the host tier's frames: its cache is on a CPU (one

@@ -21,17 +21,17 @@ from ..errors import NotMoEError
 from ..ggml.backend import gpu_device_names
 from ..gguf.metadata import meta_int
 from ..gguf.store import GGUFStore
-from ..machine import available_memory
 from ..model.families import read_hparams
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
-from ..moe.host_tier import AUTO_MARGIN_MIN, auto_budget, resolve_budget
+from ..moe.host_tier import auto_budget, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..placement.devices import device_free_memory, plan_device_names
 from ..placement.layout import CPU
 from ..runtime.cache_size import SlotChoice
 from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
-from ..units import GiB, MiB, format_bytes
+from ..units import GiB, format_bytes
+from .host_advice import memory_warnings, planned_devices, search_tier, tier_facts
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
 
@@ -132,6 +132,8 @@ class ExpertPlan(_ToDict):
     used: int
     bytes_per_expert: int
     bytes_per_layer: int
+    host_tier: bool = True  # whether the tier holds these experts; the least tier that works (host_advice.py)
+    host_tier_min: int = 0
 
 
 @dataclass
@@ -224,13 +226,14 @@ class _Measured:
     layout: dict[str, Any]
     hp: HParams
     n_ctx: int
+    tier: tuple[bool, int]  # the host tier: whether it holds the experts, and its least size
 
 
 def _measure(path: str, opts: SessionOptions, devices: list[str]) -> _Measured:
     with MoEModel(path, opts, dry_run_devices=devices) as m:
         return _Measured({d: m.device_memory(d) for d in devices}, m.kv.nbytes(m.host),
                          m.rs.nbytes(m.host) if m.rs is not None else 0, m.sched.buffer_size(m.host),
-                         m.layout_report(), m.hp, m.n_ctx)
+                         m.layout_report(), m.hp, m.n_ctx, tier_facts(m))
 
 
 def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram: list[int] | None = None,
@@ -318,7 +321,7 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
             dn.state_bytes(), parallel, meas.host_recurrent + sum(v.recurrent for v in out_devices.values())),
         layout=LayoutPlan(*(meas.layout[k] for k in ("layers", "kv", "experts", "output"))),
         experts=ExpertPlan(hp.n_expert, hp.n_used, info["experts"]["bytes_per_expert"],
-                           info["experts"]["bytes_per_layer"]),
+                           info["experts"]["bytes_per_layer"], *meas.tier),
         threads=opts.n_threads or os.cpu_count() or 1,
     )
     p.warnings = _warnings(p, opts, hp)
@@ -474,11 +477,12 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
         free = min((d.vram or 0) - d.total for d in cpu_plan.devices.values())
         layers_on = max(1, max(sum(1 for x in cpu_plan.layout.layers if x == d) for d in cpu_plan.devices))
         slots = min(hp.n_expert, free // layers_on // max(1, cpu_plan.experts.bytes_per_expert))
+        tier = search_tier(path, ram, cpu_plan)  # [] or the host tier the slots read through
         while slots >= 1:  # the cache's graphs cost room the arithmetic leaves out: fewer slots until it fits
             items = base + [f"expert_cache_slots={slots}", "disk_experts=true", "moe_cpu_share=auto"]
-            q = try_plan(items)
+            q = try_plan(items + tier)
             if q is not None and _fits(q):
-                tried.append((items, q))
+                tried.append((items + tier, q))
                 break
             slots = slots - max(1, slots // 4)
         n = next((k for k in range(hp.n_layer + 1) if _fits_with_cpu_layers(
@@ -491,7 +495,8 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
                 break
             n += 1
         tried.append((base + ["cpu_moe=true"], cpu_plan))
-        best = max(tried, key=lambda t: sum(v.experts for v in t[1].devices.values()))
+        # the host tier's line first (it reads a file larger than RAM), then the most expert bytes on the devices
+        best = max(tried, key=lambda t: (tier[:1] == t[0][-1:], sum(v.experts for v in t[1].devices.values())))
     return _combination(best[0], best[1], opts, p0, hp)
 
 
@@ -509,6 +514,8 @@ def _combination(items: list[str], q: Plan, opts: SessionOptions, p0: Plan, hp: 
     if "expert_cache_slots" in kv:
         changes.append(f"routed experts on disk behind {kv['expert_cache_slots']} device cache slots per layer of "
                        f"{hp.n_expert}, the CPU running the share of misses that finishes soonest")
+        if "host_tier_bytes" in kv:
+            changes.append(f"a host tier of {kv['host_tier_bytes']} reading the misses (the file exceeds the RAM)")
     elif "n_cpu_moe" in kv:
         changes.append(f"routed experts of the first {kv['n_cpu_moe']} layers on the CPU")
     elif "cpu_moe" in kv:
@@ -532,16 +539,7 @@ def _warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     if h.ram is not None and mapped_experts and mapped_experts + h.resident_total > h.ram:
         w.append(f"experts used from host memory ({format_bytes(mapped_experts)}, memory-mapped) plus host buffers "
                  f"exceed --ram {format_bytes(h.ram)}: they will be re-read from disk as pages are evicted")
-    # a model larger than the memory: the page cache cannot hold its experts, the host tier reads them explicitly
-    memory = h.ram if h.ram is not None else available_memory()
-    file_bytes = os.path.getsize(p.model)
-    if memory is not None and file_bytes > memory and not opts.host_tier_bytes:
-        budget = max(0, memory - h.resident_total - max(AUTO_MARGIN_MIN, memory // 10))
-        where = f"--ram {format_bytes(memory)}" if h.ram is not None else f"the {format_bytes(memory)} available now"
-        w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}: run its experts from disk through "
-                 f"a host tier, e.g. --expert-cache-slots {max(hp.n_used, 1)} --host-tier {budget // MiB}M "
-                 "(host_tier_bytes=auto takes what is "
-                 "available less a margin); see docs/moe.md, \"The host expert tier\"")
+    w += memory_warnings(p, opts, hp)
     if opts.disk_experts and isinstance(opts.expert_cache_slots, int) and opts.expert_cache_slots < hp.n_used:
         w.append(f"expert_cache_slots={opts.expert_cache_slots} is smaller than the {hp.n_used} experts used per "
                  "token: every token needs several load rounds; use more slots or moe_cpu_share")
@@ -685,10 +683,12 @@ def format_text(p: Plan | DensePlan) -> str:
     lines = [f"{p.model}: {p.architecture}{' (MoE)' if p.moe else ' (dense)'}; options: "
              f"{' '.join(p.options) or '(defaults)'}"]
     if isinstance(p, Plan):
+        planned = planned_devices(p)
         for d, v in p.devices.items():
             fit = "" if v.fits is None else (f"  of {g(v.vram or 0)}: " + ("fits" if v.fits else "DOES NOT FIT"))
             rs = f" | recurrent {g(v.recurrent)}" if v.recurrent else ""
-            lines.append(f"  {d:<6} weights {g(v.weights)} | experts {g(v.experts)} | kv {g(v.kv_cache)}{rs} | "
+            name = f"{d} (planned: --vram)" if d in planned else d  # a hypothetical device: no such GPU here
+            lines.append(f"  {name:<6} weights {g(v.weights)} | experts {g(v.experts)} | kv {g(v.kv_cache)}{rs} | "
                          f"compute {g(v.compute)} | total {g(v.total)}{fit}")
         h = p.host
         lines.append(f"  host   memory-mapped {g(h.mapped_total)} ("

@@ -389,6 +389,15 @@ class LoadedModel:
             infos["output.weight(tied)"] = self.store.info("token_embd.weight").nbytes
         host = {n for n in self.repacked if self.layout.tensors.get(n) == CPU} | self.experts.host_copies
         classes = self.layout.classes(infos, host)
+        held = sum(infos[n] for n in self.experts.tier_held())
+        if held:  # the host tier reads these experts from the file: they are not used through the mapping
+            mapped = classes["mapped"]
+            mapped["routed_experts"] -= held
+            if not mapped["routed_experts"]:
+                del mapped["routed_experts"]
+            if not mapped:
+                del classes["mapped"]
+            classes["host tier"] = {"routed_experts": held}
         return {"tensors": classes, "layers": list(self.layout.layer_device), "kv": list(self.layout.kv_device),
                 "experts": list(self.layout.expert_mode), "output": self.layout.output_device}
 
