@@ -142,7 +142,8 @@ def test_chat_on_a_terminal_edits_lines_and_recalls_history(model, tmp_path):
 @pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
 def test_ctrl_c_at_the_prompt_prints_the_stats_and_exits_130(model, inherited):
     """Also when the command inherits SIGINT ignored (a background job, nohup, a CI runner): it takes its own."""
-    term = Terminal(["run", model, "-cnv", "-n", "3", "-t", "1", "-c", "256"], sigint=inherited)
+    # greedy: a sampled reply could hold "> " itself, and the Ctrl-C would then come mid-reply
+    term = Terminal(["run", "--temp", "0", model, "-cnv", "-n", "3", "-t", "1", "-c", "256"], sigint=inherited)
     term.expect(b"> ")
     term.send("Hi\r")
     term.expect(b"> ")
