@@ -100,6 +100,20 @@ class Terminal:
     def send(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
+    def wait_reading(self, timeout: float = 120.0) -> None:
+        """Wait (bounded) until the command's main thread blocks waiting for input. Readline prints its prompt, then
+        waits in select(), and checks for a signal only when select() is interrupted: a Ctrl-C typed in between is
+        taken at the next key (CPython's readline; a person never types that fast, a test on a busy machine does)."""
+        waits = {7, 23, 270, 271} if os.uname().machine == "x86_64" else {72, 73}  # poll, select, pselect6, ppoll
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with open(f"/proc/{self.proc.pid}/syscall") as f:
+                first = f.read().split()[0]
+            if first.isdigit() and int(first) in waits:
+                return
+            self._read(0.01)
+        raise AssertionError(f"the command never waited for input; the terminal shows {self.out[self.seen:]!r}")
+
     def finish(self, timeout: float = 120.0) -> int:
         end = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < end:
@@ -147,6 +161,7 @@ def test_ctrl_c_at_the_prompt_prints_the_stats_and_exits_130(model, inherited):
     term.expect(b"> ")
     term.send("Hi\r")
     term.expect(b"> ")
+    term.wait_reading()
     term.send("\x03")                          # Ctrl-C
     assert term.finish() == 130, term.out
     text = term.out.decode("utf-8", "replace")
