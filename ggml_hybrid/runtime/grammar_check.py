@@ -112,7 +112,7 @@ def check_options(schema: Any, what: str) -> None:
                                   "valid under the schema; the server sets them")
 
 
-def _pointer(root: Any, ref: str) -> Any:
+def json_pointer(root: Any, ref: str) -> Any:
     """The schema a local ``$ref`` (``#`` or ``#/json/pointer``) names in ``root``; None for any other ref."""
     if ref == "#":
         return root
@@ -146,7 +146,7 @@ def _subschemas(node: Any, root: Any) -> Iterator[Any]:
             yield from (v for v in node[k] if isinstance(v, dict))
     ref = node.get("$ref")
     if isinstance(ref, str):
-        target = _pointer(root, ref)
+        target = json_pointer(root, ref)
         if isinstance(target, dict):
             yield target
 

@@ -10,7 +10,8 @@ A tool's ``parameters`` is the root its own ``$ref``s point into (``#/$defs/Addr
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import unquote
+
+from ..runtime.grammar_check import json_pointer as pointer  # the schema a local $ref points to
 
 # the keywords whose values are schemas: one schema (or a list of them: ``items`` in drafts 4-7), or a map of them
 _ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
@@ -77,24 +78,6 @@ def alone(root: dict[str, Any], schema: Any) -> Any:
     base = {k: v for k, v in root.items() if k != "$id"}  # an $id would make the copy a document of its own
     # its own $defs, if any, are reached through the root's copy now (every pointer was moved there)
     return {**rebase(schema, prefix), "$defs": {ROOT_NAME: rebase(base, prefix)}}
-
-
-def pointer(root: Any, ref: str) -> Any:
-    """The schema a local ``$ref`` points to in ``root`` (None: none, or not a local pointer)."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 def resolved(root: Any, schema: Any) -> Any:
