@@ -37,7 +37,7 @@ def model_file(tmp_path_factory):
                        n_ff_exp=256, head_dim=64, n_expert=16, n_used=4)
 
 
-SERVE = ["-np", "2", "-c", "2048", "-t", "1", "-a", "m", "--disk-experts", "--expert-cache-slots", "6",
+SERVE = ["-np", "2", "-c", "16384", "-t", "1", "-a", "m", "--disk-experts", "--expert-cache-slots", "6",
          "--moe-cpu-share", "0.5"]
 
 
@@ -158,7 +158,7 @@ def test_chat_streams_the_apis_answer_stops_and_the_view_follows(server, driver,
     wait_for("the page to read the view after the answer", lambda: view_steps(d) == view_steps_now(server))
     steps0 = view_steps(d)
     by_id(d, "window").find_element("css selector", "option[value='300']").click()
-    send(d, "The cache runs the hits first", 1000)
+    send(d, "The cache runs the hits first", 6000)  # seconds of decoding: Stop comes well before its end
     # while the answer runs, the view moves
     wait_for("the view to move during the request",
              lambda: by_id(d, "stop").is_enabled() and view_steps(d) > steps0 + 2, timeout=WAIT)
