@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from ..errors import GrammarError
+from ..machine import kill_child
 from .grammar_check import CHECK_STACK
 
 GRAMMAR_SECONDS = 10.0       # a compile (its wait for a thread included) that takes longer is refused
@@ -90,18 +91,7 @@ class _Checker:
         return line
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGKILL)
-            except OSError:
-                pass
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            if f is not None:
-                try:
-                    f.close()
-                except OSError:
-                    pass
+        kill_child(self.proc)
 
     @property
     def alive(self) -> bool:

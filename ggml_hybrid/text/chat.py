@@ -22,7 +22,6 @@ import atexit
 import json
 import os
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 
 from ..errors import ChatTemplateError, ChatTemplateLimitError, MissingDependencyError
 from ..gguf.store import GGUFStore
+from ..machine import kill_child
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n ... then <|im_start|>assistant\n
 DEFAULT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -119,21 +119,10 @@ class _Worker:
         return bytes(buf)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGKILL)
-            except OSError:
-                pass
-        self.proc.wait()
+        kill_child(self.proc)
         if self._lifeline >= 0:
             os.close(self._lifeline)
             self._lifeline = -1
-        for f in (self.proc.stdin, self.proc.stdout):
-            if f is not None:
-                try:
-                    f.close()
-                except OSError:
-                    pass
 
     @property
     def alive(self) -> bool:
