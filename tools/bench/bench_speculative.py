@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,19 +73,6 @@ def model_path() -> str:
     return str(path)
 
 
-def start_rpc() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([*CLI, "rpc-server", "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("rpc-server did not start")
 
 
 class Worker:
@@ -168,6 +154,8 @@ def main(model: str | None, modes: str, parts: str, n: int, n_zero: int, rounds:
     part_list, mode_list = parts.split(","), modes.split(",")
     print(f"model {path} ({mib(os.path.getsize(path))} MiB), N={n}, rounds={rounds}, 1 thread, load average "
           f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    from bench_rpc import start_server as start_rpc_server  # this folder's: rpc-server on a free loopback port
+
     base = ["n_threads=1", "n_ctx=512"]
     rpc = None
     try:
@@ -175,7 +163,7 @@ def main(model: str | None, modes: str, parts: str, n: int, n_zero: int, rounds:
             items = list(base)
             limit_b = None
             if mode == "rpc":
-                rpc = rpc or start_rpc()
+                rpc = rpc or start_rpc_server()
                 items += [f"rpc={rpc[1]}", "disk_experts=1", f"expert_cache_slots={slots}", "repack=false"]
             elif mode == "tier":
                 items += ["disk_experts=1", f"expert_cache_slots={slots}", f"host_tier_bytes={tier}"]
