@@ -91,7 +91,15 @@ class _Checker:
         return line
 
     def kill(self) -> None:
+        """End the process and close its pipes: only from the thread that uses the checker."""
         kill_child(self.proc)
+
+    def stop(self) -> None:
+        """End the process from any thread (SIGKILL); its pipes stay open for the thread that uses them."""
+        try:
+            self.proc.kill()
+        except OSError:  # it ended in between
+            pass
 
     @property
     def alive(self) -> bool:
@@ -237,8 +245,8 @@ class GrammarPool:
             checkers = list(self._checkers)
             for _ in self._threads:
                 self._jobs.put(None)
-        for c in checkers:
-            c.kill()
+        for c in checkers:  # a signal only: the thread that owns a checker sees its output end and closes the
+            c.stop()         # pipes (closing them here would pull a descriptor from under that thread's select)
 
 
 _STACK_LOCK = threading.Lock()

@@ -73,23 +73,32 @@ class _Worker:
         finally:
             os.close(lifeline)
         self.busy = False  # a request sent, its answer not yet read
+        self._stopped = False  # stop() was called: no more calls; the caller of one in progress cleans up
+        self._state = threading.Lock()  # busy/_stopped, and the pipes' ends while kill() closes them
         self._read(30.0, "start")
 
     def call(self, req: dict[str, Any], seconds: float) -> dict[str, Any]:
         assert self.proc.stdin is not None
         data = json.dumps(req, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        stopped = ChatTemplateLimitError("the chat template's renderer stopped (the server is stopping, or it ran "
+                                         "out of memory)", "stopped")
+        with self._state:
+            if self._stopped:
+                raise stopped
+            self.busy = True  # from here on stop() only signals: this thread owns the pipes until the call ends
         try:
-            self.proc.stdin.write(struct.pack("<I", len(data)) + data)
-            self.proc.stdin.flush()
-        except OSError:
-            self.kill()
-            raise ChatTemplateLimitError("the chat template's renderer stopped (the server is stopping, or it "
-                                         "ran out of memory)", "stopped") from None
-        self.busy = True
-        try:
+            try:
+                self.proc.stdin.write(struct.pack("<I", len(data)) + data)
+                self.proc.stdin.flush()
+            except OSError:
+                self.kill()
+                raise stopped from None
             return self._read(seconds, req["op"])
         finally:
-            self.busy = False
+            with self._state:
+                self.busy = False
+            if self._stopped:
+                self.kill()
 
     def _read(self, seconds: float, op: str) -> dict[str, Any]:
         deadline = time.monotonic() + seconds
@@ -119,10 +128,26 @@ class _Worker:
         return bytes(buf)
 
     def kill(self) -> None:
-        kill_child(self.proc)
-        if self._lifeline >= 0:
-            os.close(self._lifeline)
-            self._lifeline = -1
+        """End the process and close every pipe to it, from the thread that owns the pipes (the caller of a call
+        in progress, or anyone while the worker is idle); safe twice."""
+        with self._state:
+            kill_child(self.proc)
+            fd, self._lifeline = self._lifeline, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def stop(self) -> None:
+        """End the process from any thread. A call in progress sees its renderer stop (end of output) and its
+        caller closes the pipes: closing them here would pull a descriptor from under that caller's ``select``."""
+        with self._state:
+            self._stopped = True
+            if self.busy:
+                try:
+                    self.proc.kill()
+                except OSError:  # it ended in between
+                    pass
+                return
+        self.kill()
 
     @property
     def alive(self) -> bool:
@@ -179,7 +204,7 @@ class RenderPool:
             workers, self._free = list(self._all), []
             self._all.clear()
         for w in workers:
-            w.kill()
+            w.stop()
 
 
 _POOL = RenderPool()
