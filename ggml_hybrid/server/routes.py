@@ -101,6 +101,7 @@ class Routes:
         self.registry = metrics.registry(models)
         self.text_limiter = anyio.CapacityLimiter(TEXT_THREADS)
         self.grammar_limiter = anyio.CapacityLimiter(GRAMMAR_WAITERS)
+        self.parse_limiter = anyio.CapacityLimiter(1)  # large bodies parsed one at a time (server/body.py)
 
     def table(self) -> list[Route]:
         """The routes, each handler counted under its path."""
@@ -161,7 +162,7 @@ class Routes:
         return Response(body, media_type=ctype)
 
     async def read_body(self, request: HTTPRequest, limit: int = MAX_BODY_BYTES, why: str = "") -> dict[str, Any]:
-        return await body.read_json(request, limit, why)
+        return await body.read_json(request, self.parse_limiter, limit, why)
 
     async def route_body(self, request: HTTPRequest, kind: str) -> dict[str, Any]:
         """The body of a ``kind`` route (:data:`.body_bounds.KINDS`), refused unparsed (413) beyond the largest one
