@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 from .protocol import MAX_BODY_BYTES, APIError, parse_json
 
 BODY_SECONDS = 30.0  # a request body not received whole within this is refused (408): no drip-fed bodies
-INLINE_BYTES = 64 << 10  # a body up to this is parsed on the event loop (in well under a millisecond); larger: a thread
+INLINE_BYTES = 64 << 10  # a body up to this is parsed on the event loop (a few milliseconds at most); larger: a thread
 
 
 def _too_big(limit: int, why: str = "") -> APIError:
