@@ -132,7 +132,10 @@ class ExpertPlan(_ToDict):
     used: int
     bytes_per_expert: int
     bytes_per_layer: int
-    host_tier_min: int = 0  # the least host tier that works: one layer's experts (host_advice.py)
+    # whether the host tier holds these experts: true for every family since it holds gpt-oss's biases (kept: the
+    # JSON's schema is stable); the least host tier that works, one layer's experts (host_advice.py)
+    host_tier: bool = True
+    host_tier_min: int = 0
 
 
 @dataclass
@@ -320,7 +323,7 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
             dn.state_bytes(), parallel, meas.host_recurrent + sum(v.recurrent for v in out_devices.values())),
         layout=LayoutPlan(*(meas.layout[k] for k in ("layers", "kv", "experts", "output"))),
         experts=ExpertPlan(hp.n_expert, hp.n_used, info["experts"]["bytes_per_expert"],
-                           info["experts"]["bytes_per_layer"], meas.tier_min),
+                           info["experts"]["bytes_per_layer"], True, meas.tier_min),
         threads=opts.n_threads or os.cpu_count() or 1,
     )
     p.warnings = _warnings(p, opts, hp)
