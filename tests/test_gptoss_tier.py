@@ -10,6 +10,7 @@ decoding its tokens.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -142,3 +143,38 @@ def test_run_serves_gpt_oss_from_the_host_tier(gptoss):
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
     assert got["host_tier"] is not None and got["counters"]["routed"] > 0
 
+
+
+# -- the converter-made gpt-oss (tests/test_converted.py's files): the tier's logits are llama.cpp's ----------------
+
+CONVERTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "converted")
+# (options, the executors' mode)
+TIER_MODES = {"tier": (dict(moe_cpu_share=0.5), "tier"), "tier-direct": (dict(repack=False), "direct"),
+              "tier-auto": (dict(moe_cpu_share="auto"), "tier")}
+
+
+@pytest.mark.parametrize("mode", sorted(TIER_MODES))
+@pytest.mark.parametrize("t", ["f32", "f16", "q8_0", "q4_k_m"])
+def test_converted_gpt_oss_through_the_tier_gives_llama_cpps_logits(mode, t):
+    """llama.cpp's logits recorded on the converter-made file (the whole prompt, and the token-by-token decode where
+    recorded), bit for bit on a CPU of the recording's SIMD features (else within test_converted's bound), now
+    with every expert read through the host tier and computed by the native executor."""
+    from make_reference_fixtures import load_for_cpu
+    from test_converted import _parity
+
+    fx, exact = load_for_cpu(os.path.join(CONVERTED, "gpt-oss.npz"), None)
+    fx = {**fx, "exact": exact}
+    path = os.path.join(CONVERTED, f"gpt-oss-{t}.gguf")
+    tokens = [int(x) for x in fx["tokens"]]
+    opts = SessionOptions(**BASE, disk_experts=True, expert_cache_slots=2, host_tier_bytes=_layer_need(path),
+                          **TIER_MODES[mode][0])
+    with MoEModel(path, opts) as m:
+        assert m.experts.tier is not None
+        assert {(e.native, e.mode) for e in m.experts.executors if e is not None} == {(True, TIER_MODES[mode][1])}
+        _parity(m.eval(tokens, "all"), fx[f"{t}_logits"], fx, t)
+        if f"{t}_decode" in fx:
+            m.reset()
+            n = int(fx["decode_from"])
+            rows = [m.eval(tokens[:n], "all")] + [m.eval(tokens[i:i + 1], "all") for i in range(n, len(tokens))]
+            _parity(np.concatenate(rows), fx[f"{t}_decode"], fx, t)
+        assert m.experts.tier.counters.misses > 0
