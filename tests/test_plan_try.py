@@ -6,7 +6,6 @@ larger than --ram the line reads the experts through the host tier, never one sm
 from __future__ import annotations
 
 import json
-import re
 import shlex
 
 import pytest
