@@ -132,9 +132,7 @@ class ExpertPlan(_ToDict):
     used: int
     bytes_per_expert: int
     bytes_per_layer: int
-    # whether the host tier holds these experts: true for every family since it holds gpt-oss's biases (kept: the
-    # JSON's schema is stable); the least host tier that works, one layer's experts (host_advice.py)
-    host_tier: bool = True
+    host_tier: bool = True  # the tier holds every family's experts (gpt-oss's biases too): kept, the schema is stable
     host_tier_min: int = 0
 
 
