@@ -55,7 +55,8 @@ def test_every_try_line_runs_as_printed_and_fits_the_plan(models, name, flags):
     assert argv is not None, text
     assert argv[:3] == ["ggml-hybrid", "run", path]
     short = [*argv[1:-1], "2"] if argv[-2] == "-n" else argv[1:]  # a short run: -n 2 for the printed -n
-    r = CliRunner().invoke(main, [*short, "--json"])
+    # --ignore-eos: a random model's sampled first token is its end token in about 1 run in 20 (gpt-oss's, seeds 0-39)
+    r = CliRunner().invoke(main, [*short, "--ignore-eos", "--json"])
     assert r.exit_code == 0, f"{shlex.join(argv)}\n{r.output}"
     out = json.loads(r.stdout)
     assert out["generated_tokens"] >= 1
