@@ -368,7 +368,7 @@ class ExpertCacheExecutor:
         if self.tier is None:
             sources = [src + expert * nbytes for _, src, nbytes in self._copies]
         else:
-            srcs = ffi.new("const uint8_t *[3]")
+            srcs = ffi.new("const uint8_t *[]", len(self._copies))  # one source per kind: matrices and biases
             if lib.hy_tier_get(self.tier.ptr, self.tier_layer, expert, srcs, ffi.NULL) != 0:
                 self.tier.raise_error()
             sources = [srcs[k] for k in range(len(self._copies))]

@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..ggml import rpc
 from ..ggml.backend import Backend
-from ..ggml.ops import GLU_OPS
+from ..ggml.ops import GLU_KINDS, GLU_OPS
 from ..gguf.store import GGUFStore
 from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, link_prior, n_cpu_for_share
 from .cpu_worker import NativeWorker
@@ -79,8 +79,11 @@ class NativeExpertExecutor:
 
     @staticmethod
     def supports(names: dict[str, str], glu: str) -> bool:
-        """Whether the C code builds this layer's FFN: no expert biases, a plain GLU (not gpt-oss's)."""
-        return all(not k.endswith("_b") for k in names) and glu in GLU_OPS
+        """Whether the C code builds this layer's FFN (``moe_graphs.c: hy_experts_buildable``): a GLU of one input
+        over gate_up and down, or gate, up and down with any of their biases and gpt-oss's clamped SwiGLU too."""
+        if "gate_up" in names:
+            return glu in GLU_OPS and not {"gate_b", "up_b"} & set(names)
+        return glu in GLU_OPS or glu == "swiglu_oai"
 
     def __init__(self, store: GGUFStore, names: dict[str, str], device: Backend, config: LayerCacheConfig, *,
                  scratch: Scratch | None = None, staging: bool | None = None, trace_seq: CData | None = None) -> None:
@@ -101,7 +104,9 @@ class NativeExpertExecutor:
         self.buffers = allocate_slots(self.ctx, self.slot_tensors, device, cfg.repack and not direct,
                                       virtual=not cfg.clear or direct, clear=cfg.clear and not direct)
         self.slots = ExpertWeights(**self.slot_tensors)
-        self.expert_bytes = sum(t.nb[2] for t in self.slot_tensors.values())
+        # bytes of one expert (slot) of each kind: a matrix's nb[2], a bias's nb[1] (gpt-oss)
+        self.kind_bytes = {k: t.nb[t.ndim - 1] for k, t in self.slot_tensors.items()}
+        self.expert_bytes = sum(self.kind_bytes.values())
         self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}  # kept: C reads the mapping
         self.scratch = scratch if scratch is not None else Scratch(device)
         self._own_scratch = scratch is None
@@ -138,7 +143,7 @@ class NativeExpertExecutor:
         cfg.layer, cfg.n_expert, cfg.n_used, cfg.n_embd = lc.layer, self.n_expert, lc.n_used, self.n_embd
         cfg.n_slots = lc.n_slots
         cfg.policy = POLICY_CODES[lc.policy]
-        cfg.glu = GLU_OPS[lc.glu]
+        cfg.glu = GLU_KINDS[lc.glu]
         for k, t in self.slot_tensors.items():
             setattr(cfg.slots, k, t.ptr)
         if lc.host_experts is not None:
@@ -148,7 +153,7 @@ class NativeExpertExecutor:
         for i, k in enumerate(self.names):
             cfg.slot_tensor[i] = self.slot_tensors[k].ptr
             cfg.src[i] = ffi.cast("const uint8_t *", self._raw[k].ctypes.data)
-            cfg.nbytes[i] = self.slot_tensors[k].nb[2]
+            cfg.nbytes[i] = self.kind_bytes[k]
         cfg.device = self.device.ptr
         cfg.scratch = self.scratch.ptr
         worker = self.worker

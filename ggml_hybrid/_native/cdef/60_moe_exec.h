@@ -1,6 +1,7 @@
 // The native MoE layer executor (src/moe_graphs.h, src/moe_worker.h, src/moe_exec.h).
 typedef struct hy_experts {
     struct ggml_tensor * gate_up, * gate, * up, * down;
+    struct ggml_tensor * gate_b, * up_b, * down_b;
 } hy_experts;
 
 int hy_row_bucket(int n);
@@ -64,9 +65,9 @@ typedef struct hy_moe_config {
     hy_experts slots;
     hy_experts host;
     int n_kinds;
-    struct ggml_tensor * slot_tensor[3];
-    const uint8_t * src[3];
-    size_t nbytes[3];
+    struct ggml_tensor * slot_tensor[6];
+    const uint8_t * src[6];
+    size_t nbytes[6];
     ggml_backend_t device;
     hy_scratch * scratch;
     hy_worker * worker;

@@ -9,7 +9,8 @@
 
 hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
     if (cfg->n_kinds < 2 || cfg->n_kinds > HY_MAX_KINDS || cfg->n_used < 1 || cfg->n_expert < cfg->n_used ||
-        cfg->device == NULL || cfg->scratch == NULL || cfg->slots.down == NULL) {
+        cfg->device == NULL || cfg->scratch == NULL ||
+        !hy_experts_buildable(&cfg->slots, (enum ggml_glu_op) cfg->glu)) {
         return NULL;
     }
     hy_moe_exec * ex = calloc(1, sizeof(*ex));

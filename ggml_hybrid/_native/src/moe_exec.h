@@ -84,7 +84,7 @@ typedef struct hy_moe_counters {
     int64_t prefetch_ns;     /* time the previous layer's call spent predicting and issuing the loads */
 } hy_moe_counters;
 
-#define HY_MAX_KINDS 3
+#define HY_MAX_KINDS 6 /* the matrices (2 or 3) and their biases (gpt-oss: 3) */
 
 typedef struct hy_moe_config {
     int layer;
@@ -93,7 +93,7 @@ typedef struct hy_moe_config {
     int glu;                          /* enum ggml_glu_op */
     hy_experts slots;                 /* [n_slots + 1, ...] on the device; the last, zeroed, is the pad slot */
     hy_experts host;                  /* the experts on the mapped file (the CPU share) */
-    int n_kinds;                      /* the expert tensors: what a load copies */
+    int n_kinds;                      /* the expert tensors, matrices and biases: what a load copies */
     struct ggml_tensor * slot_tensor[HY_MAX_KINDS];
     const uint8_t * src[HY_MAX_KINDS];  /* expert 0's bytes of each kind in the mapping */
     size_t nbytes[HY_MAX_KINDS];        /* bytes of one expert of each kind */
