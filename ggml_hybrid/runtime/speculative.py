@@ -96,11 +96,13 @@ class SpecItem(NamedTuple):
 
 @dataclass
 class DraftRequest:
-    """One sequence that drafts now: its last token, how many drafts it may take."""
+    """One sequence that drafts now: its last token, how many drafts it may take, and whether it is a probe of the
+    backoff (its drafts are judged against the plain step's token, not verified: a source may spend less on it)."""
 
     seq: int
     id_last: int
     n_max: int
+    probe: bool = False
 
 
 class DraftSource(Protocol):
@@ -123,14 +125,18 @@ class HeadDrafts:
         head = model.head
         if head is None:
             raise ArgumentError("HeadDrafts: the model was loaded without its draft head (spec_type=draft-mtp)")
-        counters.filled += model.draft_fill([r.seq for r in requests])
+        # a probe does not fill: the positions since the head's last fill stay holes its attention skips (filled
+        # when the sequence drafts for real, after a probe whose draft the target kept); the others fill them now
+        counters.filled += model.draft_fill([r.seq for r in requests if not r.probe])
         out: list[list[int]] = [[] for _ in requests]
         live = [i for i, r in enumerate(requests) if r.n_max > 0]
         toks = {i: requests[i].id_last for i in live}
         states = {i: head.last_h[requests[i].seq] for i in live}
+        holes = {i: head.waiting(requests[i].seq) for i in live}  # 0 but for probes
         step = 0
         while live:
-            logits, hidden = model.draft_step([(requests[i].seq, [toks[i]], states[i], step) for i in live])
+            logits, hidden = model.draft_step([(requests[i].seq, [toks[i]], states[i], holes[i] + step)
+                                               for i in live], [holes[i] for i in live])
             counters.draft_steps += 1
             nxt = []
             for row, i in enumerate(live):
@@ -310,16 +316,25 @@ class Speculator:
         last); none for an item without a sampler (its one row is :attr:`last_rows`' to sample from: the sequence
         keeps ``id_last`` only)."""
         requests = [r for r in (self._request(it) for it in items) if r is not None]
-        drafts = {r.seq: d for r, d in zip(requests, self.source.propose(self.model, requests, self.counters))} \
-            if requests else {}
-        for seq, d in list(drafts.items()):
+        proposed = self.source.propose(self.model, requests, self.counters) if requests else []
+        drafts: dict[int, list[int]] = {}
+        probes: dict[int, int] = {}  # a probe's first draft, judged by the token its plain step gives
+        for r, d in zip(requests, proposed):
             if len(d) < max(self.draft_min, 1):
-                drafts[seq] = []
-                self._missed(seq)  # nothing worth verifying: a plain step
-        batch = [(it.seq, [it.id_last] + drafts.get(it.seq, [])) for it in items]
-        rows = self.last_rows = self.model.verify(batch)
+                self._missed(r.seq)  # nothing worth verifying: a plain step
+            elif r.probe:
+                probes[r.seq] = int(d[0])
+            else:
+                drafts[r.seq] = list(d)
         self.last_errors = [None] * len(items)
-        return [self._keep(i, it, toks[1:], lg) for i, (it, (_, toks), lg) in enumerate(zip(items, batch, rows))]
+        if drafts:
+            rows = self.model.verify([(it.seq, [it.id_last] + drafts.get(it.seq, [])) for it in items])
+        else:  # nothing to verify (every sequence paused, probing or plain): a decode step as without speculation
+            logits = self.model.decode([(it.seq, it.id_last) for it in items])
+            rows = [logits[i:i + 1] for i in range(len(items))]
+        self.last_rows = rows
+        return [self._keep(i, it, drafts.get(it.seq, []), lg, bool(drafts), probes.get(it.seq))
+                for i, (it, lg) in enumerate(zip(items, rows))]
 
     def _request(self, it: SpecItem) -> DraftRequest | None:
         """Whether ``it`` drafts this step, and how many tokens at most (the pause, the budget, the context)."""
@@ -332,25 +347,38 @@ class Speculator:
                 st.probing = st.paused == 0
             return None
         if st.probing:
-            n_max = min(n_max, max(self.draft_min, 1))
+            return DraftRequest(it.seq, it.id_last, min(n_max, max(self.draft_min, 1)), probe=True)
         return DraftRequest(it.seq, it.id_last, n_max)
 
-    def _keep(self, i: int, it: SpecItem, drafts: list[int], rows: np.ndarray) -> list[int]:
-        """Item ``i``'s emitted tokens by its sampler's rule; the sequence keeps ``id_last`` and the kept drafts."""
+    def _keep(self, i: int, it: SpecItem, drafts: list[int], rows: np.ndarray, verified: bool,
+              probe: int | None) -> list[int]:
+        """Item ``i``'s emitted tokens by its sampler's rule; the sequence keeps ``id_last`` and the kept drafts
+        (``verified``: the step was a verify step, which keeps them now; else a decode step kept ``id_last``).
+        ``probe``: the draft of a probe, which the emitted token judges."""
         if it.sampler is None:
-            self.model.accept(it.seq, 1)
+            if verified:
+                self.model.accept(it.seq, 1)
             self.counters.plain_steps += 1
             return []
         try:
             emitted = accept_drafts(it.sampler, rows, drafts, stop=it.stop)
         except Exception as exc:  # this sequence's sampler failed: it alone fails, it keeps id_last only
-            self.model.accept(it.seq, 1)
+            if verified:
+                self.model.accept(it.seq, 1)
             self.last_errors[i] = exc
             return []
         kept = len(emitted) - 1
-        self.model.accept(it.seq, 1 + kept)
+        if verified:
+            self.model.accept(it.seq, 1 + kept)
         if not drafts:
             self.counters.plain_steps += 1
+            if probe is not None:  # kept exactly when a verify step would have kept it: it is the target's token
+                self.counters.drafted += 1
+                if emitted[0] == probe:
+                    self.counters.accepted += 1
+                    self._seqs[it.seq] = _SeqState()
+                else:
+                    self._missed(it.seq)
             return emitted
         self.counters.drafted += len(drafts)
         self.counters.accepted += kept
