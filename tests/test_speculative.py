@@ -625,3 +625,25 @@ def test_a_head_refilled_after_a_probe_is_a_head_never_skipped(models, plain, fa
     assert np.array_equal(refilled, never)
     assert np.array_equal(probe_over_garbage, probe)
     assert not np.array_equal(probe, never)
+
+
+def test_what_waits_for_the_heads_fill_stays_bounded(models, plain):
+    """A sequence whose probes keep failing never fills for real: once an ubatch of positions waits (a hidden row
+    each), its next probe fills them first, so what waits stays below an ubatch after every probe."""
+    prompt, want, _ = plain["qwen35moe"]
+    ub = 4
+    waiting: list[int] = []
+    with MoEModel(models["qwen35moe"], _opts(spec_type="draft-mtp", draft_max=3, ubatch_size=ub)) as m:
+        source = _WrongHead(prompt + want, m.hp.n_vocab)
+        inner = source.propose
+
+        def propose(model, requests, counters):
+            out = inner(model, requests, counters)
+            waiting.extend(model.head.waiting(r.seq) for r in requests)
+            return out
+
+        source.propose = propose  # type: ignore[method-assign]
+        _, st_ = complete(m, prompt, N, Sampler(), stop_at_eos=False, speculator=Speculator(m, source))
+    assert st_.tokens == want
+    assert st_.spec is not None and st_.spec.verify_steps == 2 and st_.spec.filled > len(prompt) + 1
+    assert len(waiting) == 5 and max(waiting) < ub  # two drafts, then probes after 2, 4 and 8 plain steps

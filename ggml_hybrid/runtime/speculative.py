@@ -126,8 +126,10 @@ class HeadDrafts:
         if head is None:
             raise ArgumentError("HeadDrafts: the model was loaded without its draft head (spec_type=draft-mtp)")
         # a probe does not fill: the positions since the head's last fill stay holes its attention skips (filled
-        # when the sequence drafts for real, after a probe whose draft the target kept); the others fill them now
-        counters.filled += model.draft_fill([r.seq for r in requests if not r.probe])
+        # when the sequence drafts for real, after a probe whose draft the target kept); the others fill them now,
+        # and so does a probe once an ubatch of them waits (what waits is a hidden row per position: bounded)
+        ub = model.options.ubatch_size
+        counters.filled += model.draft_fill([r.seq for r in requests if not r.probe or head.waiting(r.seq) >= ub])
         out: list[list[int]] = [[] for _ in requests]
         live = [i for i, r in enumerate(requests) if r.n_max > 0]
         toks = {i: requests[i].id_last for i in live}
@@ -330,7 +332,8 @@ class Speculator:
         if drafts:
             rows = self.model.verify([(it.seq, [it.id_last] + drafts.get(it.seq, [])) for it in items])
         else:  # nothing to verify (every sequence paused, probing or plain): a decode step as without speculation
-            logits = self.model.decode([(it.seq, it.id_last) for it in items])
+            logits = self.model.eval([items[0].id_last], "last", items[0].seq) if len(items) == 1 else \
+                self.model.decode([(it.seq, it.id_last) for it in items])
             rows = [logits[i:i + 1] for i in range(len(items))]
         self.last_rows = rows
         return [self._keep(i, it, drafts.get(it.seq, []), lg, bool(drafts), probes.get(it.seq))
