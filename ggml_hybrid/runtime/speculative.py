@@ -23,11 +23,14 @@ The draft sources:
   marked benchmark-only wherever it is reported, and the server refuses it.
 
 *Backoff* (``draft_backoff``, on by default): after two verify steps in a row that kept no draft (a draft step that
-proposed none counts as one), a sequence pauses drafting for 2, then 4, ... up to 64 tokens, decoding plain steps;
-the head's cache is caught up in one batch when drafting resumes (its input rows wait in
-:class:`~ggml_hybrid.runtime.draft_head.DraftHead`). The step after a pause is a *probe*: it drafts one token
-(``draft_min`` if larger), so a probe that fails costs one head step and one more verified row. A step that keeps a
-draft resets the pause. Speculation that does not pay thus costs a probe every 64 tokens. The tokens never change.
+proposed none counts as one), a sequence pauses drafting for 2, then 4, ... up to 64 tokens, decoding plain steps (a
+step in which no sequence drafts is :meth:`Session.eval` / :meth:`Session.decode`, as without speculation); the
+head's rows wait unfilled in :class:`~ggml_hybrid.runtime.draft_head.DraftHead`. The step after a pause is a *probe*
+(:attr:`DraftRequest.probe`): it drafts one token (``draft_min`` if larger) without filling the head (its draft step
+hides the unfilled cells), and the draft is not verified but judged by the token its plain step emits (kept exactly
+when a verify step would keep it). A probe that matches resets the pause (the next step fills the waiting rows and
+drafts in full); one that fails pauses again. Speculation that does not pay thus costs one head step every 64 tokens.
+The tokens never change.
 """
 
 from __future__ import annotations
