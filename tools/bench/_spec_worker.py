@@ -47,7 +47,7 @@ class ForcedSampler(Sampler):
 
 
 class NoDrafts:
-    """A draft source that proposes nothing: every step a verify step of one token."""
+    """A draft source that proposes nothing: every step a plain decode step through the speculator."""
 
     benchmark_only = True
 
@@ -90,7 +90,7 @@ def main(path: str, items: tuple[str, ...]) -> int:
             sp = Speculator(m, drafts, draft_max=req["k"], backoff=False)
         elif side == "mtp":
             sp = Speculator(m, draft_max=req["k"], p_min=req.get("p_min", 0.0), backoff=req.get("backoff", True))
-        elif side == "nodraft":  # speculation's path (verify steps of one token, the head's rows kept) without drafts
+        elif side == "nodraft":  # speculation's path (the speculator's steps, the head's rows kept) without drafts
             sp = Speculator(m, NoDrafts(), draft_max=req["k"], backoff=False)
         b0, t0r, io0 = *loaded(m), read_bytes()
         t0, c0 = time.perf_counter(), time.process_time()

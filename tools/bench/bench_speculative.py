@@ -23,8 +23,9 @@ Parts (--parts):
   against plain decoding;
 - ``zero`` (resident): the model's own head (random weights: acceptance about 0), k = 3, drafting until it stops
   (--p-min 0, no backoff), stopped by ``draft_p_min`` = --p-min, and with the backoff: tok/s against plain; and
-  speculation's path without any draft (every step a verify step of one token on the head's model: what the path
-  itself costs).
+  speculation's path without any draft (every step the speculator's, a plain decode step on the head's model, its
+  hidden rows kept: what the path itself costs). Besides wall time, each side's CPU time against plain's (the
+  worker's ``time.process_time``: on a loaded machine the waits for a core do not count).
 
 The model (default: generated once into ~/.cache/ggml-hybrid/bench/spec-qwen35moe-60x4.gguf, 480 MiB) is a
 Qwen3.5-MoE-layout qwen35moe (gated delta-net layers, one attention layer in four) with a next-token-prediction head,
