@@ -335,14 +335,16 @@ PROMPTS = ["The cache runs the hits first", "a", "Once upon a time in a land far
            "then the", "CPU share of"]
 
 
+@pytest.mark.parametrize("backoff", [False, True])
 @pytest.mark.parametrize("family", ["glm4moe", "qwen35moe"])
-def test_every_concurrent_sequence_speculates_and_keeps_its_tokens(models, family):
-    """The server's engine: six requests over three slots, each speculating with the head in shared verify steps,
-    give the tokens of plain decoding one at a time; the step's counters and each request's are kept."""
+def test_every_concurrent_sequence_speculates_and_keeps_its_tokens(models, family, backoff):
+    """The server's engine: six requests over three slots, each speculating with the head in shared verify steps
+    (with the backoff: some paused or probing while others draft), give the tokens of plain decoding one at a time;
+    the step's counters and each request's are kept."""
     path = models[family]
     with MoEModel(path, _opts(ubatch_size=8)) as m:
         want, _ = _engine_run(m, PROMPTS)
-    with MoEModel(path, _opts(ubatch_size=8, n_parallel=3, spec_type="draft-mtp", draft_backoff=False)) as m:
+    with MoEModel(path, _opts(ubatch_size=8, n_parallel=3, spec_type="draft-mtp", draft_backoff=backoff)) as m:
         got, stats = _engine_run(m, PROMPTS)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
@@ -586,7 +588,7 @@ def test_a_pause_skips_the_heads_fill_and_a_probe_verifies_nothing(models, plain
         sp = st_.spec
         assert sp is not None and sp.accepted == 0
         assert sp.verify_steps == 2 and sp.filled == len(prompt) + 1
-        assert sp.drafted == 2 * 3 + 3  # two drafts of 3, then the probes after pauses of 2, 4 and 8 tokens
+        assert sp.drafted == 2 * 3  # two drafts of 3 verified; the probes after pauses of 2, 4 and 8 tokens are not
         assert sp.draft_steps == 2 * 3 + 3
         assert m.head is not None and m.head.filled(0) == len(prompt) + 1
         assert m.head.waiting(0) == m.n_past - m.head.filled(0)  # the skipped positions wait for a fill

@@ -378,10 +378,10 @@ class Speculator:
             self.model.accept(it.seq, 1 + kept)
         if not drafts:
             self.counters.plain_steps += 1
-            if probe is not None:  # kept exactly when a verify step would have kept it: it is the target's token
-                self.counters.drafted += 1
+            # a probe's draft is kept exactly when a verify step would have kept it: it is the target's token (not
+            # counted as drafted: the counters count verified drafts, as each request's do)
+            if probe is not None:
                 if emitted[0] == probe:
-                    self.counters.accepted += 1
                     self._seqs[it.seq] = _SeqState()
                 else:
                     self._missed(it.seq)
