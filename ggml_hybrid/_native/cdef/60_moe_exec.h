@@ -73,6 +73,7 @@ typedef struct hy_moe_config {
     int share_mode;
     const int32_t * n_cpu_table;
     double alpha, hysteresis;
+    double round_s;
     double prior[5];
     int fixed_model;
     double coef[5];

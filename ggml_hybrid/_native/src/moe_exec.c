@@ -53,6 +53,7 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
     } else {
         hy_cost_init(&ex->model, cfg->alpha, cfg->hysteresis, cfg->prior);
     }
+    ex->model.round_s = cfg->round_s;
     hy_graph_cache_init(&ex->graphs, cfg->scratch);
     ex->compact = hy_is_cpu(cfg->device);
     if (hy_loads_init(ex) != HY_OK) {

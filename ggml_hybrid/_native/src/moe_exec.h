@@ -103,6 +103,7 @@ typedef struct hy_moe_config {
     int share_mode;
     const int32_t * n_cpu_table;      /* fixed share: misses the CPU takes out of n, for n = 0..n_expert */
     double alpha, hysteresis;
+    double round_s;                   /* the cost model's fixed cost of a device round (0: none; moe_policy.h) */
     double prior[HY_COST_N];          /* arrays of coefficients are indexed by HY_COST_* (moe_policy.h) */
     int fixed_model;                  /* auto with a fixed cost model (coef) */
     double coef[HY_COST_N];
