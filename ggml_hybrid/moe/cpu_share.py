@@ -136,7 +136,20 @@ the same size; ``rows_e`` the rows of expert e)::
 
     cpu_seconds    = (c if n_cpu else 0) + a*B*n_cpu + b*sum(rows_e for e in cpu_misses)
     device_seconds = L*B*n_device_misses + d*sum(rows_e for e in device_hits + device_misses)
+                     + R*rounds   # only with round_s (below)
     makespan       = max(cpu_seconds, device_seconds)   # CPU jobs and the device run in parallel
+
+A device's rounds (``round_s``, :meth:`CostModel.for_link`). Over RPC each round of the slot cache's plan waits
+for its exchanges with the server (:data:`ROUND_TRIPS_PER_ROUND` round trips and the server's dispatch), so a
+round of one row costs milliseconds over a slow link: priced per row alone that read as a huge per-row cost,
+which then overpriced a prompt's rows, and before any round was timed the device looked free but for its loads
+(benchmarks 28, part 2). A model given ``round_s > 0`` (the prior of a round's fixed cost: three round trips
+of the measured link) fits every round as ``t = R + d*rows`` (the EMAs of 1, rows, rows^2, t and rows*t, the
+fit above with the priors ``round_s`` and ``device_per_row``, the per-row term pulled a thousand times harder
+(``RIDGE_DEVICE_ROW``) so that rounds of one row, which cannot tell the two apart, go to ``R``), and prices each
+split with ``R`` times the rounds the cache will plan for its device experts (:func:`device_rounds`: none
+without hits or loads, else one, and one more per ``n_slots`` loads past the slots the hits leave). With
+``round_s = 0`` (a local device) nothing of this applies: ``d`` is the ratio above and no round is priced.
 
 Choice. :meth:`CostModel.choose` orders the misses as :func:`split_misses` does (fewest
 rows first, ties by the history, then by lower id), evaluates the makespan of every

@@ -134,7 +134,8 @@ class ExpertCacheExecutor:
         self._own_shared = shared is None
         shared = shared or (SharedBuffer(device), SharedBuffer(device))
         self._slot_rows = RowGraphs(self.slots, device, self.n_embd, cfg.glu, shared[1])  # compacted rounds
-        self._compact = device.is_cpu  # rounds compute compacted rows (else the call's graph, see _compute_rows)
+        # rounds compute compacted rows on a CPU, local or an RPC server's (else the call's graph, see _compute_rows)
+        self._compact = device.is_cpu or rpc.computes_on_cpu(device)
         self.counters = LayerCounters()
         # one graph pair per token count, the least recently used dropped first: prompts of ever new
         # lengths must not grow memory (decode and recent lengths stay warm); all share one buffer

@@ -150,6 +150,7 @@ class NativeExpertExecutor:
             cfg.src[i] = ffi.cast("const uint8_t *", self._raw[k].ctypes.data)
             cfg.nbytes[i] = self.slot_tensors[k].nb[2]
         cfg.device = self.device.ptr
+        cfg.remote_cpu = int(rpc.computes_on_cpu(self.device))  # rounds compacted, as on a local CPU
         cfg.scratch = self.scratch.ptr
         worker = self.worker
         cfg.worker = worker.ptr if worker is not None else ffi.NULL
