@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_hybrid._native import ffi, lib
-from ggml_hybrid.moe.cpu_share import (COEFFICIENTS, DEFAULT_PRIOR, PRIOR_KEYS, CostModel, device_rounds, n_cpu_for_share,
-                                       split_misses)
+from ggml_hybrid.moe.cpu_share import COEFFICIENTS, DEFAULT_PRIOR, PRIOR_KEYS, CostModel, n_cpu_for_share, split_misses
+from ggml_hybrid.moe.round_cost import device_rounds
 from ggml_hybrid.moe.row_graphs import row_bucket
 from ggml_hybrid.moe.slot_cache import CacheCounters, SlotCache
 

@@ -139,17 +139,8 @@ the same size; ``rows_e`` the rows of expert e)::
                      + R*rounds   # only with round_s (below)
     makespan       = max(cpu_seconds, device_seconds)   # CPU jobs and the device run in parallel
 
-A device's rounds (``round_s``, :meth:`CostModel.for_link`). Over RPC each round of the slot cache's plan waits
-for its exchanges with the server (:data:`ROUND_TRIPS_PER_ROUND` round trips and the server's dispatch), so a
-round of one row costs milliseconds over a slow link: priced per row alone that read as a huge per-row cost,
-which then overpriced a prompt's rows, and before any round was timed the device looked free but for its loads
-(benchmarks 28, part 2). A model given ``round_s > 0`` (the prior of a round's fixed cost: three round trips
-of the measured link) fits every round as ``t = R + d*rows`` (the EMAs of 1, rows, rows^2, t and rows*t, the
-fit above with the priors ``round_s`` and ``device_per_row``, the per-row term pulled a thousand times harder
-(``RIDGE_DEVICE_ROW``) so that rounds of one row, which cannot tell the two apart, go to ``R``), and prices each
-split with ``R`` times the rounds the cache will plan for its device experts (:func:`device_rounds`: none
-without hits or loads, else one, and one more per ``n_slots`` loads past the slots the hits leave). With
-``round_s = 0`` (a local device) nothing of this applies: ``d`` is the ratio above and no round is priced.
+A device's rounds (``round_s``, :meth:`CostModel.for_link`, over RPC): :mod:`.round_cost`. With ``round_s = 0`` (a
+local device) nothing of it applies: ``d`` is the ratio above and no round is priced.
 
 Choice. :meth:`CostModel.choose` orders the misses as :func:`split_misses` does (fewest
 rows first, ties by the history, then by lower id), evaluates the makespan of every
@@ -182,6 +173,7 @@ from typing import TYPE_CHECKING, cast
 from .._native.cstruct import enum_names
 from ..checks import check_int, check_real
 from ..errors import CpuShareError
+from .round_cost import device_rounds, round_seconds
 
 if TYPE_CHECKING:
     from ..ggml.rpc import Link
@@ -189,9 +181,8 @@ if TYPE_CHECKING:
 #: The request history of a layer: expert id -> (requests, tick of the last request); lower = less likely reused.
 History = Callable[[int], tuple[int, int]]
 
-__all__ = ["COEFFICIENTS", "History", "PRIOR_KEYS", "ROUND_TRIPS_PER_ROUND", "CostModel", "CpuShareError",
-           "DEFAULT_PRIOR", "MissSplit", "device_rounds", "link_prior", "makespans", "n_cpu_for_share",
-           "round_seconds", "split_misses"]
+__all__ = ["COEFFICIENTS", "History", "PRIOR_KEYS", "CostModel", "CpuShareError", "DEFAULT_PRIOR", "MissSplit",
+           "link_prior", "makespans", "n_cpu_for_share", "split_misses"]
 
 #: The cost model's coefficients, in the order of every array of them (estimates, fixed coefficients, priors,
 #: a synthetic clock): the C enum ``hy_cost_coef`` (``_native/src/moe_policy.h``) is their one list.
@@ -360,25 +351,12 @@ def _times(c: Mapping[str, float], expert_bytes: int, n_cpu: int, cpu_rows: int,
     return cpu, dev
 
 
-def device_rounds(n_hits: int, n_loads: int, n_slots: int) -> int:
-    """The rounds the slot cache's plan makes for ``n_hits`` hits and ``n_loads`` misses in ``n_slots`` slots: 0
-    without either, else one, and one more per ``n_slots`` loads past the slots the hits leave free in the first
-    (``n_slots <= 0``: unknown, one)."""
-    if n_hits + n_loads == 0:
-        return 0
-    if n_slots <= 0:
-        return 1
-    first = max(n_slots - n_hits, 0)
-    return 1 if n_loads <= first else 1 + -(-(n_loads - first) // n_slots)
-
-
 def makespans(c: Mapping[str, float], expert_bytes: int, hit_rows: int, miss_rows: Sequence[int],
               round_s: float = 0.0, n_hits: int | None = None, n_slots: int = 0) -> list[float]:
     """Modeled makespan of every ``n_cpu = 0..len(miss_rows)``, the CPU taking the first ``n_cpu`` misses.
 
     ``miss_rows`` lists the misses' row counts in the order the CPU takes them (fewest rows first);
-    ``c`` holds the coefficients of :meth:`CostModel.estimate`. With ``round_s > 0`` the device also pays that
-    much per round (:func:`device_rounds` of ``n_hits`` hits, default one when ``hit_rows``, in ``n_slots``).
+    ``c`` holds the coefficients of :meth:`CostModel.estimate`; ``round_s`` per round (:mod:`.round_cost`).
     """
     n = len(miss_rows)
     total = hit_rows + sum(miss_rows)
@@ -394,22 +372,6 @@ def makespans(c: Mapping[str, float], expert_bytes: int, hit_rows: int, miss_row
     return spans
 
 
-#: The exchanges of one device round with an RPC server, each waiting for the server's reply: the copy of the
-#: call's activations into the round's graph, the graph's compute (its status reply, patch 0014) and the read of
-#: its rows (moe_call.c: compute_rows, compute_rows_call).
-ROUND_TRIPS_PER_ROUND = 3
-
-
-def round_seconds(link: Link | None) -> float:
-    """The cost model's fixed cost of a device round over ``link`` (None: a local device, 0: not modeled):
-    :data:`ROUND_TRIPS_PER_ROUND` round trips. Over a slow link it dominates a round of few rows (a decode step's
-    hit), which the per-row cost alone would price as nearly free, or learn as a huge per-row cost from one-row
-    rounds and then overprice a prompt's rows."""
-    if link is None:
-        return 0.0
-    return ROUND_TRIPS_PER_ROUND * _real(link.rtt_s, "round_seconds: round trip", 0.0)
-
-
 
 class CostModel:
     """Online cost model for ``moe_cpu_share='auto'`` (one per layer).
@@ -421,16 +383,12 @@ class CostModel:
     """
 
     RIDGE = 1e-6
-    #: the per-row pull of a device round's fit (moe_policy.c: HY_RIDGE_DEVICE_ROW): rounds of one row (decode's
-    #: hits) go to the round's fixed cost; the per-row cost keeps its prior until rounds of several row counts
-    #: tell the two apart
-    RIDGE_DEVICE_ROW = 1e-3
+    RIDGE_DEVICE_ROW = 1e-3  # the per-row pull of a round's fit (:mod:`.round_cost`; moe_policy.c: the same)
 
     def __init__(self, alpha: float = 0.25, hysteresis: float = 0.05, prior: Mapping[str, float] | None = None,
                  round_s: float = 0.0) -> None:
         self.alpha = _real(alpha, "CostModel: alpha", 0.0, 1.0, lo_open=True)
         self.hysteresis = _real(hysteresis, "CostModel: hysteresis", 0.0, 1.0, hi_open=True)
-        #: the fixed cost of one device round (seconds; 0: none modeled): :func:`round_seconds`
         self.round_s = _real(round_s, "CostModel: round_s", 0.0)
         self.prior = dict(DEFAULT_PRIOR)
         if prior is not None:
@@ -453,9 +411,7 @@ class CostModel:
 
     @classmethod
     def for_link(cls, link: Link | None) -> CostModel:
-        """The model of a device behind ``link`` (an RPC device's measured link; None: a local device, the
-        defaults): loads at the link's rate (:func:`link_prior`) and each device round's fixed cost
-        (:func:`round_seconds`)."""
+        """The model of a device behind ``link`` (None: a local one): :func:`link_prior`, :func:`round_seconds`."""
         return cls(prior=link_prior(link), round_s=round_seconds(link))
 
     @classmethod
@@ -516,8 +472,7 @@ class CostModel:
         self._n["load"] += 1
 
     def observe_device(self, rows: int, seconds: float) -> None:
-        """Device expert compute: one round of ``rows`` (token, expert) rows in ``seconds``, of which
-        ``round_s`` is the round's fixed cost (the rest is per row)."""
+        """Device expert compute: one round of ``rows`` (token, expert) rows in ``seconds``."""
         if self._fixed is not None:
             return
         r = float(_int(rows, "CostModel.observe_device: rows", 0))
@@ -529,9 +484,6 @@ class CostModel:
 
     # -- estimates -----------------------------------------------------------------------------
 
-    def _fit_cpu(self, a0: float, b0: float) -> tuple[float, float]:
-        return self._fit(self._cpu, self.RIDGE, self.RIDGE, a0, b0)
-
     def _fit_round(self, expert_bytes: int) -> tuple[float, float]:
         """(a device round's fixed cost, its cost per row), from the rounds seen (with ``round_s``)."""
         return self._fit(self._dev_fit, self.RIDGE, self.RIDGE_DEVICE_ROW, self.round_s,
@@ -539,8 +491,7 @@ class CostModel:
 
     @staticmethod
     def _fit(stats: Sequence[float], ridge1: float, ridge2: float, a0: float, b0: float) -> tuple[float, float]:
-        """t = a*x + b*r from the EMAs (x^2, x*r, r^2, x*t, r*t), in units of the priors a0, b0, pulled toward
-        them by ridge1 and ridge2 (the module docstring, Fitting)."""
+        """t = a*x + b*r from the EMAs (x^2, x*r, r^2, x*t, r*t), pulled to the priors a0, b0 (module docstring)."""
         sbb, sbr, srr, sbt, srt = stats
         # normal equations in prior units: features a0*bytes and b0*rows
         m11, m12, m22 = a0 * a0 * sbb, a0 * b0 * sbr, b0 * b0 * srr
@@ -577,7 +528,7 @@ class CostModel:
             return {**self._fixed, "cpu_observations": 0, "load_observations": 0, "device_observations": 0,
                     "job_observations": 0}
         p = self.prior
-        a, b = self._fit_cpu(p["cpu_per_byte"], p["cpu_per_row_per_byte"] * B)
+        a, b = self._fit(self._cpu, self.RIDGE, self.RIDGE, p["cpu_per_byte"], p["cpu_per_row_per_byte"] * B)
         lt, lx = self._load
         dt, dr = self._dev
         jt, jw = self._job
@@ -628,8 +579,7 @@ class CostModel:
 
     def choose(self, experts: Sequence[int], rows: Sequence[int], resident: Iterable[int],
                expert_bytes: int, history: History | None = None, n_slots: int = 0) -> MissSplit:
-        """The split of minimal modeled makespan, with hysteresis; see the module docstring. ``n_slots``: the
-        cache's slots, which count the device's rounds when ``round_s`` prices them (0: one round)."""
+        """The split of minimal modeled makespan, with hysteresis; see the module docstring (``n_slots``: rounds)."""
         ids, counts, res = _check_call("CostModel.choose", experts, rows, resident)
         B = _int(expert_bytes, "CostModel.choose: expert_bytes", 1)
         n_slots = _int(n_slots, "CostModel.choose: n_slots", 0)

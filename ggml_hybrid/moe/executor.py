@@ -134,8 +134,7 @@ class ExpertCacheExecutor:
         self._own_shared = shared is None
         shared = shared or (SharedBuffer(device), SharedBuffer(device))
         self._slot_rows = RowGraphs(self.slots, device, self.n_embd, cfg.glu, shared[1])  # compacted rounds
-        # rounds compute compacted rows on a CPU, local or an RPC server's (else the call's graph, see _compute_rows)
-        self._compact = device.is_cpu or rpc.computes_on_cpu(device)
+        self._compact = device.is_cpu or rpc.computes_on_cpu(device)  # compacted rounds on a CPU, also a remote one
         self.counters = LayerCounters()
         # one graph pair per token count, the least recently used dropped first: prompts of ever new
         # lengths must not grow memory (decode and recent lengths stay warm); all share one buffer
@@ -265,8 +264,7 @@ class ExpertCacheExecutor:
         experts, rows = call.experts.tolist(), call.counts[call.experts].tolist()
         resident = self.cache.resident()
         if self.cost is not None:
-            split = self.cost.choose(experts, rows, resident, self.expert_bytes, self.cache.reuse_key,
-                                    self.cache.n_slots)
+            split = self.cost.choose(experts, rows, resident, self.expert_bytes, self.cache.reuse_key, self.n_slots)
         else:
             assert isinstance(self.config.share, float)  # "auto" has a model
             split = split_misses(experts, rows, resident, self.config.share, self.cache.reuse_key)
