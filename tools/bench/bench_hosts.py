@@ -211,9 +211,10 @@ def part3(ns: SimpleNamespace) -> None:
             for name in (list(modes) if k % 2 == 0 else list(modes)[::-1]):
                 runs[name].append(_run(lab, sys.executable, "ours", ns, upstream if "pin" in name else ours,
                                        modes[name]))
+        warm = 1 if ns.reps > 1 else 0  # the first prompt of each process warms up (when there is another)
         for name, rs in runs.items():
-            timed = [t for r in rs for t in r["prompt_s"][1:]]
-            c = [x for r in rs for x in r["prompt_counters"][1:]]
+            timed = [t for r in rs for t in r["prompt_s"][warm:]]
+            c = [x for r in rs for x in r["prompt_counters"][warm:]]
             med = {key: statistics.median(x[key] for x in c) for key in COUNTED}
             layers = med["calls"] or 1
             print(f"{name}: prompt {ns.prompt / statistics.median(timed):.1f} tok/s (median of {len(timed)}); per "
