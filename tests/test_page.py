@@ -37,8 +37,10 @@ def model_file(tmp_path_factory):
                        n_ff_exp=256, head_dim=64, n_expert=16, n_used=4)
 
 
+# --ignore-eos: an answer ends at its max_tokens, never early at an end token this random model may pick (the
+# stopped answer's test needs it running when Stop is clicked: at 6,000 tokens it once ended by itself first)
 SERVE = ["-np", "2", "-c", "16384", "-t", "1", "-a", "m", "--disk-experts", "--expert-cache-slots", "6",
-         "--moe-cpu-share", "0.5"]
+         "--moe-cpu-share", "0.5", "--ignore-eos"]
 
 
 @pytest.fixture(scope="module")

@@ -349,22 +349,26 @@ def test_slots_say_is_processing(server):
 
 def test_server_wide_flags(files, oracle):
     args = [files["glm"], "-c", "128", "-t", "1", "--temp", "0.9", "--top-k", "20", "--seed", "11", "-n", "5",
-            "--no-slots", "--metrics", "--chat-template", "chatml", "--no-jinja", "-b", "16", "-ub", "32"]
+            "--ignore-eos", "--no-slots", "--metrics", "--chat-template", "chatml", "--no-jinja", "-b", "16", "-ub",
+            "32"]
     with Server(args) as s:
-        plain = {"prompt": PROMPT, "ignore_eos": True, "return_tokens": True}
+        plain = {"prompt": PROMPT, "return_tokens": True}
         status, doc, _ = call(s, "/completion", plain, key=None)
         gs = doc["generation_settings"]
-        assert (gs["temperature"], gs["top_k"], gs["seed"], gs["n_predict"]) == (0.9, 20, 11, 5)
-        explicit = call(s, "/completion", {**plain, "temperature": 0.9, "top_k": 20, "seed": 11, "n_predict": 5},
-                        key=None)[1]
+        assert (gs["temperature"], gs["top_k"], gs["seed"], gs["n_predict"], gs["ignore_eos"]) == (0.9, 20, 11, 5, True)
+        explicit = call(s, "/completion", {**plain, "temperature": 0.9, "top_k": 20, "seed": 11, "n_predict": 5,
+                                           "ignore_eos": True}, key=None)[1]
         assert doc["tokens"] == explicit["tokens"] and len(doc["tokens"]) == 5
+        assert call(s, "/completion", {**plain, "ignore_eos": False}, key=None)[1]["generation_settings"][
+            "ignore_eos"] is False  # a request's own field wins
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-        r = c.completions.create(model="glm", prompt=PROMPT, extra_body={"ignore_eos": True})
+        r = c.completions.create(model="glm", prompt=PROMPT)
         assert r.usage.completion_tokens == 5  # -n, not OpenAI's 16
         assert call(s, "/slots", key=None)[1]["error"]["type"] == "not_supported_error"
         assert call(s, "/slots", key=None)[0] == 501 and call(s, "/metrics", key=None)[0] == 200
         props = call(s, "/props", key=None)[1]
         assert props["cache_prompt"]["ubatch_size"] == 16 and props["default_generation_settings"]["seed"] == 11
+        assert props["default_generation_settings"]["ignore_eos"] is True
         # --chat-template chatml replaces the file's (glm4moe's) template; --no-jinja refuses tools
         msgs = [{"role": "user", "content": "Hi"}]
         assert call(s, "/apply-template", {"messages": msgs}, key=None)[1]["prompt"] == \

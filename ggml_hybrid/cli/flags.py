@@ -442,14 +442,17 @@ SAMPLING_DESTS = tuple(d[-1] for d, _, _, _ in _SAMPLING)
 
 
 def sampling_flags(defaults: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """llama.cpp's sampling flags, ``-s/--seed`` and ``-n/--predict``, defined once: ``run`` takes them with
-    llama.cpp's defaults (``defaults``); ``serve`` without (a flag not given leaves each request's own default)."""
+    """llama.cpp's sampling flags, ``--ignore-eos``, ``-s/--seed`` and ``-n/--predict``, defined once: ``run``
+    takes them with llama.cpp's defaults (``defaults``); ``serve`` without (a flag not given leaves each request's
+    own default)."""
     where = "" if defaults else " for requests that give none (default: each request's own, llama-server's)"
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for decls, name, kind, text in reversed(_SAMPLING):
             fn = click.option(*decls, type=kind, default=LLAMA_DEFAULTS[name] if defaults else None,
                               show_default=defaults, help=text + where + ".")(fn)
+        fn = click.option("--ignore-eos", is_flag=True, help=(
+            "Generate past end-of-generation tokens" + where + "."))(fn)
         fn = click.option("-s", "--seed", type=click.IntRange(-1, SEED_MAX), help=(
             "Sampling seed (default -1 = random); with --temp > 0" + where + "."))(fn)
         return click.option("-n", "--predict", "--n-predict", "n_predict", default=-1 if defaults else None,

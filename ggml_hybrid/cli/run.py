@@ -89,7 +89,6 @@ def read_prompt_file(path: str) -> str:
               help="Process escapes (\\n, \\t, \\xHH, ...) in the prompt, as llama.cpp does (default: on).")
 @session_flags
 @sampling_flags(defaults=True)
-@click.option("--ignore-eos", is_flag=True, help="Generate past end-of-generation tokens.")
 @click.option("-cnv", "--conversation", "conversation", is_flag=True,
               help="Chat in the terminal with the model's chat template (-p/-f: the first message; -n: per reply).")
 @click.option("-no-cnv", "--no-conversation", "no_conversation", is_flag=True,

@@ -119,7 +119,8 @@ def serve(model: str | None, model_flag: str | None, hf_repo: str | None, hf_fil
 
 
 def _defaults(flags: dict[str, Any]) -> Defaults:
-    """The request defaults the sampling flags, ``--seed`` and ``-n`` set (popped from ``flags``)."""
+    """The request defaults the sampling flags, ``--ignore-eos``, ``--seed`` and ``-n`` set (popped from
+    ``flags``)."""
     from ..errors import GgmlHybridError
     from ..runtime.sampling import Sampler
     from ..server.protocol import DEFAULTS, Defaults
@@ -131,11 +132,11 @@ def _defaults(flags: dict[str, Any]) -> Defaults:
         Sampler(**sampling)
     except GgmlHybridError as exc:
         raise click.UsageError(f"the sampling flags: {exc}") from None
-    seed, n = flags.pop("seed"), flags.pop("n_predict")
+    seed, n, ignore_eos = flags.pop("seed"), flags.pop("n_predict"), flags.pop("ignore_eos")
     if n == 0:
         raise click.UsageError("-n 0 (generate nothing) is not a default a server can use: give -1 (until the end) or "
                                "a number >= 1")
-    return Defaults(sampling, None if seed is None or seed < 0 else seed, n)
+    return Defaults(sampling, None if seed is None or seed < 0 else seed, n, bool(ignore_eos))
 
 
 def _chat_template(name: str | None, path: str | None, jinja: bool) -> str | None:

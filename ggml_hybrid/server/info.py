@@ -155,7 +155,8 @@ class InfoRoutes:
                                                        "max_checkpoints": sm.engine.cache.max_checkpoints},
             "session_options": m.options.to_dict(),
             "default_generation_settings": {**self.routes.defaults.sampling, "seed": self.routes.defaults.seed,
-                                            "n_predict": self.routes.defaults.n_predict},
+                                            "n_predict": self.routes.defaults.n_predict,
+                                            "ignore_eos": self.routes.defaults.ignore_eos},
         })
 
     async def slots(self, request: HTTPRequest) -> Response:

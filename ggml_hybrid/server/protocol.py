@@ -83,13 +83,14 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 class Defaults:
     """What a request that leaves a field out gets: the sampling settings, the seed and the tokens to generate.
 
-    ``serve --temp/--top-k/... --seed -n`` set them server-wide, as llama-server's flags do; without them the
-    sampling settings are :data:`DEFAULTS` (llama-server's), the seed random and ``max_tokens`` each route's own
-    (completions: OpenAI's 16; chat: until the end)."""
+    ``serve --temp/--top-k/... --seed -n --ignore-eos`` set them server-wide, as llama-server's flags do; without
+    them the sampling settings are :data:`DEFAULTS` (llama-server's), the seed random and ``max_tokens`` each
+    route's own (completions: OpenAI's 16; chat: until the end)."""
 
     sampling: Mapping[str, float | int] = field(default_factory=lambda: dict(DEFAULTS))
     seed: int | None = None
     n_predict: int | None = None  # None: each route's own default; -1: until the end; n >= 1: n tokens
+    ignore_eos: bool = False  # generate past end-of-generation tokens (``serve --ignore-eos``)
 
     def max_tokens(self, route_default: int | None) -> int | None:
         if self.n_predict is None:
@@ -265,7 +266,7 @@ def _common(body: dict[str, Any], max_tokens_default: int | None, supported: tup
     except GgmlHybridError as exc:
         param = next((k for k in sampling if f"Sampler: {k}" in str(exc)), None)
         raise bad(str(exc).replace("Sampler: ", ""), param) from None
-    ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean", False)
+    ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean", d.ignore_eos)
     cache_prompt = _get(body, "cache_prompt", (bool,), "a boolean", True)
     progress = bool(stream) and _get(body, "return_progress", (bool,), "a boolean", False)
     return Generation(model, bool(stream), max_tokens, _stop(body), n, sampling, seed, bool(ignore_eos),
