@@ -30,7 +30,7 @@ from ..ggml import rpc
 from ..ggml.backend import Backend
 from ..ggml.ops import GLU_KINDS, GLU_OPS
 from ..gguf.store import GGUFStore
-from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, link_prior, n_cpu_for_share
+from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
 from .cpu_worker import NativeWorker
 from .ffn import ExpertWeights
 from .layer_cache import MODES, LayerCacheConfig, LayerCounters, SyntheticClock, allocate_slots, slot_tensors
@@ -155,10 +155,11 @@ class NativeExpertExecutor:
             cfg.src[i] = ffi.cast("const uint8_t *", self._raw[k].ctypes.data)
             cfg.nbytes[i] = self.kind_bytes[k]
         cfg.device = self.device.ptr
+        cfg.remote_cpu = int(rpc.computes_on_cpu(self.device))  # rounds compacted, as on a local CPU
         cfg.scratch = self.scratch.ptr
         worker = self.worker
         cfg.worker = worker.ptr if worker is not None else ffi.NULL
-        cost = CostModel(prior=link_prior(rpc.link_of(self.device.endpoint)))  # over RPC: the link's rate
+        cost = CostModel.for_link(rpc.link_of(self.device.endpoint))  # over RPC: the link's rate and round trips
         if worker is None:
             cfg.share_mode = lib.HY_SHARE_NONE
         elif lc.share == "auto":
@@ -169,7 +170,7 @@ class NativeExpertExecutor:
             table = ffi.new("int32_t[]", [n_cpu_for_share(float(lc.share), n) for n in range(self.n_expert + 1)])
             self._keep.append(table)
             cfg.n_cpu_table = table
-        cfg.alpha, cfg.hysteresis = cost.alpha, cost.hysteresis
+        cfg.alpha, cfg.hysteresis, cfg.round_s = cost.alpha, cost.hysteresis, cost.round_s
         for i, k in enumerate(PRIOR_KEYS):
             cfg.prior[i] = cost.prior[k]
         cfg.fd = -1 if self.store.fd is None else self.store.fd  # the open file, not whatever the path names now
@@ -300,6 +301,7 @@ class NativeExpertExecutor:
             lib.hy_cost_init_fixed(c, cost.hysteresis, [cost._fixed[k] for k in COEFFICIENTS])
         else:
             lib.hy_cost_init(c, cost.alpha, cost.hysteresis, [cost.prior[k] for k in PRIOR_KEYS])
+        c.round_s = cost.round_s
 
     def use_clock(self, clock: SyntheticClock) -> None:
         """Observe durations computed from the work (repeatable ``auto`` decisions)."""

@@ -74,6 +74,8 @@ typedef struct hy_moe_config {
     int share_mode;
     const int32_t * n_cpu_table;
     double alpha, hysteresis;
+    double round_s;
+    int remote_cpu;
     double prior[5];
     int fixed_model;
     double coef[5];
@@ -100,6 +102,7 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
 const hy_moe_counters * hy_moe_exec_counters(const hy_moe_exec * ex);
 hy_slot_cache * hy_moe_exec_cache(hy_moe_exec * ex);
 hy_cost_model * hy_moe_exec_cost_model(hy_moe_exec * ex);
+int hy_moe_exec_compacts(const hy_moe_exec * ex);
 int hy_moe_exec_error(const hy_moe_exec * ex, const char ** message);
 int hy_moe_exec_last_cpu(const hy_moe_exec * ex, const int32_t ** experts);
 const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints);
