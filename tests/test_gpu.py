@@ -265,3 +265,29 @@ def test_several_sequences_in_one_decode_step_against_their_lone_runs(model_path
             ok, rel = rule.check(together[i, 1:], alone[1:], [0], [0])
             assert ok and (together[i, 1:].argmax(-1) == alone[1:].argmax(-1)).all(), \
                 f"sequence {i}: relative diff {rel:.3g}; rule {rule.text} ({rule.why})"
+
+
+@pytest.fixture(scope="module")
+def gptoss_path(tmp_path_factory):
+    # tests/test_gptoss_tier.py's gpt-oss: MXFP4 experts with biases, the clamped SwiGLU
+    return write_model(tmp_path_factory.mktemp("gpu") / "gptoss.gguf", arch="gpt-oss", n_layer=2, head_dim=32,
+                       expert_type="mxfp4", weight_type="q8_0", rope_scaling="yarn", rope_factor=8.0,
+                       rope_orig_ctx=256, n_swa=4, seed=17)
+
+
+@pytest.mark.parametrize("items", [[], ["host_tier_bytes=1M"], ["host_tier_bytes=1M", "moe_prefetch=1"]],
+                         ids=["slots", "tier", "tier-prefetch"])
+def test_gpt_oss_from_the_slots_and_the_tier_is_bit_identical_to_resident(gptoss_path, items):
+    """gpt-oss's expert biases loaded into device slots (staged or queued uploads, from the mapping or the tier's
+    pinned frames) and its clamped SwiGLU built by the native executor: the resident device run bit for bit (share
+    0: a CPU share's rows come from the CPU's kernels)."""
+    ref_tokens, ref_logits, _, _ = _run(gptoss_path)
+    with MoEModel(gptoss_path, SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2", f"devices={GPU}",
+                                                     *items])) as m:
+        tokens, logits = greedy_run(m, PROMPT, N_PREDICT)
+        modes = {e.mode for e in m.experts.executors if e is not None}
+        total, tier = m.counters.total, m.experts.tier
+        assert modes == ({"tier"} if items else {"slots"}) and total.misses > 0
+        assert tier is None or tier.counters.misses > 0
+    assert tokens == ref_tokens
+    np.testing.assert_array_equal(logits, ref_logits)

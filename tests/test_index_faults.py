@@ -154,6 +154,17 @@ def test_the_server_marks_its_hello(server):
         assert reply[3] == rc.HYBRID_MARK
 
 
+def test_the_server_says_its_device_computes_on_a_cpu(server):
+    """After the hello, the device kinds request (vendor patch 0016): one device, GGML's CPU type; the connection
+    then serves the protocol's own commands as before."""
+    _, port = server
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        rc.request(sock, rc.HELLO, bytes(rc.HELLO_BYTES))
+        reply = rc.request(sock, rc.DEVICE_KINDS, b"")
+        assert len(reply) == rc.KINDS_BYTES and struct.unpack_from("<I", reply)[0] == 1 and reply[4] == 0
+        assert struct.unpack("<I", rc.request(sock, rc.DEVICE_COUNT, b""))[0] == 1
+
+
 def test_index_fuzz_kind(server):
     """A bounded run of the fuzzer's index cases (well-formed graphs, hostile index data): the server answers a
     fresh client after each."""

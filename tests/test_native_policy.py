@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from ggml_hybrid._native import ffi, lib
 from ggml_hybrid.moe.cpu_share import COEFFICIENTS, DEFAULT_PRIOR, PRIOR_KEYS, CostModel, n_cpu_for_share, split_misses
+from ggml_hybrid.moe.round_cost import device_rounds
 from ggml_hybrid.moe.row_graphs import row_bucket
 from ggml_hybrid.moe.slot_cache import CacheCounters, SlotCache
 
@@ -129,13 +130,20 @@ def cost_histories(draw):
     return draw(st.integers(1, 1 << 24)), draw(st.sampled_from([0.0, 0.05, 0.3])), events
 
 
-@settings(max_examples=200, deadline=None)
-@given(cost_histories())
+@st.composite
+def cost_histories_with_rounds(draw):
+    """A history, a device round's prior cost (0: the per-row model alone) and the cache's slots."""
+    return (*draw(cost_histories()), draw(st.sampled_from([0.0, 2e-5, 4e-3])), draw(st.integers(1, 8)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(cost_histories_with_rounds())
 def test_the_c_cost_model_learns_and_chooses_as_the_python_one(case):
-    B, hysteresis, events = case
-    py = CostModel(hysteresis=hysteresis)
+    B, hysteresis, events, round_s, n_slots = case
+    py = CostModel(hysteresis=hysteresis, round_s=round_s)
     c = ffi.new("hy_cost_model *")
     lib.hy_cost_init(c, 0.25, hysteresis, [DEFAULT_PRIOR[k] for k in PRIOR_KEYS])
+    c.round_s = round_s
     out = ffi.new("double[5]")
     for ev in events:
         kind = ev[0]
@@ -156,12 +164,14 @@ def test_the_c_cost_model_learns_and_chooses_as_the_python_one(case):
             # a call: one hit expert with hit_rows rows (when any), the misses 100.. with their rows
             experts = ([0] if hit_rows else []) + [100 + i for i in range(len(miss))]
             rows = ([hit_rows] if hit_rows else []) + miss
-            split = py.choose(experts, rows, {0}, B)
-            k = lib.hy_cost_choose(c, B, hit_rows, ffi.new("int32_t[]", miss or [0]), len(miss))
+            split = py.choose(experts, rows, {0}, B, None, n_slots)
+            k = lib.hy_cost_choose_rounds(c, B, hit_rows, int(hit_rows > 0), n_slots, ffi.new("int32_t[]", miss or [0]),
+                                          len(miss))
             assert k == len(split.cpu_misses)
         lib.hy_cost_estimate(c, B, out)
         est = py.estimate(B)
         assert [out[i] for i in range(5)] == [est[k] for k in COEFFICIENTS]  # bit for bit
+        assert lib.hy_cost_round(c, B) == py.round_cost(B)
     assert (c.has_share, Fraction(c.share_num, c.share_den) if c.has_share else None) == \
         (py.share is not None, py._share)
 
@@ -199,7 +209,7 @@ def split_calls(draw):
         calls.append((experts, [draw(st.integers(1, 9)) for _ in experts]))
     share = draw(st.sampled_from([0.0, 0.25, 0.3, 0.5, 0.75, 1.0, "auto"]))
     return n_experts, n_slots, warm, calls, share, draw(st.sampled_from([0.0, 0.05])), draw(st.sampled_from(
-        sorted(POLICIES)))
+        sorted(POLICIES))), draw(st.sampled_from([0.0, 3e-4]))
 
 
 @settings(max_examples=200, deadline=None)
@@ -207,20 +217,21 @@ def split_calls(draw):
 def test_the_c_split_of_misses_is_the_python_one(case):
     """hy_split_misses (what the native executor's cpu_split calls) against split_misses and CostModel.choose:
     the misses in the CPU's order and the ones it takes, over calls that move the cache's residency."""
-    n_experts, n_slots, warm, calls, share, hysteresis, policy = case
+    n_experts, n_slots, warm, calls, share, hysteresis, policy, round_s = case
     py_cache, c_cache = SlotCache(n_experts, n_slots, policy), NativeCache(n_experts, n_slots, policy)
     py_cache.plan(warm)
     c_cache.plan(warm, [1] * len(warm), False)
     B = 1 << 20
-    py_model = CostModel(hysteresis=hysteresis)
+    py_model = CostModel(hysteresis=hysteresis, round_s=round_s)  # round_s: rounds priced in the cache's slots
     c_model = ffi.new("hy_cost_model *")
     lib.hy_cost_init(c_model, py_model.alpha, hysteresis, [DEFAULT_PRIOR[k] for k in PRIOR_KEYS])
+    c_model.round_s = round_s
     auto = share == "auto"
     table = ffi.NULL if auto else ffi.new("int32_t[]", [n_cpu_for_share(share, n) for n in range(n_experts + 1)])
     miss_e, miss_r, n_miss = ffi.new("int32_t[]", n_experts), ffi.new("int32_t[]", n_experts), ffi.new("int *")
     for i, (experts, rows) in enumerate(calls):
         resident, history = py_cache.resident(), py_cache.reuse_key
-        want = (py_model.choose(experts, rows, resident, B, history) if auto
+        want = (py_model.choose(experts, rows, resident, B, history, n_slots) if auto
                 else split_misses(experts, rows, resident, share, history))
         n_cpu = lib.hy_split_misses(c_cache.p, ffi.new("int32_t[]", experts or [0]), ffi.new("int32_t[]", rows or [0]),
                                     len(experts), table, c_model if auto else ffi.NULL, B, miss_e, miss_r, n_miss)
@@ -235,6 +246,8 @@ def test_the_c_split_of_misses_is_the_python_one(case):
         py_model.observe_cpu(B, sum(rows), 3e-5 * (i + 1))
         lib.hy_cost_observe_load(c_model, float(B), 1e-4 * (i + 1))
         lib.hy_cost_observe_cpu(c_model, float(B), float(sum(rows)), 3e-5 * (i + 1))
+        py_model.observe_device(len(rows), 2e-4 * (i + 1))
+        lib.hy_cost_observe_device(c_model, float(len(rows)), 2e-4 * (i + 1))
         device = sorted(want.device_hits + want.device_misses)
         py_cache.plan(device, [row_of[e] for e in device])
         c_cache.plan(device, [row_of[e] for e in device], False)
@@ -248,3 +261,14 @@ def test_the_row_bucket_is_exact_up_to_32_rows_then_a_power_of_two():
         assert row_bucket(n) == n
     for n, want in ((33, 64), (64, 64), (65, 128), (100, 128), (128, 128), (129, 256), (1000, 1024), (4096, 4096)):
         assert row_bucket(n) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 12), st.integers(0, 40), st.integers(1, 12))
+def test_the_rounds_priced_are_the_rounds_the_cache_plans(n_hits, n_loads, n_slots):
+    """hy_cost_rounds and device_rounds against the rounds SlotCache.plan makes (hits resident, then the loads)."""
+    n_hits = min(n_hits, n_slots)
+    cache = SlotCache(max(n_hits + n_loads, n_slots), n_slots)
+    cache.plan(list(range(n_hits)))
+    plan = cache.plan(list(range(n_hits + n_loads)), checked=False)
+    assert lib.hy_cost_rounds(n_hits, n_loads, n_slots) == device_rounds(n_hits, n_loads, n_slots) == len(plan)

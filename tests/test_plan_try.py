@@ -1,12 +1,11 @@
 """``plan``'s advice runs as printed (issue 46): every ``try:`` line, shlex-split, is run, and it fits what the plan
 said (the run's device memory within the combination's totals, its host tier within the size printed); with a file
-larger than --ram the line reads the experts through the host tier, never one smaller than what works; a file whose
-experts have biases (gpt-oss), which the tier does not hold, is never advised it."""
+larger than --ram the line reads the experts through the host tier, never one smaller than what works; gpt-oss too
+(the tier holds its experts' biases)."""
 
 from __future__ import annotations
 
 import json
-import re
 import shlex
 
 import pytest
@@ -45,6 +44,7 @@ CASES = [  # model, plan's flags
     ("deep", ["--vram", "30M", "--ram", "150M", "-t", "1", "-c", "512", "-ub", "64"]),
     ("deep", ["--vram", "8M", "--ram", "150M", "-t", "1", "-c", "512", "-ub", "64"]),
     ("deep", ["--vram", "30M", "-t", "1", "-c", "512"]),
+    ("gptoss", ["--vram", "30M", "--ram", "150M", "-t", "1", "-c", "512", "-ub", "64"]),
 ]
 
 
@@ -55,7 +55,8 @@ def test_every_try_line_runs_as_printed_and_fits_the_plan(models, name, flags):
     assert argv is not None, text
     assert argv[:3] == ["ggml-hybrid", "run", path]
     short = [*argv[1:-1], "2"] if argv[-2] == "-n" else argv[1:]  # a short run: -n 2 for the printed -n
-    r = CliRunner().invoke(main, [*short, "--json"])
+    # --ignore-eos: a random model's sampled first token is its end token in about 1 run in 20 (gpt-oss's, seeds 0-39)
+    r = CliRunner().invoke(main, [*short, "--ignore-eos", "--json"])
     assert r.exit_code == 0, f"{shlex.join(argv)}\n{r.output}"
     out = json.loads(r.stdout)
     assert out["generated_tokens"] >= 1
@@ -86,23 +87,21 @@ def test_no_host_tier_below_what_works(models):
     assert "run refuses a host tier of 1.00 MiB" in text
 
 
-def test_experts_with_biases_are_never_advised_the_host_tier(models):
-    """gpt-oss's experts have biases, which the host tier does not hold: plan says what to use instead, and run's
-    refusal says the same."""
+def test_gpt_oss_larger_than_ram_is_advised_the_host_tier_and_run_takes_it(models):
+    """gpt-oss's experts have biases, which the host tier holds too (issue 46: plan advised what run refused): with
+    --ram below the file the recommended line reads them through a tier of at least one layer's experts, and a
+    tier given to run is taken."""
     path = models["gptoss"]
     text, p, argv = plan_try([path, "--vram", "30M", "--ram", "150M", "-t", "1", "-c", "512", "-ub", "64"])
-    assert p["experts"]["host_tier"] is False
-    # 150M would hold a tier for these sizes (test_a_file_larger_than_ram_is_advised_the_host_tier): not these experts
-    assert not re.search(r"--host-tier \d", text) and (argv is None or "--host-tier" not in argv), text
-    assert "use --expert-cache-slots N without --host-tier" in text
-    if argv is not None:
-        r = CliRunner().invoke(main, [*argv[1:-1], "2", "--json"])
-        assert r.exit_code == 0, r.output
+    assert argv is not None and "--host-tier" in argv and "--expert-cache-slots" in argv, text
+    assert parse_size(argv[argv.index("--host-tier") + 1]) >= p["experts"]["host_tier_min"]
+    assert "host_tier_bytes=" in p["combination"]["options"] and "biases" not in text
     text, _, _ = plan_try([path, "--expert-cache-slots", "4", "--host-tier", "30M", "-t", "1", "-c", "512"])
-    assert "run refuses it, the host tier does not hold experts with biases" in text
+    assert "run refuses" not in text
     r = CliRunner().invoke(main, ["run", path, "--expert-cache-slots", "4", "--host-tier", "30M", "-p", "Hello",
-                                  "-n", "2", "-t", "1", "-c", "512"])
-    assert r.exit_code != 0 and "without --host-tier" in r.output and "--cpu-moe" in r.output
+                                  "-n", "2", "-t", "1", "-c", "512", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["host_tier"]["misses"] > 0
 
 
 def test_the_device_of_vram_alone_is_named_as_planned(models):

@@ -187,7 +187,9 @@ def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, serve
         rpc0 = m.devices["RPC0"]
         assert all(b is rpc0 for b in m.experts.layer_backends)
         c = m.counters.total
-        assert c.misses > 0 and c.bytes_loaded == c.misses * m.experts.executors[0].expert_bytes
+        # auto may give the CPU every miss: a device round costs its exchanges with the server (the round trips)
+        assert (c.misses + c.cpu_misses if share == "auto" else c.misses) > 0
+        assert c.bytes_loaded == c.misses * m.experts.executors[0].expert_bytes
         if share == 0.5:
             assert c.cpu_misses > 0
         # the loads crossed to the server: each slot holds one expert's bytes of the file, each a different one,
@@ -202,7 +204,7 @@ def test_expert_cache_on_the_rpc_device_is_bit_identical(model, reference, serve
             mapped = {row.tobytes(): e for e, row in enumerate(np.asarray(ex._raw[kind]).reshape(-1, t.nb[2]))}
             held = [mapped.get(s.tobytes()) for s in slots[:-1] if share != "auto" or s.any()]
             assert None not in held and len(set(held)) == len(held) == (3 if share != "auto" else len(held))
-            assert held or c.cpu_misses == c.misses
+            assert held or c.misses == 0
             assert not slots[-1].any()
     assert np.array_equal(got, ref)
 

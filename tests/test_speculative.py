@@ -335,14 +335,16 @@ PROMPTS = ["The cache runs the hits first", "a", "Once upon a time in a land far
            "then the", "CPU share of"]
 
 
+@pytest.mark.parametrize("backoff", [False, True])
 @pytest.mark.parametrize("family", ["glm4moe", "qwen35moe"])
-def test_every_concurrent_sequence_speculates_and_keeps_its_tokens(models, family):
-    """The server's engine: six requests over three slots, each speculating with the head in shared verify steps,
-    give the tokens of plain decoding one at a time; the step's counters and each request's are kept."""
+def test_every_concurrent_sequence_speculates_and_keeps_its_tokens(models, family, backoff):
+    """The server's engine: six requests over three slots, each speculating with the head in shared verify steps
+    (with the backoff: some paused or probing while others draft), give the tokens of plain decoding one at a time;
+    the step's counters and each request's are kept."""
     path = models[family]
     with MoEModel(path, _opts(ubatch_size=8)) as m:
         want, _ = _engine_run(m, PROMPTS)
-    with MoEModel(path, _opts(ubatch_size=8, n_parallel=3, spec_type="draft-mtp", draft_backoff=False)) as m:
+    with MoEModel(path, _opts(ubatch_size=8, n_parallel=3, spec_type="draft-mtp", draft_backoff=backoff)) as m:
         got, stats = _engine_run(m, PROMPTS)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
@@ -554,3 +556,96 @@ def test_a_failing_sampler_fails_its_request_alone(models):
             e.close()
     assert bad.finish_reason == "error" and "broken" in (bad.error or "")
     assert [r.tokens for r in good] == [r.tokens for r in want]
+
+
+class _WrongHead:
+    """The model's head drafting (its fills and draft steps run as ever), each draft token then replaced by one the
+    target never picks (``want``: the plain run's tokens by position): acceptance 0 with a real head's costs."""
+
+    benchmark_only = False
+
+    def __init__(self, want: list[int], n_vocab: int) -> None:
+        from ggml_hybrid.runtime.speculative import HeadDrafts
+
+        self.head, self.want, self.n_vocab = HeadDrafts(), want, n_vocab
+
+    def propose(self, model, requests, counters):
+        out = self.head.propose(model, requests, counters)
+        return [[(self.want[model.position(r.seq) + 1 + i] + 1) % self.n_vocab for i in range(len(d))]
+                for r, d in zip(requests, out)]
+
+
+@pytest.mark.parametrize("family", ["glm4moe", "qwen35moe"])
+def test_a_pause_skips_the_heads_fill_and_a_probe_verifies_nothing(models, plain, family):
+    """At acceptance 0 the backoff's pauses cost the head nothing: only the two drafting steps before the first pause
+    fill its cache (the prompt, then one position); the probes after each pause draft over the unfilled positions
+    (hidden from their attention) and are judged by the plain step's own token, so no verify step follows them."""
+    prompt, want, _ = plain[family]
+    with MoEModel(models[family], _opts(spec_type="draft-mtp", draft_max=3)) as m:
+        source = _WrongHead(prompt + want, m.hp.n_vocab)
+        _, st_ = complete(m, prompt, N, Sampler(), stop_at_eos=False, speculator=Speculator(m, source))
+        assert st_.tokens == want
+        sp = st_.spec
+        assert sp is not None and sp.accepted == 0
+        assert sp.verify_steps == 2 and sp.filled == len(prompt) + 1
+        assert sp.drafted == 2 * 3  # two drafts of 3 verified; the probes after pauses of 2, 4 and 8 tokens are not
+        assert sp.draft_steps == 2 * 3 + 3
+        assert m.head is not None and m.head.filled(0) == len(prompt) + 1
+        assert m.head.waiting(0) == m.n_past - m.head.filled(0)  # the skipped positions wait for a fill
+
+
+def _head_after(path: str, prompt: list[int], garbage: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The head at the end of ``prompt``, its first 5 positions filled and the rest evaluated by the target while
+    drafting paused: (its draft logits after those positions are filled, a probe's logits before: drafted at the
+    position over the unfilled cells, hidden). ``garbage``: tokens drafted into the first unfilled cells before the
+    probe (a draft step's scratch, which the fill overwrites)."""
+    with MoEModel(path, _opts(spec_type="draft-mtp", draft_max=3)) as m:
+        head = m.head
+        assert head is not None
+        m.eval(prompt[:5])
+        assert m.draft_fill([0]) == 5
+        m.eval(prompt[5:-1])
+        holes = head.waiting(0)
+        assert holes > len(garbage)
+        if garbage:
+            m.draft_step([(0, garbage, np.ones((len(garbage), m.hp.n_embd), np.float32), 0)])
+        probe, _ = m.draft_step([(0, [prompt[-1]], head.last_h[0], holes)], [holes])
+        assert m.draft_fill([0]) == holes
+        lg, _ = m.draft_step([(0, [prompt[-1]], head.last_h[0], 0)])
+        return lg[0], probe[0]
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_a_head_refilled_after_a_probe_is_a_head_never_skipped(models, plain, family):
+    """The head's logits once the skipped positions are filled are bit-identical to those of a head whose draft
+    steps never wrote over them; and a probe's hidden cells are hidden: whatever they hold, its logits are the same,
+    and they differ from the filled head's (the unfilled positions are not seen)."""
+    prompt = plain[family][0]
+    assert len(prompt) > 9
+    never, probe = _head_after(models[family], prompt, [])
+    refilled, probe_over_garbage = _head_after(models[family], prompt, [3, 4, 5])
+    assert np.array_equal(refilled, never)
+    assert np.array_equal(probe_over_garbage, probe)
+    assert not np.array_equal(probe, never)
+
+
+def test_what_waits_for_the_heads_fill_stays_bounded(models, plain):
+    """A sequence whose probes keep failing never fills for real: once an ubatch of positions waits (a hidden row
+    each), its next probe fills them first, so what waits stays below an ubatch after every probe."""
+    prompt, want, _ = plain["qwen35moe"]
+    ub = 4
+    waiting: list[int] = []
+    with MoEModel(models["qwen35moe"], _opts(spec_type="draft-mtp", draft_max=3, ubatch_size=ub)) as m:
+        source = _WrongHead(prompt + want, m.hp.n_vocab)
+        inner = source.propose
+
+        def propose(model, requests, counters):
+            out = inner(model, requests, counters)
+            waiting.extend(model.head.waiting(r.seq) for r in requests)
+            return out
+
+        source.propose = propose  # type: ignore[method-assign]
+        _, st_ = complete(m, prompt, N, Sampler(), stop_at_eos=False, speculator=Speculator(m, source))
+    assert st_.tokens == want
+    assert st_.spec is not None and st_.spec.verify_steps == 2 and st_.spec.filled > len(prompt) + 1
+    assert len(waiting) == 5 and max(waiting) < ub  # two drafts, then probes after 2, 4 and 8 plain steps

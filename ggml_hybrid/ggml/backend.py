@@ -128,6 +128,7 @@ class Backend(Managed):
         super().__init__(ptr, lib.ggml_backend_free)
         self.kind = kind
         self.endpoint: str | None = None  # HOST:PORT of the server, for a device of GGML's RPC backend
+        self.remote_index: int | None = None  # the device's number on that server
         self._n_threads: int | None = None
         self._poll = 0
         self._pools: dict[tuple[int, int], Threadpool] = {}

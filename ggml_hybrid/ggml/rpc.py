@@ -154,7 +154,7 @@ def open_device(device: RPCDevice) -> Backend:
     if ptr == ffi.NULL:
         raise _fail(device.endpoint, f"could not open device {device.index} of the server")
     backend = Backend(ptr, device.name)
-    backend.endpoint = device.endpoint
+    backend.endpoint, backend.remote_index = device.endpoint, device.index
     with _opened_lock:
         _opened.setdefault(device.endpoint, weakref.WeakSet()).add(backend)
     buft = lib.ggml_backend_get_default_buffer_type(ptr)
@@ -163,6 +163,26 @@ def open_device(device: RPCDevice) -> Backend:
         raise _fail(device.endpoint, "no buffer type")
     _buffer_types[int(ffi.cast("uintptr_t", buft))] = device.endpoint
     return backend
+
+
+#: GGML's enum ggml_backend_dev_type, by value: what a server's device computes on
+DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel")
+
+
+def device_kind(endpoint: str, index: int) -> str | None:
+    """What device ``index`` of ``endpoint``'s server computes on (:data:`DEVICE_KINDS`), as the server said on the
+    connection's handshake; None when unknown: not connected yet, or a server that does not say (llama.cpp's own, or
+    ggml-hybrid's before vendor patch 0016)."""
+    get = _proc("ggml_backend_rpc_get_device_kind", "int (*)(const char *, uint32_t)")
+    kind = int(get(endpoint.encode(), index))
+    return DEVICE_KINDS[kind] if 0 <= kind < len(DEVICE_KINDS) else None
+
+
+def computes_on_cpu(backend: Backend) -> bool:
+    """Whether ``backend`` is a device of an RPC server that computes on its CPU backend (so that the expert cache's
+    rounds can give it compacted rows, as to a local CPU device)."""
+    return (backend.endpoint is not None and backend.remote_index is not None
+            and device_kind(backend.endpoint, backend.remote_index) == "cpu")
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,11 @@ the same size; ``rows_e`` the rows of expert e)::
 
     cpu_seconds    = (c if n_cpu else 0) + a*B*n_cpu + b*sum(rows_e for e in cpu_misses)
     device_seconds = L*B*n_device_misses + d*sum(rows_e for e in device_hits + device_misses)
+                     + R*rounds   # only with round_s (below)
     makespan       = max(cpu_seconds, device_seconds)   # CPU jobs and the device run in parallel
+
+A device's rounds (``round_s``, :meth:`CostModel.for_link`, over RPC): :mod:`.round_cost`. With ``round_s = 0`` (a
+local device) nothing of it applies: ``d`` is the ratio above and no round is priced.
 
 Choice. :meth:`CostModel.choose` orders the misses as :func:`split_misses` does (fewest
 rows first, ties by the history, then by lower id), evaluates the makespan of every
@@ -169,6 +173,7 @@ from typing import TYPE_CHECKING, cast
 from .._native.cstruct import enum_names
 from ..checks import check_int, check_real
 from ..errors import CpuShareError
+from .round_cost import device_rounds, round_seconds
 
 if TYPE_CHECKING:
     from ..ggml.rpc import Link
@@ -346,19 +351,24 @@ def _times(c: Mapping[str, float], expert_bytes: int, n_cpu: int, cpu_rows: int,
     return cpu, dev
 
 
-def makespans(c: Mapping[str, float], expert_bytes: int, hit_rows: int, miss_rows: Sequence[int]) -> list[float]:
+def makespans(c: Mapping[str, float], expert_bytes: int, hit_rows: int, miss_rows: Sequence[int],
+              round_s: float = 0.0, n_hits: int | None = None, n_slots: int = 0) -> list[float]:
     """Modeled makespan of every ``n_cpu = 0..len(miss_rows)``, the CPU taking the first ``n_cpu`` misses.
 
     ``miss_rows`` lists the misses' row counts in the order the CPU takes them (fewest rows first);
-    ``c`` holds the coefficients of :meth:`CostModel.estimate`.
+    ``c`` holds the coefficients of :meth:`CostModel.estimate`; ``round_s`` per round (:mod:`.round_cost`).
     """
     n = len(miss_rows)
     total = hit_rows + sum(miss_rows)
+    hits = int(hit_rows > 0) if n_hits is None else n_hits
     spans, cpu_rows = [], 0
     for k in range(n + 1):
         if k:
             cpu_rows += miss_rows[k - 1]
-        spans.append(max(_times(c, expert_bytes, k, cpu_rows, n - k, total - cpu_rows)))
+        cpu, dev = _times(c, expert_bytes, k, cpu_rows, n - k, total - cpu_rows)
+        if round_s > 0.0:
+            dev += round_s * float(device_rounds(hits, n - k, n_slots))
+        spans.append(max(cpu, dev))
     return spans
 
 
@@ -373,10 +383,13 @@ class CostModel:
     """
 
     RIDGE = 1e-6
+    RIDGE_DEVICE_ROW = 1e-3  # the per-row pull of a round's fit (:mod:`.round_cost`; moe_policy.c: the same)
 
-    def __init__(self, alpha: float = 0.25, hysteresis: float = 0.05, prior: Mapping[str, float] | None = None) -> None:
+    def __init__(self, alpha: float = 0.25, hysteresis: float = 0.05, prior: Mapping[str, float] | None = None,
+                 round_s: float = 0.0) -> None:
         self.alpha = _real(alpha, "CostModel: alpha", 0.0, 1.0, lo_open=True)
         self.hysteresis = _real(hysteresis, "CostModel: hysteresis", 0.0, 1.0, hi_open=True)
+        self.round_s = _real(round_s, "CostModel: round_s", 0.0)
         self.prior = dict(DEFAULT_PRIOR)
         if prior is not None:
             if not isinstance(prior, Mapping):
@@ -390,10 +403,16 @@ class CostModel:
         self._cpu = [0.0] * 5  # bytes^2, bytes*rows, rows^2, bytes*t, rows*t
         self._load = [0.0, 0.0]  # seconds, bytes
         self._dev = [0.0, 0.0]  # seconds, rows
+        self._dev_fit = [0.0] * 5  # with round_s: 1, rows, rows^2, t, rows*t (t = round + device_per_row * rows)
         self._job = [0.0, 0.0]  # seconds, weight (a job's fixed cost: hand-off and wake-up)
         self._n = {"cpu": 0, "load": 0, "device": 0, "job": 0}
         self._share: Fraction | None = None
         self._fixed: dict[str, float] | None = None
+
+    @classmethod
+    def for_link(cls, link: Link | None) -> CostModel:
+        """The model of a device behind ``link`` (None: a local one): :func:`link_prior`, :func:`round_seconds`."""
+        return cls(prior=link_prior(link), round_s=round_seconds(link))
 
     @classmethod
     def fixed(cls, coefficients: Mapping[str, float], hysteresis: float = 0.05) -> CostModel:
@@ -453,26 +472,35 @@ class CostModel:
         self._n["load"] += 1
 
     def observe_device(self, rows: int, seconds: float) -> None:
-        """Device expert compute: ``rows`` (token, expert) rows in ``seconds``."""
+        """Device expert compute: one round of ``rows`` (token, expert) rows in ``seconds``."""
         if self._fixed is not None:
             return
         r = float(_int(rows, "CostModel.observe_device: rows", 0))
         t = _real(seconds, "CostModel.observe_device: seconds")
         self._ema(self._dev, (t, r))
+        if self.round_s > 0.0:
+            self._ema(self._dev_fit, (1.0, r, r * r, t, r * t))
         self._n["device"] += 1
 
     # -- estimates -----------------------------------------------------------------------------
 
-    def _fit_cpu(self, a0: float, b0: float) -> tuple[float, float]:
-        sbb, sbr, srr, sbt, srt = self._cpu
+    def _fit_round(self, expert_bytes: int) -> tuple[float, float]:
+        """(a device round's fixed cost, its cost per row), from the rounds seen (with ``round_s``)."""
+        return self._fit(self._dev_fit, self.RIDGE, self.RIDGE_DEVICE_ROW, self.round_s,
+                         self.prior["device_per_row_per_byte"] * expert_bytes)
+
+    @staticmethod
+    def _fit(stats: Sequence[float], ridge1: float, ridge2: float, a0: float, b0: float) -> tuple[float, float]:
+        """t = a*x + b*r from the EMAs (x^2, x*r, r^2, x*t, r*t), pulled to the priors a0, b0 (module docstring)."""
+        sbb, sbr, srr, sbt, srt = stats
         # normal equations in prior units: features a0*bytes and b0*rows
         m11, m12, m22 = a0 * a0 * sbb, a0 * b0 * sbr, b0 * b0 * srr
         r1, r2 = a0 * sbt, b0 * srt
         if not m11 + m22 > 0.0:
             return a0, b0
-        lam1, lam2 = self.RIDGE * m11, self.RIDGE * m22
+        lam1, lam2 = ridge1 * m11, ridge2 * m22
         if lam1 == 0.0 or lam2 == 0.0:  # only zero-byte or only zero-row jobs: one coefficient is unidentified
-            lam1 = lam2 = self.RIDGE * (m11 + m22)
+            lam1, lam2 = ridge1 * (m11 + m22), ridge2 * (m11 + m22)
         m11 += lam1
         m22 += lam2
         r1 += lam1
@@ -500,7 +528,7 @@ class CostModel:
             return {**self._fixed, "cpu_observations": 0, "load_observations": 0, "device_observations": 0,
                     "job_observations": 0}
         p = self.prior
-        a, b = self._fit_cpu(p["cpu_per_byte"], p["cpu_per_row_per_byte"] * B)
+        a, b = self._fit(self._cpu, self.RIDGE, self.RIDGE, p["cpu_per_byte"], p["cpu_per_row_per_byte"] * B)
         lt, lx = self._load
         dt, dr = self._dev
         jt, jw = self._job
@@ -508,13 +536,21 @@ class CostModel:
             "cpu_per_byte": a,
             "cpu_per_row": b,
             "load_per_byte": lt / lx if lx > 0.0 else p["load_per_byte"],
-            "device_per_row": dt / dr if dr > 0.0 else p["device_per_row_per_byte"] * B,
+            "device_per_row": (self._fit_round(B)[1] if self.round_s > 0.0 else
+                               dt / dr if dr > 0.0 else p["device_per_row_per_byte"] * B),
             "cpu_per_job": jt / jw if jw > 0.0 else p["cpu_per_job"],
             "cpu_observations": self._n["cpu"],
             "load_observations": self._n["load"],
             "device_observations": self._n["device"],
             "job_observations": self._n["job"],
         }
+
+    def round_cost(self, expert_bytes: int) -> float:
+        """The estimated fixed cost of a device round (seconds; 0 without ``round_s``, which is its prior)."""
+        B = _int(expert_bytes, "CostModel.round_cost: expert_bytes", 1)
+        if self._fixed is not None or not self.round_s > 0.0:
+            return self.round_s
+        return self._fit_round(B)[0]
 
     def modeled_times(self, split: MissSplit, rows: Mapping[int, int], expert_bytes: int) -> tuple[float, float]:
         """``(cpu_seconds, device_seconds)`` of ``split`` under the current estimates.
@@ -542,17 +578,18 @@ class CostModel:
                       len(split.device_misses), total(split.device_hits) + total(split.device_misses))
 
     def choose(self, experts: Sequence[int], rows: Sequence[int], resident: Iterable[int],
-               expert_bytes: int, history: History | None = None) -> MissSplit:
-        """The split of minimal modeled makespan, with hysteresis; see the module docstring."""
+               expert_bytes: int, history: History | None = None, n_slots: int = 0) -> MissSplit:
+        """The split of minimal modeled makespan, with hysteresis; see the module docstring (``n_slots``: rounds)."""
         ids, counts, res = _check_call("CostModel.choose", experts, rows, resident)
         B = _int(expert_bytes, "CostModel.choose: expert_bytes", 1)
+        n_slots = _int(n_slots, "CostModel.choose: n_slots", 0)
         hits, misses = _split(ids, counts, res, _history(history, "CostModel.choose"))
         n = len(misses)
         if n == 0:
             return _miss_split(hits, misses, 0)
         c = self.estimate(B)
         hit_rows = sum(r for e, r in zip(ids, counts) if e in res)
-        spans = makespans(c, B, hit_rows, [r for r, _ in misses])
+        spans = makespans(c, B, hit_rows, [r for r, _ in misses], self.round_cost(B), len(hits), n_slots)
         best = min(range(n + 1), key=lambda k: (spans[k], k))
         k_prev = None if self._share is None else min(math.floor(self._share * n + Fraction(1, 2)), n)
         if k_prev is None or (best != k_prev and spans[best] < (1.0 - self.hysteresis) * spans[k_prev]):

@@ -42,7 +42,7 @@ from ..ggml.graph_cache import GraphCache, SharedBuffer
 from ..ggml.regions import RegionCall
 from ..gguf.store import GGUFStore
 from .call_graphs import BUCKET_GRAPH, BUCKET_TENSORS, MAX_BUCKETS, Bucket, HostScratch, compute, read_rows
-from .cpu_share import CostModel, MissSplit, link_prior, split_misses
+from .cpu_share import CostModel, MissSplit, split_misses
 from .cpu_worker import CPUWorker
 from .ffn import ExpertWeights
 from .layer_cache import (
@@ -110,7 +110,7 @@ class ExpertCacheExecutor:
         self.store, self.names, self.device = store, names, device
         self.layer, self.n_used, self.glu, self.n_slots = cfg.layer, cfg.n_used, cfg.glu, cfg.n_slots
         self.worker: CPUWorker | None = cfg.worker if cfg.cpu_share else None
-        self.cost = CostModel(prior=link_prior(rpc.link_of(device.endpoint))) if cfg.share == "auto" else None
+        self.cost = CostModel.for_link(rpc.link_of(device.endpoint)) if cfg.share == "auto" else None
         self.clock: SyntheticClock | None = None  # set by tests and replays that need repeatable decisions
         self.simulated_bus = simulated_bus_bytes_per_s
         self.trace = cfg.trace  # a TraceWriter shared by the session's layers, or None
@@ -134,7 +134,7 @@ class ExpertCacheExecutor:
         self._own_shared = shared is None
         shared = shared or (SharedBuffer(device), SharedBuffer(device))
         self._slot_rows = RowGraphs(self.slots, device, self.n_embd, cfg.glu, shared[1])  # compacted rounds
-        self._compact = device.is_cpu  # rounds compute compacted rows (else the call's graph, see _compute_rows)
+        self._compact = device.is_cpu or rpc.computes_on_cpu(device)  # compacted rounds on a CPU, also a remote one
         self.counters = LayerCounters()
         # one graph pair per token count, the least recently used dropped first: prompts of ever new
         # lengths must not grow memory (decode and recent lengths stay warm); all share one buffer
@@ -264,7 +264,7 @@ class ExpertCacheExecutor:
         experts, rows = call.experts.tolist(), call.counts[call.experts].tolist()
         resident = self.cache.resident()
         if self.cost is not None:
-            split = self.cost.choose(experts, rows, resident, self.expert_bytes, self.cache.reuse_key)
+            split = self.cost.choose(experts, rows, resident, self.expert_bytes, self.cache.reuse_key, self.n_slots)
         else:
             assert isinstance(self.config.share, float)  # "auto" has a model
             split = split_misses(experts, rows, resident, self.config.share, self.cache.reuse_key)
@@ -368,7 +368,7 @@ class ExpertCacheExecutor:
         if self.tier is None:
             sources = [src + expert * nbytes for _, src, nbytes in self._copies]
         else:
-            srcs = ffi.new("const uint8_t *[3]")
+            srcs = ffi.new("const uint8_t *[]", len(self._copies))  # one source per kind: matrices and biases
             if lib.hy_tier_get(self.tier.ptr, self.tier_layer, expert, srcs, ffi.NULL) != 0:
                 self.tier.raise_error()
             sources = [srcs[k] for k in range(len(self._copies))]

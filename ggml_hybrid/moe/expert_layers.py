@@ -67,11 +67,6 @@ def slots_needed(opts: SessionOptions, n_expert: int, n_used: int = 0) -> Option
                        f"{n_expert} experts{used}; `ggml-hybrid plan --vram ...` sizes it)")
 
 
-def tier_holds(names: dict[str, str]) -> bool:
-    """Whether the host tier can hold a layer's experts: its matrices, at most three kinds, no biases."""
-    return all(not k.endswith("_b") for k in names)
-
-
 def check_moe_options(opts: SessionOptions, n_layer: int, n_expert: int, n_used: int = 0) -> None:
     """Reject option combinations that cannot work for this model, before anything is loaded."""
     if opts.expert_cache_slots == "auto":
@@ -260,10 +255,6 @@ class ExpertLayers:
         opts, store = self.options, self.store
         if opts.host_tier_bytes == 0 or not self.disk_layers or not self.load:
             return None
-        if not all(tier_holds(self.named[i]) for i in self.disk_layers):
-            raise OptionError(f"host_tier_bytes={opts.host_tier_bytes}: the host tier holds experts without "
-                              "biases (gpt-oss's experts have them): use --expert-cache-slots N without --host-tier "
-                              "(misses read through the page cache), or -ncmoe N / --cpu-moe")
         per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in self.named[i].values()]
                       for i in self.disk_layers}
         frame = frame_bytes(list(per_expert.values()))  # the tier holds experts in equal frames

@@ -28,9 +28,9 @@ from ..errors import (
 )
 from ..ggml import rpc
 from ..ggml.backend import Backend
-from ..ggml.ops import GLU_OPS
+from ..ggml.ops import GLU_KINDS, GLU_OPS
 from ..gguf.store import GGUFStore
-from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, link_prior, n_cpu_for_share
+from .cpu_share import COEFFICIENTS, PRIOR_KEYS, CostModel, n_cpu_for_share
 from .cpu_worker import NativeWorker
 from .ffn import ExpertWeights
 from .layer_cache import MODES, LayerCacheConfig, LayerCounters, SyntheticClock, allocate_slots, slot_tensors
@@ -79,8 +79,11 @@ class NativeExpertExecutor:
 
     @staticmethod
     def supports(names: dict[str, str], glu: str) -> bool:
-        """Whether the C code builds this layer's FFN: no expert biases, a plain GLU (not gpt-oss's)."""
-        return all(not k.endswith("_b") for k in names) and glu in GLU_OPS
+        """Whether the C code builds this layer's FFN (``moe_graphs.c: hy_experts_buildable``): a GLU of one input
+        over gate_up and down, or gate, up and down with any of their biases and gpt-oss's clamped SwiGLU too."""
+        if "gate_up" in names:
+            return glu in GLU_OPS and not {"gate_b", "up_b"} & set(names)
+        return glu in GLU_OPS or glu == "swiglu_oai"
 
     def __init__(self, store: GGUFStore, names: dict[str, str], device: Backend, config: LayerCacheConfig, *,
                  scratch: Scratch | None = None, staging: bool | None = None, trace_seq: CData | None = None) -> None:
@@ -101,7 +104,9 @@ class NativeExpertExecutor:
         self.buffers = allocate_slots(self.ctx, self.slot_tensors, device, cfg.repack and not direct,
                                       virtual=not cfg.clear or direct, clear=cfg.clear and not direct)
         self.slots = ExpertWeights(**self.slot_tensors)
-        self.expert_bytes = sum(t.nb[2] for t in self.slot_tensors.values())
+        # bytes of one expert (slot) of each kind: a matrix's nb[2], a bias's nb[1] (gpt-oss)
+        self.kind_bytes = {k: t.nb[t.ndim - 1] for k, t in self.slot_tensors.items()}
+        self.expert_bytes = sum(self.kind_bytes.values())
         self._raw = {k: np.asarray(store.raw(n)) for k, n in names.items()}  # kept: C reads the mapping
         self.scratch = scratch if scratch is not None else Scratch(device)
         self._own_scratch = scratch is None
@@ -138,7 +143,7 @@ class NativeExpertExecutor:
         cfg.layer, cfg.n_expert, cfg.n_used, cfg.n_embd = lc.layer, self.n_expert, lc.n_used, self.n_embd
         cfg.n_slots = lc.n_slots
         cfg.policy = POLICY_CODES[lc.policy]
-        cfg.glu = GLU_OPS[lc.glu]
+        cfg.glu = GLU_KINDS[lc.glu]
         for k, t in self.slot_tensors.items():
             setattr(cfg.slots, k, t.ptr)
         if lc.host_experts is not None:
@@ -148,12 +153,13 @@ class NativeExpertExecutor:
         for i, k in enumerate(self.names):
             cfg.slot_tensor[i] = self.slot_tensors[k].ptr
             cfg.src[i] = ffi.cast("const uint8_t *", self._raw[k].ctypes.data)
-            cfg.nbytes[i] = self.slot_tensors[k].nb[2]
+            cfg.nbytes[i] = self.kind_bytes[k]
         cfg.device = self.device.ptr
+        cfg.remote_cpu = int(rpc.computes_on_cpu(self.device))  # rounds compacted, as on a local CPU
         cfg.scratch = self.scratch.ptr
         worker = self.worker
         cfg.worker = worker.ptr if worker is not None else ffi.NULL
-        cost = CostModel(prior=link_prior(rpc.link_of(self.device.endpoint)))  # over RPC: the link's rate
+        cost = CostModel.for_link(rpc.link_of(self.device.endpoint))  # over RPC: the link's rate and round trips
         if worker is None:
             cfg.share_mode = lib.HY_SHARE_NONE
         elif lc.share == "auto":
@@ -164,7 +170,7 @@ class NativeExpertExecutor:
             table = ffi.new("int32_t[]", [n_cpu_for_share(float(lc.share), n) for n in range(self.n_expert + 1)])
             self._keep.append(table)
             cfg.n_cpu_table = table
-        cfg.alpha, cfg.hysteresis = cost.alpha, cost.hysteresis
+        cfg.alpha, cfg.hysteresis, cfg.round_s = cost.alpha, cost.hysteresis, cost.round_s
         for i, k in enumerate(PRIOR_KEYS):
             cfg.prior[i] = cost.prior[k]
         cfg.fd = -1 if self.store.fd is None else self.store.fd  # the open file, not whatever the path names now
@@ -295,6 +301,7 @@ class NativeExpertExecutor:
             lib.hy_cost_init_fixed(c, cost.hysteresis, [cost._fixed[k] for k in COEFFICIENTS])
         else:
             lib.hy_cost_init(c, cost.alpha, cost.hysteresis, [cost.prior[k] for k in PRIOR_KEYS])
+        c.round_s = cost.round_s
 
     def use_clock(self, clock: SyntheticClock) -> None:
         """Observe durations computed from the work (repeatable ``auto`` decisions)."""

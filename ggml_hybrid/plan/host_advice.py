@@ -1,5 +1,5 @@
 """The plan's advice on host memory: the host tier for a file larger than the memory (how large, never below
-what works), what to use where the tier cannot hold the experts, and the devices that --vram alone names."""
+what works), and the devices that --vram alone names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 from ..ggml.backend import gpu_device_names
 from ..machine import available_memory
 from ..model.hparams import HParams
-from ..moe.expert_layers import tier_holds
 from ..moe.host_tier import AUTO_MARGIN_MIN, frame_bytes
 from ..options import SessionOptions
 from ..runtime.moe_model import MoEModel
@@ -17,10 +16,6 @@ from ..units import MiB, format_bytes
 
 if TYPE_CHECKING:
     from .planner import Plan
-
-TIER_INSTEAD = ("use --expert-cache-slots N without --host-tier (misses read through the page cache), or "
-                "-ncmoe N / --cpu-moe (experts on the CPU, memory-mapped)")
-
 
 def tier_budget(p: Plan, memory: int) -> int | None:
     """The host tier a run in ``memory`` bytes can hold beside the plan's host buffers (less auto's margin), whole
@@ -32,14 +27,13 @@ def tier_budget(p: Plan, memory: int) -> int | None:
     return budget if budget >= max(MiB, least) else None
 
 
-def tier_facts(m: MoEModel) -> tuple[bool, int]:
-    """Whether the host tier can hold the model's experts (not with biases: gpt-oss), and the least tier a run
-    accepts: one layer's experts in the tier's equal frames (``check_tier_budget``)."""
+def tier_least(m: MoEModel) -> int:
+    """The least host tier a run accepts: one layer's experts (matrices and biases) in the tier's equal frames
+    (``check_tier_budget``)."""
     e = m.experts
     names = [n for n in e.names if n is not None]
     per = [[e.store.info(x).nbytes // e.store.info(x).shape[0] for x in n.values()] for n in names]
-    least = frame_bytes(per) * max(e.store.info(n["down"]).shape[0] for n in names)
-    return all(tier_holds(n) for n in names), least
+    return frame_bytes(per) * max(e.store.info(n["down"]).shape[0] for n in names)
 
 
 def memory_warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
@@ -53,10 +47,7 @@ def memory_warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
     if memory is not None and file_bytes > memory and not opts.host_tier_bytes:
         where = f"--ram {format_bytes(memory)}" if h.ram is not None else f"the {format_bytes(memory)} available now"
         budget = tier_budget(p, memory)
-        if not p.experts.host_tier:
-            w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}, and its experts have biases "
-                     f"(gpt-oss), which the host tier does not hold: {TIER_INSTEAD}")
-        elif budget is None:
+        if budget is None:
             w.append(f"the model ({format_bytes(file_bytes)}) does not fit in {where}, and neither does the least host "
                      f"tier (one layer's experts, {least}) beside the host buffers: give the run more memory")
         else:
@@ -64,10 +55,7 @@ def memory_warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
                      f"through a host tier, e.g. --expert-cache-slots {max(hp.n_used, 1)} --host-tier "
                      f"{budget // MiB}M (host_tier_bytes=auto takes what is available less a margin); see "
                      "docs/moe.md, \"The host expert tier\"")
-    if opts.host_tier_bytes and opts.disk_experts and not p.experts.host_tier:
-        w.append(f"host_tier_bytes={opts.host_tier_bytes}: run refuses it, the host tier does not hold experts with "
-                 f"biases (gpt-oss): {TIER_INSTEAD}")
-    elif opts.host_tier_bytes and opts.disk_experts and h.host_tier < p.experts.host_tier_min:
+    if opts.host_tier_bytes and opts.disk_experts and h.host_tier < p.experts.host_tier_min:
         w.append(f"host_tier_bytes={opts.host_tier_bytes}: run refuses a host tier of {format_bytes(h.host_tier)}, "
                  f"less than one layer's experts ({least}); give --host-tier "
                  f"{-(-p.experts.host_tier_min // MiB)}M or more")
@@ -76,10 +64,9 @@ def memory_warnings(p: Plan, opts: SessionOptions, hp: HParams) -> list[str]:
 
 def search_tier(path: str, ram: int | None, q: Plan) -> list[str]:
     """A file larger than the host memory: the host tier the slots read their misses through (what is left, as
-    ``host_tier_bytes=NM``); none when the file fits, the tier would be less than what works, or cannot hold the
-    experts (biases: gpt-oss)."""
+    ``host_tier_bytes=NM``); none when the file fits or the tier would be less than what works."""
     memory = ram if ram is not None else available_memory()
-    if memory is None or os.path.getsize(path) <= memory or not q.experts.host_tier:
+    if memory is None or os.path.getsize(path) <= memory:
         return []
     budget = tier_budget(q, memory)
     return [] if budget is None else [f"host_tier_bytes={budget // MiB}M"]
@@ -93,4 +80,4 @@ def planned_devices(p: Plan) -> set[str]:
     return {d for d, v in p.devices.items() if v.vram is not None and d not in gpus}
 
 
-__all__ = ["TIER_INSTEAD", "memory_warnings", "planned_devices", "search_tier", "tier_budget", "tier_facts"]
+__all__ = ["memory_warnings", "planned_devices", "search_tier", "tier_budget", "tier_least"]

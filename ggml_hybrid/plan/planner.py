@@ -31,7 +31,7 @@ from ..placement.layout import CPU
 from ..runtime.cache_size import SlotChoice
 from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
 from ..units import GiB, format_bytes
-from .host_advice import memory_warnings, planned_devices, search_tier, tier_facts
+from .host_advice import memory_warnings, planned_devices, search_tier, tier_least
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
 
@@ -132,7 +132,7 @@ class ExpertPlan(_ToDict):
     used: int
     bytes_per_expert: int
     bytes_per_layer: int
-    host_tier: bool = True  # whether the tier holds these experts; the least tier that works (host_advice.py)
+    host_tier: bool = True  # the tier holds every family's experts (gpt-oss's biases too): kept, the schema is stable
     host_tier_min: int = 0
 
 
@@ -226,14 +226,14 @@ class _Measured:
     layout: dict[str, Any]
     hp: HParams
     n_ctx: int
-    tier: tuple[bool, int]  # the host tier: whether it holds the experts, and its least size
+    tier_min: int  # the least host tier a run accepts
 
 
 def _measure(path: str, opts: SessionOptions, devices: list[str]) -> _Measured:
     with MoEModel(path, opts, dry_run_devices=devices) as m:
         return _Measured({d: m.device_memory(d) for d in devices}, m.kv.nbytes(m.host),
                          m.rs.nbytes(m.host) if m.rs is not None else 0, m.sched.buffer_size(m.host),
-                         m.layout_report(), m.hp, m.n_ctx, tier_facts(m))
+                         m.layout_report(), m.hp, m.n_ctx, tier_least(m))
 
 
 def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram: list[int] | None = None,
@@ -321,7 +321,7 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
             dn.state_bytes(), parallel, meas.host_recurrent + sum(v.recurrent for v in out_devices.values())),
         layout=LayoutPlan(*(meas.layout[k] for k in ("layers", "kv", "experts", "output"))),
         experts=ExpertPlan(hp.n_expert, hp.n_used, info["experts"]["bytes_per_expert"],
-                           info["experts"]["bytes_per_layer"], *meas.tier),
+                           info["experts"]["bytes_per_layer"], True, meas.tier_min),
         threads=opts.n_threads or os.cpu_count() or 1,
     )
     p.warnings = _warnings(p, opts, hp)

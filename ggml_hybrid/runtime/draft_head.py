@@ -4,7 +4,8 @@ The head's input at position p is the token x_p and the target's hidden state h_
 The target computes h for every token it evaluates; the head writes its KV cell of position p from them (a *fill*,
 llama.cpp's ``common_speculative_impl_draft_mtp::process``). Fills are deferred: the pairs (x_p, h_{p-1}) wait here
 until the head drafts next, and then all of them run as one batch. While drafting is paused (the backoff of
-``draft_backoff``), the head therefore costs nothing but these rows.
+``draft_backoff``), the head therefore costs nothing but these rows, and a backoff's probe drafts without filling them
+(the cells of the waiting positions hidden from its attention: :meth:`Session.draft_step`'s ``holes``).
 
 Per sequence slot: ``kv.used[seq]`` positions of the head's cache are written (``filled``), the pairs of the
 positions after them wait in order, and ``last_h`` is the target's hidden state at its last position (zeros before

@@ -23,11 +23,14 @@ The draft sources:
   marked benchmark-only wherever it is reported, and the server refuses it.
 
 *Backoff* (``draft_backoff``, on by default): after two verify steps in a row that kept no draft (a draft step that
-proposed none counts as one), a sequence pauses drafting for 2, then 4, ... up to 64 tokens, decoding plain steps;
-the head's cache is caught up in one batch when drafting resumes (its input rows wait in
-:class:`~ggml_hybrid.runtime.draft_head.DraftHead`). The step after a pause is a *probe*: it drafts one token
-(``draft_min`` if larger), so a probe that fails costs one head step and one more verified row. A step that keeps a
-draft resets the pause. Speculation that does not pay thus costs a probe every 64 tokens. The tokens never change.
+proposed none counts as one), a sequence pauses drafting for 2, then 4, ... up to 64 tokens, decoding plain steps (a
+step in which no sequence drafts is :meth:`Session.eval` / :meth:`Session.decode`, as without speculation); the
+head's rows wait unfilled in :class:`~ggml_hybrid.runtime.draft_head.DraftHead`. The step after a pause is a *probe*
+(:attr:`DraftRequest.probe`): it drafts one token (``draft_min`` if larger) without filling the head (its draft step
+hides the unfilled cells), and the draft is not verified but judged by the token its plain step emits (kept exactly
+when a verify step would keep it). A probe that matches resets the pause (the next step fills the waiting rows and
+drafts in full); one that fails pauses again. Speculation that does not pay thus costs one head step every 64 tokens.
+The tokens never change.
 """
 
 from __future__ import annotations
@@ -96,11 +99,13 @@ class SpecItem(NamedTuple):
 
 @dataclass
 class DraftRequest:
-    """One sequence that drafts now: its last token, how many drafts it may take."""
+    """One sequence that drafts now: its last token, how many drafts it may take, and whether it is a probe of the
+    backoff (its drafts are judged against the plain step's token, not verified: a source may spend less on it)."""
 
     seq: int
     id_last: int
     n_max: int
+    probe: bool = False
 
 
 class DraftSource(Protocol):
@@ -123,14 +128,20 @@ class HeadDrafts:
         head = model.head
         if head is None:
             raise ArgumentError("HeadDrafts: the model was loaded without its draft head (spec_type=draft-mtp)")
-        counters.filled += model.draft_fill([r.seq for r in requests])
+        # a probe does not fill: the positions since the head's last fill stay holes its attention skips (filled
+        # when the sequence drafts for real, after a probe whose draft the target kept); the others fill them now,
+        # and so does a probe once an ubatch of them waits (what waits is a hidden row per position: bounded)
+        ub = model.options.ubatch_size
+        counters.filled += model.draft_fill([r.seq for r in requests if not r.probe or head.waiting(r.seq) >= ub])
         out: list[list[int]] = [[] for _ in requests]
         live = [i for i, r in enumerate(requests) if r.n_max > 0]
         toks = {i: requests[i].id_last for i in live}
         states = {i: head.last_h[requests[i].seq] for i in live}
+        holes = {i: head.waiting(requests[i].seq) for i in live}  # 0 but for probes
         step = 0
         while live:
-            logits, hidden = model.draft_step([(requests[i].seq, [toks[i]], states[i], step) for i in live])
+            logits, hidden = model.draft_step([(requests[i].seq, [toks[i]], states[i], holes[i] + step)
+                                               for i in live], [holes[i] for i in live])
             counters.draft_steps += 1
             nxt = []
             for row, i in enumerate(live):
@@ -310,16 +321,26 @@ class Speculator:
         last); none for an item without a sampler (its one row is :attr:`last_rows`' to sample from: the sequence
         keeps ``id_last`` only)."""
         requests = [r for r in (self._request(it) for it in items) if r is not None]
-        drafts = {r.seq: d for r, d in zip(requests, self.source.propose(self.model, requests, self.counters))} \
-            if requests else {}
-        for seq, d in list(drafts.items()):
+        proposed = self.source.propose(self.model, requests, self.counters) if requests else []
+        drafts: dict[int, list[int]] = {}
+        probes: dict[int, int] = {}  # a probe's first draft, judged by the token its plain step gives
+        for r, d in zip(requests, proposed):
             if len(d) < max(self.draft_min, 1):
-                drafts[seq] = []
-                self._missed(seq)  # nothing worth verifying: a plain step
-        batch = [(it.seq, [it.id_last] + drafts.get(it.seq, [])) for it in items]
-        rows = self.last_rows = self.model.verify(batch)
+                self._missed(r.seq)  # nothing worth verifying: a plain step
+            elif r.probe:
+                probes[r.seq] = int(d[0])
+            else:
+                drafts[r.seq] = list(d)
         self.last_errors = [None] * len(items)
-        return [self._keep(i, it, toks[1:], lg) for i, (it, (_, toks), lg) in enumerate(zip(items, batch, rows))]
+        if drafts:
+            rows = self.model.verify([(it.seq, [it.id_last] + drafts.get(it.seq, [])) for it in items])
+        else:  # nothing to verify (every sequence paused, probing or plain): a decode step as without speculation
+            logits = self.model.eval([items[0].id_last], "last", items[0].seq) if len(items) == 1 else \
+                self.model.decode([(it.seq, it.id_last) for it in items])
+            rows = [logits[i:i + 1] for i in range(len(items))]
+        self.last_rows = rows
+        return [self._keep(i, it, drafts.get(it.seq, []), lg, bool(drafts), probes.get(it.seq))
+                for i, (it, lg) in enumerate(zip(items, rows))]
 
     def _request(self, it: SpecItem) -> DraftRequest | None:
         """Whether ``it`` drafts this step, and how many tokens at most (the pause, the budget, the context)."""
@@ -332,25 +353,38 @@ class Speculator:
                 st.probing = st.paused == 0
             return None
         if st.probing:
-            n_max = min(n_max, max(self.draft_min, 1))
+            return DraftRequest(it.seq, it.id_last, min(n_max, max(self.draft_min, 1)), probe=True)
         return DraftRequest(it.seq, it.id_last, n_max)
 
-    def _keep(self, i: int, it: SpecItem, drafts: list[int], rows: np.ndarray) -> list[int]:
-        """Item ``i``'s emitted tokens by its sampler's rule; the sequence keeps ``id_last`` and the kept drafts."""
+    def _keep(self, i: int, it: SpecItem, drafts: list[int], rows: np.ndarray, verified: bool,
+              probe: int | None) -> list[int]:
+        """Item ``i``'s emitted tokens by its sampler's rule; the sequence keeps ``id_last`` and the kept drafts
+        (``verified``: the step was a verify step, which keeps them now; else a decode step kept ``id_last``).
+        ``probe``: the draft of a probe, which the emitted token judges."""
         if it.sampler is None:
-            self.model.accept(it.seq, 1)
+            if verified:
+                self.model.accept(it.seq, 1)
             self.counters.plain_steps += 1
             return []
         try:
             emitted = accept_drafts(it.sampler, rows, drafts, stop=it.stop)
         except Exception as exc:  # this sequence's sampler failed: it alone fails, it keeps id_last only
-            self.model.accept(it.seq, 1)
+            if verified:
+                self.model.accept(it.seq, 1)
             self.last_errors[i] = exc
             return []
         kept = len(emitted) - 1
-        self.model.accept(it.seq, 1 + kept)
+        if verified:
+            self.model.accept(it.seq, 1 + kept)
         if not drafts:
             self.counters.plain_steps += 1
+            # a probe's draft is kept exactly when a verify step would have kept it: it is the target's token (not
+            # counted as drafted: the counters count verified drafts, as each request's do)
+            if probe is not None:
+                if emitted[0] == probe:
+                    self._seqs[it.seq] = _SeqState()
+                else:
+                    self._missed(it.seq)
             return emitted
         self.counters.drafted += len(drafts)
         self.counters.accepted += kept

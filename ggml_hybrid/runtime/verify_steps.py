@@ -26,7 +26,7 @@ from ..ggml.context import Arena
 from ..ggml.graph_cache import GraphCache
 from ..ggml.sched import Scheduler
 from ..model.decoder import DecoderGraph
-from ..model.kv_cache import KVCache, SeqRows
+from ..model.kv_cache import KVCache, SeqRows, seq_input
 from ..model.mtp import build_head, head_context_size, head_graph_size
 from ..model.recurrent_state import RecurrentState
 from ..options import SessionOptions
@@ -286,17 +286,24 @@ class VerifySteps:
                 head.kv.used[seq] += len(toks)
             return sum(len(t) for _, t, _ in taken)
 
-    def draft_step(self, parts: Sequence[tuple[int, Sequence[int], npt.ArrayLike, int]]) -> tuple[np.ndarray,
-                                                                                                  np.ndarray]:
+    def draft_step(self, parts: Sequence[tuple[int, Sequence[int], npt.ArrayLike, int]],
+                   holes: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The draft head over ``(seq, tokens, hidden, offset)`` parts in one ubatch (rows in that order): each
         part's tokens at ``offset`` past its sequence's filled head cells, ``hidden`` [len(tokens), n_embd] the
         hidden state before each (the target's, or the head's own of the step before). Returns the head's logits
         [rows, n_vocab] and its hidden states [rows, n_embd]. A draft step is one token of each drafting sequence;
-        the cells written past the filled ones are scratch (the next fill overwrites them)."""
+        the cells written past the filled ones are scratch (the next fill overwrites them).
+
+        ``holes[i]``: part i's first that many cells past the filled ones are hidden from its attention (a probe of
+        the backoff drafts at its sequence's position without filling the positions before it: those cells hold
+        scratch, not the head's KV of them; 0 or ``None``: none hidden)."""
         if self.head is None:
             raise ArgumentError("draft_step: the model was loaded without its draft head (spec_type=draft-mtp)")
         checked = []
-        for seq, toks, h, off in parts:
+        hidden_cells = [0] * len(parts) if holes is None else list(holes)
+        if len(hidden_cells) != len(parts):
+            raise ShapeError(f"draft_step: {len(hidden_cells)} holes for {len(parts)} parts (one per part)")
+        for (seq, toks, h, off), n_hole in zip(parts, hidden_cells):
             self._check_seq(seq, "draft_step")
             arr = self._check_tokens(list(toks))
             rows = np.ascontiguousarray(h, np.float32).reshape(-1, self.model.hp.n_embd) \
@@ -305,19 +312,21 @@ class VerifySteps:
                 raise ShapeError(f"draft_step: sequence {seq}: hidden must be [{len(arr)}, {self.model.hp.n_embd}], "
                                  f"got {np.shape(h)}")
             check_int(off, "draft_step: offset", 0)
+            check_int(n_hole, "draft_step: holes", 0, off)  # only cells before the part's own rows
             self.head.kv.n_kv_for(len(arr), seq, off)  # room, or nothing is computed
             checked.append((seq, arr, rows, off))
         if not checked:
             raise ShapeError("draft_step: parts must be a non-empty sequence of (seq, tokens, hidden, offset)")
         with self._serial.turn("draft_step"):
-            out = self._head_ubatch(checked, fill=False)
+            out = self._head_ubatch(checked, fill=False, holes=hidden_cells)
             assert out is not None
             return out
 
-    def _head_ubatch(self, parts: list[tuple[int, np.ndarray, np.ndarray, int]],
-                     fill: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    def _head_ubatch(self, parts: list[tuple[int, np.ndarray, np.ndarray, int]], fill: bool,
+                     holes: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray] | None:
         """One ubatch of the draft head: ``(seq, tokens, hidden rows, offset)`` parts, rows in that order, each
-        ``offset`` past the head's filled cells of its sequence."""
+        ``offset`` past the head's filled cells of its sequence; ``holes[i]``: cells after part i's filled ones
+        that its rows do not see (:meth:`draft_step`)."""
         head = self.head
         assert head is not None
         n = sum(len(t) for _, t, _, _ in parts)
@@ -332,6 +341,12 @@ class VerifySteps:
         feed = self._inputs([(seq, toks) for seq, toks, _, _ in parts], seq_rows, n, False, kv=head.kv,
                             offsets=[off for *_, off in parts])
         feed["h"] = np.ascontiguousarray(np.concatenate([h for _, _, h, _ in parts], axis=0), np.float32)
+        for i, n_hole in enumerate(holes):
+            if n_hole:
+                used = head.kv.used[parts[i][0]]
+                for name in ("mask", "mask_swa"):
+                    if seq_input(name, i) in feed:
+                        feed[seq_input(name, i)][:, used:used + n_hole] = -np.inf
         for name, t in g.inputs.items():  # a fill graph has no masks: what it lacks is not set
             t._set_trusted(feed[name])
         sched.compute(g.graph)

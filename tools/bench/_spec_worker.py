@@ -6,10 +6,11 @@
 The model with the options given; with ``spec_type=draft-mtp`` another without it for the plain side. Request
 (one JSON line): {"side": "plain" | "replay" | "mtp" | "nodraft", "start": token, "n": N, "k": drafts per step,
 "accept": P, "tokens": the plain run's tokens (replay), "p_min": P, "backoff": bool, "force": a token sequence
-decoded instead of the greedy one (:class:`ForcedSampler`)}. Reply: {"seconds", "tokens", "steps" (target
-steps: decode or verify), "loaded" (bytes copied into expert cache slots), "tier_read" (bytes the host tier read
-from the file), "io_read" (bytes this process read from the block device), "spec" (the speculative counters)}: one
-greedy generation of ``n`` evaluated positions from ``start`` (a tgN test), timed whole.
+decoded instead of the greedy one (:class:`ForcedSampler`)}. Reply: {"seconds", "cpu_seconds" (the process's CPU
+time: what a loaded machine's waits for a core do not add to), "tokens", "steps" (target steps: decode or verify),
+"loaded" (bytes copied into expert cache slots), "tier_read" (bytes the host tier read from the file), "io_read"
+(bytes this process read from the block device), "spec" (the speculative counters)}: one greedy generation of ``n``
+evaluated positions from ``start`` (a tgN test), timed whole.
 """
 
 import json
@@ -46,7 +47,7 @@ class ForcedSampler(Sampler):
 
 
 class NoDrafts:
-    """A draft source that proposes nothing: every step a verify step of one token."""
+    """A draft source that proposes nothing: every step a plain decode step through the speculator."""
 
     benchmark_only = True
 
@@ -89,18 +90,18 @@ def main(path: str, items: tuple[str, ...]) -> int:
             sp = Speculator(m, drafts, draft_max=req["k"], backoff=False)
         elif side == "mtp":
             sp = Speculator(m, draft_max=req["k"], p_min=req.get("p_min", 0.0), backoff=req.get("backoff", True))
-        elif side == "nodraft":  # speculation's path (verify steps of one token, the head's rows kept) without drafts
+        elif side == "nodraft":  # speculation's path (the speculator's steps, the head's rows kept) without drafts
             sp = Speculator(m, NoDrafts(), draft_max=req["k"], backoff=False)
         b0, t0r, io0 = *loaded(m), read_bytes()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         force = req.get("force")
         sampler = ForcedSampler([req["start"]] + force) if force else Sampler()
         _, st = complete(m, [req["start"]], req["n"] - 1, sampler, stop_at_eos=False, speculator=sp)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         b1, t1r, io1 = *loaded(m), read_bytes()
         spec = st.spec.to_json() if st.spec is not None else None
         steps = (spec["verify_steps"] + spec["plain_steps"]) if spec is not None else st.decode_steps
-        print(json.dumps({"seconds": dt, "tokens": st.tokens, "steps": steps, "loaded": b1 - b0,
+        print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "tokens": st.tokens, "steps": steps, "loaded": b1 - b0,
                           "tier_read": t1r - t0r, "io_read": io1 - io0, "spec": spec}), flush=True)
     for m in {id(m): m for m in models.values()}.values():
         m.close()

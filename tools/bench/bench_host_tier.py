@@ -8,6 +8,9 @@ Each run is a fresh process in a cgroup v1 memory group (``/sys/fs/cgroup/memory
 - ``llama``: llama.cpp through llama-cpp-python (``_llama_worker.py`` under --llama-python), CPU, the file
   memory-mapped (its default) and ``--no-repack`` (llama.cpp's default repacks Q4_K experts into anonymous
   memory at load: the whole model would be copied into RAM, which the cgroup kills);
+- ``resident``: ggml-hybrid's default path with ``repack=0``, every expert resident on the CPU playing the
+  device: the file memory-mapped, so that in the cgroup its experts are read back through the page cache again
+  and again (repacked, the experts would be copied into anonymous memory, which the cgroup kills, as llama's);
 - ``mapped``: ggml-hybrid, disk experts behind --slots expert cache slots per layer on the CPU playing the
   device, loads copied from the mapping (the page cache) as before the host tier;
 - ``tier``: the same with ``host_tier_bytes`` = --tier (whole experts read by I/O threads, O_DIRECT), loads
@@ -67,12 +70,13 @@ CGROUP = Path("/sys/fs/cgroup/memory/hy_host_tier")
 
 
 def tier_need(model: str) -> int:
-    """Bytes every routed expert of the file takes in the tier (each tensor's rows rounded out to 4 KiB reads)."""
+    """Bytes every routed expert of the file takes in the tier (each tensor's rows rounded out to 4 KiB reads; the
+    matrices and, gpt-oss's, the biases)."""
     store = GGUFStore(model)
     try:
         layers: dict[str, list] = {}
         for t in store.tensors():
-            if t.name.endswith("_exps.weight"):
+            if "_exps." in t.name:
                 layers.setdefault(t.name.split(".")[1], []).append(t)
         return sum(entry_bytes([t.nbytes // t.shape[0] for t in ts]) * ts[0].shape[0] for ts in layers.values())
     finally:
@@ -83,12 +87,13 @@ def parse_side(spec: str, default_tier: int, default_tier_cpu: int, need: int) -
     """``NAME[@BUDGET][+ahead][+trace]`` as a dict: kind, tier budget (tier sides), ahead, trace."""
     head, *mods = spec.split("+")
     kind, _, budget = head.partition("@")
-    kinds = ("llama", "mapped", "tier", "tier-cpu", "tier-share")
+    kinds = ("llama", "resident", "mapped", "tier", "tier-cpu", "tier-share")
     if kind not in kinds or any(m not in ("ahead", "trace") for m in mods):
         raise click.BadParameter(f"{spec!r}: a side is one of {', '.join(kinds)} (a tier side with @SIZE or "
                                  "@FRACTION), then +ahead, +trace", param_hint="--sides")
-    if kind == "llama" and mods or budget and not kind.startswith("tier"):
-        raise click.BadParameter(f"{spec!r}: only ggml-hybrid takes +ahead/+trace, only a tier side a budget",
+    if kind in ("llama", "resident") and mods or budget and not kind.startswith("tier"):
+        raise click.BadParameter(f"{spec!r}: only ggml-hybrid's expert cache takes +ahead/+trace, only a tier side a "
+                                 "budget",
                                  param_hint="--sides")
     tier = 0
     if kind.startswith("tier"):
@@ -157,6 +162,8 @@ def run_side(side: str, ns: dict) -> dict:
     spec = ns["specs"][side]
     if spec["kind"] == "llama":
         cmd = [ns["llama_python"], str(HERE / "_llama_worker.py"), ns["model"], "1", "256", "--no-repack"]
+    elif spec["kind"] == "resident":
+        cmd = [sys.executable, str(HERE / "_tier_worker.py"), ns["model"], "n_threads=1", "n_ctx=256", "repack=0"]
     else:
         items = ["n_threads=1", "n_ctx=256", "disk_experts=1", f"expert_cache_slots={ns['slots']}"]
         if spec["kind"].startswith("tier"):
@@ -204,7 +211,8 @@ def run_side(side: str, ns: dict) -> dict:
 @click.option("--prompt", default=8, show_default=True)
 @click.option("--n", default=9, show_default=True, help="Greedy tokens (the first from the prompt's logits).")
 @click.option("--sides", default="llama,mapped,tier,tier-cpu,tier-share", show_default=True,
-              help="Comma-separated: llama, mapped, tier, tier-cpu, tier-share, with ggml-hybrid's modifiers @BUDGET, "
+              help="Comma-separated: llama, resident, mapped, tier, tier-cpu, tier-share, with ggml-hybrid's modifiers "
+                   "@BUDGET, "
                    "+ahead, +trace.")
 @click.option("--share", default=0.5, show_default=True, help="moe_cpu_share of the tier-share side.")
 @click.option("--tier-cpu", "tier_cpu", default=None,

@@ -16,9 +16,10 @@ routed experts from the leader's file through an expert cache of ``--slots`` slo
 (``split_mode=none``), moe_cpu_share 0, 1 and auto, and the layers resident on the worker (no cache): prompt and
 decode tok/s, alternating rounds, medians.
 
-Part 3 (``--part 3``), the rounds of a prompt through the cache on a remote CPU: :func:`part3`.
+Part 3, the rounds of a prompt through the cache on a remote CPU: :func:`part3`. ``--part`` picks parts (default:
+all three).
 
-    python tools/bench/bench_hosts.py --llama-python /opt/llref/bin/python [--rounds 2] [--reps 3]
+    python tools/bench/bench_hosts.py --llama-python /opt/llref/bin/python [--rounds 2] [--reps 3] [--every-shape]
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def side_ours(ns: SimpleNamespace) -> dict:
             logits = m.eval(prompt, "last")
             out["prompt_s"].append(time.perf_counter() - t0)
             after = _counters(m)
-            out["prompt_counters"].append({k: after[k] - before[k] for k in after})
+            delta = {k: after[k] - before[k] for k in after}
+            delta["share"] = delta["share_sum"] / delta["share_calls"] if delta["share_calls"] else 0.0
+            out["prompt_counters"].append(delta)
             toks = [int(np.argmax(logits[-1]))]
             t0 = time.perf_counter()
             for _ in range(ns.decode - 1):
@@ -83,16 +86,16 @@ def side_ours(ns: SimpleNamespace) -> dict:
         return out
 
 
-COUNTED = ("calls", "rounds", "misses", "load_ns", "compute_ns")
+COUNTED = ("calls", "rounds", "misses", "load_ns", "compute_ns", "share_calls")
 
 
-def _counters(m: object) -> dict[str, int]:
-    """The expert cache's counters over every layer (zeros without a cache)."""
+def _counters(m: object) -> dict[str, float]:
+    """The expert cache's counters over every layer (zeros without a cache), and share_sum."""
     experts = getattr(m, "experts", None)
     if experts is None or not getattr(experts, "executors", None):
-        return dict.fromkeys(COUNTED, 0)
+        return dict.fromkeys((*COUNTED, "share_sum"), 0)
     total = m.counters.total  # type: ignore[attr-defined]
-    return {k: int(getattr(total, k)) for k in COUNTED}
+    return {k: float(getattr(total, k)) for k in (*COUNTED, "share_sum")}
 
 
 # -- the driver ------------------------------------------------------------------------------------------------------
@@ -165,37 +168,53 @@ def _part2_over(ns: SimpleNamespace, rate: str, delay: float) -> None:
                 opts = ["split_mode=none"] if name == "resident" else cache + SHARES[name]
                 runs[name].append(_run(lab, sys.executable, "ours", ns, lab.rpc(), opts))
         tokens = {tuple(r[0]["tokens"]) for r in runs.values()}
-        for name, rs in runs.items():
-            p, d = _rates(rs, ns)
-            print(f"{name}: prompt {p:.1f} tok/s, decode {d:.1f} tok/s", flush=True)
+        rates = {name: _rates(rs, ns) for name, rs in runs.items()}
+        for name, (p, d) in rates.items():
+            share = statistics.median(c["share"] for r in runs[name] for c in r["prompt_counters"])
+            print(f"{name}: prompt {p:.1f} tok/s, decode {d:.1f} tok/s (the prompt's share of misses on the CPU "
+                  f"{share:.2f})", flush=True)
+        fixed = [rates["cache, share 0"], rates["cache, share 1"]]
+        auto = rates["cache, share auto"]
+        print(f"auto / the better fixed share: prompt {auto[0] / max(p for p, _ in fixed):.2f}, decode "
+              f"{auto[1] / max(d for _, d in fixed):.2f}", flush=True)
         print(f"same tokens in every mode: {len(tokens) == 1}; load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def part3(ns: SimpleNamespace) -> None:
     """Rounds over RPC (item 7 of issue 44): a prompt through the expert cache on a remote CPU, with every expert
     fitting its slots (one round a layer once warm) and with ``--slots`` (several rounds a layer), against the layers
-    resident on the worker; an unshaped link, so loads cost little. A round on a non-CPU device (an RPC one is) runs
-    the call's whole graph, so a remote CPU computes every row of the call once per round: compute time per prompt
-    grows with the rounds where compacted rows would not."""
+    resident on the worker; an unshaped link, so loads cost little. Our rpc-server says it computes on a CPU (vendor
+    patch 0016): its rounds compute compacted rows, each row once. The pin's own server (``--pin-rpc-server``, on a
+    second worker, where built) does not say: its rounds run the call's whole graph, every row once per round."""
     netlab = _netlab()
 
     n_expert = ns.n_expert
+    cache = ["split_mode=none", "disk_experts=true", "moe_cpu_share=0"]
     modes = {"resident": ["split_mode=none"],
-             f"cache, {n_expert} slots (all fit)": ["split_mode=none", "disk_experts=true",
-                                                     f"expert_cache_slots={n_expert}", "moe_cpu_share=0"],
-             f"cache, {ns.slots} slots": ["split_mode=none", "disk_experts=true", f"expert_cache_slots={ns.slots}",
-                                          "moe_cpu_share=0"]}
+             f"cache, {n_expert} slots (all fit)": [*cache, f"expert_cache_slots={n_expert}"],
+             f"cache, {ns.slots} slots (compacted rounds)": [*cache, f"expert_cache_slots={ns.slots}"]}
+    pin = Path(ns.pin_rpc_server) if ns.pin_rpc_server else None
+    if pin is not None and pin.exists():  # a server that does not say it computes on a CPU: whole-graph rounds
+        modes[f"cache, {ns.slots} slots, the pin's server (the call's graph per round)"] = modes[
+            f"cache, {ns.slots} slots (compacted rounds)"]
+    else:
+        print(f"(no pin rpc-server at {pin}: `python -m ggml_hybrid_build --pin-rpc-server` for the whole-graph "
+              "rounds to compare)", flush=True)
     print(f"part 3: one worker, unshaped link; prompt {ns.prompt} tokens, timed reps after the first; load "
           f"{os.getloadavg()[0]:.1f}", flush=True)
-    with netlab.Lab(1) as lab:
+    with netlab.Lab(2) as lab:
         lab.start_worker(1)
+        ours = lab.servers[0].endpoint
+        upstream = lab.start_worker(2, upstream=pin).endpoint if pin is not None and pin.exists() else ours
         runs: dict[str, list[dict]] = {k: [] for k in modes}
         for k in range(ns.rounds):
             for name in (list(modes) if k % 2 == 0 else list(modes)[::-1]):
-                runs[name].append(_run(lab, sys.executable, "ours", ns, lab.rpc(), modes[name]))
+                runs[name].append(_run(lab, sys.executable, "ours", ns, upstream if "pin" in name else ours,
+                                       modes[name]))
+        warm = 1 if ns.reps > 1 else 0  # the first prompt of each process warms up (when there is another)
         for name, rs in runs.items():
-            timed = [t for r in rs for t in r["prompt_s"][1:]]
-            c = [x for r in rs for x in r["prompt_counters"][1:]]
+            timed = [t for r in rs for t in r["prompt_s"][warm:]]
+            c = [x for r in rs for x in r["prompt_counters"][warm:]]
             med = {key: statistics.median(x[key] for x in c) for key in COUNTED}
             layers = med["calls"] or 1
             print(f"{name}: prompt {ns.prompt / statistics.median(timed):.1f} tok/s (median of {len(timed)}); per "
@@ -218,8 +237,11 @@ def part3(ns: SimpleNamespace) -> None:
 @click.option("--slots", type=int, default=4, show_default=True)
 @click.option("--every-shape", is_flag=True, help="part 2 over each link shape of part 1 (default: the slow one)")
 @click.option("--n-expert", type=int, default=16, show_default=True, help="the generated model's experts")
-@click.option("--part", type=click.Choice(["1", "2", "3", "both"]), default="both", show_default=True,
-              help="both: parts 1 and 2; 3: the rounds of a prompt through the cache on a remote CPU")
+@click.option("--pin-rpc-server", default=str(TOOLS.parent / "build" / "pin-rpc-server" / "ggml-rpc-server"),
+              show_default=True, help="part 3: the pin's own rpc-server (its rounds run the call's whole graph)")
+@click.option("--part", type=click.Choice(["1", "2", "3", "both", "all"]), default="all", show_default=True,
+              help="all: parts 1, 2 and 3; both: parts 1 and 2; 3: the rounds of a prompt through the cache on a "
+                   "remote CPU")
 def main(**kw: object) -> None:
     ns = SimpleNamespace(**kw)
     ns.opt = list(ns.opt)
@@ -232,13 +254,13 @@ def main(**kw: object) -> None:
         ns.model = str(write_model(f"/tmp/bench_hosts-{ns.n_expert}.gguf", n_layer=8, n_embd=512,
                                    n_expert=ns.n_expert, n_used=2, weight_type="q8_0", seed=5))
     print(f"model {ns.model} ({Path(ns.model).stat().st_size / 2**20:.1f} MiB)", flush=True)
-    if ns.part in ("1", "both"):
+    if ns.part in ("1", "both", "all"):
         if ns.llama_python is None:
             raise click.UsageError("part 1 needs --llama-python")
         part1(ns)
-    if ns.part in ("2", "both"):
+    if ns.part in ("2", "both", "all"):
         part2(ns)
-    if ns.part == "3":
+    if ns.part in ("3", "all"):
         part3(ns)
 
 

@@ -23,8 +23,9 @@ Parts (--parts):
   against plain decoding;
 - ``zero`` (resident): the model's own head (random weights: acceptance about 0), k = 3, drafting until it stops
   (--p-min 0, no backoff), stopped by ``draft_p_min`` = --p-min, and with the backoff: tok/s against plain; and
-  speculation's path without any draft (every step a verify step of one token on the head's model: what the path
-  itself costs).
+  speculation's path without any draft (every step the speculator's, a plain decode step on the head's model, its
+  hidden rows kept: what the path itself costs). Besides wall time, each side's CPU time against plain's (the
+  worker's ``time.process_time``: on a loaded machine the waits for a core do not count).
 
 The model (default: generated once into ~/.cache/ggml-hybrid/bench/spec-qwen35moe-60x4.gguf, 480 MiB) is a
 Qwen3.5-MoE-layout qwen35moe (gated delta-net layers, one attention layer in four) with a next-token-prediction head,
@@ -123,6 +124,7 @@ def run_sides(w: Worker, sides: dict[str, dict], n: int, rounds: int, forced: bo
         med = statistics.median(r["seconds"] for r in reps)
         last = reps[-1]
         out[name] = {"seconds": med, "min_s": min(r["seconds"] for r in reps), "tok_s": (n - 1) / med,
+                     "cpu_s": statistics.median(r["cpu_seconds"] for r in reps),
                      "steps": last["steps"],
                      "per_step_ms": 1e3 * med / max(last["steps"], 1), "loaded": last["loaded"],
                      "tier_read": last["tier_read"], "io_read": last["io_read"], "spec": last["spec"]}
@@ -211,16 +213,17 @@ def main(model: str | None, modes: str, parts: str, n: int, n_zero: int, rounds:
 def report(mode: str, res: dict[str, dict]) -> None:
     plain = res["plain"]
     print(f"\n{mode}:")
-    print("| side | tok/s | vs plain | vs plain, fastest runs | target steps | ms/step | step vs plain step | "
-          "MiB loaded/step | MiB tier read/step | MiB disk read/step | acceptance | verify steps | head steps | "
-          "head rows filled |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| side | tok/s | vs plain | vs plain, fastest runs | vs plain, CPU time | target steps | ms/step | "
+          "step vs plain step | MiB loaded/step | MiB tier read/step | MiB disk read/step | acceptance | "
+          "verify steps | head steps | head rows filled |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in res.items():
         steps = max(r["steps"], 1)
         sp = r["spec"]
         acc = f"{100 * sp['acceptance_rate']:.0f}%" if sp else "-"
         counts = f"{sp['verify_steps']} | {sp['draft_steps']} | {sp['head_rows_filled']}" if sp else "- | - | -"
         print(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / plain['tok_s']:.2f} | {plain['min_s'] / r['min_s']:.2f} | "
+              f"{plain['cpu_s'] / r['cpu_s']:.2f} | "
               f"{r['steps']} | {r['per_step_ms']:.2f} | {r['per_step_ms'] / plain['per_step_ms']:.2f} | "
               f"{mib(r['loaded'] / steps)} | {mib(r['tier_read'] / steps)} | {mib(r['io_read'] / steps)} | {acc} | "
               f"{counts} |")

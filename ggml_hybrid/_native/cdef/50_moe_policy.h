@@ -47,6 +47,7 @@ typedef struct hy_cost_model {
     int64_t n_cpu, n_load, n_dev, n_job;
     bool has_share;
     int64_t share_num, share_den;
+    double round_s;
     ...;
 } hy_cost_model;
 
@@ -57,7 +58,11 @@ void hy_cost_observe_job(hy_cost_model * m, double seconds);
 void hy_cost_observe_load(hy_cost_model * m, double bytes, double seconds);
 void hy_cost_observe_device(hy_cost_model * m, double rows, double seconds);
 void hy_cost_estimate(const hy_cost_model * m, int64_t expert_bytes, double out[]);
+double hy_cost_round(const hy_cost_model * m, int64_t expert_bytes);
 int hy_cost_choose(hy_cost_model * m, int64_t expert_bytes, int64_t hit_rows, const int32_t * miss_rows, int n_miss);
+int hy_cost_choose_rounds(hy_cost_model * m, int64_t expert_bytes, int64_t hit_rows, int n_hits, int n_slots,
+        const int32_t * miss_rows, int n_miss);
+int hy_cost_rounds(int n_hits, int n_loads, int n_slots);
 int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const int32_t * rows, int n,
         const int32_t * n_cpu_table, hy_cost_model * model, int64_t expert_bytes,
         int32_t * miss_expert, int32_t * miss_rows, int * n_miss);

@@ -1,6 +1,7 @@
 // The native MoE layer executor (src/moe_graphs.h, src/moe_worker.h, src/moe_exec.h).
 typedef struct hy_experts {
     struct ggml_tensor * gate_up, * gate, * up, * down;
+    struct ggml_tensor * gate_b, * up_b, * down_b;
 } hy_experts;
 
 int hy_row_bucket(int n);
@@ -64,15 +65,17 @@ typedef struct hy_moe_config {
     hy_experts slots;
     hy_experts host;
     int n_kinds;
-    struct ggml_tensor * slot_tensor[3];
-    const uint8_t * src[3];
-    size_t nbytes[3];
+    struct ggml_tensor * slot_tensor[6];
+    const uint8_t * src[6];
+    size_t nbytes[6];
     ggml_backend_t device;
     hy_scratch * scratch;
     hy_worker * worker;
     int share_mode;
     const int32_t * n_cpu_table;
     double alpha, hysteresis;
+    double round_s;
+    int remote_cpu;
     double prior[5];
     int fixed_model;
     double coef[5];
@@ -99,6 +102,7 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
 const hy_moe_counters * hy_moe_exec_counters(const hy_moe_exec * ex);
 hy_slot_cache * hy_moe_exec_cache(hy_moe_exec * ex);
 hy_cost_model * hy_moe_exec_cost_model(hy_moe_exec * ex);
+int hy_moe_exec_compacts(const hy_moe_exec * ex);
 int hy_moe_exec_error(const hy_moe_exec * ex, const char ** message);
 int hy_moe_exec_last_cpu(const hy_moe_exec * ex, const int32_t ** experts);
 const int32_t * hy_moe_exec_trace(const hy_moe_exec * ex, int64_t * n_ints);

@@ -20,7 +20,7 @@
 /* O_DIRECT wants the offset, the length and the buffer aligned to the logical block; 4 KiB covers the
    devices in use (512-byte and 4 KiB sectors). A read covers the expert's bytes rounded out to it. */
 #define HY_TIER_ALIGN 4096
-#define HY_TIER_KINDS 3
+#define HY_TIER_KINDS 6 /* an executor's kinds (moe_exec.h: HY_MAX_KINDS): matrices and biases */
 
 enum { ENTRY_EMPTY, ENTRY_QUEUED, ENTRY_READING, ENTRY_READY, ENTRY_FAILED };
 
@@ -394,9 +394,17 @@ struct ggml_tensor * hy_tier_view(hy_tier * t, struct ggml_context * ctx, int la
     if (hy_tier_arena(t, &a) != 0) {
         return NULL;
     }
-    struct ggml_tensor * v = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], a.n_frames);
-    v->nb[2] = a.frame_bytes;
-    v->nb[3] = a.frame_bytes * (size_t) a.n_frames;
+    struct ggml_tensor * v;
+    if (ggml_n_dims(like) <= 2) {
+        /* a bias (gpt-oss): [rows, frames], the frame's row where an expert's row is */
+        v = ggml_new_tensor_2d(ctx, like->type, like->ne[0], a.n_frames);
+        v->nb[1] = a.frame_bytes;
+        v->nb[2] = v->nb[3] = a.frame_bytes * (size_t) a.n_frames;
+    } else {
+        v = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], a.n_frames);
+        v->nb[2] = a.frame_bytes;
+        v->nb[3] = a.frame_bytes * (size_t) a.n_frames;
+    }
     v->data = a.base + t->layers[layer].pos[kind];
     v->buffer = a.buffer;
     return v;

@@ -79,8 +79,9 @@ int hy_tier_arena(hy_tier * t, hy_tier_arena_info * info);
 size_t hy_tier_kind_pos(const hy_tier * t, int layer, int kind);
 /* Kind `kind` of layer `layer`'s experts as a 3-D tensor of `ctx` (no_alloc) over the arena: `like`'s type and rows
    (an expert tensor of the layer, or a slot tensor), one expert per frame (ne[2] = the frames, nb[2] = a frame's
-   bytes), so that expert index f is frame f; the arena is made first if it is not yet. `ctx` must have room for
-   the tensor. NULL, the error set, when the arena cannot be had. Both executors see the tier through it. */
+   bytes; a 2-D `like`, a bias: [rows, frames], nb[1] = a frame's bytes), so that expert index f is frame f; the
+   arena is made first if it is not yet. `ctx` must have room for the tensor. NULL, the error set, when the arena
+   cannot be had. Both executors see the tier through it. */
 struct ggml_tensor * hy_tier_view(hy_tier * t, struct ggml_context * ctx, int layer, int kind,
                                   const struct ggml_tensor * like);
 /* The arena's buffer type (a device's pinned host type: its uploads can read the frames directly; the CPU's when

@@ -400,7 +400,8 @@ static int compute_rows_call(hy_moe_exec * ex, hy_call * call) {
 
 /* This round's rows only, compacted and padded to their row bucket (padding rows go to the zeroed pad
    slot); the results go to their places in merged. A CPU backend's mul_mat_id picks its kernel per expert
-   from that expert's rows, which compaction keeps; other devices run the call's graph (compute_rows_call). */
+   from that expert's rows, which compaction keeps (an RPC server that computes on a CPU too: vendor patch 0016
+   says so); other devices run the call's graph (compute_rows_call). */
 static int compute_rows(hy_moe_exec * ex, hy_call * call) {
     if (!ex->compact) {
         return compute_rows_call(ex, call);

@@ -9,7 +9,8 @@
 
 hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
     if (cfg->n_kinds < 2 || cfg->n_kinds > HY_MAX_KINDS || cfg->n_used < 1 || cfg->n_expert < cfg->n_used ||
-        cfg->device == NULL || cfg->scratch == NULL || cfg->slots.down == NULL) {
+        cfg->device == NULL || cfg->scratch == NULL ||
+        !hy_experts_buildable(&cfg->slots, (enum ggml_glu_op) cfg->glu)) {
         return NULL;
     }
     hy_moe_exec * ex = calloc(1, sizeof(*ex));
@@ -53,8 +54,9 @@ hy_moe_exec * hy_moe_exec_new(const hy_moe_config * cfg) {
     } else {
         hy_cost_init(&ex->model, cfg->alpha, cfg->hysteresis, cfg->prior);
     }
+    ex->model.round_s = cfg->round_s;
     hy_graph_cache_init(&ex->graphs, cfg->scratch);
-    ex->compact = hy_is_cpu(cfg->device);
+    ex->compact = hy_is_cpu(cfg->device) || cfg->remote_cpu;
     if (hy_loads_init(ex) != HY_OK) {
         hy_moe_exec_free(ex);
         return NULL;
@@ -104,6 +106,8 @@ const char * const HY_ERR_FILE_TEXT =
 const hy_moe_counters * hy_moe_exec_counters(const hy_moe_exec * ex) { return &ex->counters; }
 hy_slot_cache * hy_moe_exec_cache(hy_moe_exec * ex) { return ex->cache; }
 hy_cost_model * hy_moe_exec_cost_model(hy_moe_exec * ex) { return &ex->model; }
+
+int hy_moe_exec_compacts(const hy_moe_exec * ex) { return ex->compact; }
 
 int hy_moe_exec_error(const hy_moe_exec * ex, const char ** message) {
     if (message != NULL) {

@@ -84,7 +84,7 @@ typedef struct hy_moe_counters {
     int64_t prefetch_ns;     /* time the previous layer's call spent predicting and issuing the loads */
 } hy_moe_counters;
 
-#define HY_MAX_KINDS 3
+#define HY_MAX_KINDS 6 /* the matrices (2 or 3) and their biases (gpt-oss: 3) */
 
 typedef struct hy_moe_config {
     int layer;
@@ -93,7 +93,7 @@ typedef struct hy_moe_config {
     int glu;                          /* enum ggml_glu_op */
     hy_experts slots;                 /* [n_slots + 1, ...] on the device; the last, zeroed, is the pad slot */
     hy_experts host;                  /* the experts on the mapped file (the CPU share) */
-    int n_kinds;                      /* the expert tensors: what a load copies */
+    int n_kinds;                      /* the expert tensors, matrices and biases: what a load copies */
     struct ggml_tensor * slot_tensor[HY_MAX_KINDS];
     const uint8_t * src[HY_MAX_KINDS];  /* expert 0's bytes of each kind in the mapping */
     size_t nbytes[HY_MAX_KINDS];        /* bytes of one expert of each kind */
@@ -103,6 +103,8 @@ typedef struct hy_moe_config {
     int share_mode;
     const int32_t * n_cpu_table;      /* fixed share: misses the CPU takes out of n, for n = 0..n_expert */
     double alpha, hysteresis;
+    double round_s;                   /* the cost model's fixed cost of a device round (0: none; moe_policy.h) */
+    int remote_cpu;                   /* the device is an RPC server's that computes on a CPU: rounds compacted */
     double prior[HY_COST_N];          /* arrays of coefficients are indexed by HY_COST_* (moe_policy.h) */
     int fixed_model;                  /* auto with a fixed cost model (coef) */
     double coef[HY_COST_N];
@@ -136,6 +138,8 @@ int hy_moe_exec_run(int region_id, ggml_backend_t backend, struct ggml_tensor * 
 const hy_moe_counters * hy_moe_exec_counters(const hy_moe_exec * ex);
 hy_slot_cache * hy_moe_exec_cache(hy_moe_exec * ex);
 hy_cost_model * hy_moe_exec_cost_model(hy_moe_exec * ex);
+/* whether rounds compute compacted rows (a CPU device, local or an RPC server's that computes on one) */
+int hy_moe_exec_compacts(const hy_moe_exec * ex);
 /* the last failure: its HY_ERR_* code (0: none) and text; cleared by the next call */
 int hy_moe_exec_error(const hy_moe_exec * ex, const char ** message);
 /* the CPU misses of the last call, in increasing id order */

@@ -111,7 +111,8 @@ struct hy_moe_exec {
     hy_slot_cache * cache;
     hy_cost_model model;
     hy_graph_cache graphs;
-    bool compact;            /* rounds compute compacted rows (a CPU backend); else the call's graph */
+    bool compact;            /* rounds compute compacted rows (a CPU backend, or an RPC server's CPU); else the
+                                call's graph */
     hy_moe_counters counters;
     int err_code;            /* the last failure (HY_ERR_*), and its text */
     char err[320];

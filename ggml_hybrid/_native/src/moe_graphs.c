@@ -5,17 +5,55 @@
 
 #include "ggml-alloc.h"
 
+/* t + the bias row of each row's expert (ids: the same as the matrix's), or t where there is no bias */
+static struct ggml_tensor * biased(struct ggml_context * ctx, struct ggml_tensor * t, struct ggml_tensor * bias,
+                                   struct ggml_tensor * ids) {
+    return bias == NULL ? t : ggml_add_id(ctx, t, bias, ids);
+}
+
 struct ggml_tensor * hy_build_expert_ffn(struct ggml_context * ctx, const hy_experts * w, struct ggml_tensor * x3,
                                          struct ggml_tensor * ids, enum ggml_glu_op glu) {
     struct ggml_tensor * act;
     if (w->gate_up != NULL) {
         act = ggml_glu(ctx, ggml_mul_mat_id(ctx, w->gate_up, x3, ids), glu, false);
+    } else if (glu == GGML_GLU_OP_SWIGLU_OAI) {
+        /* llama.cpp's order (and ffn.py's): up and its bias first, then gate and its bias */
+        struct ggml_tensor * up = biased(ctx, ggml_mul_mat_id(ctx, w->up, x3, ids), w->up_b, ids);
+        struct ggml_tensor * gate = biased(ctx, ggml_mul_mat_id(ctx, w->gate, x3, ids), w->gate_b, ids);
+        act = ggml_swiglu_oai(ctx, gate, up, HY_SWIGLU_OAI_ALPHA, HY_SWIGLU_OAI_LIMIT);
     } else {
-        struct ggml_tensor * gate = ggml_mul_mat_id(ctx, w->gate, x3, ids);
-        struct ggml_tensor * up = ggml_mul_mat_id(ctx, w->up, x3, ids);
+        struct ggml_tensor * gate = biased(ctx, ggml_mul_mat_id(ctx, w->gate, x3, ids), w->gate_b, ids);
+        struct ggml_tensor * up = biased(ctx, ggml_mul_mat_id(ctx, w->up, x3, ids), w->up_b, ids);
         act = ggml_glu_split(ctx, gate, up, glu);
     }
-    return ggml_mul_mat_id(ctx, w->down, act, ids);
+    return biased(ctx, ggml_mul_mat_id(ctx, w->down, act, ids), w->down_b, ids);
+}
+
+bool hy_experts_buildable(const hy_experts * w, enum ggml_glu_op glu) {
+    if (w->down == NULL) {
+        return false;
+    }
+    if (w->gate_up != NULL) {
+        return w->gate == NULL && w->up == NULL && w->gate_b == NULL && w->up_b == NULL &&
+               glu != GGML_GLU_OP_SWIGLU_OAI && glu != GGML_GLU_OP_SWIGLU_CLAMP;
+    }
+    return w->gate != NULL && w->up != NULL && glu != GGML_GLU_OP_SWIGLU_CLAMP;
+}
+
+struct ggml_tensor ** hy_experts_field(hy_experts * out, const hy_experts * kinds, const struct ggml_tensor * like) {
+    if (like == NULL) {
+        return NULL;
+    }
+    struct ggml_tensor * const * in[] = { &kinds->gate_up, &kinds->gate, &kinds->up, &kinds->down,
+                                          &kinds->gate_b, &kinds->up_b, &kinds->down_b };
+    struct ggml_tensor ** to[] = { &out->gate_up, &out->gate, &out->up, &out->down,
+                                   &out->gate_b, &out->up_b, &out->down_b };
+    for (size_t i = 0; i < sizeof(in) / sizeof(in[0]); i++) {
+        if (*in[i] == like) {
+            return to[i];
+        }
+    }
+    return NULL;
 }
 
 struct ggml_tensor * hy_build_weighted_sum(struct ggml_context * ctx, struct ggml_tensor * expert_out,
@@ -80,7 +118,7 @@ void hy_graph_cache_free(hy_graph_cache * c) {
 }
 
 static size_t meta_size_for(int n_used) {
-    /* inputs, the FFN's nodes, and the sum's k views and k-1 adds */
+    /* inputs, the FFN's nodes (with gpt-oss's three bias adds), and the sum's k views and k-1 adds */
     const size_t n_tensors = 2 * (size_t) n_used + 24;
     return ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false) + 1024;
 }

@@ -16,13 +16,28 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
-/* one layer's routed experts: gate_up and down (fused), or gate, up and down */
+/* one layer's routed experts: gate_up and down (fused), or gate, up and down; and gpt-oss's per-expert biases
+   (2-D: [rows, experts], selected per expert like the matrices by ggml_add_id), NULL where the layer has none */
 typedef struct hy_experts {
     struct ggml_tensor * gate_up, * gate, * up, * down;
+    struct ggml_tensor * gate_b, * up_b, * down_b;
 } hy_experts;
 
+/* gpt-oss's clamped SwiGLU (GGML_GLU_OP_SWIGLU_OAI): the constants of llama.cpp's build_moe_ffn
+   (LLM_FFN_SWIGLU_OAI_MOE), as ggml_hybrid/moe/ffn.py's SWIGLU_OAI_ALPHA and SWIGLU_OAI_LIMIT */
+#define HY_SWIGLU_OAI_ALPHA 1.702f
+#define HY_SWIGLU_OAI_LIMIT 7.0f
+
+/* The FFN of llama.cpp's build_moe_ffn: up (+ up bias), gate (+ gate bias), the GLU (swiglu_oai: the clamped one,
+   gate and up separate), down (+ down bias); unweighted expert rows [E, k, T]. */
 struct ggml_tensor * hy_build_expert_ffn(struct ggml_context * ctx, const hy_experts * w, struct ggml_tensor * x3,
                                          struct ggml_tensor * ids, enum ggml_glu_op glu);
+/* Whether the expert graphs can build `w`'s FFN with `glu`: gate_up fused only without gate and up biases and with
+   a GLU of one input; the clamped SwiGLU only with gate and up separate. */
+bool hy_experts_buildable(const hy_experts * w, enum ggml_glu_op glu);
+/* The field of `out` that holds the kind `like` is in `kinds` (the same experts seen elsewhere: slots, frames),
+   NULL when `like` is none of them. */
+struct ggml_tensor ** hy_experts_field(hy_experts * out, const hy_experts * kinds, const struct ggml_tensor * like);
 struct ggml_tensor * hy_build_weighted_sum(struct ggml_context * ctx, struct ggml_tensor * expert_out,
                                            struct ggml_tensor * weights);
 

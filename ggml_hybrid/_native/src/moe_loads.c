@@ -180,8 +180,13 @@ int tier_views(hy_moe_exec * ex) {
             return hy_exec_fail_tier(ex);
         }
         ggml_format_name(t, "tier.%d.%d", ex->cfg.layer, k);
-        *(like == s->gate_up ? &w.gate_up : like == s->gate ? &w.gate : like == s->up ? &w.up : &w.down) = t;
-        ex->frames.n = (int) t->ne[2];
+        struct ggml_tensor ** field = hy_experts_field(&w, s, like);
+        if (field == NULL) {
+            ggml_free(ctx);
+            return hy_exec_fail(ex, HY_ERR_INPUT, "layer %d: an expert tensor that is no slot tensor%s", "");
+        }
+        *field = t;
+        ex->frames.n = (int) t->ne[ggml_n_dims(like) - 1];
     }
     ex->frames.w = w;
     ex->frames.ctx = ctx;

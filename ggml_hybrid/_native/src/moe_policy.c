@@ -385,6 +385,10 @@ void hy_cost_observe_device(hy_cost_model * m, double r, double t) {
     }
     const double v[2] = { t, r };
     ema(m, m->dev, v, 2);
+    if (m->round_s > 0.0) {
+        const double w[5] = { 1.0, r, r * r, t, r * t };
+        ema(m, m->dev_fit, w, 5);
+    }
     m->n_dev++;
 }
 
@@ -392,8 +396,15 @@ static double objective(double m11, double m12, double m22, double r1, double r2
     return 0.5 * (m11 * u * u + 2.0 * m12 * u * v + m22 * v * v) - r1 * u - r2 * v;
 }
 
-static void fit_cpu(const hy_cost_model * m, double a0, double b0, double * a, double * b) {
-    const double sbb = m->cpu[0], sbr = m->cpu[1], srr = m->cpu[2], sbt = m->cpu[3], srt = m->cpu[4];
+/* The per-row pull of a device round's fit: a thousand times the fixed cost's, so that rounds of one row count
+   (decode's hits, which cannot tell a round's fixed cost from its rows') go to the fixed cost, and the per-row
+   cost keeps its prior until rounds of several row counts tell them apart. */
+#define HY_RIDGE_DEVICE_ROW 1e-3
+
+/* t = a x + b r by the EMAs s (x^2, x r, r^2, x t, r t), in units of the priors a0, b0, pulled toward them by
+   ridge1 and ridge2 (cpu_share.py: CostModel._fit) */
+static void fit2(const double * s, double ridge1, double ridge2, double a0, double b0, double * a, double * b) {
+    const double sbb = s[0], sbr = s[1], srr = s[2], sbt = s[3], srt = s[4];
     double m11 = a0 * a0 * sbb, m12 = a0 * b0 * sbr, m22 = b0 * b0 * srr;
     double r1 = a0 * sbt, r2 = b0 * srt;
     if (!(m11 + m22 > 0.0)) {
@@ -401,9 +412,10 @@ static void fit_cpu(const hy_cost_model * m, double a0, double b0, double * a, d
         *b = b0;
         return;
     }
-    double lam1 = HY_RIDGE * m11, lam2 = HY_RIDGE * m22;
+    double lam1 = ridge1 * m11, lam2 = ridge2 * m22;
     if (lam1 == 0.0 || lam2 == 0.0) {
-        lam1 = lam2 = HY_RIDGE * (m11 + m22);
+        lam1 = ridge1 * (m11 + m22);
+        lam2 = ridge2 * (m11 + m22);
     }
     m11 += lam1;
     m22 += lam2;
@@ -432,26 +444,63 @@ void hy_cost_estimate(const hy_cost_model * m, int64_t B, double out[HY_COST_N])
         return;
     }
     const double * p = m->prior; /* per-row priors are per expert byte too */
-    fit_cpu(m, p[HY_COST_CPU_PER_BYTE], p[HY_COST_CPU_PER_ROW] * (double) B, &out[HY_COST_CPU_PER_BYTE],
-            &out[HY_COST_CPU_PER_ROW]);
+    fit2(m->cpu, HY_RIDGE, HY_RIDGE, p[HY_COST_CPU_PER_BYTE], p[HY_COST_CPU_PER_ROW] * (double) B,
+         &out[HY_COST_CPU_PER_BYTE], &out[HY_COST_CPU_PER_ROW]);
     out[HY_COST_LOAD_PER_BYTE] = m->load[1] > 0.0 ? m->load[0] / m->load[1] : p[HY_COST_LOAD_PER_BYTE];
-    out[HY_COST_DEVICE_PER_ROW] = m->dev[1] > 0.0 ? m->dev[0] / m->dev[1] : p[HY_COST_DEVICE_PER_ROW] * (double) B;
+    if (m->round_s > 0.0) {
+        double round;
+        fit2(m->dev_fit, HY_RIDGE, HY_RIDGE_DEVICE_ROW, m->round_s, p[HY_COST_DEVICE_PER_ROW] * (double) B, &round,
+             &out[HY_COST_DEVICE_PER_ROW]);
+    } else {
+        out[HY_COST_DEVICE_PER_ROW] = m->dev[1] > 0.0 ? m->dev[0] / m->dev[1] : p[HY_COST_DEVICE_PER_ROW] * (double) B;
+    }
     out[HY_COST_CPU_PER_JOB] = m->job[1] > 0.0 ? m->job[0] / m->job[1] : p[HY_COST_CPU_PER_JOB];
 }
 
-static double makespan(const double * c, int64_t B, int k, int64_t cpu_rows, int n_dev, int64_t dev_rows) {
+int hy_cost_rounds(int n_hits, int n_loads, int n_slots) {
+    if (n_hits + n_loads == 0) {
+        return 0;
+    }
+    if (n_slots <= 0) { /* no cache to count rounds in: one */
+        return 1;
+    }
+    const int first = n_slots > n_hits ? n_slots - n_hits : 0; /* round 1 loads into the slots its hits leave */
+    return n_loads <= first ? 1 : 1 + (n_loads - first + n_slots - 1) / n_slots;
+}
+
+double hy_cost_round(const hy_cost_model * m, int64_t B) {
+    if (m->fixed || !(m->round_s > 0.0)) {
+        return m->round_s;
+    }
+    double round, per_row;
+    fit2(m->dev_fit, HY_RIDGE, HY_RIDGE_DEVICE_ROW, m->round_s, m->prior[HY_COST_DEVICE_PER_ROW] * (double) B, &round,
+         &per_row);
+    return round;
+}
+
+static double makespan(const double * c, int64_t B, int k, int64_t cpu_rows, int n_dev, int64_t dev_rows,
+                       double round_cost) {
     const double job = k ? c[HY_COST_CPU_PER_JOB] : 0.0;
     const double cpu = job + c[HY_COST_CPU_PER_BYTE] * (double) B * (double) k + c[HY_COST_CPU_PER_ROW] * (double) cpu_rows;
-    const double dev = c[HY_COST_LOAD_PER_BYTE] * (double) B * (double) n_dev + c[HY_COST_DEVICE_PER_ROW] * (double) dev_rows;
+    double dev = c[HY_COST_LOAD_PER_BYTE] * (double) B * (double) n_dev + c[HY_COST_DEVICE_PER_ROW] * (double) dev_rows;
+    if (round_cost > 0.0) {
+        dev += round_cost;
+    }
     return cpu > dev ? cpu : dev; /* Python's max(): the first on a tie, equal anyway */
 }
 
 int hy_cost_choose(hy_cost_model * m, int64_t B, int64_t hit_rows, const int32_t * miss_rows, int n) {
+    return hy_cost_choose_rounds(m, B, hit_rows, hit_rows > 0, 0, miss_rows, n);
+}
+
+int hy_cost_choose_rounds(hy_cost_model * m, int64_t B, int64_t hit_rows, int n_hits, int n_slots,
+                          const int32_t * miss_rows, int n) {
     if (n == 0) {
         return 0;
     }
     double c[HY_COST_N];
     hy_cost_estimate(m, B, c);
+    const double round = hy_cost_round(m, B);
     int64_t total = hit_rows;
     for (int i = 0; i < n; i++) {
         total += miss_rows[i];
@@ -469,7 +518,8 @@ int hy_cost_choose(hy_cost_model * m, int64_t B, int64_t hit_rows, const int32_t
         if (k) {
             cpu_rows += miss_rows[k - 1];
         }
-        const double span = makespan(c, B, k, cpu_rows, n - k, total - cpu_rows);
+        const double rounds = round > 0.0 ? (double) hy_cost_rounds(n_hits, n - k, n_slots) : 0.0;
+        const double span = makespan(c, B, k, cpu_rows, n - k, total - cpu_rows, round * rounds);
         if (k == 0 || span < best_span) {
             best = k;
             best_span = span;
@@ -506,11 +556,12 @@ int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const 
                     const int32_t * n_cpu_table, hy_cost_model * model, int64_t expert_bytes,
                     int32_t * miss_expert, int32_t * miss_rows, int * n_miss) {
     int64_t hit_rows = 0;
-    int m = 0;
+    int m = 0, n_hits = 0;
     for (int i = 0; i < n; i++) {
         const int e = experts[i], r = rows[i];
         if (hy_cache_slot_of(cache, e) >= 0) {
             hit_rows += r;
+            n_hits++;
             continue;
         }
         int j = m++; /* insertion sort: n is small */
@@ -523,5 +574,6 @@ int hy_split_misses(const hy_slot_cache * cache, const int32_t * experts, const 
         miss_rows[j] = r;
     }
     *n_miss = m;
-    return n_cpu_table != NULL ? n_cpu_table[m] : hy_cost_choose(model, expert_bytes, hit_rows, miss_rows, m);
+    return n_cpu_table != NULL ? n_cpu_table[m]
+                               : hy_cost_choose_rounds(model, expert_bytes, hit_rows, n_hits, cache->n_slots, miss_rows, m);
 }

@@ -94,6 +94,11 @@ typedef struct hy_cost_model {
     int64_t share_num, share_den; /* the remembered share of the hysteresis, an exact fraction */
     bool fixed;     /* estimates are coef[] and never change */
     double coef[HY_COST_N];
+    /* the prior of a device round's fixed cost, whatever its rows (0: none modeled, the device's time is per row
+       only): an RPC device's round waits for its exchanges with the server (cpu_share.py: round_seconds). With
+       it, rounds fit t = round + device_per_row * rows (dev_fit), and choices price each round. Set after init. */
+    double round_s;
+    double dev_fit[5]; /* EMAs: 1, rows, rows^2, t, rows*t */
 } hy_cost_model;
 
 void hy_cost_init(hy_cost_model * m, double alpha, double hysteresis, const double prior[HY_COST_N]);
@@ -101,11 +106,21 @@ void hy_cost_init_fixed(hy_cost_model * m, double hysteresis, const double coef[
 void hy_cost_observe_cpu(hy_cost_model * m, double bytes, double rows, double seconds);
 void hy_cost_observe_job(hy_cost_model * m, double seconds);
 void hy_cost_observe_load(hy_cost_model * m, double bytes, double seconds);
+/* a device round: `rows` rows in `seconds` */
 void hy_cost_observe_device(hy_cost_model * m, double rows, double seconds);
 void hy_cost_estimate(const hy_cost_model * m, int64_t expert_bytes, double out[HY_COST_N]);
+/* the estimated fixed cost of a device round (0 without a round_s prior; a fixed model: round_s) */
+double hy_cost_round(const hy_cost_model * m, int64_t expert_bytes);
 /* the number of misses the CPU takes; miss_rows are in the order the CPU takes them (fewest first) */
 int hy_cost_choose(hy_cost_model * m, int64_t expert_bytes, int64_t hit_rows, const int32_t * miss_rows,
                    int n_miss);
+/* the same with the device's rounds priced (hy_cost_round each): n_hits hit experts in a cache of n_slots
+   slots; the rounds a split needs are those hy_cache_plan makes for its device experts */
+int hy_cost_choose_rounds(hy_cost_model * m, int64_t expert_bytes, int64_t hit_rows, int n_hits, int n_slots,
+                          const int32_t * miss_rows, int n_miss);
+/* the rounds hy_cache_plan makes for n_hits hits and n_loads misses in a cache of n_slots slots (n_slots <= 0:
+   unknown, one round when the device has any expert; hy_cost_choose prices rounds so) */
+int hy_cost_rounds(int n_hits, int n_loads, int n_slots);
 
 /* Which misses of one call the CPU computes (cpu_share.py: split_misses, CostModel.choose). `experts` are the
    call's n distinct experts, rows[i] the rows of experts[i]. Hits (committed in `cache`) stay on the device;

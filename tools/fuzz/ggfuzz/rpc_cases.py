@@ -46,7 +46,10 @@ N_COMMANDS = 20  # RPC_CMD_COUNT; values from it up are unknown commands
 # ggml-hybrid's graph status request (vendor patch 0014): no payload; the reply is | status (int32) | message
 # (252 bytes, NUL-terminated) |. A server of ours marks its hello reply (the byte after the version) with
 # HYBRID_MARK; a client that does not ask after a failed graph is dropped.
-GRAPH_STATUS, HYBRID_MARK, STATUS_BYTES = 0xE0, 0x68, 256
+GRAPH_STATUS, HYBRID_MARK, STATUS_BYTES = 0xE0, 0x69, 256
+# ggml-hybrid's device kinds request (vendor patch 0016, whose servers mark 0x69; 0x68: patch 0014's alone): no
+# payload; the reply is | n_devices (uint32) | 16 bytes: enum ggml_backend_dev_type of each device (0: CPU) |.
+DEVICE_KINDS, KINDS_BYTES = 0xE1, 20
 
 MAX_SRC, N_OP_PARAMS, MAX_NAME = 10, 16, 64
 # GGML_TENSOR_FLAG_COMPUTE: the CPU backend skips a node without it (it computes nothing), so a graph built to run
