@@ -321,3 +321,46 @@ def test_stop_is_never_claimed_on_text_that_does_not_parse(model_path, tok):
     assert reqs[0].finish_reason == "error" and isinstance(reqs[0].exception, GgmlHybridError), reqs[0].error
     assert "does not parse" in (reqs[0].error or "")
     assert reqs[1].finish_reason == "stop" and json.loads(reqs[1].text) in ("yes", "no")
+
+
+# -- the CPU time of one token's grammar work ------------------------------------------------------------------------
+
+AMBIGUOUS = 'root ::= x\nx ::= x x | "a"'  # "aaa" parses many ways: llguidance's Earley work grows with every token
+
+
+def test_the_step_bound_is_llguidances_step_limits_at_its_speeds():
+    """The CPU bound of one token's grammar work is llguidance's step limits at its documented speeds (lexer fuel
+    14,000 a millisecond, Earley items 20,000 a millisecond), twice over."""
+    from ggml_hybrid.runtime.grammar import LIMITS, STEP_SECONDS
+
+    assert STEP_SECONDS == pytest.approx(2 * (LIMITS["step_lexer_fuel"] / 14e6 + LIMITS["step_max_items"] / 20e6))
+
+
+def test_an_ambiguous_grammar_ends_at_its_cpu_bound_and_the_other_requests_go_on(model_path):
+    """An ambiguous grammar's mask costs more with every token (0.1 ms at token 100, 1 ms at 200, 24 ms at 600,
+    up to 0.4 s near llguidance's row limit), on the engine thread where every other sequence waits for it. With its
+    bound lowered to 2 ms here (the default, 34 ms, takes some 650 tokens and seconds of CPU to reach), the request
+    ends with a GrammarError naming the bound well before max_tokens and llguidance's row limit (about 1,000
+    tokens), and a request running beside it gets exactly the text it gets alone."""
+    with MoEModel(model_path, SessionOptions(n_threads=1, n_ctx=1024, n_parallel=2)) as m:
+        tok = m.tokenizer
+        e = Engine(m)
+        try:
+            alone = e.submit(Request(tok.encode("Once upon a time"), Sampler(), 24))
+            assert alone.done.wait(120)
+            g = Grammar.gbnf(tok, AMBIGUOUS)
+            g.step_seconds = 0.002
+            # a negative presence penalty keeps drawing "a" (the only other choice the grammar leaves is the end)
+            amb = Request(tok.encode("a"), Sampler(presence_penalty=-100.0), 900, constraint=g.constraint())
+            other = Request(tok.encode("Once upon a time"), Sampler(), 24)
+            e.submit(amb)
+            e.submit(other)
+            assert amb.done.wait(300) and other.done.wait(300)
+        finally:
+            e.close()
+    assert amb.finish_reason == "error" and isinstance(amb.exception, GrammarError), (amb.finish_reason, amb.error)
+    msg = str(amb.exception)
+    assert "ms of CPU time, over the bound of 2.0 ms a token" in msg and "ambiguous" in msg, msg
+    assert 100 < len(amb.tokens) < 700, len(amb.tokens)
+    assert set(tok.decode(amb.tokens)) == {"a"}
+    assert other.finish_reason == alone.finish_reason and other.tokens == alone.tokens

@@ -241,3 +241,28 @@ def test_a_heavy_tool_schema_is_read_off_the_event_loop(server):
     t.join()
     assert answer[0][0] == 400 and answer[0][1]["error"]["param"] == "tool_choice.function.name", answer
     assert during >= 10, f"/health answered {during} times while the tools were read"
+
+
+def test_an_ambiguous_grammar_ends_at_the_cpu_bound_and_another_client_goes_on(server):
+    """An ambiguous grammar's per-token work grows with every token, on the engine thread every client of the model
+    shares: it ends at the bound of one token's CPU time (34 ms, some 650 tokens in: 19 s here at load 6.5; before,
+    it ran on towards llguidance's row limit near 1,000 tokens, at up to 0.4 s a token, and outlived the client's
+    30 s timeout) as a typed 400 naming the field and the bound. Another client's request, sent while it runs, gets
+    the answer it gets alone."""
+    other = _chat(max_tokens=8, temperature=0)
+    status, alone = post(server.url + "/v1/chat/completions", other)
+    assert status == 200, alone
+    # a negative presence and frequency penalty keep drawing "a" (the grammar's only other choice is the end)
+    amb = _completion(prompt="a", grammar='root ::= x\nx ::= x x | "a"', max_tokens=1000, temperature=0,
+                      presence_penalty=-2, frequency_penalty=-2)
+    out: list[tuple[int, dict]] = []
+    job = threading.Thread(target=lambda: out.append(post(server.url + "/v1/completions", amb)))
+    job.start()
+    status, beside = post(server.url + "/v1/chat/completions", other)
+    job.join()
+    assert status == 200 and beside["choices"][0]["message"] == alone["choices"][0]["message"], (beside, alone)
+    status, doc = out[0]
+    assert status == 400, doc
+    err = doc["error"]
+    assert err["code"] == "invalid_grammar" and err["param"] == "grammar", err
+    assert "ms of CPU time, over the bound of 33.6 ms a token" in err["message"] and "ambiguous" in err["message"]

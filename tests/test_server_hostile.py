@@ -192,7 +192,9 @@ def _renderers_cpu(pid: int) -> dict[int, float]:
 
 def test_a_huge_prompt_is_refused_before_it_is_tokenized(server):
     """A 4 MB prompt cannot fit in 128 tokens whatever its tokens: refused at once (it was tokenized in full
-    first, holding the interpreter: the server froze)."""
+    first, holding the interpreter: the server froze). Its body is now more than /v1/completions could take at all
+    (16 prompts of what a 128-token context holds, a grammar, stops): a 413 before it is even parsed; a prompt of
+    100,000 characters, within that bound, is refused as before, by its characters, before it is tokenized."""
     import threading
 
     body = json.dumps({"model": "q3", "prompt": "the cache runs the hits first " * 140_000, "max_tokens": 1})
@@ -215,10 +217,13 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(server):
     finally:
         stop.set()
         th.join(30)
-    assert code == 400 and doc["error"]["code"] == "context_length_exceeded" and doc["error"]["param"] == "prompt"
-    assert "characters" in doc["error"]["message"]
+    assert code == 413 and "(/v1/completions: 16 prompts" in doc["error"]["message"], doc
     assert took < 10, took
     assert health and max(health) < 5, health
+    body = json.dumps({"model": "q3", "prompt": "the cache runs the hits first " * 3_334, "max_tokens": 1})
+    code, doc = post(server.url + "/v1/completions", body)
+    assert code == 400 and doc["error"]["code"] == "context_length_exceeded" and doc["error"]["param"] == "prompt"
+    assert "characters" in doc["error"]["message"]
 
 
 @pytest.mark.parametrize("path, body", [

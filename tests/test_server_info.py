@@ -90,7 +90,7 @@ def test_bodies_are_bounded_by_the_context_before_they_are_parsed(server, bound)
     """A body holding more than the route's payload could ever be (n_ctx ids; the characters of the longest prompt)
     is a 413 naming the bound, unparsed: parsing 16 MiB of ids held the event loop (and /health) for 0.7-2 s. A body
     right at the bound is parsed and answered."""
-    from ggml_hybrid.server.info import BODY_SLACK, CHAR_BYTES, ID_BYTES
+    from ggml_hybrid.server.body_bounds import BODY_SLACK, CHAR_BYTES, ID_BYTES
 
     for route, payload, limit in (("/detokenize", '{"tokens": [5]}', BODY_SLACK + N_CTX * ID_BYTES),
                                   ("/tokenize", '{"content": "a"}', BODY_SLACK + bound * CHAR_BYTES)):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from typing import Any, Protocol
 
@@ -35,6 +36,7 @@ from .grammar_check import (
     MAX_GRAMMAR_CHARS,
     MAX_LEVELS,
     MAX_SCHEMA_DEPTH,
+    STEP_SECONDS,
     CheckError,
     check_shape,
     closed_schema,
@@ -142,6 +144,7 @@ class Grammar:
         # this runs on a compile thread of the pool, whose stack is the checker's several times over
         llg = _llguidance()
         self.tok, self.what, self.kind = tok, what, kind
+        self.step_seconds = STEP_SECONDS  # the CPU time one token's mask (or taking it) may take in a constraint
         self.n_vocab = tok.n_vocab
         self._vocab = vocabulary(tok)
         try:
@@ -244,9 +247,11 @@ class Constraint:
 
     def allowed(self) -> np.ndarray:
         """A boolean array over the vocabulary: the tokens the grammar can take next."""
+        start = time.thread_time()
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._m.is_error():
             raise GrammarError(f"{self.grammar.what}: {_first_line(self._m.get_error())}")
+        self._check_time("the mask of the next token", time.thread_time() - start)
         ok: np.ndarray = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.grammar.n_vocab)
         return ok.view(bool)
 
@@ -262,9 +267,23 @@ class Constraint:
         return out
 
     def accept(self, token: int) -> None:
+        start = time.thread_time()
         if not self._m.consume_token(int(token)):
             raise GrammarError(f"{self.grammar.what}: token {token} is not allowed here: "
                                f"{_first_line(self._m.get_error())}")
+        self._check_time(f"taking token {token}", time.thread_time() - start)
+
+    def _check_time(self, work: str, spent: float) -> None:
+        """A GrammarError when one token's grammar work took more CPU time (this thread's: other threads' load does
+        not count) than the grammar's bound (:data:`STEP_SECONDS`): it runs on the engine thread, where every other
+        sequence of the model waits for it, and an ambiguous grammar's grows with every token."""
+        bound = self.grammar.step_seconds
+        if spent > bound:
+            raise GrammarError(f"{self.grammar.what}: {work} took {spent * 1000:.1f} ms of CPU time, over the bound "
+                               f"of {bound * 1000:.1f} ms a token (llguidance's step limits at its documented speeds, "
+                               "twice over): an ambiguous grammar (a rule such as 'root ::= root root', where a text "
+                               "parses more than one way) costs more with every token; write it so that each text "
+                               "parses one way")
 
     def whole(self, text: str) -> bool:
         """Whether ``text``, which the grammar took to its end, is what the grammar promises: for a JSON schema, JSON
@@ -279,4 +298,4 @@ class Constraint:
 
 
 __all__ = ["Constraint", "Grammar", "JSON_WHITESPACE", "LIMITS", "MAX_EXACT_INT", "MAX_GRAMMAR_CHARS", "MAX_LEVELS",
-           "MAX_SCHEMA_DEPTH", "PROBE_TOKENS", "closed_schema", "json_options", "vocabulary"]
+           "MAX_SCHEMA_DEPTH", "PROBE_TOKENS", "STEP_SECONDS", "closed_schema", "json_options", "vocabulary"]

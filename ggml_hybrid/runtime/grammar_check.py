@@ -46,6 +46,14 @@ MEMORY_LIMIT = 2 << 30         # bytes of address space this process may map (ll
 # about a second and its lexer within tens of MiB)
 LIMITS: dict[str, Any] = {"max_grammar_size": 200_000, "max_lexer_states": 50_000, "initial_lexer_fuel": 1_000_000,
           "step_lexer_fuel": 200_000, "step_max_items": 50_000}
+# llguidance's documented speeds of the work its step limits count (lexer fuel: 14,000 a millisecond; Earley items:
+# 20,000 a millisecond): a mask within those limits takes at most about their sum, 16.8 ms. Its Earley completions are
+# not counted by them: an ambiguous grammar (``root ::= root root``) costs more with every token (0.4 s a token near
+# 1,000 tokens) within every step limit. So the CPU time one token's grammar work takes (its mask, or taking the token)
+# is bounded too, at twice that sum: past it the request ends with a GrammarError (runtime/grammar.py).
+LEXER_FUEL_PER_MS = 14_000
+ITEMS_PER_MS = 20_000
+STEP_SECONDS = 2 * (LIMITS["step_lexer_fuel"] / LEXER_FUEL_PER_MS + LIMITS["step_max_items"] / ITEMS_PER_MS) / 1000
 # JSON whitespace as llama.cpp's json-schema-to-grammar allows it: none, one space, or a newline and an indent
 JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")

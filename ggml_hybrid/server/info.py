@@ -19,7 +19,6 @@ it may be left out, and any name is that model (llama-server's rule, :meth:`.rou
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -31,15 +30,11 @@ from starlette.routing import Route
 from ..errors import GgmlHybridError
 from ..machine import release_free_memory
 from .models import ServedModel
-from .protocol import MAX_BODY_BYTES, APIError, bad, context_overflow
+from .protocol import APIError, bad, context_overflow
 from .routes import Routes
 
 MAX_TOKENIZE_CHARS = 1 << 22  # a text beyond this is refused before it is tokenized (the body limit is 16 MiB)
 TRIM_AFTER = 1 << 16  # characters of text after which the freed memory is handed back to the system
-# a body's bound where its payload is bounded by the context: the payload's bytes, plus the rest of a body
-BODY_SLACK = 64 << 10  # the model's name, the flags, whitespace
-ID_BYTES = 24  # one token id in JSON: at most 20 digits, a comma and a few spaces
-CHAR_BYTES = 12  # one character of a JSON string at most: a character beyond the BMP escaped as two \u escapes
 POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
 
 
@@ -70,16 +65,8 @@ class InfoRoutes:
             raise bad("'model' must be the name of a model from GET /v1/models.", "model")
         return self.routes.lookup(name)  # 404 for a name not served, 503 while it loads
 
-    def _body_limit(self, per_model: Callable[[ServedModel], int]) -> int:
-        """The most bytes a body may hold when its payload is bounded per model (``per_model``: the largest payload
-        a model served takes, in bytes): the largest over the loaded models, plus the rest of a body. Before any
-        model has loaded, the server-wide bound (the request is refused as the model loads anyway)."""
-        sizes = [per_model(sm) for sm in self.routes.models.models.values() if sm.model is not None]
-        return min(MAX_BODY_BYTES, BODY_SLACK + max(sizes)) if sizes else MAX_BODY_BYTES
-
     async def tokenize(self, request: HTTPRequest) -> Response:
-        limit = self._body_limit(lambda sm: sm.max_prompt_chars * CHAR_BYTES)
-        body = await self.routes.read_body(request, limit, " (/tokenize: a text a sequence's context can hold)")
+        body = await self.routes.route_body(request, "tokenize")
         sm = self.model(body.get("model"))
         content = body.get("content")
         if not isinstance(content, str):
@@ -114,8 +101,7 @@ class InfoRoutes:
         return await anyio.to_thread.run_sync(answer, limiter=self.routes.text_limiter)
 
     async def detokenize(self, request: HTTPRequest) -> Response:
-        limit = self._body_limit(lambda sm: sm.model.n_ctx * ID_BYTES if sm.model is not None else 0)
-        body = await self.routes.read_body(request, limit, " (/detokenize: the ids a sequence's context holds)")
+        body = await self.routes.route_body(request, "detokenize")
         sm = self.model(body.get("model"))
         assert sm.model is not None
         tok = sm.model.tokenizer
@@ -168,7 +154,7 @@ class InfoRoutes:
         return JSONResponse([{**s, "is_processing": s["state"] != "idle"} for s in sm.engine.slots()])
 
     async def embeddings(self, request: HTTPRequest) -> Response:
-        body = await self.routes.read_body(request)
+        body = await self.routes.route_body(request, "completion")
         sm = self.model(body.get("model"))
         assert sm.model is not None
         arch = sm.model.hp.arch

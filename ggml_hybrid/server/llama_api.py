@@ -85,7 +85,7 @@ class LlamaRoutes:
         ]
 
     async def apply_template(self, request: HTTPRequest) -> Response:
-        body = await self.routes.read_body(request)
+        body = await self.routes.route_body(request, "chat")
         g = chat_request(body, self.routes.defaults)
         g.tools = await anyio.to_thread.run_sync(read_tools, body, limiter=self.routes.text_limiter)
         sm = self.routes.resolve(g)
@@ -93,7 +93,7 @@ class LlamaRoutes:
         return JSONResponse({"prompt": text})
 
     async def completion(self, request: HTTPRequest) -> Response:
-        body = await self.routes.read_body(request)
+        body = await self.routes.route_body(request, "completion")
         g, return_tokens = completion_request(body, self.routes)
         pieces = prompts(body.get("prompt"))
         if len(pieces) * g.n > MAX_CHOICES:

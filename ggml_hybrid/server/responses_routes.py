@@ -60,7 +60,7 @@ class ResponsesRoutes:
         ]
 
     async def create(self, request: HTTPRequest) -> Response:
-        body = await self.routes.read_body(request)
+        body = await self.routes.route_body(request, "chat")
         try:
             turn = read_request(body, self.store)
             g = await self.routes.chat_generation(turn.chat)

@@ -32,6 +32,7 @@ from ..runtime.engine import Request
 from ..runtime.grammar import Grammar
 from ..runtime.logprobs import TokenLogprob
 from . import anthropic, body, metrics
+from .body_bounds import body_bound, body_why
 from .logprobs import CompletionLogprobs, chat_logprobs
 from .logs import log_once, shorten
 from .models import ModelSet, ServedModel
@@ -100,6 +101,7 @@ class Routes:
         self.registry = metrics.registry(models)
         self.text_limiter = anyio.CapacityLimiter(TEXT_THREADS)
         self.grammar_limiter = anyio.CapacityLimiter(GRAMMAR_WAITERS)
+        self.parse_limiter = anyio.CapacityLimiter(1)  # large bodies parsed one at a time (server/body.py)
 
     def table(self) -> list[Route]:
         """The routes, each handler counted under its path."""
@@ -160,7 +162,13 @@ class Routes:
         return Response(body, media_type=ctype)
 
     async def read_body(self, request: HTTPRequest, limit: int = MAX_BODY_BYTES, why: str = "") -> dict[str, Any]:
-        return await body.read_json(request, limit, why)
+        return await body.read_json(request, self.parse_limiter, limit, why)
+
+    async def route_body(self, request: HTTPRequest, kind: str) -> dict[str, Any]:
+        """The body of a ``kind`` route (:data:`.body_bounds.KINDS`), refused unparsed (413) beyond the largest one
+        its fields could accept on the models served."""
+        limit = body_bound(self.models.models.values(), kind)
+        return await self.read_body(request, limit, body_why(request.url.path, kind))
 
     def lookup(self, name: str) -> ServedModel:
         """The model named ``name``; with one model served, that model whatever the name ("": none given), as
@@ -187,7 +195,7 @@ class Routes:
         return sm
 
     async def completions(self, request: HTTPRequest) -> Response:
-        body = await self.read_body(request)
+        body = await self.route_body(request, "completion")
         g = completion_request(body, self.defaults)
         g.structure = read_structure(body)
         sm = self.resolve(g)
@@ -196,7 +204,7 @@ class Routes:
         return await self.generate(request, sm, g, prompts, "completion", grammar)
 
     async def chat(self, request: HTTPRequest) -> Response:
-        g = await self.chat_generation(await self.read_body(request))
+        g = await self.chat_generation(await self.route_body(request, "chat"))
         sm = self.resolve(g)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
@@ -213,7 +221,7 @@ class Routes:
 
     async def messages(self, request: HTTPRequest) -> Response:
         """Anthropic's Messages API: read into a chat request (server/anthropic.py), answered in Anthropic's shapes."""
-        body = await self.read_body(request)
+        body = await self.route_body(request, "chat")
         g, sm = await anyio.to_thread.run_sync(self._messages_request, body, limiter=self.text_limiter)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         grammar = await anyio.to_thread.run_sync(_grammar, sm, g, limiter=self.grammar_limiter)
@@ -222,7 +230,7 @@ class Routes:
     async def count_tokens(self, request: HTTPRequest) -> Response:
         """Anthropic's ``POST /v1/messages/count_tokens``: the tokens of the prompt the request renders to (tools
         included), as ``/v1/messages`` would evaluate it."""
-        body = await self.read_body(request)
+        body = await self.route_body(request, "chat")
         g, sm = await anyio.to_thread.run_sync(self._messages_request, body, True, limiter=self.text_limiter)
         prompt = await anyio.to_thread.run_sync(_chat_prompt, sm, g, limiter=self.text_limiter)
         return JSONResponse({"input_tokens": len(prompt)})
