@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -258,6 +259,9 @@ def test_idle_connections_never_lock_out_health_at_a_256_descriptor_limit(files)
     proc = subprocess.Popen([sys.executable, "-m", "ggml_hybrid.cli", "serve", files["q3"], "-c", str(N_CTX), "-t",
                              "1", "--port", str(port)], stderr=subprocess.PIPE, text=True, preexec_fn=_limit_fds)
     socks: list[socket.socket] = []
+    lines: list[str] = []  # the server's log, read as it comes (the event below is one of its lines)
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
     try:
         end = time.monotonic() + 60
         while _health(port) != 200:
@@ -265,13 +269,12 @@ def test_idle_connections_never_lock_out_health_at_a_256_descriptor_limit(files)
             time.sleep(0.05)
         for _ in range(260):
             socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
-        # the event: the server has taken connections up to its limit (it slept 1 s and assumed so)
-        import psutil
-
-        server = psutil.Process(proc.pid)
+        # the event: the server went past its connection bound (256 descriptors less its reserve) and made room.
+        # Its descriptor count is no event: it peaks near 256 for an instant, settles at the bound, and falls
+        # back once the idle connections' header deadline passes (a poll for the peak failed on a busy machine)
         end = time.monotonic() + 60
-        while server.num_fds() < 250:
-            assert proc.poll() is None and time.monotonic() < end, server.num_fds()
+        while not any("connections: the oldest one" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < end, lines
             time.sleep(0.02)
         t0 = time.monotonic()
         answers = [_health(port) for _ in range(5)]
@@ -287,7 +290,8 @@ def test_idle_connections_never_lock_out_health_at_a_256_descriptor_limit(files)
         finally:
             if proc.poll() is None:
                 proc.kill()
-        err = proc.stderr.read() if proc.stderr else ""
+        reader.join(30)
+        err = "".join(lines)
     assert rc == 0, err[-3000:]
     assert "Traceback" not in err and len(err) < 20_000, err[-3000:]
 
