@@ -3,7 +3,8 @@
 pinned llama.cpp's own client (llama-cpp-python 0.3.36), the model split 1:1 over two of ggml-hybrid's rpc-servers
 on loopback, each reached through a counting proxy (:class:`CountingProxy`) that parses GGML's RPC stream (a
 request is its command byte, a 64-bit size and that many bytes; a reply a 64-bit size and that many bytes) and
-counts each side's commands by kind, replies and bytes.
+counts each side's commands by kind, replies and bytes, and the time from each graph sent to the first reply after
+it (the server's compute of that graph, plus a loopback round trip: where a step's time goes).
 
 Per step by difference: each side runs as a fresh process three times, (1 repetition, 1 token), (1 repetition,
 1 + ``--steps`` tokens) and (2 repetitions, 1 token) of bench_hosts.py's workload (a prompt of ``--prompt`` tokens
@@ -26,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -84,19 +84,19 @@ class CountingProxy:
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.lock = threading.Lock()
-        self.counts: Counter[str] = Counter()
+        self.counts: dict[str, float] = {}  # counts, and and "ms graph to next reply": the servers' compute, about
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def take(self) -> Counter[str]:
+    def take(self) -> dict[str, float]:
         with self.lock:
-            out, self.counts = self.counts, Counter()
+            out, self.counts = self.counts, {}
         return out
 
-    def _count(self, key: str, n: int = 1) -> None:
+    def _count(self, key: str, n: float = 1) -> None:
         with self.lock:
-            self.counts[key] += n
+            self.counts[key] = self.counts.get(key, 0) + n
 
     def _accept(self) -> None:
         while True:
@@ -104,20 +104,30 @@ class CountingProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.target)
-            for s in (client, server):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._serve(client, socket.create_connection(self.target))
 
-            def request(code: int | None, size: int) -> None:
-                self._count(command_name(code or 0))
-                self._count("bytes sent", 9 + size)
+    def _serve(self, client: socket.socket, server: socket.socket) -> None:
+        for s in (client, server):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        graph_sent: list[float] = []  # when the last graph went out, until the first reply after it
 
-            def reply(code: int | None, size: int) -> None:
-                self._count("replies")
-                self._count("bytes received", 8 + size)
+        def request(code: int | None, size: int) -> None:
+            name = command_name(code or 0)
+            self._count(name)
+            self._count("bytes sent", 9 + size)
+            if name == "GRAPH_COMPUTE":
+                self._count("bytes of GRAPH_COMPUTE", size)  # its nodes and tensors: how big the graph is
+            if name in ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE") and not graph_sent:
+                graph_sent.append(time.perf_counter())
 
-            for src, dst, parse in ((client, server, _Stream(True, request)), (server, client, _Stream(False, reply))):
-                threading.Thread(target=self._pump, args=(src, dst, parse), daemon=True).start()
+        def reply(code: int | None, size: int) -> None:
+            self._count("replies")
+            self._count("bytes received", 8 + size)
+            if graph_sent:  # the server answers in order: this reply came once the graph was computed
+                self._count("ms graph to next reply", (time.perf_counter() - graph_sent.pop()) * 1e3)
+
+        for src, dst, parse in ((client, server, _Stream(True, request)), (server, client, _Stream(False, reply))):
+            threading.Thread(target=self._pump, args=(src, dst, parse), daemon=True).start()
 
     @staticmethod
     def _pump(src: socket.socket, dst: socket.socket, parse: _Stream) -> None:
@@ -179,11 +189,11 @@ def _table(title: str, per: dict[str, list[dict[str, float]]]) -> None:
         cells = []
         for side in per.values():
             a, b = (w.get(k, 0.0) for w in side)
-            cells.append(f"{a:g} + {b:g}".rjust(22))
+            cells.append(f"{a:.4g} + {b:.4g}".rjust(22))
         print(f"| {k:28} | " + " | ".join(cells) + " |")
-    for side, ws in per.items():
+    for name, ws in per.items():
         waits = sum(w.get(k, 0.0) for w in ws for k in ANSWERED if k != "HYBRID_GRAPH_STATUS")
-        print(f"{side}: commands answered (round trips waited for, statuses apart): {waits:g}; "
+        print(f"{name}: commands answered (round trips waited for, statuses apart): {waits:g}; "
               f"statuses {sum(w.get('HYBRID_GRAPH_STATUS', 0.0) for w in ws):g}")
 
 
@@ -216,8 +226,10 @@ def main(**kw: object) -> None:
                     tokens[side] = toks
                 runs.append([p.take() for p in proxies])
             (a, b, c) = runs
-            step[side] = [{k: (b[i][k] - a[i][k]) / ns.steps for k in set(a[i]) | set(b[i])} for i in (0, 1)]
-            prompt[side] = [{k: float(c[i][k] - a[i][k]) for k in set(a[i]) | set(c[i])} for i in (0, 1)]
+            step[side] = [{k: (b[i].get(k, 0) - a[i].get(k, 0)) / ns.steps for k in set(a[i]) | set(b[i])}
+                          for i in (0, 1)]
+            prompt[side] = [{k: float(c[i].get(k, 0) - a[i].get(k, 0)) for k in set(a[i]) | set(c[i])}
+                            for i in (0, 1)]
         print(f"model {ns.model}; prompt {ns.prompt} tokens; {ns.steps} decode steps; same tokens: "
               f"{tokens['ours'] == tokens['llama.cpp']}")
         _table("per decode step", step)
