@@ -227,6 +227,20 @@ class Scheduler(Managed):
         self._check_inputs_set(graph)
         self._run(graph, "Scheduler.compute", None, lib.ggml_backend_sched_graph_compute, self.ptr, graph.ptr)
 
+    def compute_read(self, graph: Graph, read: Callable[[], np.ndarray]) -> np.ndarray:
+        """:meth:`compute`, then ``read()`` (e.g. a :meth:`Tensor.reader` of the graph's output) before the servers
+        of RPC devices are asked how their graphs went: their replies carry that, so over RPC the read is the
+        only round trip after the compute, as upstream's client has it (:meth:`compute` then a read costs one
+        more per server whose graph no reply followed)."""
+        self._idle("compute")
+        if self._allocated != (graph, graph.version, graph._alloc_token):
+            self.alloc(graph)
+        self._check_inputs_set(graph)
+        out: list[np.ndarray] = []
+        self._run(graph, "Scheduler.compute", None, lib.ggml_backend_sched_graph_compute, self.ptr, graph.ptr,
+                  read=lambda: out.append(read()))
+        return out[0]
+
     def step(self, graph: Graph, io: StepIO) -> np.ndarray:
         """:meth:`compute` for a graph whose every input ``io`` sets: the inputs set from ``io``'s arrays,
         the graph computed and a copy of ``io``'s output returned, in one native call (a decode step).
@@ -247,9 +261,10 @@ class Scheduler(Managed):
         return out
 
     def _run(self, graph: Graph, what: str, refused: Callable[[], None] | None, fn: Callable[..., int],
-             *args: Any) -> None:
+             *args: Any, read: Callable[[], None] | None = None) -> None:
         """Call ``fn(*args)``, a native compute of ``graph``, as this scheduler's one compute in progress; raise
-        what its region executors or eval callback raised, then ``refused()``'s error, then its status."""
+        what its region executors or eval callback raised, then ``refused()``'s error, then its status; then
+        ``read()`` (the compute succeeded), then what the servers of RPC devices say of it."""
         take_escaped()  # a stray exception of an earlier call on this thread is not this compute's
         self._computing = graph
         enter_compute(self)
@@ -269,9 +284,18 @@ class Scheduler(Managed):
         except Exception as exc:
             raise_if_lost(self._remote, exc)  # a lost RPC server is why it failed: say so
             raise
+        if read is not None:
+            try:
+                read()  # its replies carry the statuses of the graphs before it
+            except Exception as exc:
+                raise_if_lost(self._remote, exc)  # a server lost: said as for the compute
+                raise
         if self._remote:
+            # a server's kernel met one (patch 0014): the connection stays. First, since it reads the statuses no
+            # reply read yet (patch 0017: a synchronize waits for nothing from a server), which also finds a
+            # connection lost since its last reply
+            index_errors.raise_remote(self._remote)
             raise_if_lost(self._remote)  # lost after its last reply: the results never came
-            index_errors.raise_remote(self._remote)  # a server's kernel met one (patch 0014): the connection stays
 
     def reset(self) -> None:
         self._idle("reset")

@@ -371,8 +371,7 @@ class Session(VerifySteps, ModelView):
             feed = self._inputs(parts, seq_rows, n_out, "out_ids" in g.inputs)
             for name, t in g.inputs.items():
                 t._set_trusted(feed[name])
-            self.sched.compute(g.graph)
-            logits = g.read_logits()
+            logits = self.sched.compute_read(g.graph, g.read_logits)  # over RPC the read is the one round trip
         # weights are read in place from the mapping: a read past the end of a file truncated meanwhile gave
         # zeros (the mapping's guard), and these logits must not be used; the sequence stays as it was
         model.store.check_reads()
