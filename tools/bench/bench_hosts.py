@@ -63,7 +63,9 @@ def side_ours(ns: SimpleNamespace) -> dict:
     from ggml_hybrid.options import SessionOptions
     from ggml_hybrid.runtime.moe_model import MoEModel
 
-    opts = SessionOptions.parse(["n_threads=1", f"rpc={ns.rpc}", *ns.opt])
+    # the llama.cpp side's settings (_llama_rpc_worker.py): a 512-cell context and batch, flash attention off
+    opts = SessionOptions.parse(["n_threads=1", "n_ctx=512", "batch_size=512", "ubatch_size=512", "flash_attn=false",
+                                 f"rpc={ns.rpc}", *ns.opt])
     with MoEModel(ns.model, opts) as m:
         prompt = list(range(10, 10 + ns.prompt))
         out: dict = {"prompt_s": [], "decode_s": [], "tokens": [], "prompt_counters": []}
