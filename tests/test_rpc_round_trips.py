@@ -13,48 +13,19 @@ fails it), and the resident run on the local CPU for the bits.
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from rpc_counts import ANSWERED, RPCStream, command_name
 from test_rpc import opts, rpc_server
 
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model
 
-STATUS = 0xE0  # RPC_CMD_HYBRID_GRAPH_STATUS (vendor patch 0014)
-#: the commands of GGML's protocol 7.0.0 that the server answers (ggml-rpc.cpp's rpc_serve_client_commands), and
-#: ggml-hybrid's status and device kinds (patches 0014, 0016)
-ANSWERED = {0, 1, 2, 3, 7, 8, 9, 11, 13, 14, 15, STATUS, 0xE1}
-
-
-class _Reader:
-    """Messages of one direction as they pass: ``head`` bytes, then the payload of the size they end with."""
-
-    def __init__(self, head: int, on_message: Callable[[bytes, int], None]) -> None:
-        self.need, self.on_message = head, on_message
-        self.head, self.left = b"", 0
-
-    def feed(self, data: bytes, before: Callable[[int], None] | None = None) -> None:
-        i = 0
-        while i < len(data):
-            if self.left:
-                take = min(self.left, len(data) - i)
-                self.left -= take
-                i += take
-                continue
-            if not self.head and before is not None:
-                before(i)  # a message starts at data[i]
-            take = min(self.need - len(self.head), len(data) - i)
-            self.head += data[i:i + take]
-            i += take
-            if len(self.head) == self.need:
-                self.left = struct.unpack("<Q", self.head[-8:])[0]
-                self.on_message(self.head, self.left)
-                self.head = b""
+STATUS = "HYBRID_GRAPH_STATUS"  # vendor patch 0014's command
 
 
 class StatusGate:
@@ -89,19 +60,19 @@ class StatusGate:
 class _Connection:
     def __init__(self, gate: StatusGate, client: socket.socket, server: socket.socket) -> None:
         self.gate, self.client, self.server = gate, client, server
-        self.answered: list[tuple[int, int]] = []  # (command, its number among answered requests), in order
+        self.answered: list[tuple[str, int]] = []  # (command, its number among answered requests), in order
         self.sent = 0  # answered requests the client sent so far
         self.closed = False
 
     def requests(self) -> None:
-        def on_request(head: bytes, size: int) -> None:
-            if head[0] in ANSWERED:
+        def on_request(code: int | None, size: int) -> None:
+            if command_name(code or 0) in ANSWERED:
                 with self.gate.cond:
-                    self.answered.append((head[0], self.sent))
+                    self.answered.append((command_name(code or 0), self.sent))
                     self.sent += 1
                     self.gate.cond.notify_all()
 
-        reader = _Reader(9, on_request)
+        reader = RPCStream(True, on_request)
         self._pump(self.client, self.server, lambda data: (reader.feed(data), self.server.sendall(data)))
 
     def replies(self) -> None:
@@ -109,7 +80,7 @@ class _Connection:
 
         def before(i: int) -> None:  # a reply starts at data[i]: a status is held (with all after it) while held
             with self.gate.cond:
-                cmd, number = self.answered.pop(0) if self.answered else (-1, -1)
+                cmd, number = self.answered.pop(0) if self.answered else ("", -1)
                 if cmd != STATUS or not self.gate.holding:
                     return
                 self.gate.held += 1
@@ -118,7 +89,7 @@ class _Connection:
                 while self.sent <= number + 1 and not self.closed:  # until a later request that has a reply
                     self.gate.cond.wait()
 
-        reader = _Reader(8, lambda head, size: None)
+        reader = RPCStream(False, lambda code, size: None)
 
         def forward(data: bytes) -> None:
             chunk["data"], chunk["sent"] = data, 0

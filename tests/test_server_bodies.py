@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("openai")
 from test_server import Server, get, post
+from test_server_info import prompt_rule_chars
 
 from ggml_hybrid.synthetic import write_model
 
@@ -34,10 +35,7 @@ def model(tmp_path_factory):
 def prompt_chars(model) -> int:
     """The prompts' rule from the vocabulary: more characters than n_ctx of the longest token (twice over) cannot
     fit in a sequence's context."""
-    import gguf
-
-    tokens = gguf.GGUFReader(model).fields["tokenizer.ggml.tokens"].contents()
-    return N_CTX * max(max(len(t) for t in tokens), 8) * 2
+    return prompt_rule_chars(model, N_CTX)
 
 
 @pytest.fixture(scope="module")

@@ -38,11 +38,15 @@ def model(tmp_path_factory):
 def bound(model) -> int:
     """The prompts' rule, computed here from the vocabulary: a text of more characters than a sequence's context
     could hold if every token were the longest one (twice over) is refused before it is tokenized."""
+    return prompt_rule_chars(model, N_CTX)
+
+
+def prompt_rule_chars(model: str, n_ctx: int) -> int:
+    """The prompts' character bound for ``model`` at ``n_ctx``, from its vocabulary (the tests' own oracle)."""
     import gguf
 
-    r = gguf.GGUFReader(model)
-    tokens = r.fields["tokenizer.ggml.tokens"].contents()
-    return N_CTX * max(max(len(t) for t in tokens), 8) * 2
+    tokens = gguf.GGUFReader(model).fields["tokenizer.ggml.tokens"].contents()
+    return n_ctx * max(max(len(t) for t in tokens), 8) * 2
 
 
 @pytest.fixture(scope="module")

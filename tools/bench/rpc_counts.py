@@ -50,16 +50,18 @@ def command_name(code: int) -> str:
     return COMMANDS[code] if code < len(COMMANDS) else HYBRID.get(code, f"0x{code:02x}")
 
 
-class _Stream:
-    """One direction's messages parsed as they pass: ``header`` bytes (the command byte and/or the 64-bit size),
-    then the payload, skipped."""
+class RPCStream:
+    """One direction's messages parsed as they pass: ``header`` bytes (requests: the command byte and the 64-bit
+    size; replies: the size), then the payload, skipped. ``on_message(code, size)`` when a header is complete (code
+    None for a reply); ``feed``'s ``before(i)`` when a message starts at ``data[i]`` (tests/test_rpc_round_trips.py
+    holds replies there)."""
 
     def __init__(self, requests: bool, on_message: Callable[[int | None, int], None]) -> None:
         self.requests, self.on_message = requests, on_message
         self.head = b""
         self.left = 0
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes, before: Callable[[int], None] | None = None) -> None:
         i, n = 0, len(data)
         need = 9 if self.requests else 8
         while i < n:
@@ -68,6 +70,8 @@ class _Stream:
                 self.left -= take
                 i += take
                 continue
+            if not self.head and before is not None:
+                before(i)
             take = min(need - len(self.head), n - i)
             self.head += data[i:i + take]
             i += take
@@ -126,11 +130,11 @@ class CountingProxy:
             if graph_sent:  # the server answers in order: this reply came once the graph was computed
                 self._count("ms graph to next reply", (time.perf_counter() - graph_sent.pop()) * 1e3)
 
-        for src, dst, parse in ((client, server, _Stream(True, request)), (server, client, _Stream(False, reply))):
+        for src, dst, parse in ((client, server, RPCStream(True, request)), (server, client, RPCStream(False, reply))):
             threading.Thread(target=self._pump, args=(src, dst, parse), daemon=True).start()
 
     @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, parse: _Stream) -> None:
+    def _pump(src: socket.socket, dst: socket.socket, parse: RPCStream) -> None:
         try:
             while data := src.recv(1 << 16):
                 parse.feed(data)
