@@ -8,8 +8,9 @@ On one machine the leader and its workers share the CPUs: every millisecond the 
 is taken from a worker, so the leader's CPU time is part of a step's time. Each side is a fresh process per round
 (rounds alternate: ours, llama.cpp, llama.cpp, ours, ...) that prints, per repetition, its process CPU time (every
 thread's: ``time.process_time``) and context switches (``getrusage``) over the prompt call and over the decode
-steps. A context switch is where the threads of a leader hand work to each other (the RPC client's dispatcher
-thread per server), the main cost of a step's CPU. Reported: medians per decode step and per prompt call, of the
+steps. A voluntary context switch (``*_switches``) is where the threads of a leader hand work to each other (the
+RPC client's dispatcher thread per server) or wait for a server, the main cost of a step's CPU; an involuntary one
+(``*_preempted``) is the load taking the CPU away. Reported: medians per decode step and per prompt call, of the
 repetitions after the first (warm), and the first repetition's decode separately (it holds the first decode step).
 
 ``--ours LABEL=DIR`` (repeatable) runs our side with the package of checkout DIR (built) instead of this one:
@@ -61,9 +62,11 @@ def _summary(runs: list[dict], ns: SimpleNamespace) -> dict[str, float]:
         return statistics.median(c[phase][key] / per for c in rows)
 
     return {"step_cpu_ms": 1e3 * med(warm, "decode", "cpu_s", steps),
-            "step_switches": med(warm, "decode", "voluntary", steps) + med(warm, "decode", "involuntary", steps),
+            "step_switches": med(warm, "decode", "voluntary", steps),
+            "step_preempted": med(warm, "decode", "involuntary", steps),
             "prompt_cpu_ms": 1e3 * med(warm, "prompt", "cpu_s"),
-            "prompt_switches": med(warm, "prompt", "voluntary") + med(warm, "prompt", "involuntary"),
+            "prompt_switches": med(warm, "prompt", "voluntary"),
+            "prompt_preempted": med(warm, "prompt", "involuntary"),
             "first_decode_cpu_ms": 1e3 * med(first, "decode", "cpu_s"),
             "first_prompt_cpu_ms": 1e3 * med(first, "prompt", "cpu_s"),
             "threads": max(c["decode"]["threads"] for r in runs for c in r["cpu"]),
