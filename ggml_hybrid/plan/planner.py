@@ -24,14 +24,15 @@ from ..gguf.store import GGUFStore
 from ..model.families import read_hparams
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
-from ..moe.host_tier import auto_budget, resolve_budget
+from ..moe.host_tier import auto_budget, memory_available, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..placement.devices import device_free_memory, plan_device_names
 from ..placement.layout import CPU
 from ..runtime.cache_size import SlotChoice
 from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
-from ..units import GiB, format_bytes
-from .host_advice import memory_warnings, planned_devices, search_tier, tier_least
+from ..runtime.tier_size import session_host_bytes
+from ..units import GiB, MiB, format_bytes
+from .host_advice import larger_than_memory, memory_tight, memory_warnings, planned_devices, search_tier, tier_least
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
 
@@ -93,6 +94,9 @@ class HostPlan(_ToDict):
     ram: int | None = None
     fits: bool | None = None
     host_tier: int = 0  # the host expert tier's budget (host_tier_bytes, resolved: auto from --ram or available)
+    # the session's host memory besides the tier, a CPU playing the device included (runtime/tier_size.py): what
+    # host_tier_bytes=auto and plan's advice leave beside the tier
+    held: int = 0
 
 
 @dataclass
@@ -227,13 +231,14 @@ class _Measured:
     hp: HParams
     n_ctx: int
     tier_min: int  # the least host tier a run accepts
+    held: int  # the session's host bytes besides the tier (session_host_bytes)
 
 
 def _measure(path: str, opts: SessionOptions, devices: list[str]) -> _Measured:
     with MoEModel(path, opts, dry_run_devices=devices) as m:
         return _Measured({d: m.device_memory(d) for d in devices}, m.kv.nbytes(m.host),
                          m.rs.nbytes(m.host) if m.rs is not None else 0, m.sched.buffer_size(m.host),
-                         m.layout_report(), m.hp, m.n_ctx, tier_least(m))
+                         m.layout_report(), m.hp, m.n_ctx, tier_least(m), sum(session_host_bytes(m).values()))
 
 
 def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram: list[int] | None = None,
@@ -277,10 +282,16 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
         opts = opts.merged(expert_cache_slots=choice.slots)
     p, hp = _plan_moe(path, info, opts, vram, ram, parallel)
     p.slot_choice = choice
+    memory = memory_tight(path, opts, ram)
     if vram and not all(d.fits for d in p.devices.values()):
         recs = _recommend(p, opts, hp)
         p.recommendations = [r for r in (_verify(path, info, opts, vram, ram, parallel, c) for c in recs) if r]
         p.combination = _search(path, info, opts, vram, ram, parallel, p, hp)
+    elif not vram and memory is not None:  # CPU only, a file larger than the memory: the host tier's configuration
+        p.combination = _search_host(path, info, opts, memory, ram, parallel, p, hp)
+    if memory is not None:
+        c = p.combination
+        p.warnings.append(larger_than_memory(p, memory, c is not None and c.fits and "host_tier_bytes=" in c.options))
     return p
 
 
@@ -305,8 +316,8 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
     tier = 0
     if opts.host_tier_bytes != 0 and opts.disk_experts:
         routed = info["experts"]["bytes_per_layer"] * info["experts"]["moe_layers"]
-        if opts.host_tier_bytes == "auto":  # what a run would take: the RAM given less the buffers, or what is free
-            tier = min(routed, auto_budget(ram - host_resident) if ram is not None else auto_budget())
+        if opts.host_tier_bytes == "auto":  # what a run takes: the RAM given (or available) less what it holds
+            tier = min(routed, auto_budget(memory_available() if ram is None else ram, meas.held))
         else:
             tier = resolve_budget(opts.host_tier_bytes, routed)
     host_resident += tier
@@ -314,7 +325,8 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
     p = Plan(
         model=path, architecture=hp.arch, moe=True, options=opts.to_items(), devices=out_devices,
         host=HostPlan(mapped, sum(mapped.values()), copies, sum(copies.values()), meas.host_kv, meas.host_recurrent,
-                      meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram, tier),
+                      meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram, tier,
+                      meas.held),
         kv=KVPlan(meas.n_ctx, opts.cache_type_k, opts.cache_type_v, kv_seq, kv_seq // meas.n_ctx, parallel,
                   kv_total),
         recurrent=None if dn is None else RecurrentPlan(
@@ -477,9 +489,10 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
         free = min((d.vram or 0) - d.total for d in cpu_plan.devices.values())
         layers_on = max(1, max(sum(1 for x in cpu_plan.layout.layers if x == d) for d in cpu_plan.devices))
         slots = min(hp.n_expert, free // layers_on // max(1, cpu_plan.experts.bytes_per_expert))
-        tier = search_tier(path, ram, cpu_plan)  # [] or the host tier the slots read through
+        memory = memory_tight(path, opts, ram)
         while slots >= 1:  # the cache's graphs cost room the arithmetic leaves out: fewer slots until it fits
             items = base + [f"expert_cache_slots={slots}", "disk_experts=true", "moe_cpu_share=auto"]
+            tier = _tier_items(try_plan, items, p0, memory)  # [] or the host tier the slots read through
             q = try_plan(items + tier)
             if q is not None and _fits(q):
                 tried.append((items + tier, q))
@@ -496,8 +509,46 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
             n += 1
         tried.append((base + ["cpu_moe=true"], cpu_plan))
         # the host tier's line first (it reads a file larger than RAM), then the most expert bytes on the devices
-        best = max(tried, key=lambda t: (tier[:1] == t[0][-1:], sum(v.experts for v in t[1].devices.values())))
+        best = max(tried, key=lambda t: (t[0][-1].startswith("host_tier_bytes="),
+                                         sum(v.experts for v in t[1].devices.values())))
     return _combination(best[0], best[1], opts, p0, hp)
+
+
+def _tier_items(try_plan: Callable[[list[str]], Plan | None], items: list[str], p0: Plan,
+                memory: int | None) -> list[str]:
+    """The host tier for configuration ``items`` in ``memory`` (a file larger than it; None: none needed), sized
+    beside what that configuration's session holds (planned with the least tier: the same buffers)."""
+    if memory is None:
+        return []
+    q = try_plan(items + [f"host_tier_bytes={-(-p0.experts.host_tier_min // MiB)}M"])
+    return [] if q is None else search_tier(q, memory)
+
+
+def _search_host(path: str, info: dict[str, Any], opts: SessionOptions, memory: int, ram: int | None,
+                 parallel: int, p0: Plan, hp: HParams) -> Combination | None:
+    """A CPU-only machine and a file larger than ``memory``: the largest context and batch whose session leaves the
+    least host tier beside its own buffers (the CPU playing the device holds them in the same memory), the experts
+    read through the tier (slots for a token's experts; none used where the CPU computes from the tier's frames)
+    and the tier as large as what is left (``auto``'s rule)."""
+    bare = opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction=SessionOptions().expert_eviction,
+                       moe_cpu_share=0.0, cpu_moe=False, n_cpu_moe=0)
+
+    def try_plan(items: list[str]) -> Plan | None:
+        try:
+            return _plan_moe(path, info, SessionOptions.parse(items, base=bare), None, ram, parallel)[0]
+        except OptionError:
+            return None
+
+    experts = [f"expert_cache_slots={max(1, hp.n_used)}", "disk_experts=true"]
+    for items in _base_ladder(opts, p0, hp):
+        if "no_kv_offload=true" in items:  # the KV cache is in host memory already
+            continue
+        tier = _tier_items(try_plan, items + experts, p0, memory)
+        q = try_plan(items + experts + tier) if tier else None
+        if q is not None:
+            c = _combination(items + experts + tier, q, opts, p0, hp)
+            return dataclasses.replace(c, fits=q.host.held + q.host.host_tier <= memory, device_vram={})
+    return None
 
 
 def _combination(items: list[str], q: Plan, opts: SessionOptions, p0: Plan, hp: HParams) -> Combination:
@@ -513,7 +564,8 @@ def _combination(items: list[str], q: Plan, opts: SessionOptions, p0: Plan, hp: 
         changes.append("KV cache in host memory, attention on the CPU (-nkvo)")
     if "expert_cache_slots" in kv:
         changes.append(f"routed experts on disk behind {kv['expert_cache_slots']} device cache slots per layer of "
-                       f"{hp.n_expert}, the CPU running the share of misses that finishes soonest")
+                       f"{hp.n_expert}" + (", the CPU running the share of misses that finishes soonest"
+                                           if kv.get("moe_cpu_share") == "auto" else ""))
         if "host_tier_bytes" in kv:
             changes.append(f"a host tier of {kv['host_tier_bytes']} reading the misses (the file exceeds the RAM)")
     elif "n_cpu_moe" in kv:
@@ -721,7 +773,8 @@ def format_text(p: Plan | DensePlan) -> str:
     c = p.combination if isinstance(p, Plan) else None
     if c is not None and c.fits:
         lines.append(f"  best combination: {c.options}: " + "; ".join(c.changes) + "; "
-                     + ", ".join(f"{d} {g(t)} of {g(c.device_vram[d])}" for d, t in c.device_total.items()))
+                     + ", ".join(f"{d} {g(t)}" + (f" of {g(c.device_vram[d])}" if d in c.device_vram else "")
+                                 for d, t in c.device_total.items()))
     elif c is not None:
         lines.append(f"  nothing fits: the smallest configuration ({c.options}) needs "
                      + ", ".join(f"{d} {g(t)} (given {g(c.device_vram[d])})" for d, t in c.device_total.items())
