@@ -19,6 +19,7 @@ from ggml_hybrid.cli import main
 from ggml_hybrid.errors import OptionError
 from ggml_hybrid.moe.host_tier import AUTO_SLACK
 from ggml_hybrid.options import SessionOptions
+from ggml_hybrid.plan.host_advice import program_bytes
 from ggml_hybrid.plan.planner import plan
 from ggml_hybrid.runtime.moe_model import MoEModel, auto_host_tier
 from ggml_hybrid.synthetic import ARCHS, write_model
@@ -131,4 +132,4 @@ def test_cpu_only_plan_ram_gives_a_try_line_that_runs_and_fits(tmp_path, arch):
     tier = parse_size(argv[argv.index("--host-tier") + 1])
     assert json.loads(r.stdout)["host_tier"]["bytes_held"] <= tier
     with MoEModel(path, SessionOptions(**json.loads(r.stdout)["options"])) as m:  # the run's own options
-        assert _session_host_bytes(m) + tier + AUTO_SLACK <= ram
+        assert _session_host_bytes(m) + tier + AUTO_SLACK + program_bytes() <= ram

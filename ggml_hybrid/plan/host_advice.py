@@ -3,7 +3,10 @@ what works), and the devices that --vram alone names."""
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+import sys
 from typing import TYPE_CHECKING
 
 from ..ggml.backend import gpu_device_names
@@ -17,13 +20,27 @@ from ..units import MiB, format_bytes
 if TYPE_CHECKING:
     from .planner import Plan
 
+@functools.cache
+def program_bytes() -> int:
+    """What the program holds before it loads a model: the anonymous memory of a fresh interpreter that imported
+    the command and the runtime (measured once per process, in a child: this process may hold anything)."""
+    code = ("import ggml_hybrid.cli.run, ggml_hybrid.runtime.moe_model; "
+            "from ggml_hybrid.machine import process_anon_bytes; print(process_anon_bytes())")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        return int(out.stdout.strip() or 0)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 0
+
+
 def tier_budget(p: Plan, memory: int) -> int | None:
     """The host tier a run in ``memory`` bytes can hold beside what the session of plan ``p`` (one with a tier)
-    holds there, as ``auto`` sizes it (``host.held``, less the slack), whole MiB, at most every routed expert; None
-    when it is less than the least tier that works (one layer's experts)."""
+    holds there, as ``auto`` sizes it (``host.held``, less the slack), and the program itself before it loads
+    (:func:`program_bytes`; ``auto`` measures the memory available after it), whole MiB, at most every routed
+    expert; None when it is less than the least tier that works (one layer's experts)."""
     least = -(-p.experts.host_tier_min // MiB) * MiB  # sizes are printed in whole MiB
     every = least * sum(1 for x in p.layout.experts if x != "dense")  # all it can hold
-    budget = min(auto_budget(memory, p.host.held) // MiB * MiB, every)
+    budget = min(auto_budget(memory - program_bytes(), p.host.held) // MiB * MiB, every)
     return budget if budget >= max(MiB, least) else None
 
 
