@@ -105,7 +105,7 @@ def test_auto_refuses_with_the_figures_when_the_least_tier_does_not_fit(families
     opts = SessionOptions.parse(["disk_experts=1", "expert_cache_slots=2", "n_ctx=256", "n_threads=1",
                                  "host_tier_bytes=auto"])
     with pytest.raises(OptionError, match=r"host_tier_bytes=auto: .* available less this session's .* less "
-                                          r"a slack of 32.00 MiB leaves .*one layer's experts"):
+                                          r"a slack of 64.00 MiB leaves .*one layer's experts"):
         auto_host_tier(path, opts, available=AUTO_SLACK)
 
 

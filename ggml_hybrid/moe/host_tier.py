@@ -35,9 +35,10 @@ from .slot_cache import POLICY_CODES
 
 #: I/O threads reading experts; a few reads in flight keep an SSD's queue busy, more only add seeks
 IO_THREADS = 4
-#: what ``auto`` leaves beyond the session's own buffers: the interpreter's growth while it runs (its heap, the
-#: threads' stacks, the libraries' pages), small and fixed
-AUTO_SLACK = 32 * MiB
+#: what ``auto`` leaves beyond the session's own buffers: the process's growth while it runs (the host-side step
+#: arrays, the allocator's retained heap, the CPU kernels' work buffers, threads' stacks); measured at 30-50 MiB
+#: beyond the buffers after a prompt filling a 4096-token context (docs/moe.md, "The host expert tier"), fixed
+AUTO_SLACK = 64 * MiB
 
 
 class TierCounters(Counters, struct="hy_tier_counters"):
