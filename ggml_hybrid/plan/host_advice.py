@@ -7,6 +7,7 @@ import functools
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..ggml.backend import gpu_device_names
@@ -95,6 +96,35 @@ def search_tier(q: Plan, memory: int | None) -> list[str]:
     return [] if budget is None else [f"host_tier_bytes={budget // MiB}M"]
 
 
+def tier_items(try_plan: Callable[[list[str]], Plan | None], items: list[str], least: int,
+               memory: int | None) -> list[str]:
+    """The host tier for configuration ``items`` in ``memory`` (a file larger than it; None: none needed), sized
+    beside what that configuration's session holds (planned with the least tier, ``least`` bytes: the same
+    buffers)."""
+    if memory is None:
+        return []
+    q = try_plan(items + [f"host_tier_bytes={-(-least // MiB)}M"])
+    return [] if q is None else search_tier(q, memory)
+
+
+def search_host(try_plan: Callable[[list[str]], Plan | None], ladder: list[list[str]], n_used: int, least: int,
+                memory: int) -> tuple[list[str], Plan] | None:
+    """A CPU-only machine and a file larger than ``memory``: the first configuration of ``ladder`` (the largest
+    context and batch first) whose session leaves the least host tier beside its own buffers (a CPU playing the
+    device holds them in the same memory), the experts read through the tier (slots for a token's experts, none
+    used where the CPU computes from the tier's frames) and the tier as large as what is left (``auto``'s rule);
+    its items and its plan, or None."""
+    experts = [f"expert_cache_slots={max(1, n_used)}", "disk_experts=true"]
+    for items in ladder:
+        if "no_kv_offload=true" in items:  # the KV cache is in host memory already
+            continue
+        tier = tier_items(try_plan, items + experts, least, memory)
+        q = try_plan(items + experts + tier) if tier else None
+        if q is not None:
+            return items + experts + tier, q
+    return None
+
+
 def planned_devices(p: Plan) -> set[str]:
     """The devices of ``p`` that --vram alone named (CUDA0, CUDA1, ...: no such GPU here, no -dev, no RPC)."""
     if any(x.split("=", 1)[0] in ("rpc", "devices") for x in p.options):
@@ -103,5 +133,5 @@ def planned_devices(p: Plan) -> set[str]:
     return {d for d, v in p.devices.items() if v.vram is not None and d not in gpus}
 
 
-__all__ = ["larger_than_memory", "memory_tight", "memory_warnings", "planned_devices", "search_tier", "tier_budget",
-           "tier_least"]
+__all__ = ["larger_than_memory", "memory_tight", "memory_warnings", "planned_devices", "program_bytes", "search_host",
+           "search_tier", "tier_budget", "tier_items", "tier_least"]

@@ -31,8 +31,8 @@ from ..placement.layout import CPU
 from ..runtime.cache_size import SlotChoice
 from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
 from ..runtime.tier_size import session_host_bytes
-from ..units import GiB, MiB, format_bytes
-from .host_advice import larger_than_memory, memory_tight, memory_warnings, planned_devices, search_tier, tier_least
+from ..units import GiB, format_bytes
+from .host_advice import larger_than_memory, memory_tight, memory_warnings, search_host, tier_items, tier_least
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
 
@@ -282,17 +282,48 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
         opts = opts.merged(expert_cache_slots=choice.slots)
     p, hp = _plan_moe(path, info, opts, vram, ram, parallel)
     p.slot_choice = choice
-    memory = memory_tight(path, opts, ram)
     if vram and not all(d.fits for d in p.devices.values()):
         recs = _recommend(p, opts, hp)
         p.recommendations = [r for r in (_verify(path, info, opts, vram, ram, parallel, c) for c in recs) if r]
         p.combination = _search(path, info, opts, vram, ram, parallel, p, hp)
-    elif not vram and memory is not None:  # CPU only, a file larger than the memory: the host tier's configuration
-        p.combination = _search_host(path, info, opts, memory, ram, parallel, p, hp)
-    if memory is not None:
-        c = p.combination
-        p.warnings.append(larger_than_memory(p, memory, c is not None and c.fits and "host_tier_bytes=" in c.options))
+    _advise_memory(path, info, opts, vram, ram, parallel, p, hp)
     return p
+
+
+def _advise_memory(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[int] | None,
+                   ram: int | None, parallel: int, p: Plan, hp: HParams) -> None:
+    """A file larger than the memory (``--ram``, or what is available): on a CPU-only machine the host tier's
+    configuration is the plan's combination (``search_host``); either way a warning says where the advice is."""
+    memory = memory_tight(path, opts, ram)
+    if memory is None:
+        return
+    if not vram:
+        found = search_host(_try_plan(path, info, _bare(opts), None, ram, parallel), _base_ladder(opts, p, hp),
+                            hp.n_used, p.experts.host_tier_min, memory)
+        if found is not None:
+            c, q = _combination(found[0], found[1], opts, p, hp), found[1]
+            p.combination = dataclasses.replace(c, fits=q.host.held + q.host.host_tier <= memory, device_vram={})
+    done = p.combination
+    p.warnings.append(larger_than_memory(p, memory, done is not None and done.fits
+                                         and "host_tier_bytes=" in done.options))
+
+
+def _bare(opts: SessionOptions) -> SessionOptions:
+    """The options with the experts' placement left to a search."""
+    return opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction=SessionOptions().expert_eviction,
+                       moe_cpu_share=0.0, cpu_moe=False, n_cpu_moe=0)
+
+
+def _try_plan(path: str, info: dict[str, Any], base: SessionOptions, vram: list[int] | None, ram: int | None,
+              parallel: int) -> Callable[[list[str]], Plan | None]:
+    """A search's dry run of ``key=value`` items over ``base``: its plan, or None when the options are refused."""
+    def try_plan(items: list[str]) -> Plan | None:
+        try:
+            return _plan_moe(path, info, SessionOptions.parse(items, base=base), vram, ram, parallel)[0]
+        except OptionError:
+            return None
+
+    return try_plan
 
 
 def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[int] | None, ram: int | None,
@@ -454,15 +485,7 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
     fit with every routed expert on the CPU, then as many experts on the devices as still fit (resident, or
     the larger of an expert cache with a CPU share and resident layers after ``n_cpu_moe``). When even the
     smallest configuration does not fit, that configuration and what it needs."""
-    bare = opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction=SessionOptions().expert_eviction,
-                       moe_cpu_share=0.0, cpu_moe=False, n_cpu_moe=0)
-
-    def try_plan(items: list[str]) -> Plan | None:
-        try:
-            return _plan_moe(path, info, SessionOptions.parse(items, base=bare), vram, ram, parallel)[0]
-        except OptionError:
-            return None
-
+    try_plan = _try_plan(path, info, _bare(opts), vram, ram, parallel)
     base: list[str] | None = None
     last: tuple[list[str], Plan] | None = None
     for items in _base_ladder(opts, p0, hp):
@@ -492,7 +515,7 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
         memory = memory_tight(path, opts, ram)
         while slots >= 1:  # the cache's graphs cost room the arithmetic leaves out: fewer slots until it fits
             items = base + [f"expert_cache_slots={slots}", "disk_experts=true", "moe_cpu_share=auto"]
-            tier = _tier_items(try_plan, items, p0, memory)  # [] or the host tier the slots read through
+            tier = tier_items(try_plan, items, p0.experts.host_tier_min, memory)  # [] or the tier the slots read
             q = try_plan(items + tier)
             if q is not None and _fits(q):
                 tried.append((items + tier, q))
@@ -512,43 +535,6 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
         best = max(tried, key=lambda t: (t[0][-1].startswith("host_tier_bytes="),
                                          sum(v.experts for v in t[1].devices.values())))
     return _combination(best[0], best[1], opts, p0, hp)
-
-
-def _tier_items(try_plan: Callable[[list[str]], Plan | None], items: list[str], p0: Plan,
-                memory: int | None) -> list[str]:
-    """The host tier for configuration ``items`` in ``memory`` (a file larger than it; None: none needed), sized
-    beside what that configuration's session holds (planned with the least tier: the same buffers)."""
-    if memory is None:
-        return []
-    q = try_plan(items + [f"host_tier_bytes={-(-p0.experts.host_tier_min // MiB)}M"])
-    return [] if q is None else search_tier(q, memory)
-
-
-def _search_host(path: str, info: dict[str, Any], opts: SessionOptions, memory: int, ram: int | None,
-                 parallel: int, p0: Plan, hp: HParams) -> Combination | None:
-    """A CPU-only machine and a file larger than ``memory``: the largest context and batch whose session leaves the
-    least host tier beside its own buffers (the CPU playing the device holds them in the same memory), the experts
-    read through the tier (slots for a token's experts; none used where the CPU computes from the tier's frames)
-    and the tier as large as what is left (``auto``'s rule)."""
-    bare = opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction=SessionOptions().expert_eviction,
-                       moe_cpu_share=0.0, cpu_moe=False, n_cpu_moe=0)
-
-    def try_plan(items: list[str]) -> Plan | None:
-        try:
-            return _plan_moe(path, info, SessionOptions.parse(items, base=bare), None, ram, parallel)[0]
-        except OptionError:
-            return None
-
-    experts = [f"expert_cache_slots={max(1, hp.n_used)}", "disk_experts=true"]
-    for items in _base_ladder(opts, p0, hp):
-        if "no_kv_offload=true" in items:  # the KV cache is in host memory already
-            continue
-        tier = _tier_items(try_plan, items + experts, p0, memory)
-        q = try_plan(items + experts + tier) if tier else None
-        if q is not None:
-            c = _combination(items + experts + tier, q, opts, p0, hp)
-            return dataclasses.replace(c, fits=q.host.held + q.host.host_tier <= memory, device_vram={})
-    return None
 
 
 def _combination(items: list[str], q: Plan, opts: SessionOptions, p0: Plan, hp: HParams) -> Combination:
@@ -730,58 +716,6 @@ def _plan_dense(info: dict[str, Any], store: GGUFStore, opts: SessionOptions, vr
                      opts.n_threads or os.cpu_count() or 1)
 
 
-def format_text(p: Plan | DensePlan) -> str:
-    g = format_bytes
-    lines = [f"{p.model}: {p.architecture}{' (MoE)' if p.moe else ' (dense)'}; options: "
-             f"{' '.join(p.options) or '(defaults)'}"]
-    if isinstance(p, Plan):
-        planned = planned_devices(p)
-        for d, v in p.devices.items():
-            fit = "" if v.fits is None else (f"  of {g(v.vram or 0)}: " + ("fits" if v.fits else "DOES NOT FIT"))
-            rs = f" | recurrent {g(v.recurrent)}" if v.recurrent else ""
-            name = f"{d} (planned: --vram)" if d in planned else d  # a hypothetical device: no such GPU here
-            lines.append(f"  {name:<6} weights {g(v.weights)} | experts {g(v.experts)} | kv {g(v.kv_cache)}{rs} | "
-                         f"compute {g(v.compute)} | total {g(v.total)}{fit}")
-        h = p.host
-        lines.append(f"  host   memory-mapped {g(h.mapped_total)} ("
-                     + ", ".join(f"{k} {g(v)}" for k, v in h.mapped.items()) + ")"
-                     + (f" | repacked {g(h.repacked_total)}" if h.repacked_total else "")
-                     + f" | kv {g(h.kv_cache)}"
-                     + (f" | recurrent {g(h.recurrent)}" if h.recurrent else "")
-                     + f" | compute {g(h.compute)}"
-                     + (f" | host tier {g(h.host_tier)}" if h.host_tier else "")
-                     + f" | resident {g(h.resident_total)}"
-                     + ("" if h.ram is None else f"  of {g(h.ram)}"))
-        k = p.kv
-        lines.append(f"  KV cache: n_ctx {k.n_ctx} ({k.type_k}/{k.type_v}): {g(k.per_sequence)} "
-                     f"per sequence, {g(k.total)} for {k.parallel}")
-        rec = p.recurrent
-        if rec is not None:
-            lines.append(f"  recurrent state: {g(rec.per_sequence)} per sequence (F32, any n_ctx), {g(rec.total)} held "
-                         f"for {rec.parallel} (two per sequence, so that a failed eval changes nothing, and one of "
-                         "zeros)")
-        lines.append(f"  layers: {' '.join(p.layout.layers)}; experts: {' '.join(p.layout.experts)}")
-        if p.slot_choice is not None:
-            lines.append(f"  {p.slot_choice.describe()}")
-    else:
-        lines.append(f"  {g(p.layer_bytes)} per layer, {g(p.other_bytes)} other; KV "
-                     f"{g(p.kv.per_layer)} per layer at n_ctx {p.kv.n_ctx}")
-    for w in p.warnings:
-        lines.append(f"  warning: {w}")
-    for r in p.recommendations:
-        lines.append(f"  recommend: {r.options}: {r.buys}")
-    c = p.combination if isinstance(p, Plan) else None
-    if c is not None and c.fits:
-        lines.append(f"  best combination: {c.options}: " + "; ".join(c.changes) + "; "
-                     + ", ".join(f"{d} {g(t)}" + (f" of {g(c.device_vram[d])}" if d in c.device_vram else "")
-                                 for d, t in c.device_total.items()))
-    elif c is not None:
-        lines.append(f"  nothing fits: the smallest configuration ({c.options}) needs "
-                     + ", ".join(f"{d} {g(t)} (given {g(c.device_vram[d])})" for d, t in c.device_total.items())
-                     + "; fewer layers on the devices (-ngl N) or more devices go further")
-    return "\n".join(lines)
-
-
 def k8s_resources(p: Plan | DensePlan, overhead: int = GiB) -> dict[str, Any]:
     """A pod ``resources`` stanza: GPUs, host memory (experts + KV + buffers + overhead), CPU threads.
 
@@ -813,4 +747,4 @@ def format_k8s(p: Plan | DensePlan, image: str = DEFAULT_IMAGE, port: int = DEFA
 
 
 __all__ = ["EXPERT_KEYS", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan",
-           "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "format_text", "k8s_resources", "plan"]
+           "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "k8s_resources", "plan"]
