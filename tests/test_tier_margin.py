@@ -133,3 +133,24 @@ def test_cpu_only_plan_ram_gives_a_try_line_that_runs_and_fits(tmp_path, arch):
     assert json.loads(r.stdout)["host_tier"]["bytes_held"] <= tier
     with MoEModel(path, SessionOptions(**json.loads(r.stdout)["options"])) as m:  # the run's own options
         assert _session_host_bytes(m) + tier + AUTO_SLACK + program_bytes() <= ram
+
+
+def test_repacked_copies_larger_than_memory_are_refused_before_loading(tmp_path, monkeypatch):
+    """The default path repacks gpt-oss's MXFP4 experts into anonymous memory: with a file larger than the memory
+    that is an OOM kill, so it is refused before anything loads, naming the file, the memory and the flags that
+    avoid it; --no-repack (the file used in place) loads."""
+    import os
+
+    import ggml_hybrid.runtime.moe_model as moe_model
+
+    path = write_model(tmp_path / "g.gguf", arch="gpt-oss", seed=3, **SPECS["gpt-oss"])
+    size = os.path.getsize(path)
+    monkeypatch.setattr(moe_model, "memory_available", lambda: size // 2)
+    with pytest.raises(OptionError, match=r"g\.gguf.* larger than the .* available.* copies .* repacked.*--no-repack"
+                                          r".*--host-tier"):
+        MoEModel(path, SessionOptions.parse(["n_threads=1", "n_ctx=64"]))
+    with MoEModel(path, SessionOptions.parse(["n_threads=1", "n_ctx=64", "repack=false"])) as m:
+        assert not m.model.repacked and not m.experts.repacked
+    monkeypatch.setattr(moe_model, "memory_available", lambda: size * 4)  # it fits: loads as before
+    with MoEModel(path, SessionOptions.parse(["n_threads=1", "n_ctx=64"])) as m:
+        assert m.experts.repacked

@@ -102,6 +102,33 @@ def auto_host_tier(path: str | os.PathLike[str], opts: SessionOptions, available
     check_tier_budget(choice.budget, least, "auto")
     return choice
 
+def check_copies_fit(path: str | os.PathLike[str], opts: SessionOptions) -> None:
+    """Refuse before loading a file larger than the memory available whose repacked weights (``repack=true``,
+    llama.cpp's CPU_REPACK: gpt-oss's MXFP4 experts, Q4_0, ...) would be copied into it: the copies are anonymous
+    memory, which a memory limit kills rather than evicts (the file's pages used in place are page cache, which it
+    evicts). Only the file's size is read unless it is larger than the memory; then a dry run counts the copies."""
+    size = os.path.getsize(path)
+    try:
+        avail = memory_available()
+    except OptionError:  # the system does not say: nothing to check against
+        return
+    if not opts.repack or size <= avail:
+        return
+    with MoEModel(path, opts, dry_run_devices=device_names(opts)) as m:
+        names = [n for n in m.model.repacked | m.experts.repacked if n in m.store]
+        copied = sum(m.store.info(n).nbytes for n in names)
+        kinds = sorted({m.store.info(n).dtype.name for n in names})
+        parts = session_host_bytes(m)
+    buffers = parts["kv_cache"] + parts["compute"]
+    if copied and copied + buffers > avail:
+        raise OptionError(
+            f"{os.fspath(path)!r} ({format_bytes(size)}) is larger than the {format_bytes(avail)} available (the "
+            f"memory, or what this process's memory cgroup allows), and this configuration copies "
+            f"{format_bytes(copied)} of repacked weights ({', '.join(kinds)}) into memory beside "
+            f"{format_bytes(buffers)} of KV cache and compute buffers (repack=true, llama.cpp's CPU_REPACK): the "
+            "process would be killed. Give --no-repack (repack=false: the weights used in place from the file), or "
+            "read the experts through the host tier (--host-tier auto, or the size `plan --ram SIZE` advises)")
+
 
 class MoEModel(Session):
     """A session that loads its own model (:class:`LoadedModel`) from ``path`` and closes it with itself."""
@@ -136,6 +163,8 @@ class MoEModel(Session):
         if opts.host_tier_bytes == "auto" and opts.disk_experts and device is None and dry_run_devices is None:
             self.tier_choice = auto_host_tier(path, opts)
             opts = opts.merged(host_tier_bytes=self.tier_choice.budget)
+        if device is None and dry_run_devices is None:
+            check_copies_fit(path, opts)
         threads = None if opts.n_threads or dry_run_devices is not None else default_threads()
         model = LoadedModel(path, opts, device, progress, dry_run_devices, benchmark, threads)
         try:
@@ -157,4 +186,4 @@ class MoEModel(Session):
 
 
 __all__ = ["MAX_GRAPHS", "MAX_STEP_GRAPHS", "Checkpoint", "MoEModel", "TierChoice", "auto_cache_slots",
-           "auto_host_tier", "check_options", "context_warning"]
+           "auto_host_tier", "check_copies_fit", "check_options", "context_warning"]
