@@ -150,7 +150,7 @@ def test_phases_of_a_step_from_its_messages():
         w2 += b
         t = b[-1][0]
     got = phases(w1, w2, 2)
-    want = dict(zip(PHASES, (0.2 + 0.2, 0.5, 0.2, 0.3, 0.0, 1.2 + 0.2)))  # medians of the gaps 0.1 and 0.3
+    want = dict(zip(PHASES, (0.2 + 0.2, 0.1 + 0.2, 0.5, 0.2, 0.3, 0.0, 1.2 + 0.2)))  # medians of gaps 0.1, 0.3
     assert got.keys() == want.keys()
     for k in PHASES:
         assert abs(got[k] - want[k]) < 1e-6, (k, got[k], want[k])

@@ -194,8 +194,9 @@ def op_summary(g: SerializedGraph, names: Names) -> Counter[str]:
 
 # -- where a step's wall time goes, from the messages' times at the proxies ------------------------------------------
 
-PHASES = ("leader, until worker 1's graph is sent", "worker 1: graph to reply", "leader, between the workers",
-          "worker 2: graph to reply", "leader, after worker 2's first reply", "the step")
+PHASES = ("leader, until worker 1's graph is sent", "  of which its first input sent to its graph",
+          "worker 1: graph to reply", "leader, between the workers", "worker 2: graph to reply",
+          "leader, after worker 2's first reply", "the step")
 
 
 Event = tuple[float, str, str, int]  # a proxy's timeline: time, "request" or "reply", command, bytes
@@ -221,10 +222,11 @@ def phases(w1: list[Event], w2: list[Event], n: int) -> dict[str, float]:
     for a, b in zip(ends[-n - 1:-1], ends[-n:]):
         step, t0 = events[a + 1:b + 1], events[a][0]
         g1 = _first(step, 1, "request", t0, graph)
+        i1 = _first(step, 1, "request", t0, ("SET_TENSOR",))  # worker 1's first input (after a reset's clear)
         r1 = _first(step, 1, "reply", g1)
         g2 = _first(step, 2, "request", r1, graph)
         r2 = _first(step, 2, "reply", g2)
-        for k, v in zip(PHASES, (g1 - t0, r1 - g1, g2 - r1, r2 - g2, step[-1][0] - r2, step[-1][0] - t0)):
+        for k, v in zip(PHASES, (g1 - t0, g1 - i1, r1 - g1, g2 - r1, r2 - g2, step[-1][0] - r2, step[-1][0] - t0)):
             per[k].append(v * 1e3)
     return {k: statistics.median(v) for k, v in per.items() if v}
 
