@@ -1,21 +1,29 @@
 #!/usr/bin/env python3
 """What two RPC workers compute for ggml-hybrid's leader against the pinned llama.cpp's client (issue 44): the
-graphs each worker receives, node by node, and the CPU time each worker spends per decode step and per prompt call.
+graphs each worker receives, node by node; the CPU time each worker and each leader spends per decode step and per
+prompt call; and where a step's wall time goes.
 
 The setup is rpc_counts.py's: bench_hosts.py's generated qwen3moe split 1:1 over two of ggml-hybrid's rpc-servers
 (1 thread each) on loopback, each reached through a proxy (``rpc_counts.CountingProxy``) that here also keeps each
-GRAPH_COMPUTE's payload, the serialized graph exactly as the worker receives it (GGML's ``rpc_tensor`` records:
-op, type, shape, strides, sources, buffers). Each side runs as a fresh process per measurement, as in rpc_counts.py:
-(1 repetition, 1 token), (1 repetition, 1 + ``--steps`` tokens) and (2 repetitions, 1 token), so that a decode step
-is the difference of the first two over ``--steps`` and a warm prompt call the difference of the first and third.
-The workers' CPU time is counted by ``perf stat -e task-clock`` attached to each worker process for the length of
-each run (every thread of it; CPU time, not wall time, so other load on the machine changes it little).
+GRAPH_COMPUTE's payload, the serialized graph exactly as the worker receives it (GGML's ``rpc_tensor`` records: op,
+type, shape, strides, sources, buffers, flags), and the time of every message. Each side runs as a fresh leader
+process per run, sides alternated over ``--rounds``: (1 repetition, 1 token), (1 repetition, 1 + ``--steps``
+tokens) and (1 + 8 repetitions, 1 token), so that a decode step is the difference of the first two over
+``--steps`` and a warm prompt call the difference of the first and third over 8. ``perf stat -e task-clock``
+counts each worker's CPU while a run lasts (attached to the process: every thread) and the leader's (the run under
+it): CPU time, not wall time, so other load on the machine changes it little. From the messages' times,
+:func:`phases` splits each step into the leader's parts and each worker's graph-to-reply time.
 
-``--profile`` also samples each worker with ``perf record`` over the decode run and prints where its CPU time
-goes by function (GGML's kernels: ``ggml_compute_forward_*``, ``ggml_vec_dot_*``...), side by side.
+``--dump DIR`` writes each graph as text, one node a line, and a node-by-node diff of the two sides' graphs
+(:func:`node_diff`); ``--show-step`` prints the messages of each side's last decode step and prompt call;
+``--profile`` samples each worker with ``perf record`` and prints its CPU per step by function (GGML's kernels:
+``ggml_vec_dot_*``, ``ggml_compute_forward_*``...), side by side.
 
-    python tools/bench/rpc_worker_cost.py --llama-python /opt/llref/bin/python [--steps 64] [--profile]
-        [--dump DIR]   # each captured graph as text, one node a line, and a node-by-node diff of the two sides
+Needs Linux ``perf`` (Debian's ``linux-perf``) allowed to attach to this user's processes (root, or
+``kernel.perf_event_paranoid`` at most 2) and llama-cpp-python 0.3.36 built with GGML_RPC=on (``--llama-python``).
+
+    python tools/bench/rpc_worker_cost.py --llama-python /opt/llref/bin/python [--steps 256] [--rounds 4]
+        [--dump DIR] [--show-step] [--profile] [--json-out FILE]
 """
 
 from __future__ import annotations
