@@ -377,11 +377,16 @@ def report(m: Measured, ns: SimpleNamespace) -> None:
             for r in per[side]:
                 print(f"    {side:10s} CPU {r[0]:7.3f} + {r[1]:7.3f} | {r[2]:7.3f}    "
                       f"wall {r[3]:7.3f} + {r[4]:7.3f}")
+        for side in SIDES:
+            med = [statistics.median(c) for c in zip(*per[side])]
+            print(f"    {side + ', median':18s} CPU {med[0]:.3f} + {med[1]:.3f} | {med[2]:.3f}    "
+                  f"wall {med[3]:.3f} + {med[4]:.3f}")
     for label, what in (("decode", "a decode step"), ("prompt", f"a {ns.prompt}-token prompt call")):
         print(f"\nwhere {what}'s wall time goes (ms, median over the run's steps; each round: ours | llama.cpp's):")
         for k in PHASES:
             cells = [" ".join(f"{r[k]:6.3f}" for r in m.times[(side, label)]) for side in SIDES]
-            print(f"  {k:42s} {cells[0]} | {cells[1]}")
+            meds = [statistics.median(r[k] for r in m.times[(side, label)]) for side in SIDES]
+            print(f"  {k:44s} {cells[0]} | {cells[1]}   (medians {meds[0]:.3f} | {meds[1]:.3f})")
     if ns.show_step:
         for (side, label), tl in sorted(m.last.items()):
             print(f"\n{side}, the last {label} call's messages (ms from its start, worker, kind, command, bytes):")
