@@ -48,10 +48,10 @@ import click
 
 HERE = Path(__file__).resolve().parent
 
-#: GGML's rpc_tensor (ggml-rpc.cpp, packed): id, type, buffer, ne[4] (u32), nb[4] (u32), op, op_params[16], flags,
-#: src[10], view_src, view_offs, data, name[64], use_count
-RPC_TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")
 GGML_MAX_SRC = 10
+#: GGML's rpc_tensor (ggml-rpc.cpp, packed): id, type, buffer, ne[4] (u32), nb[4] (u32), op, op_params[16], flags,
+#: src[GGML_MAX_SRC], view_src, view_offs, data, name[64], use_count: 296 bytes
+RPC_TENSOR = struct.Struct(f"<QIQ4I4II16ii{GGML_MAX_SRC}QQQQ64si")
 PROFILE_HZ = 2000
 PROMPTS = 8  # prompt calls counted (runs of 1 + PROMPTS repetitions against 1)
 SIDES = ("ours", "llama.cpp")
@@ -108,9 +108,11 @@ def parse_graph(payload: bytes) -> SerializedGraph:
     tensors = {}
     for i in range(n_tensors):
         f = RPC_TENSOR.unpack_from(payload, off + i * RPC_TENSOR.size)
+        end = 29 + GGML_MAX_SRC
         t = RPCTensor(id=f[0], type=f[1], buffer=f[2], ne=tuple(f[3:7]), nb=tuple(f[7:11]), op=f[11],
-                      op_params=tuple(f[12:28]), flags=f[28], src=tuple(f[29:39]), view_src=f[39], view_offs=f[40],
-                      data=f[41], name=f[42].split(b"\0", 1)[0].decode(errors="replace"))
+                      op_params=tuple(f[12:28]), flags=f[28], src=tuple(f[29:end]), view_src=f[end],
+                      view_offs=f[end + 1], data=f[end + 2],
+                      name=f[end + 3].split(b"\0", 1)[0].decode(errors="replace"))
         tensors[t.id] = t
     return SerializedGraph(device, nodes, tensors)
 
