@@ -9,10 +9,11 @@ GRAPH_COMPUTE's payload, the serialized graph exactly as the worker receives it 
 type, shape, strides, sources, buffers, flags), and the time of every message. Each side runs as a fresh leader
 process per run, sides alternated over ``--rounds``: (1 repetition, 1 token), (1 repetition, 1 + ``--steps``
 tokens) and (1 + 8 repetitions, 1 token), so that a decode step is the difference of the first two over
-``--steps`` and a warm prompt call the difference of the first and third over 8. ``perf stat -e task-clock``
-counts each worker's CPU while a run lasts (attached to the process: every thread) and the leader's (the run under
-it): CPU time, not wall time, so other load on the machine changes it little. From the messages' times,
-:func:`phases` splits each step into the leader's parts and each worker's graph-to-reply time.
+``--steps`` and a warm prompt call the difference of the first and third over 8. ``perf stat`` counts each
+worker's CPU time, context switches and system calls while a run lasts (attached to the process: every thread)
+and the leader's (the run under it): counts that other load on the machine changes little, unlike wall time.
+From the messages' times, :func:`phases` splits each step into the leader's parts and each worker's graph-to-reply
+time.
 
 ``--dump DIR`` writes each graph as text, one node a line, and a node-by-node diff of the two sides' graphs
 (:func:`node_diff`); ``--show-step`` prints the messages of each side's last decode step and prompt call;
@@ -53,6 +54,13 @@ GGML_MAX_SRC = 10
 #: src[GGML_MAX_SRC], view_src, view_offs, data, name[64], use_count: 296 bytes
 RPC_TENSOR = struct.Struct(f"<QIQ4I4II16ii{GGML_MAX_SRC}QQQQ64si")
 PROFILE_HZ = 2000
+#: what perf stat counts for each worker and the leader: CPU time (ms), context switches, system calls
+EVENTS = ("task-clock", "context-switches", "raw_syscalls:sys_enter")
+WHO = ("worker 1", "worker 2", "the leader")
+NAMED = {"task-clock": "CPU ms", "context-switches": "context switches", "raw_syscalls:sys_enter": "system calls"}
+#: what :func:`measure` gives per decode step and per prompt call
+QUANTITIES = ([f"{who}: {NAMED[e]}" for e in EVENTS for who in WHO] +
+              [f"worker {i}: its graph to the reply, wall ms" for i in (1, 2)])
 PROMPTS = 8  # prompt calls counted (runs of 1 + PROMPTS repetitions against 1)
 SIDES = ("ours", "llama.cpp")
 LABELS = ("decode", "prompt")
@@ -258,26 +266,27 @@ def last_step(w1: list[Event], w2: list[Event]) -> list[tuple[float, int, str, s
 
 
 class PerfStat:
-    """``perf stat -e task-clock`` attached to a process (every thread, those it starts included) until stopped."""
+    """``perf stat`` of :data:`EVENTS` attached to a process (every thread, those it starts included) until stopped;
+    or ``perf record`` into ``record``."""
 
     def __init__(self, pid: int, record: Path | None = None) -> None:
         self.out = Path(tempfile.mkstemp(prefix="rpc-worker-cost-", suffix=".csv")[1])
         if record is not None:
             cmd = ["perf", "record", "-q", "-F", str(PROFILE_HZ), "-o", str(record), "-p", str(pid)]
         else:
-            cmd = ["perf", "stat", "-x,", "-e", "task-clock", "-o", str(self.out), "-p", str(pid)]
+            cmd = ["perf", "stat", "-x,", "-e", ",".join(EVENTS), "-o", str(self.out), "-p", str(pid)]
         self.record = record
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-    def stop(self) -> float:
-        """Ms of CPU the process spent while attached (0 for a recording)."""
+    def stop(self) -> dict[str, float]:
+        """Each event's count while attached (task-clock in ms); nothing for a recording."""
         self.proc.send_signal(signal.SIGINT)
         _, err = self.proc.communicate(timeout=60)
         text = self.out.read_text()
         self.out.unlink()
         if self.record is not None:
-            return 0.0
-        return _task_clock(text + err.decode(errors="replace"))
+            return {}
+        return _perf_counts(text + err.decode(errors="replace"))
 
 
 def profile_samples(data: Path) -> dict[str, int]:
@@ -292,18 +301,22 @@ def profile_samples(data: Path) -> dict[str, int]:
     return rows
 
 
-def _task_clock(text: str) -> float:
+def _perf_counts(text: str) -> dict[str, float]:
+    """:data:`EVENTS` from ``perf stat -x,``'s lines (value, unit, event, ...)."""
+    got = {}
     for line in text.splitlines():
         parts = line.split(",")
-        if len(parts) > 2 and parts[2] == "task-clock":
-            return float(parts[0])
-    raise SystemExit(f"perf stat gave no task-clock: {text!r}")
+        if len(parts) > 2 and parts[2] in EVENTS:
+            got[parts[2]] = float(parts[0])
+    if set(got) != set(EVENTS):
+        raise SystemExit(f"perf stat gave {sorted(got)}, not {list(EVENTS)}: {text!r}")
+    return got
 
 
 def _run(ns: SimpleNamespace, side: str, rpc: str, reps: int, decode: int, pids: list[int],
-         record: list[Path] | None = None) -> tuple[list[float], list[int], float]:
-    """One leader run (rpc_counts.py's workload) under ``perf stat``: the workers' CPU ms while it ran (each
-    attached for its length), its tokens, and the leader's own CPU ms (every thread)."""
+         record: list[Path] | None = None) -> tuple[list[dict[str, float]], list[int], dict[str, float]]:
+    """One leader run (rpc_counts.py's workload) under ``perf stat``: the workers' counts while it ran (each
+    attached for its length), its tokens, and the leader's own counts (every thread)."""
     stats = [PerfStat(pid, record[i] if record else None) for i, pid in enumerate(pids)]
     out = Path(tempfile.mkstemp(prefix="rpc-worker-cost-leader-", suffix=".csv")[1])
     common = ["--rpc", rpc, "--prompt", str(ns.prompt), "--decode", str(decode), "--reps", str(reps)]
@@ -315,11 +328,11 @@ def _run(ns: SimpleNamespace, side: str, rpc: str, reps: int, decode: int, pids:
     try:
         # perf attaches to the workers within a moment; the leader's first second is its import and model load,
         # which send nothing, so no step is missed
-        r = subprocess.run(["perf", "stat", "-x,", "-e", "task-clock", "-o", str(out), "--", *cmd],
+        r = subprocess.run(["perf", "stat", "-x,", "-e", ",".join(EVENTS), "-o", str(out), "--", *cmd],
                            capture_output=True, text=True, timeout=900, env=dict(os.environ))
     finally:
         ms = [s.stop() for s in stats]
-    leader = _task_clock(out.read_text())
+    leader = _perf_counts(out.read_text())
     out.unlink()
     if r.returncode != 0:
         raise SystemExit(f"{side} failed: {r.stderr[-3000:]}")
@@ -328,12 +341,12 @@ def _run(ns: SimpleNamespace, side: str, rpc: str, reps: int, decode: int, pids:
 
 @dataclass
 class Measured:
-    """Per side: for each round, [worker 1 CPU, worker 2 CPU, the leader's CPU, worker 1's graphs' wall, worker 2's]
-    ms per decode step (``step``) and per prompt call (``prompt``); the phases of each (``times``); the last run's
-    timelines (``last``); the graphs each worker received in a decode run (``graphs``); the greedy tokens."""
+    """Per side: for each round, :data:`QUANTITIES` per decode step (``step``) and per prompt call (``prompt``); the
+    phases of each (``times``); the last run's timelines (``last``); the graphs each worker received in a decode
+    run (``graphs``); the greedy tokens."""
 
-    step: dict[str, list[list[float]]]
-    prompt: dict[str, list[list[float]]]
+    step: dict[str, list[dict[str, float]]]
+    prompt: dict[str, list[dict[str, float]]]
     times: dict[tuple[str, str], list[dict[str, float]]]
     last: dict[tuple[str, str], list[list[Event]]]
     graphs: dict[str, dict[str, list[bytes]]]
@@ -353,36 +366,38 @@ def measure(ns: SimpleNamespace, proxies: list, pids: list[int]) -> Measured:
                 p.take()
                 p.take_graphs()
                 p.take_timeline()
-            ms, toks, leader = _run(ns, side, rpc, reps, decode, pids)
+            counts, toks, leader = _run(ns, side, rpc, reps, decode, pids)
             walls = [p.take().get("ms graph to next reply", 0.0) for p in proxies]
             timelines = [p.take_timeline() for p in proxies]
-            runs[label] = [*ms, leader, *walls]
+            runs[label] = _quantities(counts, leader, walls)
             if label != "one":
                 m.times[(side, label)].append(phases(*timelines, ns.steps - 1 if label == "decode" else PROMPTS))
                 m.last[(side, label)] = timelines
             if label == "decode":  # the graphs of a prompt call and a decode step, as each worker got them
                 m.tokens[side] = toks
                 m.graphs[side] = {f"worker{i + 1}": p.take_graphs() for i, p in enumerate(proxies)}
-        m.step[side].append([(runs["decode"][i] - runs["one"][i]) / ns.steps for i in range(5)])
-        m.prompt[side].append([(runs["prompt"][i] - runs["one"][i]) / PROMPTS for i in range(5)])
+        m.step[side].append({k: (runs["decode"][k] - runs["one"][k]) / ns.steps for k in QUANTITIES})
+        m.prompt[side].append({k: (runs["prompt"][k] - runs["one"][k]) / PROMPTS for k in QUANTITIES})
     return m
+
+
+def _quantities(workers: list[dict[str, float]], leader: dict[str, float], walls: list[float]) -> dict[str, float]:
+    out = {f"{who}: {NAMED[e]}": c[e] for e in EVENTS for who, c in zip(WHO, [*workers, leader])}
+    out.update({f"worker {i + 1}: its graph to the reply, wall ms": w for i, w in enumerate(walls)})
+    return out
 
 
 def report(m: Measured, ns: SimpleNamespace) -> None:
     print(f"model {ns.model}; prompt {ns.prompt} tokens; {ns.steps} decode steps; {ns.rounds} rounds a side; "
           f"same tokens: {m.tokens['ours'] == m.tokens['llama.cpp']}; load average {os.getloadavg()[0]:.2f}")
-    print("\nCPU ms (perf task-clock: every thread; worker 1 + worker 2 | the leader) and the graphs' wall ms "
-          "(each graph sent to the next reply, at the proxy: worker 1 + worker 2); each round:")
-    for what, per in (("decode step", m.step), (f"{ns.prompt}-token prompt call", m.prompt)):
-        print(f"  a {what}:")
-        for side in SIDES:
-            for r in per[side]:
-                print(f"    {side:10s} CPU {r[0]:7.3f} + {r[1]:7.3f} | {r[2]:7.3f}    "
-                      f"wall {r[3]:7.3f} + {r[4]:7.3f}")
-        for side in SIDES:
-            med = [statistics.median(c) for c in zip(*per[side])]
-            print(f"    {side + ', median':18s} CPU {med[0]:.3f} + {med[1]:.3f} | {med[2]:.3f}    "
-                  f"wall {med[3]:.3f} + {med[4]:.3f}")
+    print("\nper decode step and per prompt call (perf stat of each worker process and of the leader, every "
+          "thread; walls at the proxies); each round, ours | llama.cpp's (medians):")
+    for what, per in (("a decode step", m.step), (f"a {ns.prompt}-token prompt call", m.prompt)):
+        print(f"  {what}:")
+        for k in QUANTITIES:
+            cells = [" ".join(f"{r[k]:7.3f}" for r in per[side]) for side in SIDES]
+            meds = [statistics.median(r[k] for r in per[side]) for side in SIDES]
+            print(f"    {k:44s} {cells[0]} | {cells[1]}   ({meds[0]:.3f} | {meds[1]:.3f})")
     for label, what in (("decode", "a decode step"), ("prompt", f"a {ns.prompt}-token prompt call")):
         print(f"\nwhere {what}'s wall time goes (ms, median over the run's steps; each round: ours | llama.cpp's):")
         for k in PHASES:
@@ -413,11 +428,16 @@ def report(m: Measured, ns: SimpleNamespace) -> None:
 def main(**kw: object) -> None:
     ns = SimpleNamespace(**kw)
     rc = _rpc_counts()
-    if ns.model is None:
-        from ggml_hybrid.synthetic import write_model
+    with tempfile.TemporaryDirectory(prefix="rpc-worker-cost-") as tmp:
+        if ns.model is None:  # bench_hosts.py's model, in a folder of this run's: no other run rewrites it meanwhile
+            from ggml_hybrid.synthetic import write_model
 
-        ns.model = str(write_model("/tmp/bench_hosts-16.gguf", n_layer=8, n_embd=512, n_expert=16, n_used=2,
-                                   weight_type="q8_0", seed=5))
+            ns.model = str(write_model(Path(tmp) / "bench_hosts-16.gguf", n_layer=8, n_embd=512, n_expert=16,
+                                       n_used=2, weight_type="q8_0", seed=5))
+        _main(ns, rc)
+
+
+def _main(ns: SimpleNamespace, rc: ModuleType) -> None:
     ports = [rc._free_port(), rc._free_port()]
     servers = [rc._server(p) for p in ports]
     try:
@@ -430,7 +450,7 @@ def main(**kw: object) -> None:
         if ns.profile:
             _profile(ns, ",".join(f"127.0.0.1:{p.port}" for p in proxies), pids)
         if ns.json_out:
-            Path(ns.json_out).write_text(json.dumps({"step_ms": m.step, "prompt_ms": m.prompt,
+            Path(ns.json_out).write_text(json.dumps({"step": m.step, "prompt": m.prompt,
                                                      "phases": {f"{s} {k}": v for (s, k), v in m.times.items()}},
                                                     indent=1) + "\n")
     finally:
