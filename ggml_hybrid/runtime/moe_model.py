@@ -107,10 +107,9 @@ def check_copies_fit(path: str | os.PathLike[str], opts: SessionOptions) -> None
     llama.cpp's CPU_REPACK: gpt-oss's MXFP4 experts, Q4_0, ...) would be copied into it: the copies are anonymous
     memory, which a memory limit kills rather than evicts (the file's pages used in place are page cache, which it
     evicts). Only the file's size is read unless it is larger than the memory; then a dry run counts the copies."""
-    size = os.path.getsize(path)
     try:
-        avail = memory_available()
-    except OptionError:  # the system does not say: nothing to check against
+        size, avail = os.path.getsize(path), memory_available()
+    except (OSError, TypeError, OptionError):  # no such file (the load says so), or no figure to check against
         return
     if not opts.repack or size <= avail:
         return
