@@ -109,7 +109,7 @@ def check_copies_fit(path: str | os.PathLike[str], opts: SessionOptions) -> None
     evicts). Only the file's size is read unless it is larger than the memory; then a dry run counts the copies."""
     try:
         size, avail = os.path.getsize(path), memory_available()
-    except (OSError, TypeError, OptionError):  # no such file (the load says so), or no figure to check against
+    except (OSError, TypeError, ValueError, OptionError):  # a bad path (the load says why), or no figure
         return
     if not opts.repack or size <= avail:
         return
