@@ -154,3 +154,15 @@ def test_repacked_copies_larger_than_memory_are_refused_before_loading(tmp_path,
     monkeypatch.setattr(moe_model, "memory_available", lambda: size * 4)  # it fits: loads as before
     with MoEModel(path, SessionOptions.parse(["n_threads=1", "n_ctx=64"])) as m:
         assert m.experts.repacked
+
+
+def test_plan_without_ram_counts_the_memory_cgroup(tmp_path, monkeypatch):
+    """Without --ram, plan's memory is what auto's is: MemAvailable or the process's memory cgroup, whichever is
+    less; inside a cgroup smaller than the file it advises the host tier (before: MemAvailable alone, no advice)."""
+    import ggml_hybrid.moe.host_tier as host_tier
+
+    path = write_model(tmp_path / "m.gguf", arch="qwen3moe", n_layer=12, n_embd=256, n_ff_exp=512, n_expert=32,
+                       n_used=4, weight_type="q8_0", seed=7)
+    monkeypatch.setattr(host_tier, "cgroup_memory_left", lambda: 120 * MiB)
+    text, argv = _try_line([path, "-t", "1"])
+    assert "does not fit in the 120.00 MiB available now" in text and argv is not None and "--host-tier" in argv

@@ -11,10 +11,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..ggml.backend import gpu_device_names
-from ..machine import available_memory
 from ..model.hparams import HParams
-from ..moe.host_tier import auto_budget, frame_bytes
-from ..options import SessionOptions
+from ..moe.host_tier import auto_budget, frame_bytes, memory_available
+from ..options import OptionError, SessionOptions
 from ..runtime.moe_model import MoEModel
 from ..units import MiB, format_bytes
 
@@ -55,10 +54,14 @@ def tier_least(m: MoEModel) -> int:
 
 
 def memory_tight(path: str, opts: SessionOptions, ram: int | None) -> int | None:
-    """The memory a file larger than it is planned for (``ram``, or what is available now), when no host tier was
-    given: the experts must then be read through one; None otherwise."""
-    memory = ram if ram is not None else available_memory()
-    if memory is None or opts.host_tier_bytes or os.path.getsize(path) <= memory:
+    """The memory a file larger than it is planned for (``ram``, or what is available now, as ``auto`` reads it:
+    ``MemAvailable`` or the memory cgroup's), when no host tier was given: the experts must then be read through
+    one; None otherwise."""
+    try:
+        memory = ram if ram is not None else memory_available()
+    except OptionError:  # the system does not say
+        return None
+    if opts.host_tier_bytes or os.path.getsize(path) <= memory:
         return None
     return memory
 
