@@ -166,3 +166,51 @@ def test_plan_without_ram_counts_the_memory_cgroup(tmp_path, monkeypatch):
     monkeypatch.setattr(host_tier, "cgroup_memory_left", lambda: 120 * MiB)
     text, argv = _try_line([path, "-t", "1"])
     assert "does not fit in the 120.00 MiB available now" in text and argv is not None and "--host-tier" in argv
+
+
+CGROUP_V1 = "/sys/fs/cgroup/memory"
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A cgroup v1 memory group of this test's own (root and a writable v1 hierarchy; skipped elsewhere): yields a
+    function that runs a command in it under a limit and returns (exit status, stdout, stderr, peak bytes)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    group = Path(CGROUP_V1) / f"hy_test_tier_margin_{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as e:
+        pytest.skip(f"no writable cgroup v1 memory hierarchy here ({e.strerror})")
+
+    def run(limit: int, argv: list[str]) -> tuple[int, str, str, int]:
+        (group / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (group / "memory.max_usage_in_bytes").write_text("0\n")
+        shell = f"echo $$ > {group}/cgroup.procs && exec " + shlex.join(argv)
+        p = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=600)
+        return p.returncode, p.stdout, p.stderr, int((group / "memory.max_usage_in_bytes").read_text())
+
+    yield run
+    group.rmdir()  # the commands have exited: the group is empty
+
+
+def test_auto_runs_a_prompt_filling_the_context_in_a_memory_cgroup(tmp_path, memory_cgroup):
+    """The kernel's limit as the oracle: a 155 MiB file in a 150 MiB memory cgroup, --host-tier auto beside a
+    session of a 2048-token context, a prompt filling it: it runs and stays within the limit (the old flat 128 MiB
+    margin refused any tier here; a tier sized without the session's buffers is killed on such a prompt)."""
+    import sys
+
+    path = write_model(tmp_path / "m.gguf", arch="qwen3moe", n_layer=12, n_embd=256, n_ff_exp=512, n_expert=32,
+                       n_used=4, weight_type="q8_0", seed=7)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 72))  # 1,946 tokens
+    cli = [sys.executable, "-m", "ggml_hybrid.cli", "run", path, "-t", "1", "-c", "2048", "-ub", "128"]
+    rc, out, err, peak = memory_cgroup(150 * MiB, [*cli, "--host-tier", "auto", "-f", str(prompt), "-n", "4",
+                                                   "--ignore-eos", "--json"])
+    assert rc == 0, err
+    d = json.loads(out)
+    choice = d["tier_choice"]
+    assert d["prompt_tokens"] > 1500 and choice["budget"] == choice["available"] - choice["held"] - AUTO_SLACK > 0
+    assert d["host_tier"]["bytes_held"] <= choice["budget"] and peak <= 150 * MiB
