@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 
 import pytest
@@ -107,6 +108,12 @@ def test_auto_refuses_with_the_figures_when_the_least_tier_does_not_fit(families
     with pytest.raises(OptionError, match=r"host_tier_bytes=auto: .* available less this session's .* less "
                                           r"a slack of 64.00 MiB leaves .*one layer's experts"):
         auto_host_tier(path, opts, available=AUTO_SLACK)
+    # the file fits in that memory: no tier is needed; larger than it: plan --ram sizes a configuration
+    with pytest.raises(OptionError, match=r"\(the file \(.*\) fits in the memory: leave --host-tier out\)"):
+        auto_host_tier(path, opts, available=AUTO_SLACK + os.path.getsize(path))
+    with pytest.raises(OptionError, match=r"\(`ggml-hybrid plan FILE --ram SIZE`, SIZE the memory the run gets, "
+                                          r"prints a configuration that fits\)"):
+        auto_host_tier(path, opts, available=os.path.getsize(path) // 2)
 
 
 def _try_line(args: list[str]) -> tuple[str, list[str] | None]:
@@ -139,8 +146,6 @@ def test_repacked_copies_larger_than_memory_are_refused_before_loading(tmp_path,
     """The default path repacks gpt-oss's MXFP4 experts into anonymous memory: with a file larger than the memory
     that is an OOM kill, so it is refused before anything loads, naming the file, the memory and the flags that
     avoid it; --no-repack (the file used in place) loads."""
-    import os
-
     import ggml_hybrid.runtime.moe_model as moe_model
 
     path = write_model(tmp_path / "g.gguf", arch="gpt-oss", seed=3, **SPECS["gpt-oss"])
@@ -175,7 +180,6 @@ CGROUP_V1 = "/sys/fs/cgroup/memory"
 def memory_cgroup():
     """A cgroup v1 memory group of this test's own (root and a writable v1 hierarchy; skipped elsewhere): yields a
     function that runs a command in it under a limit and returns (exit status, stdout, stderr, peak bytes)."""
-    import os
     import subprocess
     from pathlib import Path
 

@@ -95,9 +95,12 @@ def auto_host_tier(path: str | os.PathLike[str], opts: SessionOptions, available
         parts, least, every = session_host_bytes(m), m.experts.tier_least, m.experts.tier_need
     choice = TierChoice(min(auto_budget(avail, sum(parts.values())), every), avail, parts)
     if choice.budget < least:
+        size = os.path.getsize(path)
+        what = ("`ggml-hybrid plan FILE --ram SIZE`, SIZE the memory the run gets, prints a configuration that fits"
+                if size > avail else f"the file ({format_bytes(size)}) fits in the memory: leave --host-tier out")
         raise OptionError(f"host_tier_bytes=auto: {choice.describe()} leaves {format_bytes(choice.budget)}, less "
                           f"than one layer's experts ({format_bytes(least)}, the least tier a call can use): give the "
-                          f"run more memory, a smaller context (-c) or physical batch (-ub), or a size "
+                          f"run more memory, a smaller context (-c) or physical batch (-ub) ({what}), or a size "
                           f"(--host-tier {-(-least // MiB)}M or more) if the buffers will not fill")
     check_tier_budget(choice.budget, least, "auto")
     return choice
