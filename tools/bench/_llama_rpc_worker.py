@@ -63,9 +63,11 @@ def main() -> int:
         c0 = _cpu()
         t0 = time.perf_counter()
         llm.eval(prompt)
+        # the prompt's time ends when its logits are read, as ours (whose eval returns them): over RPC llama_decode
+        # returns before the last worker's graph is done (~5 ms of a 64-token prompt here), get_logits waits for it
+        toks = [last()]
         out["prompt_s"].append(time.perf_counter() - t0)
         c1 = _cpu()
-        toks = [last()]
         t0 = time.perf_counter()
         for _ in range(ns.decode - 1):
             llm.eval([toks[-1]])
