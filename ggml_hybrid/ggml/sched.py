@@ -27,18 +27,33 @@ if TYPE_CHECKING:
     from .context import Context
 
 
-def _unalloc(graph: Graph) -> int:
-    """Forget the memory a scheduler gave ``graph``'s tensors, keeping user buffers' tensors.
+# the contexts of a graph's pinned tensors, and each (tensor, backend) as pointers
+_Pinned = tuple[list["Context | BorrowedScope"], list[tuple[CData, CData]]]
+
+
+class _Kept:
+    """What :func:`_unalloc` keeps: the user buffers and the open contexts' pools, as native arrays, taken once for
+    every graph a scheduler forgets in one allocation."""
+
+    def __init__(self) -> None:
+        keep = user_buffers()
+        pools = live_pools()
+        self.keep = ffi.new("ggml_backend_buffer_t[]", keep) if keep else ffi.NULL
+        self.n_keep = len(keep)
+        self.pools = ffi.new("uintptr_t[]", pools)
+        self.n_pools = len(pools) // 2
+
+
+def _unalloc(graph: Graph, kept: _Kept | None = None) -> int:
+    """Forget the memory a scheduler gave ``graph``'s tensors, keeping user buffers' tensors (``kept``: taken now
+    unless given).
 
     Returns how many of the graph's tensors belong to no open context (freed with theirs).
     """
     if graph.context.closed:
         return 0  # its tensors are gone with their context: nothing to touch
-    keep = user_buffers()
-    pools = live_pools()
-    dangling = lib.hy_graph_unalloc(graph.ptr,
-                                             ffi.new("ggml_backend_buffer_t[]", keep) if keep else ffi.NULL,
-                                             len(keep), ffi.new("uintptr_t[]", pools), len(pools) // 2)
+    k = _Kept() if kept is None else kept
+    dangling = lib.hy_graph_unalloc(graph.ptr, k.keep, k.n_keep, k.pools, k.n_pools)
     graph._alloc_token += 1
     return int(dangling)
 
@@ -76,8 +91,9 @@ class Scheduler(Managed):
         self._handle = ffi.new_handle(self)  # user_data of region executors
         # (graph, version, allocation token) of the graph split and allocated last
         self._allocated: tuple[Graph, int, int] | None = None
-        # graph -> [(tensor, backend)]: assignments re-applied whenever GGML's are reset
-        self._pins: weakref.WeakKeyDictionary[Graph, list[tuple[Tensor, Backend]]] = weakref.WeakKeyDictionary()
+        # graph -> the contexts of its pinned tensors and their (tensor, backend) pointers: assignments re-applied
+        # whenever GGML's are reset (at each allocation: the pointers taken once, not per tensor and allocation)
+        self._pins: weakref.WeakKeyDictionary[Graph, _Pinned] = weakref.WeakKeyDictionary()
 
     def _idle(self, op: str) -> None:
         """Scheduler state must not change under a running compute (from a region executor or eval callback)."""
@@ -152,14 +168,15 @@ class Scheduler(Managed):
     def _forget_allocation(self, graph: Graph) -> None:
         # tensors a scheduler allocated point into its compute buffers, which may be freed
         # or reused by now; GGML would read those stale pointers while splitting
-        if _unalloc(graph):
+        kept = _Kept()
+        if _unalloc(graph, kept):
             raise ClosedError("the graph uses tensors of a closed context (e.g. weights whose context was closed); "
                               "GGML would read freed memory")
         # the graphs this scheduler allocated before share (and may outgrow) the same buffers:
         # their tensors lose their memory now rather than point into reused or freed memory
         for other in list(self._graphs):
             if other is not graph:
-                _unalloc(other)
+                _unalloc(other, kept)
         self._graphs.add(graph)
 
     def set_pins(self, graph: Graph, pins: Iterable[tuple[Tensor, Backend]]) -> None:
@@ -171,12 +188,21 @@ class Scheduler(Managed):
         """
         self._idle("set_pins")
         pins = [(t, self._index_check(b)) for t, b in pins]
-        self._pins[graph] = pins
+        contexts = list({id(t.context): t.context for t, _ in pins}.values())
+        self._pins[graph] = (contexts, [(t.ptr, b.ptr) for t, b in pins])
         self._allocated = None
 
     def _apply_pins(self, graph: Graph) -> None:
-        for t, b in self._pins.get(graph, ()):
-            lib.ggml_backend_sched_set_tensor_backend(self.ptr, t.ptr, b.ptr)
+        pinned = self._pins.get(graph)
+        if pinned is None:
+            return
+        contexts, pointers = pinned
+        for c in contexts:
+            if c.closed:
+                raise ClosedError("Scheduler: a pinned tensor belongs to a closed context")
+        sched, assign = self.ptr, lib.ggml_backend_sched_set_tensor_backend
+        for t, b in pointers:
+            assign(sched, t, b)
 
     def reserve(self, graph: Graph) -> None:
         """Size the compute buffers for the largest graph you will run."""

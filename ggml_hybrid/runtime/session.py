@@ -189,12 +189,24 @@ class Session(VerifySteps, ModelView):
         ub = min(opts.ubatch_size, n_ctx)
         self.sched.reserve(self._graph((SeqRows(0, ub, n_ctx),), ub).graph)
         model.experts.reserve(ub)
+        self._reserve_step()
         self.decode_rows = decode_rows(model, opts.ubatch_size)
         n_step = min(opts.n_parallel, self.decode_rows)
         if n_step > 1:
             self.sched.reserve(self._graph(tuple(SeqRows(s, 1, n_ctx) for s in range(n_step)), n_step).graph)
         if self.head is not None:
             self._reserve_head(n_ctx, ub, n_step)
+
+    def _reserve_step(self) -> None:
+        """Build and reserve the graph of a session's first decode steps too (one token over the first cells), after
+        the largest ubatch's, so that no buffer grows. GGML asks a backend the size of each product of a new shape,
+        a round trip to each RPC server, and caches it by shape: reserved here, the first decode step asks none and
+        builds no graph; before, it asked one per product at the first token (9 + 5 round trips for
+        bench_hosts.py's split over two workers; llama.cpp's client, which reserves its one-token graph over the
+        whole context, asks 1 + 1: its attention's over the cells in use). A planning dry run skips it (it sizes
+        nothing the largest ubatch's graph does not)."""
+        if self.options.ubatch_size > 1 and not self.model.dry_run:
+            self.sched.reserve(self._graph((SeqRows(0, 1, self.kv.n_kv_for(1)),), 1).graph)
 
     # -- state ----------------------------------------------------------------
 

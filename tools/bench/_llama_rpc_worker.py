@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """llama.cpp side of bench_hosts.py: llama-cpp-python 0.3.36 (built with GGML_RPC=on) over RPC workers, every layer
 offloaded, split 1:1; a prompt in one call, then greedy tokens one call each. Prints one JSON line:
-{"prompt_s": [...], "decode_s": [...], "tokens": [...]}. Runs under the reference interpreter (it does not import
+{"prompt_s": [...], "decode_s": [...], "tokens": [...], "cpu": [...]} (``cpu``: the process's CPU time and
+context switches per prompt and per decode run). Runs under the reference interpreter (it does not import
 ggml_hybrid).
 
     python _llama_rpc_worker.py MODEL --rpc HOST:PORT,HOST:PORT --prompt 64 --decode 17 --reps 3
@@ -10,6 +11,8 @@ ggml_hybrid).
 import argparse
 import importlib.util
 import json
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -25,6 +28,16 @@ def _add_rpc_devices():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.add_rpc_devices
+
+
+def _cpu():
+    """bench_hosts.py's leader_cpu: CPU time of every thread, voluntary and involuntary switches, threads alive."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return time.process_time(), ru.ru_nvcsw, ru.ru_nivcsw, len(os.listdir("/proc/self/task"))
+
+
+def _delta(a, b):
+    return {"cpu_s": b[0] - a[0], "voluntary": b[1] - a[1], "involuntary": b[2] - a[2], "threads": b[3]}
 
 
 def main() -> int:
@@ -44,20 +57,23 @@ def main() -> int:
         return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
     prompt = list(range(10, 10 + ns.prompt))
-    out = {"prompt_s": [], "decode_s": [], "tokens": []}
+    out = {"prompt_s": [], "decode_s": [], "tokens": [], "cpu": []}
     for _ in range(ns.reps):
         llm.reset()
+        c0 = _cpu()
         t0 = time.perf_counter()
         llm.eval(prompt)
         # the prompt's time ends when its logits are read, as ours (whose eval returns them): over RPC llama_decode
         # returns before the last worker's graph is done (~5 ms of a 64-token prompt here), get_logits waits for it
         toks = [last()]
         out["prompt_s"].append(time.perf_counter() - t0)
+        c1 = _cpu()
         t0 = time.perf_counter()
         for _ in range(ns.decode - 1):
             llm.eval([toks[-1]])
             toks.append(last())
         out["decode_s"].append(time.perf_counter() - t0)
+        out["cpu"].append({"prompt": _delta(c0, c1), "decode": _delta(c1, _cpu())})
         out["tokens"] = toks
     print(json.dumps(out))
     return 0

@@ -68,13 +68,15 @@ def side_ours(ns: SimpleNamespace) -> dict:
                                  f"rpc={ns.rpc}", *ns.opt])
     with MoEModel(ns.model, opts) as m:
         prompt = list(range(10, 10 + ns.prompt))
-        out: dict = {"prompt_s": [], "decode_s": [], "tokens": [], "prompt_counters": []}
+        out: dict = {"prompt_s": [], "decode_s": [], "tokens": [], "prompt_counters": [], "cpu": []}
         for _ in range(ns.reps):
             m.reset()
             before = _counters(m)
+            c0 = leader_cpu()
             t0 = time.perf_counter()
             logits = m.eval(prompt, "last")
             out["prompt_s"].append(time.perf_counter() - t0)
+            c1 = leader_cpu()
             after = _counters(m)
             delta = {k: after[k] - before[k] for k in after}
             delta["share"] = delta["share_sum"] / delta["share_calls"] if delta["share_calls"] else 0.0
@@ -84,8 +86,22 @@ def side_ours(ns: SimpleNamespace) -> dict:
             for _ in range(ns.decode - 1):
                 toks.append(int(np.argmax(m.eval([toks[-1]], "last")[-1])))
             out["decode_s"].append(time.perf_counter() - t0)
+            out["cpu"].append({"prompt": cpu_delta(c0, c1), "decode": cpu_delta(c1, leader_cpu())})
             out["tokens"] = toks
         return out
+
+
+def leader_cpu() -> tuple[float, int, int, int]:
+    """This process's CPU time (every thread's, those ended included), its voluntary and involuntary context
+    switches, and its threads alive: what the leader takes from workers on the same machine."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return time.process_time(), ru.ru_nvcsw, ru.ru_nivcsw, len(os.listdir("/proc/self/task"))
+
+
+def cpu_delta(a: tuple[float, int, int, int], b: tuple[float, int, int, int]) -> dict[str, float]:
+    return {"cpu_s": b[0] - a[0], "voluntary": b[1] - a[1], "involuntary": b[2] - a[2], "threads": b[3]}
 
 
 COUNTED = ("calls", "rounds", "misses", "load_ns", "compute_ns", "share_calls")
