@@ -39,7 +39,7 @@ from ..machine import default_threads
 from ..options import SessionOptions
 from ..serial import Serial
 from .expert_layers import ExpertLayers, check_expert_shapes, check_moe_options
-from .ffn import MoERegion, build_moe_ffn
+from .ffn import MoERegion, Router, build_moe_ffn
 from .layer_cache import LayerCounters
 
 
@@ -184,7 +184,7 @@ class MoEStackSession:
         cur, regions = x, []
         for i in range(self.n_layer):
             h = c.mul(c.rms_norm(cur, self.eps), self.dense[f"blk.{i}.ffn_norm.weight"])
-            r = build_moe_ffn(c, g, h, self.dense[f"blk.{i}.ffn_gate_inp.weight"], self.experts[i], self.n_used,
+            r = build_moe_ffn(c, g, h, Router(self.dense[f"blk.{i}.ffn_gate_inp.weight"]), self.experts[i], self.n_used,
                               name=f"blk.{i}.moe")
             regions.append(r)
             cur = c.add(r.out, cur)

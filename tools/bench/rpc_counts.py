@@ -54,10 +54,11 @@ class RPCStream:
     """One direction's messages parsed as they pass: ``header`` bytes (requests: the command byte and the 64-bit
     size; replies: the size), then the payload, skipped. ``on_message(code, size)`` when a header is complete (code
     None for a reply); ``feed``'s ``before(i)`` when a message starts at ``data[i]`` (tests/test_rpc_round_trips.py
-    holds replies there)."""
+    holds replies there); ``on_payload(chunk)``, if given, with each piece of a payload as it passes."""
 
-    def __init__(self, requests: bool, on_message: Callable[[int | None, int], None]) -> None:
-        self.requests, self.on_message = requests, on_message
+    def __init__(self, requests: bool, on_message: Callable[[int | None, int], None],
+                 on_payload: Callable[[bytes], None] | None = None) -> None:
+        self.requests, self.on_message, self.on_payload = requests, on_message, on_payload
         self.head = b""
         self.left = 0
 
@@ -68,6 +69,8 @@ class RPCStream:
             if self.left > 0:
                 take = min(self.left, n - i)
                 self.left -= take
+                if self.on_payload is not None:  # after the count: ``left`` is 0 at the payload's last piece
+                    self.on_payload(data[i:i + take])
                 i += take
                 continue
             if not self.head and before is not None:
@@ -83,12 +86,17 @@ class RPCStream:
 
 class CountingProxy:
     """Forwards 127.0.0.1:``port`` to ``target`` and counts what passes: commands by kind, replies, bytes each way
-    (every connection, until :meth:`take`)."""
+    (every connection, until :meth:`take`); with ``keep_graphs``, each GRAPH_COMPUTE's payload too (the serialized
+    graph: :meth:`take_graphs`) and a timeline of every message: (time, "request" or "reply", command, size), a reply
+    named by the request it answers (:meth:`take_timeline`)."""
 
-    def __init__(self, target: tuple[str, int]) -> None:
+    def __init__(self, target: tuple[str, int], keep_graphs: bool = False) -> None:
         self.target = target
         self.lock = threading.Lock()
         self.counts: dict[str, float] = {}  # counts, and and "ms graph to next reply": the servers' compute, about
+        self.keep_graphs = keep_graphs
+        self.graphs: list[bytes] = []
+        self.timeline: list[tuple[float, str, str, int]] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -96,6 +104,16 @@ class CountingProxy:
     def take(self) -> dict[str, float]:
         with self.lock:
             out, self.counts = self.counts, {}
+        return out
+
+    def take_graphs(self) -> list[bytes]:
+        with self.lock:
+            out, self.graphs = self.graphs, []
+        return out
+
+    def take_timeline(self) -> list[tuple[float, str, str, int]]:
+        with self.lock:
+            out, self.timeline = self.timeline, []
         return out
 
     def _count(self, key: str, n: float = 1) -> None:
@@ -114,23 +132,47 @@ class CountingProxy:
         for s in (client, server):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         graph_sent: list[float] = []  # when the last graph went out, until the first reply after it
+        graph: list[bytearray] = []  # the GRAPH_COMPUTE being read (keep_graphs)
+
+        waiting: list[str] = []  # the requests a reply is due for, in order (a server answers in order)
 
         def request(code: int | None, size: int) -> None:
             name = command_name(code or 0)
             self._count(name)
+            if self.keep_graphs:
+                if name in ANSWERED:
+                    waiting.append(name)
+                with self.lock:
+                    self.timeline.append((time.perf_counter(), "request", name, size))
+            graph.clear()
+            if self.keep_graphs and name == "GRAPH_COMPUTE":
+                graph.append(bytearray())
+                if size == 0:
+                    payload(b"")
             self._count("bytes sent", 9 + size)
             if name == "GRAPH_COMPUTE":
                 self._count("bytes of GRAPH_COMPUTE", size)  # its nodes and tensors: how big the graph is
             if name in ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE") and not graph_sent:
                 graph_sent.append(time.perf_counter())
 
+        def payload(chunk: bytes) -> None:
+            if graph:
+                graph[0] += chunk
+                if parse_requests.left == 0:  # the whole graph: kept in the order the graphs came
+                    with self.lock:
+                        self.graphs.append(bytes(graph.pop()))
+
         def reply(code: int | None, size: int) -> None:
             self._count("replies")
+            if self.keep_graphs:
+                with self.lock:
+                    self.timeline.append((time.perf_counter(), "reply", waiting.pop(0) if waiting else "?", size))
             self._count("bytes received", 8 + size)
             if graph_sent:  # the server answers in order: this reply came once the graph was computed
                 self._count("ms graph to next reply", (time.perf_counter() - graph_sent.pop()) * 1e3)
 
-        for src, dst, parse in ((client, server, RPCStream(True, request)), (server, client, RPCStream(False, reply))):
+        parse_requests = RPCStream(True, request, payload)
+        for src, dst, parse in ((client, server, parse_requests), (server, client, RPCStream(False, reply))):
             threading.Thread(target=self._pump, args=(src, dst, parse), daemon=True).start()
 
     @staticmethod
