@@ -5,7 +5,7 @@ CPU); its ``serve`` answers ``/health`` and a greedy completion as this checkout
 mounted read-only, as the user the image names (not root).
 
 The image is ``GGML_HYBRID_IMAGE`` (default ``localhost/ggml-hybrid:latest``). Not built yet: skipped, saying how to
-build it, unless ``--slow``, where the test builds it first with the script (about 30 minutes on 2 cores, docs/rpc.md).
+build it, unless ``--slow``, where the test builds it first with the script (8-9 minutes on 2 cores, docs/rpc.md).
 """
 
 from __future__ import annotations
