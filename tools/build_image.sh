@@ -53,6 +53,9 @@ if [ "$clean" -eq 1 ]; then
     exit 0
 fi
 
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
 make_debian_base() {
     if ! command -v debootstrap >/dev/null; then
         echo "error: debootstrap is not installed (Debian: apt-get install -y debootstrap)" >&2; exit 1
@@ -62,8 +65,9 @@ make_debian_base() {
     mnt=$(b mount "$ctr")
     echo "making $debian_base: debootstrap bookworm from $mirror" >&2
     if ! debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$mnt" "$mirror" \
-        >/dev/null; then
-        b rm "$ctr" >/dev/null; echo "error: debootstrap failed (see $mnt/debootstrap/debootstrap.log)" >&2; exit 1
+        >"$work/debootstrap.log" 2>&1; then
+        b rm "$ctr" >/dev/null
+        echo "error: debootstrap of bookworm from $mirror failed:" >&2; tail -5 "$work/debootstrap.log" >&2; exit 1
     fi
     rm -rf "$mnt"/var/cache/apt/archives/*.deb "$mnt"/var/lib/apt/lists/*
     b umount "$ctr" >/dev/null
@@ -72,10 +76,10 @@ make_debian_base() {
 }
 
 if [ -z "$base" ]; then
-    if [ "$force_debootstrap" -eq 0 ] && b pull -q "$hub_base" >/dev/null 2>/tmp/ggml-hybrid-pull.err; then
+    if [ "$force_debootstrap" -eq 0 ] && b pull -q "$hub_base" >/dev/null 2>"$work/pull.err"; then
         base="$hub_base"
     else
-        [ "$force_debootstrap" -eq 1 ] || echo "$hub_base cannot be pulled ($(tail -1 /tmp/ggml-hybrid-pull.err)):" \
+        [ "$force_debootstrap" -eq 1 ] || echo "$hub_base cannot be pulled ($(tail -1 "$work/pull.err")):" \
             "a base from Debian's packages instead" >&2
         b inspect --type image "$debian_base" >/dev/null 2>&1 || make_debian_base
         base="$debian_base"
