@@ -116,6 +116,19 @@ def available_memory() -> int | None:
     return None
 
 
+def process_anon_bytes(status: str = "/proc/self/status") -> int:
+    """This process's anonymous resident memory (``RssAnon``: the interpreter's heap, the libraries' data), what a
+    run of the same program holds before its model loads; 0 where the system does not say."""
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return 0
+
+
 def _read_int(path: str) -> int | None:
     try:
         with open(path) as f:
@@ -210,4 +223,4 @@ def kill_child(proc: subprocess.Popen[bytes]) -> None:
 
 
 __all__ = ["IDLE_FRACTION", "available_memory", "cgroup_memory_left", "default_threads", "idle_cores", "kill_child",
-           "release_free_memory", "usable_cores"]
+           "process_anon_bytes", "release_free_memory", "usable_cores"]

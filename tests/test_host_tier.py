@@ -27,7 +27,7 @@ from ggml_hybrid._native.managed import live_objects
 from ggml_hybrid.ggml.repack import repack_buffer_type
 from ggml_hybrid.gguf.store import GGUFStore
 from ggml_hybrid.machine import cgroup_memory_left
-from ggml_hybrid.moe.host_tier import AUTO_MARGIN_MIN, HostTier, auto_budget, entry_bytes
+from ggml_hybrid.moe.host_tier import AUTO_SLACK, HostTier, auto_budget, entry_bytes
 from ggml_hybrid.moe.stack_session import MoEStackSession
 from ggml_hybrid.moe.traces import Trace
 from ggml_hybrid.options import OptionError, SessionOptions
@@ -565,10 +565,11 @@ def test_host_tier_bytes_refuses_what_is_not_a_size(text):
         SessionOptions.parse([f"host_tier_bytes={text}"])
 
 
-def test_auto_leaves_a_margin():
-    assert auto_budget(available=10 << 30) == (10 << 30) - (1 << 30)      # 10% of it
-    assert auto_budget(available=1 << 30) == (1 << 30) - AUTO_MARGIN_MIN == 896 * MiB  # at least 128 MiB
-    assert auto_budget(available=100 * MiB) == 0
+def test_auto_leaves_what_the_session_holds_and_a_slack():
+    """The rule (the session's bytes come from a dry run of it: tests/test_tier_margin.py)."""
+    assert auto_budget(10 << 30, 1 << 30) == (9 << 30) - AUTO_SLACK
+    assert auto_budget(200 * MiB, 100 * MiB) == 100 * MiB - AUTO_SLACK == 36 * MiB  # not a flat 128 MiB
+    assert auto_budget(100 * MiB, 90 * MiB) == 0
 
 
 def test_plan_counts_the_tier_and_says_when_the_model_does_not_fit(tmp_path):

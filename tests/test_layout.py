@@ -335,7 +335,7 @@ def test_plan_json_schema_is_stable(model):
     assert list(d["devices"]["CUDA0"]) == ["weights", "experts", "kv_cache", "recurrent", "compute", "total", "vram",
                                             "fits"]
     assert list(d["host"]) == ["mapped", "mapped_total", "repacked", "repacked_total", "kv_cache", "recurrent",
-                               "compute", "resident_total", "ram", "fits", "host_tier"]
+                               "compute", "resident_total", "ram", "fits", "host_tier", "held"]
     assert list(d["kv"]) == ["n_ctx", "type_k", "type_v", "per_sequence", "per_token", "parallel", "total"]
     assert d["recurrent"] is None  # no delta-net layers (a recurrent model's: test_recurrent_families)
     assert list(d["layout"]) == ["layers", "kv", "experts", "output"]

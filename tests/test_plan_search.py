@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.options import SessionOptions
-from ggml_hybrid.plan.planner import format_text, plan
+from ggml_hybrid.plan.plan_text import format_text
+from ggml_hybrid.plan.planner import plan
 from ggml_hybrid.runtime.moe_model import MoEModel
 from ggml_hybrid.synthetic import write_model
 

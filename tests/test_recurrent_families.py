@@ -286,7 +286,7 @@ def test_recurrent_state_slots():
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_inspect_and_plan_count_the_recurrent_state(models, name):
     from ggml_hybrid.plan.model_info import describe, format_text
-    from ggml_hybrid.plan.planner import format_text as plan_text
+    from ggml_hybrid.plan.plan_text import format_text as plan_text
     from ggml_hybrid.plan.planner import plan
 
     d = describe(models[name])

@@ -125,7 +125,7 @@ def _k8s(p: Any, k8s: dict[str, Any], sizes: list[int] | None) -> str:
 def plan(model: str | None, model_flag: str | None, hf_repo: str | None, hf_file: str | None, vram: str | None,
          ram: str | None, fmt: str, as_json: bool, **flags: Any) -> None:
     """What MODEL needs per device and in host memory under the given options, from metadata alone."""
-    from ..plan.planner import format_text
+    from ..plan.plan_text import format_text
     from ..plan.planner import plan as make_plan
     from ..units import parse_size
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from ..runtime.cache_size import SlotChoice
 from ..runtime.generate import GenerationStats
 from ..runtime.moe_model import MoEModel
+from ..runtime.tier_size import TierChoice
 from ..units import format_bytes
 
 RUN_SCHEMA_KEYS = ("model", "architecture", "text", "tokens", "prompt_tokens", "generated_tokens", "stop_reason",
                    "load_seconds", "prompt_seconds", "decode_seconds", "prompt_tps", "decode_tps", "decode_steps",
                    "counters", "share_applied", "hybrid_offload_active", "device_memory", "peak_device_bytes",
                    "host_tier", "layout", "options", "slot_choice", "speculative",
-                   "slots_unused")
+                   "slots_unused", "tier_choice")
 
 
 def spec_report(model: MoEModel, st: GenerationStats) -> dict | None:
@@ -44,6 +45,8 @@ def run_report(model: MoEModel, st: GenerationStats, text: str) -> dict:
         "speculative": spec_report(model, st),
         # the host tier feeds a CPU playing the device directly: the slots' counters say nothing
         "slots_unused": model.experts.slots_unused,
+        # what --host-tier auto chose, and the memory available and the session's own bytes that decided it
+        "tier_choice": model.tier_choice.to_dict() if model.tier_choice is not None else None,
     }
 
 
@@ -84,6 +87,10 @@ def format_stats(r: dict) -> str:
                         if t.get("ahead") else ""))
     if r.get("slot_choice"):
         lines.append(SlotChoice(**r["slot_choice"]).describe())
+    if r.get("tier_choice"):
+        t = r["tier_choice"]
+        lines.append(f"host_tier_bytes=auto -> {format_bytes(t['budget'])}: "
+                     + TierChoice(t["budget"], t["available"], t["parts"], t["slack"]).describe())
     lines += [
         "layout: " + "; ".join(f"{dev}: " + ", ".join(f"{cls} {format_bytes(n)}" for cls, n in classes.items())
                                   for dev, classes in r["layout"]["tensors"].items()),

@@ -189,6 +189,8 @@ class ExpertLayers:
         self.direct = {i: self._tier_direct(self.named[i], b) for i in self.disk_layers
                        if (b := self.backend_of(self.named[i]["down"])) is not None}
         self.n_slots = self._cache_slots()
+        #: the disk layers read through a host tier (opened below; a dry run opens none but plans as if it were)
+        self.tier_on = options.host_tier_bytes != 0 and bool(self.disk_layers)
         self.tier = self._open_tier()
         self.trace = self._open_trace()
         # tensors in a CPU extra buffer type (repacked), and those of them copied into host RAM
@@ -255,8 +257,7 @@ class ExpertLayers:
         opts, store = self.options, self.store
         if opts.host_tier_bytes == 0 or not self.disk_layers or not self.load:
             return None
-        per_expert = {i: [store.info(n).nbytes // store.info(n).shape[0] for n in self.named[i].values()]
-                      for i in self.disk_layers}
+        per_expert = self._per_expert()
         frame = frame_bytes(list(per_expert.values()))  # the tier holds experts in equal frames
         n_of = {i: store.info(self.named[i]["down"]).shape[0] for i in self.disk_layers}
         need = frame * sum(n_of.values())
@@ -268,6 +269,28 @@ class ExpertLayers:
         check_tier_budget(budget, frame * max(n_of.values()), opts.host_tier_bytes)
         devices = [self.backend_of(self.named[i]["down"]) for i in self.disk_layers]
         return HostTier(store, budget, opts.expert_eviction, buffer_type=self._pinned_host_type(devices))
+
+    def _per_expert(self) -> dict[int, list[int]]:
+        """Each disk layer's bytes of one expert, kind by kind (matrices and biases)."""
+        info = self.store.info
+        return {i: [info(n).nbytes // info(n).shape[0] for n in self.named[i].values()] for i in self.disk_layers}
+
+    @property
+    def tier_least(self) -> int:
+        """The least host tier the disk layers accept (``check_tier_budget``): one layer's experts in the tier's
+        equal frames; 0 without disk layers."""
+        if not self.disk_layers:
+            return 0
+        n_of = [self.store.info(self.named[i]["down"]).shape[0] for i in self.disk_layers]
+        return frame_bytes(list(self._per_expert().values())) * max(n_of)
+
+    @property
+    def tier_need(self) -> int:
+        """Bytes of every disk layer's experts in the tier's frames: the most a tier can hold."""
+        if not self.disk_layers:
+            return 0
+        frame = frame_bytes(list(self._per_expert().values()))
+        return frame * sum(self.store.info(self.named[i]["down"]).shape[0] for i in self.disk_layers)
 
     def _open_trace(self) -> TraceWriter | None:
         """The routing trace (``trace_path``); a dry run (planning) writes nothing."""
@@ -307,7 +330,7 @@ class ExpertLayers:
         rule = repack_rule(store, self.options.repack)
         host_names = [n for layer_names in named.values() for n in layer_names.values() if n not in loaded]
         # fed by the host tier, the CPU worker computes from the tier's frames: no copy of its host experts
-        copy_disk = self.worker is not None and self.tier is None and self._host_copies_fit(store, rule, named)
+        copy_disk = self.worker is not None and not self.tier_on and self._host_copies_fit(store, rule, named)
         disk = {n for i in self.disk_layers for n in named[i].values()}
         host_rule = self._recording(lambda n: rule(n) if n not in disk or copy_disk else None, True, True)
         self.mapped_ctx, mapped = load_into(store, host_names, None, on_tensor=on_tensor, load=self.load,
@@ -327,7 +350,7 @@ class ExpertLayers:
             layer=moe_layer, n_slots=self.n_slots, n_used=self.n_used, policy=opts.expert_eviction, glu=self.glu,
             share=cast("float | Literal['auto']", opts.moe_cpu_share), worker=self.worker,
             host_experts=self.weights[i], trace=self.trace, route=routes[moe_layer] if routes is not None else None,
-            tier=self.tier, tier_direct=self.tier is not None and self.direct.get(i, False), repack=opts.repack,
+            tier=self.tier, tier_direct=self.tier_on and self.direct.get(i, False), repack=opts.repack,
             clear=self.load)
         if self.native:
             scratch = self._scratch.get(id(cache_on))
@@ -367,7 +390,7 @@ class ExpertLayers:
 
     def tier_held(self) -> list[str]:
         """The expert tensors the host tier holds (every disk layer's, read from the file, no longer mapped)."""
-        if self.tier is None:
+        if not self.tier_on:
             return []
         return [n for i, names in enumerate(self.names) if names is not None and self.modes[i] == "disk"
                 for n in names.values()]
@@ -479,7 +502,9 @@ class ExpertLayers:
         total = sum(t.nbytes for b, ctx in self.resident_ctxs if backend is None or b is backend
                     for t in ctx.tensors())
         for e, b in zip(self.executors, self.layer_backends):
-            if e is not None and (backend is None or b is backend):
+            # a layer computing straight from the tier's frames has slots of address space only (a dry run plans
+            # it so, with no tier opened)
+            if e is not None and (backend is None or b is backend) and not e.config.tier_direct:
                 total += e.slot_bytes
         return total
 

@@ -35,9 +35,10 @@ from .slot_cache import POLICY_CODES
 
 #: I/O threads reading experts; a few reads in flight keep an SSD's queue busy, more only add seeks
 IO_THREADS = 4
-#: what ``auto`` leaves to everything else (the dense weights, the KV cache, the process, other processes)
-AUTO_MARGIN_MIN = 128 * MiB
-AUTO_MARGIN_FRACTION = 0.10
+#: what ``auto`` leaves beyond the session's own buffers: the process's growth while it runs (the host-side step
+#: arrays, the allocator's retained heap, the CPU kernels' work buffers, threads' stacks); measured at 30-50 MiB
+#: beyond the buffers after a prompt filling a 4096-token context (docs/moe.md, "The host expert tier"), fixed
+AUTO_SLACK = 64 * MiB
 
 
 class TierCounters(Counters, struct="hy_tier_counters"):
@@ -45,21 +46,24 @@ class TierCounters(Counters, struct="hy_tier_counters"):
     (``_native/src/host_tier.h`` lists and documents them), in its order."""
 
 
-def auto_budget(available: int | None = None) -> int:
-    """``host_tier_bytes=auto``: the memory available now (``MemAvailable``, or what this process's memory cgroup
-    still allows, whichever is less) less a margin of 10% of it, at least 128 MiB."""
-    if available is None:
-        avail = available_memory()
-        left = cgroup_memory_left()
-        if left is not None:
-            avail = left if avail is None else min(avail, left)
-    else:
-        avail = available
+def memory_available() -> int:
+    """The memory available now: ``MemAvailable``, or what this process's memory cgroup still allows, whichever is
+    less (``auto`` sizes from it)."""
+    avail = available_memory()
+    left = cgroup_memory_left()
+    if left is not None:
+        avail = left if avail is None else min(avail, left)
     if avail is None:
         raise OptionError("host_tier_bytes=auto: this system does not say how much memory is available "
                           "(/proc/meminfo); give a size, e.g. --host-tier 8G")
-    margin = max(AUTO_MARGIN_MIN, int(avail * AUTO_MARGIN_FRACTION))
-    return max(0, avail - margin)
+    return avail
+
+
+def auto_budget(available: int, held: int) -> int:
+    """``host_tier_bytes=auto``: ``available`` bytes less ``held``, what the session holds in the same memory
+    besides the tier (its KV cache, compute buffers, the weights it holds there; measured by a dry run of it,
+    :func:`ggml_hybrid.runtime.moe_model.auto_host_tier`), less :data:`AUTO_SLACK`."""
+    return max(0, available - held - AUTO_SLACK)
 
 
 def entry_bytes(nbytes: list[int]) -> int:
@@ -152,12 +156,14 @@ def check_tier_budget(budget: int, layer_need: int, given: int | str) -> None:
 
 
 def resolve_budget(value: int | str, need_total: int, host_slots: int = 0) -> int:
-    """The byte budget of ``host_tier_bytes=value``: a size as given, ``auto`` from the memory available less
-    ``host_slots`` (the bytes of expert slots still to be allocated in host memory: a CPU playing the device);
-    never more than every disk layer's experts (``need_total`` bytes in the tier), which is all it can hold."""
-    budget = max(0, auto_budget() - host_slots) if value == "auto" else int(value)
+    """The byte budget of ``host_tier_bytes=value``: a size as given; ``auto`` here (a session's ``auto`` is sized
+    before its model loads, :func:`~ggml_hybrid.runtime.moe_model.auto_host_tier`; this is what is left for experts
+    loaded without one: an FFN stack, a model given a device) from the memory available less ``host_slots`` (the
+    bytes of expert slots still to be allocated in host memory: a CPU playing the device) less the slack; never
+    more than every disk layer's experts (``need_total`` bytes in the tier), which is all it can hold."""
+    budget = auto_budget(memory_available(), host_slots) if value == "auto" else int(value)
     return min(budget, need_total)
 
 
-__all__ = ["AUTO_MARGIN_FRACTION", "AUTO_MARGIN_MIN", "IO_THREADS", "HostTier", "TierCounters", "auto_budget",
-           "check_tier_budget", "entry_bytes", "frame_bytes", "resolve_budget"]
+__all__ = ["AUTO_SLACK", "IO_THREADS", "HostTier", "TierCounters", "auto_budget", "check_tier_budget", "entry_bytes",
+           "frame_bytes", "memory_available", "resolve_budget"]

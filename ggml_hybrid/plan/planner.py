@@ -24,14 +24,15 @@ from ..gguf.store import GGUFStore
 from ..model.families import read_hparams
 from ..model.hparams import HParams
 from ..model.kv_cache import KVCache
-from ..moe.host_tier import auto_budget, resolve_budget
+from ..moe.host_tier import auto_budget, memory_available, resolve_budget
 from ..options import MAX_DEVICES, OptionError, SessionOptions
 from ..placement.devices import device_free_memory, plan_device_names
 from ..placement.layout import CPU
 from ..runtime.cache_size import SlotChoice
 from ..runtime.moe_model import MoEModel, auto_cache_slots, context_warning
+from ..runtime.tier_size import session_host_bytes
 from ..units import GiB, format_bytes
-from .host_advice import memory_warnings, planned_devices, search_tier, tier_least
+from .host_advice import larger_than_memory, memory_tight, memory_warnings, search_host, tier_items, tier_least
 from .k8s import DEFAULT_IMAGE, DEFAULT_PORT, deployment, to_yaml
 from .model_info import describe
 
@@ -93,6 +94,9 @@ class HostPlan(_ToDict):
     ram: int | None = None
     fits: bool | None = None
     host_tier: int = 0  # the host expert tier's budget (host_tier_bytes, resolved: auto from --ram or available)
+    # the session's host memory besides the tier, a CPU playing the device included (runtime/tier_size.py): what
+    # host_tier_bytes=auto and plan's advice leave beside the tier
+    held: int = 0
 
 
 @dataclass
@@ -227,13 +231,14 @@ class _Measured:
     hp: HParams
     n_ctx: int
     tier_min: int  # the least host tier a run accepts
+    held: int  # the session's host bytes besides the tier (session_host_bytes)
 
 
 def _measure(path: str, opts: SessionOptions, devices: list[str]) -> _Measured:
     with MoEModel(path, opts, dry_run_devices=devices) as m:
         return _Measured({d: m.device_memory(d) for d in devices}, m.kv.nbytes(m.host),
                          m.rs.nbytes(m.host) if m.rs is not None else 0, m.sched.buffer_size(m.host),
-                         m.layout_report(), m.hp, m.n_ctx, tier_least(m))
+                         m.layout_report(), m.hp, m.n_ctx, tier_least(m), sum(session_host_bytes(m).values()))
 
 
 def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram: list[int] | None = None,
@@ -281,7 +286,44 @@ def plan(path: str | os.PathLike[str], opts: SessionOptions | None = None, vram:
         recs = _recommend(p, opts, hp)
         p.recommendations = [r for r in (_verify(path, info, opts, vram, ram, parallel, c) for c in recs) if r]
         p.combination = _search(path, info, opts, vram, ram, parallel, p, hp)
+    _advise_memory(path, info, opts, vram, ram, parallel, p, hp)
     return p
+
+
+def _advise_memory(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[int] | None,
+                   ram: int | None, parallel: int, p: Plan, hp: HParams) -> None:
+    """A file larger than the memory (``--ram``, or what is available): on a CPU-only machine the host tier's
+    configuration is the plan's combination (``search_host``); either way a warning says where the advice is."""
+    memory = memory_tight(path, opts, ram)
+    if memory is None:
+        return
+    if not vram:
+        found = search_host(_try_plan(path, info, _bare(opts), None, ram, parallel), _base_ladder(opts, p, hp),
+                            hp.n_used, p.experts.host_tier_min, memory)
+        if found is not None:
+            c, q = _combination(found[0], found[1], opts, p, hp), found[1]
+            p.combination = dataclasses.replace(c, fits=q.host.held + q.host.host_tier <= memory, device_vram={})
+    done = p.combination
+    p.warnings.append(larger_than_memory(p, memory, done is not None and done.fits
+                                         and "host_tier_bytes=" in done.options))
+
+
+def _bare(opts: SessionOptions) -> SessionOptions:
+    """The options with the experts' placement left to a search."""
+    return opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction=SessionOptions().expert_eviction,
+                       moe_cpu_share=0.0, cpu_moe=False, n_cpu_moe=0)
+
+
+def _try_plan(path: str, info: dict[str, Any], base: SessionOptions, vram: list[int] | None, ram: int | None,
+              parallel: int) -> Callable[[list[str]], Plan | None]:
+    """A search's dry run of ``key=value`` items over ``base``: its plan, or None when the options are refused."""
+    def try_plan(items: list[str]) -> Plan | None:
+        try:
+            return _plan_moe(path, info, SessionOptions.parse(items, base=base), vram, ram, parallel)[0]
+        except OptionError:
+            return None
+
+    return try_plan
 
 
 def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[int] | None, ram: int | None,
@@ -305,8 +347,8 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
     tier = 0
     if opts.host_tier_bytes != 0 and opts.disk_experts:
         routed = info["experts"]["bytes_per_layer"] * info["experts"]["moe_layers"]
-        if opts.host_tier_bytes == "auto":  # what a run would take: the RAM given less the buffers, or what is free
-            tier = min(routed, auto_budget(ram - host_resident) if ram is not None else auto_budget())
+        if opts.host_tier_bytes == "auto":  # what a run takes: the RAM given (or available) less what it holds
+            tier = min(routed, auto_budget(memory_available() if ram is None else ram, meas.held))
         else:
             tier = resolve_budget(opts.host_tier_bytes, routed)
     host_resident += tier
@@ -314,7 +356,8 @@ def _plan_moe(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[
     p = Plan(
         model=path, architecture=hp.arch, moe=True, options=opts.to_items(), devices=out_devices,
         host=HostPlan(mapped, sum(mapped.values()), copies, sum(copies.values()), meas.host_kv, meas.host_recurrent,
-                      meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram, tier),
+                      meas.host_compute, host_resident, ram, None if ram is None else host_resident <= ram, tier,
+                      meas.held),
         kv=KVPlan(meas.n_ctx, opts.cache_type_k, opts.cache_type_v, kv_seq, kv_seq // meas.n_ctx, parallel,
                   kv_total),
         recurrent=None if dn is None else RecurrentPlan(
@@ -442,15 +485,7 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
     fit with every routed expert on the CPU, then as many experts on the devices as still fit (resident, or
     the larger of an expert cache with a CPU share and resident layers after ``n_cpu_moe``). When even the
     smallest configuration does not fit, that configuration and what it needs."""
-    bare = opts.merged(disk_experts=False, expert_cache_slots=0, expert_eviction=SessionOptions().expert_eviction,
-                       moe_cpu_share=0.0, cpu_moe=False, n_cpu_moe=0)
-
-    def try_plan(items: list[str]) -> Plan | None:
-        try:
-            return _plan_moe(path, info, SessionOptions.parse(items, base=bare), vram, ram, parallel)[0]
-        except OptionError:
-            return None
-
+    try_plan = _try_plan(path, info, _bare(opts), vram, ram, parallel)
     base: list[str] | None = None
     last: tuple[list[str], Plan] | None = None
     for items in _base_ladder(opts, p0, hp):
@@ -477,9 +512,10 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
         free = min((d.vram or 0) - d.total for d in cpu_plan.devices.values())
         layers_on = max(1, max(sum(1 for x in cpu_plan.layout.layers if x == d) for d in cpu_plan.devices))
         slots = min(hp.n_expert, free // layers_on // max(1, cpu_plan.experts.bytes_per_expert))
-        tier = search_tier(path, ram, cpu_plan)  # [] or the host tier the slots read through
+        memory = memory_tight(path, opts, ram)
         while slots >= 1:  # the cache's graphs cost room the arithmetic leaves out: fewer slots until it fits
             items = base + [f"expert_cache_slots={slots}", "disk_experts=true", "moe_cpu_share=auto"]
+            tier = tier_items(try_plan, items, p0.experts.host_tier_min, memory)  # [] or the tier the slots read
             q = try_plan(items + tier)
             if q is not None and _fits(q):
                 tried.append((items + tier, q))
@@ -496,7 +532,8 @@ def _search(path: str, info: dict[str, Any], opts: SessionOptions, vram: list[in
             n += 1
         tried.append((base + ["cpu_moe=true"], cpu_plan))
         # the host tier's line first (it reads a file larger than RAM), then the most expert bytes on the devices
-        best = max(tried, key=lambda t: (tier[:1] == t[0][-1:], sum(v.experts for v in t[1].devices.values())))
+        best = max(tried, key=lambda t: (t[0][-1].startswith("host_tier_bytes="),
+                                         sum(v.experts for v in t[1].devices.values())))
     return _combination(best[0], best[1], opts, p0, hp)
 
 
@@ -513,7 +550,8 @@ def _combination(items: list[str], q: Plan, opts: SessionOptions, p0: Plan, hp: 
         changes.append("KV cache in host memory, attention on the CPU (-nkvo)")
     if "expert_cache_slots" in kv:
         changes.append(f"routed experts on disk behind {kv['expert_cache_slots']} device cache slots per layer of "
-                       f"{hp.n_expert}, the CPU running the share of misses that finishes soonest")
+                       f"{hp.n_expert}" + (", the CPU running the share of misses that finishes soonest"
+                                           if kv.get("moe_cpu_share") == "auto" else ""))
         if "host_tier_bytes" in kv:
             changes.append(f"a host tier of {kv['host_tier_bytes']} reading the misses (the file exceeds the RAM)")
     elif "n_cpu_moe" in kv:
@@ -678,57 +716,6 @@ def _plan_dense(info: dict[str, Any], store: GGUFStore, opts: SessionOptions, vr
                      opts.n_threads or os.cpu_count() or 1)
 
 
-def format_text(p: Plan | DensePlan) -> str:
-    g = format_bytes
-    lines = [f"{p.model}: {p.architecture}{' (MoE)' if p.moe else ' (dense)'}; options: "
-             f"{' '.join(p.options) or '(defaults)'}"]
-    if isinstance(p, Plan):
-        planned = planned_devices(p)
-        for d, v in p.devices.items():
-            fit = "" if v.fits is None else (f"  of {g(v.vram or 0)}: " + ("fits" if v.fits else "DOES NOT FIT"))
-            rs = f" | recurrent {g(v.recurrent)}" if v.recurrent else ""
-            name = f"{d} (planned: --vram)" if d in planned else d  # a hypothetical device: no such GPU here
-            lines.append(f"  {name:<6} weights {g(v.weights)} | experts {g(v.experts)} | kv {g(v.kv_cache)}{rs} | "
-                         f"compute {g(v.compute)} | total {g(v.total)}{fit}")
-        h = p.host
-        lines.append(f"  host   memory-mapped {g(h.mapped_total)} ("
-                     + ", ".join(f"{k} {g(v)}" for k, v in h.mapped.items()) + ")"
-                     + (f" | repacked {g(h.repacked_total)}" if h.repacked_total else "")
-                     + f" | kv {g(h.kv_cache)}"
-                     + (f" | recurrent {g(h.recurrent)}" if h.recurrent else "")
-                     + f" | compute {g(h.compute)}"
-                     + (f" | host tier {g(h.host_tier)}" if h.host_tier else "")
-                     + f" | resident {g(h.resident_total)}"
-                     + ("" if h.ram is None else f"  of {g(h.ram)}"))
-        k = p.kv
-        lines.append(f"  KV cache: n_ctx {k.n_ctx} ({k.type_k}/{k.type_v}): {g(k.per_sequence)} "
-                     f"per sequence, {g(k.total)} for {k.parallel}")
-        rec = p.recurrent
-        if rec is not None:
-            lines.append(f"  recurrent state: {g(rec.per_sequence)} per sequence (F32, any n_ctx), {g(rec.total)} held "
-                         f"for {rec.parallel} (two per sequence, so that a failed eval changes nothing, and one of "
-                         "zeros)")
-        lines.append(f"  layers: {' '.join(p.layout.layers)}; experts: {' '.join(p.layout.experts)}")
-        if p.slot_choice is not None:
-            lines.append(f"  {p.slot_choice.describe()}")
-    else:
-        lines.append(f"  {g(p.layer_bytes)} per layer, {g(p.other_bytes)} other; KV "
-                     f"{g(p.kv.per_layer)} per layer at n_ctx {p.kv.n_ctx}")
-    for w in p.warnings:
-        lines.append(f"  warning: {w}")
-    for r in p.recommendations:
-        lines.append(f"  recommend: {r.options}: {r.buys}")
-    c = p.combination if isinstance(p, Plan) else None
-    if c is not None and c.fits:
-        lines.append(f"  best combination: {c.options}: " + "; ".join(c.changes) + "; "
-                     + ", ".join(f"{d} {g(t)} of {g(c.device_vram[d])}" for d, t in c.device_total.items()))
-    elif c is not None:
-        lines.append(f"  nothing fits: the smallest configuration ({c.options}) needs "
-                     + ", ".join(f"{d} {g(t)} (given {g(c.device_vram[d])})" for d, t in c.device_total.items())
-                     + "; fewer layers on the devices (-ngl N) or more devices go further")
-    return "\n".join(lines)
-
-
 def k8s_resources(p: Plan | DensePlan, overhead: int = GiB) -> dict[str, Any]:
     """A pod ``resources`` stanza: GPUs, host memory (experts + KV + buffers + overhead), CPU threads.
 
@@ -760,4 +747,4 @@ def format_k8s(p: Plan | DensePlan, image: str = DEFAULT_IMAGE, port: int = DEFA
 
 
 __all__ = ["EXPERT_KEYS", "Combination", "DensePlan", "DevicePlan", "ExpertPlan", "HostPlan", "KVPlan", "LayoutPlan",
-           "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "format_text", "k8s_resources", "plan"]
+           "Plan", "Recommendation", "RecurrentPlan", "format_k8s", "k8s_resources", "plan"]

@@ -29,11 +29,14 @@ from collections.abc import Callable
 from ..ggml.backend import Backend
 from ..machine import available_memory, default_threads
 from ..model.hparams import HParams
+from ..moe.host_tier import auto_budget, check_tier_budget, memory_available
 from ..options import OptionError, SessionOptions
 from ..placement.devices import device_free_memory, device_names
+from ..units import MiB, format_bytes
 from .cache_size import SlotChoice, choose_slots
 from .loaded_model import LoadedModel, check_load_arguments, check_options
 from .session import MAX_GRAPHS, MAX_STEP_GRAPHS, Checkpoint, Session, context_warning
+from .tier_size import TierChoice, session_host_bytes
 
 
 def auto_cache_slots(path: str | os.PathLike[str], opts: SessionOptions, devices: list[str] | None = None,
@@ -81,6 +84,53 @@ def auto_cache_slots(path: str | os.PathLike[str], opts: SessionOptions, devices
     return choice
 
 
+def auto_host_tier(path: str | os.PathLike[str], opts: SessionOptions, available: int | None = None) -> TierChoice:
+    """The budget ``host_tier_bytes=auto`` takes for ``path`` with ``opts`` (runtime/tier_size.py: the rule): a dry
+    run of the session gives what it holds in host memory besides the tier; ``available``: the memory available
+    (default: now, :func:`~ggml_hybrid.moe.host_tier.memory_available`). Less than one layer's experts is refused,
+    naming the figures."""
+    avail = memory_available() if available is None else available
+    names = device_names(opts)
+    with MoEModel(path, opts, dry_run_devices=names) as m:
+        parts, least, every = session_host_bytes(m), m.experts.tier_least, m.experts.tier_need
+    choice = TierChoice(min(auto_budget(avail, sum(parts.values())), every), avail, parts)
+    if choice.budget < least:
+        size = os.path.getsize(path)
+        what = ("`ggml-hybrid plan FILE --ram SIZE`, SIZE the memory the run gets, prints a configuration that fits"
+                if size > avail else f"the file ({format_bytes(size)}) fits in the memory: leave --host-tier out")
+        raise OptionError(f"host_tier_bytes=auto: {choice.describe()} leaves {format_bytes(choice.budget)}, less "
+                          f"than one layer's experts ({format_bytes(least)}, the least tier a call can use): give the "
+                          f"run more memory, a smaller context (-c) or physical batch (-ub) ({what}), or a size "
+                          f"(--host-tier {-(-least // MiB)}M or more) if the buffers will not fill")
+    check_tier_budget(choice.budget, least, "auto")
+    return choice
+
+def check_copies_fit(path: str | os.PathLike[str], opts: SessionOptions) -> None:
+    """Refuse before loading a file larger than the memory available whose repacked weights (``repack=true``,
+    llama.cpp's CPU_REPACK: gpt-oss's MXFP4 experts, Q4_0, ...) would be copied into it: the copies are anonymous
+    memory, which a memory limit kills rather than evicts (the file's pages used in place are page cache, which it
+    evicts). Only the file's size is read unless it is larger than the memory; then a dry run counts the copies."""
+    try:
+        size, avail = os.path.getsize(path), memory_available()
+    except (OSError, TypeError, ValueError, OptionError):  # a bad path (the load says why), or no figure
+        return
+    if not opts.repack or size <= avail:
+        return
+    with MoEModel(path, opts, dry_run_devices=device_names(opts)) as m:
+        names = [n for n in m.model.repacked | m.experts.repacked if n in m.store]
+        copied = sum(m.store.info(n).nbytes for n in names)
+        kinds = sorted({m.store.info(n).dtype.name for n in names})
+        parts = session_host_bytes(m)
+    buffers = parts["kv_cache"] + parts["compute"]
+    if copied and copied + buffers > avail:
+        raise OptionError(
+            f"{os.fspath(path)!r} ({format_bytes(size)}) is larger than the {format_bytes(avail)} available (the "
+            f"memory, or what this process's memory cgroup allows), and this configuration copies "
+            f"{format_bytes(copied)} of repacked weights ({', '.join(kinds)}) into memory beside "
+            f"{format_bytes(buffers)} of KV cache and compute buffers (repack=true, llama.cpp's CPU_REPACK): the "
+            "process would be killed. Give --no-repack (repack=false: the weights used in place from the file), or "
+            "read the experts through the host tier (--host-tier auto, or the size `plan --ram SIZE` advises)")
+
 
 class MoEModel(Session):
     """A session that loads its own model (:class:`LoadedModel`) from ``path`` and closes it with itself."""
@@ -110,6 +160,13 @@ class MoEModel(Session):
                                   "device or a dry run, give a number (auto_cache_slots() chooses one)")
             self.slot_choice = auto_cache_slots(path, opts)
             opts = opts.merged(expert_cache_slots=self.slot_choice.slots)
+        #: what host_tier_bytes=auto chose and why (None when a size was given, or for a dry run or a given device)
+        self.tier_choice: TierChoice | None = None
+        if opts.host_tier_bytes == "auto" and opts.disk_experts and device is None and dry_run_devices is None:
+            self.tier_choice = auto_host_tier(path, opts)
+            opts = opts.merged(host_tier_bytes=self.tier_choice.budget)
+        if device is None and dry_run_devices is None:
+            check_copies_fit(path, opts)
         threads = None if opts.n_threads or dry_run_devices is not None else default_threads()
         model = LoadedModel(path, opts, device, progress, dry_run_devices, benchmark, threads)
         try:
@@ -130,5 +187,5 @@ class MoEModel(Session):
         return self
 
 
-__all__ = ["MAX_GRAPHS", "MAX_STEP_GRAPHS", "Checkpoint", "MoEModel", "auto_cache_slots", "check_options",
-           "context_warning"]
+__all__ = ["MAX_GRAPHS", "MAX_STEP_GRAPHS", "Checkpoint", "MoEModel", "TierChoice", "auto_cache_slots",
+           "auto_host_tier", "check_copies_fit", "check_options", "context_warning"]
