@@ -10,7 +10,7 @@ import sys
 import tarfile
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from . import paths, progress
@@ -60,4 +60,13 @@ def extract_ggml(pin: dict[str, Any], dest: Path, keep: Callable[[str], bool] = 
             if m.name.startswith(prefix) and rel and (m.isfile() or m.isdir()) and keep(rel):
                 m.name = rel
                 members.append(m)
-        tar.extractall(dest, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, members=members, filter="data")
+        else:
+            # a Python before the extraction filters (3.10.12, 3.11.4): Debian bookworm's 3.11.2 among them. The
+            # members are regular files and folders already; refuse, as the data filter does, a name leaving dest
+            for m in members:
+                if PurePosixPath(m.name).is_absolute() or ".." in PurePosixPath(m.name).parts:
+                    raise SystemExit(f"{pin['ggml_path']}/{m.name} in {pin.get('archive', 'the pinned archive')}: "
+                                     "a member's path must stay inside the folder it is extracted to")
+            tar.extractall(dest, members=members)
