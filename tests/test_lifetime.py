@@ -265,3 +265,22 @@ def test_models_dropped_without_close_release_everything(tmp_path, opts):
     gc.collect()
     assert gh.live_objects() == before
     assert threading.active_count() == threads
+
+
+def test_a_leaf_without_memory_is_refused_by_name(cpu_backend):
+    """A leaf that no buffer holds and that is not an input would be computed from garbage: the scheduler refuses
+    the graph naming that leaf, whichever leaf it is (the check runs natively over every leaf at each alloc)."""
+    w = gh.Context(n_tensors=4)
+    W = w.new_tensor("f32", (4, 4), "W")
+    w.allocate(cpu_backend)
+    W.set(np.eye(4, dtype=np.float32))
+    c = gh.Context(n_tensors=8, graph_size=16)
+    x = c.new_tensor("f32", (2, 4), "x").set_input()
+    bias = c.new_tensor("f32", (2, 4), "the_bias")  # neither allocated nor an input
+    g = c.new_graph(16).expand(c.add(c.mul_mat(W, x), bias))
+    s = gh.Scheduler([cpu_backend], graph_size=64)
+    with pytest.raises(E.AllocationError, match="leaf 'the_bias' has no memory"):
+        s.alloc(g)
+    bias.set_input()  # marked as an input, the same graph allocates
+    s.alloc(g)
+    s.close()

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 # the contexts of a graph's pinned tensors, and each (tensor, backend) as pointers
-_Pinned = tuple[list["Context | BorrowedScope"], list[tuple[CData, CData]]]
+_Pinned = tuple[list["Context | BorrowedScope"], CData, CData, int]  # contexts, the tensors, their backends, n
 
 
 class _Kept:
@@ -150,10 +150,11 @@ class Scheduler(Managed):
             raise AllocationError(f"graph has {total} nodes+leafs but the scheduler was made for "
                                   f"graph_size={self.graph_size}")
         graph.check_supported(self._backends, id(self))
-        for t in graph.leafs:
-            if t.ptr.data == ffi.NULL and t.ptr.view_src == ffi.NULL and t.ptr.flags & lib.GGML_TENSOR_FLAG_INPUT == 0:
-                raise AllocationError(f"leaf {t.name!r} has no memory; allocate its context in a backend buffer "
-                                      "(or mark it as an input with set_input())")
+        bare = lib.hy_graph_bare_leaf(graph.ptr)  # the leafs scanned in one native call: this runs every alloc
+        if bare >= 0:
+            name = ffi.string(lib.hy_graph_leaf(graph.ptr, bare).name).decode(errors="replace")
+            raise AllocationError(f"leaf {name!r} has no memory; allocate its context in a backend buffer "
+                                  "(or mark it as an input with set_input())")
 
     def _check_inputs_set(self, graph: Graph) -> None:
         # GGML reuses the memory of graph inputs once their last consumer ran, so an input
@@ -189,20 +190,20 @@ class Scheduler(Managed):
         self._idle("set_pins")
         pins = [(t, self._index_check(b)) for t, b in pins]
         contexts = list({id(t.context): t.context for t, _ in pins}.values())
-        self._pins[graph] = (contexts, [(t.ptr, b.ptr) for t, b in pins])
+        # native arrays, applied in one call after each reset (a prompt's graph pins hundreds of nodes)
+        self._pins[graph] = (contexts, ffi.new("struct ggml_tensor *[]", [t.ptr for t, _ in pins]),
+                             ffi.new("ggml_backend_t[]", [b.ptr for _, b in pins]), len(pins))
         self._allocated = None
 
     def _apply_pins(self, graph: Graph) -> None:
         pinned = self._pins.get(graph)
         if pinned is None:
             return
-        contexts, pointers = pinned
+        contexts, tensors, backends, n = pinned
         for c in contexts:
             if c.closed:
                 raise ClosedError("Scheduler: a pinned tensor belongs to a closed context")
-        sched, assign = self.ptr, lib.ggml_backend_sched_set_tensor_backend
-        for t, b in pointers:
-            assign(sched, t, b)
+        lib.hy_sched_pin(self.ptr, tensors, backends, n)
 
     def reserve(self, graph: Graph) -> None:
         """Size the compute buffers for the largest graph you will run."""
