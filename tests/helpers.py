@@ -23,6 +23,7 @@ import textwrap
 import numpy as np
 
 import ggml_hybrid as gh
+from ggml_hybrid.synthetic import ARCHS
 
 EPS32 = 2.0 ** -24  # unit roundoff of float32 (round to nearest)
 EPS16 = 2.0 ** -11  # unit roundoff of float16
@@ -288,3 +289,18 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                    "required": ["city", "days"]}}}
+
+
+# a small model of each family (ggml_hybrid.synthetic.write_model's keywords), with what makes it different
+# switched on (as tests/test_families.py): sliding windows, latent
+# attention, dense leading layers, a SentencePiece vocabulary, delta-net layers
+FAMILY_SPECS = {
+    "qwen3moe": {}, "qwen2moe": dict(n_head_kv=4, head_dim=16), "llama": dict(vocab="spm", vocab_size=512),
+    "olmoe": dict(n_head_kv=4, head_dim=16),
+    "glm4moe": dict(n_layer=3, n_dense_lead=1, n_rot=16, gating="sigmoid", weights_scale=2.5, qk_norm=True),
+    "deepseek2": dict(n_layer=3, n_dense_lead=1, n_expert=16, n_used=4, gating="sigmoid", weights_scale=2.5,
+                      n_group=4, n_group_used=2),
+    "gpt-oss": dict(n_layer=2, head_dim=32, expert_type="mxfp4", n_swa=4),
+    "qwen3next": dict(n_layer=4, n_rot=8, attn_interval=2), "qwen35moe": dict(n_layer=4, n_rot=8, attn_interval=2),
+}
+assert set(FAMILY_SPECS) == set(ARCHS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import FAMILY_SPECS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,18 +20,7 @@ from ggml_hybrid.synthetic import ARCHS, write_model
 
 RECURRENT = ("qwen3next", "qwen35moe")
 N_CTX = 128
-# each family with what makes it different switched on (as tests/test_families.py): sliding windows, latent
-# attention, dense leading layers, a SentencePiece vocabulary, delta-net layers
-SPECS = {
-    "qwen3moe": {}, "qwen2moe": dict(n_head_kv=4, head_dim=16), "llama": dict(vocab="spm", vocab_size=512),
-    "olmoe": dict(n_head_kv=4, head_dim=16),
-    "glm4moe": dict(n_layer=3, n_dense_lead=1, n_rot=16, gating="sigmoid", weights_scale=2.5, qk_norm=True),
-    "deepseek2": dict(n_layer=3, n_dense_lead=1, n_expert=16, n_used=4, gating="sigmoid", weights_scale=2.5,
-                      n_group=4, n_group_used=2),
-    "gpt-oss": dict(n_layer=2, head_dim=32, expert_type="mxfp4", n_swa=4),
-    "qwen3next": dict(n_layer=4, n_rot=8, attn_interval=2), "qwen35moe": dict(n_layer=4, n_rot=8, attn_interval=2),
-}
-assert set(SPECS) == set(ARCHS)
+SPECS = FAMILY_SPECS
 
 
 def _write(tmp_path, arch: str) -> str:

@@ -15,6 +15,7 @@ import shlex
 
 import pytest
 from click.testing import CliRunner
+from helpers import FAMILY_SPECS
 
 from ggml_hybrid.cli import main
 from ggml_hybrid.errors import OptionError
@@ -26,18 +27,8 @@ from ggml_hybrid.runtime.moe_model import MoEModel, auto_host_tier
 from ggml_hybrid.synthetic import ARCHS, write_model
 from ggml_hybrid.units import MiB, parse_size
 
-# each family with what makes it different switched on (as tests/test_prompt_cache.py); q8_0 experts are not
-# repacked on x86 (a CPU computes them straight from the tier's frames), gpt-oss's MXFP4 ones are (slots)
-SPECS = {
-    "qwen3moe": {}, "qwen2moe": dict(n_head_kv=4, head_dim=16), "llama": dict(vocab="spm", vocab_size=512),
-    "olmoe": dict(n_head_kv=4, head_dim=16),
-    "glm4moe": dict(n_layer=3, n_dense_lead=1, n_rot=16, gating="sigmoid", weights_scale=2.5, qk_norm=True),
-    "deepseek2": dict(n_layer=3, n_dense_lead=1, n_expert=16, n_used=4, gating="sigmoid", weights_scale=2.5,
-                      n_group=4, n_group_used=2),
-    "gpt-oss": dict(n_layer=2, head_dim=32, expert_type="mxfp4", n_swa=4),
-    "qwen3next": dict(n_layer=4, n_rot=8, attn_interval=2), "qwen35moe": dict(n_layer=4, n_rot=8, attn_interval=2),
-}
-assert set(SPECS) == set(ARCHS)
+# q8_0 experts are not repacked on x86 (a CPU computes them from the tier's frames), gpt-oss's MXFP4 ones are (slots)
+SPECS = FAMILY_SPECS
 
 
 @pytest.fixture(scope="module")

@@ -25,24 +25,17 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import click
-from rpc_counts import _free_port, _server
-
-HERE = Path(__file__).resolve().parent
+from rpc_counts import _free_port, _server, leader_command, stop_servers
 
 
 def _side(ns: SimpleNamespace, label: str, rpc: str) -> dict:
-    common = ["--rpc", rpc, "--prompt", str(ns.prompt), "--decode", str(ns.decode), "--reps", str(ns.reps)]
     env = dict(os.environ)
-    if label == "llama.cpp":
-        cmd = [ns.llama_python, str(HERE / "_llama_rpc_worker.py"), ns.model, *common]
-    else:
-        cmd = [sys.executable, str(HERE / "bench_hosts.py"), "--side", "ours", "--model", ns.model, *common,
-               "--opt", "tensor_split=1,1"]
+    cmd = leader_command(ns, "llama.cpp" if label == "llama.cpp" else "ours", rpc, ns.reps, ns.decode)
+    if label != "llama.cpp":
         root = ns.roots[label]
         if root is not None:  # another checkout's package first on the path (no bytecode written into it)
             env["PYTHONPATH"] = str(root)
@@ -114,9 +107,7 @@ def main(**kw: object) -> None:
         for key in keys:
             print(f"| {key:20} | " + " | ".join(f"{rows[label][key]:10.3f}" for label in rows) + " |")
     finally:
-        for s in servers:
-            s.terminate()
-            s.wait()
+        stop_servers(servers)
 
 
 if __name__ == "__main__":

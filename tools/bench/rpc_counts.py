@@ -213,13 +213,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(ns: SimpleNamespace, side: str, rpc: str, reps: int, decode: int) -> list[int]:
+def leader_command(ns: SimpleNamespace, side: str, rpc: str, reps: int, decode: int) -> list[str]:
+    """The command of one leader run of part 1's workload over the workers ``rpc``: llama.cpp's client
+    (``_llama_rpc_worker.py`` under ``ns.llama_python``) or ours (bench_hosts.py's side, split 1:1). Shared by this
+    script, rpc_worker_cost.py and leader_cpu.py."""
     common = ["--rpc", rpc, "--prompt", str(ns.prompt), "--decode", str(decode), "--reps", str(reps)]
     if side == "llama.cpp":
-        cmd = [ns.llama_python, str(HERE / "_llama_rpc_worker.py"), ns.model, *common]
-    else:
-        cmd = [sys.executable, str(HERE / "bench_hosts.py"), "--side", "ours", "--model", ns.model, *common,
-               "--opt", "tensor_split=1,1"]
+        return [ns.llama_python, str(HERE / "_llama_rpc_worker.py"), ns.model, *common]
+    return [sys.executable, str(HERE / "bench_hosts.py"), "--side", "ours", "--model", ns.model, *common,
+            "--opt", "tensor_split=1,1"]
+
+
+def stop_servers(servers: list[subprocess.Popen]) -> None:
+    """Terminate the rpc-servers a run started and wait for each."""
+    for s in servers:
+        s.terminate()
+        s.wait()
+
+
+def _run(ns: SimpleNamespace, side: str, rpc: str, reps: int, decode: int) -> list[int]:
+    cmd = leader_command(ns, side, rpc, reps, decode)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     if r.returncode != 0:
         raise SystemExit(f"{side} failed: {r.stderr[-3000:]}")
@@ -283,9 +296,7 @@ def main(**kw: object) -> None:
         if ns.json_out:
             Path(ns.json_out).write_text(json.dumps({"step": step, "prompt": prompt}, indent=1) + "\n")
     finally:
-        for s in servers:
-            s.terminate()
-            s.wait()
+        stop_servers(servers)
 
 
 if __name__ == "__main__":

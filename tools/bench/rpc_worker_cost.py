@@ -319,12 +319,7 @@ def _run(ns: SimpleNamespace, side: str, rpc: str, reps: int, decode: int, pids:
     attached for its length), its tokens, and the leader's own counts (every thread)."""
     stats = [PerfStat(pid, record[i] if record else None) for i, pid in enumerate(pids)]
     out = Path(tempfile.mkstemp(prefix="rpc-worker-cost-leader-", suffix=".csv")[1])
-    common = ["--rpc", rpc, "--prompt", str(ns.prompt), "--decode", str(decode), "--reps", str(reps)]
-    if side == "llama.cpp":
-        cmd = [ns.llama_python, str(HERE / "_llama_rpc_worker.py"), ns.model, *common]
-    else:
-        cmd = [sys.executable, str(HERE / "bench_hosts.py"), "--side", "ours", "--model", ns.model, *common,
-               "--opt", "tensor_split=1,1"]
+    cmd = _rpc_counts().leader_command(ns, side, rpc, reps, decode)
     try:
         # perf attaches to the workers within a moment; the leader's first second is its import and model load,
         # which send nothing, so no step is missed
@@ -454,9 +449,7 @@ def _main(ns: SimpleNamespace, rc: ModuleType) -> None:
                                                      "phases": {f"{s} {k}": v for (s, k), v in m.times.items()}},
                                                     indent=1) + "\n")
     finally:
-        for s in servers:
-            s.terminate()
-            s.wait()
+        _rpc_counts().stop_servers(servers)
 
 
 def _normal(line: str) -> str:
